@@ -1,0 +1,210 @@
+"""`GRPOConfig`: the Trainer's `TrainingArguments` plus every grpo_hf setting (`grpo_*`, `cost_*`)."""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+
+COMPRESSION_CHOICES = ("auto", "none", "sparse", "quantize", "sparse+quantize")
+COMM_MODE_CHOICES = ("allreduce", "allgather")
+SCORE_CHOICES = ("article", "rms")
+BITS_CHOICES = ("auto", "4", "8", "16", "32")
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    r"""
+    Configuration of [`GRPOTrainer`]: every field of [`~transformers.TrainingArguments`] plus the settings of grouped
+    parameter resource optimisation (GRPO; not TRL's Group Relative Policy Optimization).
+
+    Example:
+
+    ```python
+    >>> from grpo_hf import GRPOConfig
+
+    >>> args = GRPOConfig(output_dir="out", grpo_groups="semantic", learning_rate=2e-4, max_steps=100)
+    ```
+
+    Parameters that control grouping:
+
+        grpo_groups (`str`, *optional*, defaults to `"semantic"`):
+            A preset (`"semantic"`, `"semantic+shape"`) or the path of a JSON/YAML group file (the article's
+            `{"groups": [{"name": ..., "pattern": ..., "sparsity": ...}]}` format loads as is).
+        grpo_groups_strict (`bool`, *optional*, defaults to `False`):
+            Make a rule that matches no trainable parameter an error instead of a warning.
+
+    Parameters that control importance-based learning-rate scaling:
+
+        grpo_importance (`bool`, *optional*, defaults to `True`):
+            Scale each group's learning rate by its importance multiplier.
+        grpo_importance_score (`str`, *optional*, defaults to `"rms"`):
+            `"article"`: `||grad_g||_2 * ln(update_count_g + 1)`; `"rms"`: the same with the per-element RMS of the
+            gradient instead of its norm, so that large groups do not win by size alone.
+        grpo_lr_scale_min (`float`, *optional*, defaults to `0.5`) and grpo_lr_scale_max (`float`, *optional*,
+        defaults to `2.0`):
+            Bounds of every multiplier (a group file can override them per group).
+        grpo_lr_scale_ema (`float`, *optional*, defaults to `0.9`):
+            Smoothing of the scores (EMA factor; 0 = no smoothing).
+        grpo_lr_scale_warmup_steps (`int`, *optional*, defaults to `10`):
+            Optimizer steps during which every multiplier is 1 (scores are still tracked).
+
+    Parameters that control gradient compression:
+
+        grpo_compression (`str`, *optional*, defaults to `"auto"`):
+            `"none"`, `"sparse"` (top-k, fp32 values), `"quantize"` (dense, 8/4-bit values), `"sparse+quantize"`, or
+            `"auto"`: `"sparse+quantize"` under DDP with more than one process, `"none"` otherwise.
+        grpo_density (`float`, *optional*, defaults to `0.15`):
+            Fraction of gradient entries kept (the article's top 15%%) for groups that do not set their own.
+        grpo_bits (`str`, *optional*, defaults to `"auto"`):
+            Bits per kept value: `"auto"` (4 for linear-like weights, 8 for convolutions and embeddings), or one of
+            `4`, `8`, `16`, `32` for every group that does not set its own.
+        grpo_comm_mode (`str`, *optional*, defaults to `"allreduce"`):
+            `"allreduce"` (per-rank traffic flat in the number of workers) or `"allgather"`.
+        grpo_dense_warmup_steps (`int`, *optional*, defaults to `2`):
+            Optimizer steps sent dense before compression starts (DDP rebuilds its buckets after step 1).
+        grpo_min_compress_numel (`int`, *optional*, defaults to `4096`):
+            Tensors with fewer elements (norms, biases) are always sent dense.
+
+    Parameters that control cost accounting: see [`~grpo_hf.cost.CostSettings`].
+    """
+
+    # --- grouping ---
+    grpo_groups: str = field(
+        default="semantic",
+        metadata={"help": "Group preset ('semantic', 'semantic+shape') or path to a JSON/YAML group file."},
+    )
+    grpo_groups_strict: bool = field(
+        default=False, metadata={"help": "Fail (instead of warning) when a group rule matches no trainable parameter."}
+    )
+    # --- importance-based LR scaling ---
+    grpo_importance: bool = field(
+        default=True, metadata={"help": "Scale each group's learning rate by its importance multiplier."}
+    )
+    grpo_importance_score: str = field(
+        default="rms",
+        metadata={
+            "help": "Importance score: 'article' = ||grad||_2 * ln(count + 1); 'rms' = per-element RMS * ln(count + 1).",
+            "choices": list(SCORE_CHOICES),
+        },
+    )
+    grpo_lr_scale_min: float = field(default=0.5, metadata={"help": "Lower bound of every LR multiplier."})
+    grpo_lr_scale_max: float = field(default=2.0, metadata={"help": "Upper bound of every LR multiplier."})
+    grpo_lr_scale_ema: float = field(
+        default=0.9, metadata={"help": "EMA smoothing factor of the importance scores in [0, 1); 0 = none."}
+    )
+    grpo_lr_scale_warmup_steps: int = field(
+        default=10, metadata={"help": "Optimizer steps with every multiplier at 1 before scaling starts."}
+    )
+    # --- gradient compression ---
+    grpo_compression: str = field(
+        default="auto",
+        metadata={
+            "help": "Gradient compression: 'auto' (sparse+quantize under multi-process DDP, none otherwise), 'none', "
+            "'sparse', 'quantize', 'sparse+quantize'.",
+            "choices": list(COMPRESSION_CHOICES),
+        },
+    )
+    grpo_density: float = field(
+        default=0.15, metadata={"help": "Fraction of gradient entries kept per tensor, in (0, 1] (article: 15%%)."}
+    )
+    grpo_bits: str = field(
+        default="auto",
+        metadata={
+            "help": "Bits per kept value: 'auto' (4 for linear-like, 8 for conv/embeddings) or 4, 8, 16, 32.",
+            "choices": list(BITS_CHOICES),
+        },
+    )
+    grpo_comm_mode: str = field(
+        default="allreduce",
+        metadata={
+            "help": "'allreduce': per-rank bytes flat in the number of workers; 'allgather': grows with it.",
+            "choices": list(COMM_MODE_CHOICES),
+        },
+    )
+    grpo_dense_warmup_steps: int = field(
+        default=2, metadata={"help": "Optimizer steps communicated dense before compression starts (>= 2 under DDP)."}
+    )
+    grpo_min_compress_numel: int = field(
+        default=4096, metadata={"help": "Tensors with fewer elements (norms, biases) are always sent dense."}
+    )
+    # --- cost accounting (see grpo_hf.cost.CostSettings) ---
+    cost_gpu_hour_usd: float = field(
+        default=2.0, metadata={"help": "Price of one device-hour in USD (machine-hour on CPU)."}
+    )
+    cost_energy_kwh_usd: float = field(default=0.15, metadata={"help": "Price of one kWh in USD."})
+    cost_pue: float = field(
+        default=1.4, metadata={"help": "Power usage effectiveness of the data centre (cooling = energy * (PUE - 1))."}
+    )
+    cost_device_power_watts: float | None = field(
+        default=None, metadata={"help": "Power draw used when energy cannot be measured (labelled 'estimated')."}
+    )
+    cost_link_gbps: float = field(
+        default=10.0, metadata={"help": "Link speed in Gbit/s used to project communication time."}
+    )
+    cost_num_workers: int | None = field(
+        default=None, metadata={"help": "Worker count for communication projections (default: the world size)."}
+    )
+    cost_peak_tflops: float | None = field(
+        default=None, metadata={"help": "Peak TFLOPS of the device for MFU (default: a table of known devices)."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        validate_grpo_fields(self)
+
+
+def grpo_field_names() -> list[str]:
+    """Names of the fields that `GRPOConfig` adds to `TrainingArguments`."""
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in base]
+
+
+def grpo_defaults() -> dict:
+    """Default value of every field that `GRPOConfig` adds to `TrainingArguments`."""
+    return {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in set(grpo_field_names())}
+
+
+def ensure_grpo_args(args: TrainingArguments) -> TrainingArguments:
+    """Give a plain `TrainingArguments` the GRPO defaults (in place) so that `GRPOTrainer` accepts it as is."""
+    if not isinstance(args, GRPOConfig):
+        for name, value in grpo_defaults().items():
+            if not hasattr(args, name):
+                setattr(args, name, value)
+        validate_grpo_fields(args)
+    return args
+
+
+def validate_grpo_fields(args) -> None:
+    """Check the `grpo_*` fields; each `ValueError` says what is wrong and how to fix it."""
+    if args.grpo_importance_score not in SCORE_CHOICES:
+        raise ValueError(f"grpo_importance_score={args.grpo_importance_score!r}: use one of {SCORE_CHOICES}.")
+    if not 0 < args.grpo_lr_scale_min <= 1 <= args.grpo_lr_scale_max:
+        raise ValueError(
+            f"grpo_lr_scale_min={args.grpo_lr_scale_min}, grpo_lr_scale_max={args.grpo_lr_scale_max}: the bounds must "
+            "satisfy 0 < min <= 1 <= max so that multipliers can average to 1 (e.g. 0.5 and 2.0)."
+        )
+    if not 0 <= args.grpo_lr_scale_ema < 1:
+        raise ValueError(f"grpo_lr_scale_ema={args.grpo_lr_scale_ema}: use a value in [0, 1), e.g. 0.9.")
+    if args.grpo_lr_scale_warmup_steps < 0:
+        raise ValueError(f"grpo_lr_scale_warmup_steps={args.grpo_lr_scale_warmup_steps}: use 0 or more.")
+    if args.grpo_compression not in COMPRESSION_CHOICES:
+        raise ValueError(f"grpo_compression={args.grpo_compression!r}: use one of {COMPRESSION_CHOICES}.")
+    if not 0 < args.grpo_density <= 1:
+        raise ValueError(
+            f"grpo_density={args.grpo_density}: the density is the kept fraction of gradient entries and must lie in "
+            "(0, 1], e.g. 0.15 to keep the top 15%."
+        )
+    if str(args.grpo_bits) not in BITS_CHOICES:
+        raise ValueError(f"grpo_bits={args.grpo_bits!r}: use one of {BITS_CHOICES}.")
+    if args.grpo_comm_mode not in COMM_MODE_CHOICES:
+        raise ValueError(f"grpo_comm_mode={args.grpo_comm_mode!r}: use one of {COMM_MODE_CHOICES}.")
+    if args.grpo_dense_warmup_steps < 0:
+        raise ValueError(f"grpo_dense_warmup_steps={args.grpo_dense_warmup_steps}: use 0 or more (2 under DDP).")
+    if args.grpo_min_compress_numel < 0:
+        raise ValueError(f"grpo_min_compress_numel={args.grpo_min_compress_numel}: use 0 or more.")
+    if args.cost_pue < 1:
+        raise ValueError(f"cost_pue={args.cost_pue}: a PUE below 1 is impossible; 1.0 means no cooling overhead.")
+    for name in ("cost_gpu_hour_usd", "cost_energy_kwh_usd", "cost_link_gbps"):
+        if getattr(args, name) < 0 or (name == "cost_link_gbps" and getattr(args, name) == 0):
+            raise ValueError(f"{name}={getattr(args, name)}: use a positive value.")

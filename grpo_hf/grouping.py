@@ -1,0 +1,333 @@
+"""Semantic grouping of parameters: ordered regex rules, presets, group files, and the model -> groups assignment.
+
+A rule is tried with `re.search` on the full parameter name (PEFT and wrapper prefixes included); rules are tried
+in order and the first match wins; trainable parameters that no rule matches land in the `default` group. Frozen
+parameters are never grouped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GROUP = "default"
+SUPPORTED_BITS = (4, 8, 16, 32)
+RULE_KEYS = {"name", "pattern", "density", "sparsity", "bits", "lr_scale_min", "lr_scale_max", "importance"}
+FILE_KEYS = {"groups", "split_by_shape"}
+
+
+class GroupConfigError(ValueError):
+    """A group file or rule is invalid; the message names the file, the rule and the fix."""
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    r"""
+    One grouping rule.
+
+    Args:
+        name (`str`):
+            Group name (unique), used in optimizer param groups and metric keys (`grpo/lr_scale/<name>`).
+        pattern (`str`):
+            Regular expression searched (`re.search`) in each full parameter name.
+        density (`float`, *optional*):
+            Fraction of gradient entries kept when compressing, in (0, 1]. `None` uses `grpo_density`.
+        bits (`int`, *optional*):
+            Bits per kept value (4, 8, 16 or 32). `None` picks by module type (see [`default_bits`]).
+        lr_scale_min (`float`, *optional*), lr_scale_max (`float`, *optional*):
+            Bounds of this group's LR multiplier. `None` uses `grpo_lr_scale_min` / `grpo_lr_scale_max`.
+        importance (`bool`, *optional*, defaults to `True`):
+            Whether importance scaling applies; `False` pins the multiplier to 1.
+    """
+
+    name: str
+    pattern: str
+    density: float | None = None
+    bits: int | None = None
+    lr_scale_min: float | None = None
+    lr_scale_max: float | None = None
+    importance: bool = True
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What `grpo_groups` resolved to: ordered rules, whether to split by shape, and where they came from."""
+
+    rules: tuple[GroupRule, ...]
+    split_by_shape: bool = False
+    source: str = "<rules>"
+    report_unused: bool = True  # presets cover many architectures: their unused rules are expected
+
+
+@dataclass
+class ParameterGroup:
+    """The trainable parameters one rule collected, with the settings that apply to them."""
+
+    name: str
+    rule: GroupRule
+    param_names: list[str] = field(default_factory=list)
+    params: list[nn.Parameter] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+# Name fragments of the architectures we test against (Llama/Mistral/Qwen, GPT-2, BERT, T5) and their PEFT wrappers.
+_ATTN_QKV = r"(c_attn|qkv_proj|query_key_value|Wqkv|\.qkv\b)"
+_ATTN_QK = r"(q_proj|k_proj|\.query\b|\.key\b|Attention\.[qk]\b)"
+_ATTN_VO = r"(v_proj|o_proj|out_proj|\.value\b|attention\.output\.dense|attn\.c_proj|Attention\.[vo]\b)"
+_FFN = (
+    r"(mlp|gate_proj|up_proj|down_proj|intermediate|\.output\.dense|DenseReluDense|\.wi\b|\.wi_\d|\.wo\b|fc1|fc2|ffn)"
+)
+_NORM = r"(norm|ln_\d|ln_f|LayerNorm)"
+_EMBED = r"(embed_tokens|\bwte\b|\bwpe\b|embeddings|\bshared\b|lm_head|embed_positions|relative_attention_bias)"
+_HEAD = r"(classifier|\bscore\b|pooler|qa_outputs)"
+
+
+def _semantic_rules() -> list[GroupRule]:
+    kinds = [("attn_qkv", _ATTN_QKV), ("attn_qk", _ATTN_QK), ("attn_vo", _ATTN_VO), ("ffn", _FFN)]
+    rules = []
+    for ab in ("A", "B"):  # LoRA matrices keep their layer kind: q_proj.lora_A goes to attn_qk.lora_A
+        rules += [GroupRule(f"{kind}.lora_{ab}", rf"{pattern}.*\.lora_{ab}\.") for kind, pattern in kinds]
+    rules += [
+        GroupRule("lora_A", r"\.lora_(embedding_)?A\b"),
+        GroupRule("lora_B", r"\.lora_(embedding_)?B\b"),
+        GroupRule("embeddings", _EMBED),
+        GroupRule("norms", _NORM),
+        *[GroupRule(kind, pattern) for kind, pattern in kinds],
+        GroupRule("head", _HEAD),
+    ]
+    return rules
+
+
+PRESETS = {"semantic": _semantic_rules, "semantic+shape": _semantic_rules}
+
+
+def shape_kind(param: torch.Tensor) -> str:
+    """The article's compute grouping: `"vector"` (1-D), `"square"` (2-D n x n) or `"rect"` (anything else)."""
+    if param.dim() <= 1:
+        return "vector"
+    if param.dim() == 2 and param.shape[0] == param.shape[1]:
+        return "square"
+    return "rect"
+
+
+def validate_rule(rule: GroupRule, where: str = "") -> GroupRule:
+    """Check one rule; raise `GroupConfigError` naming `where` (file and rule) and the fix."""
+    at = f"{where}group {rule.name!r}: "
+    if not rule.name or not isinstance(rule.name, str):
+        raise GroupConfigError(f"{where}every group needs a non-empty string 'name'.")
+    try:
+        re.compile(rule.pattern)
+    except (re.error, TypeError) as err:
+        raise GroupConfigError(
+            f"{at}invalid regular expression {rule.pattern!r} ({err}). Fix the 'pattern' (it is used with re.search "
+            "on full parameter names such as 'model.layers.0.self_attn.q_proj.weight'; escape literal dots as '\\.')."
+        ) from None
+    if rule.density is not None and not (isinstance(rule.density, (int, float)) and 0 < rule.density <= 1):
+        raise GroupConfigError(
+            f"{at}density/sparsity={rule.density!r} is outside (0, 1]. It is the kept fraction of gradient entries: "
+            "use e.g. 0.15 to keep the top 15%."
+        )
+    if rule.bits is not None and rule.bits not in SUPPORTED_BITS:
+        raise GroupConfigError(f"{at}bits={rule.bits!r} is not supported; use one of {SUPPORTED_BITS}.")
+    lo, hi = rule.lr_scale_min, rule.lr_scale_max
+    if (lo is not None and not lo > 0) or (hi is not None and not hi > 0) or (lo and hi and lo > hi):
+        raise GroupConfigError(f"{at}lr_scale_min={lo}, lr_scale_max={hi}: use positive bounds with min <= max.")
+    return rule
+
+
+def _rule_from_dict(entry: dict, where: str) -> GroupRule:
+    if not isinstance(entry, dict):
+        raise GroupConfigError(f"{where}each entry of 'groups' must be an object with 'name' and 'pattern'.")
+    name = entry.get("name")
+    label = f"{where}group {name!r}: " if name else where
+    unknown = set(entry) - RULE_KEYS
+    if unknown:
+        raise GroupConfigError(f"{label}unknown key(s) {sorted(unknown)}; allowed keys are {sorted(RULE_KEYS)}.")
+    for key in ("name", "pattern"):
+        if key not in entry:
+            raise GroupConfigError(f"{label}missing required key '{key}'.")
+    if "density" in entry and "sparsity" in entry:
+        raise GroupConfigError(
+            f"{label}gives both 'density' and 'sparsity'. They are the same setting (the kept fraction, as in the "
+            "article's apply_sparsity): keep one."
+        )
+    values = {k: v for k, v in entry.items() if k != "sparsity"}
+    if "sparsity" in entry:
+        values["density"] = entry["sparsity"]
+    return validate_rule(GroupRule(**values), where)
+
+
+def parse_group_config(config: dict, source: str = "<dict>") -> GroupSpec:
+    """Parse the group-file format `{"groups": [...], "split_by_shape": bool}`."""
+    where = f"{source}: "
+    if not isinstance(config, dict) or "groups" not in config or not isinstance(config["groups"], list):
+        raise GroupConfigError(f"{where}expected an object with a 'groups' list, as in the article's example.")
+    unknown = set(config) - FILE_KEYS
+    if unknown:
+        raise GroupConfigError(f"{where}unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(FILE_KEYS)}.")
+    rules = [_rule_from_dict(entry, where) for entry in config["groups"]]
+    names = [r.name for r in rules]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise GroupConfigError(f"{where}duplicate group name(s) {duplicates}: give every group a unique name.")
+    if DEFAULT_GROUP in names:
+        raise GroupConfigError(f"{where}'{DEFAULT_GROUP}' is reserved for unmatched parameters: rename that group.")
+    return GroupSpec(tuple(rules), bool(config.get("split_by_shape", False)), source)
+
+
+def load_group_spec(spec: str | dict | list | GroupSpec) -> GroupSpec:
+    """
+    Resolve `grpo_groups` into a [`GroupSpec`].
+
+    Args:
+        spec (`str`, `dict` or `list`):
+            A preset name (`"semantic"`, `"semantic+shape"`), the path of a `.json`/`.yaml`/`.yml` group file, a
+            dict in the group-file format, or a list of [`GroupRule`].
+    """
+    if isinstance(spec, GroupSpec):
+        return spec
+    if isinstance(spec, list):
+        return GroupSpec(tuple(validate_rule(r) for r in spec))
+    if isinstance(spec, dict):
+        return parse_group_config(spec)
+    if spec in PRESETS:
+        return GroupSpec(tuple(PRESETS[spec]()), spec.endswith("+shape"), spec, report_unused=False)
+    path = Path(spec)
+    if not path.is_file():
+        raise GroupConfigError(
+            f"grpo_groups={spec!r} is neither a preset ({sorted(PRESETS)}) nor an existing group file. Pass a preset "
+            "name or the path of a JSON/YAML file."
+        )
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            config = yaml.safe_load(text)
+        else:
+            config = json.loads(text)
+    except (json.JSONDecodeError, ValueError) as err:
+        raise GroupConfigError(f"{path}: cannot parse the group file ({err}).") from None
+    return parse_group_config(config, str(path))
+
+
+def assign_groups(model: nn.Module, spec: GroupSpec, strict: bool = False) -> list[ParameterGroup]:
+    """
+    Assign every trainable parameter of `model` to a group.
+
+    Returns the non-empty groups in rule order (the `default` group last). A rule of a group file that matches no
+    trainable parameter is logged as a warning, or raises `GroupConfigError` when `strict`.
+    """
+    rules = spec.rules
+    compiled = [(rule, re.compile(rule.pattern)) for rule in rules]
+    default_rule = GroupRule(DEFAULT_GROUP, ".*")
+    groups: dict[str, ParameterGroup] = {}
+    matched = set()
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        rule = next((r for r, regex in compiled if regex.search(name)), default_rule)
+        matched.add(rule.name)
+        key = f"{rule.name}/{shape_kind(param)}" if spec.split_by_shape else rule.name
+        group = groups.setdefault(key, ParameterGroup(key, rule))
+        group.param_names.append(name)
+        group.params.append(param)
+    unused = [r for r in rules if r.name not in matched]
+    if unused and spec.report_unused:
+        message = (
+            f"{spec.source}: group rule(s) matched no trainable parameter: "
+            + ", ".join(f"{r.name!r} (pattern {r.pattern!r})" for r in unused)
+            + ". Check the pattern against `grpo-hf groups <model>`"
+        )
+        if strict:
+            raise GroupConfigError(message + ", or turn off grpo_groups_strict.")
+        logger.warning(message + ".")
+    if not groups:
+        raise GroupConfigError("the model has no trainable parameter to group (all have requires_grad=False).")
+    order = {r.name: i for i, r in enumerate(rules)}
+    return sorted(groups.values(), key=lambda g: (order.get(g.rule.name, len(rules)), g.name))
+
+
+def default_bits(module: nn.Module | None) -> int:
+    """The article's layered quantization: 4 bits for linear-like weights, 8 for convolutions and embeddings."""
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)):
+        return 8
+    return 4
+
+
+def parameter_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Map each parameter name to the module that owns it."""
+    owners = {}
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            owners[f"{module_name}.{param_name}" if module_name else param_name] = module
+    return owners
+
+
+def resolve_compression(
+    model: nn.Module, groups: list[ParameterGroup], density: float, bits: str | int, min_numel: int
+) -> dict[str, tuple[float, int]]:
+    """
+    The (density, bits) each trainable parameter is sent with: the group's own values, else the config's, with bits
+    `"auto"` chosen by module type; tensors below `min_numel` elements are sent dense (1.0, 32).
+    """
+    owners = parameter_modules(model)
+    settings = {}
+    for group in groups:
+        for name, param in zip(group.param_names, group.params):
+            if param.numel() < min_numel:
+                settings[name] = (1.0, 32)
+                continue
+            group_bits = group.rule.bits or (default_bits(owners.get(name)) if str(bits) == "auto" else int(bits))
+            settings[name] = (group.rule.density or density, group_bits)
+    return settings
+
+
+def group_table(groups: list[ParameterGroup], settings: dict[str, tuple[float, int]] | None = None) -> list[dict]:
+    """One row per group: name, rule, #tensors, #parameters, share of parameters, density and bits."""
+    total = sum(g.numel for g in groups) or 1
+    rows = []
+    for group in groups:
+        densities = sorted({settings[n][0] for n in group.param_names}) if settings else [group.rule.density]
+        bits = sorted({settings[n][1] for n in group.param_names}) if settings else [group.rule.bits]
+        rows.append(
+            {
+                "group": group.name,
+                "rule": group.rule.pattern,
+                "tensors": len(group.params),
+                "parameters": group.numel,
+                "share": group.numel / total,
+                "density": "/".join("-" if d is None else f"{d:g}" for d in densities),
+                "bits": "/".join("-" if b is None else str(b) for b in bits),
+            }
+        )
+    return rows
+
+
+__all__ = [
+    "DEFAULT_GROUP",
+    "PRESETS",
+    "GroupConfigError",
+    "GroupRule",
+    "GroupSpec",
+    "ParameterGroup",
+    "assign_groups",
+    "default_bits",
+    "group_table",
+    "load_group_spec",
+    "parse_group_config",
+    "resolve_compression",
+    "shape_kind",
+]

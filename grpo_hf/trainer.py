@@ -1,0 +1,177 @@
+"""`GRPOMixin` (in front of any `transformers.Trainer` subclass) and `GRPOTrainer`: the wiring, no math."""
+
+import logging
+
+from transformers import Trainer
+from transformers.trainer_utils import get_last_checkpoint
+
+from .callbacks import GRPOCallback
+from .config import ensure_grpo_args
+from .grouping import assign_groups, load_group_spec, resolve_compression
+from .importance import ImportanceState
+
+
+logger = logging.getLogger(__name__)
+
+
+class GRPOMixin:
+    r"""
+    Grouped parameter resource optimisation for any [`~transformers.Trainer`] subclass.
+
+    Put it first among the bases so that its overrides run and then defer to the trainer with `super()`:
+
+    ```python
+    >>> from trl import SFTTrainer
+    >>> from grpo_hf import GRPOMixin
+
+    >>> class GRPOSFTTrainer(GRPOMixin, SFTTrainer):
+    ...     pass
+    ```
+
+    What it adds (settings in [`GRPOConfig`]; a plain [`~transformers.TrainingArguments`] gets the GRPO defaults):
+
+    - **Semantic groups**: trainable parameters are grouped by `grpo_groups` at construction time, so that a bad group
+      file fails before any work is done. `create_optimizer` builds one optimizer param group per semantic group and
+      weight-decay flag (keys `grpo_group` and `param_names`), from the optimizer chosen in `TrainingArguments`.
+    - **Importance-scaled learning rates**: [`GRPOCallback`] multiplies each group's scheduled LR by its multiplier
+      for the optimizer step only.
+    - **Metrics**: `grpo/*` keys are averaged over each logging window and added to the Trainer's logs, so every
+      `report_to` integration receives them.
+    - **Checkpoints**: every checkpoint holds `grpo_state_rank<r>.pt`; `train(resume_from_checkpoint=...)` restores it.
+
+    Not supported: FSDP and DeepSpeed (refused at construction with what to do instead).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        ensure_grpo_args(self.args)
+        self._refuse_unsupported_backends()
+        spec = load_group_spec(self.args.grpo_groups)
+        self.grpo_groups = assign_groups(self.model, spec, strict=self.args.grpo_groups_strict)
+        self.grpo_compression_settings = resolve_compression(
+            self.model,
+            self.grpo_groups,
+            self.args.grpo_density,
+            self.args.grpo_bits,
+            self.args.grpo_min_compress_numel,
+        )
+        lo, hi = self.args.grpo_lr_scale_min, self.args.grpo_lr_scale_max
+        importance = ImportanceState(
+            names=[g.name for g in self.grpo_groups],
+            numels=[g.numel for g in self.grpo_groups],
+            lower=[g.rule.lr_scale_min or lo for g in self.grpo_groups],
+            upper=[g.rule.lr_scale_max or hi for g in self.grpo_groups],
+            scaled=[g.rule.importance for g in self.grpo_groups],
+            kind=self.args.grpo_importance_score,
+            ema=self.args.grpo_lr_scale_ema,
+            warmup_steps=self.args.grpo_lr_scale_warmup_steps,
+        )
+        self.grpo_callback = GRPOCallback(self.grpo_groups, importance, apply_multipliers=self.args.grpo_importance)
+        self.add_callback(self.grpo_callback)
+        if self.optimizer is not None:  # optimizers=(opt, sched) given by the user
+            self._tag_user_optimizer(self.optimizer)
+
+    # --- construction-time checks ---
+    def _refuse_unsupported_backends(self) -> None:
+        backend = "FSDP" if getattr(self, "is_fsdp_enabled", False) else None
+        backend = "DeepSpeed" if getattr(self, "is_deepspeed_enabled", False) else backend
+        if backend:
+            raise ValueError(
+                f"GRPOTrainer does not support {backend}: its sharded parameters and gradients bypass GRPO's groups and "
+                "DDP communication hook. Train with DDP (`torchrun` or `accelerate launch --multi_gpu`) or use the "
+                f"plain transformers Trainer for {backend} runs."
+            )
+
+    def _tag_user_optimizer(self, optimizer) -> None:
+        """Map each param group of a user-supplied optimizer to the one GRPO group that holds all its parameters."""
+        owner = {id(p): g.name for g in self.grpo_groups for p in g.params}
+        for index, param_group in enumerate(optimizer.param_groups):
+            names = {owner.get(id(p)) for p in param_group["params"] if p.requires_grad}
+            names.discard(None)
+            if len(names) == 1:
+                param_group["grpo_group"] = names.pop()
+            elif len(names) > 1 and self.args.grpo_importance:
+                raise ValueError(
+                    f"optimizer param group {index} mixes parameters of the GRPO groups {sorted(names)}, so one "
+                    "learning rate cannot follow each group's importance. Let GRPOTrainer build the optimizer (drop "
+                    "`optimizers=`, choose it with `optim=` in the arguments), split your param groups along GRPO "
+                    "groups (see `trainer.grpo_groups`), or set grpo_importance=False."
+                )
+
+    # --- Trainer overrides ---
+    def create_optimizer(self, model=None):
+        """Build the optimizer chosen in the arguments with one param group per GRPO group and weight-decay flag."""
+        opt_model = self.model if model is None else model
+        if self.optimizer is not None:
+            return self.optimizer
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        builds_own_groups = {"params", "model", "optimizer_dict"} & set(optimizer_kwargs)
+        if builds_own_groups or not isinstance(optimizer_cls, type):
+            if self.args.grpo_importance:
+                raise ValueError(
+                    f"optim={self.args.optim} builds its own parameter groups, so GRPO cannot give each semantic group "
+                    "its own learning rate. Choose another optimizer (e.g. adamw_torch) or set grpo_importance=False."
+                )
+            return super().create_optimizer(model)
+        decay = set(self.get_decay_parameter_names(opt_model))
+        param_groups = []
+        for group in self.grpo_groups:
+            for decayed in (True, False):
+                pairs = [(n, p) for n, p in zip(group.param_names, group.params) if (n in decay) == decayed]
+                if pairs:
+                    param_groups.append(
+                        {
+                            "params": [p for _, p in pairs],
+                            "param_names": [n for n, _ in pairs],
+                            "weight_decay": self.args.weight_decay if decayed else 0.0,
+                            "grpo_group": group.name,
+                        }
+                    )
+        self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
+        return self.optimizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:
+            self.grpo_callback.mark_backward_end()
+        return loss
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """Add the averaged `grpo/*` metrics of the window to training logs, then log as the Trainer does."""
+        if "loss" in logs:
+            logs.update(self.grpo_callback.pop_metrics())
+        super().log(logs, *args, **kwargs)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """[`~transformers.Trainer.train`], restoring the GRPO state of the checkpoint it resumes from."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        if resume_from_checkpoint:
+            self.grpo_callback.load_checkpoint(resume_from_checkpoint, self.args.process_index)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+class GRPOTrainer(GRPOMixin, Trainer):
+    r"""
+    A drop-in [`~transformers.Trainer`] with grouped parameter resource optimisation (see [`GRPOMixin`]).
+
+    Not TRL's `GRPOTrainer` (Group Relative Policy Optimization): import it as `from grpo_hf import GRPOTrainer`.
+
+    Example:
+
+    ```python
+    >>> from grpo_hf import GRPOConfig, GRPOTrainer
+
+    >>> args = GRPOConfig(output_dir="out", grpo_groups="semantic", learning_rate=2e-4, max_steps=100)
+    >>> trainer = GRPOTrainer(model=model, args=args, train_dataset=train, eval_dataset=val, processing_class=tok)
+    >>> trainer.train()
+    ```
+    """
+
+
+__all__ = ["GRPOMixin", "GRPOTrainer"]
