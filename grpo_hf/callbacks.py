@@ -2,6 +2,7 @@
 
 import logging
 import os
+import pickle
 import time
 from collections import defaultdict, deque
 
@@ -158,7 +159,7 @@ class GRPOCallback(TrainerCallback):
             return False
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, OSError, ValueError) as err:
+        except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
             raise ValueError(
                 f"cannot read the GRPO state {path} ({err}). The checkpoint is corrupt: resume from an earlier "
                 "checkpoint, or delete the file to resume with fresh GRPO state."

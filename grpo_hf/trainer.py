@@ -2,16 +2,28 @@
 
 import logging
 
+from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from .callbacks import GRPOCallback
+from .compression.hook import GRPOCommState, compress_locally, grpo_comm_hook
 from .config import ensure_grpo_args
 from .grouping import assign_groups, load_group_spec, resolve_compression
 from .importance import ImportanceState
 
 
 logger = logging.getLogger(__name__)
+
+
+def _refuse_unsupported_backends(fsdp: bool, deepspeed: bool) -> None:
+    backend = "DeepSpeed" if deepspeed else "FSDP" if fsdp else None
+    if backend:
+        raise ValueError(
+            f"GRPOTrainer does not support {backend}: its sharded parameters and gradients bypass GRPO's groups and "
+            "DDP communication hook. Train with DDP (`torchrun` or `accelerate launch --multi_gpu`) or use the plain "
+            f"transformers Trainer for {backend} runs."
+        )
 
 
 class GRPOMixin:
@@ -43,9 +55,12 @@ class GRPOMixin:
     """
 
     def __init__(self, *args, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:  # refuse before Accelerate sets up the backend
+            _refuse_unsupported_backends(bool(training_args.fsdp), bool(training_args.deepspeed))
         super().__init__(*args, **kwargs)
         ensure_grpo_args(self.args)
-        self._refuse_unsupported_backends()
+        _refuse_unsupported_backends(self.is_fsdp_enabled, self.is_deepspeed_enabled)
         spec = load_group_spec(self.args.grpo_groups)
         self.grpo_groups = assign_groups(self.model, spec, strict=self.args.grpo_groups_strict)
         self.grpo_compression_settings = resolve_compression(
@@ -68,19 +83,29 @@ class GRPOMixin:
         )
         self.grpo_callback = GRPOCallback(self.grpo_groups, importance, apply_multipliers=self.args.grpo_importance)
         self.add_callback(self.grpo_callback)
+        self.grpo_compression = self._resolve_compression()
+        self.grpo_comm_state = None
+        if self.grpo_compression != "none":
+            self.grpo_comm_state = GRPOCommState(
+                self.grpo_compression_settings,
+                mode=self.args.grpo_comm_mode,
+                sparse="sparse" in self.grpo_compression,
+                quantize="quantize" in self.grpo_compression,
+                dense_warmup_steps=self.args.grpo_dense_warmup_steps,
+            )
+            self.grpo_callback.comm_state = self.grpo_comm_state
+        self._grpo_hooked_models: set[int] = set()
         if self.optimizer is not None:  # optimizers=(opt, sched) given by the user
             self._tag_user_optimizer(self.optimizer)
 
     # --- construction-time checks ---
-    def _refuse_unsupported_backends(self) -> None:
-        backend = "FSDP" if getattr(self, "is_fsdp_enabled", False) else None
-        backend = "DeepSpeed" if getattr(self, "is_deepspeed_enabled", False) else backend
-        if backend:
-            raise ValueError(
-                f"GRPOTrainer does not support {backend}: its sharded parameters and gradients bypass GRPO's groups and "
-                "DDP communication hook. Train with DDP (`torchrun` or `accelerate launch --multi_gpu`) or use the "
-                f"plain transformers Trainer for {backend} runs."
-            )
+    def _resolve_compression(self) -> str:
+        """`grpo_compression` with `"auto"` resolved: compressed under multi-process DDP, off otherwise."""
+        distributed_type = self.accelerator.distributed_type
+        distributed = self.accelerator.num_processes > 1 and distributed_type.value.startswith("MULTI_")
+        if self.args.grpo_compression == "auto":
+            return "sparse+quantize" if distributed else "none"
+        return self.args.grpo_compression
 
     def _tag_user_optimizer(self, optimizer) -> None:
         """Map each param group of a user-supplied optimizer to the one GRPO group that holds all its parameters."""
@@ -134,8 +159,16 @@ class GRPOMixin:
         return self.optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        """Register the compression hook on the DDP model before its first backward, then train as usual."""
+        if self.grpo_comm_state is not None and id(model) not in self._grpo_hooked_models:
+            self.grpo_comm_state.bind(self.model)
+            if isinstance(model, DistributedDataParallel):  # `model` is the wrapper Accelerate built
+                model.register_comm_hook(self.grpo_comm_state, grpo_comm_hook)
+            self._grpo_hooked_models.add(id(model))
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.accelerator.sync_gradients:
+            if self.grpo_comm_state is not None and not isinstance(model, DistributedDataParallel):
+                compress_locally(self.grpo_comm_state, self.model)  # the article's sparse updates on one process
             self.grpo_callback.mark_backward_end()
         return loss
 
@@ -143,6 +176,8 @@ class GRPOMixin:
         """Add the averaged `grpo/*` metrics of the window to training logs, then log as the Trainer does."""
         if "loss" in logs:
             logs.update(self.grpo_callback.pop_metrics())
+            if self.grpo_comm_state is not None:
+                logs.update(self.grpo_comm_state.pop_stats())
         super().log(logs, *args, **kwargs)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):

@@ -1,0 +1,216 @@
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from grpo_hf import GRPOConfig, GRPOMixin, GRPOTrainer, GroupConfigError
+from grpo_hf.callbacks import STATE_FILE
+
+
+VOCAB = 96
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
+def token_dataset(rows=64, length=24, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    # a learnable sequence: each token is the previous one plus a small random step
+    starts = torch.randint(0, VOCAB, (rows, 1), generator=generator)
+    steps = torch.randint(1, 3, (rows, length - 1), generator=generator)
+    ids = torch.cat([starts, starts + steps.cumsum(1)], dim=1) % VOCAB
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+
+def make_args(tmp_path, cls=GRPOConfig, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"), max_steps=12, per_device_train_batch_size=8, learning_rate=3e-3,
+        logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+        lr_scheduler_type="linear",
+    )
+    values.update(overrides)
+    if cls is GRPOConfig:
+        values.setdefault("grpo_lr_scale_warmup_steps", 2)
+    return cls(**values)
+
+
+def train_logs(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trains_logs_multipliers_and_changes_every_parameter(tmp_path):
+    model = tiny_llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = GRPOTrainer(model=model, args=make_args(tmp_path), train_dataset=token_dataset())
+    trainer.train()
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters()), "a parameter did not change"
+    logs = train_logs(trainer)
+    assert logs[-1]["loss"] < logs[0]["loss"]
+    names = [g.name for g in trainer.grpo_groups]
+    numels = {g.name: g.numel for g in trainer.grpo_groups}
+    last = logs[-1]
+    scales = {n: last[f"grpo/lr_scale/{n}"] for n in names}
+    assert len(set(scales.values())) > 1, "multipliers should differ between groups"
+    weighted_mean = sum(scales[n] * numels[n] for n in names) / sum(numels.values())
+    assert weighted_mean == pytest.approx(1.0, abs=1e-9)
+    assert all(logs[0][f"grpo/lr_scale/{n}"] == 1.0 for n in names)  # warm-up
+    for key in ("grpo/load_balance_std", "grpo/update_latency_p99_ms", f"grpo/update_count/{names[0]}"):
+        assert key in last
+    assert last[f"grpo/update_count/{names[0]}"] == 12
+
+
+def test_multipliers_compose_with_scheduler_without_compounding(tmp_path):
+    trainer = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path), train_dataset=token_dataset())
+    trainer.train()
+    for log in train_logs(trainer):
+        for group in trainer.grpo_groups:
+            expected = log["learning_rate"] * log[f"grpo/lr_scale/{group.name}"]
+            assert log[f"grpo/lr/{group.name}"] == pytest.approx(expected, rel=1e-12)
+    # after training every param group holds the scheduler's value again, never a multiplied one
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == trainer.lr_scheduler.get_last_lr()
+    assert {g["grpo_group"] for g in trainer.optimizer.param_groups} == {g.name for g in trainer.grpo_groups}
+
+
+def test_importance_off_matches_plain_trainer(tmp_path):
+    plain = Trainer(model=tiny_llama(), args=make_args(tmp_path, TrainingArguments), train_dataset=token_dataset())
+    plain.train()
+    grpo = GRPOTrainer(
+        model=tiny_llama(), args=make_args(tmp_path, grpo_importance=False), train_dataset=token_dataset()
+    )
+    grpo.train()
+    for (name, p), q in zip(plain.model.named_parameters(), grpo.model.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
+
+
+def test_plain_training_arguments_get_grpo_defaults(tmp_path):
+    trainer = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path, TrainingArguments), train_dataset=token_dataset())
+    assert trainer.args.grpo_groups == "semantic" and trainer.args.grpo_importance
+    trainer.train()
+    assert "grpo/lr_scale/ffn" in train_logs(trainer)[-1]
+
+
+def test_resume_is_bit_identical(tmp_path):
+    args = dict(max_steps=8, save_strategy="steps", save_steps=4)
+    straight = GRPOTrainer(
+        model=tiny_llama(), args=make_args(tmp_path / "a", **args), train_dataset=token_dataset()
+    )
+    straight.train()
+    checkpoint = tmp_path / "b" / "out" / "checkpoint-4"
+    first = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path / "b", **args), train_dataset=token_dataset())
+    first.train()
+    assert (checkpoint / STATE_FILE.format(rank=0)).is_file()
+    resumed = GRPOTrainer(model=tiny_llama(1), args=make_args(tmp_path / "b", **args), train_dataset=token_dataset())
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.grpo_callback.importance.steps == 8
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+    assert torch.equal(straight.grpo_callback.importance.smoothed, resumed.grpo_callback.importance.smoothed)
+
+
+def test_corrupt_grpo_state_is_refused_before_training(tmp_path):
+    args = make_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset()).train()
+    state_file = tmp_path / "out" / "checkpoint-2" / STATE_FILE.format(rank=0)
+    state_file.write_bytes(b"not a torch file")
+    trainer = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path, max_steps=4), train_dataset=token_dataset())
+    with pytest.raises(ValueError, match="corrupt"):
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 0
+
+
+def test_lora_model(tmp_path):
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules="all-linear"))
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer = GRPOTrainer(model=model, args=make_args(tmp_path, max_steps=6), train_dataset=token_dataset())
+    trainer.train()
+    assert {g.name for g in trainer.grpo_groups} >= {"attn_qk.lora_A", "ffn.lora_B"}
+    changed = [not torch.equal(trainable[n], p) for n, p in model.named_parameters() if p.requires_grad]
+    assert all(changed)
+    assert "grpo/lr_scale/ffn.lora_B" in train_logs(trainer)[-1]
+
+
+def test_gradient_accumulation_and_bf16(tmp_path):
+    args = make_args(tmp_path, max_steps=4, gradient_accumulation_steps=2, bf16=True)
+    trainer = GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
+    trainer.train()
+    assert trainer.grpo_callback.importance.steps == 4
+    assert all(math.isfinite(log["loss"]) for log in train_logs(trainer))
+
+
+def test_user_optimizer_is_mapped_or_refused(tmp_path):
+    model = tiny_llama()
+    groups = {}
+    for name, p in model.named_parameters():
+        groups.setdefault("mlp" if ".mlp." in name else "other", []).append(p)
+    mixed = torch.optim.AdamW([{"params": groups["mlp"]}, {"params": groups["other"]}], lr=1e-3)
+    with pytest.raises(ValueError, match="mixes parameters of the GRPO groups"):
+        GRPOTrainer(model=model, args=make_args(tmp_path), train_dataset=token_dataset(), optimizers=(mixed, None))
+    optimizer = torch.optim.AdamW([{"params": groups["mlp"]}, {"params": groups["other"]}], lr=1e-3)
+    trainer = GRPOTrainer(
+        model=model, args=make_args(tmp_path, grpo_importance=False), train_dataset=token_dataset(),
+        optimizers=(optimizer, None),
+    )
+    assert trainer.optimizer.param_groups[0]["grpo_group"] == "ffn"
+    trainer.train()
+
+
+def test_sgd_optimizer_from_arguments(tmp_path):
+    trainer = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path, optim="sgd", max_steps=3), train_dataset=token_dataset())
+    trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, torch.optim.SGD)
+
+
+def test_bad_config_fails_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match=r"grpo_density=2.*\(0, 1\]"):
+        make_args(tmp_path, grpo_density=2.0)
+    with pytest.raises(ValueError, match="0 < min <= 1 <= max"):
+        make_args(tmp_path, grpo_lr_scale_min=1.5)
+    bad = tmp_path / "groups.json"
+    bad.write_text('{"groups": [{"name": "qk", "pattern": "q_proj("}]}')
+    with pytest.raises(GroupConfigError, match="invalid regular expression"):
+        GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path, grpo_groups=str(bad)), train_dataset=token_dataset())
+
+
+def test_fsdp_and_deepspeed_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="does not support FSDP"):
+        GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path, fsdp=True), train_dataset=token_dataset())
+    args = make_args(tmp_path)
+    args.deepspeed = {"zero_optimization": {"stage": 2}}  # set after validation: no DeepSpeed install needed
+    with pytest.raises(ValueError, match="does not support DeepSpeed"):
+        GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
+
+
+def test_mixin_in_front_of_trl_sft_trainer(tmp_path):
+    trl = pytest.importorskip("trl")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(VOCAB - 3)]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    texts = [" ".join(words[(i + j) % len(words)] for j in range(12)) for i in range(32)]
+
+    class GRPOSFTTrainer(GRPOMixin, trl.SFTTrainer):
+        pass
+
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "sft"), max_steps=4, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+        logging_steps=1, save_strategy="no", disable_tqdm=True, max_length=16,
+    )
+    trainer = GRPOSFTTrainer(
+        model=tiny_llama(), args=args, train_dataset=Dataset.from_dict({"text": texts}), processing_class=tokenizer
+    )
+    trainer.train()
+    assert trainer.grpo_callback.importance.steps == 4
+    assert "grpo/lr_scale/ffn" in train_logs(trainer)[-1]
