@@ -1,0 +1,476 @@
+import math
+
+import pytest
+import torch
+
+from grpo_hf.compression.codec import (
+    HEADER_NBYTES,
+    CodecSpec,
+    CompressedTensor,
+    IndexScheme,
+    _topk_positions,
+    benchmark_codec,
+    compress,
+    compress_with_feedback,
+    decode_indices,
+    decompress,
+    dense_bytes,
+    dequantize,
+    deserialize,
+    encode_indices,
+    has_nonfinite,
+    num_kept,
+    quantize,
+    serialize,
+)
+
+
+ALL_BITS = (32, 16, 8, 4)
+FP32_MAX = torch.finfo(torch.float32).max
+FP32_TINY_DENORMAL = 1.401298464324817e-45
+
+
+def _randn(numel, seed=0, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=generator) * scale
+
+
+def _check_feedback(grad, residual, spec, indices=None):
+    """The error-feedback identity, the decoder and the wire format all agree bit for bit."""
+    ct, decoded, new_residual = compress_with_feedback(grad, residual, spec, indices)
+    acc = grad.reshape(-1).float() + (0.0 if residual is None else residual.reshape(-1).float())
+    assert not ct.nonfinite
+    assert torch.equal(decoded + new_residual, acc)
+    assert torch.equal(decompress(ct), decoded)
+    buffer = serialize(ct)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == ct.nbytes()
+    received = deserialize(buffer, acc.numel())
+    assert received.nbytes() == ct.nbytes()
+    assert torch.equal(decompress(received), decoded)
+    assert int((decoded != 0).sum()) <= ct.num_values
+    return ct, decoded, new_residual
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Spec and sizes
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "numel, density, expected",
+    [(10, 0.3, 3), (100, 0.15, 15), (1_000_000, 0.15, 150_000), (7, 0.5, 4), (5, 0.01, 1), (0, 0.5, 0), (3, 1.0, 3)],
+)
+def test_num_kept(numel, density, expected):
+    assert num_kept(numel, density) == expected
+
+
+def test_dense_bytes():
+    assert dense_bytes(10) == 40
+    assert dense_bytes(10, 16) == 20
+    assert dense_bytes(3, 4) == 2
+    assert dense_bytes(0, 8) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"density": 0.0}, "density"),
+        ({"density": 1.5}, "density"),
+        ({"density": float("nan")}, "density"),
+        ({"density": "0.1"}, "density"),
+        ({"density": True}, "density"),
+        ({"bits": 3}, "bits"),
+        ({"bits": 2}, "bits"),
+        ({"block_size": 100}, "block_size"),
+        ({"block_size": 0}, "block_size"),
+    ],
+)
+def test_codec_spec_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CodecSpec(**kwargs)
+
+
+def test_codec_spec_defaults():
+    spec = CodecSpec()
+    assert (spec.density, spec.bits, spec.block_size) == (0.15, 4, 128)
+    assert not spec.lossless
+    assert CodecSpec(density=1, bits=32).lossless
+    assert isinstance(CodecSpec(density=1).density, float)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Exact values on hand-written inputs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_compress_exact_4bit_ten_elements():
+    x = torch.tensor([0.1, -2.0, 0.3, 7.0, -0.05, 1.0, 0.0, -3.0, 0.2, 0.5])
+    ct = compress(x, CodecSpec(density=0.3, bits=4))
+    assert ct.num_values == 3
+    assert ct.positions().tolist() == [1, 3, 7]
+    # absmax 7 -> scale 1 -> codes [-2, 7, -3], stored +8 as nibbles [6, 15, 5, pad 8], low nibble first.
+    assert ct.scales.tolist() == [1.0]
+    assert ct.values.tolist() == [6 | 15 << 4, 5 | 8 << 4]
+    # bitmap and delta4 both cost 2 bytes; the bitmap wins the tie: bits 1, 3, 7 of byte 0.
+    assert ct.index_scheme == IndexScheme.BITMAP
+    assert ct.indices.tolist() == [2 + 8 + 128, 0]
+    assert ct.nbytes() == HEADER_NBYTES + 4 + 2 + 2
+    assert decompress(ct).tolist() == [0.0, -2.0, 0.0, 7.0, 0.0, 0.0, 0.0, -3.0, 0.0, 0.0]
+
+
+def test_compress_exact_32bit_ten_elements():
+    x = torch.tensor([0.1, -2.0, 0.3, 4.0, -0.05, 1.0, 0.0, -3.0, 0.2, 0.5])
+    ct = compress(x, CodecSpec(density=0.3, bits=32))
+    assert ct.positions().tolist() == [1, 3, 7]
+    assert ct.values.tolist() == [-2.0, 4.0, -3.0]
+    assert ct.scales is None
+    assert decompress(ct).tolist() == [0.0, -2.0, 0.0, 4.0, 0.0, 0.0, 0.0, -3.0, 0.0, 0.0]
+
+
+def test_feedback_exact_8bit_round_half_to_even():
+    grad = torch.tensor([127.0, 2.5, -3.5, 0.4, 1.5])
+    ct, decoded, residual = compress_with_feedback(grad, None, CodecSpec(density=1.0, bits=8))
+    assert ct.indices is None and ct.index_scheme == IndexScheme.DENSE
+    assert ct.scales.tolist() == [1.0]
+    assert ct.values.tolist() == [255, 130, 124, 128, 130]  # codes [127, 2, -4, 0, 2] + 128
+    assert decoded.tolist() == [127.0, 2.0, -4.0, 0.0, 2.0]
+    assert residual.tolist() == [0.0, 0.5, 0.5, pytest.approx(0.4), -0.5]
+
+
+def test_quantize_exact_4bit_dense():
+    codes, scales = quantize(torch.tensor([7.0, 0.4, -0.6, 3.5]), bits=4)
+    assert scales.tolist() == [1.0]
+    assert codes.tolist() == [15 | 8 << 4, 7 | 12 << 4]  # codes [7, 0, -1, 4] + 8
+    assert dequantize(codes, scales, bits=4, numel=4).tolist() == [7.0, 0.0, -1.0, 4.0]
+
+
+def test_quantize_exact_16bit_power_of_two_shift():
+    values = torch.tensor([1.0, 2.0**-30, 3.0])
+    payload, scales = quantize(values, bits=16)
+    # absmax 3 = 0.75 * 2**2: shift 2**(2 - 15), so the largest value lands in [2**14, 2**15).
+    assert scales.tolist() == [2.0**-13]
+    assert payload.dtype == torch.float16
+    assert payload.float().tolist() == [8192.0, 2.0**-17, 24576.0]
+    assert torch.equal(dequantize(payload, scales, bits=16, numel=3), values)
+
+
+def test_quantize_is_deterministic_round_to_nearest():
+    values = _randn(1000, seed=3)
+    first = quantize(values, bits=4, block_size=64)
+    second = quantize(values.clone(), bits=4, block_size=64)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    decoded = dequantize(*first, bits=4, numel=1000, block_size=64)
+    step = first[1].repeat_interleave(64)[:1000]
+    assert bool(((decoded - values).abs() <= step / 2 * (1 + 1e-6)).all())  # error at most half a step
+
+
+def test_blocks_isolate_an_outlier():
+    values = torch.cat([torch.tensor([1e30]), torch.full((127,), 1e-3), torch.linspace(-1e-3, 1e-3, 128)])
+    codes, scales = quantize(values, bits=4, block_size=128)
+    decoded = dequantize(codes, scales, bits=4, numel=256, block_size=128)
+    assert scales.numel() == 2
+    assert bool((decoded[1:128] == 0).all())  # the outlier's own block is coarse
+    assert torch.allclose(decoded[128:], values[128:], atol=1e-3 / 14 * 1.001, rtol=0)  # the next block is not
+    one_block = dequantize(*quantize(values, bits=4, block_size=256), bits=4, numel=256, block_size=256)
+    assert bool((one_block[128:] == 0).all())
+
+
+def test_given_indices_are_used():
+    x = _randn(50, seed=1)
+    indices = torch.tensor([0, 5, 9, 49])
+    ct, decoded, residual = _check_feedback(x, None, CodecSpec(density=0.5, bits=32), indices=indices)
+    assert ct.num_values == 4
+    assert ct.positions().tolist() == [0, 5, 9, 49]
+    assert torch.equal(ct.values, x[indices])
+    mask = torch.zeros(50, dtype=torch.bool)
+    mask[indices] = True
+    assert torch.equal(decoded[~mask], torch.zeros(46)) and torch.equal(residual[mask], torch.zeros(4))
+
+
+@pytest.mark.parametrize("bad", [[3, 1], [1, 1, 2], [0, 50], [-1, 4]])
+def test_given_indices_are_validated(bad):
+    with pytest.raises(ValueError, match="sorted, unique"):
+        compress(_randn(50), CodecSpec(), indices=torch.tensor(bad))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Error-feedback identity (property tests)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+@pytest.mark.parametrize(
+    "numel, density",
+    [(n, d) for n in (1, 7, 128, 1000, 4097) for d in (0.01, 0.15, 0.5, 1.0)] + [(70_001, 0.01), (70_001, 0.15)],
+)
+def test_feedback_identity_random(numel, density, bits):
+    grad = _randn(numel, seed=numel)
+    residual = _randn(numel, seed=numel + 1, scale=0.3)
+    ct, decoded, _ = _check_feedback(grad, residual, CodecSpec(density=density, bits=bits, block_size=64))
+    k = num_kept(numel, density)
+    assert ct.num_values == k
+    if k < numel:  # continuous inputs: the kept set is the exact top-k
+        acc = grad + residual
+        expected = torch.sort(torch.topk(acc.abs(), k, sorted=False).indices).values
+        assert torch.equal(ct.positions(), expected)
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+@pytest.mark.parametrize("density", [0.15, 1.0])
+def test_feedback_identity_all_zeros(bits, density):
+    grad = torch.zeros(300)
+    _, decoded, residual = _check_feedback(grad, torch.zeros(300), CodecSpec(density=density, bits=bits))
+    assert not decoded.any() and not residual.any()
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+@pytest.mark.parametrize("density", [0.15, 1.0])
+def test_feedback_identity_huge_outlier(bits, density):
+    grad = torch.full((500,), 1e-3) * torch.sign(_randn(500, seed=2))
+    grad[17] = 1e30
+    ct, decoded, residual = _check_feedback(grad, None, CodecSpec(density=density, bits=bits))
+    assert 17 in (ct.positions().tolist() if ct.positions() is not None else [17])
+    assert decoded[17] > 0.5e30  # the outlier itself is sent...
+    if bits == 16:
+        assert not decoded[:17].any()  # ...and 1e-3 is below the fp16 range left under 1e30: kept in the residual
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_feedback_identity_near_fp32_max(bits):
+    # code * scale may round above FP32_MAX: such a value is re-coded as 0 and stays whole in the residual.
+    grad = torch.tensor([FP32_MAX, -FP32_MAX, FP32_MAX / 3, 1.0, -2.0, 0.0, FP32_MAX / 7 * 6])
+    _check_feedback(grad, None, CodecSpec(density=1.0, bits=bits, block_size=4))
+    _check_feedback(grad, None, CodecSpec(density=0.5, bits=bits, block_size=4))
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+@pytest.mark.parametrize("density", [0.3, 1.0])
+def test_feedback_identity_denormals(bits, density):
+    grad = _randn(200, seed=5) * 1e-39
+    grad[:3] = torch.tensor([FP32_TINY_DENORMAL, -3 * FP32_TINY_DENORMAL, 1e-44])
+    residual = _randn(200, seed=6) * 1e-41
+    _check_feedback(grad, residual, CodecSpec(density=density, bits=bits, block_size=16))
+    tiny = torch.full((64,), FP32_TINY_DENORMAL)  # absmax / 7 underflows to a zero scale
+    _check_feedback(tiny, None, CodecSpec(density=density, bits=bits))
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_feedback_identity_mixed_magnitudes_over_steps(bits):
+    spec = CodecSpec(density=0.1, bits=bits, block_size=32)
+    residual = None
+    for step in range(5):
+        grad = _randn(2000, seed=10 + step) * torch.logspace(-30, 30, 2000)
+        _, _, residual = _check_feedback(grad, residual, spec)
+
+
+def test_dense_32_bit_is_lossless():
+    grad = _randn(1000, seed=7)
+    residual = _randn(1000, seed=8)
+    ct, decoded, new_residual = compress_with_feedback(grad, residual, CodecSpec(density=1.0, bits=32))
+    assert ct.indices is None and ct.scales is None
+    assert torch.equal(decoded, grad + residual)
+    assert not new_residual.any()
+    assert ct.nbytes() == HEADER_NBYTES + dense_bytes(1000)
+    decoded.mul_(2)  # the caller may scale the result in place without touching the message
+    assert torch.equal(decompress(ct), grad + residual)
+
+
+def test_accepts_any_float_dtype_and_shape():
+    grad = _randn(240, seed=9).view(4, 6, 10).to(torch.bfloat16)
+    residual = torch.zeros(240)
+    ct, decoded, new_residual = _check_feedback(grad, residual, CodecSpec(density=0.2, bits=8))
+    assert decoded.shape == (240,) and decoded.dtype == torch.float32 and new_residual.dtype == torch.float32
+
+
+def test_empty_tensor():
+    ct, decoded, residual = _check_feedback(torch.zeros(0), None, CodecSpec())
+    assert ct.num_values == 0 and decoded.numel() == 0 and residual.numel() == 0
+
+
+def test_residual_size_mismatch():
+    with pytest.raises(ValueError, match="residual"):
+        compress_with_feedback(torch.zeros(4), torch.zeros(5), CodecSpec())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Non-finite values
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_has_nonfinite():
+    assert not has_nonfinite(torch.zeros(3))
+    assert not has_nonfinite(torch.zeros(0))
+    assert not has_nonfinite(torch.tensor([FP32_MAX, -FP32_MAX]))
+    assert has_nonfinite(torch.tensor([1.0, float("nan")]))
+    assert has_nonfinite(torch.tensor([float("-inf"), 1.0]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_grad_is_sent_dense_and_residual_untouched(bad):
+    grad = _randn(100, seed=11)
+    grad[42] = bad
+    residual = _randn(100, seed=12)
+    residual_before = residual.clone()
+    ct, decoded, new_residual = compress_with_feedback(grad, residual, CodecSpec(density=0.1, bits=4))
+    assert ct.nonfinite
+    assert ct.indices is None and ct.spec.bits == 32 and ct.spec.density == 1.0
+    assert new_residual is residual and torch.equal(residual, residual_before)
+    assert torch.equal(decoded.nan_to_num(), grad.nan_to_num())
+    received = deserialize(serialize(ct), 100)
+    assert received.nonfinite
+    assert torch.equal(decompress(received).nan_to_num(), grad.nan_to_num())
+
+
+def test_overflowing_accumulator_is_nonfinite():
+    grad = torch.tensor([FP32_MAX, 1.0])
+    residual = torch.tensor([FP32_MAX, 0.0])
+    ct, decoded, new_residual = compress_with_feedback(grad, residual, CodecSpec())
+    assert ct.nonfinite and torch.equal(decoded, grad) and new_residual is residual
+
+
+def test_compress_nonfinite_tensor():
+    ct = compress(torch.tensor([1.0, float("nan"), 2.0]), CodecSpec(density=0.3))
+    assert ct.nonfinite and ct.values.numel() == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Index encoding
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _random_positions(numel, density, seed=0):
+    """Each position kept with probability `density` (the gap statistics of a top-k of i.i.d. values)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.nonzero(torch.rand(numel, generator=generator) < density).view(-1)
+
+
+@pytest.mark.parametrize("scheme", [s for s in IndexScheme if s != IndexScheme.DENSE])
+@pytest.mark.parametrize(
+    "positions, numel",
+    [
+        ([0], 1),
+        ([1, 3, 7], 10),
+        ([0, 14, 15, 16, 31, 46, 300], 301),  # gaps around the 4-bit escape limit
+        ([254, 255, 510, 1000], 1001),  # gaps around the 8-bit escape limit
+        ([0, 65534, 65535, 200_000, 200_001], 300_000),  # 16-bit escapes
+        ([299_999], 300_000),
+    ],
+)
+def test_index_schemes_round_trip(scheme, positions, numel):
+    positions = torch.tensor(positions)
+    chosen, payload = encode_indices(positions, numel, scheme)
+    assert chosen == scheme and payload.dtype == torch.uint8
+    assert torch.equal(decode_indices(chosen, payload, numel), positions)
+
+
+def test_delta_escape_bytes():
+    # gap 1 -> one symbol; gap 16 = 15 + 1 -> escape + symbol; gap 31 = 15 + 15 + 1 -> two escapes + symbol.
+    positions = torch.tensor([0, 16, 47])
+    _, payload = encode_indices(positions, 48, IndexScheme.DELTA4)
+    assert payload.tolist() == [1 | 0 << 4, 1 | 0 << 4, 0 | 1 << 4]
+    _, payload = encode_indices(positions, 48, IndexScheme.DELTA8)
+    assert payload.tolist() == [1, 16, 31]
+
+
+def test_cheapest_scheme_is_chosen():
+    for numel, density in [(10_000, 0.6), (10_000, 0.15), (10_000, 0.01), (1_000_000, 1e-4), (70_000, 3e-5)]:
+        positions = _random_positions(numel, density, seed=numel)
+        chosen, payload = encode_indices(positions, numel)
+        sizes = {s: encode_indices(positions, numel, s)[1].numel() for s in IndexScheme if s != IndexScheme.DENSE}
+        sizes.pop(IndexScheme.INT64)
+        assert payload.numel() == min(sizes.values()), (numel, density, chosen, sizes)
+        assert torch.equal(decode_indices(chosen, payload, numel), positions)
+
+
+def test_index_bytes_measured_on_1m():
+    """The numbers quoted in the module docstring (random positions, 1M entries)."""
+    per_index = {}
+    for density in (0.15, 0.01):
+        positions = _random_positions(1_000_000, density, seed=1)
+        scheme, payload = encode_indices(positions, 1_000_000)
+        per_index[density] = (scheme, payload.numel() / positions.numel())
+    assert per_index[0.15][0] == IndexScheme.DELTA4 and per_index[0.15][1] < 0.56
+    assert per_index[0.01][0] == IndexScheme.DELTA8 and per_index[0.01][1] < 1.1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decoding into buffers and the wire format
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_decompress_out_and_accumulate():
+    x = _randn(300, seed=13)
+    ct = compress(x, CodecSpec(density=0.2, bits=8))
+    expected = decompress(ct)
+    out = torch.full((30, 10), 5.0)
+    result = decompress(ct, out=out)
+    assert torch.equal(result, expected) and torch.equal(out.view(-1), expected)
+    decompress(ct, out=out, accumulate=True)
+    assert torch.equal(out.view(-1), expected + expected)
+    with pytest.raises(ValueError, match="contiguous"):
+        decompress(ct, out=torch.zeros(299))
+    dense = compress(x, CodecSpec(density=1.0, bits=16))
+    buffer = torch.ones(300)
+    decompress(dense, out=buffer, accumulate=True)
+    assert torch.equal(buffer, decompress(dense) + 1)
+
+
+def test_serialize_concatenated_messages():
+    tensors = [_randn(n, seed=n) for n in (10, 333, 1, 5000)]
+    specs = [CodecSpec(0.3, 4), CodecSpec(0.15, 16, 32), CodecSpec(1.0, 8), CodecSpec(0.01, 32)]
+    messages = [compress(t, s) for t, s in zip(tensors, specs)]
+    buffer = torch.cat([serialize(m) for m in messages])
+    assert buffer.numel() == sum(m.nbytes() for m in messages)
+    offset = 0
+    for tensor, message in zip(tensors, messages):
+        received = deserialize(buffer[offset:], tensor.numel())  # unaligned offsets on purpose
+        assert (received.spec.bits, received.spec.block_size) == (message.spec.bits, message.spec.block_size)
+        assert received.num_values == message.num_values and received.index_scheme == message.index_scheme
+        assert torch.equal(decompress(received), decompress(message))
+        offset += received.nbytes()
+    assert offset == buffer.numel()
+
+
+def test_serialize_without_indices_for_shared_positions():
+    x = _randn(1000, seed=14)
+    positions = torch.arange(0, 1000, 7)
+    ct = compress(x, CodecSpec(bits=8), indices=positions)
+    buffer = serialize(ct, include_indices=False)
+    assert buffer.numel() == ct.nbytes(include_indices=False) == ct.nbytes() - ct.indices.numel()
+    received = deserialize(buffer, 1000)
+    with pytest.raises(ValueError, match="positions"):
+        decompress(received)
+    assert torch.equal(decompress(received, positions=positions), decompress(ct))
+
+
+def test_compressed_tensor_infers_num_values():
+    ct = CompressedTensor(numel=4, spec=CodecSpec(1.0, 32), indices=None, values=torch.ones(4), scales=None)
+    assert ct.num_values == 4 and ct.nbytes() == HEADER_NBYTES + 16
+    with pytest.raises(ValueError, match="num_values"):
+        CompressedTensor(
+            numel=8, spec=CodecSpec(0.5, 4), indices=torch.zeros(1, dtype=torch.uint8), values=torch.zeros(2),
+            scales=torch.ones(1),
+        )  # fmt: skip
+
+
+def test_benchmark_codec_smoke():
+    result = benchmark_codec(numel=10_000, spec=CodecSpec(density=0.15, bits=4), repeats=1)
+    assert result["index_scheme"] in {"DELTA4", "BITMAP"}
+    assert result["nbytes"] < dense_bytes(10_000) / 10
+    assert math.isclose(result["ratio_fp32"], 2 * result["ratio_fp16"])
+    assert result["compress_ms"] > 0 and result["compress_mb_per_s"] > 0
+
+
+@pytest.mark.parametrize("numel, k", [(70_001, 1), (70_001, 3), (70_001, 700), (70_001, 10_500), (70_001, 35_000)])
+def test_topk_positions_matches_torch_topk(numel, k):
+    magnitudes = _randn(numel, seed=k).abs()
+    expected = torch.sort(torch.topk(magnitudes, k, sorted=False).indices).values
+    assert torch.equal(_topk_positions(magnitudes, k), expected)
+
+
+def test_topk_positions_with_ties():
+    magnitudes = torch.ones(100_000)
+    magnitudes[::1000] = 2.0
+    positions = _topk_positions(magnitudes, 15_000)
+    assert positions.numel() == 15_000 and bool((positions[1:] > positions[:-1]).all())
+    assert bool((magnitudes[positions] == 2.0).sum() == 100)
