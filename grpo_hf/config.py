@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .cost import CostSettings
+
 
 COMPRESSION_CHOICES = ("auto", "none", "sparse", "quantize", "sparse+quantize")
 COMM_MODE_CHOICES = ("allreduce", "allgather")
@@ -203,8 +205,4 @@ def validate_grpo_fields(args) -> None:
         raise ValueError(f"grpo_dense_warmup_steps={args.grpo_dense_warmup_steps}: use 0 or more (2 under DDP).")
     if args.grpo_min_compress_numel < 0:
         raise ValueError(f"grpo_min_compress_numel={args.grpo_min_compress_numel}: use 0 or more.")
-    if args.cost_pue < 1:
-        raise ValueError(f"cost_pue={args.cost_pue}: a PUE below 1 is impossible; 1.0 means no cooling overhead.")
-    for name in ("cost_gpu_hour_usd", "cost_energy_kwh_usd", "cost_link_gbps"):
-        if getattr(args, name) < 0 or (name == "cost_link_gbps" and getattr(args, name) == 0):
-            raise ValueError(f"{name}={getattr(args, name)}: use a positive value.")
+    CostSettings.from_args(args)  # validates the cost_* fields

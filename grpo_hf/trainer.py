@@ -9,6 +9,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from .callbacks import GRPOCallback
 from .compression.hook import GRPOCommState, compress_locally, grpo_comm_hook
 from .config import ensure_grpo_args
+from .cost import CostCallback
 from .grouping import assign_groups, load_group_spec, resolve_compression
 from .importance import ImportanceState
 
@@ -47,6 +48,8 @@ class GRPOMixin:
       weight-decay flag (keys `grpo_group` and `param_names`), from the optimizer chosen in `TrainingArguments`.
     - **Importance-scaled learning rates**: [`GRPOCallback`] multiplies each group's scheduled LR by its multiplier
       for the optimizer step only.
+    - **Cost**: a [`~grpo_hf.cost.CostCallback`] is added unless one is passed in `callbacks`; its `cost/*` figures
+      join the training logs.
     - **Metrics**: `grpo/*` keys are averaged over each logging window and added to the Trainer's logs, so every
       `report_to` integration receives them.
     - **Checkpoints**: every checkpoint holds `grpo_state_rank<r>.pt`; `train(resume_from_checkpoint=...)` restores it.
@@ -58,6 +61,12 @@ class GRPOMixin:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:  # refuse before Accelerate sets up the backend
             _refuse_unsupported_backends(bool(training_args.fsdp), bool(training_args.deepspeed))
+        # The cost callback must be registered at construction, before the progress/printer callbacks.
+        callbacks = list(kwargs.get("callbacks") or [])
+        self.cost_callback = next((cb for cb in callbacks if isinstance(cb, CostCallback)), None)
+        if self.cost_callback is None:
+            self.cost_callback = CostCallback()
+            kwargs["callbacks"] = [*callbacks, self.cost_callback]
         super().__init__(*args, **kwargs)
         ensure_grpo_args(self.args)
         _refuse_unsupported_backends(self.is_fsdp_enabled, self.is_deepspeed_enabled)
@@ -165,6 +174,9 @@ class GRPOMixin:
             if isinstance(model, DistributedDataParallel):  # `model` is the wrapper Accelerate built
                 model.register_comm_hook(self.grpo_comm_state, grpo_comm_hook)
             self._grpo_hooked_models.add(id(model))
+        if "input_ids" in inputs:
+            ids = inputs["input_ids"]
+            self.cost_callback.add_tokens(ids.numel(), seq_len=ids.shape[-1])
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.accelerator.sync_gradients:
             if self.grpo_comm_state is not None and not isinstance(model, DistributedDataParallel):
@@ -173,7 +185,9 @@ class GRPOMixin:
         return loss
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        """Add the averaged `grpo/*` metrics of the window to training logs, then log as the Trainer does."""
+        """Add the averaged `grpo/*` metrics of the window and the `cost/*` figures to training logs, then log."""
+        if "loss" in logs or "train_runtime" in logs:
+            logs.update(self.cost_callback.metrics(numeric_only=True))
         if "loss" in logs:
             logs.update(self.grpo_callback.pop_metrics())
             if self.grpo_comm_state is not None:
