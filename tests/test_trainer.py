@@ -6,7 +6,7 @@ from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from grpo_hf import GRPOConfig, GRPOMixin, GRPOTrainer, GroupConfigError
+from grpo_hf import GroupConfigError, GRPOConfig, GRPOMixin, GRPOTrainer
 from grpo_hf.callbacks import STATE_FILE
 
 

@@ -1,0 +1,229 @@
+"""
+Multi-process tests of the compression hook: `torchrun` (gloo, CPU) runs the scripts in `tests/distributed/`, each
+rank writes a JSON result, and the assertions live here. One launch serves many tests (module-scoped fixtures).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "distributed"
+MODES = ("allreduce", "allgather")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(script: str, out_dir: Path, nproc: int, *args: str, timeout: int = 240) -> list[dict]:
+    """Run `script` on `nproc` gloo processes; returns each rank's JSON result (fails with the logs otherwise)."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(SCRIPTS / script),
+        str(out_dir),
+        *args,
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_DISABLED": "true",
+    }
+    # A new session, so that a hung run can be killed with all its workers (and only them).
+    proc = subprocess.Popen(
+        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun {script} did not finish in {timeout} s\n{stdout[-6000:]}\n{stderr[-6000:]}")
+    logs = f"--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-6000:]}"
+    assert proc.returncode == 0, f"torchrun {script} exited with {proc.returncode}\n{logs}"
+    results = []
+    for rank in range(nproc):
+        path = out_dir / f"rank{rank}.json"
+        assert path.is_file(), f"rank {rank} wrote no result\n{logs}"
+        results.append(json.loads(path.read_text()))
+    assert all(r["world_size"] == nproc for r in results)
+    return results
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory):
+    """GRPOTrainer scenarios, then the fake-bucket hook checks, in one 2-process launch (~40 s on 2 cores)."""
+    out_dir = tmp_path_factory.mktemp("trainer_ddp")
+    return torchrun("trainer_ddp.py", out_dir, 2), out_dir
+
+
+@pytest.fixture(scope="module")
+def hook_run_w3(tmp_path_factory):
+    """The fake-bucket hook checks at world size 3 (uneven chunks, rotating leader, gloo ring with W > 2)."""
+    out_dir = tmp_path_factory.mktemp("hook_w3")
+    return torchrun("hook_collectives.py", out_dir, 3)
+
+
+def _records(tree, path=""):
+    if isinstance(tree, dict):
+        if "digest" in tree:
+            yield path, tree
+        for key, value in tree.items():
+            yield from _records(value, f"{path}/{key}")
+
+
+# --- GRPOTrainer under DDP -------------------------------------------------------------------------------------
+
+
+def test_every_run_is_ddp_and_hooked(trainer_run):
+    results, _ = trainer_run
+    for result in results:
+        records = list(_records({k: v for k, v in result.items() if k != "hook"}))
+        assert len(records) == 9
+        for path, record in records:
+            assert record["is_ddp"], path
+            assert record["global_step"] > 0, path
+            if record["compression"] != "none":
+                assert record["hook_calls"] > 0 and record["hook_steps"] == record["global_step"], path
+            else:
+                assert record["hook_calls"] == 0, path
+        assert result["nan_free"]
+
+
+def test_lossless_setting_matches_plain_ddp(trainer_run):
+    results, out_dir = trainer_run
+    for result in results:
+        plain, lossless = result["lossless"]["plain"], result["lossless"]["lossless"]
+        assert lossless["compression"] == "sparse" and lossless["hook_calls"] >= 10
+        assert lossless["totals"]["ratio_fp32"] == 1.0 and lossless["totals"]["density"] == 1.0
+        assert lossless["digest"] == plain["digest"]  # bit-identical, in fact
+        assert lossless["losses"] == plain["losses"]
+    params = torch.load(out_dir / "lossless_params.pt", weights_only=True)
+    assert params["plain"].keys() == params["lossless"].keys()
+    for name, tensor in params["plain"].items():
+        torch.testing.assert_close(params["lossless"][name], tensor, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lossy_replicas_stay_bit_identical(trainer_run, mode):
+    results, _ = trainer_run
+    records = [r["lossy"][mode] for r in results]
+    assert records[0]["digest"] == records[1]["digest"]
+    for record in records:
+        assert record["identical"] and record["global_step"] == 20
+        assert all(record["changed"])  # every trainable tensor moved
+        assert len(record["residual_names"]) > 0
+        totals = record["totals"]
+        assert totals["steps"] == 20 and totals["dense_steps"] == 2  # the dense warm-up
+        assert totals["ratio_fp32"] > 4 and totals["bytes_sent"] < totals["bytes_dense_fp16"]
+    assert records[0]["residual_digest"] != records[1]["residual_digest"]  # residuals are per rank
+
+
+def test_gradient_accumulation_runs_the_hook_once_per_optimizer_step(trainer_run):
+    results, _ = trainer_run
+    for result in results:
+        record = result["lossy"]["allreduce"]  # gradient_accumulation_steps=2
+        assert record["hook_steps"] == record["global_step"] == 20
+        assert record["hook_calls"] % record["global_step"] == 0
+
+
+def test_compression_metrics_are_logged(trainer_run):
+    results, _ = trainer_run
+    logs = results[0]["lossy"]["allgather"]["comm_logs"]
+    assert len(logs) == 4  # logging_steps=5, 20 steps
+    for entry in logs:
+        for key in ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "ratio_fp32", "ratio_fp16", "hook_ms"):
+            assert f"grpo/comm/{key}" in entry
+        assert entry["grpo/density"] + entry["grpo/sparsity"] == pytest.approx(1.0)
+    assert logs[0]["grpo/comm/dense_steps"] == 2 and logs[-1]["grpo/comm/dense_steps"] == 0
+    assert logs[-1]["grpo/comm/ratio_fp32"] > logs[0]["grpo/comm/ratio_fp32"]
+    assert logs[-1]["grpo/comm/ratio_fp32"] == pytest.approx(2 * logs[-1]["grpo/comm/ratio_fp16"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_with_residuals_is_exact(trainer_run, mode):
+    results, _ = trainer_run
+    for result in results:
+        run = result["resume"][mode]
+        straight, resumed = run["straight"], run["resumed"]
+        assert run["checkpoint_state"]
+        assert straight["global_step"] == resumed["global_step"] == 12
+        assert resumed["digest"] == straight["digest"]
+        assert resumed["residual_digest"] == straight["residual_digest"]
+        assert resumed["hook_steps"] == straight["hook_steps"] == 12
+        assert resumed["hook_calls"] > 0
+
+
+def test_lora_adapters_are_compressed(trainer_run):
+    results, _ = trainer_run
+    assert results[0]["lora"]["digest"] == results[1]["lora"]["digest"]
+    for result in results:
+        record = result["lora"]
+        assert record["identical"] and record["hook_calls"] > 0
+        assert record["residual_names"] and all(".lora_" in name for name in record["residual_names"])
+        assert record["totals"]["ratio_fp32"] > 2
+
+
+# --- the hook with real collectives (fake buckets, a raw DDP model) --------------------------------------------
+
+
+def _check_hook_results(results: list[dict]) -> None:
+    world_size = results[0]["hook"]["world_size"]
+    for result in results:
+        hook = result["hook"]
+        for key, record in hook.items():
+            if key == "world_size":
+                continue
+            assert record["hook_calls"] > 0 and record["steps"] == 6, key
+            assert record["identical"], key
+            if key.startswith("ddp_bf16"):
+                assert record["is_ddp"] and record["dtype"] == "torch.bfloat16"
+                assert "unused.weight" in record["residuals"]  # find_unused_parameters=True
+                continue
+            assert record["world_size"] == world_size, key
+            tolerance = 1e-2 if key.startswith("fake_bf16") else 1e-6
+            assert record["conservation_max_err"] < tolerance, key
+            assert record["warmup_max_err"] < tolerance, key
+            assert record["dense_mean_max_err"] < (0.1 if key.startswith("fake_bf16") else 1e-5), key
+            assert record["bytes_sent"] < record["bytes_dense_fp32"], key
+            if key.startswith("nonfinite"):
+                assert record["nonfinite"] == {"inf_in_output": True, "residuals_unchanged": True, "dense_steps": 2.0}
+            else:
+                assert record["dense_steps"] == 1, key
+    for key in results[0]["hook"]:
+        if key.startswith("ddp_bf16"):
+            assert len({r["hook"][key]["digest"] for r in results}) == 1, key
+
+
+def test_hook_collectives_two_ranks(trainer_run):
+    results, _ = trainer_run
+    _check_hook_results(results)
+
+
+def test_hook_collectives_three_ranks(hook_run_w3):
+    _check_hook_results(hook_run_w3)
