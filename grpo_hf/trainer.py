@@ -9,7 +9,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from .callbacks import GRPOCallback
 from .compression.hook import GRPOCommState, compress_locally, grpo_comm_hook
 from .config import ensure_grpo_args
-from .cost import CostCallback
+from .cost import CostCallback, ring_allreduce_bytes
 from .grouping import assign_groups, load_group_spec, resolve_compression
 from .importance import ImportanceState
 
@@ -104,6 +104,7 @@ class GRPOMixin:
             )
             self.grpo_callback.comm_state = self.grpo_comm_state
         self._grpo_hooked_models: set[int] = set()
+        self._grpo_bytes_counted = 0
         if self.optimizer is not None:  # optimizers=(opt, sched) given by the user
             self._tag_user_optimizer(self.optimizer)
 
@@ -181,8 +182,19 @@ class GRPOMixin:
         if self.accelerator.sync_gradients:
             if self.grpo_comm_state is not None and not isinstance(model, DistributedDataParallel):
                 compress_locally(self.grpo_comm_state, self.model)  # the article's sparse updates on one process
+            self._count_comm_bytes()
             self.grpo_callback.mark_backward_end()
         return loss
+
+    def _count_comm_bytes(self) -> None:
+        """Give the cost callback the bytes this rank sent in this optimizer step."""
+        if self.grpo_comm_state is not None:
+            total = self.grpo_comm_state.totals()["bytes_sent"]
+            self.cost_callback.add_comm_bytes(total - self._grpo_bytes_counted)
+            self._grpo_bytes_counted = total
+        elif self.args.world_size > 1:  # uncompressed DDP: one fp32 ring all-reduce of every trainable gradient
+            numel = sum(g.numel for g in self.grpo_groups)
+            self.cost_callback.add_comm_bytes(ring_allreduce_bytes(4 * numel, self.args.world_size))
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Add the averaged `grpo/*` metrics of the window and the `cost/*` figures to training logs, then log."""

@@ -214,3 +214,23 @@ def test_mixin_in_front_of_trl_sft_trainer(tmp_path):
     trainer.train()
     assert trainer.grpo_callback.importance.steps == 4
     assert "grpo/lr_scale/ffn" in train_logs(trainer)[-1]
+
+
+def test_single_process_compression_preview_counts_bytes(tmp_path):
+    args = make_args(tmp_path, max_steps=6, grpo_compression="sparse+quantize", grpo_min_compress_numel=256)
+    trainer = GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
+    assert trainer.grpo_compression == "sparse+quantize" and trainer.grpo_comm_state is not None
+    trainer.train()
+    last = train_logs(trainer)[-1]
+    assert 0 < last["grpo/comm/bytes_sent"] < last["grpo/comm/bytes_dense_fp32"]
+    assert last["grpo/density"] < 0.5
+    totals = trainer.grpo_comm_state.totals()
+    assert last["cost/comm_bytes"] == totals["bytes_sent"]
+    assert any(r.abs().sum() > 0 for r in trainer.grpo_comm_state.state_dict()["residuals"].values())
+
+
+def test_auto_compression_is_off_on_one_process(tmp_path):
+    trainer = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path, max_steps=2), train_dataset=token_dataset())
+    assert trainer.grpo_compression == "none" and trainer.grpo_comm_state is None
+    trainer.train()
+    assert "grpo/comm/bytes_sent" not in train_logs(trainer)[-1]
