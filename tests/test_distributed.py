@@ -108,6 +108,8 @@ def test_every_run_is_ddp_and_hooked(trainer_run):
         for path, record in records:
             assert record["is_ddp"], path
             assert record["global_step"] > 0, path
+            # every rank computes bit-identical LR multipliers and ends with bit-identical parameters
+            assert record["multipliers_identical"] and record["identical"], path
             if record["compression"] != "none":
                 assert record["hook_calls"] > 0 and record["hook_steps"] == record["global_step"], path
             else:
@@ -122,6 +124,7 @@ def test_lossless_setting_matches_plain_ddp(trainer_run):
         assert lossless["compression"] == "sparse" and lossless["hook_calls"] >= 10
         assert lossless["totals"]["ratio_fp32"] == 1.0 and lossless["totals"]["density"] == 1.0
         assert lossless["digest"] == plain["digest"]  # bit-identical, in fact
+        assert len(set(plain["multipliers"])) > 1  # importance scaling really acted under DDP
         assert lossless["losses"] == plain["losses"]
     params = torch.load(out_dir / "lossless_params.pt", weights_only=True)
     assert params["plain"].keys() == params["lossless"].keys()

@@ -63,6 +63,7 @@ def make_args(out_dir, name, **overrides):
         dataloader_num_workers=0,
         grpo_min_compress_numel=256,
         grpo_dense_warmup_steps=2,
+        grpo_lr_scale_warmup_steps=2,  # importance multipliers are active in every scenario
     )
     kwargs.update(overrides)
     return GRPOConfig(**kwargs)
@@ -84,6 +85,8 @@ def train(args, model=None, resume=None):
         "hook_calls": state.hook_calls if state is not None else 0,
         "hook_steps": state.step if state is not None else 0,
         "identical": all(same_on_all_ranks(p) for p in params),
+        "multipliers": trainer.grpo_callback.importance.multipliers.tolist(),
+        "multipliers_identical": same_on_all_ranks(trainer.grpo_callback.importance.multipliers),
         "digest": tensor_digest(params),
         "changed": [not torch.equal(a, b) for a, b in zip(initial, params) if a.shape == b.shape],
         "losses": [entry["loss"] for entry in logs],
