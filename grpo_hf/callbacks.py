@@ -62,11 +62,11 @@ class GRPOCallback(TrainerCallback):
         """L2 norm of each group's gradient (float64; 0 for a group without gradients this step)."""
         norms = []
         for group in self.groups:
-            grads = [p.grad for p in group.params if p.grad is not None]
+            grads = [p.grad.detach() for p in group.params if p.grad is not None]
             if not grads:
                 norms.append(0.0)
                 continue
-            per_tensor = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float64) for g in grads])
+            per_tensor = torch.stack(torch._foreach_norm(grads)).double()  # one fused kernel per group
             norms.append(float(torch.linalg.vector_norm(per_tensor)))
         return torch.tensor(norms, dtype=torch.float64)
 

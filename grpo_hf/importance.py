@@ -47,7 +47,7 @@ def normalised_multipliers(
     lower: torch.Tensor,
     upper: torch.Tensor,
     scaled: torch.Tensor | None = None,
-    iterations: int = 200,
+    iterations: int = 100,
 ) -> torch.Tensor:
     """
     Bounded multipliers proportional to `scores` whose `weights`-weighted mean is 1.
