@@ -40,7 +40,7 @@ class GRPOConfig(TrainingArguments):
 
         grpo_importance (`bool`, *optional*, defaults to `True`):
             Scale each group's learning rate by its importance multiplier.
-        grpo_importance_score (`str`, *optional*, defaults to `"rms"`):
+        grpo_importance_score (`str`, *optional*, defaults to `"article"`):
             `"article"`: `||grad_g||_2 * ln(update_count_g + 1)`; `"rms"`: the same with the per-element RMS of the
             gradient instead of its norm, so that large groups do not win by size alone.
         grpo_lr_scale_min (`float`, *optional*, defaults to `0.5`) and grpo_lr_scale_max (`float`, *optional*,
@@ -84,7 +84,7 @@ class GRPOConfig(TrainingArguments):
         default=True, metadata={"help": "Scale each group's learning rate by its importance multiplier."}
     )
     grpo_importance_score: str = field(
-        default="rms",
+        default="article",
         metadata={
             "help": "Importance score: 'article' = ||grad||_2 * ln(count + 1); 'rms' = per-element RMS * ln(count + 1).",
             "choices": list(SCORE_CHOICES),

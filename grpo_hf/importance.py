@@ -111,12 +111,12 @@ class ImportanceState:
         numels (`list[int]`): elements per group (the weights of the normalisation).
         lower (`list[float]`), upper (`list[float]`): bounds of each multiplier.
         scaled (`list[bool]`): whether importance scaling applies to each group.
-        kind (`str`, *optional*, defaults to `"rms"`): score kind, see [`group_scores`].
+        kind (`str`, *optional*, defaults to `"article"`): score kind, see [`group_scores`].
         ema (`float`, *optional*, defaults to `0.9`): smoothing factor in [0, 1).
         warmup_steps (`int`, *optional*, defaults to `10`): steps during which multipliers stay at 1.
     """
 
-    def __init__(self, names, numels, lower, upper, scaled, kind="rms", ema=0.9, warmup_steps=10):
+    def __init__(self, names, numels, lower, upper, scaled, kind="article", ema=0.9, warmup_steps=10):
         self.names = list(names)
         self.numels = torch.tensor(numels, dtype=torch.float64)
         self.lower = torch.tensor(lower, dtype=torch.float64)
