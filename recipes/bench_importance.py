@@ -38,7 +38,7 @@ class BenchArguments:
     layers: int = field(default=4, metadata={"help": "Layers of the tiny Llama."})
     eval_tokens: int = field(default=65536, metadata={"help": "Held-out tokens for perplexity."})
     variants: str = field(
-        default="article:0.5:2.0,rms:0.5:2.0,article:0.8:1.25,rms:0.8:1.25",
+        default="article:0.9:1.1,article:0.5:2.0,rms:0.5:2.0,article:0.8:1.25,rms:0.8:1.25",
         metadata={"help": "GRPO rows as score:lr_scale_min:lr_scale_max, comma-separated."},
     )
 
