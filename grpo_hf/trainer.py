@@ -1,7 +1,5 @@
 """`GRPOMixin` (in front of any `transformers.Trainer` subclass) and `GRPOTrainer`: the wiring, no math."""
 
-import logging
-
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
@@ -12,9 +10,6 @@ from .config import ensure_grpo_args
 from .cost import CostCallback, ring_allreduce_bytes
 from .grouping import assign_groups, load_group_spec, resolve_compression
 from .importance import ImportanceState
-
-
-logger = logging.getLogger(__name__)
 
 
 def _refuse_unsupported_backends(fsdp: bool, deepspeed: bool) -> None:
@@ -48,6 +43,10 @@ class GRPOMixin:
       weight-decay flag (keys `grpo_group` and `param_names`), from the optimizer chosen in `TrainingArguments`.
     - **Importance-scaled learning rates**: [`GRPOCallback`] multiplies each group's scheduled LR by its multiplier
       for the optimizer step only.
+    - **Compressed communication** (`grpo_compression`): under multi-process DDP, [`~grpo_hf.compression.grpo_comm_hook`]
+      is registered on the DDP model Accelerate built, before its first backward (Accelerate cannot take a custom
+      hook). On one process with compression switched on, the same codec is applied locally after the last
+      micro-batch's backward (the article's sparse updates), counting the bytes a worker would send.
     - **Cost**: a [`~grpo_hf.cost.CostCallback`] is added unless one is passed in `callbacks`; its `cost/*` figures
       join the training logs.
     - **Metrics**: `grpo/*` keys are averaged over each logging window and added to the Trainer's logs, so every
