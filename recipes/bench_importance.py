@@ -45,14 +45,30 @@ class BenchArguments:
 
 def run_one(bench: BenchArguments, tokenizer, train, evaluation, seed: int, variant: str | None) -> dict:
     common = dict(
-        output_dir=os.path.join(bench.output_dir, "tmp"), max_steps=bench.max_steps, learning_rate=bench.learning_rate,
-        per_device_train_batch_size=bench.batch_size, per_device_eval_batch_size=32, lr_scheduler_type="cosine",
-        warmup_steps=10, weight_decay=0.1, logging_steps=min(25, bench.max_steps), report_to=[], save_strategy="no", use_cpu=True,
-        seed=seed, data_seed=seed, disable_tqdm=True,
+        output_dir=os.path.join(bench.output_dir, "tmp"),
+        max_steps=bench.max_steps,
+        learning_rate=bench.learning_rate,
+        per_device_train_batch_size=bench.batch_size,
+        per_device_eval_batch_size=32,
+        lr_scheduler_type="cosine",
+        warmup_steps=10,
+        weight_decay=0.1,
+        logging_steps=min(25, bench.max_steps),
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=seed,
+        data_seed=seed,
+        disable_tqdm=True,
     )
     model = tiny_llama(
-        len(tokenizer), hidden_size=bench.hidden_size, layers=bench.layers, seq_len=bench.seq_len, seed=seed,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        len(tokenizer),
+        hidden_size=bench.hidden_size,
+        layers=bench.layers,
+        seq_len=bench.seq_len,
+        seed=seed,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     set_seed(seed)
     if variant is None:
@@ -60,7 +76,10 @@ def run_one(bench: BenchArguments, tokenizer, train, evaluation, seed: int, vari
     else:
         score, low, high = variant.split(":")
         args = GRPOConfig(
-            **common, grpo_importance_score=score, grpo_lr_scale_min=float(low), grpo_lr_scale_max=float(high),
+            **common,
+            grpo_importance_score=score,
+            grpo_lr_scale_min=float(low),
+            grpo_lr_scale_max=float(high),
             grpo_compression="none",
         )
         trainer = GRPOTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation)

@@ -39,7 +39,11 @@ ARTICLE_CONFIG = """{
 def llama():
     return LlamaForCausalLM(
         LlamaConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
             num_key_value_heads=2,
         )
     )
@@ -74,17 +78,22 @@ def test_bert_groups():
     )
     groups = groups_of(model)
     prefix = "bert.encoder.layer.0."
-    assert groups["attn_qk"] == [prefix + f"attention.self.{m}.{w}" for m in ("query", "key") for w in ("weight", "bias")]
+    assert groups["attn_qk"] == [
+        prefix + f"attention.self.{m}.{w}" for m in ("query", "key") for w in ("weight", "bias")
+    ]
     assert prefix + "attention.output.dense.weight" in groups["attn_vo"]
     assert groups["ffn"] == [prefix + f"{m}.dense.{w}" for m in ("intermediate", "output") for w in ("weight", "bias")]
     assert prefix + "attention.output.LayerNorm.weight" in groups["norms"]
-    assert groups["head"] == ["bert.pooler.dense.weight", "bert.pooler.dense.bias", "classifier.weight", "classifier.bias"]
+    assert groups["head"] == [
+        "bert.pooler.dense.weight",
+        "bert.pooler.dense.bias",
+        "classifier.weight",
+        "classifier.bias",
+    ]
 
 
 def test_t5_groups():
-    model = T5ForConditionalGeneration(
-        T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
-    )
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
     groups = groups_of(model)
     assert "encoder.block.0.layer.0.SelfAttention.q.weight" in groups["attn_qk"]
     assert "decoder.block.0.layer.1.EncDecAttention.k.weight" in groups["attn_qk"]
@@ -97,7 +106,14 @@ def test_t5_groups():
 def test_lora_groups_keep_layer_kind_and_skip_frozen():
     model = get_peft_model(llama(), LoraConfig(r=2, target_modules="all-linear"))
     groups = groups_of(model)
-    assert list(groups) == ["attn_qk.lora_A", "attn_vo.lora_A", "ffn.lora_A", "attn_qk.lora_B", "attn_vo.lora_B", "ffn.lora_B"]
+    assert list(groups) == [
+        "attn_qk.lora_A",
+        "attn_vo.lora_A",
+        "ffn.lora_A",
+        "attn_qk.lora_B",
+        "attn_vo.lora_B",
+        "ffn.lora_B",
+    ]
     assert groups["attn_qk.lora_A"][0] == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
     assert all("base_layer" not in n for names in groups.values() for n in names)
 
@@ -105,8 +121,14 @@ def test_lora_groups_keep_layer_kind_and_skip_frozen():
 def test_semantic_shape_split():
     groups = groups_of(llama(), "semantic+shape")
     # q_proj is 16x16 (square); k_proj is 8x16 with 2 KV heads (rect); norms are vectors
-    assert groups["attn_qk/square"] == ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
-    assert groups["attn_qk/rect"] == ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.k_proj.weight"]
+    assert groups["attn_qk/square"] == [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+    ]
+    assert groups["attn_qk/rect"] == [
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+    ]
     assert "norms/vector" in groups
     assert shape_kind(torch.zeros(3)) == "vector" and shape_kind(torch.zeros(2, 3, 4)) == "rect"
 

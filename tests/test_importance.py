@@ -39,7 +39,9 @@ def test_multipliers_clip_and_keep_weighted_mean_one():
 
 
 def test_unscaled_groups_stay_at_one_and_zero_scores_give_ones():
-    m = normalised_multipliers(t(1.0, 3.0, 100.0), t(1, 1, 1), t(0.1, 0.1, 0.1), t(10, 10, 10), torch.tensor([1, 1, 0]))
+    m = normalised_multipliers(
+        t(1.0, 3.0, 100.0), t(1, 1, 1), t(0.1, 0.1, 0.1), t(10, 10, 10), torch.tensor([1, 1, 0])
+    )
     torch.testing.assert_close(m, t(0.5, 1.5, 1.0), rtol=0, atol=1e-12)
     assert normalised_multipliers(t(0.0, 0.0), t(1, 1), t(0.5, 0.5), t(2, 2)).tolist() == [1.0, 1.0]
 

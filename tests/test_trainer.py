@@ -16,8 +16,13 @@ VOCAB = 96
 def tiny_llama(seed=0):
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     return LlamaForCausalLM(config)
 
@@ -33,8 +38,16 @@ def token_dataset(rows=64, length=24, seed=0):
 
 def make_args(tmp_path, cls=GRPOConfig, **overrides):
     values = dict(
-        output_dir=str(tmp_path / "out"), max_steps=12, per_device_train_batch_size=8, learning_rate=3e-3,
-        logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+        output_dir=str(tmp_path / "out"),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
         lr_scheduler_type="linear",
     )
     values.update(overrides)
@@ -92,7 +105,9 @@ def test_importance_off_matches_plain_trainer(tmp_path):
 
 
 def test_plain_training_arguments_get_grpo_defaults(tmp_path):
-    trainer = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path, TrainingArguments), train_dataset=token_dataset())
+    trainer = GRPOTrainer(
+        model=tiny_llama(), args=make_args(tmp_path, TrainingArguments), train_dataset=token_dataset()
+    )
     assert trainer.args.grpo_groups == "semantic" and trainer.args.grpo_importance
     trainer.train()
     assert "grpo/lr_scale/ffn" in train_logs(trainer)[-1]
@@ -100,9 +115,7 @@ def test_plain_training_arguments_get_grpo_defaults(tmp_path):
 
 def test_resume_is_bit_identical(tmp_path):
     args = dict(max_steps=8, save_strategy="steps", save_steps=4)
-    straight = GRPOTrainer(
-        model=tiny_llama(), args=make_args(tmp_path / "a", **args), train_dataset=token_dataset()
-    )
+    straight = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path / "a", **args), train_dataset=token_dataset())
     straight.train()
     checkpoint = tmp_path / "b" / "out" / "checkpoint-4"
     first = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path / "b", **args), train_dataset=token_dataset())
@@ -156,7 +169,9 @@ def test_user_optimizer_is_mapped_or_refused(tmp_path):
         GRPOTrainer(model=model, args=make_args(tmp_path), train_dataset=token_dataset(), optimizers=(mixed, None))
     optimizer = torch.optim.AdamW([{"params": groups["mlp"]}, {"params": groups["other"]}], lr=1e-3)
     trainer = GRPOTrainer(
-        model=model, args=make_args(tmp_path, grpo_importance=False), train_dataset=token_dataset(),
+        model=model,
+        args=make_args(tmp_path, grpo_importance=False),
+        train_dataset=token_dataset(),
         optimizers=(optimizer, None),
     )
     assert trainer.optimizer.param_groups[0]["grpo_group"] == "ffn"
@@ -164,7 +179,9 @@ def test_user_optimizer_is_mapped_or_refused(tmp_path):
 
 
 def test_sgd_optimizer_from_arguments(tmp_path):
-    trainer = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path, optim="sgd", max_steps=3), train_dataset=token_dataset())
+    trainer = GRPOTrainer(
+        model=tiny_llama(), args=make_args(tmp_path, optim="sgd", max_steps=3), train_dataset=token_dataset()
+    )
     trainer.train()
     assert isinstance(trainer.optimizer.optimizer, torch.optim.SGD)
 
@@ -198,15 +215,24 @@ def test_mixin_in_front_of_trl_sft_trainer(tmp_path):
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
     texts = [" ".join(words[(i + j) % len(words)] for j in range(12)) for i in range(32)]
 
     class GRPOSFTTrainer(GRPOMixin, trl.SFTTrainer):
         pass
 
     args = trl.SFTConfig(
-        output_dir=str(tmp_path / "sft"), max_steps=4, per_device_train_batch_size=4, report_to=[], use_cpu=True,
-        logging_steps=1, save_strategy="no", disable_tqdm=True, max_length=16,
+        output_dir=str(tmp_path / "sft"),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        max_length=16,
     )
     trainer = GRPOSFTTrainer(
         model=tiny_llama(), args=args, train_dataset=Dataset.from_dict({"text": texts}), processing_class=tokenizer
