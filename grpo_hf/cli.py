@@ -73,7 +73,7 @@ def groups_command_parser(subparsers):
     )
     parser.add_argument("--grpo_groups", default="semantic", help="Preset or group file (JSON/YAML).")
     parser.add_argument("--grpo_density", type=float, default=0.15, help="Default kept fraction.")
-    parser.add_argument("--grpo_bits", default="auto", help="Default bits ('auto', 4, 8, 16, 32).")
+    parser.add_argument("--grpo_bits", default="2", help="Default bits (2, 4, 8, 16, 32, or 'auto').")
     parser.add_argument("--grpo_min_compress_numel", type=int, default=4096, help="Smaller tensors go dense.")
     parser.add_argument("--lora", action="store_true", help="Wrap the model with a LoRA adapter (r=8, all-linear).")
     parser.add_argument("--strict", action="store_true", help="Fail when a rule matches no trainable parameter.")

@@ -11,7 +11,7 @@ from .cost import CostSettings
 COMPRESSION_CHOICES = ("auto", "none", "sparse", "quantize", "sparse+quantize")
 COMM_MODE_CHOICES = ("allreduce", "allgather")
 SCORE_CHOICES = ("article", "rms")
-BITS_CHOICES = ("auto", "4", "8", "16", "32")
+BITS_CHOICES = ("auto", "2", "4", "8", "16", "32")
 
 
 @dataclass
@@ -56,15 +56,22 @@ class GRPOConfig(TrainingArguments):
     Parameters that control gradient compression:
 
         grpo_compression (`str`, *optional*, defaults to `"auto"`):
-            `"none"`, `"sparse"` (top-k, fp32 values), `"quantize"` (dense, 8/4-bit values), `"sparse+quantize"`, or
-            `"auto"`: `"sparse+quantize"` under DDP with more than one process, `"none"` otherwise.
+            `"none"`, `"sparse"` (top-k, fp32 values), `"quantize"` (every entry, `grpo_bits` per value),
+            `"sparse+quantize"` (the article's), or `"auto"`: `"quantize"` under DDP with more than one process,
+            `"none"` otherwise. With the default 2 bits, `"quantize"` is ternary: per block of 128 entries, those
+            below half the block's largest magnitude are zero and cost one bitmap bit; the rest cost one more bit
+            (sign) and are decoded as +-the block's largest magnitude; error feedback keeps what was not sent.
+            Measured in `recipes/bench_comm.py`, it matches dense perplexity where the article's top-15%% did not.
         grpo_density (`float`, *optional*, defaults to `0.15`):
-            Fraction of gradient entries kept (the article's top 15%%) for groups that do not set their own.
-        grpo_bits (`str`, *optional*, defaults to `"auto"`):
-            Bits per kept value: `"auto"` (4 for linear-like weights, 8 for convolutions and embeddings), or one of
-            `4`, `8`, `16`, `32` for every group that does not set its own.
-        grpo_comm_mode (`str`, *optional*, defaults to `"allreduce"`):
-            `"allreduce"` (per-rank traffic flat in the number of workers) or `"allgather"`.
+            Fraction of gradient entries kept by top-k (the article's 15%%) when `grpo_compression` includes
+            `"sparse"`, for groups that do not set their own.
+        grpo_bits (`str`, *optional*, defaults to `"2"`):
+            Bits per sent value: `2` (ternary, see above), `4`, `8`, `16`, `32`, or `"auto"` (the article's: 4 for
+            linear-like weights, 8 for convolutions and embeddings), for every group that does not set its own.
+        grpo_comm_mode (`str`, *optional*, defaults to `"allgather"`):
+            `"allgather"` (every rank's message to every rank: per-rank bytes grow as `W - 1`; the best at 2-3
+            workers) or `"allreduce"` (compressed reduce-scatter + all-gather: per-rank bytes flat in `W`; its
+            re-quantization of the averaged values costs quality at 2 bits: use 4 bits with it).
         grpo_dense_warmup_steps (`int`, *optional*, defaults to `2`):
             Optimizer steps sent dense before compression starts (DDP rebuilds its buckets after step 1).
         grpo_min_compress_numel (`int`, *optional*, defaults to `4096`):
@@ -104,25 +111,28 @@ class GRPOConfig(TrainingArguments):
     grpo_compression: str = field(
         default="auto",
         metadata={
-            "help": "Gradient compression: 'auto' (sparse+quantize under multi-process DDP, none otherwise), 'none', "
-            "'sparse', 'quantize', 'sparse+quantize'.",
+            "help": "Gradient compression: 'auto' (quantize under multi-process DDP, none otherwise), 'none', "
+            "'sparse' (top-k), 'quantize' (every entry at grpo_bits), 'sparse+quantize' (the article's).",
             "choices": list(COMPRESSION_CHOICES),
         },
     )
     grpo_density: float = field(
-        default=0.15, metadata={"help": "Fraction of gradient entries kept per tensor, in (0, 1] (article: 15%%)."}
+        default=0.15,
+        metadata={"help": "Top-k kept fraction per tensor in (0, 1] when compression is sparse (article: 15%%)."},
     )
     grpo_bits: str = field(
-        default="auto",
+        default="2",
         metadata={
-            "help": "Bits per kept value: 'auto' (4 for linear-like, 8 for conv/embeddings) or 4, 8, 16, 32.",
+            "help": "Bits per sent value: 2 (ternary, the default), 4, 8, 16, 32, or 'auto' (the article's: 4 for "
+            "linear-like, 8 for conv/embeddings).",
             "choices": list(BITS_CHOICES),
         },
     )
     grpo_comm_mode: str = field(
-        default="allreduce",
+        default="allgather",
         metadata={
-            "help": "'allreduce': per-rank bytes flat in the number of workers; 'allgather': grows with it.",
+            "help": "'allgather' (bytes per rank grow with the number of workers; best at 2-3) or 'allreduce' (flat "
+            "in the number of workers; use 4 bits with it).",
             "choices": list(COMM_MODE_CHOICES),
         },
     )

@@ -20,7 +20,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "default"
-SUPPORTED_BITS = (4, 8, 16, 32)
+SUPPORTED_BITS = (2, 4, 8, 16, 32)
 RULE_KEYS = {"name", "pattern", "density", "sparsity", "bits", "lr_scale_min", "lr_scale_max", "importance"}
 FILE_KEYS = {"groups", "split_by_shape"}
 

@@ -210,7 +210,7 @@ QUICKSTART_RECIPE: dict[str, Any] = {
     "logging_steps": 5,
     "save_strategy": "no",
     "report_to": "none",
-    "grpo_compression": "sparse+quantize",
+    "grpo_compression": "quantize",
 }
 TINY_RECIPE: dict[str, Any] = {
     "model_name_or_path": "tiny-llama",
@@ -236,7 +236,7 @@ TINY_RECIPE: dict[str, Any] = {
     "logging_steps": 2,
     "save_strategy": "no",
     "report_to": "none",
-    "grpo_compression": "sparse+quantize",
+    "grpo_compression": "quantize",
     "grpo_lr_scale_warmup_steps": 4,
 }
 

@@ -113,7 +113,7 @@ class GRPOMixin:
         distributed_type = self.accelerator.distributed_type
         distributed = self.accelerator.num_processes > 1 and distributed_type.value.startswith("MULTI_")
         if self.args.grpo_compression == "auto":
-            return "sparse+quantize" if distributed else "none"
+            return "quantize" if distributed else "none"
         return self.args.grpo_compression
 
     def _tag_user_optimizer(self, optimizer) -> None:

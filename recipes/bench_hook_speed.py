@@ -3,9 +3,9 @@
     python recipes/bench_hook_speed.py                      # tiny Llama (hidden 256, 4 layers, vocab 8192) and LoRA
     python recipes/bench_hook_speed.py --density 0.01 --steps 8
 
-Two models: the tiny Llama of the communication benchmark at hidden 256 / 4 layers (6.3M parameters, 29 tensors, 15
-of them compressed), and the LoRA r=8 adapters of SmolLM2-135M (2.4M parameters in 420 tensors, 360 compressed:
-the many-small-tensors case). Gradients are random; the hook runs at world size 1 (its collectives are no-ops), so
+Two models: a tiny Llama (hidden 256, 4 layers, vocab 8192: 6.3M parameters in 38 tensors, 29 of them
+compressed), and the LoRA r=8 adapters of SmolLM2-135M (2.4M parameters in 420 tensors, 360 compressed: the
+many-small-tensors case). Gradients are random; the hook runs at world size 1 (its collectives are no-ops), so
 the time is the compression work alone: top-k, index coding, quantization, decoding and error feedback. One thread
 (`torchrun` sets OMP_NUM_THREADS=1). Prints one markdown table: median ms per step and ms per million elements.
 """

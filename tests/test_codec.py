@@ -25,7 +25,7 @@ from grpo_hf.compression.codec import (
 )
 
 
-ALL_BITS = (32, 16, 8, 4)
+ALL_BITS = (32, 16, 8, 4, 2)
 FP32_MAX = torch.finfo(torch.float32).max
 FP32_TINY_DENORMAL = 1.401298464324817e-45
 
@@ -80,7 +80,7 @@ def test_dense_bytes():
         ({"density": "0.1"}, "density"),
         ({"density": True}, "density"),
         ({"bits": 3}, "bits"),
-        ({"bits": 2}, "bits"),
+        ({"bits": 1}, "bits"),
         ({"block_size": 100}, "block_size"),
         ({"block_size": 0}, "block_size"),
     ],
@@ -474,3 +474,48 @@ def test_topk_positions_with_ties():
     positions = _topk_positions(magnitudes, 15_000)
     assert positions.numel() == 15_000 and bool((positions[1:] > positions[:-1]).all())
     assert bool((magnitudes[positions] == 2.0).sum() == 100)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2 bits: ternary codes, sent as a bitmap of the non-zero codes plus their signs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_quantize_exact_2bit_is_ternary():
+    values = torch.tensor([0.9, -0.45, 0.51, -1.0, 0.0, 0.2, -0.6, 0.49])
+    codes, scales = quantize(values, 2, block_size=4)
+    # absmax 1.0 per block: |v| >= 0.5 -> +-1.0 (0.5 ties to even, i.e. 0), below -> 0
+    assert torch.equal(scales, torch.tensor([1.0, 0.6]))
+    decoded = dequantize(codes, scales, 2, 8, block_size=4)
+    assert torch.equal(decoded, torch.tensor([1.0, -0.0, 1.0, -1.0, 0.0, 0.0, -0.6, 0.6]))
+    assert codes.numel() == 2  # four 2-bit codes per byte
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 130, 1000])
+def test_ternary_wire_round_trip_and_size(numel):
+    from grpo_hf.compression.codec import ternary_from_wire, ternary_to_wire, ternary_wire_nbytes
+
+    values = torch.stack([_randn(numel, seed=1), torch.zeros(numel), torch.full((numel,), 3.0)])
+    rows = [quantize(row, 2) for row in values]
+    payload = torch.stack([codes for codes, _ in rows])
+    wires = ternary_to_wire(payload, numel)
+    nonzero = [int((dequantize(c, s, 2, numel) != 0).sum()) for c, s in rows]
+    expected = [math.ceil(numel / 8) + math.ceil(n / 8) for n in nonzero]
+    assert [w.numel() for w in wires] == expected == ternary_wire_nbytes(payload, numel).tolist()
+    assert nonzero[1] == 0 and nonzero[2] == numel  # all zeros: bitmap only; all equal: every code non-zero
+    buffer, offset = torch.cat(wires), 0
+    for row in payload:
+        codes, used = ternary_from_wire(buffer[offset:], numel)
+        assert torch.equal(codes, row)
+        offset += used
+    assert offset == buffer.numel()
+
+
+def test_ternary_message_is_smaller_than_packed_codes():
+    grad = _randn(100_000, seed=3)
+    ct, decoded, _ = _check_feedback(grad, None, CodecSpec(density=1.0, bits=2))
+    nonzero = int((decoded != 0).sum())
+    assert 0.05 < nonzero / grad.numel() < 0.3  # Gaussian blocks: |x| >= absmax / 2 is rare
+    scales = 4 * math.ceil(grad.numel() / 128)
+    assert ct.nbytes() == HEADER_NBYTES + scales + math.ceil(grad.numel() / 8) + math.ceil(nonzero / 8)
+    assert ct.nbytes() < HEADER_NBYTES + scales + grad.numel() // 4  # packed 2-bit codes

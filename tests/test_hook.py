@@ -130,7 +130,7 @@ def test_chunk_bounds_cover_block_aligned(num_values, world_size):
     assert all(start % 128 == 0 or start == num_values for start, _ in bounds)
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("bits", [16, 8, 4, 2])
 @pytest.mark.parametrize("num_values", [0, 1, 127, 300])
 def test_quantized_nbytes_matches_codec(bits, num_values):
     payload, scales = quantize(torch.randn(num_values), bits)
@@ -351,9 +351,10 @@ def test_compress_locally_sparsifies_grads_with_error_feedback(mode):
     assert state.step == 2 and state.hook_calls == 2
 
 
-def test_compress_locally_counts_allgather_bytes_exactly():
+@pytest.mark.parametrize("density, bits", [(0.2, 8), (1.0, 2), (0.2, 2)])
+def test_compress_locally_counts_allgather_bytes_exactly(density, bits):
     model = tiny_llama()
-    settings = llama_settings(model, density=0.2, bits=8)
+    settings = llama_settings(model, density=density, bits=bits)
     state = GRPOCommState(settings, mode="allgather", dense_warmup_steps=0, simulated_world_size=4)
     backward(model)
     expected_messages, dense = 0, 0

@@ -136,7 +136,7 @@ def test_recipe_files_match_the_builtins_and_document_themselves(name, builtin):
     for word in ("grpo-hf", "Hardware:", "Wall time:", "Expected:"):
         assert word in header
     model_args, data_args, args = load_recipe(path)
-    assert isinstance(args, GRPOConfig) and args.grpo_compression == "sparse+quantize"
+    assert isinstance(args, GRPOConfig) and args.grpo_compression == "quantize"
     assert model_args.model_name_or_path in ("smollm2-135m", "tiny-llama")
 
 

@@ -119,7 +119,7 @@ __all__ = [
     "serialize",
 ]
 
-SUPPORTED_BITS = (32, 16, 8, 4)
+SUPPORTED_BITS = (32, 16, 8, 4, 2)
 DEFAULT_BLOCK_SIZE = 128
 HEADER_NBYTES = 12
 _HEADER_FORMAT = "<BBBBii"
@@ -243,8 +243,8 @@ class CompressedTensor:
         if self.num_values is None:
             if self.indices is None:
                 self.num_values = self.numel
-            elif self.spec.bits == 4:
-                raise ValueError("`num_values` is required for 4-bit values (two codes share a byte).")
+            elif self.spec.bits < 8:
+                raise ValueError(f"`num_values` is required for {self.spec.bits}-bit values (codes share bytes).")
             else:
                 self.num_values = self.values.numel()
         if self.indices is None:
@@ -262,12 +262,18 @@ class CompressedTensor:
             include_indices (`bool`, *optional*, defaults to `True`):
                 Count the index payload. Pass `False` when all ranks already share the indices (all-reduce mode).
         """
-        total = HEADER_NBYTES + self.values.numel() * self.values.element_size()
+        total = HEADER_NBYTES + self.value_nbytes()
         if self.scales is not None:
             total += self.scales.numel() * self.scales.element_size()
         if include_indices and self.indices is not None:
             total += self.indices.numel()
         return total
+
+    def value_nbytes(self) -> int:
+        """Wire bytes of the values: the payload, except at 2 bits (see [`ternary_to_wire`])."""
+        if self.spec.bits == 2:
+            return int(ternary_wire_nbytes(self.values, self.num_values)[0])
+        return self.values.numel() * self.values.element_size()
 
     def positions(self) -> torch.Tensor | None:
         """The kept positions as sorted `int64`, or `None` when dense."""
@@ -326,21 +332,105 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Signed integer-valued fp32 codes -> biased `uint8` (two per byte at 4 bits, low nibble first)."""
+    """Signed integer-valued fp32 codes -> biased `uint8` (`8 // bits` per byte at 4 and 2 bits, low bits first)."""
     bias = 1 << (bits - 1)
     codes = (q.to(torch.int16) + bias).to(torch.uint8)
     if bits == 8:
         return codes
-    if codes.numel() % 2:
-        codes = F.pad(codes, (0, 1), value=bias)  # padding nibble decodes to code 0
-    pairs = codes.view(-1, 2)
-    return pairs[:, 0] | (pairs[:, 1] << 4)
+    per_byte = 8 // bits
+    if codes.numel() % per_byte:
+        codes = F.pad(codes, (0, per_byte - codes.numel() % per_byte), value=bias)  # padding decodes to code 0
+    return _pack_fields(codes.view(-1, per_byte), bits)
+
+
+def _pack_fields(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`[..., 8 // bits]` uint8 codes -> `[...]` bytes, field `i` in bits `[i * bits, (i + 1) * bits)`."""
+    packed = codes[..., 0].clone()
+    for i in range(1, codes.shape[-1]):
+        packed |= codes[..., i] << (bits * i)
+    return packed
+
+
+def _unpack_fields(payload: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of [`_pack_fields`]: `[...]` bytes -> `[..., 8 // bits]` codes."""
+    mask = (1 << bits) - 1
+    return torch.stack([(payload >> (bits * i)) & mask for i in range(8 // bits)], dim=-1)
+
+
+_POPCOUNT = torch.tensor([bin(byte).count("1") for byte in range(256)], dtype=torch.int64)
+_POPCOUNT_NP = _POPCOUNT.numpy()
+_TERNARY_ZERO = 2  # the biased 2-bit code of 0 (codes 1, 2, 3 are -1, 0, +1)
+
+
+def ternary_wire_nbytes(payload: torch.Tensor, k: int) -> torch.Tensor:
+    """
+    Wire bytes of the 2-bit (ternary) codes of each row of `payload` (`[T, ceil(k / 4)]` packed codes, or one flat
+    row): a bitmap of the non-zero codes (`ceil(k / 8)` bytes) followed by one sign bit per non-zero code
+    (`ceil(nnz / 8)` bytes). At most `2 k / 8` bytes (every code non-zero), `1.15 k / 8` at 15% non-zero codes.
+    Returns an `int64` tensor of `T` byte counts (one for a flat row).
+    """
+    codes = _unpack_fields(payload.reshape(-1, payload.shape[-1]), 2).view(
+        payload.shape[0] if payload.dim() > 1 else 1, -1
+    )
+    nonzero = (codes[:, :k] != _TERNARY_ZERO).sum(dim=1)
+    return (k + 7) // 8 + (nonzero + 7) // 8
+
+
+def ternary_to_wire(payload: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """
+    2-bit codes -> wire bytes, per row: the bitmap of non-zero codes, then their signs (bit set = negative), both
+    little-endian within a byte. `payload` is `[T, ceil(k / 4)]` packed codes (from the 2-bit quantizer).
+    """
+    rows = payload.shape[0]
+    codes = _unpack_fields(payload, 2).view(rows, -1)[:, :k]
+    nonzero = codes != _TERNARY_ZERO
+    bitmap = _pack_bits(nonzero)
+    counts = nonzero.sum(dim=1)
+    width = int(counts.max()) if rows else 0
+    # Row r's signs, in position order, go to the first counts[r] columns of a [T, width] matrix.
+    rank_in_row = nonzero.cumsum(dim=1) - 1
+    signs = torch.zeros(rows, max(width, 1), dtype=torch.bool, device=payload.device)
+    row_ids = torch.arange(rows, device=payload.device).view(-1, 1).expand_as(codes)
+    signs[row_ids[nonzero], rank_in_row[nonzero]] = codes[nonzero] < _TERNARY_ZERO
+    sign_bytes = _pack_bits(signs)
+    lengths = ((counts + 7) // 8).tolist()
+    return [torch.cat([bitmap[r], sign_bytes[r, :n]]) for r, n in enumerate(lengths)]
+
+
+def ternary_from_wire(wire: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+    """
+    Inverse of [`ternary_to_wire`] for one row read from the start of `wire`: returns the packed 2-bit codes
+    (`ceil(k / 4)` bytes) and the number of wire bytes consumed.
+    """
+    bitmap_bytes = (k + 7) // 8
+    bitmap = wire[:bitmap_bytes]
+    nonzero = _unpack_bits(bitmap)[:k]
+    count = int(_POPCOUNT.to(bitmap.device)[bitmap.long()].sum())
+    used = bitmap_bytes + (count + 7) // 8
+    negative = _unpack_bits(wire[bitmap_bytes:used])[:count]
+    codes = torch.full((k,), _TERNARY_ZERO, dtype=torch.uint8, device=wire.device)
+    codes[nonzero] = torch.where(negative, _TERNARY_ZERO - 1, _TERNARY_ZERO + 1).to(torch.uint8)
+    return _pack_codes(codes.to(torch.int16) - (1 << 1), 2), used
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """`[T, n]` bool -> `[T, ceil(n / 8)]` uint8, little-endian within a byte."""
+    rows, n = mask.shape
+    bits = mask.to(torch.uint8)
+    if n % 8:
+        bits = F.pad(bits, (0, 8 - n % 8))
+    return _pack_fields(bits.view(rows, -1, 8), 1)
+
+
+def _unpack_bits(payload: torch.Tensor) -> torch.Tensor:
+    """Inverse of [`_pack_bits`] for one row: `[bytes]` uint8 -> `[8 * bytes]` bool."""
+    return _unpack_fields(payload, 1).view(-1).bool()
 
 
 def _unpack_codes(payload: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     bias = 1 << (bits - 1)
-    if bits == 4:
-        payload = torch.stack((payload & 15, payload >> 4), dim=1).view(-1)[:numel]
+    if bits < 8:
+        payload = _unpack_fields(payload, bits).view(-1)[:numel]
     return payload.to(torch.int16) - bias
 
 
@@ -998,8 +1088,12 @@ class _RowBatch:
 
     def nbytes(self) -> list[int]:
         """Wire bytes of each row's message ([`CompressedTensor.nbytes`])."""
-        fixed = HEADER_NBYTES + self.payload.shape[1] + (0 if self.scales is None else 4 * self.scales.shape[1])
-        return [fixed + idx.numel() for idx in self.indices]
+        fixed = HEADER_NBYTES + (0 if self.scales is None else 4 * self.scales.shape[1])
+        if self.spec.bits == 2:
+            values = ternary_wire_nbytes(self.payload, self.num_values).tolist()
+        else:
+            values = [self.payload.shape[1]] * self.rows
+        return [fixed + value + idx.numel() for value, idx in zip(values, self.indices)]
 
 
 def _rows_as(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -1058,11 +1152,11 @@ def _quantize_rows(values: torch.Tensor, bits: int, block_size: int):
         decoded.masked_fill_(bad, 0.0)
     bias = 1 << (bits - 1)
     codes = (q.view(rows, -1)[:, :k].to(torch.int16) + bias).to(torch.uint8)
-    if bits == 4:
-        if k % 2:
-            codes = F.pad(codes, (0, 1), value=bias)
-        pairs = codes.view(rows, -1, 2)
-        codes = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+    if bits < 8:
+        per_byte = 8 // bits
+        if k % per_byte:
+            codes = F.pad(codes, (0, per_byte - k % per_byte), value=bias)
+        codes = _pack_fields(codes.view(rows, -1, per_byte), bits)
     return codes, scales, decoded.view(rows, -1)[:, :k]
 
 
@@ -1074,8 +1168,8 @@ def _dequantize_rows(payload: torch.Tensor, scales: torch.Tensor | None, bits: i
     if bits == 16:
         return _rows_as(payload, torch.float16).to(torch.float32) * scales.view(rows, 1)
     bias = 1 << (bits - 1)
-    if bits == 4:
-        payload = torch.stack((payload & 15, payload >> 4), dim=2).view(rows, -1)
+    if bits < 8:
+        payload = _unpack_fields(payload, bits).view(rows, -1)
     q = (payload[:, :k].to(torch.int16) - bias).to(torch.float32)
     num_blocks = scales.shape[1]
     q = F.pad(q, (0, num_blocks * block_size - k)).view(rows, num_blocks, block_size)
@@ -1231,9 +1325,13 @@ def _serialize_rows(batch: _RowBatch) -> list[torch.Tensor]:
     parts = [header.to(batch.payload.device)]
     if batch.scales is not None:
         parts.append(batch.scales.contiguous().view(torch.uint8).view(rows, -1))
-    parts.append(batch.payload)
+    if spec.bits == 2:
+        values = ternary_to_wire(batch.payload, batch.num_values)
+    else:
+        parts.append(batch.payload)
+        values = [batch.payload.new_zeros(0)] * rows
     fixed = torch.cat(parts, dim=1)
-    return [piece for row in range(rows) for piece in (fixed[row], batch.indices[row]) if piece.numel()]
+    return [piece for row in range(rows) for piece in (fixed[row], values[row], batch.indices[row]) if piece.numel()]
 
 
 def _deserialize_rows(buffer: torch.Tensor, offset: int, rows: int, numel: int, spec: CodecSpec):
@@ -1250,28 +1348,37 @@ def _deserialize_rows(buffer: torch.Tensor, offset: int, rows: int, numel: int, 
         num_scales, value_bytes = 1, 2 * k
     else:
         num_scales, value_bytes = -(-k // block), (k * bits + 7) // 8
-    fixed = HEADER_NBYTES + 4 * num_scales + value_bytes
+    head = HEADER_NBYTES + 4 * num_scales
+    bitmap_bytes = (k + 7) // 8
     host = buffer[offset:].cpu().numpy() if buffer.device.type != "cpu" else buffer[offset:].numpy()
-    starts, schemes, index_sizes, position = [], [], [], 0
-    for _ in range(rows):  # headers are read on the host, one after another (their index sizes differ)
+    starts, schemes, index_sizes, value_sizes, position = [], [], [], [], 0
+    for _ in range(rows):  # headers are read on the host, one after another (their sizes differ)
         scheme, got_bits, _flags, _log2, got_k, index_bytes = struct.unpack_from(_HEADER_FORMAT, host, position)
         if got_bits != bits or got_k != k:
             raise ValueError(f"corrupt message: {got_bits} bits and {got_k} values, expected {bits} and {k}.")
+        if bits == 2:  # bitmap of the non-zero codes, then one sign bit per non-zero code
+            nonzero = int(_POPCOUNT_NP[host[position + head : position + head + bitmap_bytes]].sum())
+            value_bytes = bitmap_bytes + (nonzero + 7) // 8
         starts.append(position)
         schemes.append(scheme)
         index_sizes.append(index_bytes)
-        position += fixed + index_bytes
+        value_sizes.append(value_bytes)
+        position += head + value_bytes + index_bytes
     view = buffer[offset : offset + position]
     starts_t = torch.tensor(starts, device=buffer.device)
-    fixed_bytes = view[starts_t.view(-1, 1) + torch.arange(fixed, device=buffer.device)]
     scales = None
+    if bits == 2:
+        heads = view[starts_t.view(-1, 1) + torch.arange(head, device=buffer.device)]
+        payload = torch.stack([ternary_from_wire(view[s + head :], k)[0] for s in starts])
+    else:
+        heads = view[starts_t.view(-1, 1) + torch.arange(head + value_bytes, device=buffer.device)]
+        payload = heads[:, head:]
     if num_scales:
-        scales = _rows_as(fixed_bytes[:, HEADER_NBYTES : HEADER_NBYTES + 4 * num_scales], torch.float32)
-    payload = fixed_bytes[:, HEADER_NBYTES + 4 * num_scales :]
+        scales = _rows_as(heads[:, HEADER_NBYTES:head], torch.float32)
     decoded = _dequantize_rows(payload, scales, bits, k, block)
     positions = None
     if k < numel:
-        payloads = [view[s + fixed : s + fixed + size] for s, size in zip(starts, index_sizes)]
+        payloads = [view[s + head + v : s + head + v + size] for s, v, size in zip(starts, value_sizes, index_sizes)]
         positions = _decode_rows(schemes, payloads, numel, k)
     return positions, decoded, offset + position
 
@@ -1310,7 +1417,10 @@ def serialize(ct: CompressedTensor, include_indices: bool = True) -> torch.Tenso
     parts = [torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)]
     if ct.scales is not None:
         parts.append(ct.scales.contiguous().view(torch.uint8))
-    parts.append(ct.values.contiguous().view(torch.uint8))
+    if ct.spec.bits == 2:
+        parts.extend(ternary_to_wire(ct.values.reshape(1, -1), ct.num_values))
+    else:
+        parts.append(ct.values.contiguous().view(torch.uint8))
     if index_bytes:
         parts.append(ct.indices)
     return torch.cat(parts)
@@ -1346,7 +1456,10 @@ def deserialize(buffer: torch.Tensor, numel: int) -> CompressedTensor:
     if bits != 32:
         scales = _view_as(buffer[offset : offset + 4 * num_scales], torch.float32)
         offset += 4 * num_scales
-    values = _view_as(buffer[offset : offset + value_bytes], value_dtype)
+    if bits == 2:
+        values, value_bytes = ternary_from_wire(buffer[offset:], k)
+    else:
+        values = _view_as(buffer[offset : offset + value_bytes], value_dtype)
     offset += value_bytes
     scheme = IndexScheme(scheme)
     indices = None if scheme == IndexScheme.DENSE else buffer[offset : offset + index_bytes]

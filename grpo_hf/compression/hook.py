@@ -89,9 +89,9 @@ quantizer, one decoder per group and step, not per tensor, with results bit-iden
 (tests compare them). On CPU the full-size passes (threshold compare, `nonzero`, scatters) run in numpy, which is
 several times faster than torch's kernels on one thread, and the `acc` / residual matrices are double-buffered (no
 fresh multi-megabyte allocations, hence no page faults, after the first steps). `recipes/bench_hook_speed.py`
-measures it: on a loaded 2-core CPU, one thread, the tiny Llama of the comm benchmark (hidden 256, 4 layers, 6.3M
-parameters) went from about 290-500 ms to 60-150 ms per step and SmolLM2-135M's LoRA adapters (2.4M parameters in
-420 tensors) from 700-1200 ms to 40-110 ms.
+measures it (world size 1, one thread, a shared 2-core CPU): for a tiny Llama (hidden 256, 4 layers, 6.3M parameters
+in 38 tensors) the hook went from 200-240 to 90-105 ms per step, for SmolLM2-135M's LoRA r=8 adapters (2.4M
+parameters in 420 tensors) from 400-610 to 47-67 ms.
 
 ## Tuning
 

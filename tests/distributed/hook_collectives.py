@@ -149,7 +149,7 @@ def run_all() -> dict:
     """Every scenario in both modes; needs an initialized gloo process group."""
     results = {"world_size": dist.get_world_size()}
     for mode in ("allreduce", "allgather"):
-        for density, bits in ((0.1, 4), (0.3, 8), (0.2, 16), (0.15, 32), (1.0, 4)):
+        for density, bits in ((0.1, 4), (0.3, 8), (0.2, 16), (0.15, 32), (1.0, 4), (1.0, 2), (0.2, 2)):
             results[f"fake/{mode}/{density}/{bits}"] = run_fake(mode, density, bits)
         results[f"fake_bf16/{mode}"] = run_fake(mode, 0.15, 4, dtype=torch.bfloat16)
         results[f"nonfinite/{mode}"] = run_fake(mode, 0.15, 4, inject_step=3)

@@ -117,7 +117,7 @@ def scenario_lossless(out_dir):
 
 
 def scenario_lossy(out_dir):
-    """Both modes, defaults (sparse+quantize, density 0.15, bits auto), 20+ steps; accumulation and bf16 autocast."""
+    """Both modes, defaults (quantize, 2-bit ternary), 20+ steps; accumulation and bf16 autocast."""
     allgather, _ = train(
         make_args(
             out_dir, "allgather", max_steps=20, grpo_comm_mode="allgather", bf16=True, ddp_find_unused_parameters=False
