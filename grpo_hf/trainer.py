@@ -3,6 +3,7 @@
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import logging
 
 from .callbacks import GRPOCallback
 from .compression.hook import GRPOCommState, compress_locally, grpo_comm_hook
@@ -10,6 +11,9 @@ from .config import ensure_grpo_args
 from .cost import CostCallback, ring_allreduce_bytes
 from .grouping import assign_groups, load_group_spec, resolve_compression
 from .importance import ImportanceState
+
+
+logger = logging.get_logger(__name__)
 
 
 def _refuse_unsupported_backends(fsdp: bool, deepspeed: bool) -> None:
@@ -102,6 +106,13 @@ class GRPOMixin:
                 dense_warmup_steps=self.args.grpo_dense_warmup_steps,
             )
             self.grpo_callback.comm_state = self.grpo_comm_state
+            specs = [self.grpo_comm_state.spec_for(name) for name in self.grpo_compression_settings]
+            if self.args.grpo_comm_mode == "allreduce" and any(spec and spec.bits == 2 for spec in specs):
+                logger.warning(
+                    "grpo_comm_mode='allreduce' with 2-bit values: the all-reduce "
+                    "re-quantizes the averaged values to 2 bits, which cost 27% perplexity in recipes/bench_comm.py. "
+                    "Use grpo_bits='4' with 'allreduce', or grpo_comm_mode='allgather' (the default) for 2 bits."
+                )
         self._grpo_hooked_models: set[int] = set()
         self._grpo_bytes_counted = 0
         if self.optimizer is not None:  # optimizers=(opt, sched) given by the user

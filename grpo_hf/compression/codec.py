@@ -11,8 +11,10 @@ these functions. Every function works on the device of its input and is vectoris
    the flag `nonfinite` set and the residual is left unchanged (see [`compress_with_feedback`]).
 2. Keep the `k = ceil(density * numel)` entries of largest magnitude (or the caller's shared `indices`).
 3. Quantize the kept values: 32 bit raw fp32; 16 bit fp16 after a per-tensor power-of-two shift (so that gradients
-   of any magnitude use the full fp16 mantissa); 8 and 4 bit symmetric round-to-nearest codes in `[-127, 127]` /
-   `[-7, 7]` with one fp32 absmax scale per block of `block_size` kept values (an outlier only coarsens its block).
+   of any magnitude use the full fp16 mantissa); 8, 4 and 2 bit symmetric round-to-nearest codes in `[-127, 127]`,
+   `[-7, 7]` and `[-1, 1]` with one fp32 absmax scale per block of `block_size` kept values (an outlier only
+   coarsens its block). 2 bits is ternary: a value is sent as +-its block's absmax when its magnitude is at least
+   half of it, and as 0 otherwise (most entries of a block: about 85% of a Gaussian block of 128).
 4. Decode with `code * scale` (one fp32 multiply, bit-identical on every device). Any kept entry for which
    `decoded + (acc - decoded) != acc` in fp32 is re-coded as 0 (it stays whole in the residual). With
    round-to-nearest and absmax scales this essentially never triggers (Sterbenz: a non-zero decoded value lies
@@ -29,8 +31,9 @@ a fallback path.
 | part    | bytes                                                                                              |
 |---------|----------------------------------------------------------------------------------------------------|
 | header  | 12: `u8 index_scheme, u8 bits, u8 flags (bit 0: nonfinite), u8 log2(block_size), i32 k, i32 index_bytes` |
-| scales  | 8/4 bit: `4 * ceil(k / block_size)` (fp32); 16 bit: 4 (one fp32 power of two); 32 bit: 0             |
+| scales  | 8/4/2 bit: `4 * ceil(k / block_size)` (fp32); 16 bit: 4 (one fp32 power of two); 32 bit: 0           |
 | values  | 32 bit: `4k`; 16 bit: `2k`; 8 bit: `k` (code + 128); 4 bit: `ceil(k / 2)` (code + 8, low nibble first) |
+|         | 2 bit: `ceil(k / 8)` bitmap of the non-zero codes + `ceil(nnz / 8)` sign bits (set = negative), little-endian |
 | indices | `index_bytes`, per [`IndexScheme`]; 0 when dense (`k == numel`)                                     |
 
 Index schemes (the cheapest is chosen per tensor from the exact byte counts, see [`encode_indices`]):
@@ -51,6 +54,10 @@ per kept index:
 | 0.15    | `DELTA4`  | 0.833    | 0.548    | 1.0      | 2.0       | 4.0     | 161,945 B           | 24.7x         |
 | 0.01    | `DELTA8`  | 12.5     | 3.57     | 1.081    | 2.0       | 4.0     | 16,137 B            | 247.9x        |
 | 0.0001  | `DELTA16` | 1250     | 332      | 39.6     | 2.0       | 4.0     | 266 B               | 15,038x       |
+
+At 2 bits the codes are held packed four per byte in memory (`values`), but sent as the bitmap + signs above: `1 +
+nnz / k` bits per value instead of 2 (1.15 at 15% non-zero codes), plus 0.25 for the scales; [`ternary_to_wire`]
+and [`ternary_from_wire`] convert. A 2-bit message therefore has a data-dependent size.
 
 At density 0.15 and 4 bits a kept value costs 0.548 (index) + 0.5 (code) + 0.031 (scale) = 1.08 bytes instead of
 4.5 with int32 indices. Speed on one CPU thread (shared 2-core box): compress with error feedback in about 6 ms per
@@ -157,9 +164,9 @@ class CodecSpec:
             every entry and no indices.
         bits (`int`, *optional*, defaults to `4`):
             Bits per kept value: `32` (raw fp32, lossless), `16` (fp16 after a per-tensor power-of-two shift),
-            `8` or `4` (symmetric round-to-nearest codes with one fp32 absmax scale per block).
+            `8`, `4` or `2` (symmetric round-to-nearest codes with one fp32 absmax scale per block; 2 is ternary).
         block_size (`int`, *optional*, defaults to `128`):
-            Number of kept values that share one scale at 8 and 4 bits; a power of two. Smaller blocks follow
+            Number of kept values that share one scale at 8, 4 and 2 bits; a power of two. Smaller blocks follow
             outliers more closely and cost `4 / block_size` bytes per value more.
 
     Example:
@@ -218,12 +225,12 @@ class CompressedTensor:
         indices (`torch.Tensor` or `None`):
             Encoded kept positions as a `uint8` byte tensor (see [`IndexScheme`]); `None` when dense.
         values (`torch.Tensor`):
-            `uint8` codes at 8 and 4 bits (4 bit: two per byte, low nibble first), `float16` at 16 bits, `float32` at
+            `uint8` codes at 8, 4 and 2 bits (`8 // bits` per byte, low bits first), `float16` at 16 bits, `float32` at
             32 bits.
         scales (`torch.Tensor` or `None`):
-            `float32` per-block scales at 8 and 4 bits, a one-element power of two at 16 bits, `None` at 32 bits.
+            `float32` per-block scales at 8, 4 and 2 bits, a one-element power of two at 16 bits, `None` at 32 bits.
         num_values (`int`, *optional*):
-            Number of kept values `k`; inferred from `values` when not given (required at 4 bits).
+            Number of kept values `k`; inferred from `values` when not given (required at 4 and 2 bits).
         index_scheme (`IndexScheme`, *optional*, defaults to `IndexScheme.DENSE`):
             How `indices` is encoded.
         nonfinite (`bool`, *optional*, defaults to `False`):
@@ -495,13 +502,13 @@ def quantize(
         values (`torch.Tensor`):
             Finite values, any float dtype and shape (flattened, computed in fp32).
         bits (`int`):
-            `32`, `16`, `8` or `4`.
+            `32`, `16`, `8`, `4` or `2`.
         block_size (`int`, *optional*, defaults to `128`):
-            Values per fp32 absmax scale at 8 and 4 bits.
+            Values per fp32 absmax scale at 8, 4 and 2 bits.
 
     Returns:
-        `tuple[torch.Tensor, torch.Tensor | None]`: `(payload, scales)`: at 8/4 bits `uint8` codes biased by
-        `2**(bits - 1)` (4 bit: two per byte, low nibble first) and `ceil(k / block_size)` fp32 scales; at 16 bits
+        `tuple[torch.Tensor, torch.Tensor | None]`: `(payload, scales)`: at 8/4/2 bits `uint8` codes biased by
+        `2**(bits - 1)` (`8 // bits` per byte, low bits first) and `ceil(k / block_size)` fp32 scales; at 16 bits
         fp16 values and a one-element fp32 power of two; at 32 bits the fp32 values and `None`.
     """
     _check_bits(bits)
@@ -524,9 +531,9 @@ def dequantize(
         scales (`torch.Tensor` or `None`):
             The scales returned by [`quantize`].
         bits (`int`):
-            `32`, `16`, `8` or `4`.
+            `32`, `16`, `8`, `4` or `2`.
         numel (`int`):
-            Number of values (needed at 4 bits, where a trailing padding nibble may exist).
+            Number of values (needed at 4 and 2 bits, where trailing padding codes may exist).
         block_size (`int`, *optional*, defaults to `128`):
             Must match [`quantize`].
     """
