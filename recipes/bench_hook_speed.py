@@ -31,18 +31,20 @@ from _common import FakeBucket  # noqa: E402
 
 @dataclass
 class SpeedArguments:
-    density: float = field(default=0.15, metadata={"help": "Kept fraction of every compressed tensor."})
+    density: float = field(default=1.0, metadata={"help": "Top-k kept fraction of every compressed tensor."})
+    bits: int = field(default=2, metadata={"help": "Bits per sent value (2, the default, is ternary)."})
     steps: int = field(default=6, metadata={"help": "Timed steps per measurement (after 2 untimed ones)."})
     threads: int = field(default=1, metadata={"help": "torch intra-op threads."})
 
 
-def llama_params(density: float):
+def llama_params(density: float, bits: int):
     model = tiny_llama(8192, hidden_size=256, layers=4)
-    settings = resolve_compression(model, assign_groups(model, load_group_spec("semantic")), density, "auto", 4096)
+    groups = assign_groups(model, load_group_spec("semantic"))
+    settings = resolve_compression(model, groups, density, str(bits), 4096)
     return model, settings
 
 
-def lora_params(density: float):
+def lora_params(density: float, bits: int):
     """The LoRA r=8 adapters of SmolLM2-135M (hidden 576, MLP 1536, 30 layers, 3 of 9 heads for k/v)."""
     shapes = {}
     for layer in range(30):
@@ -50,7 +52,7 @@ def lora_params(density: float):
             shapes[f"l{layer}_{module}_A"], shapes[f"l{layer}_{module}_B"] = (8, 576), (out, 8)
         shapes[f"l{layer}_down_A"], shapes[f"l{layer}_down_B"] = (8, 1536), (576, 8)
     model = nn.ParameterDict({name: nn.Parameter(torch.zeros(shape)) for name, shape in shapes.items()})
-    settings = {name: ((density, 4) if p.numel() >= 4096 else (1.0, 32)) for name, p in model.named_parameters()}
+    settings = {name: ((density, bits) if p.numel() >= 4096 else (1.0, 32)) for name, p in model.named_parameters()}
     return model, settings
 
 
@@ -78,13 +80,13 @@ def main():
     (args,) = HfArgumentParser(SpeedArguments).parse_args_into_dataclasses()
     torch.set_num_threads(args.threads)
     lines = [
-        f"density {args.density}, {args.threads} thread(s), median of {args.steps} steps",
+        f"density {args.density}, {args.bits} bits, {args.threads} thread(s), median of {args.steps} steps",
         "",
         "| model | tensors (compressed) | elements | path | mode | ms/step | ms per M elements |",
         "|---|---:|---:|---|---|---:|---:|",
     ]
     for label, build in (("tiny Llama h256 x4", llama_params), ("SmolLM2 LoRA r=8", lora_params)):
-        model, settings = build(args.density)
+        model, settings = build(args.density, args.bits)
         numel = sum(p.numel() for p in model.parameters())
         compressed = sum(1 for d, b in settings.values() if d < 1 or b < 32)
         for hook in (False, True):

@@ -495,18 +495,18 @@ def test_quantize_exact_2bit_is_ternary():
 def test_ternary_wire_round_trip_and_size(numel):
     from grpo_hf.compression.codec import ternary_from_wire, ternary_to_wire, ternary_wire_nbytes
 
-    values = torch.stack([_randn(numel, seed=1), torch.zeros(numel), torch.full((numel,), 3.0)])
+    values = torch.stack([_randn(numel, seed=1), torch.zeros(numel), torch.full((numel,), -3.0)])
     rows = [quantize(row, 2) for row in values]
-    payload = torch.stack([codes for codes, _ in rows])
-    wires = ternary_to_wire(payload, numel)
-    nonzero = [int((dequantize(c, s, 2, numel) != 0).sum()) for c, s in rows]
+    decoded = torch.stack([dequantize(codes, scales, 2, numel) for codes, scales in rows])
+    wires = ternary_to_wire(decoded)
+    nonzero = (decoded != 0).sum(dim=1).tolist()
     expected = [math.ceil(numel / 8) + math.ceil(n / 8) for n in nonzero]
-    assert [w.numel() for w in wires] == expected == ternary_wire_nbytes(payload, numel).tolist()
+    assert [w.numel() for w in wires] == expected == ternary_wire_nbytes(decoded).tolist()
     assert nonzero[1] == 0 and nonzero[2] == numel  # all zeros: bitmap only; all equal: every code non-zero
     buffer, offset = torch.cat(wires), 0
-    for row in payload:
-        codes, used = ternary_from_wire(buffer[offset:], numel)
-        assert torch.equal(codes, row)
+    for codes, _ in rows:
+        received, used = ternary_from_wire(buffer[offset:], numel)
+        assert torch.equal(received, codes)
         offset += used
     assert offset == buffer.numel()
 
