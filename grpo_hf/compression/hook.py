@@ -70,7 +70,8 @@ Example:
 | all-gather of uneven chunks summing to `S` (an all-to-all) | `(W - 1) / W * S`   |
 
 - `allgather`: `(W - 1) * (16 + max_r s_r) + 2 (W - 1) / W * 4 * n_dense`, where `s_r` is rank `r`'s packed messages
-  (12-byte header, fp32 scales, codes, compact indices per parameter: [`~grpo_hf.compression.codec.serialize`]).
+  (12-byte header, fp32 scales, codes (2-bit codes as a bitmap plus sign bits), compact indices per parameter:
+  [`~grpo_hf.compression.codec.serialize`]).
   It grows with `W`: use it for few workers.
 - `allreduce`: `(W - 1) / W * (16 * n_sparse + I) + 2 (W - 1) / W * (4 * (n_dense + k_32 + 1) + Q)`, where `I`
   are the leader's index bytes, `k_32` the 32-bit values, `+ 1` the non-finite flag and `Q` the quantized values of
