@@ -827,9 +827,9 @@ def run_training(
             dense_allreduce_bytes_per_step(trainable, world) if comm_state is None else None, comm_state
         )
         trainer.add_callback(recorder)
+        density = f"density {args.grpo_density:g}, " if "sparse" in trainer.grpo_compression else ""
         comm_mode = (
-            f"{trainer.grpo_compression} ({comm_state.mode}, W={world}, density {args.grpo_density:g}, "
-            f"bits {args.grpo_bits}, error feedback)"
+            f"{trainer.grpo_compression} ({comm_state.mode}, W={world}, {density}bits {args.grpo_bits}, error feedback)"
             if comm_state is not None
             else f"dense fp32 all-reduce (W={world}, grpo_compression={trainer.grpo_compression})"
         )
