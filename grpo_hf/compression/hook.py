@@ -89,10 +89,11 @@ fp32 matrix: one top-k (a quickselect per row, or a sampled threshold for large 
 quantizer, one decoder per group and step, not per tensor, with results bit-identical to the per-tensor codec
 (tests compare them). On CPU the full-size passes (threshold compare, `nonzero`, scatters) run in numpy, which is
 several times faster than torch's kernels on one thread, and the `acc` / residual matrices are double-buffered (no
-fresh multi-megabyte allocations, hence no page faults, after the first steps). `recipes/bench_hook_speed.py`
-measures it (world size 1, one thread, a shared 2-core CPU): for a tiny Llama (hidden 256, 4 layers, 6.3M parameters
-in 38 tensors) the hook went from 200-240 to 90-105 ms per step, for SmolLM2-135M's LoRA r=8 adapters (2.4M
-parameters in 420 tensors) from 400-610 to 47-67 ms.
+fresh multi-megabyte allocations, hence no page faults, after the first steps). 2-bit codes are turned into their
+wire form (bitmap + signs) from the decoded values with numpy's `packbits`. `recipes/bench_hook_speed.py` measures
+it (world size 1, one thread, 2 CPU cores; the table is in the README): at the default density 1 and 2 bits, the
+`allgather` hook took 163 ms per step for a 6.3M-parameter Llama (26 ms per million entries) and 51 ms for
+SmolLM2-135M's LoRA r=8 adapters (2.4M parameters in 420 tensors).
 
 ## Tuning
 
@@ -101,8 +102,7 @@ Measured on a 4.2M-parameter Llama trained from scratch for 150 AdamW steps unde
 
 - **Default: density 1, 2 bits (ternary), `allgather`.** Every entry is considered every step; per block of 128, the
   entries of at least half the block's absmax are sent as +-absmax (one bitmap bit and one sign bit), the others as
-  0 (one bitmap bit); error feedback keeps the rest. It matched dense perplexity (1.004x on seed 0 of the first
-  measurement).
+  0 (one bitmap bit); error feedback keeps the rest: 16.8x fewer bytes than dense fp32 at 1.034x dense perplexity.
 - `density` < 1 (top-k, the article's 0.15) costs much more perplexity than the bytes it saves: Adam normalises each
   coordinate, so a coordinate that top-k sends once every few steps moves less per step than a dense one, and
   top-15% lost 23-42% perplexity at 4-8 bits whatever the value bits. Per-block top-k (19 of every 128) was worse
@@ -112,8 +112,8 @@ Measured on a 4.2M-parameter Llama trained from scratch for 150 AdamW steps unde
   (`grpo_bits="auto"`); 16 or 32 for groups that are sensitive. Each chunk of values gets its own fp32 scale per
   block of 128, so one outlier only coarsens its block.
 - `mode`: `allgather` costs `(W - 1) * s` and suits 2-3 workers. `allreduce` costs about `2 Q` whatever `W`, but its
-  owners re-quantize the averaged values to the same bits, and at 2 bits that second rounding cost 27% perplexity
-  (1.27x on seed 0 of the first measurement): use 4 bits with it. Its quantized chunks are sent as packed codes
+  owners re-quantize the averaged values to the same bits, and at 2 bits that second rounding cost 34% perplexity
+  (1.34x): use 4 bits with it. Its quantized chunks are sent as packed codes
   (2 bits per value at 2 bits, not the bitmap + signs of `allgather`), so that every size is known in advance.
 - `dense_warmup_steps`: 2 by default; raise it (e.g. to the LR warm-up length) if the first steps diverge.
 
