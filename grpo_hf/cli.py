@@ -313,6 +313,8 @@ def train_command(args) -> int:
         "environment": _environment(),
         "wall_seconds": phases.elapsed(),
     }
+    if training_args.process_index != 0:  # under torchrun: the main process writes and prints the report
+        return 0
     paths = write_report(results, training_args.output_dir, command=_command_line(["train", args.recipe, *args.extra]))
     print_table(results, title=f"{args.recipe}: {row['label']}")
     print(f"Saved the model and wrote {', '.join(paths.values())}")
