@@ -519,3 +519,18 @@ def test_ternary_message_is_smaller_than_packed_codes():
     scales = 4 * math.ceil(grad.numel() / 128)
     assert ct.nbytes() == HEADER_NBYTES + scales + math.ceil(grad.numel() / 8) + math.ceil(nonzero / 8)
     assert ct.nbytes() < HEADER_NBYTES + scales + grad.numel() // 4  # packed 2-bit codes
+
+
+@pytest.mark.parametrize("numel", [1, 9, 130, 1000])
+def test_ternary_torch_and_numpy_coders_agree(numel):
+    """The torch coder runs on GPUs; the numpy one on CPU: same bytes, same codes back."""
+    from grpo_hf.compression import codec
+
+    rows = [quantize(_randn(numel, seed=s), 2) for s in range(3)] + [quantize(torch.zeros(numel), 2)]
+    decoded = torch.stack([dequantize(codes, scales, 2, numel) for codes, scales in rows])
+    by_numpy, by_torch = codec._ternary_to_wire_numpy(decoded), codec._ternary_to_wire_torch(decoded)
+    assert all(torch.equal(a, b) for a, b in zip(by_numpy, by_torch))
+    for wire, (codes, _) in zip(by_numpy, rows):
+        for decode in (codec._ternary_from_wire_numpy, codec._ternary_from_wire_torch):
+            received, used = decode(wire, numel)
+            assert torch.equal(received, codes) and used == wire.numel()

@@ -386,15 +386,25 @@ def ternary_to_wire(decoded: torch.Tensor) -> list[torch.Tensor]:
     """
     2-bit (ternary) values -> wire bytes, per row of their decoded values (`[T, k]` fp32): the bitmap of the non-zero
     codes, then their signs (bit set = negative), both little-endian within a byte. A code is non-zero exactly when
-    its decoded value is (`code * scale` with `scale > 0`), and has its sign.
+    its decoded value is (`code * scale` with `scale > 0`), and has its sign. numpy on CPU (several times faster
+    there), torch elsewhere; both give the same bytes.
     """
+    if decoded.device.type == "cpu":
+        return _ternary_to_wire_numpy(decoded)
+    return _ternary_to_wire_torch(decoded)
+
+
+def _ternary_to_wire_numpy(decoded: torch.Tensor) -> list[torch.Tensor]:
+    host = decoded.numpy()
+    nonzero = host != 0
+    bitmap = np.packbits(nonzero, axis=1, bitorder="little")
+    signs = [np.packbits(row[mask] < 0, bitorder="little") for row, mask in zip(host, nonzero)]
+    return [torch.from_numpy(np.concatenate([bits, sign])) for bits, sign in zip(bitmap, signs)]
+
+
+def _ternary_to_wire_torch(decoded: torch.Tensor) -> list[torch.Tensor]:
     rows = decoded.shape[0]
     nonzero = decoded != 0
-    if decoded.device.type == "cpu":  # numpy's packbits: several times faster than the torch path on CPU
-        host, host_nonzero = decoded.numpy(), nonzero.numpy()
-        bitmap = np.packbits(host_nonzero, axis=1, bitorder="little")
-        signs = [np.packbits(host[r][host_nonzero[r]] < 0, bitorder="little") for r in range(rows)]
-        return [torch.from_numpy(np.concatenate([bitmap[r], signs[r]])) for r in range(rows)]
     bitmap = _pack_bits(nonzero)
     counts = nonzero.sum(dim=1)
     width = int(counts.max()) if rows else 0
@@ -413,18 +423,27 @@ def ternary_from_wire(wire: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
     Inverse of [`ternary_to_wire`] for one row read from the start of `wire`: returns the packed 2-bit codes
     (`ceil(k / 4)` bytes) and the number of wire bytes consumed.
     """
-    bitmap_bytes = (k + 7) // 8
     if wire.device.type == "cpu":
-        host = wire.numpy()
-        nonzero = np.unpackbits(host[:bitmap_bytes], bitorder="little")[:k].astype(bool)
-        count = int(nonzero.sum())
-        used = bitmap_bytes + (count + 7) // 8
-        negative = np.unpackbits(host[bitmap_bytes:used], bitorder="little")[:count].astype(bool)
-        codes = np.full(-(-k // 4) * 4, _TERNARY_ZERO, dtype=np.uint8)
-        codes[:k][nonzero] = np.where(negative, _TERNARY_ZERO - 1, _TERNARY_ZERO + 1)
-        fields = codes.reshape(-1, 4)
-        packed = fields[:, 0] | (fields[:, 1] << 2) | (fields[:, 2] << 4) | (fields[:, 3] << 6)
-        return torch.from_numpy(packed), used
+        return _ternary_from_wire_numpy(wire, k)
+    return _ternary_from_wire_torch(wire, k)
+
+
+def _ternary_from_wire_numpy(wire: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+    bitmap_bytes = (k + 7) // 8
+    host = wire.numpy()
+    nonzero = np.unpackbits(host[:bitmap_bytes], bitorder="little")[:k].astype(bool)
+    count = int(nonzero.sum())
+    used = bitmap_bytes + (count + 7) // 8
+    negative = np.unpackbits(host[bitmap_bytes:used], bitorder="little")[:count].astype(bool)
+    codes = np.full(-(-k // 4) * 4, _TERNARY_ZERO, dtype=np.uint8)
+    codes[:k][nonzero] = np.where(negative, _TERNARY_ZERO - 1, _TERNARY_ZERO + 1)
+    fields = codes.reshape(-1, 4)
+    packed = fields[:, 0] | (fields[:, 1] << 2) | (fields[:, 2] << 4) | (fields[:, 3] << 6)
+    return torch.from_numpy(packed), used
+
+
+def _ternary_from_wire_torch(wire: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+    bitmap_bytes = (k + 7) // 8
     bitmap = wire[:bitmap_bytes]
     nonzero = _unpack_bits(bitmap)[:k]
     count = int(_POPCOUNT.to(bitmap.device)[bitmap.long()].sum())
