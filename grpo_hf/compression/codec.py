@@ -435,11 +435,9 @@ def _ternary_from_wire_numpy(wire: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     count = int(nonzero.sum())
     used = bitmap_bytes + (count + 7) // 8
     negative = np.unpackbits(host[bitmap_bytes:used], bitorder="little")[:count].astype(bool)
-    codes = np.full(-(-k // 4) * 4, _TERNARY_ZERO, dtype=np.uint8)
+    codes = np.full(-(-k // 4) * 4, _TERNARY_ZERO, dtype=np.uint8)  # padding decodes to code 0
     codes[:k][nonzero] = np.where(negative, _TERNARY_ZERO - 1, _TERNARY_ZERO + 1)
-    fields = codes.reshape(-1, 4)
-    packed = fields[:, 0] | (fields[:, 1] << 2) | (fields[:, 2] << 4) | (fields[:, 3] << 6)
-    return torch.from_numpy(packed), used
+    return _pack_fields(torch.from_numpy(codes).view(-1, 4), 2), used
 
 
 def _ternary_from_wire_torch(wire: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
@@ -449,9 +447,9 @@ def _ternary_from_wire_torch(wire: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     count = int(_POPCOUNT.to(bitmap.device)[bitmap.long()].sum())
     used = bitmap_bytes + (count + 7) // 8
     negative = _unpack_bits(wire[bitmap_bytes:used])[:count]
-    codes = torch.full((k,), _TERNARY_ZERO, dtype=torch.uint8, device=wire.device)
-    codes[nonzero] = torch.where(negative, _TERNARY_ZERO - 1, _TERNARY_ZERO + 1).to(torch.uint8)
-    return _pack_codes(codes.to(torch.int16) - (1 << 1), 2), used
+    codes = torch.full((-(-k // 4) * 4,), _TERNARY_ZERO, dtype=torch.uint8, device=wire.device)
+    codes[:k][nonzero] = torch.where(negative, _TERNARY_ZERO - 1, _TERNARY_ZERO + 1).to(torch.uint8)
+    return _pack_fields(codes.view(-1, 4), 2), used
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:

@@ -803,7 +803,7 @@ def _allgather_bucket(buffer: torch.Tensor, entries: list[_Entry], state: GRPOCo
     dense = [e for e in entries if e.spec is None]
     keys = [tuple(e.name for e in members) for _, _, members in groups]
     nonfinite = not _all_finite([buffer])
-    pieces, batches, accs, kept = [], [], [], 0
+    pieces, batches, sizes, accs, kept = [], [], [], [], 0
     if not nonfinite:
         accs = [state._accumulate_rows(key, [e.view for e in members]) for key, (_, _, members) in zip(keys, groups)]
         nonfinite = not _all_finite(accs)  # grad + residual overflowed in fp32
@@ -811,7 +811,9 @@ def _allgather_bucket(buffer: torch.Tensor, entries: list[_Entry], state: GRPOCo
             for (spec, _, _), acc in zip(groups, accs):
                 batch = _compress_rows_into_residual(acc, spec)  # `acc` is now the new residuals
                 batches.append(batch)
-                pieces.extend(_serialize_rows(batch))
+                serialized = _serialize_rows(batch)
+                sizes.append(sum(piece.numel() for piece in serialized))  # this batch's bytes in the message
+                pieces.extend(serialized)
                 kept += batch.num_values * batch.rows
     payload = torch.cat(pieces) if pieces and not nonfinite else buffer.new_zeros(0, dtype=torch.uint8)
     meta = torch.tensor([payload.numel(), int(nonfinite)], dtype=torch.int64, device=buffer.device)
@@ -830,10 +832,10 @@ def _allgather_bucket(buffer: torch.Tensor, entries: list[_Entry], state: GRPOCo
     sums = [torch.zeros(len(members), numel, device=buffer.device) for _, numel, members in groups]
     for source, message in enumerate(gathered):
         offset = 0
-        for (spec, numel, members), batch, total in zip(groups, batches, sums):
+        for (spec, numel, members), batch, size, total in zip(groups, batches, sizes, sums):
             if source == rank:
                 positions, decoded = batch.positions, batch.decoded
-                offset += sum(batch.nbytes())
+                offset += size
             else:
                 positions, decoded, offset = _deserialize_rows(message, offset, len(members), numel, spec)
             _scatter_rows_(total, positions, decoded, add=True)
