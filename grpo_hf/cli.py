@@ -71,10 +71,17 @@ def groups_command_parser(subparsers):
         help="A model name or path (loaded with AutoModel*), a model config .json, or one of the built-in "
         "'tiny-llama', 'tiny-gpt2', 'tiny-bert', 'tiny-t5', 'smollm2-135m'.",
     )
-    parser.add_argument("--grpo_groups", default="semantic", help="Preset or group file (JSON/YAML).")
-    parser.add_argument("--grpo_density", type=float, default=0.15, help="Default kept fraction.")
-    parser.add_argument("--grpo_bits", default="2", help="Default bits (2, 4, 8, 16, 32, or 'auto').")
-    parser.add_argument("--grpo_min_compress_numel", type=int, default=4096, help="Smaller tensors go dense.")
+    from .config import GRPOConfig  # the defaults and help texts of the same fields, so they cannot drift apart
+
+    fields = GRPOConfig.__dataclass_fields__
+    for name, kind in (
+        ("grpo_groups", str),
+        ("grpo_density", float),
+        ("grpo_bits", str),
+        ("grpo_min_compress_numel", int),
+    ):
+        field = fields[name]
+        parser.add_argument(f"--{name}", type=kind, default=field.default, help=field.metadata["help"])
     parser.add_argument("--lora", action="store_true", help="Wrap the model with a LoRA adapter (r=8, all-linear).")
     parser.add_argument("--strict", action="store_true", help="Fail when a rule matches no trainable parameter.")
     parser.set_defaults(func=groups_command)
