@@ -858,23 +858,6 @@ def comm_time_seconds(bytes_sent: float, link_gbps: float) -> float:
     return bytes_sent * 8 / (link_gbps * 1e9)
 
 
-def _check_world_size(world_size: int) -> None:
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}.")
-
-
-def ring_allreduce_bytes(size_bytes: float, world_size: int) -> float:
-    """Bytes one rank sends in a ring all-reduce of `size_bytes`: `2·(W - 1)/W · size_bytes`."""
-    _check_world_size(world_size)
-    return 2 * (world_size - 1) * size_bytes / world_size
-
-
-def allgather_bytes(payload_bytes: float, world_size: int) -> float:
-    """Bytes one rank sends in a ring all-gather of `payload_bytes` per rank: `(W - 1) · payload_bytes`."""
-    _check_world_size(world_size)
-    return (world_size - 1) * payload_bytes
-
-
 def peak_memory_bytes(device: torch.device | str | None = None) -> int | None:
     """
     Peak memory in bytes: `torch.cuda.max_memory_allocated(device)` on a CUDA device, else the process's peak

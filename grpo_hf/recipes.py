@@ -564,9 +564,9 @@ def reset_peak_memory(device: torch.device | str | None = None) -> bool:
 
 def dense_allreduce_bytes_per_step(trainable_params: int, world_size: int) -> float:
     """Bytes one rank sends per optimizer step in a dense fp32 ring all-reduce: `2 (W - 1) / W * 4 * params`."""
-    from .cost import ring_allreduce_bytes
+    from .compression.traffic import dense_allreduce_bytes
 
-    return ring_allreduce_bytes(4 * trainable_params, world_size)
+    return dense_allreduce_bytes(trainable_params, world_size)
 
 
 def _make_comm_recorder(bytes_per_step: float | None, comm_state):

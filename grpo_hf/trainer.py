@@ -7,8 +7,9 @@ from transformers.utils import logging
 
 from .callbacks import GRPOCallback
 from .compression.hook import GRPOCommState, compress_locally, grpo_comm_hook
+from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args
-from .cost import CostCallback, ring_allreduce_bytes
+from .cost import CostCallback
 from .grouping import assign_groups, load_group_spec, resolve_compression
 from .importance import ImportanceState
 
@@ -204,7 +205,7 @@ class GRPOMixin:
             self._grpo_bytes_counted = total
         elif self.args.world_size > 1:  # uncompressed DDP: one fp32 ring all-reduce of every trainable gradient
             numel = sum(g.numel for g in self.grpo_groups)
-            self.cost_callback.add_comm_bytes(ring_allreduce_bytes(4 * numel, self.args.world_size))
+            self.cost_callback.add_comm_bytes(dense_allreduce_bytes(numel, self.args.world_size))
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Add the averaged `grpo/*` metrics of the window and the `cost/*` figures to training logs, then log."""

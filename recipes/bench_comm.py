@@ -44,6 +44,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from grpo_hf.compression.traffic import allreduce_bytes
+
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ROWS = (
@@ -128,10 +130,6 @@ def parse_row(name: str) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # Worker (runs under torchrun)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def allreduce_bytes(nbytes: float, world_size: int) -> float:
-    return 2.0 * (world_size - 1) / world_size * nbytes
 
 
 class CommMeter:

@@ -18,6 +18,7 @@ from transformers import (
     TrainingArguments,
 )
 
+from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes
 from grpo_hf.cost import (
     DEFAULT_ACCELERATOR_WATTS,
     DEFAULT_CPU_WATTS_PER_CORE,
@@ -28,7 +29,6 @@ from grpo_hf.cost import (
     ModelShape,
     NvmlEnergyMeter,
     RaplEnergyMeter,
-    allgather_bytes,
     billed_devices,
     comm_time_seconds,
     cost_breakdown,
@@ -40,7 +40,6 @@ from grpo_hf.cost import (
     model_flops_per_token,
     peak_memory_bytes,
     peak_tflops,
-    ring_allreduce_bytes,
     training_flops_per_token,
 )
 
@@ -400,13 +399,13 @@ def test_cost_per_quality_exact():
 def test_comm_formulas_exact():
     assert comm_time_seconds(1.25e9, 10.0) == 1.0  # 1.25 GB * 8 bit / 10 Gbit/s
     assert comm_time_seconds(0, 10.0) == 0.0
-    assert ring_allreduce_bytes(1000, 4) == 1500.0
-    assert ring_allreduce_bytes(1000, 1) == 0.0
-    assert ring_allreduce_bytes(1000, 2) == 1000.0
+    assert allreduce_bytes(1000, 4) == 1500.0
+    assert allreduce_bytes(1000, 1) == 0.0
+    assert allreduce_bytes(1000, 2) == 1000.0
     assert allgather_bytes(100, 4) == 300
     assert allgather_bytes(100, 1) == 0
     with pytest.raises(ValueError):
-        ring_allreduce_bytes(1, 0)
+        allreduce_bytes(1, 0)
     with pytest.raises(ValueError):
         comm_time_seconds(1, 0.0)
 

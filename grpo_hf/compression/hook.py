@@ -160,6 +160,7 @@ from .codec import (
     _topk_rows,
     num_kept,
 )
+from .traffic import allgather_bytes, allreduce_bytes, alltoall_bytes, broadcast_bytes
 
 
 logger = logging.getLogger(__name__)
@@ -172,26 +173,6 @@ _META_BYTES = 16  # two int64: [payload size, non-finite flag] (all-gather) or [
 # ----------------------------------------------------------------------------------------------------------------
 # Byte model (ring algorithm, average per rank)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def allreduce_bytes(nbytes: float, world_size: int) -> float:
-    """Bytes one rank sends in a ring all-reduce of an `nbytes` message: `2 (W - 1) / W * nbytes`."""
-    return 2.0 * (world_size - 1) / world_size * nbytes
-
-
-def allgather_bytes(nbytes: float, world_size: int) -> float:
-    """Bytes one rank sends in a ring all-gather of an `nbytes` message per rank: `(W - 1) * nbytes`."""
-    return float((world_size - 1) * nbytes)
-
-
-def broadcast_bytes(nbytes: float, world_size: int) -> float:
-    """Average bytes per rank to broadcast `nbytes` (W - 1 ranks receive it once): `(W - 1) / W * nbytes`."""
-    return (world_size - 1) / world_size * nbytes
-
-
-def alltoall_bytes(nbytes: float, world_size: int) -> float:
-    """Average bytes per rank of an all-to-all of `nbytes`-byte buffers split over `W` ranks: `(W - 1) / W * nbytes`."""
-    return (world_size - 1) / world_size * nbytes
 
 
 def _quantized_layout(num_values: int, bits: int, block_size: int) -> tuple[int, int]:
