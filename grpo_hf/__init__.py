@@ -5,7 +5,7 @@ Not TRL's Group Relative Policy Optimization: import `GRPOTrainer` from `grpo_hf
 
 __version__ = "0.1.0.dev0"
 
-from .callbacks import GRPOCallback
+from .callbacks import CostCallback, GRPOCallback
 from .config import GRPOConfig
 from .grouping import GroupConfigError, GroupRule, GroupSpec, assign_groups, load_group_spec
 from .importance import ImportanceState, normalised_multipliers
@@ -13,6 +13,7 @@ from .trainer import GRPOMixin, GRPOTrainer
 
 
 __all__ = [
+    "CostCallback",
     "GRPOCallback",
     "GRPOConfig",
     "GRPOMixin",

@@ -779,7 +779,8 @@ def run_training(
     """
     from transformers import Trainer, default_data_collator
 
-    from .cost import CostCallback, CostSettings, comm_time_seconds, cost_per_quality
+    from .callbacks import CostCallback
+    from .cost import CostSettings, comm_time_seconds, cost_per_quality
     from .trainer import GRPOTrainer
 
     if trainer_kind not in TRAINER_KINDS:

@@ -5,11 +5,10 @@ from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
-from .callbacks import GRPOCallback
+from .callbacks import CostCallback, GRPOCallback
 from .compression.hook import GRPOCommState, compress_locally, grpo_comm_hook
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args
-from .cost import CostCallback
 from .grouping import assign_groups, load_group_spec, resolve_compression
 from .importance import ImportanceState
 
@@ -52,7 +51,7 @@ class GRPOMixin:
       is registered on the DDP model Accelerate built, before its first backward (Accelerate cannot take a custom
       hook). On one process with compression switched on, the same codec is applied locally after the last
       micro-batch's backward (the article's sparse updates), counting the bytes a worker would send.
-    - **Cost**: a [`~grpo_hf.cost.CostCallback`] is added unless one is passed in `callbacks`; its `cost/*` figures
+    - **Cost**: a [`~grpo_hf.CostCallback`] is added unless one is passed in `callbacks`; its `cost/*` figures
       join the training logs.
     - **Metrics**: `grpo/*` keys are averaged over each logging window and added to the Trainer's logs, so every
       `report_to` integration receives them.

@@ -18,11 +18,11 @@ from transformers import (
     TrainingArguments,
 )
 
+from grpo_hf.callbacks import CostCallback
 from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes
 from grpo_hf.cost import (
     DEFAULT_ACCELERATOR_WATTS,
     DEFAULT_CPU_WATTS_PER_CORE,
-    CostCallback,
     CostSettings,
     EnergyMeterUnavailable,
     EstimatedEnergyMeter,
