@@ -3,9 +3,16 @@
 Not TRL's Group Relative Policy Optimization: import `GRPOTrainer` from `grpo_hf`.
 """
 
-__version__ = "0.1.0.dev0"
+from importlib.metadata import PackageNotFoundError, version
+
+
+try:
+    __version__ = version("grpo_hf")
+except PackageNotFoundError:  # imported from a source tree that was never `pip install`ed
+    __version__ = "0+unknown"
 
 from .callbacks import CostCallback, GRPOCallback
+from .compression import GRPOCommState, grpo_comm_hook
 from .config import GRPOConfig
 from .grouping import GroupConfigError, GroupRule, GroupSpec, assign_groups, load_group_spec
 from .importance import ImportanceState, normalised_multipliers
@@ -15,6 +22,7 @@ from .trainer import GRPOMixin, GRPOTrainer
 __all__ = [
     "CostCallback",
     "GRPOCallback",
+    "GRPOCommState",
     "GRPOConfig",
     "GRPOMixin",
     "GRPOTrainer",
@@ -23,6 +31,7 @@ __all__ = [
     "GroupSpec",
     "ImportanceState",
     "assign_groups",
+    "grpo_comm_hook",
     "load_group_spec",
     "normalised_multipliers",
 ]
