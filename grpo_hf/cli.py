@@ -211,7 +211,7 @@ def _command_line(argv_tail: list[str]) -> str:
 
 
 def _compare_and_report(model_args, data_args, training_args, command: str, title: str) -> int:
-    from .recipes import compare
+    from .compare import compare
     from .report import print_table, write_report
 
     _quiet_warnings()
@@ -251,7 +251,7 @@ def quickstart_command_parser(subparsers):
 
 
 def quickstart_command(args) -> int:
-    from .recipes import builtin_recipe
+    from .parser import builtin_recipe
 
     _offline()
     name = "tiny" if args.tiny else "quickstart"
@@ -275,7 +275,7 @@ def compare_command_parser(subparsers):
 
 
 def compare_command(args) -> int:
-    from .recipes import load_recipe
+    from .parser import load_recipe
 
     model_args, data_args, training_args = load_recipe(args.recipe, args.extra)
     command = _command_line(["compare", args.recipe, *args.extra])
@@ -299,7 +299,8 @@ def train_command_parser(subparsers):
 
 
 def train_command(args) -> int:
-    from .recipes import _environment, load_recipe, prepare, recipe_summary, run_training
+    from .compare import capture_environment, prepare, recipe_summary, run_training
+    from .parser import load_recipe
     from .report import print_table, write_report
 
     model_args, data_args, training_args = load_recipe(args.recipe, args.extra)
@@ -317,7 +318,7 @@ def train_command(args) -> int:
         "ratios": {},
         "recipe": recipe_summary(model_args, data_args, training_args),
         "data": prepared.data_info,
-        "environment": _environment(),
+        "environment": capture_environment(),
         "wall_seconds": phases.elapsed(),
     }
     if training_args.process_index != 0:  # under torchrun: the main process writes and prints the report
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         import psutil
 
         _MAIN_STARTED = min(_MAIN_STARTED, psutil.Process().create_time())
-    from .recipes import RecipeError
+    from .parser import RecipeError
 
     parser = argparse.ArgumentParser(
         "grpo-hf", description="Grouped parameter resource optimisation for the HF Trainer."
