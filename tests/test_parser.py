@@ -1,8 +1,11 @@
 """The recipe parser: YAML values become defaults, the command line is parsed once and wins, errors name the field."""
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
-from grpo_hf import GRPOConfig
+from grpo_hf import GRPOConfig, cli
 from grpo_hf.parser import DataArguments, ModelArguments, RecipeError, RecipeParser, parse_overrides, parse_recipe
 
 
@@ -68,3 +71,47 @@ def test_parse_overrides_returns_only_the_given_keys():
         "lora_target_modules": ["q_proj", "v_proj"],
     }
     assert parse_overrides(["--seed", "42"]) == {"seed": 42}  # given, even when equal to the default
+
+
+# --- the command line: one parse per recipe command ---
+
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize(
+    "argv, max_steps",
+    [
+        (["train", str(RECIPES / "quickstart.yaml"), "--help"], 30),
+        (["compare", str(RECIPES / "tiny.yaml"), "--help"], 16),
+        (["quickstart", "--tiny", "--help"], 16),
+    ],
+)
+def test_recipe_command_help_lists_every_field_with_the_recipe_defaults(argv, max_steps, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 0
+    out = _flat(capsys.readouterr().out)
+    for name in RecipeParser().field_names:
+        assert f"--{name} " in out, name
+    fields = {f.name: f for dtype in (ModelArguments, DataArguments, GRPOConfig) for f in dataclasses.fields(dtype)}
+    for name in ("model_name_or_path", "lora_r", "seq_len", "corpus", "learning_rate", "max_steps", "grpo_density",
+                 "grpo_comm_mode", "cost_gpu_hour_usd"):  # fmt: skip
+        assert _flat(fields[name].metadata["help"].replace("%%", "%")) in out, name
+    max_steps_help = out.split("--max-steps MAX_STEPS")[1].split(" --")[0]
+    assert f"(default: {max_steps})" in max_steps_help  # the recipe's value, not TrainingArguments' -1
+
+
+def test_cli_errors_name_the_field_and_exit_2(capsys):
+    tiny = str(RECIPES / "tiny.yaml")
+    assert cli.main(["train", tiny, "--learning_rate", "abc"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo-hf train: error: command line: argument --learning_rate") and "'abc'" in err
+    assert cli.main(["compare", tiny, "--max_step", "3"]) == 2
+    assert "did you mean 'max_steps'" in capsys.readouterr().err
+    assert cli.main(["train", "--trainer", "trainer", tiny]) == 2
+    assert "give the recipe file right after the command" in capsys.readouterr().err
