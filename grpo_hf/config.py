@@ -46,8 +46,8 @@ class GRPOConfig(TrainingArguments):
         grpo_lr_scale_min (`float`, *optional*, defaults to `0.9`) and grpo_lr_scale_max (`float`, *optional*,
         defaults to `1.1`):
             Bounds of every multiplier (a group file can override them per group). Wider bounds (0.5-2.0, 0.8-1.25)
-            measured 9-10%% worse perplexity than the plain Trainer in `recipes/bench_importance.py`; 0.9-1.1 matched
-            it.
+            measured 9-10%% worse perplexity than the plain Trainer in `benchmarks/bench_importance.py`; 0.9-1.1
+            matched it.
         grpo_lr_scale_ema (`float`, *optional*, defaults to `0.9`):
             Smoothing of the scores (EMA factor; 0 = no smoothing).
         grpo_lr_scale_warmup_steps (`int`, *optional*, defaults to `10`):
@@ -61,7 +61,7 @@ class GRPOConfig(TrainingArguments):
             `"none"` otherwise. With the default 2 bits, `"quantize"` is ternary: per block of 128 entries, those
             below half the block's largest magnitude are zero and cost one bitmap bit; the rest cost one more bit
             (sign) and are decoded as +-the block's largest magnitude; error feedback keeps what was not sent.
-            Measured in `recipes/bench_comm.py`, it matches dense perplexity where the article's top-15%% did not.
+            Measured in `benchmarks/bench_comm.py`, it matches dense perplexity where the article's top-15%% did not.
         grpo_density (`float`, *optional*, defaults to `0.15`):
             Fraction of gradient entries kept by top-k (the article's 15%%) when `grpo_compression` includes
             `"sparse"`, for groups that do not set their own.

@@ -1,5 +1,5 @@
 """
-Reports of a comparison ([`~grpo_hf.recipes.compare`]): one side-by-side table (rich in the terminal, markdown in
+Reports of a comparison ([`~grpo_hf.compare.compare`]): one side-by-side table (rich in the terminal, markdown in
 `report.md`), `results.json`, and PNG plots (matplotlib, Agg backend: no display needed).
 
 Every row of the table is a key of a run's result; the last column is the ratio GRPOTrainer / Trainer

@@ -110,7 +110,8 @@ class GRPOMixin:
             if self.args.grpo_comm_mode == "allreduce" and any(spec and spec.bits == 2 for spec in specs):
                 logger.warning(
                     "grpo_comm_mode='allreduce' with 2-bit values: the all-reduce "
-                    "re-quantizes the averaged values to 2 bits, which cost 34% perplexity in recipes/bench_comm.py. "
+                    "re-quantizes the averaged values to 2 bits, which cost 34% perplexity in "
+                    "benchmarks/bench_comm.py. "
                     "Use grpo_bits='4' with 'allreduce', or grpo_comm_mode='allgather' (the default) for 2 bits."
                 )
         self._grpo_hooked_models: set[int] = set()

@@ -1,4 +1,4 @@
-"""Smoke test of `recipes/bench_comm.py` at tiny size: one command launches the gloo workers, runs the rows and
+"""Smoke test of `benchmarks/bench_comm.py` at tiny size: one command launches the gloo workers, runs the rows and
 prints one markdown table; the byte accounting of each row follows the ring model."""
 
 import json
@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "recipes" / "bench_comm.py"
+SCRIPT = ROOT / "benchmarks" / "bench_comm.py"
 
 
 def test_bench_comm_smoke(tmp_path):

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from grpo_hf import cli
+from grpo_hf.test_utils import tiny_llama_config
 
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -48,10 +49,8 @@ def test_groups_of_tiny_llama(capsys):
 
 
 def test_load_model_for_inspection_from_a_config_file(tmp_path):
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    config = tiny_llama_config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
     path = tmp_path / "config.json"
     config.to_json_file(path)
     model = cli.load_model_for_inspection(str(path))

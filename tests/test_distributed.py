@@ -4,68 +4,27 @@ rank writes a JSON result, and the assertions live here. One launch serves many 
 """
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from grpo_hf.test_utils import ROOT, run_torchrun
+
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "distributed"
 MODES = ("allreduce", "allgather")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun(script: str, out_dir: Path, nproc: int, *args: str, timeout: int = 240) -> list[dict]:
     """Run `script` on `nproc` gloo processes; returns each rank's JSON result (fails with the logs otherwise)."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        str(SCRIPTS / script),
-        str(out_dir),
-        *args,
-    ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "WANDB_DISABLED": "true",
-    }
-    # A new session, so that a hung run can be killed with all its workers (and only them).
-    proc = subprocess.Popen(
-        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun {script} did not finish in {timeout} s\n{stdout[-6000:]}\n{stderr[-6000:]}")
-    logs = f"--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-6000:]}"
-    assert proc.returncode == 0, f"torchrun {script} exited with {proc.returncode}\n{logs}"
+    run = run_torchrun(SCRIPTS / script, out_dir, *args, nproc=nproc, timeout=timeout, cwd=ROOT)
+    if run.timed_out:
+        pytest.fail(f"torchrun {script} did not finish in {timeout} s\n{run.stdout[-6000:]}\n{run.stderr[-6000:]}")
+    logs = run.logs()
+    assert run.returncode == 0, f"torchrun {script} exited with {run.returncode}\n{logs}"
     results = []
     for rank in range(nproc):
         path = out_dir / f"rank{rank}.json"

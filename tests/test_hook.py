@@ -4,8 +4,6 @@ import inspect
 import io
 import logging
 import pickle
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +21,7 @@ from grpo_hf.compression.hook import (
     chunk_bounds,
     quantized_nbytes,
 )
-
-
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-from _common import FakeBucket  # noqa: E402
+from grpo_hf.test_utils import FakeBucket
 
 
 SHAPES = {"attn": (40, 30), "mlp": (1000,), "norm": (64,)}

@@ -1,30 +1,31 @@
 import dataclasses
 import json
 import math
+from importlib import resources
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from transformers import TrainingArguments
 
 from grpo_hf import GRPOConfig
-from grpo_hf.recipes import (
-    QUICKSTART_RECIPE,
-    TINY_RECIPE,
-    DataArguments,
-    ModelArguments,
-    RecipeError,
+from grpo_hf.compare import (
     build_datasets,
     build_model,
     build_tokenizer,
-    builtin_recipe,
     compare,
     dense_allreduce_bytes_per_step,
-    evaluate_perplexity,
+    plain_training_arguments,
+)
+from grpo_hf.evaluation import evaluate_perplexity
+from grpo_hf.parser import (
+    DataArguments,
+    ModelArguments,
+    RecipeError,
+    builtin_recipe,
+    builtin_recipe_names,
     load_recipe,
     parse_overrides,
-    plain_training_arguments,
 )
 from grpo_hf.report import PLOT_FILES, TABLE_ROWS, compute_ratios, markdown_table, write_report
 
@@ -123,11 +124,12 @@ def test_compute_ratios_handles_missing_and_zero():
 # --- recipes: files, overrides, errors ---
 
 
-@pytest.mark.parametrize("name, builtin", [("quickstart", QUICKSTART_RECIPE), ("tiny", TINY_RECIPE)])
-def test_recipe_files_match_the_builtins_and_document_themselves(name, builtin):
+@pytest.mark.parametrize("name", builtin_recipe_names())
+def test_packaged_recipes_parse_and_document_themselves(name):
+    packaged = resources.files("grpo_hf").joinpath("recipes").joinpath(f"{name}.yaml")
     path = RECIPES / f"{name}.yaml"
+    assert path.samefile(packaged)  # recipes/ links to grpo_hf/recipes/: one copy of each recipe
     text = path.read_text()
-    assert yaml.safe_load(text) == builtin
     header = (
         text.split("\n\n")[0]
         if not text.startswith("#")
@@ -135,9 +137,17 @@ def test_recipe_files_match_the_builtins_and_document_themselves(name, builtin):
     )
     for word in ("grpo-hf", "Hardware:", "Wall time:", "Expected:"):
         assert word in header
-    model_args, data_args, args = load_recipe(path)
+    model_args, data_args, args = builtin_recipe(name)
     assert isinstance(args, GRPOConfig) and args.grpo_compression == "quantize"
     assert model_args.model_name_or_path in ("smollm2-135m", "tiny-llama")
+    assert (model_args, data_args) == load_recipe(path)[:2]
+
+
+def test_builtin_recipes_are_the_packaged_files():
+    assert builtin_recipe_names() == ["quickstart", "tiny"]
+    assert (RECIPES / "quickstart.yaml").samefile(resources.files("grpo_hf") / "recipes" / "quickstart.yaml")
+    with pytest.raises(RecipeError, match="unknown built-in recipe 'huge'"):
+        builtin_recipe("huge")
 
 
 def test_command_line_overrides_beat_the_file(tmp_path):

@@ -1,4 +1,7 @@
-"""Helpers shared by the scripts that `tests/test_distributed.py` runs under `torchrun` (not collected by pytest)."""
+"""Helpers shared by the scripts that `tests/test_distributed.py` runs under `torchrun` (not collected by pytest).
+
+The fake DDP bucket and the launcher live in `grpo_hf.test_utils`, for the benchmarks too.
+"""
 
 import hashlib
 import json
@@ -6,35 +9,6 @@ import os
 
 import torch
 import torch.distributed as dist
-
-
-class FakeBucket:
-    """A `GradBucket` stand-in: one flat buffer holding the gradients of `params` in order."""
-
-    def __init__(self, params, grads, index=0, last=True, dtype=torch.float32):
-        self.params = list(params)
-        self.buf = torch.cat([g.reshape(-1) for g in grads]).to(dtype)
-        self.idx = index
-        self.last = last
-
-    def buffer(self):
-        return self.buf
-
-    def parameters(self):
-        return self.params
-
-    def gradients(self):
-        out, offset = [], 0
-        for p in self.params:
-            out.append(self.buf[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return out
-
-    def is_last(self):
-        return self.last
-
-    def index(self):
-        return self.idx
 
 
 def tensor_digest(tensors) -> str:

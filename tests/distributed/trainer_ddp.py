@@ -19,26 +19,16 @@ import torch.distributed as dist
 from _common import same_on_all_ranks, tensor_digest, write_result
 from datasets import Dataset
 from torch.nn.parallel import DistributedDataParallel
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.test_utils import tiny_test_llama
 
 
 SEQ_LEN = 16
 
 
 def tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ_LEN,
-    )
-    return LlamaForCausalLM(config)
+    return tiny_test_llama(seed=0, max_position_embeddings=SEQ_LEN)
 
 
 def random_tokens(n=256):

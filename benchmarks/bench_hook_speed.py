@@ -1,7 +1,7 @@
 """Compression time per step of `compress_locally` and `grpo_comm_hook` (one process, fake DDP buckets).
 
-    python recipes/bench_hook_speed.py                      # tiny Llama (hidden 256, 4 layers, vocab 8192) and LoRA
-    python recipes/bench_hook_speed.py --density 0.01 --steps 8
+    python benchmarks/bench_hook_speed.py                   # tiny Llama (hidden 256, 4 layers, vocab 8192) and LoRA
+    python benchmarks/bench_hook_speed.py --density 0.01 --steps 8
 
 Two models: a tiny Llama (hidden 256, 4 layers, vocab 8192: 6.3M parameters in 38 tensors, 29 of them
 compressed), and the LoRA r=8 adapters of SmolLM2-135M (2.4M parameters in 420 tensors, 360 compressed: the
@@ -11,10 +11,8 @@ the time is the compression work alone: top-k, index coding, quantization, decod
 """
 
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,10 +21,7 @@ from transformers import HfArgumentParser
 from grpo_hf.compression.hook import GRPOCommState, compress_locally, grpo_comm_hook
 from grpo_hf.grouping import assign_groups, load_group_spec, resolve_compression
 from grpo_hf.models import tiny_llama
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
-from _common import FakeBucket  # noqa: E402
+from grpo_hf.test_utils import FakeBucket
 
 
 @dataclass

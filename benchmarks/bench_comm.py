@@ -1,9 +1,9 @@
 """Communication benchmark: bytes, quality and speed of gradient compression under 2-process gloo DDP.
 
-    python recipes/bench_comm.py --output_dir runs/bench_comm                 # full run, ~40-60 min on 2 CPU cores
-    python recipes/bench_comm.py --max_steps 4 --seeds 0 --rows dense,grpo-allgather-d0.15 --scaling_steps 0 \\
-        --output_dir /tmp/bench_smoke                                         # smoke run, < 1 min
-    python recipes/bench_comm.py --lora --output_dir runs/bench_comm_lora    # SmolLM2-135M + LoRA, dense vs default
+    python benchmarks/bench_comm.py --output_dir runs/bench_comm              # full run, ~40-60 min on 2 CPU cores
+    python benchmarks/bench_comm.py --max_steps 4 --seeds 0 --rows dense,grpo-allgather-d0.15 --scaling_steps 0 \\
+        --output_dir /tmp/bench_smoke                                      # smoke run, < 1 min
+    python benchmarks/bench_comm.py --lora --output_dir runs/bench_comm_lora # SmolLM2-135M + LoRA, dense vs default
 
 Hardware: 2 shared CPU cores, no GPU (gloo over loopback). On loopback communication is nearly free, so the byte
 counts (ring model, per rank and optimizer step) and the perplexities are the meaningful outputs; the step and
@@ -36,15 +36,12 @@ import json
 import math
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grpo_hf.compression.traffic import allreduce_bytes
+from grpo_hf.test_utils import run_torchrun
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -379,54 +376,23 @@ def worker(job_path: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(job: dict, nproc: int, job_path: Path, timeout: int) -> None:
     """Run the workers of one job under torchrun; raises with the log tail when it fails."""
     job_path.write_text(json.dumps(job, indent=1))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        str(Path(__file__).resolve()),
-    ]
-    env = {
-        **os.environ,
-        "GRPO_BENCH_JOB": str(job_path),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "WANDB_DISABLED": "true",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
     log_path = job_path.with_suffix(".log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = "timeout"
-    text = log_path.read_text()
+    run = run_torchrun(
+        Path(__file__).resolve(),
+        nproc=nproc,
+        timeout=timeout,
+        env={"GRPO_BENCH_JOB": str(job_path)},
+        cwd=ROOT,
+        log_path=log_path,
+    )
+    text = run.stdout
     for line in text.splitlines():
         if line.startswith("[W="):
             print(line, flush=True)
+    rc = "timeout" if run.timed_out else run.returncode
     if rc != 0:
         raise RuntimeError(f"torchrun ({nproc} processes) failed with {rc}; log {log_path}:\n{text[-6000:]}")
 

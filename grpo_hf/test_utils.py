@@ -1,0 +1,218 @@
+"""Helpers for tests and benchmarks: tiny models built from a config, a fake DDP bucket, and one torchrun launcher.
+
+Example:
+
+```python
+>>> from grpo_hf.test_utils import run_torchrun, tiny_test_llama
+>>> model = tiny_test_llama(seed=0)  # 2 layers, hidden 32, vocab 128, random weights
+>>> result = run_torchrun("worker.py", "out_dir", nproc=2, timeout=240)  # 2 gloo processes on a free port
+>>> result.returncode, result.stdout[-200:]
+```
+"""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+# The folder that holds the `grpo_hf` package (the repository root in a checkout): put on the workers' PYTHONPATH.
+ROOT = Path(__file__).resolve().parents[1]
+# What every launched worker gets: one thread each, and no network.
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_DISABLED": "true",
+}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tiny models
+# --------------------------------------------------------------------------------------------------------------
+
+
+def tiny_llama_config(**overrides):
+    """
+    A [`~transformers.LlamaConfig`] small enough for unit tests: vocabulary 128, hidden 32, MLP 64, 2 layers, 4
+    attention heads, 2 key-value heads; any config field can be overridden.
+    """
+    from transformers import LlamaConfig
+
+    values = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def tiny_test_llama(seed: int = 0, **overrides):
+    """A randomly initialised `LlamaForCausalLM` of [`tiny_llama_config`]`(**overrides)`, seeded with `seed`."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(**overrides))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A fake DDP bucket
+# --------------------------------------------------------------------------------------------------------------
+
+
+class FakeBucket:
+    """A `GradBucket` stand-in: one flat buffer holding the gradients of `params` in order."""
+
+    def __init__(self, params, grads, index=0, last=True, dtype=torch.float32):
+        self.params = list(params)
+        self.buf = torch.cat([g.reshape(-1) for g in grads]).to(dtype)
+        self.idx = index
+        self.last = last
+
+    def buffer(self):
+        return self.buf
+
+    def parameters(self):
+        return self.params
+
+    def gradients(self):
+        out, offset = [], 0
+        for p in self.params:
+            out.append(self.buf[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return out
+
+    def is_last(self):
+        return self.last
+
+    def index(self):
+        return self.idx
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The torchrun launcher
+# --------------------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class TorchrunResult:
+    """What [`run_torchrun`] returns: the exit status (`None` when killed at the timeout) and the outputs."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+    def logs(self, tail: int = 6000) -> str:
+        """The last `tail` characters of stdout and of stderr, labelled, for an error message."""
+        return f"--- stdout ---\n{self.stdout[-tail:]}\n--- stderr ---\n{self.stderr[-tail:]}"
+
+
+def run_torchrun(
+    script: str | os.PathLike,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    log_path: str | os.PathLike | None = None,
+) -> TorchrunResult:
+    """
+    Run `script args...` on `nproc` local processes with `python -m torch.distributed.run` (torchrun) and wait.
+
+    The rendezvous uses 127.0.0.1 and a free port; the workers get [`WORKER_ENV`] (one thread, offline), [`ROOT`]
+    on their `PYTHONPATH`, then `env`. The launch runs in a new session, so that a run past `timeout` seconds is killed
+    with all its workers (and only them).
+
+    Args:
+        script (`str` or `os.PathLike`):
+            The worker script.
+        nproc (`int`, *optional*, defaults to `2`):
+            Processes (`--nproc_per_node`); gloo on CPU unless the script chooses otherwise.
+        timeout (`float`, *optional*, defaults to `240`):
+            Seconds before the launch is killed (`returncode` is then `None`).
+        env (`dict[str, str]`, *optional*):
+            Extra environment variables of the workers.
+        cwd (`str` or `os.PathLike`, *optional*):
+            Working directory of the launch (defaults to the current one).
+        log_path (`str` or `os.PathLike`, *optional*):
+            Write stdout and stderr into this file as the run goes (to follow a long run with `tail -f`); `stdout`
+            then holds the file's text and `stderr` is empty.
+
+    Returns:
+        [`TorchrunResult`]: `returncode`, `stdout`, `stderr` (and `timed_out`, `logs()`).
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        *map(str, args),
+    ]
+    full_env = {
+        **os.environ,
+        **WORKER_ENV,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **(env or {}),
+    }
+    with open(log_path, "w") if log_path is not None else contextlib.nullcontext() as log:
+        proc = subprocess.Popen(
+            command,
+            env=full_env,
+            cwd=cwd,
+            stdout=log if log is not None else subprocess.PIPE,
+            stderr=subprocess.STDOUT if log is not None else subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            returncode = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            returncode = None
+    if log is not None:
+        return TorchrunResult(returncode, Path(log_path).read_text(), "")
+    return TorchrunResult(returncode, stdout, stderr)
+
+
+__all__ = [
+    "ROOT",
+    "WORKER_ENV",
+    "FakeBucket",
+    "TorchrunResult",
+    "free_port",
+    "run_torchrun",
+    "tiny_llama_config",
+    "tiny_test_llama",
+]

@@ -1,0 +1,117 @@
+"""The recipe parser: YAML values become defaults, the command line is parsed once and wins, errors name the field."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from grpo_hf import GRPOConfig, cli
+from grpo_hf.parser import DataArguments, ModelArguments, RecipeError, RecipeParser, parse_overrides, parse_recipe
+
+
+def test_parser_covers_the_three_dataclasses():
+    parser = RecipeParser()
+    assert parser.dataclass_types == [ModelArguments, DataArguments, GRPOConfig]
+    for name in ("model_name_or_path", "lora_r", "seq_len", "corpus", "learning_rate", "max_steps", "grpo_density"):
+        assert name in parser.field_names
+
+
+def test_recipe_values_are_defaults_typed_by_the_field_and_the_command_line_wins():
+    parser = RecipeParser()
+    parser.set_recipe_defaults({"learning_rate": "5e-4", "max_steps": 5, "seq_len": "32", "grpo_importance": "false"})
+    model_args, data_args, args = parser.parse_recipe_args([], where="r.yaml")
+    assert args.learning_rate == 5e-4 and isinstance(args.learning_rate, float)  # a YAML string, typed as a float
+    assert args.max_steps == 5 and data_args.seq_len == 32 and args.grpo_importance is False
+    parser = RecipeParser()
+    parser.set_recipe_defaults({"learning_rate": "5e-4", "max_steps": 5})
+    _, _, args = parser.parse_recipe_args(["--max_steps", "7", "--learning_rate=1e-3"])
+    assert args.max_steps == 7 and args.learning_rate == 1e-3
+
+
+def test_none_on_the_command_line_and_in_the_file():
+    _, data_args, _ = parse_recipe({"max_train_tokens": None}, ["--max_eval_tokens", "None"])
+    assert data_args.max_train_tokens is None and data_args.max_eval_tokens is None
+    _, data_args, _ = parse_recipe({}, ["--max_eval_tokens", "null"])
+    assert data_args.max_eval_tokens is None
+
+
+def test_wrong_types_name_the_field_and_where_the_value_came_from():
+    with pytest.raises(RecipeError, match=r"^r.yaml: a value has the wrong type \(argument --max_steps.*'x'"):
+        parse_recipe({"max_steps": "x"}, where="r.yaml")
+    with pytest.raises(RecipeError, match=r"^command line: argument --learning_rate.*invalid float value: 'abc'"):
+        parse_recipe({}, ["--learning_rate", "abc"], where="r.yaml")
+    with pytest.raises(RecipeError, match=r"^command line: .*--max_steps.*expected one argument"):
+        parse_recipe({}, ["--max_steps"])
+
+
+def test_unknown_fields_abbreviations_and_stray_values_are_errors():
+    with pytest.raises(
+        RecipeError, match=r"^r.yaml: unknown field\(s\) 'lerning_rate' \(did you mean 'learning_rate'"
+    ):
+        parse_recipe({"lerning_rate": 0.1}, where="r.yaml")
+    with pytest.raises(RecipeError, match=r"^command line: unknown field\(s\) 'max_step' \(did you mean 'max_steps'"):
+        parse_recipe({}, ["--max_step", "3"])
+    with pytest.raises(RecipeError, match="unexpected value"):
+        parse_recipe({}, ["stray"])
+    with pytest.raises(RecipeError, match="mapping"):
+        parse_recipe(["a list"], where="r.yaml")
+
+
+def test_values_the_dataclasses_reject_name_the_recipe():
+    with pytest.raises(RecipeError, match=r"^r.yaml: grpo_density=1.5"):
+        parse_recipe({"grpo_density": 1.5}, where="r.yaml")
+    with pytest.raises(RecipeError, match=r"^r.yaml: seq_len=1"):
+        parse_recipe({}, ["--seq_len", "1"], where="r.yaml")
+
+
+def test_parse_overrides_returns_only_the_given_keys():
+    assert parse_overrides([]) == {}
+    assert parse_overrides(["--no_grpo_importance", "--lora_target_modules", "q_proj", "v_proj"]) == {
+        "grpo_importance": False,
+        "lora_target_modules": ["q_proj", "v_proj"],
+    }
+    assert parse_overrides(["--seed", "42"]) == {"seed": 42}  # given, even when equal to the default
+
+
+# --- the command line: one parse per recipe command ---
+
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize(
+    "argv, max_steps",
+    [
+        (["train", str(RECIPES / "quickstart.yaml"), "--help"], 30),
+        (["compare", str(RECIPES / "tiny.yaml"), "--help"], 16),
+        (["quickstart", "--tiny", "--help"], 16),
+    ],
+)
+def test_recipe_command_help_lists_every_field_with_the_recipe_defaults(argv, max_steps, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 0
+    out = _flat(capsys.readouterr().out)
+    for name in RecipeParser().field_names:
+        assert f"--{name} " in out, name
+    fields = {f.name: f for dtype in (ModelArguments, DataArguments, GRPOConfig) for f in dataclasses.fields(dtype)}
+    for name in ("model_name_or_path", "lora_r", "seq_len", "corpus", "learning_rate", "max_steps", "grpo_density",
+                 "grpo_comm_mode", "cost_gpu_hour_usd"):  # fmt: skip
+        assert _flat(fields[name].metadata["help"].replace("%%", "%")) in out, name
+    max_steps_help = out.split("--max-steps MAX_STEPS")[1].split(" --")[0]
+    assert f"(default: {max_steps})" in max_steps_help  # the recipe's value, not TrainingArguments' -1
+
+
+def test_cli_errors_name_the_field_and_exit_2(capsys):
+    tiny = str(RECIPES / "tiny.yaml")
+    assert cli.main(["train", tiny, "--learning_rate", "abc"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo-hf train: error: command line: argument --learning_rate") and "'abc'" in err
+    assert cli.main(["compare", tiny, "--max_step", "3"]) == 2
+    assert "did you mean 'max_steps'" in capsys.readouterr().err
+    assert cli.main(["train", "--trainer", "trainer", tiny]) == 2
+    assert "give the recipe file right after the command" in capsys.readouterr().err
