@@ -18,8 +18,7 @@ import torch
 from torch import nn
 from transformers import HfArgumentParser
 
-from grpo_hf.compression.hook import GRPOCommState, compress_locally, grpo_comm_hook
-from grpo_hf.grouping import assign_groups, load_group_spec, resolve_compression
+from grpo_hf.compression import CodecSpec, GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
 from grpo_hf.models import tiny_llama
 from grpo_hf.test_utils import FakeBucket
 
@@ -27,16 +26,16 @@ from grpo_hf.test_utils import FakeBucket
 @dataclass
 class SpeedArguments:
     density: float = field(default=1.0, metadata={"help": "Top-k kept fraction of every compressed tensor."})
-    bits: int = field(default=2, metadata={"help": "Bits per sent value (2, the default, is ternary)."})
+    bits: int = field(default=4, metadata={"help": "Bits per sent value (4 is GRPOConfig's default; 2 is ternary)."})
+    scale_gradients: bool = field(default=True, metadata={"help": "Compress relative to the gradient scales."})
     steps: int = field(default=6, metadata={"help": "Timed steps per measurement (after 2 untimed ones)."})
     threads: int = field(default=1, metadata={"help": "torch intra-op threads."})
 
 
 def llama_params(density: float, bits: int):
     model = tiny_llama(8192, hidden_size=256, layers=4)
-    groups = assign_groups(model, load_group_spec("semantic"))
-    settings = resolve_compression(model, groups, density, str(bits), 4096)
-    return model, settings
+    compression = "quantize" if density >= 1 else "sparse+quantize"
+    return model, compression_plan(model, compression=compression, density=density, bits=str(bits))
 
 
 def lora_params(density: float, bits: int):
@@ -47,14 +46,14 @@ def lora_params(density: float, bits: int):
             shapes[f"l{layer}_{module}_A"], shapes[f"l{layer}_{module}_B"] = (8, 576), (out, 8)
         shapes[f"l{layer}_down_A"], shapes[f"l{layer}_down_B"] = (8, 1536), (576, 8)
     model = nn.ParameterDict({name: nn.Parameter(torch.zeros(shape)) for name, shape in shapes.items()})
-    settings = {name: ((density, bits) if p.numel() >= 4096 else (1.0, 32)) for name, p in model.named_parameters()}
-    return model, settings
+    plan = {name: (CodecSpec(density, bits) if p.numel() >= 4096 else None) for name, p in model.named_parameters()}
+    return model, plan
 
 
-def measure(model, settings, mode: str, hook: bool, steps: int) -> float:
+def measure(model, plan, mode: str, hook: bool, steps: int, scale_gradients: bool) -> float:
     """Median seconds per step."""
     params = [p for p in model.parameters()]
-    state = GRPOCommState(settings, mode=mode, dense_warmup_steps=0).bind(model)
+    state = GRPOCommState(plan, mode=mode, dense_warmup_steps=1, scale_gradients=scale_gradients).bind(model)
     generator = torch.Generator().manual_seed(0)
     times = []
     for step in range(steps + 2):
@@ -75,20 +74,21 @@ def main():
     (args,) = HfArgumentParser(SpeedArguments).parse_args_into_dataclasses()
     torch.set_num_threads(args.threads)
     lines = [
-        f"density {args.density}, {args.bits} bits, {args.threads} thread(s), median of {args.steps} steps",
+        f"density {args.density}, {args.bits} bits, gradient scales {'on' if args.scale_gradients else 'off'}, "
+        f"{args.threads} thread(s), median of {args.steps} steps",
         "",
         "| model | tensors (compressed) | elements | path | mode | ms/step | ms per M elements |",
         "|---|---:|---:|---|---|---:|---:|",
     ]
     for label, build in (("tiny Llama h256 x4", llama_params), ("SmolLM2 LoRA r=8", lora_params)):
-        model, settings = build(args.density, args.bits)
+        model, plan = build(args.density, args.bits)
         numel = sum(p.numel() for p in model.parameters())
-        compressed = sum(1 for d, b in settings.values() if d < 1 or b < 32)
+        compressed = sum(1 for spec in plan.values() if spec is not None)
         for hook in (False, True):
             for mode in ("allgather", "allreduce"):
-                seconds = measure(model, settings, mode, hook, args.steps)
+                seconds = measure(model, plan, mode, hook, args.steps, args.scale_gradients)
                 lines.append(
-                    f"| {label} | {len(settings)} ({compressed}) | {numel / 1e6:.2f}M | "
+                    f"| {label} | {len(plan)} ({compressed}) | {numel / 1e6:.2f}M | "
                     f"{'grpo_comm_hook (W=1)' if hook else 'compress_locally'} | {mode} | {1e3 * seconds:.1f} | "
                     f"{1e3 * seconds / (numel / 1e6):.1f} |"
                 )

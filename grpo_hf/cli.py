@@ -94,6 +94,7 @@ def groups_command_parser(subparsers):
     fields = GRPOConfig.__dataclass_fields__
     for name, kind in (
         ("grpo_groups", str),
+        ("grpo_compression", str),
         ("grpo_density", float),
         ("grpo_bits", str),
         ("grpo_min_compress_numel", int),
@@ -157,7 +158,8 @@ def groups_command(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .grouping import assign_groups, group_table, load_group_spec, resolve_compression
+    from .compression import compression_plan, resolve_compression
+    from .grouping import assign_groups, group_table, load_group_spec
 
     spec = load_group_spec(args.grpo_groups)  # a bad group file fails before the model is loaded
     model = _load_any_model(args.model)
@@ -166,11 +168,14 @@ def groups_command(args) -> int:
 
         model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
     groups = assign_groups(model, spec, strict=args.strict)
-    settings = resolve_compression(model, groups, args.grpo_density, args.grpo_bits, args.grpo_min_compress_numel)
+    compression = resolve_compression(args.grpo_compression, distributed=True)  # what a DDP run would send
+    plan = compression_plan(
+        model, groups, compression, args.grpo_density, args.grpo_bits, args.grpo_min_compress_numel
+    )
     table = Table(title=f"GRPO groups of {args.model} ({spec.source})")
     for column in ("group", "rule", "tensors", "parameters", "share", "density", "bits"):
         table.add_column(column, justify="right" if column in ("tensors", "parameters", "share") else "left")
-    for row in group_table(groups, settings):
+    for row in group_table(groups, plan):
         table.add_row(
             row["group"],
             row["rule"],

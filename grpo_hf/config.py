@@ -5,13 +5,20 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .compression.plan import DEFAULT_MIN_NUMEL
+from .compression.spec import (
+    BITS_CHOICES,
+    COMM_MODE_CHOICES,
+    COMPRESSION_CHOICES,
+    DEFAULT_BITS,
+    DEFAULT_DENSITY,
+    DEFAULT_MODE,
+)
+from .compression.state import DEFAULT_SCALE_BETA
 from .cost import CostSettings
 
 
-COMPRESSION_CHOICES = ("auto", "none", "sparse", "quantize", "sparse+quantize")
-COMM_MODE_CHOICES = ("allreduce", "allgather")
 SCORE_CHOICES = ("article", "rms")
-BITS_CHOICES = ("auto", "2", "4", "8", "16", "32")
 
 
 @dataclass
@@ -53,25 +60,29 @@ class GRPOConfig(TrainingArguments):
         grpo_lr_scale_warmup_steps (`int`, *optional*, defaults to `10`):
             Optimizer steps during which every multiplier is 1 (scores are still tracked).
 
-    Parameters that control gradient compression:
+    Parameters that control gradient compression (see [`~grpo_hf.compression`]):
 
         grpo_compression (`str`, *optional*, defaults to `"auto"`):
             `"none"`, `"sparse"` (top-k, fp32 values), `"quantize"` (every entry, `grpo_bits` per value),
             `"sparse+quantize"` (the article's), or `"auto"`: `"quantize"` under DDP with more than one process,
-            `"none"` otherwise. With the default 2 bits, `"quantize"` is ternary: per block of 128 entries, those
-            below half the block's largest magnitude are zero and cost one bitmap bit; the rest cost one more bit
-            (sign) and are decoded as +-the block's largest magnitude; error feedback keeps what was not sent.
-            Measured in `benchmarks/bench_comm.py`, it matches dense perplexity where the article's top-15%% did not.
+            `"none"` otherwise. Every lossy setting keeps what it did not send for the next step (error feedback).
         grpo_density (`float`, *optional*, defaults to `0.15`):
             Fraction of gradient entries kept by top-k (the article's 15%%) when `grpo_compression` includes
             `"sparse"`, for groups that do not set their own.
-        grpo_bits (`str`, *optional*, defaults to `"2"`):
-            Bits per sent value: `2` (ternary, see above), `4`, `8`, `16`, `32`, or `"auto"` (the article's: 4 for
-            linear-like weights, 8 for convolutions and embeddings), for every group that does not set its own.
-        grpo_comm_mode (`str`, *optional*, defaults to `"allgather"`):
-            `"allgather"` (every rank's message to every rank: per-rank bytes grow as `W - 1`; the best at 2-3
-            workers) or `"allreduce"` (compressed reduce-scatter + all-gather: per-rank bytes flat in `W`; its
-            re-quantization of the averaged values costs quality at 2 bits: use 4 bits with it).
+        grpo_bits (`str`, *optional*, defaults to `"4"`):
+            Bits per sent value: `2` (ternary codes, sent as a bitmap plus sign bits), `4`, `8`, `16`, `32`, or
+            `"auto"` (the article's: 4 for linear-like weights, 8 for convolutions and embeddings), for every group
+            that does not set its own.
+        grpo_comm_mode (`str`, *optional*, defaults to `"auto"`):
+            `"allgather"` (every rank's message to every rank: per-rank bytes grow as `W - 1`), `"allreduce"`
+            (compressed reduce-scatter with error feedback on the owners of each chunk, then an all-gather: per-rank
+            bytes flat in `W`), or `"auto"`: `"allgather"` at 2 workers, `"allreduce"` above.
+        grpo_scale_gradients (`bool`, *optional*, defaults to `True`):
+            Compress each gradient entry relative to its own scale (`sqrt` of an EMA of its squared averaged value,
+            identical on every rank) instead of its block's largest magnitude alone, so that small coordinates keep
+            their precision, as Adam sees them.
+        grpo_scale_beta (`float`, *optional*, defaults to `0.99`):
+            EMA factor of the squared gradients behind those scales.
         grpo_dense_warmup_steps (`int`, *optional*, defaults to `2`):
             Optimizer steps sent dense before compression starts (DDP rebuilds its buckets after step 1).
         grpo_min_compress_numel (`int`, *optional*, defaults to `4096`):
@@ -117,30 +128,42 @@ class GRPOConfig(TrainingArguments):
         },
     )
     grpo_density: float = field(
-        default=0.15,
-        metadata={"help": "Top-k kept fraction per tensor in (0, 1] when compression is sparse (article: 15%%)."},
+        default=DEFAULT_DENSITY,
+        metadata={"help": "Top-k kept fraction per group in (0, 1] when compression is sparse (article: 15%%)."},
     )
     grpo_bits: str = field(
-        default="2",
+        default=DEFAULT_BITS,
         metadata={
-            "help": "Bits per sent value: 2 (ternary, the default), 4, 8, 16, 32, or 'auto' (the article's: 4 for "
-            "linear-like, 8 for conv/embeddings).",
+            "help": "Bits per sent value: 2 (ternary), 4, 8, 16, 32, or 'auto' (the article's: 4 for linear-like, 8 "
+            "for conv/embeddings).",
             "choices": list(BITS_CHOICES),
         },
     )
     grpo_comm_mode: str = field(
-        default="allgather",
+        default=DEFAULT_MODE,
         metadata={
-            "help": "'allgather' (bytes per rank grow with the number of workers; best at 2-3) or 'allreduce' (flat "
-            "in the number of workers; use 4 bits with it).",
+            "help": "'allgather' (bytes per rank grow with the number of workers), 'allreduce' (flat in the number "
+            "of workers, error feedback on the chunk owners too) or 'auto' (allgather at 2 workers, allreduce above).",
             "choices": list(COMM_MODE_CHOICES),
         },
+    )
+    grpo_scale_gradients: bool = field(
+        default=True,
+        metadata={
+            "help": "Compress each gradient entry relative to its own running scale (same on every rank), so that "
+            "small coordinates keep their precision as Adam sees them."
+        },
+    )
+    grpo_scale_beta: float = field(
+        default=DEFAULT_SCALE_BETA,
+        metadata={"help": "EMA factor in [0, 1) of the squared gradients behind the scales."},
     )
     grpo_dense_warmup_steps: int = field(
         default=2, metadata={"help": "Optimizer steps communicated dense before compression starts (>= 2 under DDP)."}
     )
     grpo_min_compress_numel: int = field(
-        default=4096, metadata={"help": "Tensors with fewer elements (norms, biases) are always sent dense."}
+        default=DEFAULT_MIN_NUMEL,
+        metadata={"help": "Tensors with fewer elements (norms, biases) are always sent dense."},
     )
     # --- cost accounting (see grpo_hf.cost.CostSettings) ---
     cost_gpu_hour_usd: float = field(
@@ -213,6 +236,8 @@ def validate_grpo_fields(args) -> None:
         raise ValueError(f"grpo_bits={args.grpo_bits!r}: use one of {BITS_CHOICES}.")
     if args.grpo_comm_mode not in COMM_MODE_CHOICES:
         raise ValueError(f"grpo_comm_mode={args.grpo_comm_mode!r}: use one of {COMM_MODE_CHOICES}.")
+    if not 0 <= args.grpo_scale_beta < 1:
+        raise ValueError(f"grpo_scale_beta={args.grpo_scale_beta}: use a value in [0, 1), e.g. 0.99.")
     if args.grpo_dense_warmup_steps < 0:
         raise ValueError(f"grpo_dense_warmup_steps={args.grpo_dense_warmup_steps}: use 0 or more (2 under DDP).")
     if args.grpo_min_compress_numel < 0:

@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .compression.spec import SUPPORTED_BITS
+
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "default"
-SUPPORTED_BITS = (2, 4, 8, 16, 32)
 RULE_KEYS = {"name", "pattern", "density", "sparsity", "bits", "lr_scale_min", "lr_scale_max", "importance"}
 FILE_KEYS = {"groups", "split_by_shape"}
 
@@ -42,7 +43,8 @@ class GroupRule:
         density (`float`, *optional*):
             Fraction of gradient entries kept when compressing, in (0, 1]. `None` uses `grpo_density`.
         bits (`int`, *optional*):
-            Bits per kept value (4, 8, 16 or 32). `None` picks by module type (see [`default_bits`]).
+            Bits per kept value (2, 4, 8, 16 or 32). `None` uses `grpo_bits` (see
+            [`~grpo_hf.compression.compression_plan`]).
         lr_scale_min (`float`, *optional*), lr_scale_max (`float`, *optional*):
             Bounds of this group's LR multiplier. `None` uses `grpo_lr_scale_min` / `grpo_lr_scale_max`.
         importance (`bool`, *optional*, defaults to `True`):
@@ -260,48 +262,20 @@ def assign_groups(model: nn.Module, spec: GroupSpec, strict: bool = False) -> li
     return sorted(groups.values(), key=lambda g: (order.get(g.rule.name, len(rules)), g.name))
 
 
-def default_bits(module: nn.Module | None) -> int:
-    """The article's layered quantization: 4 bits for linear-like weights, 8 for convolutions and embeddings."""
-    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)):
-        return 8
-    return 4
-
-
-def parameter_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Map each parameter name to the module that owns it."""
-    owners = {}
-    for module_name, module in model.named_modules():
-        for param_name, _ in module.named_parameters(recurse=False):
-            owners[f"{module_name}.{param_name}" if module_name else param_name] = module
-    return owners
-
-
-def resolve_compression(
-    model: nn.Module, groups: list[ParameterGroup], density: float, bits: str | int, min_numel: int
-) -> dict[str, tuple[float, int]]:
+def group_table(groups: list[ParameterGroup], plan: dict | None = None) -> list[dict]:
     """
-    The (density, bits) each trainable parameter is sent with: the group's own values, else the config's, with bits
-    `"auto"` chosen by module type; tensors below `min_numel` elements are sent dense (1.0, 32).
+    One row per group: name, rule, #tensors, #parameters, share of parameters, and, given a compression plan
+    (`{name: CodecSpec | None}`), the densities and bits its tensors are sent with (`dense` for uncompressed ones).
     """
-    owners = parameter_modules(model)
-    settings = {}
-    for group in groups:
-        for name, param in zip(group.param_names, group.params):
-            if param.numel() < min_numel:
-                settings[name] = (1.0, 32)
-                continue
-            group_bits = group.rule.bits or (default_bits(owners.get(name)) if str(bits) == "auto" else int(bits))
-            settings[name] = (group.rule.density or density, group_bits)
-    return settings
-
-
-def group_table(groups: list[ParameterGroup], settings: dict[str, tuple[float, int]] | None = None) -> list[dict]:
-    """One row per group: name, rule, #tensors, #parameters, share of parameters, density and bits."""
     total = sum(g.numel for g in groups) or 1
     rows = []
     for group in groups:
-        densities = sorted({settings[n][0] for n in group.param_names}) if settings else [group.rule.density]
-        bits = sorted({settings[n][1] for n in group.param_names}) if settings else [group.rule.bits]
+        if plan is None:
+            densities, bits = [group.rule.density], [group.rule.bits]
+        else:
+            specs = [plan.get(name) for name in group.param_names]
+            densities = sorted({1.0 if s is None else s.density for s in specs})
+            bits = sorted({32 if s is None else s.bits for s in specs})
         rows.append(
             {
                 "group": group.name,
@@ -324,10 +298,8 @@ __all__ = [
     "GroupSpec",
     "ParameterGroup",
     "assign_groups",
-    "default_bits",
     "group_table",
     "load_group_spec",
     "parse_group_config",
-    "resolve_compression",
     "shape_kind",
 ]

@@ -6,10 +6,11 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
 from .callbacks import CostCallback, GRPOCallback
-from .compression.hook import GRPOCommState, compress_locally, grpo_comm_hook
+from .compression import GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
+from .compression.plan import resolve_compression, resolve_mode
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args
-from .grouping import assign_groups, load_group_spec, resolve_compression
+from .grouping import assign_groups, load_group_spec
 from .importance import ImportanceState
 
 
@@ -75,13 +76,6 @@ class GRPOMixin:
         _refuse_unsupported_backends(self.is_fsdp_enabled, self.is_deepspeed_enabled)
         spec = load_group_spec(self.args.grpo_groups)
         self.grpo_groups = assign_groups(self.model, spec, strict=self.args.grpo_groups_strict)
-        self.grpo_compression_settings = resolve_compression(
-            self.model,
-            self.grpo_groups,
-            self.args.grpo_density,
-            self.args.grpo_bits,
-            self.args.grpo_min_compress_numel,
-        )
         lo, hi = self.args.grpo_lr_scale_min, self.args.grpo_lr_scale_max
         importance = ImportanceState(
             names=[g.name for g in self.grpo_groups],
@@ -95,39 +89,34 @@ class GRPOMixin:
         )
         self.grpo_callback = GRPOCallback(self.grpo_groups, importance, apply_multipliers=self.args.grpo_importance)
         self.add_callback(self.grpo_callback)
-        self.grpo_compression = self._resolve_compression()
+        distributed = self.accelerator.num_processes > 1 and self.accelerator.distributed_type.value.startswith(
+            "MULTI_"
+        )
+        self.grpo_compression = resolve_compression(self.args.grpo_compression, distributed)
+        self.grpo_plan = compression_plan(
+            self.model,
+            self.grpo_groups,
+            compression=self.grpo_compression,
+            density=self.args.grpo_density,
+            bits=self.args.grpo_bits,
+            min_numel=self.args.grpo_min_compress_numel,
+        )
         self.grpo_comm_state = None
         if self.grpo_compression != "none":
             self.grpo_comm_state = GRPOCommState(
-                self.grpo_compression_settings,
-                mode=self.args.grpo_comm_mode,
-                sparse="sparse" in self.grpo_compression,
-                quantize="quantize" in self.grpo_compression,
+                self.grpo_plan,
+                mode=resolve_mode(self.args.grpo_comm_mode, self.accelerator.num_processes),
                 dense_warmup_steps=self.args.grpo_dense_warmup_steps,
+                scale_gradients=self.args.grpo_scale_gradients,
+                scale_beta=self.args.grpo_scale_beta,
             )
             self.grpo_callback.comm_state = self.grpo_comm_state
-            specs = [self.grpo_comm_state.spec_for(name) for name in self.grpo_compression_settings]
-            if self.args.grpo_comm_mode == "allreduce" and any(spec and spec.bits == 2 for spec in specs):
-                logger.warning(
-                    "grpo_comm_mode='allreduce' with 2-bit values: the all-reduce "
-                    "re-quantizes the averaged values to 2 bits, which cost 34% perplexity in "
-                    "benchmarks/bench_comm.py. "
-                    "Use grpo_bits='4' with 'allreduce', or grpo_comm_mode='allgather' (the default) for 2 bits."
-                )
         self._grpo_hooked_models: set[int] = set()
         self._grpo_bytes_counted = 0
         if self.optimizer is not None:  # optimizers=(opt, sched) given by the user
             self._tag_user_optimizer(self.optimizer)
 
     # --- construction-time checks ---
-    def _resolve_compression(self) -> str:
-        """`grpo_compression` with `"auto"` resolved: compressed under multi-process DDP, off otherwise."""
-        distributed_type = self.accelerator.distributed_type
-        distributed = self.accelerator.num_processes > 1 and distributed_type.value.startswith("MULTI_")
-        if self.args.grpo_compression == "auto":
-            return "quantize" if distributed else "none"
-        return self.args.grpo_compression
-
     def _tag_user_optimizer(self, optimizer) -> None:
         """Map each param group of a user-supplied optimizer to the one GRPO group that holds all its parameters."""
         owner = {id(p): g.name for g in self.grpo_groups for p in g.params}

@@ -15,15 +15,15 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
+from grpo_hf.compression import CodecSpec, compression_plan
+from grpo_hf.compression.plan import default_bits
 from grpo_hf.grouping import (
     GroupConfigError,
     GroupRule,
     GroupSpec,
     assign_groups,
-    default_bits,
     group_table,
     load_group_spec,
-    resolve_compression,
     shape_kind,
 )
 
@@ -193,25 +193,25 @@ def test_bits_by_module_type_and_dense_small_tensors():
     model = nn.Sequential(nn.Embedding(100, 64), nn.Linear(64, 128), nn.Conv1d(8, 8, 3), nn.LayerNorm(64))
     spec = GroupSpec((GroupRule("all", ".*"),))
     groups = assign_groups(model, spec)
-    settings = resolve_compression(model, groups, density=0.15, bits="auto", min_numel=100)
-    assert settings["0.weight"] == (0.15, 8)  # embedding
-    assert settings["1.weight"] == (0.15, 4)  # linear
-    assert settings["1.bias"] == (0.15, 4)  # 128 elements >= min_numel
-    assert settings["2.weight"] == (0.15, 8)  # conv
-    assert settings["2.bias"] == (1.0, 32) and settings["3.weight"] == (1.0, 32)  # tiny tensors go dense
+    plan = compression_plan(model, groups, "sparse+quantize", density=0.15, bits="auto", min_numel=100)
+    assert plan["0.weight"] == CodecSpec(0.15, 8)  # embedding
+    assert plan["1.weight"] == CodecSpec(0.15, 4)  # linear
+    assert plan["1.bias"] == CodecSpec(0.15, 4)  # 128 elements >= min_numel
+    assert plan["2.weight"] == CodecSpec(0.15, 8)  # conv
+    assert plan["2.bias"] is None and plan["3.weight"] is None  # tiny tensors go dense
     assert default_bits(None) == 4
-    overridden = resolve_compression(model, groups, density=0.3, bits="16", min_numel=0)
-    assert overridden["0.weight"] == (0.3, 16)
+    overridden = compression_plan(model, groups, "sparse+quantize", density=0.3, bits="16", min_numel=0)
+    assert overridden["0.weight"] == CodecSpec(0.3, 16)
 
 
 def test_group_rule_settings_override_config():
     spec = GroupSpec((GroupRule("qk", "q_proj|k_proj", density=0.5, bits=8),))
     model = llama()
     groups = assign_groups(model, spec)
-    settings = resolve_compression(model, groups, density=0.15, bits="auto", min_numel=0)
-    assert settings["model.layers.0.self_attn.q_proj.weight"] == (0.5, 8)
-    assert settings["model.layers.0.mlp.up_proj.weight"] == (0.15, 4)
-    rows = {r["group"]: r for r in group_table(groups, settings)}
+    plan = compression_plan(model, groups, "sparse+quantize", density=0.15, bits="auto", min_numel=0)
+    assert plan["model.layers.0.self_attn.q_proj.weight"] == CodecSpec(0.5, 8)
+    assert plan["model.layers.0.mlp.up_proj.weight"] == CodecSpec(0.15, 4)
+    rows = {r["group"]: r for r in group_table(groups, plan)}
     assert rows["qk"]["tensors"] == 4 and rows["qk"]["density"] == "0.5" and rows["qk"]["bits"] == "8"
     assert abs(sum(r["share"] for r in rows.values()) - 1) < 1e-12
     assert rows["qk"]["parameters"] == 2 * (16 * 16 + 8 * 16)

@@ -1,4 +1,5 @@
-"""Single-process tests of the DDP hook logic (fake buckets, world size 1) and of `compress_locally`."""
+"""Single-process tests of the compression state, the exchange logic (fake buckets, world size 1), the plan, and
+`compress_locally`."""
 
 import inspect
 import io
@@ -9,23 +10,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_hf.compression import GRPOCommState, compress_locally, grpo_comm_hook
-from grpo_hf.compression.codec import CodecSpec, compress_with_feedback, decompress, quantize
-from grpo_hf.compression.hook import (
-    allgather_bytes,
-    allreduce_bytes,
-    alltoall_bytes,
-    broadcast_bytes,
-    chunk_bounds,
-    quantized_nbytes,
-)
-from grpo_hf.test_utils import FakeBucket
+from grpo_hf.compression import GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
+from grpo_hf.compression.codec import CodecSpec, compress_with_feedback
+from grpo_hf.compression.layout import chunk_bounds, plan_segments
+from grpo_hf.compression.plan import resolve_compression, resolve_mode
+from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes, alltoall_bytes, broadcast_bytes
+from grpo_hf.test_utils import FakeBucket, tiny_test_llama
 
 
 SHAPES = {"attn": (40, 30), "mlp": (1000,), "norm": (64,)}
-SETTINGS = {"attn": (0.1, 4), "mlp": (0.2, 8), "norm": (1.0, 32)}
+PLAN = {"attn": CodecSpec(0.1, 4), "mlp": CodecSpec(0.2, 8), "norm": None}
 
 
 def make_params():
@@ -50,6 +45,10 @@ def run_step(state, params, g, layout=(("attn", "norm", "mlp"),), dtype=torch.fl
     return out
 
 
+def residual(state, name):
+    return state.residuals.values[name]
+
+
 @pytest.fixture
 def params():
     return make_params()
@@ -59,29 +58,71 @@ def params():
 
 
 @pytest.mark.parametrize(
-    "use_sparse, use_quantize, expected",
+    "compression, expected",
     [
-        (True, True, {"attn": (0.1, 4), "mlp": (0.2, 8), "norm": None}),
-        (True, False, {"attn": (0.1, 32), "mlp": (0.2, 32), "norm": None}),
-        (False, True, {"attn": (1.0, 4), "mlp": (1.0, 8), "norm": None}),
-        (False, False, {"attn": None, "mlp": None, "norm": None}),
+        ("sparse+quantize", {"attn": (0.15, 4), "mlp": (0.15, 4)}),
+        ("sparse", {"attn": (0.15, 32), "mlp": (0.15, 32)}),
+        ("quantize", {"attn": (1.0, 4), "mlp": (1.0, 4)}),
+        ("none", {"attn": None, "mlp": None}),
     ],
 )
-def test_sparse_and_quantize_flags_select_the_spec(use_sparse, use_quantize, expected):
-    state = GRPOCommState(SETTINGS, sparse=use_sparse, quantize=use_quantize)
-    for name, want in expected.items():
-        spec = state.spec_for(name)
-        assert (None if spec is None else (spec.density, spec.bits)) == want
-    assert state.spec_for(None) is None and state.spec_for("unknown") is None
+def test_compression_plan_decides_every_parameter(compression, expected):
+    model = tiny_test_llama()
+    plan = compression_plan(model, compression=compression, bits="4", min_numel=1000)
+    assert set(plan) == {n for n, p in model.named_parameters() if p.requires_grad}
+    attn, mlp = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"
+    for name, want in {attn: expected["attn"], mlp: expected["mlp"]}.items():
+        assert (None if plan[name] is None else (plan[name].density, plan[name].bits)) == want
+    assert plan["model.norm.weight"] is None  # 32 entries < min_numel: dense
+    article = compression_plan(model, compression="sparse+quantize", bits="auto", min_numel=0)
+    assert article["model.embed_tokens.weight"].bits == 8 and article[attn].bits == 4  # the article's layering
+
+
+def test_compression_plan_defaults_are_the_trainer_defaults():
+    from grpo_hf import GRPOConfig
+
+    config = GRPOConfig(output_dir="unused", use_cpu=True)
+    model = tiny_test_llama(hidden_size=64, intermediate_size=128)
+    plan = compression_plan(model)
+    expected = compression_plan(
+        model,
+        compression=resolve_compression(config.grpo_compression, distributed=True),
+        density=config.grpo_density,
+        bits=config.grpo_bits,
+        min_numel=config.grpo_min_compress_numel,
+    )
+    assert plan == expected and any(spec is not None for spec in plan.values())
+    state = GRPOCommState(plan)
+    assert state.mode == resolve_mode(config.grpo_comm_mode, 2)
+    assert state.dense_warmup_steps == config.grpo_dense_warmup_steps
+    assert state.scale_gradients == config.grpo_scale_gradients and state.scale_beta == config.grpo_scale_beta
+
+
+def test_resolve_auto_settings():
+    assert resolve_compression("auto", distributed=True) == "quantize"
+    assert resolve_compression("auto", distributed=False) == "none"
+    assert resolve_compression("sparse", distributed=False) == "sparse"
+    assert resolve_mode("auto", 2) == "allgather" and resolve_mode("auto", 4) == "allreduce"
+    assert resolve_mode("allgather", 8) == "allgather"
+    with pytest.raises(ValueError, match="grpo_comm_mode"):
+        resolve_mode("ring", 2)
+    with pytest.raises(ValueError, match="grpo_compression"):
+        resolve_compression("zip", distributed=True)
 
 
 def test_invalid_arguments():
     with pytest.raises(ValueError, match="mode"):
-        GRPOCommState(SETTINGS, mode="ring")
+        GRPOCommState(PLAN, mode="ring")
+    with pytest.raises(ValueError, match="mode"):
+        GRPOCommState(PLAN, mode="auto")  # resolved by resolve_mode first
     with pytest.raises(ValueError, match="dense_warmup_steps"):
-        GRPOCommState(SETTINGS, dense_warmup_steps=-1)
+        GRPOCommState(PLAN, dense_warmup_steps=-1)
     with pytest.raises(ValueError, match="simulated_world_size"):
-        GRPOCommState(SETTINGS, simulated_world_size=0)
+        GRPOCommState(PLAN, simulated_world_size=0)
+    with pytest.raises(ValueError, match="scale_beta"):
+        GRPOCommState(PLAN, scale_beta=1.0)
+    with pytest.raises(ValueError, match="compression_plan"):
+        GRPOCommState({"attn": (0.1, 4)})  # the old (density, bits) tuples: one place decides, the plan
 
 
 def test_hook_signature_passes_ddp_checks():
@@ -92,8 +133,8 @@ def test_hook_signature_passes_ddp_checks():
 
 
 def test_bind_maps_names_and_warns_on_missing_settings(params, caplog):
-    state = GRPOCommState({"attn": (0.1, 4)})
-    with caplog.at_level(logging.WARNING, logger="grpo_hf.compression.hook"):
+    state = GRPOCommState({"attn": CodecSpec(0.1, 4)})
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.compression.state"):
         assert state.bind(params) is state
     assert set(state.names.values()) == set(SHAPES)
     assert (state.world_size, state.rank) == (1, 0)
@@ -101,13 +142,13 @@ def test_bind_maps_names_and_warns_on_missing_settings(params, caplog):
 
 
 def test_hook_needs_bind(params):
-    state = GRPOCommState(SETTINGS)
+    state = GRPOCommState(PLAN)
     g = grads()
     with pytest.raises(RuntimeError, match="bind"):
         grpo_comm_hook(state, FakeBucket(list(params.values()), [g[n] for n in params]))
 
 
-# --- byte model ------------------------------------------------------------------------------------------------
+# --- layout and byte model -------------------------------------------------------------------------------------
 
 
 def test_ring_byte_formulas():
@@ -116,20 +157,31 @@ def test_ring_byte_formulas():
     assert broadcast_bytes(100, 4) == 75 and alltoall_bytes(100, 4) == 75
 
 
-@pytest.mark.parametrize("num_values, world_size", [(0, 2), (5, 3), (128, 2), (1000, 3), (1000, 8), (129, 4)])
-def test_chunk_bounds_cover_block_aligned(num_values, world_size):
-    bounds = chunk_bounds(num_values, world_size, 128)
+@pytest.mark.parametrize("count, world_size", [(0, 2), (5, 3), (1, 2), (10, 3), (10, 8), (3, 4)])
+def test_chunk_bounds_split_evenly(count, world_size):
+    bounds = chunk_bounds(count, world_size)
     assert len(bounds) == world_size
-    assert bounds[0][0] == 0 and bounds[-1][1] == num_values
+    assert bounds[0][0] == 0 and bounds[-1][1] == count
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
-    assert all(start % 128 == 0 or start == num_values for start, _ in bounds)
+    sizes = [end - start for start, end in bounds]
+    assert max(sizes) - min(sizes) <= 1
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4, 2])
-@pytest.mark.parametrize("num_values", [0, 1, 127, 300])
-def test_quantized_nbytes_matches_codec(bits, num_values):
-    payload, scales = quantize(torch.randn(num_values), bits)
-    assert quantized_nbytes(num_values, bits) == payload.numel() * payload.element_size() + 4 * scales.numel()
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_segments_are_block_aligned_and_owned_blocks_partition_them(world_size):
+    spec = CodecSpec(1.0, 4, block_size=128)
+    entries = [("a", 300, spec), ("b", 128, spec), ("c", 1000, CodecSpec(0.1, 8)), ("d", 5, spec)]
+    segments = plan_segments(entries)
+    assert [s.names for s in segments] == [("a", "b", "d"), ("c",)]
+    first = segments[0]
+    assert first.offsets == (0, 384, 512) and first.length == 640 and first.numel == 433
+    owned = first.owned_blocks(world_size)
+    blocks = sorted(b for rank in owned for b in rank.tolist())
+    assert blocks == list(range(first.num_blocks))  # every block owned exactly once
+    assert sum(first.owned_numel(world_size, r) for r in range(world_size)) == first.numel
+    for rank in range(world_size):
+        slots = first.owned_slots(world_size, rank)
+        assert sum(size for _, _, size in slots) == owned[rank].numel() * 128
 
 
 # --- the hook at world size 1 ----------------------------------------------------------------------------------
@@ -137,92 +189,143 @@ def test_quantized_nbytes_matches_codec(bits, num_values):
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_warmup_steps_pass_gradients_through(params, mode):
-    state = GRPOCommState(SETTINGS, mode=mode, dense_warmup_steps=2).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=2).bind(params)
     for step in range(2):
         g = grads(step)
         out = run_step(state, params, g)
         for name in SHAPES:
             assert torch.equal(out[name], g[name])
-    assert state.residuals == {} and state.step == 2
+    assert state.residuals.values == {} and state.step == 2
+    assert state.scale_updates == 2 and set(state.squares.values) == {"attn", "mlp"}  # scales learn from warm-up
     stats = state.pop_stats()
     assert stats["grpo/comm/dense_steps"] == 2 and stats["grpo/density"] == 1.0
 
 
-def test_allgather_mode_decodes_with_exact_error_feedback(params):
-    state = GRPOCommState(SETTINGS, mode="allgather", dense_warmup_steps=0).bind(params)
-    residual = {name: torch.zeros(SHAPES[name]).reshape(-1) for name in SHAPES}
+def _segment_rows(names, g):
+    """The row the hook compresses for these tensors (each padded to whole blocks of 128)."""
+    return torch.cat([torch.nn.functional.pad(g[n].reshape(-1), (0, -g[n].numel() % 128)) for n in names])
+
+
+def test_allgather_mode_is_the_codec_with_exact_error_feedback(params):
+    """Without gradient scales the hook sends exactly what the codec gives for each segment's row."""
+    state = GRPOCommState(PLAN, mode="allgather", dense_warmup_steps=0, scale_gradients=False).bind(params)
+    residuals = {name: torch.zeros(_segment_rows([name], grads()).numel()) for name in ("attn", "mlp")}
     for step in range(3):
         g = grads(step)
         out = run_step(state, params, g)
         assert torch.equal(out["norm"], g["norm"])  # dense tensors pass unchanged at W = 1
         for name in ("attn", "mlp"):
             spec = state.spec_for(name)
-            _, decoded, new_residual = compress_with_feedback(g[name], residual[name], spec)
-            assert torch.equal(out[name].reshape(-1), decoded)
-            assert torch.equal(state.residuals[name], new_residual)
+            _, decoded, new_residual = (
+                compress_with_feedback(_segment_rows([name], g), residuals[name], spec, indices=None)
+                if spec.density == 1.0
+                else _topk_feedback(_segment_rows([name], g), residuals[name], spec, g[name].numel())
+            )
+            assert torch.equal(out[name].reshape(-1), decoded[: g[name].numel()])
+            assert torch.equal(residual(state, name), new_residual[: g[name].numel()])
             kept = int((decoded != 0).sum())
-            assert kept <= round(spec.density * decoded.numel()) + 1
-            residual[name] = new_residual
+            assert kept <= round(spec.density * g[name].numel()) + 1
+            residuals[name] = new_residual
 
 
-def test_allreduce_mode_conserves_gradient_mass(params):
-    state = GRPOCommState(SETTINGS, mode="allreduce", dense_warmup_steps=0).bind(params)
-    for step in range(3):
-        old = {n: state.residuals.get(n, torch.zeros(SHAPES[n]).reshape(-1)).clone() for n in SHAPES}
+def _topk_feedback(row, old, spec, numel):
+    """The codec on a padded row whose top-k counts only the real entries (padding is never worth sending)."""
+    from grpo_hf.compression.codec import compress_rows
+    from grpo_hf.compression.spec import num_kept
+
+    acc = row + old
+    batch = compress_rows(acc.view(1, -1), spec, num_values=num_kept(numel, spec.density))
+    decoded = batch.dense()[0]
+    return None, decoded, acc - decoded
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "allgather"])
+def test_error_feedback_conserves_gradient_mass(params, mode):
+    """What was averaged plus what every residual keeps is what came in (up to fp32 rounding of the scales)."""
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1).bind(params)
+    run_step(state, params, grads(0), layout=(("attn",), ("norm", "mlp")))  # warm-up: the scales' first estimate
+    for step in range(1, 4):
+        kept = {n: _kept(state, n) for n in ("attn", "mlp")}
         g = grads(step, scale=10.0**step)
         out = run_step(state, params, g, layout=(("attn",), ("norm", "mlp")))
         assert torch.equal(out["norm"], g["norm"])
         for name in ("attn", "mlp"):
-            new = state.residuals[name]
-            torch.testing.assert_close(out[name].reshape(-1) + new, g[name].reshape(-1) + old[name])
-            assert 0 < (out[name] != 0).float().mean() <= state.spec_for(name).density + 0.01
-            assert new.abs().sum() > 0
+            torch.testing.assert_close(out[name].reshape(-1) + _kept(state, name), g[name].reshape(-1) + kept[name])
+            assert 0 < (out[name] != 0).float().mean() <= state.spec_for(name).density + 0.02
+            assert residual(state, name).abs().sum() > 0
+
+
+def _kept(state, name):
+    """Everything the error feedback holds back for `name`: this rank's residual plus its owner residuals."""
+    mine = state.residuals.values.get(name)
+    total = torch.zeros(SHAPES[name]).reshape(-1) if mine is None else mine.clone()
+    owned = state.owner_residuals.values.get(name)
+    if owned is not None:
+        total += owned[: total.numel()]
+    return total
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "allgather"])
+def test_gradient_scales_follow_the_averaged_gradients(params, mode):
+    beta = 0.9
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1, scale_beta=beta).bind(params)
+    g0, g1 = grads(0), grads(1)
+    run_step(state, params, g0)
+    torch.testing.assert_close(state.squares.values["attn"], (1 - beta) * g0["attn"].reshape(-1) ** 2)
+    out = run_step(state, params, g1)
+    expected = beta * (1 - beta) * g0["attn"].reshape(-1) ** 2 + (1 - beta) * out["attn"].reshape(-1) ** 2
+    torch.testing.assert_close(state.squares.values["attn"], expected)
+    assert "norm" not in state.squares.values and state.scale_updates == 2
 
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_buckets(params, mode, dtype):
-    state = GRPOCommState(SETTINGS, mode=mode, dense_warmup_steps=0).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0).bind(params)
     g = grads()
     out = run_step(state, params, g, dtype=dtype)
     assert all(t.dtype == dtype for t in out.values())
-    assert all(r.dtype == torch.float32 for r in state.residuals.values())
+    assert all(r.dtype == torch.float32 for r in state.residuals.values.values())
     torch.testing.assert_close(out["norm"], g["norm"].to(dtype))
     assert torch.isfinite(torch.cat([t.float().reshape(-1) for t in out.values()])).all()
 
 
 def test_residuals_commit_when_the_step_ends(params):
-    state = GRPOCommState(SETTINGS, dense_warmup_steps=0).bind(params)
+    state = GRPOCommState(PLAN, dense_warmup_steps=0).bind(params)
     g = grads()
     first = FakeBucket([params["attn"]], [g["attn"]], index=0, last=False)
     grpo_comm_hook(state, first)
-    assert state.residuals == {} and state.step == 0 and state.hook_calls == 1
+    assert state.residuals.values == {} and state.step == 0 and state.hook_calls == 1
     grpo_comm_hook(state, FakeBucket([params["norm"], params["mlp"]], [g["norm"], g["mlp"]], index=1, last=True))
-    assert set(state.residuals) == {"attn", "mlp"} and state.step == 1 and state.hook_calls == 2
+    assert set(state.residuals.values) == {"attn", "mlp"} and state.step == 1 and state.hook_calls == 2
 
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
-def test_nonfinite_step_is_sent_dense_and_keeps_residuals(params, mode, caplog):
-    state = GRPOCommState(SETTINGS, mode=mode, dense_warmup_steps=0).bind(params)
+def test_nonfinite_step_is_sent_dense_and_keeps_residuals_and_scales(params, mode, caplog):
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0).bind(params)
     run_step(state, params, grads(0), layout=(("attn",), ("norm", "mlp")))
-    before = {n: r.clone() for n, r in state.residuals.items()}
+    before = {n: r.clone() for n, r in state.residuals.values.items()}
+    squares = {n: r.clone() for n, r in state.squares.values.items()}
     g = grads(1)
     g["mlp"][7] = float("nan")
-    with caplog.at_level(logging.WARNING, logger="grpo_hf.compression.hook"):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.compression.state"):
         out = run_step(state, params, g, layout=(("attn",), ("norm", "mlp")))
         g2 = grads(2)
         g2["attn"][0, 0] = float("inf")
         run_step(state, params, g2, layout=(("attn",), ("norm", "mlp")))
     assert torch.isnan(out["mlp"][7]) and torch.equal(out["mlp"][:7], g["mlp"][:7])  # raw, dense
     # the attn bucket went out compressed before the NaN bucket, but its residual is not committed either
-    assert all(torch.equal(state.residuals[n], before[n]) for n in before)
+    assert all(torch.equal(state.residuals.values[n], before[n]) for n in before)
+    assert all(torch.equal(state.squares.values[n], squares[n]) for n in squares)
     assert caplog.text.count("NaN/Inf") == 1  # warned once
     stats = state.pop_stats()
     assert stats["grpo/comm/dense_steps"] == 2 and state.totals()["dense_steps"] == 2
+    run_step(state, params, grads(3), layout=(("attn",), ("norm", "mlp")))  # healthy again
+    assert all(torch.isfinite(r).all() for r in state.residuals.values.values())
 
 
 def test_pop_stats_window_and_totals(params):
-    state = GRPOCommState(SETTINGS, dense_warmup_steps=1).bind(params)
+    state = GRPOCommState(PLAN, dense_warmup_steps=1).bind(params)
     assert state.pop_stats() == {}
     for step in range(3):
         run_step(state, params, grads(step))
@@ -240,7 +343,7 @@ def test_pop_stats_window_and_totals(params):
     kept_compressed = 120 + 200 + 64  # ceil(0.1 * 1200) + ceil(0.2 * 1000) + the dense norm
     assert stats["grpo/density"] == pytest.approx((numel + 2 * kept_compressed) / (3 * numel))
     assert stats["grpo/sparsity"] == pytest.approx(1 - stats["grpo/density"])
-    assert stats["grpo/comm/dense_steps"] == 1 and stats["grpo/comm/hook_ms"] > 0
+    assert stats["grpo/comm/dense_steps"] == 1
     assert state.pop_stats() == {}
     totals = state.totals()
     assert totals["steps"] == 3 and totals["dense_steps"] == 1 and totals["numel"] == 3 * numel
@@ -251,7 +354,7 @@ def test_pop_stats_window_and_totals(params):
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_state_dict_round_trip_is_exact(params, mode):
-    state = GRPOCommState(SETTINGS, mode=mode, dense_warmup_steps=1).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1).bind(params)
     for step in range(3):
         run_step(state, params, grads(step))
     buffer = io.BytesIO()
@@ -259,53 +362,46 @@ def test_state_dict_round_trip_is_exact(params, mode):
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
     assert set(saved["residuals"]) == {"attn", "mlp"} and saved["step"] == 3
+    assert set(saved["squares"]) == {"attn", "mlp"} and saved["scale_updates"] == 3
     assert all(r.device.type == "cpu" and r.dtype == torch.float32 for r in saved["residuals"].values())
 
-    restored = GRPOCommState(SETTINGS, mode=mode, dense_warmup_steps=1)
+    restored = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1)
     restored.load_state_dict(saved)
     restored.bind(params)
     assert restored.totals() == state.totals()
-    g = grads(10)
-    a, b = run_step(state, params, g), run_step(restored, params, g)
-    assert all(torch.equal(a[n], b[n]) for n in SHAPES)
-    assert all(torch.equal(state.residuals[n], restored.residuals[n]) for n in state.residuals)
+    for step in (10, 11):  # a different bucket layout after the resume changes nothing
+        g = grads(step)
+        a, b = run_step(state, params, g), run_step(restored, params, g, layout=(("mlp",), ("attn", "norm")))
+        assert all(torch.equal(a[n], b[n]) for n in SHAPES)
+    for store in ("residuals", "owner_residuals", "squares"):
+        mine, theirs = getattr(state, store).values, getattr(restored, store).values
+        assert set(mine) == set(theirs) and all(torch.equal(mine[n], theirs[n]) for n in mine)
 
 
-def test_load_state_dict_rejects_other_models_and_versions(params):
-    state = GRPOCommState(SETTINGS)
+def test_load_state_dict_rejects_other_models_modes_and_versions(params):
+    state = GRPOCommState(PLAN)
     saved = state.state_dict()
     with pytest.raises(ValueError, match="version"):
         state.load_state_dict({**saved, "version": 99})
     with pytest.raises(ValueError, match="same model"):
         state.load_state_dict({**saved, "residuals": {"other.weight": torch.zeros(3)}})
+    with pytest.raises(ValueError, match="grpo_comm_mode"):
+        state.load_state_dict({**saved, "mode": "allreduce"})
 
 
 def test_state_pickles_without_process_group(params):
-    state = GRPOCommState(SETTINGS, process_group=object()).bind(params)
+    state = GRPOCommState(PLAN, process_group=object()).bind(params)
     run_step(state, params, grads())
     clone = pickle.loads(pickle.dumps(state))
     assert clone.process_group is None and clone.step == state.step and clone.mode == state.mode
-    assert "GRPOCommState(mode='allreduce'" in repr(clone)
+    assert "GRPOCommState(mode='allgather'" in repr(clone)
 
 
 # --- compress_locally ------------------------------------------------------------------------------------------
 
 
-def tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return LlamaForCausalLM(config)
-
-
-def llama_settings(model, density=0.15, bits=4, min_numel=256):
-    return {name: ((density, bits) if p.numel() >= min_numel else (1.0, 32)) for name, p in model.named_parameters()}
+def llama_plan(model, compression="sparse+quantize", density=0.15, bits="4", min_numel=256):
+    return compression_plan(model, compression=compression, density=density, bits=bits, min_numel=min_numel)
 
 
 def backward(model, seed=0):
@@ -316,29 +412,30 @@ def backward(model, seed=0):
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_compress_locally_sparsifies_grads_with_error_feedback(mode):
-    model = tiny_llama()
-    settings = llama_settings(model)
-    state = GRPOCommState(settings, mode=mode, dense_warmup_steps=1)
+    model = tiny_test_llama()
+    plan = llama_plan(model)
+    state = GRPOCommState(plan, mode=mode, dense_warmup_steps=1, scale_gradients=False)
     backward(model)
     raw = {n: p.grad.clone() for n, p in model.named_parameters()}
     compress_locally(state, model)  # warm-up: untouched
     assert all(torch.equal(p.grad, raw[n]) for n, p in model.named_parameters())
-    assert state.residuals == {}
+    assert state.residuals.values == {}
     assert state.pop_stats()["grpo/comm/ratio_fp32"] == 1.0  # dense fp32 all-reduce
 
     backward(model, seed=1)
     raw = {n: p.grad.clone() for n, p in model.named_parameters()}
     compress_locally(state, model)
     for name, param in model.named_parameters():
-        if settings[name] == (1.0, 32):
+        if plan[name] is None:
             assert torch.equal(param.grad, raw[name])
-            assert name not in state.residuals
+            assert name not in state.residuals.values
         else:
             assert not torch.equal(param.grad, raw[name])
-            assert (param.grad != 0).float().mean() <= 0.151
-            residual = state.residuals[name]
-            assert residual.abs().sum() > 0
-            assert torch.equal(param.grad.reshape(-1) + residual, raw[name].reshape(-1))  # exact first step
+            assert _kept(state, name).abs().sum() > 0
+            if mode == "allgather":  # exact on the first step: what was not sent waits in the residual
+                assert torch.equal(param.grad.reshape(-1) + residual(state, name), raw[name].reshape(-1))
+    compressed = torch.cat([p.grad.reshape(-1) for n, p in model.named_parameters() if plan[n] is not None])
+    assert (compressed != 0).float().mean() <= 0.151
     stats = state.pop_stats()
     assert stats["grpo/comm/bytes_sent"] > 0
     assert stats["grpo/comm/ratio_fp32"] > 4 and stats["grpo/comm/ratio_fp16"] == stats["grpo/comm/ratio_fp32"] / 2
@@ -346,96 +443,63 @@ def test_compress_locally_sparsifies_grads_with_error_feedback(mode):
     assert state.step == 2 and state.hook_calls == 2
 
 
-@pytest.mark.parametrize("density, bits", [(0.2, 8), (1.0, 2), (0.2, 2)])
-def test_compress_locally_counts_allgather_bytes_exactly(density, bits):
-    model = tiny_llama()
-    settings = llama_settings(model, density=density, bits=bits)
-    state = GRPOCommState(settings, mode="allgather", dense_warmup_steps=0, simulated_world_size=4)
+@pytest.mark.parametrize("compression, bits", [("sparse+quantize", "8"), ("quantize", "2"), ("quantize", "4")])
+def test_compress_locally_counts_allgather_bytes_exactly(compression, bits):
+    from grpo_hf.compression.codec import compress_rows
+    from grpo_hf.compression.layout import plan_segments
+
+    model = tiny_test_llama()
+    plan = llama_plan(model, compression, density=0.2, bits=bits)
+    state = GRPOCommState(plan, mode="allgather", dense_warmup_steps=0, simulated_world_size=4, scale_gradients=False)
     backward(model)
-    expected_messages, dense = 0, 0
-    for name, param in model.named_parameters():
-        if settings[name] == (1.0, 32):
-            dense += param.numel()
-        else:
-            ct, _, _ = compress_with_feedback(param.grad, None, CodecSpec(*settings[name]))
-            expected_messages += ct.nbytes()
+    params = [(n, p) for n, p in model.named_parameters()]
+    segments = plan_segments([(n, p.numel(), plan[n]) for n, p in params if plan[n] is not None])
+    grads_by_name = {n: p.grad.reshape(-1) for n, p in params}
+    messages = 0
+    for segment in segments:
+        row = torch.zeros(segment.length)
+        for view, name in zip(segment.views(row), segment.names):
+            view.copy_(grads_by_name[name])
+        messages += sum(compress_rows(row.view(1, -1), segment.spec, num_values=segment.num_values()).nbytes())
+    dense = sum(p.numel() for n, p in params if plan[n] is None)
     compress_locally(state, model)
-    expected = 3 * (16 + expected_messages) + 2 * 3 / 4 * 4 * dense
     numel = sum(p.numel() for p in model.parameters())
     stats = state.pop_stats()
-    assert stats["grpo/comm/bytes_sent"] == pytest.approx(expected)
+    assert stats["grpo/comm/bytes_sent"] == pytest.approx(3 * (16 + messages) + 2 * 3 / 4 * 4 * dense)
     assert stats["grpo/comm/bytes_dense_fp32"] == pytest.approx(2 * 3 / 4 * 4 * numel)
-
-
-def test_compress_locally_counts_allreduce_bytes_exactly():
-    model = tiny_llama()
-    settings = llama_settings(model, density=0.2, bits=4)
-    settings["model.layers.0.mlp.up_proj.weight"] = (0.1, 32)  # a sparse fp32 tensor: values in the all-reduce
-    state = GRPOCommState(settings, mode="allreduce", dense_warmup_steps=0, simulated_world_size=4)
-    backward(model)
-    index_bytes = n_sparse = fp32_values = quantized = dense = 0
-    for name, param in model.named_parameters():
-        if settings[name] == (1.0, 32):
-            dense += param.numel()
-            continue
-        spec = CodecSpec(*settings[name])
-        ct, _, _ = compress_with_feedback(param.grad, None, spec)
-        n_sparse += 1
-        index_bytes += ct.indices.numel()
-        if spec.bits == 32:
-            fp32_values += ct.num_values
-        else:
-            quantized += sum(quantized_nbytes(end - start, 4) for start, end in chunk_bounds(ct.num_values, 4))
-    compress_locally(state, model)
-    expected = 3 / 4 * (16 * n_sparse + index_bytes) + 2 * 3 / 4 * (4 * (dense + fp32_values + 1) + quantized)
-    assert state.pop_stats()["grpo/comm/bytes_sent"] == pytest.approx(expected)
 
 
 def test_compress_locally_allreduce_bytes_are_flat_in_world_size():
     sent = {}
     for world_size in (2, 8, 64):
-        model = tiny_llama()
-        state = GRPOCommState(llama_settings(model), dense_warmup_steps=0, simulated_world_size=world_size)
+        model = tiny_test_llama()
+        state = GRPOCommState(
+            llama_plan(model), mode="allreduce", dense_warmup_steps=0, simulated_world_size=world_size
+        )
         backward(model)
         compress_locally(state, model)
         sent[world_size] = state.totals()["bytes_sent"]
-    assert sent[64] < 2.2 * sent[2]  # 2 (W - 1) / W grows to 2 at most; scales per chunk add a little
-    gathered = GRPOCommState(llama_settings(model), mode="allgather", dense_warmup_steps=0, simulated_world_size=64)
+    assert sent[64] < 2.2 * sent[2]  # (W - 1) / W grows to 1 at most per stage
+    gathered = GRPOCommState(llama_plan(model), mode="allgather", dense_warmup_steps=0, simulated_world_size=64)
     backward(model)
     compress_locally(gathered, model)
     assert gathered.totals()["bytes_sent"] > 10 * sent[64]
 
 
 def test_compress_locally_leaves_nonfinite_grads_alone(caplog):
-    model = tiny_llama()
-    state = GRPOCommState(llama_settings(model), dense_warmup_steps=0)
+    model = tiny_test_llama()
+    state = GRPOCommState(llama_plan(model), dense_warmup_steps=0)
     backward(model)
     compress_locally(state, model)
-    before = {n: r.clone() for n, r in state.residuals.items()}
+    before = {n: r.clone() for n, r in state.residuals.values.items()}
     backward(model, seed=1)
     model.lm_head.weight.grad[0, 0] = float("inf")
     raw = {n: p.grad.clone() for n, p in model.named_parameters()}
-    with caplog.at_level(logging.WARNING, logger="grpo_hf.compression.hook"):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.compression.state"):
         compress_locally(state, model)
     assert all(torch.equal(p.grad, raw[n]) for n, p in model.named_parameters())
-    assert all(torch.equal(state.residuals[n], before[n]) for n in before)
+    assert all(torch.equal(state.residuals.values[n], before[n]) for n in before)
     assert "NaN/Inf" in caplog.text and state.totals()["dense_steps"] == 1
-
-
-def test_compress_locally_decodes_what_the_codec_sends():
-    model = tiny_llama()
-    settings = llama_settings(model, density=0.3, bits=8)
-    state = GRPOCommState(settings, sparse=True, quantize=False, dense_warmup_steps=0)
-    backward(model)
-    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
-    compress_locally(state, model)
-    name = "model.layers.0.mlp.up_proj.weight"
-    spec = state.spec_for(name)
-    assert (spec.density, spec.bits) == (0.3, 32)  # sparse only: fp32 values
-    ct, decoded, _ = compress_with_feedback(raw[name], None, spec)
-    assert torch.equal(model.get_parameter(name).grad.reshape(-1), decompress(ct)) and torch.equal(
-        decoded, decompress(ct)
-    )
 
 
 def test_trainer_single_process_applies_sparse_updates(tmp_path):
@@ -458,12 +522,12 @@ def test_trainer_single_process_applies_sparse_updates(tmp_path):
         grpo_min_compress_numel=256,
     )
     trainer = GRPOTrainer(
-        model=tiny_llama(), args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids})
+        model=tiny_test_llama(), args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids})
     )
     trainer.train()
     state = trainer.grpo_comm_state
     assert state is not None and state.step == trainer.state.global_step == 6 and state.world_size == 1
-    assert len(state.residuals) > 0
+    assert len(state.residuals.values) > 0
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert logs[-1]["grpo/comm/ratio_fp32"] > 4 and logs[-1]["grpo/comm/dense_steps"] == 0
     assert logs[0]["grpo/comm/dense_steps"] == 2  # default dense warm-up

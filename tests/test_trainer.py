@@ -260,23 +260,3 @@ def test_auto_compression_is_off_on_one_process(tmp_path):
     assert trainer.grpo_compression == "none" and trainer.grpo_comm_state is None
     trainer.train()
     assert "grpo/comm/bytes_sent" not in train_logs(trainer)[-1]
-
-
-def test_allreduce_with_two_bits_warns(tmp_path, caplog):
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.enable_propagation()
-    try:
-        args = make_args(
-            tmp_path, max_steps=1, grpo_compression="quantize", grpo_comm_mode="allreduce", grpo_min_compress_numel=0
-        )
-        with caplog.at_level("WARNING"):
-            GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
-        assert "grpo_bits='4'" in caplog.text
-        caplog.clear()
-        with caplog.at_level("WARNING"):
-            args = make_args(tmp_path, grpo_compression="quantize", grpo_min_compress_numel=0)
-            GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
-        assert "grpo_bits='4'" not in caplog.text
-    finally:
-        hf_logging.disable_propagation()

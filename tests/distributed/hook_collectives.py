@@ -21,7 +21,8 @@ from _common import same_on_all_ranks, tensor_digest, write_result
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from grpo_hf.compression.hook import GRPOCommState, grpo_comm_hook
+from grpo_hf.compression import CodecSpec, GRPOCommState, grpo_comm_hook
+from grpo_hf.compression.layout import chunk_bounds, chunk_owner
 from grpo_hf.test_utils import FakeBucket
 
 
@@ -39,18 +40,40 @@ def local_grads(step: int, rank: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=gen) * scale for name, shape in SHAPES.items()}
 
 
-def run_fake(mode, density, bits, steps=6, warmup=1, dtype=torch.float32, inject_step=None):
+def held_back(state, name, numel, block=128):
+    """
+    What error feedback keeps of a tensor on this rank, in units of the sum over ranks: its residual plus `W` times the
+    owner residual of the chunk it owns (the owner's residual is in units of the mean).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.zeros(-(-numel // block) * block)
+    mine = state.residuals.values.get(name)
+    if mine is not None:
+        total[:numel] += mine
+    owned = state.owner_residuals.values.get(name)
+    if owned is not None:
+        start, end = chunk_bounds(-(-numel // block), world)[(rank - chunk_owner(name, world)) % world]
+        total[start * block : end * block] += world * owned
+    return total[:numel]
+
+
+def run_fake(mode, density, bits, steps=6, warmup=1, dtype=torch.float32, inject_step=None, scale=True):
     rank, world = dist.get_rank(), dist.get_world_size()
     params = make_params()
-    settings = {"attn": (density, bits), "mlp": (density, bits), "emb": (min(1.0, density * 2), 8), "norm": (1.0, 32)}
-    state = GRPOCommState(settings, mode=mode, dense_warmup_steps=warmup).bind(params)
+    plan = {
+        "attn": CodecSpec(density, bits),
+        "mlp": CodecSpec(density, bits),
+        "emb": CodecSpec(min(1.0, density * 2), 8),
+        "norm": None,
+    }
+    state = GRPOCommState(plan, mode=mode, dense_warmup_steps=warmup, scale_gradients=scale).bind(params)
     checks = {"identical": True, "conservation_max_err": 0.0, "dense_mean_max_err": 0.0, "warmup_max_err": 0.0}
     nonfinite = {}
     for step in range(steps):
         grads = local_grads(step, rank)
         if step == inject_step and rank == world - 1:
             grads["mlp"][3] = float("inf")
-        old = {n: state.residuals.get(n, torch.zeros(params[n].numel())).clone() for n in SHAPES}
+        old = {n: held_back(state, n, params[n].numel()) for n in SHAPES}
         outputs = {}
         for index, names in enumerate(BUCKETS):
             bucket = FakeBucket(
@@ -70,7 +93,9 @@ def run_fake(mode, density, bits, steps=6, warmup=1, dtype=torch.float32, inject
         if step == inject_step:
             nonfinite = {
                 "inf_in_output": bool(torch.isinf(outputs["mlp"]).any()),
-                "residuals_unchanged": all(torch.equal(state.residuals.get(n, old[n]), old[n]) for n in SHAPES),
+                "residuals_unchanged": all(
+                    torch.equal(held_back(state, n, params[n].numel()), old[n]) for n in SHAPES
+                ),
                 "dense_steps": state.totals()["dense_steps"],
             }
             continue
@@ -80,7 +105,7 @@ def run_fake(mode, density, bits, steps=6, warmup=1, dtype=torch.float32, inject
             total = g.clone()
             dist.all_reduce(total)
             mean[n] = total / world
-            new = state.residuals.get(n, torch.zeros_like(g))
+            new = held_back(state, n, params[n].numel())
             # what this rank put in minus what it kept, summed over ranks == what all ranks received
             flow = (g.double() + old[n].double() - new.double()).reshape(-1)
             dist.all_reduce(flow)
@@ -104,7 +129,7 @@ def run_fake(mode, density, bits, steps=6, warmup=1, dtype=torch.float32, inject
         "bytes_sent": stats["bytes_sent"],
         "bytes_dense_fp32": stats["bytes_dense_fp32"],
         "dense_steps": stats["dense_steps"],
-        "residual_norm": float(sum(r.norm() for r in state.residuals.values())),
+        "residual_norm": float(sum(r.norm() for r in state.residuals.values.values())),
     }
 
 
@@ -122,8 +147,8 @@ def run_ddp(mode, dtype=torch.bfloat16, steps=6):
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = Net().to(dtype)
-    settings = {n: ((0.25, 4) if p.dim() == 2 else (1.0, 32)) for n, p in net.named_parameters()}
-    state = GRPOCommState(settings, mode=mode, dense_warmup_steps=2).bind(net)
+    plan = {n: (CodecSpec(0.25, 4) if p.dim() == 2 else None) for n, p in net.named_parameters()}
+    state = GRPOCommState(plan, mode=mode, dense_warmup_steps=2).bind(net)
     ddp = DistributedDataParallel(net, find_unused_parameters=True, bucket_cap_mb=0.01)
     ddp.register_comm_hook(state, grpo_comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -142,7 +167,7 @@ def run_ddp(mode, dtype=torch.bfloat16, steps=6):
         "identical": all(same_on_all_ranks(p) for p in params),
         "digest": tensor_digest(params),
         "dtype": str(params[0].dtype),
-        "residuals": sorted(state.residuals),
+        "residuals": sorted(state.residuals.values),
     }
 
 
@@ -152,6 +177,7 @@ def run_all() -> dict:
     for mode in ("allreduce", "allgather"):
         for density, bits in ((0.1, 4), (0.3, 8), (0.2, 16), (0.15, 32), (1.0, 4), (1.0, 2), (0.2, 2)):
             results[f"fake/{mode}/{density}/{bits}"] = run_fake(mode, density, bits)
+        results[f"fake_unscaled/{mode}"] = run_fake(mode, 1.0, 4, scale=False)
         results[f"fake_bf16/{mode}"] = run_fake(mode, 0.15, 4, dtype=torch.bfloat16)
         results[f"nonfinite/{mode}"] = run_fake(mode, 0.15, 4, inject_step=3)
         results[f"ddp_bf16/{mode}"] = run_ddp(mode)

@@ -84,8 +84,10 @@ def train(args, model=None, resume=None):
             {k: v for k, v in entry.items() if k.startswith("grpo/comm") or k in GRPO_KEYS} for entry in logs
         ],
         "totals": state.totals() if state is not None else {},
-        "residual_names": sorted(state.residuals) if state is not None else [],
-        "residual_digest": tensor_digest([state.residuals[n] for n in sorted(state.residuals)]) if state else "",
+        "residual_names": sorted(state.residuals.values) if state is not None else [],
+        "residual_digest": tensor_digest([state.residuals.values[n] for n in sorted(state.residuals.values)])
+        if state
+        else "",
     }
     named = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.accelerator.free_memory()

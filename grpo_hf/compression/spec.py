@@ -1,0 +1,129 @@
+"""What a compressed gradient is made of: `CodecSpec`, the supported bit widths and modes, and the sizes they imply."""
+
+import math
+from dataclasses import dataclass
+
+
+SUPPORTED_BITS = (2, 4, 8, 16, 32)
+BITS_CHOICES = ("auto", *(str(bits) for bits in SUPPORTED_BITS))
+COMPRESSION_CHOICES = ("auto", "none", "sparse", "quantize", "sparse+quantize")
+MODES = ("allgather", "allreduce")
+COMM_MODE_CHOICES = ("auto", *MODES)
+DEFAULT_BLOCK_SIZE = 128
+DEFAULT_DENSITY = 0.15  # the article's top 15%, used when compression includes "sparse"
+DEFAULT_BITS = "4"
+DEFAULT_MODE = "auto"
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    r"""
+    What the codec keeps of one tensor and how many bits each kept value costs.
+
+    Example:
+
+    ```python
+    >>> from grpo_hf.compression import CodecSpec
+
+    >>> CodecSpec(density=0.15, bits=4).lossless
+    False
+    >>> CodecSpec(density=1.0, bits=32).lossless
+    True
+    ```
+
+    Args:
+        density (`float`, *optional*, defaults to `1.0`):
+            Fraction of entries kept (the article's `sparsity` level, a *kept* fraction), in `(0, 1]`. `1.0` sends
+            every entry and no indices; below 1 the `ceil(density * numel)` entries of largest magnitude are kept.
+        bits (`int`, *optional*, defaults to `4`):
+            Bits per kept value: `32` (raw fp32), `16` (fp16 after a power-of-two shift per block), `8` or `4`
+            (symmetric round-to-nearest codes, one fp32 absmax scale per block) or `2` (ternary codes -1/0/+1 times
+            the block's absmax).
+        block_size (`int`, *optional*, defaults to `128`):
+            Kept values that share one scale; a power of two. Smaller blocks follow outliers more closely and cost
+            `32 / block_size` bits per value more.
+    """
+
+    density: float = 1.0
+    bits: int = int(DEFAULT_BITS)
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def __post_init__(self):
+        density = self.density
+        if isinstance(density, bool) or not isinstance(density, (int, float)):
+            raise ValueError(f"`density` must be a float in (0, 1] (the kept fraction), got {density!r}.")
+        if not (math.isfinite(density) and 0.0 < density <= 1.0):
+            raise ValueError(
+                f"`density` must be in (0, 1] (the fraction of entries kept), got {density}. Use 1.0 to send "
+                "everything; a `sparsity` of 0.15 in the article's sense is a density of 0.15."
+            )
+        object.__setattr__(self, "density", float(density))
+        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"`bits` must be one of {SUPPORTED_BITS}, got {self.bits!r}.")
+        block = self.block_size
+        if (
+            isinstance(block, bool)
+            or not isinstance(block, int)
+            or block < 1
+            or block & (block - 1)
+            or block > 1 << 16
+        ):
+            raise ValueError(f"`block_size` must be a power of two between 1 and 65536, got {block!r}; try 128.")
+
+    @property
+    def lossless(self) -> bool:
+        """Whether decoding returns the input exactly (`density == 1` and `bits == 32`)."""
+        return self.density == 1.0 and self.bits == 32
+
+
+def num_kept(numel: int, density: float) -> int:
+    """
+    Number of entries kept: `k = ceil(density * numel)`, at least 1 (0 for an empty tensor), at most `numel`.
+
+    A relative tolerance of 1e-12 absorbs float error, so `num_kept(100, 0.15) == 15` (not 16).
+    """
+    if numel <= 0:
+        return 0
+    return min(numel, max(1, math.ceil(density * numel * (1.0 - 1e-12))))
+
+
+def num_blocks(num_values: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Blocks of `block_size` values (the last one padded) that `num_values` values fill."""
+    return -(-num_values // block_size)
+
+
+def dense_bytes(numel: int, bits: int = 32) -> int:
+    """Bytes of a dense tensor of `numel` entries at `bits` per entry (no header): `ceil(numel * bits / 8)`."""
+    return (numel * bits + 7) // 8
+
+
+def value_bytes(num_values: int, bits: int) -> int:
+    """
+    Bytes of the values of a message at 4 to 32 bits (2-bit messages have a data-dependent size, see
+    [`~grpo_hf.compression.wire.ternary_nbytes`]).
+    """
+    return dense_bytes(num_values, bits)
+
+
+def scale_bytes(num_values: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes of the fp32 scales of `num_values` values: one per block below 32 bits, none at 32."""
+    return 0 if bits == 32 else 4 * num_blocks(num_values, block_size)
+
+
+__all__ = [
+    "BITS_CHOICES",
+    "COMM_MODE_CHOICES",
+    "COMPRESSION_CHOICES",
+    "DEFAULT_BITS",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_DENSITY",
+    "DEFAULT_MODE",
+    "MODES",
+    "SUPPORTED_BITS",
+    "CodecSpec",
+    "dense_bytes",
+    "num_blocks",
+    "num_kept",
+    "scale_bytes",
+    "value_bytes",
+]

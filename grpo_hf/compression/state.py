@@ -1,0 +1,452 @@
+"""`GRPOCommState`: the settings, error-feedback residuals, gradient scales and traffic statistics of the compression."""
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .layout import Segment
+from .spec import MODES, CodecSpec
+from .traffic import allreduce_bytes
+
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 2
+DEFAULT_SCALE_BETA = 0.99
+_SCALE_FLOOR = 1e-3  # a gradient scale is at least this fraction of its segment's mean scale
+
+
+class RowStore:
+    """
+    Named fp32 vectors (one per tensor) kept as slices of one flat row per layout, with a staged copy per step.
+
+    The hook reads a row (the committed values of a segment's tensors, zeros for tensors it has not seen), writes the
+    step's new values into a second buffer (`staged`) and commits them when the optimizer step ends, or discards them
+    when the step is not finite. Both buffers are reused from step to step: no multi-megabyte allocation per step.
+    """
+
+    def __init__(self):
+        self.values: dict[str, torch.Tensor] = {}  # name -> committed vector (a view of a row)
+        self._rows: dict[tuple, torch.Tensor] = {}  # layout key -> committed row
+        self._staged: dict[tuple, tuple[list, torch.Tensor]] = {}  # layout key -> (slots, new row)
+        self._spare: dict[tuple, torch.Tensor] = {}  # layout key -> the row replaced at the last commit
+
+    def row(self, key: tuple, slots: list[tuple[str, int, int]], length: int, device) -> torch.Tensor:
+        """The committed `[length]` row of `slots` (`(name, offset, size)`), assembled from the vectors if needed."""
+        row = self._rows.get(key)
+        if (
+            row is not None
+            and row.device == device
+            and all(
+                self.values.get(name) is not None and self.values[name].data_ptr() == row[offset:].data_ptr()
+                for name, offset, _ in slots
+            )
+        ):
+            return row
+        row = torch.zeros(length, dtype=torch.float32, device=device)
+        for name, offset, size in slots:
+            value = self.values.get(name)
+            if value is not None:
+                row[offset : offset + size] = value.to(device).reshape(-1)[:size]
+        self._rows[key] = row
+        for name, offset, size in slots:
+            if name in self.values:
+                self.values[name] = row[offset : offset + size]
+        return row
+
+    def scratch(self, key: tuple, length: int, device) -> torch.Tensor:
+        """A `[length]` buffer for this step's new row (the row that the last commit replaced, when there is one)."""
+        spare = self._spare.pop(key, None)
+        if spare is None or spare.numel() != length or spare.device != device:
+            spare = torch.empty(length, dtype=torch.float32, device=device)
+        return spare
+
+    def stage(self, key: tuple, slots: list[tuple[str, int, int]], row: torch.Tensor) -> None:
+        self._staged[key] = (slots, row)
+
+    def commit(self) -> None:
+        for key, (slots, row) in self._staged.items():
+            old = self._rows.get(key)
+            if old is not None and old is not row:
+                self._spare[key] = old
+            self._rows[key] = row
+            for name, offset, size in slots:
+                self.values[name] = row[offset : offset + size]
+        self._staged = {}
+
+    @property
+    def staged(self) -> bool:
+        return bool(self._staged)
+
+    def discard(self) -> None:
+        for key, (_, row) in self._staged.items():
+            self._spare[key] = row
+        self._staged = {}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: value.detach().to("cpu", copy=True) for name, value in self.values.items()}
+
+    def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
+        self.values = {name: value.to(torch.float32).reshape(-1).clone() for name, value in values.items()}
+        self._rows, self._staged, self._spare = {}, {}, {}
+
+
+def segment_slots(segment: Segment) -> list[tuple[str, int, int]]:
+    """`(name, offset, numel)` of each tensor of a segment's row."""
+    return list(zip(segment.names, segment.offsets, segment.numels))
+
+
+class StepStats:
+    """Traffic of one optimizer step (all buckets)."""
+
+    KEYS = ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "kept", "numel", "hook_ms", "comm_ms")
+    __slots__ = KEYS
+
+    def __init__(self):
+        for key in self.KEYS:
+            setattr(self, key, 0.0)
+
+    def dense(self, numel: int, world_size: int, element_size: int = 4) -> None:
+        """Account `numel` entries all-reduced dense, `element_size` bytes each."""
+        self.bytes_sent += allreduce_bytes(numel * element_size, world_size)
+        self.kept += numel
+
+    def baseline(self, numel: int, world_size: int) -> None:
+        """Account `numel` gradient entries in the dense fp32 / fp16 baselines."""
+        self.bytes_dense_fp32 += allreduce_bytes(4 * numel, world_size)
+        self.bytes_dense_fp16 += allreduce_bytes(2 * numel, world_size)
+        self.numel += numel
+
+    def as_dict(self) -> dict:
+        return {key: getattr(self, key) for key in self.KEYS}
+
+
+def _metrics(summed: dict, steps: int, dense_steps: int, prefix: bool) -> dict[str, float]:
+    comm, top = ("grpo/comm/", "grpo/") if prefix else ("", "")
+    density = summed["kept"] / summed["numel"] if summed["numel"] else 1.0
+    out = {
+        f"{comm}bytes_sent": summed["bytes_sent"] / steps,
+        f"{comm}bytes_dense_fp32": summed["bytes_dense_fp32"] / steps,
+        f"{comm}bytes_dense_fp16": summed["bytes_dense_fp16"] / steps,
+        f"{top}density": density,
+        f"{top}sparsity": 1.0 - density,
+        f"{comm}hook_ms": summed["hook_ms"] / steps,
+        f"{comm}dense_steps": float(dense_steps),
+    }
+    if summed["bytes_sent"] > 0:
+        out[f"{comm}ratio_fp32"] = summed["bytes_dense_fp32"] / summed["bytes_sent"]
+        out[f"{comm}ratio_fp16"] = summed["bytes_dense_fp16"] / summed["bytes_sent"]
+    return out
+
+
+class GRPOCommState:
+    r"""
+    Settings, error-feedback residuals, gradient scales and traffic statistics of
+    [`~grpo_hf.compression.grpo_comm_hook`] and [`~grpo_hf.compression.compress_locally`].
+
+    Example:
+
+    ```python
+    >>> from grpo_hf.compression import GRPOCommState, compression_plan, grpo_comm_hook
+
+    >>> state = GRPOCommState(compression_plan(model)).bind(model)  # GRPOConfig's defaults
+    >>> ddp_model.register_comm_hook(state, grpo_comm_hook)
+    ```
+
+    Args:
+        plan (`dict[str, CodecSpec | None]`):
+            Parameter name -> how it is sent (`None`: dense), as [`~grpo_hf.compression.compression_plan`] decides it.
+            Parameters missing from it are sent dense (with a warning).
+        mode (`str`, *optional*, defaults to `"allgather"`):
+            `"allgather"` (every rank's message to every rank: per-rank bytes grow as `W - 1`) or `"allreduce"`
+            (compressed reduce-scatter with error feedback on the owners, then an all-gather: flat in `W`).
+        dense_warmup_steps (`int`, *optional*, defaults to `2`):
+            Optimizer steps sent dense before compression starts. DDP rebuilds its buckets after the first step; the
+            dense steps also give the gradient scales a first estimate.
+        scale_gradients (`bool`, *optional*, defaults to `True`):
+            Compress each entry relative to its own gradient scale (`sqrt` of an EMA of the squared averaged gradient,
+            the same on every rank) rather than to its block's largest magnitude alone, so that small coordinates
+            keep their precision, as Adam sees them.
+        scale_beta (`float`, *optional*, defaults to `0.99`):
+            EMA factor of the squared gradients behind the scales.
+        simulated_world_size (`int`, *optional*, defaults to `2`):
+            World size used by [`~grpo_hf.compression.compress_locally`] to count the bytes one worker would send.
+        process_group (`torch.distributed.ProcessGroup`, *optional*):
+            Group to communicate in; the default group when `None`.
+    """
+
+    __slots__ = (
+        # --- tuned ---
+        "plan",
+        "mode",
+        "dense_warmup_steps",
+        "scale_gradients",
+        "scale_beta",
+        # --- seldom tuned ---
+        "simulated_world_size",
+        "process_group",
+        # --- bound by bind() ---
+        "names",
+        "world_size",
+        "rank",
+        # --- internal state (checkpointed) ---
+        "residuals",
+        "owner_residuals",
+        "squares",
+        "step",
+        "scale_updates",
+        # --- per step ---
+        "_nonfinite",
+        "_step",
+        "_segments",
+        # --- statistics ---
+        "hook_calls",
+        "_window",
+        "_totals",
+        "_warned",
+    )
+
+    def __init__(
+        self,
+        plan: dict[str, CodecSpec | None],
+        mode: str = "allgather",
+        dense_warmup_steps: int = 2,
+        scale_gradients: bool = True,
+        scale_beta: float = DEFAULT_SCALE_BETA,
+        simulated_world_size: int = 2,
+        process_group: dist.ProcessGroup | None = None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: use one of {MODES} (`compression_plan` resolves 'auto').")
+        if dense_warmup_steps < 0:
+            raise ValueError(f"dense_warmup_steps={dense_warmup_steps}: use 0 or more.")
+        if not 0 <= scale_beta < 1:
+            raise ValueError(f"scale_beta={scale_beta}: use a value in [0, 1), e.g. 0.99.")
+        if simulated_world_size < 1:
+            raise ValueError(f"simulated_world_size={simulated_world_size}: use 1 or more (2 is the default).")
+        bad = sorted(name for name, spec in plan.items() if spec is not None and not isinstance(spec, CodecSpec))
+        if bad:
+            raise ValueError(
+                f"plan[{bad[0]!r}] is not a CodecSpec or None; build the plan with grpo_hf.compression.compression_plan."
+            )
+        self.plan = dict(plan)
+        self.mode = mode
+        self.dense_warmup_steps = int(dense_warmup_steps)
+        self.scale_gradients = bool(scale_gradients)
+        self.scale_beta = float(scale_beta)
+        self.simulated_world_size = int(simulated_world_size)
+        self.process_group = process_group
+        self.names: dict[int, str] = {}
+        self.world_size, self.rank = 1, 0
+        self.residuals = RowStore()  # this rank's error feedback, per parameter
+        self.owner_residuals = RowStore()  # all-reduce mode: the error feedback of the chunks this rank owns
+        self.squares = RowStore()  # EMA of the squared averaged gradient, per parameter (same on every rank)
+        self.step = 0
+        self.scale_updates = 0
+        self._nonfinite = False
+        self._step = StepStats()
+        self._segments: dict[tuple, list] = {}  # bucket layout (names) -> its segments
+        self.hook_calls = 0
+        self._window: list[dict] = []
+        self._totals = {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "dense_steps": 0}
+        self._warned: set[str] = set()
+
+    def spec_for(self, name: str | None) -> CodecSpec | None:
+        """The codec spec a parameter is sent with, `None` when dense."""
+        return self.plan.get(name) if name is not None else None
+
+    # --- setup ---
+    def bind(self, model: nn.Module) -> "GRPOCommState":
+        """
+        Map the model's trainable parameters (by `id`) to their names and read the world size and rank from
+        `torch.distributed` (1 / 0 when it is not initialized). Pass the unwrapped model (a DDP wrapper is unwrapped).
+        """
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        self.names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+        if dist.is_available() and dist.is_initialized():
+            self.world_size = dist.get_world_size(self.process_group)
+            self.rank = dist.get_rank(self.process_group)
+        else:
+            self.world_size, self.rank = 1, 0
+        missing = sorted(set(self.names.values()) - set(self.plan))
+        if missing:
+            self._warn_once(
+                "missing",
+                f"{len(missing)} trainable parameters have no compression setting and are sent dense (e.g. "
+                f"{missing[0]}). Build the plan with grpo_hf.compression.compression_plan on the same model.",
+            )
+        numels = {name: p.numel() for name, p in model.named_parameters() if p.requires_grad}
+        compressed = [n for n in numels if self.spec_for(n) is not None]
+        logger.info(
+            "GRPO gradient compression: mode=%s, world size %d, %d of %d trainable tensors (%d of %d entries) "
+            "compressed, dense warm-up %d steps, gradient scales %s.",
+            self.mode,
+            self.world_size,
+            len(compressed),
+            len(numels),
+            sum(numels[n] for n in compressed),
+            sum(numels.values()),
+            self.dense_warmup_steps,
+            "on" if self.scale_gradients else "off",
+        )
+        return self
+
+    @property
+    def warming_up(self) -> bool:
+        return self.step < self.dense_warmup_steps
+
+    # --- gradient scales ---
+    def gradient_scale(self, segment: Segment, device) -> torch.Tensor | None:
+        """
+        Per-entry scale `[length]` a segment is compressed relative to: `sqrt` of the bias-corrected EMA of its squared
+        averaged gradient, at least `_SCALE_FLOOR` times its mean. `None` when scaling is off or has no estimate yet.
+        """
+        if not self.scale_gradients or self.scale_updates == 0:
+            return None
+        squares = self.squares.row(("squares", *segment.key), segment_slots(segment), segment.length, device)
+        scale = torch.sqrt(squares * (1.0 / (1.0 - self.scale_beta**self.scale_updates)))
+        floor = _SCALE_FLOOR * float(scale.mean())
+        return scale.clamp_(min=floor if floor > 0 else 1.0)
+
+    def track_scale(self, segment: Segment, averaged: torch.Tensor) -> None:
+        """Stage the EMA of the squared averaged gradient of a segment (`[length]` fp32) for this step."""
+        if not self.scale_gradients:
+            return
+        key, slots = ("squares", *segment.key), segment_slots(segment)
+        old = self.squares.row(key, slots, segment.length, averaged.device)
+        new = self.squares.scratch(key, segment.length, averaged.device)
+        torch.mul(averaged, averaged, out=new).mul_(1.0 - self.scale_beta).add_(old, alpha=self.scale_beta)
+        self.squares.stage(key, slots, new)
+
+    # --- steps ---
+    def mark_nonfinite(self) -> None:
+        self._nonfinite = True
+        self._warn_once(
+            "nonfinite",
+            f"GRPO compression: NaN/Inf gradients at optimizer step {self.step}; the step was sent dense and the "
+            "error-feedback residuals and gradient scales were left unchanged (an fp16 GradScaler skips it).",
+        )
+
+    def commit_step(self, dense: bool) -> None:
+        """Close an optimizer step: commit the staged residuals and scales (unless it was not finite) and its stats."""
+        nonfinite = self._nonfinite
+        if not nonfinite and self.squares.staged:
+            self.scale_updates += 1
+        for store in (self.residuals, self.owner_residuals, self.squares):
+            store.discard() if nonfinite else store.commit()
+        self._nonfinite = False
+        record = self._step.as_dict()
+        record["dense"] = dense or nonfinite
+        self._step = StepStats()
+        self.step += 1
+        self._window.append(record)
+        for key in StepStats.KEYS:
+            self._totals[key] += record[key]
+        self._totals["steps"] += 1
+        self._totals["dense_steps"] += int(record["dense"])
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    # --- statistics ---
+    def pop_stats(self) -> dict[str, float]:
+        """
+        Metrics of the optimizer steps since the last call (then cleared); `{}` when there were none.
+
+        `grpo/comm/bytes_sent`, `grpo/comm/bytes_dense_fp32`, `grpo/comm/bytes_dense_fp16` (per rank and optimizer
+        step, averaged), `grpo/comm/ratio_fp32`, `grpo/comm/ratio_fp16` (dense bytes / bytes sent; left out when
+        nothing was sent, e.g. world size 1), `grpo/density` (kept fraction of all trainable entries), `grpo/sparsity`
+        (`1 - density`), `grpo/comm/hook_ms` (time in the hook per step) and `grpo/comm/dense_steps` (warm-up and
+        non-finite steps in the window).
+        """
+        window, self._window = self._window, []
+        if not window:
+            return {}
+        summed = {key: sum(r[key] for r in window) for key in StepStats.KEYS}
+        return _metrics(summed, len(window), sum(int(r["dense"]) for r in window), prefix=True)
+
+    def totals(self) -> dict[str, float]:
+        """
+        Running totals of the whole run (checkpointed): `steps`, `dense_steps`, `bytes_sent`, `bytes_dense_fp32`,
+        `bytes_dense_fp16`, `ratio_fp32`, `ratio_fp16`, `density`, `hook_ms` (time in the hook), `comm_ms` (the part
+        of it spent inside collectives, waiting for other ranks included), `kept`, `numel`.
+        """
+        totals = dict(self._totals)
+        totals.update(_metrics(totals, max(1, totals["steps"]), totals["dense_steps"], prefix=False))
+        for key in ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "hook_ms", "comm_ms"):
+            totals[key] = self._totals[key]
+        return totals
+
+    # --- checkpointing ---
+    def state_dict(self) -> dict:
+        """This rank's residuals and the gradient scales (cpu fp32, keyed by parameter name), counters and totals."""
+        return {
+            "version": STATE_VERSION,
+            "mode": self.mode,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "step": self.step,
+            "scale_updates": self.scale_updates,
+            "hook_calls": self.hook_calls,
+            "residuals": self.residuals.state_dict(),
+            "owner_residuals": self.owner_residuals.state_dict(),
+            "squares": self.squares.state_dict(),
+            "totals": {key: float(v) for key, v in self._totals.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore [`state_dict`]; vectors move to their parameter's device on first use."""
+        if state_dict.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"compression state of version {state_dict.get('version')}, expected {STATE_VERSION}: it was written "
+                "by another grpo_hf version; resume with that version or from a checkpoint written by this one."
+            )
+        if state_dict["mode"] != self.mode:
+            raise ValueError(
+                f"the checkpoint's compression ran in mode {state_dict['mode']!r}, this run in {self.mode!r}; resume "
+                "with the same grpo_comm_mode (its residuals mean something else in the other mode)."
+            )
+        unknown = sorted(set(state_dict["residuals"]) - {n for n, s in self.plan.items() if s is not None})
+        if unknown:
+            raise ValueError(
+                f"the checkpoint holds residuals for parameters this run does not compress (e.g. {unknown[0]}); "
+                "resume with the same model, adapters and compression settings as the run that wrote it."
+            )
+        self.step = int(state_dict["step"])
+        self.scale_updates = int(state_dict.get("scale_updates", 0))
+        self.hook_calls = int(state_dict.get("hook_calls", 0))
+        self.residuals.load_state_dict(state_dict["residuals"])
+        self.owner_residuals.load_state_dict(state_dict.get("owner_residuals", {}))
+        self.squares.load_state_dict(state_dict.get("squares", {}))
+        self._nonfinite = False
+        self._step = StepStats()
+        self._window = []
+        totals = state_dict.get("totals", {})
+        for key in self._totals:
+            if key in totals:
+                self._totals[key] = type(self._totals[key])(totals[key])
+
+    def __getstate__(self):
+        """Pickle without the process group (it cannot be pickled), as torch's `PowerSGDState` does."""
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "process_group"}
+
+    def __setstate__(self, state):
+        for slot, value in state.items():
+            setattr(self, slot, value)
+        self.process_group = None
+
+    def __repr__(self) -> str:
+        compressed = sum(1 for spec in self.plan.values() if spec is not None)
+        return (
+            f"GRPOCommState(mode={self.mode!r}, dense_warmup_steps={self.dense_warmup_steps}, "
+            f"scale_gradients={self.scale_gradients}, compressed={compressed}/{len(self.plan)}, step={self.step}, "
+            f"world_size={self.world_size})"
+        )
+
+
+__all__ = ["DEFAULT_SCALE_BETA", "GRPOCommState", "RowStore", "StepStats", "segment_slots"]
