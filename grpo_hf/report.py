@@ -45,9 +45,13 @@ def _usd(v: float) -> str:
 
 
 # (key of a run's result, row label, formatter). The ratio column is GRPOTrainer / Trainer for every row.
+# Rows whose value is missing in every run (accuracy for a language model, perplexity for a classifier) are left out.
 TABLE_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
     ("perplexity_before", "Eval perplexity before", _fixed(3)),
     ("perplexity_after", "Eval perplexity after", _fixed(3)),
+    ("accuracy_before", "Eval accuracy before", _fixed(4)),
+    ("accuracy_after", "Eval accuracy after", _fixed(4)),
+    ("eval_loss_after", "Eval loss after", _fixed(4)),
     ("train_loss", "Train loss (last log)", _fixed(4)),
     ("train_seconds", "Training time (s)", _fixed(1)),
     ("tokens_per_second", "Tokens/s", _fixed(0)),
@@ -90,6 +94,8 @@ def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         header.append(f"{runs[1]['label']} / {runs[0]['label']}")
     rows = []
     for key, label, formatter in TABLE_ROWS:
+        if all(r.get(key) is None for r in runs):
+            continue
         if key == "energy_kwh" and any(r.get("energy_estimated") for r in runs):
             label = "Energy (kWh, estimated)"
         if key == "comm_seconds_projected":
@@ -147,10 +153,14 @@ def _describe(results: dict[str, Any]) -> list[str]:
     info = results.get("data", {})
     run = results["runs"][0]
     lora = f"LoRA r={model.get('lora_r')}" if model.get("lora_r") else "full fine-tune"
+    world = run.get("world_size") or 1
     lines = [
         f"- **Model**: `{model.get('model_name_or_path')}`, {lora}, {run.get('trainable_params', 0):,} trainable of "
-        f"{run.get('total_params', 0):,} parameters.",
-        f"- **Data**: Python standard library ({info.get('kind', data.get('corpus'))}), per-file hash split "
+        f"{run.get('total_params', 0):,} parameters"
+        + (f"; {world}-process DDP (model wrapped: {run.get('ddp_wrapped')})." if world > 1 else "."),
+        _describe_data(info, data)
+        if info.get("dataset_name")
+        else f"- **Data**: Python standard library ({info.get('kind', data.get('corpus'))}), per-file hash split "
         f"({info.get('val_percent')}% held out), corpus fingerprint `{info.get('fingerprint')}`, "
         f"Python `{str(info.get('python_version', '')).split()[0]}`; {info.get('train_tokens', 0):,} train tokens, "
         f"{info.get('eval_tokens', 0):,} held-out tokens, {info.get('seq_len')} tokens per example.",
@@ -161,13 +171,39 @@ def _describe(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _describe_data(info: dict[str, Any], data: dict[str, Any]) -> str:
+    """The data line of a run on your data: source, format, rows and tokens, fingerprint."""
+    masked = ", completion-only loss" if info.get("completion_only_loss") else ""
+    labels = f", {info.get('num_labels')} classes {info.get('labels')}" if info.get("labels") else ""
+    return (
+        f"- **Data**: `{info.get('dataset_name')}` ({info.get('source')}, format `{info.get('format')}`{masked}"
+        f"{labels}), fingerprint `{info.get('fingerprint')}`; {info.get('train_rows', 0):,} train rows "
+        f"({info.get('train_tokens', 0):,} tokens), {info.get('eval_rows', 0):,} held-out rows from "
+        f"{info.get('dataset_eval_split')} ({info.get('eval_tokens', 0):,} tokens); at most {data.get('seq_len')} "
+        f"tokens per row ({info.get('truncated_rows', 0)} truncated, {info.get('dropped_rows', 0)} dropped)."
+    )
+
+
 def _notes(results: dict[str, Any]) -> list[str]:
     runs = results["runs"]
     assumptions = runs[0].get("cost_assumptions", {})
+    distributed = (runs[0].get("world_size") or 1) > 1
+    quality = (
+        "- **Accuracy**: share of held-out rows whose argmax class is right, through the offline `evaluate` metric "
+        "`grpo_hf.metrics.load_metric('accuracy')`; eval loss is the mean cross-entropy."
+        if runs[0].get("accuracy_after") is not None
+        else "- **Perplexity**: `exp(sum NLL / tokens)` over the held-out tokens that have a label (completion tokens "
+        "only with completion-only loss), through the offline `evaluate` metric "
+        "`grpo_hf.metrics.load_metric('perplexity')`."
+    )
+    bytes_note = (
+        "- **Bytes**: what one rank sent per optimizer step under DDP: "
+        if distributed
+        else "- **Bytes**: one process sends nothing, so each row counts what one worker would send per optimizer step: "
+    )
     notes = [
-        "- **Perplexity**: `exp(sum NLL / tokens)` over the held-out blocks, through the offline `evaluate` metric "
-        "`grpo_hf.metrics.load_metric('perplexity')`.",
-        "- **Bytes**: one process sends nothing, so each row counts what one worker would send per optimizer step: "
+        quality,
+        bytes_note
         + "; ".join(f"{r['label']}: {r.get('comm_mode')}" for r in runs)
         + ". The baseline is `2 (W-1)/W * 4 * trainable_params` per step.",
         f"- **Energy**: {assumptions.get('energy_source')}"
@@ -181,7 +217,8 @@ def _notes(results: dict[str, Any]) -> list[str]:
         f"- **Peak memory**: {assumptions.get('peak_memory_source')}"
         + (", reset before each run" if all(r.get("peak_memory_reset") for r in runs) else "")
         + ".",
-        "- **Cost per quality**: `total_usd * perplexity_after` (the article's cost / quality with quality = 1 / ppl).",
+        "- **Cost per quality**: `total_usd * perplexity_after` (the article's cost / quality with quality = 1 / ppl), "
+        "or `total_usd / accuracy_after` for a classifier.",
     ]
     cores = results.get("environment", {}).get("usable_cpus") or results.get("environment", {}).get("cpu_count")
     loads = [r.get("load_average") for r in runs]
@@ -214,7 +251,11 @@ def markdown_report(results: dict[str, Any], command: str | None = None, plots: 
             "",
         ]
     lines += _describe(results) + ["", markdown_table(results), ""]
-    lines += ["Ratios are GRPOTrainer / Trainer: below 1 means less time, bytes or money, or a lower perplexity.", ""]
+    lines += [
+        "Ratios are GRPOTrainer / Trainer: below 1 means less time, bytes or money, or a lower perplexity; above 1 "
+        "means a higher accuracy.",
+        "",
+    ]
     lines += ["## How each figure was measured", ""] + _notes(results) + [""]
     for key, title in (("loss", "Training loss"), ("lr_scales", "Per-group LR multipliers"), ("bytes", "Bytes")):
         if plots and key in plots:

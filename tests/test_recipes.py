@@ -31,6 +31,8 @@ from grpo_hf.report import PLOT_FILES, TABLE_ROWS, compute_ratios, markdown_tabl
 
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+# The table rows of a language model (the accuracy rows belong to classifiers and are left out of its table).
+LM_ROWS = [row for row in TABLE_ROWS if not row[0].startswith(("accuracy_", "eval_loss_"))]
 # The tiny recipe, smaller still: a whole comparison in a few seconds.
 FAST = [
     "--max_steps", "6", "--max_train_tokens", "4096", "--max_eval_tokens", "512", "--tiny_tokenizer_chars", "100000",
@@ -58,8 +60,9 @@ def test_results_json_holds_both_runs_and_provenance(comparison):
     assert [r["name"] for r in saved["runs"]] == ["trainer", "grpo"]
     assert saved["data"]["fingerprint"] and saved["data"]["python_version"].startswith("3.")
     for run in saved["runs"]:
-        for key, *_ in TABLE_ROWS:
+        for key, *_ in LM_ROWS:
             assert run[key] is not None, key
+        assert "accuracy_after" not in run
         assert run["steps"] == 6
         assert len(run["bytes_per_step"]) == 6
         assert run["loss_curve"]
@@ -94,8 +97,9 @@ def test_bytes_baseline_is_dense_allreduce_and_grpo_sends_less(comparison):
 def test_ratios_are_grpo_over_trainer(comparison):
     results, *_ = comparison
     trainer, grpo = results["runs"]
-    for key, *_ in TABLE_ROWS:
+    for key, *_ in LM_ROWS:
         assert results["ratios"][key] == pytest.approx(grpo[key] / trainer[key]), key
+    assert results["ratios"]["accuracy_after"] is None
     assert results["ratios"]["perplexity_before"] == 1.0
 
 
@@ -104,8 +108,9 @@ def test_report_md_has_the_table_and_the_plots(comparison):
     report = (out / "report.md").read_text()
     assert markdown_table(dict(results, ratios=results["ratios"])) in report
     assert "| Metric | Trainer | GRPOTrainer | GRPOTrainer / Trainer |" in report
-    for _, label, _ in TABLE_ROWS:
+    for _, label, _ in LM_ROWS:
         assert label.split(" (")[0] in report
+    assert "Eval accuracy" not in report  # no empty accuracy rows in a language model's table
     assert results["data"]["fingerprint"] in report
     for name in PLOT_FILES.values():
         png = out / name

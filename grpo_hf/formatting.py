@@ -1,0 +1,288 @@
+"""Tokenize your data for training: chat messages, prompt/completion pairs, plain text, or labelled text.
+
+Each causal-LM row becomes `input_ids`, `attention_mask` and `labels`, truncated to `seq_len` and padded per batch
+([`collator_for`]). With completion-only loss the labels are `-100` on the prompt, so that neither the loss nor the
+held-out perplexity counts it (as TRL's `SFTTrainer` does with `completion_only_loss` and `assistant_only_loss`):
+
+- `prompt_completion`: the prompt (with the tokenizer's special tokens, e.g. BOS) is masked, the completion and the
+  EOS that follows it are trained on;
+- `messages`: the conversation is rendered with the tokenizer's chat template; only the characters of the assistant
+  turns (their content and end-of-turn marker) are trained on. They are found by rendering each conversation prefix
+  (`messages[:i]` with the generation prompt, then `messages[:i + 1]`), so any template that renders conversations
+  prefix by prefix works, and mapped to tokens through the fast tokenizer's offsets;
+- `text`: every token is trained on (there is no completion).
+
+Classification rows become `input_ids`, `attention_mask` (and `token_type_ids` for BERT) and an integer `labels`.
+
+Example:
+
+```python
+>>> from grpo_hf.formatting import build_user_datasets
+>>> train_ds, eval_ds, info = build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info)
+>>> info["train_label_tokens"], info["dropped_rows"]
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .parser import RecipeError
+
+
+IGNORE_INDEX = -100
+# ChatML, the template SmolLM2-Instruct uses (without its default system prompt): given to the byte-level BPE of
+# `tiny-*` models, which has no template of its own.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def ensure_chat_template(tokenizer, model_name: str, where: str = "recipe") -> None:
+    """
+    Make sure `tokenizer` can render messages: the byte-level BPE of a `tiny-*` model gets [`CHATML_TEMPLATE`];
+    any other tokenizer without a chat template is an error.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        return
+    if model_name.startswith("tiny-"):
+        tokenizer.chat_template = CHATML_TEMPLATE
+        return
+    raise RecipeError(
+        f"{where}: the data holds chat messages, but the tokenizer of {model_name!r} has no chat template. Use an "
+        "instruct model (e.g. SmolLM2-135M-Instruct), set tokenizer_name_or_path to a tokenizer with a template, or "
+        "give the data as prompt/completion or text columns."
+    )
+
+
+def assistant_spans(tokenizer, messages: list[dict], where: str = "recipe") -> tuple[str, list[tuple[int, int]]]:
+    """
+    The rendered conversation and the character spans of its assistant turns.
+
+    For assistant turn `i`, the span runs from the end of `messages[:i]` rendered with the generation prompt to the
+    end of `messages[: i + 1]` rendered: the reply and the template's end-of-turn text.
+
+    Raises:
+        [`~grpo_hf.parser.RecipeError`]: the template does not render a conversation prefix by prefix (a prefix is not
+            a prefix of the whole), so the assistant turns cannot be located.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+        through = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
+        if not (text.startswith(before) and text.startswith(through) and len(through) >= len(before)):
+            raise RecipeError(
+                f"{where}: the chat template does not render this conversation prefix by prefix (turn {index} of "
+                f"{[m['role'] for m in messages]}), so its assistant turns cannot be located. Set "
+                "completion_only_loss: false to train on the whole conversation."
+            )
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def _mask_outside(offsets: list[tuple[int, int]], ids: list[int], spans: list[tuple[int, int]]) -> list[int]:
+    """`ids` where a token's characters overlap one of `spans`, `-100` elsewhere."""
+    labels = []
+    for (start, end), token in zip(offsets, ids):
+        inside = end > start and any(start < span_end and end > span_start for span_start, span_end in spans)
+        labels.append(token if inside else IGNORE_INDEX)
+    return labels
+
+
+def tokenize_messages(tokenizer, messages: list[dict], completion_only: bool, where: str = "recipe"):
+    """One conversation as `input_ids`, `attention_mask`, `labels` (assistant turns only if `completion_only`)."""
+    if not completion_only:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": list(ids)}
+    if not tokenizer.is_fast:
+        raise RecipeError(
+            f"{where}: completion-only loss on messages needs a fast tokenizer (for character offsets); this one is "
+            f"{type(tokenizer).__name__}. Use a fast tokenizer, or set completion_only_loss: false."
+        )
+    text, spans = assistant_spans(tokenizer, messages, where)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
+    labels = _mask_outside(encoded["offset_mapping"], ids, spans)
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+
+
+def tokenize_prompt_completion(tokenizer, prompt: str, completion: str, completion_only: bool):
+    """`prompt` (with special tokens) + `completion` + EOS; the prompt's labels are `-100` if `completion_only`."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids = prompt_ids + completion_ids
+    labels = ([IGNORE_INDEX] * len(prompt_ids) if completion_only else list(prompt_ids)) + completion_ids
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+
+
+def tokenize_text(tokenizer, text: str):
+    """`text` (with special tokens) + EOS; every token is trained on."""
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": list(ids)}
+
+
+def truncate(row: dict[str, list], seq_len: int) -> dict[str, Any]:
+    """Every list of `row` cut to `seq_len`, and `truncated`: whether anything was cut."""
+    cut = {key: value[:seq_len] for key, value in row.items()}
+    cut["truncated"] = len(row["input_ids"]) > seq_len
+    return cut
+
+
+def label_names(train, evaluation, field: str, where: str = "recipe") -> list[str]:
+    """
+    The class names of a label column: a [`datasets.ClassLabel`]'s names; the sorted distinct strings of both splits;
+    or, for integer ids, `"0"` … `str(max id)`.
+    """
+    from datasets import ClassLabel
+
+    feature = train.features[field]
+    if isinstance(feature, ClassLabel):
+        return list(feature.names)
+    values = set(train[field]) | set(evaluation[field])
+    if all(isinstance(v, str) for v in values):
+        return sorted(values)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        if min(values) < 0:
+            raise RecipeError(f"{where}: column {field!r} holds the negative class id {min(values)}; use ids from 0.")
+        return [str(i) for i in range(max(values) + 1)]
+    raise RecipeError(
+        f"{where}: column {field!r} mixes strings and integers ({sorted(map(repr, values))[:4]}...): use class names "
+        "or class ids, not both."
+    )
+
+
+def texts_for_tokenizer(rows, kind: str, data_args) -> list[str]:
+    """The text of each row, to train the byte-level BPE of a `tiny-*` model on your data."""
+    if kind == "messages":
+        return [
+            "\n".join(turn["content"] for turn in turns if isinstance(turn.get("content"), str))
+            for turns in rows[data_args.dataset_messages_field]
+        ]
+    if kind == "prompt_completion":
+        return [p + c for p, c in zip(rows["prompt"], rows["completion"])]
+    return list(rows[data_args.dataset_text_field])
+
+
+def _tokenize_rows(tokenizer, rows, kind: str, data_args, completion_only: bool, names, where: str):
+    """Tokenize one split; returns the dataset and `(rows truncated, rows dropped for want of label tokens)`."""
+    seq_len = data_args.seq_len
+    index = {name: i for i, name in enumerate(names or [])}
+
+    def tokenize(row):
+        if kind == "classification":  # the tokenizer's own truncation keeps its end token ([SEP] for BERT)
+            text = row[data_args.dataset_text_field]
+            out = dict(tokenizer(text, truncation=True, max_length=seq_len))
+            out["truncated"] = len(tokenizer(text)["input_ids"]) > seq_len
+            label = row[data_args.dataset_label_field]
+            out["labels"] = label if isinstance(label, int) else index[label]  # class ids stay, names become ids
+            return out
+        if kind == "messages":
+            out = tokenize_messages(tokenizer, row[data_args.dataset_messages_field], completion_only, where)
+        elif kind == "prompt_completion":
+            out = tokenize_prompt_completion(tokenizer, row["prompt"], row["completion"], completion_only)
+        else:
+            out = tokenize_text(tokenizer, row[data_args.dataset_text_field])
+        return truncate(out, seq_len)
+
+    tokenized = rows.map(
+        tokenize, remove_columns=rows.column_names, load_from_cache_file=False, keep_in_memory=True, desc="tokenizing"
+    )
+    truncated = sum(tokenized["truncated"])
+    tokenized = tokenized.remove_columns("truncated")
+    dropped = 0
+    if kind != "classification":
+        before = len(tokenized)
+        tokenized = tokenized.filter(
+            lambda row: any(label != IGNORE_INDEX for label in row["labels"][1:]), keep_in_memory=True
+        )
+        dropped = before - len(tokenized)
+    return tokenized, truncated, dropped
+
+
+def build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info: dict[str, Any], model_name: str = ""):
+    """
+    Tokenize the train and eval rows of [`~grpo_hf.user_data.load_train_eval`].
+
+    Rows whose labels are all `-100` after truncation (a prompt longer than `seq_len`) are dropped and counted.
+
+    Returns:
+        `tuple[datasets.Dataset, datasets.Dataset, dict]`: the two datasets and `info` completed with
+        `completion_only_loss`, `seq_len`, `train_tokens` / `eval_tokens` (tokens fed), `train_label_tokens` /
+        `eval_label_tokens` (tokens trained on / measured), `truncated_rows`, `dropped_rows`, and for classification
+        `labels` and `num_labels`.
+
+    Raises:
+        [`~grpo_hf.parser.RecipeError`]: no row is left in a split, or the tokenizer cannot render messages.
+    """
+    where = info.get("where", "recipe")
+    kind = info["format"]
+    if kind != "classification" and tokenizer.eos_token_id is None:
+        raise RecipeError(f"{where}: the tokenizer has no EOS token; set tokenizer_name_or_path to one that has.")
+    if kind == "messages":
+        ensure_chat_template(tokenizer, model_name, where)
+    completion_only = kind in ("messages", "prompt_completion") and data_args.completion_only_loss is not False
+    names = (
+        label_names(train_rows, eval_rows, data_args.dataset_label_field, where) if kind == "classification" else None
+    )
+    info = dict(info, completion_only_loss=completion_only, seq_len=data_args.seq_len)
+    datasets = []
+    for split, rows in (("train", train_rows), ("eval", eval_rows)):
+        tokenized, truncated, dropped = _tokenize_rows(tokenizer, rows, kind, data_args, completion_only, names, where)
+        if len(tokenized) == 0:
+            raise RecipeError(
+                f"{where}: no {split} row is left: every completion lies beyond seq_len={data_args.seq_len} tokens. "
+                "Raise seq_len."
+            )
+        lengths = [len(ids) for ids in tokenized["input_ids"]]
+        info[f"{split}_tokens"] = sum(lengths)
+        if kind != "classification":
+            info[f"{split}_label_tokens"] = sum(
+                sum(label != IGNORE_INDEX for label in labels[1:]) for labels in tokenized["labels"]
+            )
+        info[f"{split}_truncated_rows"] = truncated
+        info[f"{split}_dropped_rows"] = dropped
+        info[f"{split}_rows"] = len(tokenized)
+        datasets.append(tokenized)
+    info["truncated_rows"] = info["train_truncated_rows"] + info["eval_truncated_rows"]
+    info["dropped_rows"] = info["train_dropped_rows"] + info["eval_dropped_rows"]
+    if names is not None:
+        info["labels"] = names
+        info["num_labels"] = len(names)
+    return datasets[0], datasets[1], info
+
+
+def collator_for(kind: str | None, tokenizer):
+    """
+    The batch collator of a format: the standard library corpus's equal-length blocks need no padding
+    ([`~transformers.default_data_collator`]); classification rows are padded by
+    [`~transformers.DataCollatorWithPadding`]; causal-LM rows by [`~transformers.DataCollatorForSeq2Seq`], which pads
+    `labels` with `-100`.
+    """
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, default_data_collator
+
+    if kind is None:
+        return default_data_collator
+    if kind == "classification":
+        return DataCollatorWithPadding(tokenizer)
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
+
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "IGNORE_INDEX",
+    "assistant_spans",
+    "build_user_datasets",
+    "collator_for",
+    "ensure_chat_template",
+    "label_names",
+    "texts_for_tokenizer",
+    "tokenize_messages",
+    "tokenize_prompt_completion",
+    "tokenize_text",
+    "truncate",
+]

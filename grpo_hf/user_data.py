@@ -1,0 +1,395 @@
+"""Your own data through 🤗 Datasets: find it (local file, folder or Hub id), load it, check it, split it.
+
+A recipe names its data with [`~grpo_hf.parser.DataArguments`] (`dataset_name`, `dataset_config`, `dataset_split`,
+`dataset_eval_split`, the column names, `task`). [`check_data_arguments`] runs when the recipe is loaded, before any
+model is: it loads the data with [`datasets.load_dataset`] (which never touches the network when `HF_HUB_OFFLINE=1`)
+and raises one [`~grpo_hf.parser.RecipeError`] naming the recipe, the field and the fix when a file is missing, a
+split or column does not exist, or a Hub dataset is neither reachable nor cached. [`load_train_eval`] gives the
+train and eval [`datasets.Dataset`]s; [`grpo_hf.formatting`] tokenizes them.
+
+Example:
+
+```python
+>>> from grpo_hf.parser import DataArguments
+>>> from grpo_hf.user_data import check_data_arguments, load_train_eval
+>>> data_args = DataArguments(dataset_name="recipes/data/instructions.jsonl")
+>>> check_data_arguments(data_args, where="my_recipe.yaml")  # raises RecipeError on bad data
+'messages'
+>>> train, evaluation = load_train_eval(data_args)
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from .parser import RecipeError
+
+
+# Extensions 🤗 Datasets reads, and the builder that reads each.
+DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+# The seed of every shuffle and hold-out split here: the same rows for every trainer, seed and process.
+SPLIT_SEED = 0
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_LOCAL_FILES_HINT = (
+    "Point the recipe at local files instead: set dataset_name to a .json, .jsonl, .csv, .parquet or .txt file, or to "
+    "a folder of them (e.g. `--dataset_name data/train.jsonl`)"
+)
+
+
+def looks_like_local_path(value: str) -> bool:
+    """Whether `value` names a local file or folder rather than a Hub id: it exists, or has a data file extension,
+    starts with `.`, `/` or `~`, or has more than one `/`."""
+    if os.path.exists(os.path.expanduser(value)):
+        return True
+    return (
+        Path(value).suffix.lower() in DATA_EXTENSIONS or value.startswith((".", "/", "~")) or not _HUB_ID.match(value)
+    )
+
+
+def resolve_recipe_path(value: str, recipe_dir: str | os.PathLike | None) -> str:
+    """
+    A relative `dataset_name` of a recipe file, looked up next to the recipe first: `<recipe_dir>/<value>` when that
+    exists, else `value` unchanged (relative to the current folder, or a Hub id).
+    """
+    if recipe_dir is None or os.path.isabs(os.path.expanduser(value)):
+        return value
+    candidate = Path(recipe_dir) / value
+    return str(candidate) if candidate.exists() else value
+
+
+def data_files_of(folder: Path) -> list[Path]:
+    """The data files 🤗 Datasets would read in `folder` (and its sub-folders), by extension."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in DATA_EXTENSIONS)
+
+
+def local_fingerprint(path: Path) -> str:
+    """sha256 (first 16 hex digits) of a data file, or of a folder's data files with their relative names."""
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else data_files_of(path)
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _is_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "TRUE", "ON")
+
+
+def _hub_snapshot(repo_id: str) -> str | None:
+    """The local folder of a Hub dataset in the huggingface_hub cache, if one is there (no network)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, repo_type="dataset", local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError):  # not cached, or not a valid repo id
+        return None
+
+
+def _check_local(name: str, where: str) -> Path:
+    path = Path(os.path.expanduser(name))
+    if not path.exists():
+        raise RecipeError(
+            f"{where}: dataset_name={name!r}: no such file or folder (a relative path in a recipe file is looked up "
+            f"next to the recipe, then in the current folder {os.getcwd()}). Fix the path, or give a Hub dataset id "
+            "such as 'owner/name'."
+        )
+    if path.is_file() and path.suffix.lower() not in DATA_EXTENSIONS:
+        raise RecipeError(
+            f"{where}: dataset_name={name!r}: {path.suffix or 'no extension'} is not a data format 🤗 Datasets reads "
+            f"here; use one of {', '.join(DATA_EXTENSIONS)} (json/jsonl: one object per row; txt: one row per line)."
+        )
+    if path.is_dir() and not data_files_of(path):
+        raise RecipeError(
+            f"{where}: dataset_name={name!r}: the folder holds no {', '.join(DATA_EXTENSIONS)} file. Put your data "
+            "files there (train.jsonl, test.jsonl, ...) or point dataset_name at one file."
+        )
+    return path
+
+
+def _cause(err: BaseException) -> str:
+    """The innermost useful message of an exception chain (🤗 Datasets wraps parser errors)."""
+    messages = []
+    while err is not None:
+        messages.append(f"{type(err).__name__}: {err}")
+        err = err.__cause__ or err.__context__
+    return messages[-1] if len(messages) == 1 else f"{messages[0]} (caused by {messages[-1]})"
+
+
+def load_dataset_dict(data_args, where: str = "recipe"):
+    """
+    Load `data_args.dataset_name` with [`datasets.load_dataset`] as a [`datasets.DatasetDict`] (every split).
+
+    A local file is read by the builder of its extension (`json`, `csv`, `parquet`, `text`); a local folder by the
+    builder 🤗 Datasets infers from its files; anything else is a Hub id. Offline (`HF_HUB_OFFLINE=1`) a Hub id loads
+    only from 🤗 Datasets' cache.
+
+    Raises:
+        [`~grpo_hf.parser.RecipeError`]: a missing or unreadable file, a Hub dataset that is not cached offline (the
+            message says how to point the recipe at local files) or does not exist.
+    """
+    import datasets
+
+    name = data_args.dataset_name
+    if looks_like_local_path(name):
+        path = _check_local(name, where)
+        builder, files = (DATA_EXTENSIONS[path.suffix.lower()], str(path)) if path.is_file() else (str(path), None)
+        try:
+            return datasets.load_dataset(builder, name=data_args.dataset_config, data_files=files)
+        except Exception as err:  # noqa: BLE001 - one message with the cause instead of a datasets traceback
+            raise RecipeError(
+                f"{where}: dataset_name={name!r} could not be read: {_cause(err)}. Check the file's format (jsonl: one "
+                "JSON object per line; csv: a header row)."
+            ) from None
+    try:
+        return datasets.load_dataset(name, name=data_args.dataset_config)
+    except Exception as err:  # noqa: BLE001 - offline, missing or private: one message with the way out
+        if _is_offline():
+            snapshot = _hub_snapshot(name)
+            found = (
+                f" Its files are in the huggingface_hub cache at {snapshot}: set dataset_name to that folder."
+                if snapshot
+                else ""
+            )
+            raise RecipeError(
+                f"{where}: dataset_name={name!r} is a Hub dataset id, this machine is offline (HF_HUB_OFFLINE=1) and "
+                f"🤗 Datasets has no cached copy of it.{found} {_LOCAL_FILES_HINT}; or download it once on a machine "
+                f"with network (`hf download {name} --repo-type dataset --local-dir data/{name.split('/')[-1]}`) "
+                "and point dataset_name at that folder."
+            ) from None
+        raise RecipeError(
+            f"{where}: dataset_name={name!r} could not be loaded from the Hub ({_cause(err)}). Check the id (and "
+            f"dataset_config={data_args.dataset_config!r}), log in for a private dataset (`hf auth login`), or "
+            f"{_LOCAL_FILES_HINT[0].lower()}{_LOCAL_FILES_HINT[1:]}."
+        ) from None
+
+
+def _split(dataset_dict, split: str, field: str, where: str):
+    if split not in dataset_dict:
+        raise RecipeError(
+            f"{where}: {field}={split!r} is not a split of this dataset; it has {sorted(dataset_dict)}. Set {field} "
+            "to one of them."
+        )
+    return dataset_dict[split]
+
+
+def detect_format(columns: list[str], data_args, where: str = "recipe") -> str:
+    """
+    The causal-LM format of a dataset with these `columns`: `data_args.dataset_format` if set (its columns must
+    exist), else the first of `messages` (`dataset_messages_field`), `prompt_completion` (`prompt` and
+    `completion`), `text` (`dataset_text_field`) whose columns exist.
+
+    Raises:
+        [`~grpo_hf.parser.RecipeError`]: the columns are missing, naming the columns the data has.
+    """
+    needed = {
+        "messages": [data_args.dataset_messages_field],
+        "prompt_completion": ["prompt", "completion"],
+        "text": [data_args.dataset_text_field],
+    }
+    if data_args.dataset_format != "auto":
+        missing = [c for c in needed[data_args.dataset_format] if c not in columns]
+        if missing:
+            raise RecipeError(
+                f"{where}: dataset_format={data_args.dataset_format!r} needs the column(s) {missing}, but the data "
+                f"has {columns}. Rename the fields to match (dataset_text_field, dataset_messages_field) or change "
+                "dataset_format."
+            )
+        return data_args.dataset_format
+    for kind, wanted in needed.items():
+        if all(c in columns for c in wanted):
+            return kind
+    raise RecipeError(
+        f"{where}: the data has the columns {columns}, none of which holds training text: set dataset_text_field "
+        f"(now {data_args.dataset_text_field!r}) to the text column, or dataset_messages_field (now "
+        f"{data_args.dataset_messages_field!r}) to a column of chat messages, or give 'prompt' and 'completion' "
+        "columns."
+    )
+
+
+def _check_rows(dataset, kind: str, data_args, where: str) -> None:
+    """Look at the first rows: the value types a format needs (strings, lists of role/content turns, labels)."""
+    sample = dataset.select(range(min(len(dataset), 64)))
+    fields = {
+        "text": [data_args.dataset_text_field],
+        "prompt_completion": ["prompt", "completion"],
+        "classification": [data_args.dataset_text_field],
+    }.get(kind, [])
+    for field in fields:
+        for index, value in enumerate(sample[field]):
+            if not isinstance(value, str):
+                raise RecipeError(
+                    f"{where}: row {index} of column {field!r} is {type(value).__name__} {str(value)[:60]!r}, not a "
+                    "string. Fix the data, or point the field at a text column."
+                )
+    if kind == "messages":
+        for index, turns in enumerate(sample[data_args.dataset_messages_field]):
+            ok = (
+                isinstance(turns, list)
+                and turns
+                and all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in turns)
+            )
+            if not ok:
+                raise RecipeError(
+                    f"{where}: row {index} of column {data_args.dataset_messages_field!r} is not a list of "
+                    "{'role': ..., 'content': ...} turns. Fix the data, or set dataset_format to the format it has."
+                )
+            if data_args.completion_only_loss is not False and not any(t["role"] == "assistant" for t in turns):
+                raise RecipeError(
+                    f"{where}: row {index} of column {data_args.dataset_messages_field!r} has no assistant turn, so "
+                    "completion-only loss has nothing to train on. Add the assistant replies, or set "
+                    "completion_only_loss: false."
+                )
+    if kind == "classification":
+        labels = sample[data_args.dataset_label_field]
+        bad = [v for v in labels if v is None or isinstance(v, (bool, float, list, dict))]
+        if bad:
+            raise RecipeError(
+                f"{where}: column {data_args.dataset_label_field!r} holds {bad[0]!r}: labels must be strings (class "
+                "names) or integers (class ids) on every row."
+            )
+
+
+def check_data_arguments(data_args, where: str = "recipe") -> str | None:
+    """
+    Check a recipe's data before any model is loaded: the data loads, the splits and columns exist, the first rows
+    have the right types, and the settings fit the format.
+
+    Returns:
+        `str` or `None`: the data's format (`"messages"`, `"prompt_completion"`, `"text"` or `"classification"`), or
+        `None` for the standard library corpus (nothing to check).
+
+    Raises:
+        [`~grpo_hf.parser.RecipeError`]: what is wrong, where (recipe, field) and how to fix it.
+    """
+    if data_args.dataset_name is None:
+        return None
+    return _load_and_check(data_args, where)[0]
+
+
+def _load_and_check(data_args, where: str):
+    """`(format, dataset_dict)` of a recipe's data, checked as [`check_data_arguments`] describes."""
+    dataset_dict = load_dataset_dict(data_args, where)
+    train = _split(dataset_dict, data_args.dataset_split, "dataset_split", where)
+    if data_args.dataset_eval_split is not None:
+        evaluation = _split(dataset_dict, data_args.dataset_eval_split, "dataset_eval_split", where)
+    else:
+        evaluation = None
+        if round(len(train) * data_args.dataset_test_size) < 1 or len(train) < 2:
+            raise RecipeError(
+                f"{where}: dataset_test_size={data_args.dataset_test_size} of {len(train)} train rows holds out no "
+                "row: raise dataset_test_size, add rows, or name an eval split with dataset_eval_split."
+            )
+    columns = list(train.column_names)
+    if data_args.task == "sequence_classification":
+        missing = [c for c in (data_args.dataset_text_field, data_args.dataset_label_field) if c not in columns]
+        if missing:
+            raise RecipeError(
+                f"{where}: classification needs a text and a label column, but {missing} are not columns of the data "
+                f"(it has {columns}). Set dataset_text_field and dataset_label_field."
+            )
+        if data_args.completion_only_loss:
+            raise RecipeError(
+                f"{where}: completion_only_loss applies to causal LM data, not to task='sequence_classification'; "
+                "drop it."
+            )
+        kind = "classification"
+    else:
+        kind = detect_format(columns, data_args, where)
+        if kind == "text" and data_args.completion_only_loss:
+            raise RecipeError(
+                f"{where}: completion_only_loss=True, but the data is plain text ({data_args.dataset_text_field!r}), "
+                "which has no completion. Give messages or prompt/completion columns, or drop completion_only_loss."
+            )
+    for split, dataset in (("dataset_split", train), ("dataset_eval_split", evaluation)):
+        if dataset is None:
+            continue
+        if len(dataset) == 0:
+            raise RecipeError(f"{where}: the {split} split is empty; point the recipe at data with rows.")
+        if split == "dataset_eval_split" and set(needed_columns(kind, data_args)) - set(dataset.column_names):
+            raise RecipeError(
+                f"{where}: the eval split {data_args.dataset_eval_split!r} lacks the column(s) "
+                f"{sorted(set(needed_columns(kind, data_args)) - set(dataset.column_names))} the train split has."
+            )
+        _check_rows(dataset, kind, data_args, where)
+    return kind, dataset_dict
+
+
+def needed_columns(kind: str, data_args) -> list[str]:
+    """The columns a format reads."""
+    return {
+        "messages": [data_args.dataset_messages_field],
+        "prompt_completion": ["prompt", "completion"],
+        "text": [data_args.dataset_text_field],
+        "classification": [data_args.dataset_text_field, data_args.dataset_label_field],
+    }[kind]
+
+
+def load_train_eval(data_args, where: str = "recipe") -> tuple[Any, Any, dict[str, Any]]:
+    """
+    The train and eval [`datasets.Dataset`]s of a recipe, and a description of where they came from.
+
+    The eval rows are `dataset_eval_split`, else a `dataset_test_size` hold-out of the train split
+    (`train_test_split(seed=0)`: the same rows for every trainer, seed and process). `max_train_samples` /
+    `max_eval_samples` keep the first rows after a seed-0 shuffle.
+
+    Returns:
+        `tuple[datasets.Dataset, datasets.Dataset, dict]`: train, eval, and `info` (`dataset_name`, `source`
+        (`"local"` or `"hub"`), `path`, `fingerprint`, `format`, `dataset_split`, `dataset_eval_split`, row counts).
+    """
+    if data_args.dataset_name is None:
+        raise ValueError("dataset_name is None: the standard library corpus is built by grpo_hf.data instead.")
+    kind, dataset_dict = _load_and_check(data_args, where)
+    train = dataset_dict[data_args.dataset_split]
+    name = data_args.dataset_name
+    local = looks_like_local_path(name)
+    fingerprint = local_fingerprint(Path(os.path.expanduser(name))) if local else train._fingerprint
+    if data_args.dataset_eval_split is not None:
+        evaluation = dataset_dict[data_args.dataset_eval_split]
+        eval_source = data_args.dataset_eval_split
+    else:
+        parts = train.train_test_split(test_size=data_args.dataset_test_size, seed=SPLIT_SEED)
+        train, evaluation = parts["train"], parts["test"]
+        eval_source = f"{data_args.dataset_test_size:g} of {data_args.dataset_split} (seed {SPLIT_SEED})"
+    rows = {"train_rows_available": len(train), "eval_rows_available": len(evaluation)}
+    if data_args.max_train_samples is not None and data_args.max_train_samples < len(train):
+        train = train.shuffle(seed=SPLIT_SEED).select(range(data_args.max_train_samples))
+    if data_args.max_eval_samples is not None and data_args.max_eval_samples < len(evaluation):
+        evaluation = evaluation.shuffle(seed=SPLIT_SEED).select(range(data_args.max_eval_samples))
+    info = {
+        "dataset_name": name,
+        "source": "local" if local else "hub",
+        "path": str(Path(os.path.expanduser(name)).resolve()) if local else name,
+        "dataset_config": data_args.dataset_config,
+        "fingerprint": fingerprint,
+        "format": kind,
+        "dataset_split": data_args.dataset_split,
+        "dataset_eval_split": eval_source,
+        "train_rows": len(train),
+        "eval_rows": len(evaluation),
+        **rows,
+    }
+    return train, evaluation, info
+
+
+__all__ = [
+    "DATA_EXTENSIONS",
+    "SPLIT_SEED",
+    "check_data_arguments",
+    "data_files_of",
+    "detect_format",
+    "load_dataset_dict",
+    "load_train_eval",
+    "local_fingerprint",
+    "looks_like_local_path",
+    "needed_columns",
+    "resolve_recipe_path",
+]
