@@ -98,6 +98,8 @@ def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             continue
         if key == "energy_kwh" and any(r.get("energy_estimated") for r in runs):
             label = "Energy (kWh, estimated)"
+        if key == "cost_per_quality" and any(r.get("accuracy_after") is not None for r in runs):
+            label = "Cost per quality (USD / accuracy)"
         if key == "comm_seconds_projected":
             link = runs[0].get("cost_assumptions", {}).get("cost_link_gbps")
             label = f"Comm time projected @ {link:g} Gbit/s (s)" if link else label
@@ -251,9 +253,10 @@ def markdown_report(results: dict[str, Any], command: str | None = None, plots: 
             "",
         ]
     lines += _describe(results) + ["", markdown_table(results), ""]
+    classifier = results["runs"][0].get("accuracy_after") is not None
     lines += [
-        "Ratios are GRPOTrainer / Trainer: below 1 means less time, bytes or money, or a lower perplexity; above 1 "
-        "means a higher accuracy.",
+        "Ratios are GRPOTrainer / Trainer: below 1 means less time, bytes or money"
+        + ("; above 1 means a higher accuracy." if classifier else ", or a lower perplexity."),
         "",
     ]
     lines += ["## How each figure was measured", ""] + _notes(results) + [""]

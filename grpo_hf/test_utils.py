@@ -1,4 +1,5 @@
-"""Helpers for tests and benchmarks: tiny models built from a config, a fake DDP bucket, and one torchrun launcher.
+"""Helpers for tests and benchmarks: tiny models built from a config, a fake DDP bucket, and the launchers (torchrun,
+accelerate launch).
 
 Example:
 
@@ -139,6 +140,7 @@ def run_torchrun(
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike | None = None,
     log_path: str | os.PathLike | None = None,
+    launcher_args: list[str] | tuple[str, ...] = (),
 ) -> TorchrunResult:
     """
     Run `script args...` on `nproc` local processes with `python -m torch.distributed.run` (torchrun) and wait.
@@ -149,9 +151,12 @@ def run_torchrun(
 
     Args:
         script (`str` or `os.PathLike`):
-            The worker script.
+            The worker script; `"-m"` followed by a module name in `args` runs a module
+            (`run_torchrun("-m", "grpo_hf.cli", "train", ...)`).
         nproc (`int`, *optional*, defaults to `2`):
             Processes (`--nproc_per_node`); gloo on CPU unless the script chooses otherwise.
+        launcher_args (`list[str]`, *optional*):
+            More torchrun options, before the script (e.g. `["--nnodes", "1", "--node_rank", "0"]`).
         timeout (`float`, *optional*, defaults to `240`):
             Seconds before the launch is killed (`returncode` is then `None`).
         env (`dict[str, str]`, *optional*):
@@ -175,9 +180,49 @@ def run_torchrun(
         "127.0.0.1",
         "--master_port",
         str(free_port()),
+        *map(str, launcher_args),
         str(script),
         *map(str, args),
     ]
+    return run_launcher(command, timeout=timeout, env=env, cwd=cwd, log_path=log_path)
+
+
+def run_accelerate_launch(
+    config_file: str | os.PathLike,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> TorchrunResult:
+    """
+    `accelerate launch --config_file config_file --num_processes nproc --main_process_port <free port> args...`
+    (`args` as after `accelerate launch`'s own options, e.g. `"-m", "grpo_hf.cli", "train", ...`), run like
+    [`run_torchrun`]. On CPU, the script must set `use_cpu=True` for the processes to form a gloo DDP group.
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config_file),
+        "--num_processes",
+        str(nproc),
+        "--main_process_port",
+        str(free_port()),
+        *map(str, args),
+    ]
+    return run_launcher(command, timeout=timeout, env=env, cwd=cwd)
+
+
+def run_launcher(
+    command: list[str],
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    log_path: str | os.PathLike | None = None,
+) -> TorchrunResult:
+    """Run a launcher `command` with [`WORKER_ENV`], [`ROOT`] on the `PYTHONPATH` and `env`, killed at `timeout`."""
     full_env = {
         **os.environ,
         **WORKER_ENV,
@@ -212,6 +257,8 @@ __all__ = [
     "FakeBucket",
     "TorchrunResult",
     "free_port",
+    "run_accelerate_launch",
+    "run_launcher",
     "run_torchrun",
     "tiny_llama_config",
     "tiny_test_llama",

@@ -129,7 +129,7 @@ def test_compute_ratios_handles_missing_and_zero():
 # --- recipes: files, overrides, errors ---
 
 
-@pytest.mark.parametrize("name", builtin_recipe_names())
+@pytest.mark.parametrize("name", ["quickstart", "tiny"])  # the recipes on your data: tests/test_recipe_twins.py
 def test_packaged_recipes_parse_and_document_themselves(name):
     packaged = resources.files("grpo_hf").joinpath("recipes").joinpath(f"{name}.yaml")
     path = RECIPES / f"{name}.yaml"
@@ -140,7 +140,7 @@ def test_packaged_recipes_parse_and_document_themselves(name):
         if not text.startswith("#")
         else "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
     )
-    for word in ("grpo-hf", "Hardware:", "Wall time:", "Expected:"):
+    for word in ("grpo-hf", "Hardware:", "Wall time:", "Measured:"):
         assert word in header
     model_args, data_args, args = builtin_recipe(name)
     assert isinstance(args, GRPOConfig) and args.grpo_compression == "quantize"
@@ -149,7 +149,10 @@ def test_packaged_recipes_parse_and_document_themselves(name):
 
 
 def test_builtin_recipes_are_the_packaged_files():
-    assert builtin_recipe_names() == ["quickstart", "tiny"]
+    assert builtin_recipe_names() == [
+        "classify_minilm_lora", "classify_tiny", "full_ft_ddp", "full_ft_tiny", "quickstart", "sft_smollm2_lora",
+        "sft_tiny", "tiny",
+    ]  # fmt: skip
     assert (RECIPES / "quickstart.yaml").samefile(resources.files("grpo_hf") / "recipes" / "quickstart.yaml")
     with pytest.raises(RecipeError, match="unknown built-in recipe 'huge'"):
         builtin_recipe("huge")

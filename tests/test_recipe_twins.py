@@ -1,0 +1,171 @@
+"""The fine-tuning recipes: every packaged recipe documents itself, and each runs from one command through its tiny
+local-files twin (SFT, classification, and full fine-tuning under 2-process DDP with torchrun and accelerate launch)."""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from grpo_hf import cli
+from grpo_hf.parser import builtin_recipe, builtin_recipe_names, load_recipe
+from grpo_hf.test_utils import ROOT, run_accelerate_launch, run_torchrun
+
+
+RECIPES = ROOT / "recipes"
+# Each real recipe and its tiny local-files twin.
+TWINS = {"sft_smollm2_lora": "sft_tiny", "classify_minilm_lora": "classify_tiny", "full_ft_ddp": "full_ft_tiny"}
+QUIET = ["--disable_tqdm", "true"]
+
+
+def header(name: str) -> str:
+    text = (RECIPES / f"{name}.yaml").read_text()
+    return "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+
+
+@pytest.mark.parametrize("name", sorted(TWINS) + sorted(TWINS.values()))
+def test_recipes_say_how_to_run_them_and_what_they_measured(name):
+    text = header(name)
+    for word in (f"recipes/{name}.yaml", "Hardware:", "Wall time:", "Measured:"):  # the command, where, how long, what
+        assert word in text, word
+    assert "MEASURED_" not in text  # no placeholder left
+    model_args, data_args, args = builtin_recipe(name)  # parses, and checks the shipped data
+    from_file = load_recipe(RECIPES / f"{name}.yaml")  # the same file through the recipes/ link
+    assert Path(data_args.dataset_name).samefile(from_file[1].dataset_name)  # found next to the recipe either way
+    assert model_args == from_file[0]
+    assert {**asdict(data_args), "dataset_name": None} == {**asdict(from_file[1]), "dataset_name": None}
+    assert args.grpo_compression == "quantize"
+
+
+def test_twins_share_the_data_and_the_pipeline_of_their_recipe():
+    assert set(TWINS) | set(TWINS.values()) <= set(builtin_recipe_names())
+    for real, twin in TWINS.items():
+        real_model, real_data, _ = builtin_recipe(real)
+        twin_model, twin_data, _ = builtin_recipe(twin)
+        assert twin_data.dataset_name == real_data.dataset_name and twin_data.task == real_data.task
+        assert twin_data.completion_only_loss == real_data.completion_only_loss
+        assert (twin_model.lora_r > 0) == (real_model.lora_r > 0)
+        assert twin_model.model_name_or_path.startswith("tiny-")
+
+
+def test_multi_gpu_launch_files_are_documented():
+    import yaml
+
+    single = yaml.safe_load((RECIPES / "accelerate" / "multi_gpu.yaml").read_text())
+    multi = yaml.safe_load((RECIPES / "accelerate" / "multi_node.yaml").read_text())
+    assert single["distributed_type"] == multi["distributed_type"] == "MULTI_GPU"  # DDP, not FSDP / DeepSpeed
+    assert (single["num_machines"], multi["num_machines"]) == (1, 2) and multi["main_process_ip"]
+    ddp = header("full_ft_ddp")
+    for line in ("torchrun --nproc_per_node 2 -m grpo_hf.cli train recipes/full_ft_ddp.yaml --use_cpu true",
+                 "--nnodes 2", "--node_rank 0", "--master_addr", "accelerate launch --config_file "
+                 "recipes/accelerate/multi_gpu.yaml", "recipes/accelerate/multi_node.yaml --machine_rank 0"):  # fmt: skip
+        assert line in ddp, line
+
+
+# --- the twins, end to end ---
+
+
+def test_sft_twin_trains_on_the_assistant_turns(tmp_path):
+    out = tmp_path / "sft"
+    assert (
+        cli.main(["compare", str(RECIPES / "sft_tiny.yaml"), "--max_steps", "4", *QUIET, "--output_dir", str(out)])
+        == 0
+    )
+    results = json.loads((out / "results.json").read_text())
+    data = results["data"]
+    assert data["format"] == "messages" and data["completion_only_loss"] is True
+    assert 0 < data["train_label_tokens"] < data["train_tokens"]  # prompts and system turns are masked
+    trainer, grpo = results["runs"]
+    assert trainer["perplexity_before"] == grpo["perplexity_before"]
+    assert trainer["eval_tokens"] == data["eval_label_tokens"]  # perplexity on the replies only
+    for run in (trainer, grpo):
+        assert run["perplexity_after"] < run["perplexity_before"] and run["steps"] == 4
+    dense = trainer["bytes_per_step"][0]
+    assert grpo["bytes_per_step"][:2] == [dense, dense]  # the dense warm-up steps
+    assert max(grpo["bytes_per_step"][2:]) < dense / 3  # then the codec (grpo_min_compress_numel: 256)
+    report = (out / "report.md").read_text()
+    assert "format `messages`, completion-only loss" in report and data["fingerprint"] in report
+
+
+def test_classification_twin_reports_accuracy_and_cost(tmp_path):
+    out = tmp_path / "cls"
+    args = ["compare", str(RECIPES / "classify_tiny.yaml"), "--max_steps", "4", *QUIET, "--output_dir", str(out)]
+    assert cli.main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["data"]["labels"] == ["computing", "cooking", "sports", "weather"]
+    trainer, grpo = results["runs"]
+    for run in (trainer, grpo):
+        assert 0 <= run["accuracy_after"] <= 1 and run["eval_examples"] == 40
+        assert "perplexity_after" not in run
+        assert run["cost_per_quality"] == pytest.approx(run["total_usd"] / run["accuracy_after"])
+    assert trainer["accuracy_before"] == grpo["accuracy_before"]
+    assert results["ratios"]["accuracy_after"] == pytest.approx(grpo["accuracy_after"] / trainer["accuracy_after"])
+    report = (out / "report.md").read_text()
+    assert "| Eval accuracy after |" in report and "USD / accuracy" in report
+    assert "perplexity" not in report.split("## How")[0].lower()  # no empty perplexity rows in a classifier's table
+
+
+def _ddp_result(run, out: Path) -> dict:
+    assert not run.timed_out, run.logs()
+    assert run.returncode == 0, run.logs()
+    return json.loads((out / "results.json").read_text())["runs"][0]
+
+
+def _assert_ddp_and_hooked(row: dict, steps: int) -> None:
+    assert row["world_size"] == 2 and row["ddp_wrapped"] is True  # the Trainer's model is a DDP wrapper
+    assert row["hook_steps"] == row["steps"] == steps and row["hook_calls"] >= steps  # the GRPO hook ran every step
+    dense = row["comm_bytes_dense_fp32"] / steps
+    assert max(row["bytes_per_step"][2:]) < dense / 3  # and sent compressed gradients after the dense warm-up
+    assert row["perplexity_after"] < row["perplexity_before"]
+
+
+@pytest.mark.distributed
+def test_full_fine_tune_twin_under_torchrun_multi_node_form(tmp_path):
+    """The documented multi-node torchrun line, on one node (`--nnodes 1 --node_rank 0`), gloo on CPU."""
+    out = tmp_path / "ddp"
+    run = run_torchrun(
+        "-m", "grpo_hf.cli", "train", "recipes/full_ft_tiny.yaml", "--use_cpu", "true", "--output_dir", str(out),
+        launcher_args=["--nnodes", "1", "--node_rank", "0"], cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    row = _ddp_result(run, out)
+    _assert_ddp_and_hooked(row, steps=6)
+    assert row["trainable_params"] == row["total_params"]  # full fine-tuning, no LoRA
+    assert "allgather, W=2" in row["comm_mode"]
+    assert run.stdout.count("Saved the model") == 1  # rank 0 alone writes the report
+
+
+@pytest.mark.distributed
+def test_full_fine_tune_twin_under_accelerate_launch(tmp_path):
+    out = tmp_path / "accelerate"
+    run = run_accelerate_launch(
+        RECIPES / "accelerate" / "multi_gpu.yaml",
+        "-m", "grpo_hf.cli", "train", "recipes/full_ft_tiny.yaml", "--use_cpu", "true", "--max_steps", "4",
+        "--output_dir", str(out), cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    _assert_ddp_and_hooked(_ddp_result(run, out), steps=4)
+
+
+# --- the real recipes, shortened (real models: slow) ---
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sft_smollm2_lora", "classify_minilm_lora"])
+def test_real_recipe_runs_from_one_command(tmp_path, name):
+    out = tmp_path / name
+    args = ["compare", str(RECIPES / f"{name}.yaml"), "--max_steps", "2", "--max_eval_samples", "8", *QUIET]
+    assert cli.main([*args, "--output_dir", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [r["steps"] for r in results["runs"]] == [2, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_full_fine_tune_recipe_under_torchrun(tmp_path):
+    out = tmp_path / "full"
+    run = run_torchrun(
+        "-m", "grpo_hf.cli", "train", "recipes/full_ft_ddp.yaml", "--use_cpu", "true", "--max_steps", "3",
+        "--max_eval_samples", "4", "--output_dir", str(out), cwd=ROOT, timeout=900,
+    )  # fmt: skip
+    row = _ddp_result(run, out)
+    assert row["world_size"] == 2 and row["ddp_wrapped"] and row["hook_steps"] == 3
+    assert row["trainable_params"] == row["total_params"] > 100_000_000
