@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from pathlib import Path
@@ -283,10 +284,11 @@ def _load_and_check(data_args, where: str):
         evaluation = _split(dataset_dict, data_args.dataset_eval_split, "dataset_eval_split", where)
     else:
         evaluation = None
-        if round(len(train) * data_args.dataset_test_size) < 1 or len(train) < 2:
+        held_out = math.ceil(len(train) * data_args.dataset_test_size)  # as `Dataset.train_test_split` counts
+        if len(train) - held_out < 1:
             raise RecipeError(
-                f"{where}: dataset_test_size={data_args.dataset_test_size} of {len(train)} train rows holds out no "
-                "row: raise dataset_test_size, add rows, or name an eval split with dataset_eval_split."
+                f"{where}: holding out dataset_test_size={data_args.dataset_test_size} of {len(train)} train row(s) "
+                "leaves none to train on: add rows, or name an eval split with dataset_eval_split."
             )
     columns = list(train.column_names)
     if data_args.task == "sequence_classification":

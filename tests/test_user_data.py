@@ -200,8 +200,9 @@ def test_settings_that_do_not_fit_the_data(tmp_path):
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": f"row {i}"} for i in range(10)])
     with pytest.raises(RecipeError, match="completion_only_loss=True, but the data is plain text"):
         data_args(dataset_name=str(text), completion_only_loss=True)
-    with pytest.raises(RecipeError, match=r"dataset_test_size=0.01 of 10 train rows holds out no row"):
-        data_args(dataset_name=str(text), dataset_test_size=0.01)
+    one = write_jsonl(tmp_path / "one.jsonl", [{"text": "only row"}])
+    with pytest.raises(RecipeError, match=r"dataset_test_size=0.1 of 1 train row\(s\) leaves none to train on"):
+        data_args(dataset_name=str(one))
     with pytest.raises(RecipeError, match="classification needs a text and a label column"):
         data_args(task="sequence_classification", model_name_or_path="tiny-bert", lora_target_modules=["query"],
                   dataset_name=str(text))  # fmt: skip
