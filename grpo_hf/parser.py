@@ -69,7 +69,8 @@ class RecipeParser(HfArgumentParser):
 
     Differences from a plain `HfArgumentParser`: no abbreviations (`--max_step` is an error, not `--max_steps`), no
     exit on a wrong value (an [`argparse.ArgumentError`] is raised, [`parse_recipe_args`] turns it into a
-    [`RecipeError`]), and `None` / `null` as a value gives `None` for every typed field.
+    [`RecipeError`]), and `None` / `null` as a value gives `None` for every typed field and every string field that
+    may be `None` (`--dataset_eval_split None`).
 
     Example:
 
@@ -94,13 +95,19 @@ class RecipeParser(HfArgumentParser):
             dataclass_types = (ModelArguments, DataArguments, GRPOConfig)
         # Known before `HfArgumentParser.__init__` adds the options, so that `add_argument` can recognise them.
         self.field_names = [f.name for dtype in dataclass_types for f in dataclasses.fields(dtype) if f.init]
+        # Fields whose default is `None` (`str | None = None`): `--field None` gives `None` for strings too. (The
+        # default, not the annotation: HfArgumentParser rewrites `Field.type` of `X | None` fields to `X`.)
+        self.optional_fields = {
+            f.name for dtype in dataclass_types for f in dataclasses.fields(dtype) if f.init and f.default is None
+        }
         kwargs.setdefault("allow_abbrev", False)
         kwargs.setdefault("exit_on_error", False)
         super().__init__(dataclass_types, **kwargs)
 
     def add_argument(self, *args, **kwargs):
         convert = kwargs.get("type")
-        if convert not in (None, str) and args and args[0].removeprefix("--") in self.field_names:
+        name = args[0].removeprefix("--") if args else None
+        if convert is not None and name in self.field_names and (convert is not str or name in self.optional_fields):
             kwargs["type"] = _none_or(convert)
         return super().add_argument(*args, **kwargs)
 

@@ -33,6 +33,15 @@ def test_none_on_the_command_line_and_in_the_file():
     assert data_args.max_train_tokens is None and data_args.max_eval_tokens is None
     _, data_args, _ = parse_recipe({}, ["--max_eval_tokens", "null"])
     assert data_args.max_eval_tokens is None
+    # a string field that may be None: None on the command line clears a value the recipe set
+    parser = RecipeParser()
+    parser.set_recipe_defaults({"dataset_eval_split": "test", "tokenizer_name_or_path": "x"})
+    model_args, data_args, _ = parser.parse_recipe_args(
+        ["--dataset_eval_split", "None", "--tokenizer_name_or_path=null"]
+    )
+    assert data_args.dataset_eval_split is None and model_args.tokenizer_name_or_path is None
+    _, data_args, _ = parse_recipe({}, ["--dataset_split", "None"])
+    assert data_args.dataset_split == "None"  # a plain string field keeps the text
 
 
 def test_wrong_types_name_the_field_and_where_the_value_came_from():
