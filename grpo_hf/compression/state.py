@@ -32,6 +32,8 @@ class RowStore:
         self._rows: dict[tuple, torch.Tensor] = {}  # layout key -> committed row
         self._staged: dict[tuple, tuple[list, torch.Tensor]] = {}  # layout key -> (slots, new row)
         self._spare: dict[tuple, torch.Tensor] = {}  # layout key -> the row replaced at the last commit
+        self._sums: dict[tuple, float] = {}  # layout key -> fp64 sum of the committed row (when known)
+        self._staged_sums: dict[tuple, float] = {}
 
     def row(self, key: tuple, slots: list[tuple[str, int, int]], length: int, device) -> torch.Tensor:
         """The committed `[length]` row of `slots` (`(name, offset, size)`), assembled from the vectors if needed."""
@@ -46,6 +48,7 @@ class RowStore:
         ):
             return row
         row = torch.zeros(length, dtype=torch.float32, device=device)
+        self._sums.pop(key, None)
         for name, offset, size in slots:
             value = self.values.get(name)
             if value is not None:
@@ -63,8 +66,17 @@ class RowStore:
             spare = torch.empty(length, dtype=torch.float32, device=device)
         return spare
 
-    def stage(self, key: tuple, slots: list[tuple[str, int, int]], row: torch.Tensor) -> None:
+    def stage(self, key: tuple, slots: list[tuple[str, int, int]], row: torch.Tensor, total: float | None = None):
+        """Stage a step's new row (and its fp64 sum, when the caller has it) for the commit."""
         self._staged[key] = (slots, row)
+        if total is not None:
+            self._staged_sums[key] = total
+
+    def row_sum(self, key: tuple) -> float:
+        """The fp64 sum of the committed row of `key` (computed once per commit)."""
+        if key not in self._sums:
+            self._sums[key] = row_sum(self._rows[key])
+        return self._sums[key]
 
     def commit(self) -> None:
         for key, (slots, row) in self._staged.items():
@@ -72,9 +84,12 @@ class RowStore:
             if old is not None and old is not row:
                 self._spare[key] = old
             self._rows[key] = row
+            self._sums.pop(key, None)
+            if key in self._staged_sums:
+                self._sums[key] = self._staged_sums[key]
             for name, offset, size in slots:
                 self.values[name] = row[offset : offset + size]
-        self._staged = {}
+        self._staged, self._staged_sums = {}, {}
 
     @property
     def staged(self) -> bool:
@@ -83,14 +98,19 @@ class RowStore:
     def discard(self) -> None:
         for key, (_, row) in self._staged.items():
             self._spare[key] = row
-        self._staged = {}
+        self._staged, self._staged_sums = {}, {}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: value.detach().to("cpu", copy=True) for name, value in self.values.items()}
 
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         self.values = {name: value.to(torch.float32).reshape(-1).clone() for name, value in values.items()}
-        self._rows, self._staged, self._spare = {}, {}, {}
+        self._rows, self._staged, self._spare, self._sums, self._staged_sums = {}, {}, {}, {}, {}
+
+
+def row_sum(row: torch.Tensor) -> float:
+    """The fp64 sum of an fp32 row: one definition for every path (the scale floor depends on it)."""
+    return float(row.sum(dtype=torch.float64))
 
 
 def segment_slots(segment: Segment) -> list[tuple[str, int, int]]:
@@ -306,10 +326,20 @@ class GRPOCommState:
         """
         if not self.scale_gradients or self.scale_updates == 0:
             return None
-        squares = self.squares.row(("squares", *segment.key), segment_slots(segment), segment.length, device)
-        scale = torch.sqrt(squares * (1.0 / (1.0 - self.scale_beta**self.scale_updates)))
-        floor = _SCALE_FLOOR * float(scale.mean())
-        return scale.clamp_(min=floor if floor > 0 else 1.0)
+        squares, floor, correction = self.scale_inputs(segment, device)
+        return torch.sqrt(torch.clamp(squares, min=floor) * correction)
+
+    def scale_inputs(self, segment: Segment, device) -> tuple[torch.Tensor, float, float]:
+        """
+        What the scales of a segment are made of: `scale = sqrt(max(squares, floor) * correction)`, with the EMA's bias
+        `correction = 1 / (1 - beta**t)` and `floor = _SCALE_FLOOR**2 * mean(squares)` (the mean over the row; 1 while
+        it is 0), so that an entry's scale is at least `_SCALE_FLOOR` times the segment's RMS scale.
+        """
+        key = ("squares", *segment.key)
+        squares = self.squares.row(key, segment_slots(segment), segment.length, device)
+        mean = self.squares.row_sum(key) / segment.length
+        floor = _SCALE_FLOOR**2 * mean if mean > 0 else 1.0
+        return squares, floor, 1.0 / (1.0 - self.scale_beta**self.scale_updates)
 
     def track_scale(self, segment: Segment, averaged: torch.Tensor) -> None:
         """Stage the EMA of the squared averaged gradient of a segment (`[length]` fp32) for this step."""
@@ -318,8 +348,9 @@ class GRPOCommState:
         key, slots = ("squares", *segment.key), segment_slots(segment)
         old = self.squares.row(key, slots, segment.length, averaged.device)
         new = self.squares.scratch(key, segment.length, averaged.device)
-        torch.mul(averaged, averaged, out=new).mul_(1.0 - self.scale_beta).add_(old, alpha=self.scale_beta)
-        self.squares.stage(key, slots, new)
+        # Three plain fp32 operations (no fused multiply-add), so that every path rounds the same way.
+        torch.mul(averaged, averaged, out=new).mul_(1.0 - self.scale_beta).add_(old * self.scale_beta)
+        self.squares.stage(key, slots, new, row_sum(new))
 
     # --- steps ---
     def mark_nonfinite(self) -> None:
