@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .codec import chunk_slices
 from .layout import Segment
 from .spec import MODES, CodecSpec
 from .traffic import allreduce_bytes
@@ -118,6 +119,27 @@ def segment_slots(segment: Segment) -> list[tuple[str, int, int]]:
     return list(zip(segment.names, segment.offsets, segment.numels))
 
 
+class RowScales:
+    """
+    The per-entry gradient scales of a row, made piece by piece: `sqrt(max(squares, floor) * correction)`, with
+    `squares` the EMA of the squared averaged gradient, `correction = 1 / (1 - beta**t)` its bias correction and
+    `floor = _SCALE_FLOOR**2 * mean(squares)` (so that no entry's scale is below `_SCALE_FLOOR` times the row's RMS).
+    """
+
+    __slots__ = ("squares", "floor", "correction")
+
+    def __init__(self, squares: torch.Tensor, floor: float, correction: float):
+        self.squares, self.floor, self.correction = squares, floor, correction
+
+    def __call__(self, piece: slice = slice(None)) -> torch.Tensor:
+        return torch.sqrt(torch.clamp(self.squares[piece], min=self.floor) * self.correction)
+
+    def owned(self, blocks: torch.Tensor, block_size: int) -> "RowScales":
+        """The scales of the listed blocks only, in that order (a row of the all-reduce mode)."""
+        squares = self.squares.view(-1, block_size).index_select(0, blocks).view(-1)
+        return RowScales(squares, self.floor, self.correction)
+
+
 class StepStats:
     """Traffic of one optimizer step (all buckets)."""
 
@@ -221,6 +243,7 @@ class GRPOCommState:
         "_nonfinite",
         "_step",
         "_segments",
+        "_buffers",
         # --- statistics ---
         "hook_calls",
         "_window",
@@ -268,6 +291,7 @@ class GRPOCommState:
         self._nonfinite = False
         self._step = StepStats()
         self._segments: dict[tuple, list] = {}  # bucket layout (names) -> its segments
+        self._buffers: dict[tuple, torch.Tensor] = {}  # work buffers of the exchange, kept from step to step
         self.hook_calls = 0
         self._window: list[dict] = []
         self._totals = {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "dense_steps": 0}
@@ -319,27 +343,18 @@ class GRPOCommState:
         return self.step < self.dense_warmup_steps
 
     # --- gradient scales ---
-    def gradient_scale(self, segment: Segment, device) -> torch.Tensor | None:
+    def scales_of(self, segment: Segment, device) -> "RowScales | None":
         """
-        Per-entry scale `[length]` a segment is compressed relative to: `sqrt` of the bias-corrected EMA of its squared
-        averaged gradient, at least `_SCALE_FLOOR` times its mean. `None` when scaling is off or has no estimate yet.
+        The per-entry scales a segment is compressed relative to (see [`RowScales`]), or `None` when scaling is off or
+        has no estimate yet.
         """
         if not self.scale_gradients or self.scale_updates == 0:
             return None
-        squares, floor, correction = self.scale_inputs(segment, device)
-        return torch.sqrt(torch.clamp(squares, min=floor) * correction)
-
-    def scale_inputs(self, segment: Segment, device) -> tuple[torch.Tensor, float, float]:
-        """
-        What the scales of a segment are made of: `scale = sqrt(max(squares, floor) * correction)`, with the EMA's bias
-        `correction = 1 / (1 - beta**t)` and `floor = _SCALE_FLOOR**2 * mean(squares)` (the mean over the row; 1 while
-        it is 0), so that an entry's scale is at least `_SCALE_FLOOR` times the segment's RMS scale.
-        """
         key = ("squares", *segment.key)
         squares = self.squares.row(key, segment_slots(segment), segment.length, device)
         mean = self.squares.row_sum(key) / segment.length
         floor = _SCALE_FLOOR**2 * mean if mean > 0 else 1.0
-        return squares, floor, 1.0 / (1.0 - self.scale_beta**self.scale_updates)
+        return RowScales(squares, floor, 1.0 / (1.0 - self.scale_beta**self.scale_updates))
 
     def track_scale(self, segment: Segment, averaged: torch.Tensor) -> None:
         """Stage the EMA of the squared averaged gradient of a segment (`[length]` fp32) for this step."""
@@ -348,9 +363,19 @@ class GRPOCommState:
         key, slots = ("squares", *segment.key), segment_slots(segment)
         old = self.squares.row(key, slots, segment.length, averaged.device)
         new = self.squares.scratch(key, segment.length, averaged.device)
-        # Three plain fp32 operations (no fused multiply-add), so that every path rounds the same way.
-        torch.mul(averaged, averaged, out=new).mul_(1.0 - self.scale_beta).add_(old * self.scale_beta)
+        for piece in chunk_slices(segment.length, averaged.device):
+            # Three plain fp32 operations (no fused multiply-add), so that every path rounds the same way.
+            torch.mul(averaged[piece], averaged[piece], out=new[piece])
+            new[piece].mul_(1.0 - self.scale_beta).add_(old[piece] * self.scale_beta)
         self.squares.stage(key, slots, new, row_sum(new))
+
+    def buffer(self, kind, key: tuple, length: int, device) -> torch.Tensor:
+        """A `[length]` fp32 work buffer kept from step to step (a fresh multi-megabyte one costs page faults)."""
+        name = (kind, key)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() != length or buffer.device != device:
+            buffer = self._buffers[name] = torch.empty(length, dtype=torch.float32, device=device)
+        return buffer
 
     # --- steps ---
     def mark_nonfinite(self) -> None:
@@ -464,12 +489,13 @@ class GRPOCommState:
 
     def __getstate__(self):
         """Pickle without the process group (it cannot be pickled), as torch's `PowerSGDState` does."""
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "process_group"}
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("process_group", "_buffers")}
 
     def __setstate__(self, state):
         for slot, value in state.items():
             setattr(self, slot, value)
         self.process_group = None
+        self._buffers = {}
 
     def __repr__(self) -> str:
         compressed = sum(1 for spec in self.plan.values() if spec is not None)
@@ -480,4 +506,4 @@ class GRPOCommState:
         )
 
 
-__all__ = ["DEFAULT_SCALE_BETA", "GRPOCommState", "RowStore", "StepStats", "segment_slots"]
+__all__ = ["DEFAULT_SCALE_BETA", "GRPOCommState", "RowScales", "RowStore", "StepStats", "segment_slots"]
