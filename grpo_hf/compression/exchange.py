@@ -197,8 +197,9 @@ def allgather_segments(
     if any(flag for _, flag in metas):
         return False
     longest = max(size for size, _ in metas)
-    padded = torch.cat([payload, payload.new_zeros(longest - payload.numel())])
-    messages = comm.all_gather(padded)
+    if payload.numel() < longest:  # gloo gathers equal sizes only
+        payload = torch.cat([payload, payload.new_zeros(longest - payload.numel())])
+    messages = comm.all_gather(payload)
     stats.bytes_sent += allgather_bytes(longest, count_as)
     totals = [state.buffer("total", s.key, s.length, payload.device).zero_() for s in segments]
     for source, message in enumerate(messages):  # in rank order on every rank: bit-identical sums

@@ -110,8 +110,11 @@ class RowStore:
 
 
 def row_sum(row: torch.Tensor) -> float:
-    """The fp64 sum of an fp32 row: one definition for every path (the scale floor depends on it)."""
-    return float(row.sum(dtype=torch.float64))
+    """
+    The sum of an fp32 row: fp32 sums of the pieces of [`~grpo_hf.compression.codec.chunk_slices`] added in Python
+    floats. One definition for every caller (the scale floor depends on it), and one cheap pass over the row.
+    """
+    return sum(float(row[piece].sum()) for piece in chunk_slices(row.numel(), row.device))
 
 
 def segment_slots(segment: Segment) -> list[tuple[str, int, int]]:
@@ -363,11 +366,13 @@ class GRPOCommState:
         key, slots = ("squares", *segment.key), segment_slots(segment)
         old = self.squares.row(key, slots, segment.length, averaged.device)
         new = self.squares.scratch(key, segment.length, averaged.device)
+        total = 0.0
         for piece in chunk_slices(segment.length, averaged.device):
             # Three plain fp32 operations (no fused multiply-add), so that every path rounds the same way.
             torch.mul(averaged[piece], averaged[piece], out=new[piece])
             new[piece].mul_(1.0 - self.scale_beta).add_(old[piece] * self.scale_beta)
-        self.squares.stage(key, slots, new, row_sum(new))
+            total += float(new[piece].sum())  # = row_sum(new), while the piece is in cache
+        self.squares.stage(key, slots, new, total)
 
     def buffer(self, kind, key: tuple, length: int, device) -> torch.Tensor:
         """A `[length]` fp32 work buffer kept from step to step (a fresh multi-megabyte one costs page faults)."""
