@@ -96,7 +96,7 @@ LORA_TARGETS = {
 
 def prepare(task: Task, data_dir: Path, world_size: int) -> dict:
     """Tokenize the task's data once into `data_dir/<task>`; returns what the workers need (paths, token ids)."""
-    folder = data_dir / task.name
+    folder = data_dir.resolve() / task.name
     info_path = folder / "info.json"
     if info_path.exists():
         return json.loads(info_path.read_text())
