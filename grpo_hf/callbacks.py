@@ -48,7 +48,8 @@ class GRPOCallback(TrainerCallback):
     Each optimizer step (after communication and clipping, so every rank sees the same gradients):
 
     1. `on_pre_optimizer_step`: per-group gradient norms -> [`~grpo_hf.importance.ImportanceState.update`] ->
-       multipliers; each optimizer param group tagged `grpo_group` gets `lr = scheduler_lr * m_g`.
+       multipliers; each optimizer param group tagged `grpo_group` gets `lr = scheduler_lr * ratio_g * m_g` (`ratio_g`
+       the group's fixed LR ratio, `m_g` its importance multiplier, 1 when importance scaling is off).
     2. `on_optimizer_step`: the scheduler's learning rates are put back, so multipliers never compound, whatever the
        scheduler (including `ReduceLROnPlateau`, which reads the current LR).
 
@@ -58,12 +59,21 @@ class GRPOCallback(TrainerCallback):
         groups (`list[ParameterGroup]`): the semantic groups, in the order of `importance.names`.
         importance (`ImportanceState`): per-group scores and multipliers.
         apply_multipliers (`bool`, *optional*, defaults to `True`): `False` tracks scores without scaling the LR.
+        lr_ratios (`dict[str, float]`, *optional*): a fixed factor on each group's scheduled LR (see
+            [`~grpo_hf.grouping.lr_ratios`]), applied whether or not the multipliers are.
     """
 
-    def __init__(self, groups: list[ParameterGroup], importance: ImportanceState, apply_multipliers: bool = True):
+    def __init__(
+        self,
+        groups: list[ParameterGroup],
+        importance: ImportanceState,
+        apply_multipliers: bool = True,
+        lr_ratios: dict[str, float] | None = None,
+    ):
         self.groups = groups
         self.importance = importance
         self.apply_multipliers = apply_multipliers
+        self.lr_ratios = dict(lr_ratios or {})
         self.comm_state = None  # set by GRPOMixin once the compression state exists
         self.metrics: dict[str, list[float]] = defaultdict(list)
         self._scheduler_lrs: list[float] | None = None
@@ -94,10 +104,15 @@ class GRPOCallback(TrainerCallback):
             return
         index = {name: i for i, name in enumerate(self.importance.names)}
         self._scheduler_lrs = [group["lr"] for group in optimizer.param_groups]
-        if self.apply_multipliers:
-            for group in optimizer.param_groups:
-                if "grpo_group" in group:
-                    group["lr"] = group["lr"] * float(multipliers[index[group["grpo_group"]]])
+        for group in optimizer.param_groups:
+            name = group.get("grpo_group")
+            if name is None:
+                continue
+            factor = self.lr_ratios.get(name, 1.0)
+            if self.apply_multipliers:
+                factor *= float(multipliers[index[name]])
+            if factor != 1.0:
+                group["lr"] = group["lr"] * factor
         self._record(optimizer, multipliers, index)
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):

@@ -16,6 +16,7 @@ grpo-hf env
 """
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -94,6 +95,7 @@ def groups_command_parser(subparsers):
     fields = GRPOConfig.__dataclass_fields__
     for name, kind in (
         ("grpo_groups", str),
+        ("grpo_lr_ratios", str),
         ("grpo_compression", str),
         ("grpo_density", float),
         ("grpo_bits", str),
@@ -156,6 +158,7 @@ def _load_any_model(name: str):
 
 def groups_command(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from .compression import compression_plan, resolve_compression
@@ -172,16 +175,20 @@ def groups_command(args) -> int:
     plan = compression_plan(
         model, groups, compression, args.grpo_density, args.grpo_bits, args.grpo_min_compress_numel
     )
+    ratios = json.loads(args.grpo_lr_ratios) if isinstance(args.grpo_lr_ratios, str) else args.grpo_lr_ratios
     table = Table(title=f"GRPO groups of {args.model} ({spec.source})")
-    for column in ("group", "rule", "tensors", "parameters", "share", "density", "bits"):
-        table.add_column(column, justify="right" if column in ("tensors", "parameters", "share") else "left")
-    for row in group_table(groups, plan):
+    for column in ("group", "rule", "tensors", "parameters", "share", "lr ratio", "density", "bits"):
+        table.add_column(
+            column, justify="right" if column in ("tensors", "parameters", "share", "lr ratio") else "left"
+        )
+    for row in group_table(groups, plan, ratios):
         table.add_row(
             row["group"],
-            row["rule"],
+            escape(row["rule"]),  # a rule such as `Attention\.[qk]` is not rich markup
             str(row["tensors"]),
             f"{row['parameters']:,}",
             f"{row['share']:.1%}",
+            f"{row['lr_ratio']:g}",
             row["density"],
             row["bits"],
         )

@@ -1,6 +1,7 @@
 """`GRPOConfig`: the Trainer's `TrainingArguments` plus every grpo_hf setting (`grpo_*`, `cost_*`)."""
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -16,6 +17,7 @@ from .compression.spec import (
 )
 from .compression.state import DEFAULT_SCALE_BETA
 from .cost import CostSettings
+from .grouping import check_lr_ratios
 
 
 SCORE_CHOICES = ("article", "rms")
@@ -42,6 +44,10 @@ class GRPOConfig(TrainingArguments):
             `{"groups": [{"name": ..., "pattern": ..., "sparsity": ...}]}` format loads as is).
         grpo_groups_strict (`bool`, *optional*, defaults to `False`):
             Make a rule that matches no trainable parameter an error instead of a warning.
+        grpo_lr_ratios (`dict` or `str`, *optional*):
+            Fixed factors on the scheduled learning rate of groups, by group-name pattern (`fnmatch`), e.g.
+            `{"*lora_B": 4}` (LoRA+'s idea: the B matrices learn faster); a JSON string on the command line. A group
+            file's own `lr_ratio` wins; the importance multiplier (below) multiplies on top.
 
     Parameters that control importance-based learning-rate scaling:
 
@@ -98,6 +104,13 @@ class GRPOConfig(TrainingArguments):
     )
     grpo_groups_strict: bool = field(
         default=False, metadata={"help": "Fail (instead of warning) when a group rule matches no trainable parameter."}
+    )
+    grpo_lr_ratios: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Fixed LR factors per group, by group-name pattern (fnmatch), as a dict or JSON string, e.g. "
+            '\'{"*lora_B": 4, "embeddings": 0.5}\'. A group file\'s own lr_ratio wins. Composed with importance.'
+        },
     )
     # --- importance-based LR scaling ---
     grpo_importance: bool = field(
@@ -213,7 +226,16 @@ def ensure_grpo_args(args: TrainingArguments) -> TrainingArguments:
 
 
 def validate_grpo_fields(args) -> None:
-    """Check the `grpo_*` fields; each `ValueError` says what is wrong and how to fix it."""
+    """Check the `grpo_*` fields (and parse `grpo_lr_ratios` from JSON); each `ValueError` says how to fix it."""
+    if isinstance(args.grpo_lr_ratios, str):
+        try:
+            args.grpo_lr_ratios = json.loads(args.grpo_lr_ratios)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"grpo_lr_ratios={args.grpo_lr_ratios!r} is not valid JSON ({err}); give e.g. "
+                "'{\"*lora_B\": 4}' (a mapping of group-name patterns to ratios)."
+            ) from None
+    check_lr_ratios(args.grpo_lr_ratios)
     if args.grpo_importance_score not in SCORE_CHOICES:
         raise ValueError(f"grpo_importance_score={args.grpo_importance_score!r}: use one of {SCORE_CHOICES}.")
     if not 0 < args.grpo_lr_scale_min <= 1 <= args.grpo_lr_scale_max:

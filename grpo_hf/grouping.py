@@ -7,8 +7,10 @@ parameters are never grouped.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,9 @@ from .compression.spec import SUPPORTED_BITS
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "default"
-RULE_KEYS = {"name", "pattern", "density", "sparsity", "bits", "lr_scale_min", "lr_scale_max", "importance"}
+RULE_KEYS = {
+    "name", "pattern", "density", "sparsity", "bits", "lr_ratio", "lr_scale_min", "lr_scale_max", "importance"
+}  # fmt: skip
 FILE_KEYS = {"groups", "split_by_shape"}
 
 
@@ -45,8 +49,11 @@ class GroupRule:
         bits (`int`, *optional*):
             Bits per kept value (2, 4, 8, 16 or 32). `None` uses `grpo_bits` (see
             [`~grpo_hf.compression.compression_plan`]).
+        lr_ratio (`float`, *optional*):
+            A fixed factor on this group's scheduled learning rate (e.g. 4 for LoRA's B matrices, as LoRA+ does),
+            composed with the importance multiplier. `None` uses `grpo_lr_ratios`, else 1.
         lr_scale_min (`float`, *optional*), lr_scale_max (`float`, *optional*):
-            Bounds of this group's LR multiplier. `None` uses `grpo_lr_scale_min` / `grpo_lr_scale_max`.
+            Bounds of this group's importance multiplier. `None` uses `grpo_lr_scale_min` / `grpo_lr_scale_max`.
         importance (`bool`, *optional*, defaults to `True`):
             Whether importance scaling applies; `False` pins the multiplier to 1.
     """
@@ -55,6 +62,7 @@ class GroupRule:
     pattern: str
     density: float | None = None
     bits: int | None = None
+    lr_ratio: float | None = None
     lr_scale_min: float | None = None
     lr_scale_max: float | None = None
     importance: bool = True
@@ -143,6 +151,13 @@ def validate_rule(rule: GroupRule, where: str = "") -> GroupRule:
         )
     if rule.bits is not None and rule.bits not in SUPPORTED_BITS:
         raise GroupConfigError(f"{at}bits={rule.bits!r} is not supported; use one of {SUPPORTED_BITS}.")
+    ratio = rule.lr_ratio
+    if ratio is not None and (
+        isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < math.inf
+    ):
+        raise GroupConfigError(
+            f"{at}lr_ratio={ratio!r}: use a positive number (a factor on the scheduled LR, e.g. 4)."
+        )
     lo, hi = rule.lr_scale_min, rule.lr_scale_max
     if (lo is not None and not lo > 0) or (hi is not None and not hi > 0) or (lo and hi and lo > hi):
         raise GroupConfigError(f"{at}lr_scale_min={lo}, lr_scale_max={hi}: use positive bounds with min <= max.")
@@ -262,12 +277,48 @@ def assign_groups(model: nn.Module, spec: GroupSpec, strict: bool = False) -> li
     return sorted(groups.values(), key=lambda g: (order.get(g.rule.name, len(rules)), g.name))
 
 
-def group_table(groups: list[ParameterGroup], plan: dict | None = None) -> list[dict]:
+def check_lr_ratios(ratios: dict | None, where: str = "grpo_lr_ratios") -> dict[str, float]:
+    """Validate `{group-name pattern: ratio}` (fnmatch patterns such as `"*lora_B"`); `None` is `{}`."""
+    if ratios is None:
+        return {}
+    if not isinstance(ratios, dict):
+        raise GroupConfigError(f"{where}={ratios!r}: give a mapping of group-name patterns to ratios, e.g. "
+                               '{"*lora_B": 4, "embeddings": 0.5}.')  # fmt: skip
+    checked = {}
+    for pattern, ratio in ratios.items():
+        if not isinstance(pattern, str) or isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+            raise GroupConfigError(f"{where}: {pattern!r}: {ratio!r} must map a group-name pattern to a number.")
+        if not 0 < ratio < math.inf:
+            raise GroupConfigError(f"{where}: {pattern!r}: {ratio!r} is not a positive ratio (a factor on the LR).")
+        checked[pattern] = float(ratio)
+    return checked
+
+
+def lr_ratios(groups: list[ParameterGroup], ratios: dict[str, float] | None = None) -> dict[str, float]:
     """
-    One row per group: name, rule, #tensors, #parameters, share of parameters, and, given a compression plan
-    (`{name: CodecSpec | None}`), the densities and bits its tensors are sent with (`dense` for uncompressed ones).
+    The fixed LR factor of each group: its rule's `lr_ratio` when set, else the first pattern of `ratios` that
+    matches the group's name (`fnmatch`, e.g. `"*lora_B"` matches `attn_qk.lora_B`), else 1.
+    """
+    ratios = check_lr_ratios(ratios)
+    out = {}
+    for group in groups:
+        if group.rule.lr_ratio is not None:
+            out[group.name] = float(group.rule.lr_ratio)
+        else:
+            out[group.name] = next((r for p, r in ratios.items() if fnmatch.fnmatchcase(group.name, p)), 1.0)
+    return out
+
+
+def group_table(
+    groups: list[ParameterGroup], plan: dict | None = None, ratios: dict[str, float] | None = None
+) -> list[dict]:
+    """
+    One row per group: name, rule, #tensors, #parameters, share of parameters, its LR ratio ([`lr_ratios`] of
+    `ratios`), and, given a compression plan (`{name: CodecSpec | None}`), the densities and bits its tensors are sent
+    with.
     """
     total = sum(g.numel for g in groups) or 1
+    factors = lr_ratios(groups, ratios)
     rows = []
     for group in groups:
         if plan is None:
@@ -283,6 +334,7 @@ def group_table(groups: list[ParameterGroup], plan: dict | None = None) -> list[
                 "tensors": len(group.params),
                 "parameters": group.numel,
                 "share": group.numel / total,
+                "lr_ratio": factors[group.name],
                 "density": "/".join("-" if d is None else f"{d:g}" for d in densities),
                 "bits": "/".join("-" if b is None else str(b) for b in bits),
             }
@@ -298,6 +350,8 @@ __all__ = [
     "GroupSpec",
     "ParameterGroup",
     "assign_groups",
+    "check_lr_ratios",
+    "lr_ratios",
     "group_table",
     "load_group_spec",
     "parse_group_config",

@@ -10,7 +10,7 @@ from .compression import GRPOCommState, compress_locally, compression_plan, grpo
 from .compression.plan import resolve_compression, resolve_mode
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args
-from .grouping import assign_groups, load_group_spec
+from .grouping import assign_groups, load_group_spec, lr_ratios
 from .importance import ImportanceState
 
 
@@ -87,7 +87,10 @@ class GRPOMixin:
             ema=self.args.grpo_lr_scale_ema,
             warmup_steps=self.args.grpo_lr_scale_warmup_steps,
         )
-        self.grpo_callback = GRPOCallback(self.grpo_groups, importance, apply_multipliers=self.args.grpo_importance)
+        self.grpo_lr_ratios = lr_ratios(self.grpo_groups, self.args.grpo_lr_ratios)
+        self.grpo_callback = GRPOCallback(
+            self.grpo_groups, importance, apply_multipliers=self.args.grpo_importance, lr_ratios=self.grpo_lr_ratios
+        )
         self.add_callback(self.grpo_callback)
         distributed = self.accelerator.num_processes > 1 and self.accelerator.distributed_type.value.startswith(
             "MULTI_"

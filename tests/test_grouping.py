@@ -24,6 +24,7 @@ from grpo_hf.grouping import (
     assign_groups,
     group_table,
     load_group_spec,
+    parse_group_config,
     shape_kind,
 )
 
@@ -221,3 +222,21 @@ def test_no_trainable_parameters_is_an_error():
     model = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(GroupConfigError, match="no trainable parameter"):
         assign_groups(model, load_group_spec("semantic"))
+
+
+def test_lr_ratios_come_from_rules_then_patterns():
+    from grpo_hf.grouping import lr_ratios
+
+    spec = parse_group_config({"groups": [{"name": "qk", "pattern": "q_proj|k_proj", "lr_ratio": 2}]})
+    groups = assign_groups(llama(), spec)
+    ratios = lr_ratios(groups, {"q*": 9.0, "def*": 0.5})
+    assert ratios == {"qk": 2.0, "default": 0.5}  # the rule's own ratio wins over a matching pattern
+    assert lr_ratios(groups) == {"qk": 2.0, "default": 1.0}
+    rows = {r["group"]: r for r in group_table(groups, None, {"default": 0.5})}
+    assert rows["default"]["lr_ratio"] == 0.5 and rows["qk"]["lr_ratio"] == 2.0
+
+
+@pytest.mark.parametrize("ratio", [0, -1, "2", True, float("inf")])
+def test_bad_lr_ratio_in_a_group_file(ratio):
+    with pytest.raises(GroupConfigError, match="'qk'.*lr_ratio"):
+        parse_group_config({"groups": [{"name": "qk", "pattern": "q_proj", "lr_ratio": ratio}]}, "my.json")
