@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import time
@@ -98,8 +99,36 @@ class GRPOCallback(TrainerCallback):
             norms.append(float(torch.linalg.vector_norm(per_tensor)))
         return torch.tensor(norms, dtype=torch.float64)
 
+    def group_coherence(self, optimizer) -> torch.Tensor:
+        """
+        Cosine between each group's gradient and its optimizer momentum (`exp_avg` of Adam-like optimizers, from the
+        steps before this one); 1 for a group without momentum yet (the first step).
+        """
+        state = optimizer.state
+        values = []
+        for group in self.groups:
+            pairs = [
+                (p.grad, state[p]["exp_avg"])
+                for p in group.params
+                if p.grad is not None and "exp_avg" in state.get(p, {})
+            ]
+            if not pairs:
+                values.append(1.0)
+                continue
+            grads, moments = [g.detach().float() for g, _ in pairs], [m.float() for _, m in pairs]
+            dot = sum(float((g * m).sum()) for g, m in zip(grads, moments))
+            norm_g = math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(grads)))
+            norm_m = math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(moments)))
+            values.append(dot / (norm_g * norm_m) if norm_g > 0 and norm_m > 0 else 1.0)
+        return torch.tensor(values, dtype=torch.float64)
+
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        multipliers = self.importance.update(self.group_grad_norms())
+        coherence = None
+        if self.importance.kind == "coherence":
+            if optimizer is None:
+                raise ValueError("grpo_importance_score='coherence' needs the optimizer's momentum; none was passed.")
+            coherence = self.group_coherence(optimizer)
+        multipliers = self.importance.update(self.group_grad_norms(), coherence)
         if optimizer is None:
             return
         index = {name: i for i, name in enumerate(self.importance.names)}

@@ -18,9 +18,7 @@ from .compression.spec import (
 from .compression.state import DEFAULT_SCALE_BETA
 from .cost import CostSettings
 from .grouping import check_lr_ratios
-
-
-SCORE_CHOICES = ("article", "rms")
+from .importance import SCORE_KINDS as SCORE_CHOICES
 
 
 @dataclass
@@ -55,7 +53,9 @@ class GRPOConfig(TrainingArguments):
             Scale each group's learning rate by its importance multiplier.
         grpo_importance_score (`str`, *optional*, defaults to `"article"`):
             `"article"`: `||grad_g||_2 * ln(update_count_g + 1)`; `"rms"`: the same with the per-element RMS of the
-            gradient instead of its norm, so that large groups do not win by size alone.
+            gradient instead of its norm, so that large groups do not win by size alone; `"coherence"`: the cosine
+            between the group's gradient and its optimizer momentum (Adam's `exp_avg`), so that groups whose gradients
+            keep their direction get more learning rate.
         grpo_lr_scale_min (`float`, *optional*, defaults to `0.9`) and grpo_lr_scale_max (`float`, *optional*,
         defaults to `1.1`):
             Bounds of every multiplier (a group file can override them per group). Wider bounds (0.5-2.0, 0.8-1.25)
@@ -119,7 +119,8 @@ class GRPOConfig(TrainingArguments):
     grpo_importance_score: str = field(
         default="article",
         metadata={
-            "help": "Importance score: 'article' = ||grad||_2 * ln(count + 1); 'rms' = per-element RMS * ln(count + 1).",
+            "help": "Importance score: 'article' = ||grad||_2 * ln(count + 1); 'rms' = per-element RMS * ln(count + 1); "
+            "'coherence' = cos(gradient, optimizer momentum) * ln(count + 1).",
             "choices": list(SCORE_CHOICES),
         },
     )

@@ -306,3 +306,18 @@ def test_group_file_lr_ratio_wins_over_the_config(tmp_path):
 def test_bad_lr_ratios_are_refused(tmp_path, bad):
     with pytest.raises(ValueError, match="grpo_lr_ratios"):
         make_args(tmp_path, grpo_lr_ratios=bad)
+
+
+def test_coherence_importance_follows_gradient_momentum_agreement(tmp_path):
+    args = make_args(tmp_path, max_steps=8, grpo_importance_score="coherence")
+    trainer = GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
+    trainer.train()
+    imp = trainer.grpo_callback.importance
+    logs = train_logs(trainer)
+    names = [g.name for g in trainer.grpo_groups]
+    # the score is the floored cosine times ln(count + 1): between 0.05 ln(9) and ln(9) after 8 steps
+    for name in names:
+        assert 0.05 * math.log(9) - 1e-9 <= logs[-1][f"grpo/importance/{name}"] <= math.log(9) + 1e-9
+    assert len({round(logs[-1][f"grpo/lr_scale/{n}"], 9) for n in names}) > 1
+    weighted = sum(float(m) * n for m, n in zip(imp.multipliers, imp.numels)) / float(imp.numels.sum())
+    assert weighted == pytest.approx(1.0, abs=1e-9)
