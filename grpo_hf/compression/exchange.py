@@ -174,14 +174,19 @@ def _finish(state: GRPOCommState, segment: Segment, grads, total: torch.Tensor, 
 
 
 def allgather_segments(
-    state: GRPOCommState, comm: Collectives, segments: list[Segment], grads: list[list[torch.Tensor]], count_as: int
+    state: GRPOCommState,
+    comm: Collectives,
+    segments: list[Segment],
+    grads: list[list[torch.Tensor]],
+    count_as: int,
+    finite: bool,
 ) -> bool:
     """
-    The all-gather exchange of a bucket's segments (see the module docstring). Returns `False`, with nothing
-    written, when a rank flagged a NaN/Inf (the caller then sends the bucket dense).
+    The all-gather exchange of a bucket's segments (see the module docstring); `finite` tells whether this rank's
+    gradients are free of NaN/Inf. Returns `False`, with nothing written, when a rank flagged a NaN/Inf (the caller
+    then sends the bucket dense).
     """
     stats, world_size, rank = state._step, comm.world_size, comm.rank
-    finite = all_finite([g for seg_grads in grads for g in seg_grads])
     own, scales, pieces = [], [], []
     if finite:
         for segment, seg_grads in zip(segments, grads):
@@ -216,15 +221,20 @@ def allgather_segments(
 
 
 def allreduce_segments(
-    state: GRPOCommState, comm: Collectives, segments: list[Segment], grads: list[list[torch.Tensor]], count_as: int
+    state: GRPOCommState,
+    comm: Collectives,
+    segments: list[Segment],
+    grads: list[list[torch.Tensor]],
+    count_as: int,
+    finite: bool,
 ) -> bool:
     """
-    The all-reduce exchange of a bucket's segments with owner-side error feedback (see the module docstring).
-    Returns `False`, with nothing written, when a rank flagged a NaN/Inf.
+    The all-reduce exchange of a bucket's segments with owner-side error feedback (see the module docstring);
+    `finite` tells whether this rank's gradients are free of NaN/Inf. Returns `False`, with nothing written, when a
+    rank flagged a NaN/Inf.
     """
     stats, world_size, rank = state._step, comm.world_size, comm.rank
     device = grads[0][0].device
-    finite = all_finite([g for seg_grads in grads for g in seg_grads])
     to_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
     own, scales = [], []  # own: this rank's decoded contribution to the blocks it owns, per segment
     if finite:

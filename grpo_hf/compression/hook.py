@@ -48,7 +48,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from .exchange import Collectives, allgather_segments, allreduce_segments, dense_entries, track_dense_scales
+from .exchange import (
+    Collectives,
+    all_finite,
+    allgather_segments,
+    allreduce_segments,
+    dense_entries,
+    track_dense_scales,
+)
 from .layout import plan_segments
 from .state import GRPOCommState
 from .traffic import allreduce_bytes
@@ -71,17 +78,21 @@ def bucket_layout(state: GRPOCommState, names: list[str | None], numels: list[in
     return layout
 
 
-def exchange_bucket(state: GRPOCommState, comm: Collectives, grads: list[torch.Tensor], names, count_as: int) -> bool:
+def exchange_bucket(
+    state: GRPOCommState, comm: Collectives, grads: list[torch.Tensor], names, count_as: int, buffer=None
+) -> bool:
     """
-    Average `grads` (flat gradient tensors of one bucket, written in place) over the ranks, compressed as the plan
-    says. Returns `False` when the step must go dense (warm-up or a NaN/Inf on some rank); nothing was written then.
+    Average `grads` (flat gradient tensors of one bucket, written in place; `buffer` the flat tensor they are views
+    of, when there is one) over the ranks, compressed as the plan says. Returns `False` when the step must go dense
+    (warm-up or a NaN/Inf on some rank); nothing was written then.
     """
     segments, members, dense = bucket_layout(state, names, [g.numel() for g in grads])
     if state.warming_up or not segments:
         return False
     seg_grads = [[grads[i] for i in indices] for indices in members]
     exchange = allgather_segments if state.mode == "allgather" else allreduce_segments
-    if not exchange(state, comm, segments, seg_grads, count_as):
+    finite = all_finite([buffer] if buffer is not None else grads)  # one pass over the bucket when it is flat
+    if not exchange(state, comm, segments, seg_grads, count_as, finite):
         state.mark_nonfinite()
         return False
     dense_entries(comm, state._step, [grads[i] for i in dense], count_as)
@@ -116,7 +127,7 @@ def grpo_comm_hook(state: GRPOCommState, bucket: dist.GradBucket) -> torch.futur
     comm = Collectives(state)
     grads = [g.view(-1) for g in bucket.gradients()]
     warmup = state.warming_up
-    if not exchange_bucket(state, comm, grads, names, state.world_size):
+    if not exchange_bucket(state, comm, grads, names, state.world_size, buffer):
         comm.all_reduce(buffer).div_(state.world_size)
         stats.bytes_sent += allreduce_bytes(buffer.numel() * buffer.element_size(), state.world_size)
         stats.kept += buffer.numel()

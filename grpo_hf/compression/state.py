@@ -33,20 +33,15 @@ class RowStore:
         self._rows: dict[tuple, torch.Tensor] = {}  # layout key -> committed row
         self._staged: dict[tuple, tuple[list, torch.Tensor]] = {}  # layout key -> (slots, new row)
         self._spare: dict[tuple, torch.Tensor] = {}  # layout key -> the row replaced at the last commit
-        self._sums: dict[tuple, float] = {}  # layout key -> fp64 sum of the committed row (when known)
+        self._sums: dict[tuple, float] = {}  # layout key -> sum of the committed row (when known)
         self._staged_sums: dict[tuple, float] = {}
+        self._holder: dict[str, tuple] = {}  # name -> the layout key whose row holds its vector
+        self._valid: set[tuple] = set()  # layout keys whose row holds every one of its vectors
 
     def row(self, key: tuple, slots: list[tuple[str, int, int]], length: int, device) -> torch.Tensor:
         """The committed `[length]` row of `slots` (`(name, offset, size)`), assembled from the vectors if needed."""
         row = self._rows.get(key)
-        if (
-            row is not None
-            and row.device == device
-            and all(
-                self.values.get(name) is not None and self.values[name].data_ptr() == row[offset:].data_ptr()
-                for name, offset, _ in slots
-            )
-        ):
+        if key in self._valid and row.device == device:
             return row
         row = torch.zeros(length, dtype=torch.float32, device=device)
         self._sums.pop(key, None)
@@ -54,10 +49,13 @@ class RowStore:
             value = self.values.get(name)
             if value is not None:
                 row[offset : offset + size] = value.to(device).reshape(-1)[:size]
-        self._rows[key] = row
-        for name, offset, size in slots:
-            if name in self.values:
                 self.values[name] = row[offset : offset + size]
+            holder = self._holder.get(name)
+            if holder is not None and holder != key:  # that row no longer holds this vector: rebuild it when used
+                self._valid.discard(holder)
+            self._holder[name] = key
+        self._rows[key] = row
+        self._valid.add(key)
         return row
 
     def scratch(self, key: tuple, length: int, device) -> torch.Tensor:
@@ -90,6 +88,11 @@ class RowStore:
                 self._sums[key] = self._staged_sums[key]
             for name, offset, size in slots:
                 self.values[name] = row[offset : offset + size]
+                holder = self._holder.get(name)
+                if holder is not None and holder != key:
+                    self._valid.discard(holder)
+                self._holder[name] = key
+            self._valid.add(key)
         self._staged, self._staged_sums = {}, {}
 
     @property
@@ -107,6 +110,7 @@ class RowStore:
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         self.values = {name: value.to(torch.float32).reshape(-1).clone() for name, value in values.items()}
         self._rows, self._staged, self._spare, self._sums, self._staged_sums = {}, {}, {}, {}, {}
+        self._holder, self._valid = {}, set()
 
 
 def row_sum(row: torch.Tensor) -> float:
