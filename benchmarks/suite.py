@@ -229,7 +229,7 @@ def run_row(task: Task, info: dict, row: dict, seed: int, train, evaluation, out
             hook_bytes["bytes"] += _torch_hook_bytes(kind, state, bucket, world_size)
             start = time.perf_counter()
             future = hook(state, bucket)
-            future.wait()  # PowerSGD on gloo: its collectives must not overlap (FACTS.md)
+            future.wait()  # PowerSGD on gloo: ranks must not start its collectives in different orders
             hook_bytes["seconds"] += time.perf_counter() - start
             return future
 
@@ -248,7 +248,7 @@ def run_row(task: Task, info: dict, row: dict, seed: int, train, evaluation, out
             torch.optim.AdamW,
             lr=common["learning_rate"],
             loraplus_lr_ratio=row["ratio"],
-            loraplus_weight_decay=common["weight_decay"],  # a plain `weight_decay` would be dropped (FACTS.md)
+            loraplus_weight_decay=common["weight_decay"],  # PEFT ignores a plain `weight_decay` here
         )
         trainer = Trainer(args=TrainingArguments(**common), optimizers=(optimizer, None), **kwargs)
     else:

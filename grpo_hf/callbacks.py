@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "grpo_state_rank{rank}.pt"
 STATE_VERSION = 1
-# The article's health targets (DESIGN.md §1, #9).
+# The article's health targets: load balance between groups (std of the multipliers) and update latency p99.
 LOAD_BALANCE_STD_TARGET = 0.15
 UPDATE_LATENCY_P99_MS_TARGET = 50.0
 

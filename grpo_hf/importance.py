@@ -1,6 +1,6 @@
 """Importance scores -> learning-rate multipliers (pure functions) and the state that carries them across steps.
 
-Per optimizer step and group g (DESIGN.md §2):
+Per optimizer step and group g:
 
 1. `score_g = ||grad_g||_2 * ln(update_count_g + 1)` (the article's formula, `kind="article"`), or with the
    per-element RMS `||grad_g||_2 / sqrt(numel_g)` in place of the norm (`kind="rms"`), so that a large group does

@@ -240,9 +240,18 @@ def decode_whole_into(
     return start + nblocks * per_block
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """
+    Whether every tensor is free of NaN/Inf: the one non-finite check of grpo_hf. One `aminmax` pass per tensor (NaN
+    propagates; much faster than `isfinite().all()`) and one device sync in all.
+    """
+    extremes = [torch.stack(torch.aminmax(t.detach().reshape(-1))).float() for t in tensors if t.numel()]
+    return not extremes or bool(torch.isfinite(torch.cat(extremes)).all())
+
+
 def has_nonfinite(t: torch.Tensor) -> bool:
-    """Whether `t` holds a NaN or an Inf (one device sync; `amax` propagates NaN, 25x faster than `isfinite().all()`)."""
-    return t.numel() > 0 and not bool(torch.isfinite(t.detach().abs().amax()))
+    """Whether `t` holds a NaN or an Inf (see [`all_finite`])."""
+    return not all_finite([t])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -463,6 +472,7 @@ __all__ = [
     "CompressedTensor",
     "IndexScheme",
     "RowBatch",
+    "all_finite",
     "compress",
     "compress_rows",
     "compress_with_feedback",

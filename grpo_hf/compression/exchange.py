@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from .codec import chunk_slices, compress_rows, decode_whole_into, encode_whole, read_batch
 from .layout import Segment
-from .state import GRPOCommState, RowScales, StepStats, segment_slots
+from .state import GRPOCommState, StepStats
+from .store import RowScales, segment_slots
 from .traffic import allgather_bytes, alltoall_bytes
 
 
@@ -77,12 +78,6 @@ class Collectives:
         dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
         self._timed(start)
         return recv
-
-
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every tensor is free of NaN/Inf: one `aminmax` per tensor (NaN propagates) and one sync in all."""
-    extremes = [torch.stack(torch.aminmax(t.detach().reshape(-1))).float() for t in tensors if t.numel()]
-    return not extremes or bool(torch.isfinite(torch.cat(extremes)).all())
 
 
 def accumulate(state: GRPOCommState, segment: Segment, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -327,4 +322,4 @@ def allreduce_segments(
     return True
 
 
-__all__ = ["Collectives", "accumulate", "all_finite", "allgather_segments", "allreduce_segments", "dense_entries"]
+__all__ = ["Collectives", "accumulate", "allgather_segments", "allreduce_segments", "dense_entries"]

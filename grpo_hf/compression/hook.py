@@ -48,9 +48,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from .codec import all_finite
 from .exchange import (
     Collectives,
-    all_finite,
     allgather_segments,
     allreduce_segments,
     dense_entries,
