@@ -54,6 +54,24 @@ COMM_ROWS = {
     },
 }
 DEFAULT_COMM_ROWS = "dense,q4s,q4,q2s,q2,q4s-ar,q2s-ar"
+_STATIC = {"grpo_importance": False}
+LR_ROWS = {  # GRPOTrainer settings measured in the lr suite (one process: no compression)
+    "grpo": {},  # GRPOConfig's defaults
+    "grpo-article": {"grpo_importance": True, "grpo_importance_score": "article", "grpo_lr_ratios": None},
+    "grpo-coherence": {"grpo_importance": True, "grpo_importance_score": "coherence", "grpo_lr_ratios": None},
+    "grpo-coherence-wide": {
+        "grpo_importance": True, "grpo_importance_score": "coherence", "grpo_lr_scale_min": 0.5,
+        "grpo_lr_scale_max": 2.0, "grpo_lr_ratios": None,
+    },
+    "grpo-off": {**_STATIC, "grpo_lr_ratios": None},
+    "grpo-lora-b2": {**_STATIC, "grpo_lr_ratios": {"*lora_B": 2}},
+    "grpo-lora-b4": {**_STATIC, "grpo_lr_ratios": {"*lora_B": 4}},
+    "grpo-lora-b4a4": {**_STATIC, "grpo_lr_ratios": {"*lora_B": 4, "*lora_A": 0.25}},  # LoRA+ ratio 16 around lr
+    "grpo-lora-b8a2": {**_STATIC, "grpo_lr_ratios": {"*lora_B": 8, "*lora_A": 0.5}},
+    "grpo-norms": {**_STATIC, "grpo_lr_ratios": {"norms": 0.63}},  # the article: norm layers get ~37% less
+    "grpo-emb2": {**_STATIC, "grpo_lr_ratios": {"embeddings": 2}},
+    "grpo-emb0.5": {**_STATIC, "grpo_lr_ratios": {"embeddings": 0.5}},
+}  # fmt: skip
 DEFAULT_LR_ROWS = "trainer,trainer-lr0.5,trainer-lr2,loraplus-16,loraplus-4,grpo"
 POWERSGD_START = 10  # start_powerSGD_iter: torch's docs and our earlier measurements
 
@@ -75,7 +93,7 @@ class SuiteArguments:
         metadata={
             "help": f"Comma-separated rows. comm: {', '.join(COMM_ROWS)}, fp16, powersgd-r<rank>, or "
             "'grpo:field=value;...' (GRPOConfig fields, e.g. grpo:grpo_bits=4;grpo_scale_beta=0.9). lr: trainer, "
-            "trainer-lr<factor>, loraplus-<ratio>, grpo, grpo:field=value;.... "
+            f"trainer-lr<factor>, loraplus-<ratio>, {', '.join(LR_ROWS)}, grpo:field=value;.... "
             f"Default comm: {DEFAULT_COMM_ROWS}; lr: {DEFAULT_LR_ROWS}."
         },
     )
@@ -122,8 +140,8 @@ def parse_row(suite: str, name: str) -> dict:
         match = re.fullmatch(r"loraplus-([0-9.]+)", name)
         if match:
             return {"name": name, "kind": "loraplus", "ratio": float(match.group(1))}
-        if name == "grpo":
-            return {"name": name, "kind": "grpo", "overrides": {}}
+        if name in LR_ROWS:
+            return {"name": name, "kind": "grpo", "overrides": dict(LR_ROWS[name])}
     raise ValueError(f"unknown {suite} row {name!r}; see --help for the row names.")
 
 
