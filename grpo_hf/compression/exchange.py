@@ -135,14 +135,21 @@ def dense_entries(comm: Collectives, stats: StepStats, grads: list[torch.Tensor]
 
 
 def allgather_segments(
-    state: GRPOCommState, comm: Collectives, segments: list[Segment], grads: list[list[torch.Tensor]], count_as: int
+    state: GRPOCommState,
+    comm: Collectives,
+    segments: list[Segment],
+    grads: list[list[torch.Tensor]],
+    count_as: int,
+    finite: bool | None = None,
 ) -> bool:
     """
     The all-gather exchange of a bucket's segments (see the module docstring). Returns `False`, with nothing
-    written, when a rank flagged a NaN/Inf (the caller then sends the bucket dense).
+    written, when a rank flagged a NaN/Inf (the caller then sends the bucket dense). `finite` is this rank's flag
+    (computed from `grads` when `None`; the hook passes one that covers the bucket's dense entries too).
     """
     stats, world_size, rank = state._step, comm.world_size, comm.rank
-    finite = all_finite([g for seg_grads in grads for g in seg_grads])
+    if finite is None:
+        finite = all_finite([g for seg_grads in grads for g in seg_grads])
     own, scales, pieces = [], [], []
     if finite:
         for segment, seg_grads in zip(segments, grads):
@@ -192,15 +199,21 @@ def _add_row(total: torch.Tensor, positions: torch.Tensor | None, decoded: torch
 
 
 def allreduce_segments(
-    state: GRPOCommState, comm: Collectives, segments: list[Segment], grads: list[list[torch.Tensor]], count_as: int
+    state: GRPOCommState,
+    comm: Collectives,
+    segments: list[Segment],
+    grads: list[list[torch.Tensor]],
+    count_as: int,
+    finite: bool | None = None,
 ) -> bool:
     """
     The all-reduce exchange of a bucket's segments with owner-side error feedback (see the module docstring).
-    Returns `False`, with nothing written, when a rank flagged a NaN/Inf.
+    Returns `False`, with nothing written, when a rank flagged a NaN/Inf (`finite`: as in `allgather_segments`).
     """
     stats, world_size, rank = state._step, comm.world_size, comm.rank
     device = grads[0][0].device
-    finite = all_finite([g for seg_grads in grads for g in seg_grads])
+    if finite is None:
+        finite = all_finite([g for seg_grads in grads for g in seg_grads])
     to_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
     own, scales = [], []  # own: this rank's decoded contribution to the blocks it owns, per segment
     if finite:
