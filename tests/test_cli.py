@@ -125,3 +125,19 @@ def test_groups_names_a_bad_group_file_without_a_traceback(tmp_path, capsys):
     assert cli.main(["groups", "tiny-llama", "--grpo_groups", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"grpo-hf groups: error: {bad}: invalid YAML at line 3") and "Traceback" not in err
+
+
+def test_train_refuses_another_run_and_resumes_last(tmp_path, capsys, caplog):
+    out_dir = tmp_path / "train"
+    command = ["train", str(RECIPES / "tiny.yaml"), *FAST, "--save_strategy", "steps", "--save_steps", "2",
+               "--output_dir", str(out_dir)]  # fmt: skip
+    assert cli.main(command) == 0
+    results = (out_dir / "results.json").read_bytes()
+    capsys.readouterr()
+    assert cli.main(command) == 2  # the first run's results, model and checkpoints are kept
+    err = capsys.readouterr().err
+    assert f"output_dir '{out_dir}' already holds another run" in err and "Traceback" not in err
+    assert (out_dir / "results.json").read_bytes() == results
+    assert cli.main([*command, "--resume_from_checkpoint", "last"]) == 0  # checkpoint-4 is final: nothing to train
+    assert "already holds all max_steps=4 steps" in caplog.text
+    assert json.loads((out_dir / "results.json").read_text())["runs"][0]["steps"] == 4
