@@ -52,9 +52,14 @@ class GRPOMixin:
       join the training logs.
     - **Metrics**: `grpo/*` keys are averaged over each logging window and added to the Trainer's logs, so every
       `report_to` integration receives them.
-    - **Checkpoints**: every checkpoint holds `grpo_state_rank<r>.pt`; `train(resume_from_checkpoint=...)` restores it.
+    - **Checkpoints**: every checkpoint holds `grpo_state_rank<r>.pt`, written atomically;
+      `train(resume_from_checkpoint=...)` restores it, also from a checkpoint of another world size (see
+      [`~grpo_hf.checkpoints`]), and takes `"last"` for the newest complete checkpoint or a fresh start.
+    - **Safety**: the first `train()` refuses an `output_dir` holding another run unless it resumes or
+      `overwrite_output_dir` is set; an optimizer step whose gradients hold a NaN or an Inf is skipped (logged as
+      `grpo/nonfinite_steps`) without touching the importance state or the compression residuals.
 
-    Not supported: FSDP and DeepSpeed (refused at construction with what to do instead).
+    Not supported: FSDP and DeepSpeed (refused when the config is built, with what to do instead).
     """
 
     def __init__(self, *args, **kwargs):
