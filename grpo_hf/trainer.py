@@ -245,7 +245,10 @@ class GRPOMixin:
         one more optimizer step before checking `max_steps` (transformers 5.x), so that a restart would change a
         finished model. Returns `None` when steps are left (or the run is bounded by epochs).
         """
-        state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_FILE))
+        path = os.path.join(checkpoint, TRAINER_STATE_FILE)
+        if not os.path.isfile(path):  # not a Trainer checkpoint: the Trainer says so itself
+            return None
+        state = TrainerState.load_from_json(path)
         if not 0 < self.args.max_steps <= state.global_step:
             return None
         logger.warning(
