@@ -13,7 +13,8 @@ as `grpo-hf train --resume_from_checkpoint last` would start them:
 Each rank writes, per run, the checkpoint it resumed from, the restart count and digests of its parameters and
 compression residuals; rank 0 saves the final parameters of both runs for `torch.equal` on the pytest side.
 
-Usage: torchrun --nproc_per_node 2 --max-restarts 1 killed_worker.py OUT_DIR
+Usage: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node 2 --max-restarts 1 --rdzv-backend c10d \
+    --rdzv-endpoint 127.0.0.1:PORT killed_worker.py OUT_DIR   (see the test for why)
 """
 
 import gc
