@@ -22,6 +22,7 @@ import platform
 import sys
 import time
 
+from .errors import GRPOInputError
 from .parser import RecipeError, RecipeParser, builtin_recipe_values, read_recipe, recipe_error_from
 
 
@@ -93,22 +94,30 @@ def groups_command_parser(subparsers):
     from .config import GRPOConfig  # the defaults and help texts of the same fields, so they cannot drift apart
 
     fields = GRPOConfig.__dataclass_fields__
-    for name, kind in (
-        ("grpo_groups", str),
-        ("grpo_lr_ratios", str),
-        ("grpo_compression", str),
-        ("grpo_density", float),
-        ("grpo_bits", str),
-        ("grpo_min_compress_numel", int),
-    ):
+    for name, kind in GROUPS_FIELDS.items():
         field = fields[name]
-        parser.add_argument(f"--{name}", type=kind, default=field.default, help=field.metadata["help"])
+        parser.add_argument(
+            f"--{name}",
+            type=kind,
+            default=field.default,
+            choices=field.metadata.get("choices"),
+            help=field.metadata["help"],
+        )
     parser.add_argument("--lora", action="store_true", help="Wrap the model with a LoRA adapter (r=8, all-linear).")
     parser.add_argument("--strict", action="store_true", help="Fail when a rule matches no trainable parameter.")
     parser.set_defaults(func=groups_command)
     return parser
 
 
+# The GRPOConfig fields `grpo-hf groups` takes, with their types; they are checked as `train` checks them.
+GROUPS_FIELDS = {
+    "grpo_groups": str,
+    "grpo_lr_ratios": str,
+    "grpo_compression": str,
+    "grpo_density": float,
+    "grpo_bits": str,
+    "grpo_min_compress_numel": int,
+}
 TINY_BUILDERS = ("tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-t5")
 
 
@@ -162,9 +171,12 @@ def groups_command(args) -> int:
     from rich.table import Table
 
     from .compression import compression_plan, resolve_compression
+    from .config import grpo_defaults, validate_grpo_fields
     from .grouping import assign_groups, group_table, load_group_spec
 
-    spec = load_group_spec(args.grpo_groups)  # a bad group file fails before the model is loaded
+    # The same checks as GRPOConfig (so as `train`), before the model is loaded: fields, then the group file.
+    validate_grpo_fields(argparse.Namespace(**{**grpo_defaults(), **{k: getattr(args, k) for k in GROUPS_FIELDS}}))
+    spec = load_group_spec(args.grpo_groups)
     model = _load_any_model(args.model)
     if args.lora:
         from peft import LoraConfig, get_peft_model
@@ -427,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parse(parser, command_parsers, argv)
         args.argv = argv
         return args.func(args)
-    except (RecipeError, FileNotFoundError) as err:
+    except (RecipeError, GRPOInputError, FileNotFoundError) as err:
         print(f"grpo-hf {argv[0]}: error: {err}", file=sys.stderr)
         return 2
 

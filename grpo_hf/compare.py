@@ -28,6 +28,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from .checkpoints import resolve_resume_checkpoint
 from .evaluation import evaluate_perplexity, reset_peak_memory
 from .parser import DTYPES, DataArguments, ModelArguments
 
@@ -432,7 +433,10 @@ def run_training(
     memory_reset = reset_peak_memory(args.device)
     _say(progress, f"training {label}")
     start = time.perf_counter()
-    output = trainer.train()
+    resume = args.resume_from_checkpoint  # GRPOTrainer resolves "last" itself; the plain Trainer does not know it
+    if trainer_kind == "trainer":
+        resume = resolve_resume_checkpoint(output_dir, resume, grpo=False)
+    output = trainer.train(resume_from_checkpoint=resume)
     wall = time.perf_counter() - start
     load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     summary = cost.summary()
@@ -491,8 +495,8 @@ def run_training(
         "cooling_usd": metrics.get("cost/cooling_usd"),
         "total_usd": metrics.get("cost/total_usd"),
         "cost_per_quality": cost_per_quality(metrics["cost/total_usd"], perplexity=eval_after["perplexity"])
-        if math.isfinite(eval_after["perplexity"])
-        else None,  # a diverged run has no quality
+        if math.isfinite(eval_after["perplexity"]) and "cost/total_usd" in metrics
+        else None,  # a diverged run has no quality; a resumed finished run trained nothing
         "loss_curve": loss_curve,
         "lr_scales": lr_scales,
         "bytes_per_step": list(recorder.per_step),

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .compression.spec import SUPPORTED_BITS
+from .errors import GroupConfigError
 
 
 logger = logging.getLogger(__name__)
@@ -28,10 +29,6 @@ RULE_KEYS = {
     "name", "pattern", "density", "sparsity", "bits", "lr_ratio", "lr_scale_min", "lr_scale_max", "importance"
 }  # fmt: skip
 FILE_KEYS = {"groups", "split_by_shape"}
-
-
-class GroupConfigError(ValueError):
-    """A group file or rule is invalid; the message names the file, the rule and the fix."""
 
 
 @dataclass(frozen=True)
@@ -136,20 +133,26 @@ def validate_rule(rule: GroupRule, where: str = "") -> GroupRule:
     """Check one rule; raise `GroupConfigError` naming `where` (file and rule) and the fix."""
     at = f"{where}group {rule.name!r}: "
     if not rule.name or not isinstance(rule.name, str):
-        raise GroupConfigError(f"{where}every group needs a non-empty string 'name'.")
+        raise GroupConfigError(f"{where}every group needs a non-empty string 'name' (got {rule.name!r}).")
+    if not isinstance(rule.pattern, str):
+        raise GroupConfigError(
+            f"{at}'pattern' must be a string (a regular expression), got {rule.pattern!r}; quote it in YAML."
+        )
     try:
         re.compile(rule.pattern)
-    except (re.error, TypeError) as err:
+    except re.error as err:
         raise GroupConfigError(
             f"{at}invalid regular expression {rule.pattern!r} ({err}). Fix the 'pattern' (it is used with re.search "
             "on full parameter names such as 'model.layers.0.self_attn.q_proj.weight'; escape literal dots as '\\.')."
         ) from None
-    if rule.density is not None and not (isinstance(rule.density, (int, float)) and 0 < rule.density <= 1):
+    if rule.density is not None and (
+        isinstance(rule.density, bool) or not (isinstance(rule.density, (int, float)) and 0 < rule.density <= 1)
+    ):
         raise GroupConfigError(
             f"{at}density/sparsity={rule.density!r} is outside (0, 1]. It is the kept fraction of gradient entries: "
             "use e.g. 0.15 to keep the top 15%."
         )
-    if rule.bits is not None and rule.bits not in SUPPORTED_BITS:
+    if rule.bits is not None and (isinstance(rule.bits, bool) or rule.bits not in SUPPORTED_BITS):
         raise GroupConfigError(f"{at}bits={rule.bits!r} is not supported; use one of {SUPPORTED_BITS}.")
     ratio = rule.lr_ratio
     if ratio is not None and (
@@ -158,7 +161,15 @@ def validate_rule(rule: GroupRule, where: str = "") -> GroupRule:
         raise GroupConfigError(
             f"{at}lr_ratio={ratio!r}: use a positive number (a factor on the scheduled LR, e.g. 4)."
         )
+    if not isinstance(rule.importance, bool):
+        raise GroupConfigError(
+            f"{at}importance={rule.importance!r} is not a boolean; use true (scale this group's learning rate by its "
+            "importance, the default) or false (keep its multiplier at 1)."
+        )
     lo, hi = rule.lr_scale_min, rule.lr_scale_max
+    for key, value in (("lr_scale_min", lo), ("lr_scale_max", hi)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise GroupConfigError(f"{at}{key}={value!r} is not a number; use e.g. 0.9 and 1.1.")
     if (lo is not None and not lo > 0) or (hi is not None and not hi > 0) or (lo and hi and lo > hi):
         raise GroupConfigError(f"{at}lr_scale_min={lo}, lr_scale_max={hi}: use positive bounds with min <= max.")
     return rule
@@ -194,6 +205,10 @@ def parse_group_config(config: dict, source: str = "<dict>") -> GroupSpec:
     unknown = set(config) - FILE_KEYS
     if unknown:
         raise GroupConfigError(f"{where}unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(FILE_KEYS)}.")
+    if not isinstance(config.get("split_by_shape", False), bool):
+        raise GroupConfigError(
+            f"{where}split_by_shape={config['split_by_shape']!r} is not a boolean; use true or false."
+        )
     rules = [_rule_from_dict(entry, where) for entry in config["groups"]]
     names = [r.name for r in rules]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -227,17 +242,41 @@ def load_group_spec(spec: str | dict | list | GroupSpec) -> GroupSpec:
             f"grpo_groups={spec!r} is neither a preset ({sorted(PRESETS)}) nor an existing group file. Pass a preset "
             "name or the path of a JSON/YAML file."
         )
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
+    return parse_group_config(_read_group_file(path), str(path))
 
-            config = yaml.safe_load(text)
-        else:
-            config = json.loads(text)
-    except (json.JSONDecodeError, ValueError) as err:
-        raise GroupConfigError(f"{path}: cannot parse the group file ({err}).") from None
-    return parse_group_config(config, str(path))
+
+def _read_group_file(path: Path):
+    """The parsed content of a JSON/YAML group file; every read or parse error becomes a `GroupConfigError`."""
+    import yaml
+
+    yaml_file = path.suffix.lower() in (".yaml", ".yml")
+    try:
+        text = path.read_text(encoding="utf-8")
+        return yaml.safe_load(text) if yaml_file else json.loads(text)
+    except UnicodeDecodeError:
+        raise GroupConfigError(f"{path}: not a UTF-8 text file; a group file is JSON or YAML text.") from None
+    except OSError as err:
+        raise GroupConfigError(f"{path}: cannot read the group file ({err.strerror}).") from None
+    except yaml.constructor.ConstructorError as err:  # e.g. !!python/object: safe_load refuses to build objects
+        raise GroupConfigError(
+            f"{path}: unsupported YAML tag ({err.problem}{_yaml_line(err)}); a group file holds plain mappings, "
+            "lists, strings and numbers."
+        ) from None
+    except yaml.YAMLError as err:
+        raise GroupConfigError(
+            f"{path}: invalid YAML{_yaml_line(err)} ({getattr(err, 'problem', None) or err}); check indentation and "
+            "quote patterns that contain ':' or start with '*', '[' or '{'."
+        ) from None
+    except json.JSONDecodeError as err:
+        raise GroupConfigError(
+            f"{path}: invalid JSON at line {err.lineno}, column {err.colno} ({err.msg}); or give the file a .yaml "
+            "suffix if it is YAML."
+        ) from None
+
+
+def _yaml_line(err) -> str:
+    mark = getattr(err, "problem_mark", None)
+    return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
 
 
 def assign_groups(model: nn.Module, spec: GroupSpec, strict: bool = False) -> list[ParameterGroup]:

@@ -139,6 +139,7 @@ def run_torchrun(
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike | None = None,
     log_path: str | os.PathLike | None = None,
+    torchrun_args: tuple[str, ...] = (),
 ) -> TorchrunResult:
     """
     Run `script args...` on `nproc` local processes with `python -m torch.distributed.run` (torchrun) and wait.
@@ -161,6 +162,8 @@ def run_torchrun(
         log_path (`str` or `os.PathLike`, *optional*):
             Write stdout and stderr into this file as the run goes (to follow a long run with `tail -f`); `stdout`
             then holds the file's text and `stderr` is empty.
+        torchrun_args (`tuple[str, ...]`, *optional*):
+            More torchrun options, before the script (e.g. `("--max-restarts", "1")`).
 
     Returns:
         [`TorchrunResult`]: `returncode`, `stdout`, `stderr` (and `timed_out`, `logs()`).
@@ -175,6 +178,7 @@ def run_torchrun(
         "127.0.0.1",
         "--master_port",
         str(free_port()),
+        *torchrun_args,
         str(script),
         *map(str, args),
     ]

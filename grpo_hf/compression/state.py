@@ -44,6 +44,10 @@ class StepStats:
         return {key: getattr(self, key) for key in self.KEYS}
 
 
+def _empty_window() -> dict:
+    return {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "dense_steps": 0}
+
+
 def _metrics(summed: dict, steps: int, dense_steps: int, prefix: bool) -> dict[str, float]:
     comm, top = ("grpo/comm/", "grpo/") if prefix else ("", "")
     density = summed["kept"] / summed["numel"] if summed["numel"] else 1.0
@@ -172,8 +176,8 @@ class GRPOCommState:
         self._segments: dict[tuple, list] = {}  # bucket layout (names) -> its segments
         self._buffers: dict[tuple, torch.Tensor] = {}  # work buffers of the exchange, kept from step to step
         self.hook_calls = 0
-        self._window: list[dict] = []
-        self._totals = {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "dense_steps": 0}
+        self._window = _empty_window()  # sums over the steps since the last pop_stats (constant size)
+        self._totals = {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "dense_steps": 0, "nonfinite_steps": 0}
         self._warned: set[str] = set()
 
     def spec_for(self, name: str | None) -> CodecSpec | None:
@@ -258,11 +262,13 @@ class GRPOCommState:
 
     # --- steps ---
     def mark_nonfinite(self) -> None:
+        """Flag the current optimizer step as not finite: `commit_step` then discards what it staged."""
         self._nonfinite = True
         self._warn_once(
             "nonfinite",
             f"GRPO compression: NaN/Inf gradients at optimizer step {self.step}; the step was sent dense and the "
-            "error-feedback residuals and gradient scales were left unchanged (an fp16 GradScaler skips it).",
+            "error-feedback residuals and gradient scales were left unchanged (GRPOTrainer skips the optimizer step; "
+            "later ones are counted in the totals' nonfinite_steps).",
         )
 
     def commit_step(self, dense: bool) -> None:
@@ -277,11 +283,14 @@ class GRPOCommState:
         record["dense"] = dense or nonfinite
         self._step = StepStats()
         self.step += 1
-        self._window.append(record)
         for key in StepStats.KEYS:
+            self._window[key] += record[key]
             self._totals[key] += record[key]
+        self._window["steps"] += 1
+        self._window["dense_steps"] += int(record["dense"])
         self._totals["steps"] += 1
         self._totals["dense_steps"] += int(record["dense"])
+        self._totals["nonfinite_steps"] += int(nonfinite)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -299,15 +308,14 @@ class GRPOCommState:
         (`1 - density`), `grpo/comm/hook_ms` (time in the hook per step) and `grpo/comm/dense_steps` (warm-up and
         non-finite steps in the window).
         """
-        window, self._window = self._window, []
-        if not window:
+        window, self._window = self._window, _empty_window()
+        if not window["steps"]:
             return {}
-        summed = {key: sum(r[key] for r in window) for key in StepStats.KEYS}
-        return _metrics(summed, len(window), sum(int(r["dense"]) for r in window), prefix=True)
+        return _metrics(window, window["steps"], window["dense_steps"], prefix=True)
 
     def totals(self) -> dict[str, float]:
         """
-        Running totals of the whole run (checkpointed): `steps`, `dense_steps`, `bytes_sent`, `bytes_dense_fp32`,
+        Running totals of the whole run (checkpointed): `steps`, `dense_steps`, `nonfinite_steps`, `bytes_sent`, `bytes_dense_fp32`,
         `bytes_dense_fp16`, `ratio_fp32`, `ratio_fp16`, `density`, `hook_ms` (time in the hook), `comm_ms` (the part
         of it spent inside collectives, waiting for other ranks included), `kept`, `numel`.
         """
@@ -360,7 +368,7 @@ class GRPOCommState:
         self.squares.load_state_dict(state_dict.get("squares", {}))
         self._nonfinite = False
         self._step = StepStats()
-        self._window = []
+        self._window = _empty_window()
         totals = state_dict.get("totals", {})
         for key in self._totals:
             if key in totals:
