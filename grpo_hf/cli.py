@@ -394,7 +394,8 @@ def train_command(args) -> int:
 def publish_command_parser(subparsers):
     parser = subparsers.add_parser(
         "publish",
-        usage="grpo-hf publish [-h] OUTPUT_DIR --repo_id USER/NAME [--private] [--dry_run] [--run {grpo,trainer}]",
+        usage="grpo-hf publish [-h] OUTPUT_DIR --repo_id USER/NAME [--private] [--dry_run] [--run {grpo,trainer}] "
+        "[--upload_dir DIR] [--base_model HUB_ID]",
         help="Publish a trained adapter (or model) to the Hugging Face Hub with a model card.",
         description="Uploads the adapter (the model for a full fine-tune) and the tokenizer saved in OUTPUT_DIR (a "
         "folder written by grpo-hf train, or by grpo-hf compare/quickstart: then the GRPOTrainer run's, or --run's) "

