@@ -142,8 +142,8 @@ def prepare_upload_folder(
         run (`str`, *optional*):
             The run of a comparison to publish (`"grpo"` by default, or `"trainer"`).
         upload_dir (`str` or `Path`, *optional*):
-            Where to write it; defaults to `<output_dir>/hub_upload/<run>`. An existing folder is replaced only when
-            it holds a card written here.
+            Where to write it; defaults to `<output_dir>/hub_upload/<run>`. A folder that exists and is not empty is
+            replaced only when it holds a card written here.
         base_model (`str`, *optional*):
             Hub id of the base model, when [`resolve_base_model`] cannot tell it.
 
@@ -153,11 +153,11 @@ def prepare_upload_folder(
     _check_repo_id(repo_id)
     results, row, model_folder = load_run(output_dir, run)
     target = Path(upload_dir) if upload_dir else Path(output_dir) / UPLOAD_DIR / row["name"]
-    if target.exists():
+    if target.exists() and any(target.iterdir()):
         if not _own_upload_folder(target):
             raise HubError(f"{target} exists and was not written by grpo-hf publish: remove it or pass --upload_dir.")
         shutil.rmtree(target)
-    target.mkdir(parents=True)
+    target.mkdir(parents=True, exist_ok=True)
     for path in sorted(model_folder.iterdir()):
         if path.is_file() and _matches(path.name, MODEL_PATTERNS + TOKENIZER_PATTERNS):
             shutil.copy2(path, target / path.name)

@@ -294,6 +294,9 @@ def test_publish_refuses_bad_input_clearly(pushed, tmp_path):
     with pytest.raises(HubError, match="was not written by grpo-hf publish"):
         prepare_upload_folder(pushed.out, REPO, upload_dir=foreign)
     assert (foreign / "notes.txt").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (prepare_upload_folder(pushed.out, REPO, upload_dir=empty) / "README.md").is_file()
     with pytest.raises(HubError, match="hub_token"):
         check_push_settings(SimpleNamespace(hub_token="x", push_to_hub=False))
 
