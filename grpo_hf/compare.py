@@ -526,13 +526,18 @@ def compare(
     Train the plain `Trainer` and `GRPOTrainer` on identical data, seed and steps and compare them.
 
     The tokenizer, the datasets and the perplexity before training are computed once; each run loads the model
-    afresh (same weights, same LoRA initialisation). Each run's checkpoints go to `<output_dir>/<kind>`.
+    afresh (same weights, same LoRA initialisation). Each run's checkpoints and trained model (the adapter with LoRA,
+    and the tokenizer: what `grpo-hf publish` uploads) go to `<output_dir>/<kind>`. Then, with
+    `cost_noise_rounds > 0`, [`~grpo_hf.noise.measure_timing_noise`] times interleaved windows of both trainers (checkpoints in
+    `<output_dir>/noise`).
 
     Returns:
         `dict`: `runs` (one row per trainer, see [`run_training`]), `ratios` (GRPOTrainer / Trainer per metric, see
-        [`~grpo_hf.report.compute_ratios`]), `recipe`, `data` (corpus fingerprint, `sys.version`, sizes),
-        `environment` and `wall_seconds`.
+        [`~grpo_hf.report.compute_ratios`]), `timing_noise` (the windows) and `ratio_noise` (a noise band and a
+        `within_noise` flag per timed ratio, see [`~grpo_hf.noise.timed_ratio_noise`]), `recipe`, `data` (corpus
+        fingerprint, `sys.version`, sizes), `environment` and `wall_seconds`.
     """
+    from .noise import measure_timing_noise, timed_ratio_noise
     from .report import compute_ratios
 
     start = time.perf_counter()
@@ -548,13 +553,25 @@ def compare(
                 prepared=prepared,
                 progress=progress,
                 output_dir=os.path.join(args.output_dir, kind),
+                save_model=True,
             )
         )
     by_name = {r["name"]: r for r in runs}
     ratios = compute_ratios(by_name["trainer"], by_name["grpo"]) if len(by_name) == 2 else {}
+    rounds = getattr(args, "cost_noise_rounds", 0) if ratios else 0
+    timing_noise = (
+        measure_timing_noise(
+            model_args, data_args, args, prepared, rounds, getattr(args, "cost_noise_window_steps", 4), progress
+        )
+        if rounds
+        else None
+    )
+    noise = timed_ratio_noise({"ratios": ratios, "timing_noise": timing_noise})
     return {
         "runs": runs,
         "ratios": ratios,
+        "timing_noise": timing_noise,
+        "ratio_noise": _jsonable(noise),
         "recipe": recipe_summary(model_args, data_args, args),
         "data": _jsonable(prepared.data_info),
         "eval_before": _jsonable(prepared.eval_before),

@@ -95,7 +95,15 @@ class GRPOConfig(TrainingArguments):
         grpo_min_compress_numel (`int`, *optional*, defaults to `4096`):
             Tensors with fewer elements (norms, biases) are always sent dense.
 
-    Parameters that control cost accounting: see [`~grpo_hf.cost.CostSettings`].
+    Parameters that control cost accounting: see [`~grpo_hf.cost.CostSettings`] (`cost_*` prices, power, link
+    speed, workers, peak TFLOP/s and grid carbon intensity), plus two settings of the comparison runner
+    ([`~grpo_hf.compare.compare`]; `GRPOTrainer` ignores them):
+
+        cost_noise_rounds (`int`, *optional*, defaults to `2`):
+            Rounds of short timed windows of both trainers, interleaved, that measure the noise of the time, energy
+            and money ratios of a comparison (0: not measured).
+        cost_noise_window_steps (`int`, *optional*, defaults to `4`):
+            Optimizer steps of each timed window.
 
     Parameters that protect earlier runs:
 
@@ -220,6 +228,23 @@ class GRPOConfig(TrainingArguments):
             "(without it GRPOTrainer refuses such a folder unless resuming, e.g. --resume_from_checkpoint last)."
         },
     )
+    cost_grid_gco2_per_kwh: float = field(
+        default=475.0,
+        metadata={
+            "help": "Carbon intensity of the electricity in gCO2eq/kWh, for co2_eq_emissions in model cards when "
+            "energy was measured (default: a world average; set your grid's)."
+        },
+    )
+    cost_noise_rounds: int = field(
+        default=2,
+        metadata={
+            "help": "Comparisons (grpo-hf compare/quickstart) only: rounds of short timed windows of both trainers, "
+            "interleaved, that measure the noise of the time, energy and money ratios; 0 turns the measurement off."
+        },
+    )
+    cost_noise_window_steps: int = field(
+        default=4, metadata={"help": "Optimizer steps of each timed window of the noise measurement (at least 3)."}
+    )
 
     def __post_init__(self):
         refuse_unsupported_backends(self.fsdp, self.deepspeed)  # before transformers sets the backend up
@@ -332,6 +357,13 @@ def validate_grpo_fields(args) -> None:
         raise ConfigError(f"grpo_dense_warmup_steps={args.grpo_dense_warmup_steps}: use 0 or more (2 under DDP).")
     if args.grpo_min_compress_numel < 0:
         raise ConfigError(f"grpo_min_compress_numel={args.grpo_min_compress_numel}: use 0 or more.")
+    if args.cost_noise_rounds < 0:
+        raise ConfigError(f"cost_noise_rounds={args.cost_noise_rounds}: use 0 (no noise measurement) or more, e.g. 2.")
+    if args.cost_noise_window_steps < 3:
+        raise ConfigError(
+            f"cost_noise_window_steps={args.cost_noise_window_steps}: use at least 3 (the first 2 steps of a window "
+            "are left out of its rates)."
+        )
     try:
         CostSettings.from_args(args)  # validates the cost_* fields
     except ValueError as err:

@@ -17,7 +17,9 @@ from .config import ensure_grpo_args, refuse_unsupported_backends
 from .errors import OutputDirError
 from .files import check_output_dir, remove_run_files
 from .grouping import assign_groups, load_group_spec, lr_ratios
+from .hub import check_push_settings, hub_errors
 from .importance import ImportanceState
+from .model_card import write_trainer_model_card
 
 
 logger = logging.get_logger(__name__)
@@ -58,14 +60,18 @@ class GRPOMixin:
     - **Safety**: the first `train()` refuses an `output_dir` holding another run unless it resumes or
       `overwrite_output_dir` is set; an optimizer step whose gradients hold a NaN or an Inf is skipped (logged as
       `grpo/nonfinite_steps`) without touching the importance state or the compression residuals.
+    - **Hub**: `push_to_hub()` uploads grpo_hf's model card ([`grpo_hf.model_card`]: base model, perplexity in
+      `model-index`, groups, settings, cost); a `hub_token` in the arguments is refused (the Trainer would pickle it
+      into `training_args.bin`), and a missing token or an unreachable Hub is one [`~grpo_hf.hub.HubError`].
 
     Not supported: FSDP and DeepSpeed (refused when the config is built, with what to do instead).
     """
 
     def __init__(self, *args, **kwargs):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None:  # refuse before Accelerate sets up the backend
+        if training_args is not None:  # refuse before Accelerate sets up the backend (or the Trainer creates a repo)
             refuse_unsupported_backends(training_args.fsdp, training_args.deepspeed)
+            check_push_settings(training_args)
         # The cost callback must be registered at construction, before the progress/printer callbacks.
         callbacks = list(kwargs.get("callbacks") or [])
         self.cost_callback = next((cb for cb in callbacks if isinstance(cb, CostCallback)), None)
@@ -214,6 +220,22 @@ class GRPOMixin:
             if self.grpo_comm_state is not None:
                 logs.update(self.grpo_comm_state.pop_stats())
         super().log(logs, *args, **kwargs)
+
+    # --- Hub: grpo_hf's card, and one clear error instead of a network traceback ---
+    def create_model_card(
+        self, language=None, license=None, tags=None, model_name=None, finetuned_from=None, **kwargs
+    ):
+        """Write grpo_hf's model card into `output_dir/README.md` (what `push_to_hub` uploads)."""
+        if self.is_world_process_zero():
+            write_trainer_model_card(self, tags=tags, license=license, finetuned_from=finetuned_from, **kwargs)
+
+    def init_hf_repo(self, *args, **kwargs):
+        with hub_errors(self.args.hub_model_id, None):
+            return super().init_hf_repo(*args, **kwargs)
+
+    def push_to_hub(self, *args, **kwargs):
+        with hub_errors(self.hub_model_id or self.args.hub_model_id, self.args.output_dir):
+            return super().push_to_hub(*args, **kwargs)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """

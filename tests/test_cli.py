@@ -19,7 +19,7 @@ FAST = [
 
 def test_commands_are_registered():
     names = [register.__name__.removesuffix("_command_parser") for register in cli.COMMANDS]
-    assert names == ["quickstart", "compare", "train", "groups", "env"]
+    assert names == ["quickstart", "compare", "train", "publish", "groups", "env"]
     for name in names:
         assert callable(getattr(cli, f"{name}_command"))
 
