@@ -193,6 +193,13 @@ class GRPOConfig(TrainingArguments):
         default=DEFAULT_SCALE_BETA,
         metadata={"help": "EMA factor in [0, 1) of the squared gradients behind the scales."},
     )
+    grpo_scale_clip: float | None = field(
+        default=None,
+        metadata={
+            "help": "With gradient scales: at most this many of its scales per entry and step are sent, the rest waits "
+            "in the residual (None: no cap)."
+        },
+    )
     grpo_dense_warmup_steps: int = field(
         default=2, metadata={"help": "Optimizer steps communicated dense before compression starts (>= 2 under DDP)."}
     )
@@ -351,6 +358,8 @@ def validate_grpo_fields(args) -> None:
         raise ConfigError(f"grpo_bits={args.grpo_bits!r}: use one of {BITS_CHOICES}.")
     if args.grpo_comm_mode not in COMM_MODE_CHOICES:
         raise ConfigError(f"grpo_comm_mode={args.grpo_comm_mode!r}: use one of {COMM_MODE_CHOICES}.")
+    if args.grpo_scale_clip is not None and not args.grpo_scale_clip > 0:
+        raise ConfigError(f"grpo_scale_clip={args.grpo_scale_clip}: use a positive number of scales (e.g. 4) or None.")
     if not 0 <= args.grpo_scale_beta < 1:
         raise ConfigError(f"grpo_scale_beta={args.grpo_scale_beta}: use a value in [0, 1), e.g. 0.99.")
     if args.grpo_dense_warmup_steps < 0:

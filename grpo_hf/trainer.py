@@ -123,6 +123,7 @@ class GRPOMixin:
                 dense_warmup_steps=self.args.grpo_dense_warmup_steps,
                 scale_gradients=self.args.grpo_scale_gradients,
                 scale_beta=self.args.grpo_scale_beta,
+                scale_clip=self.args.grpo_scale_clip,
             )
             self.grpo_callback.comm_state = self.grpo_comm_state
         self._grpo_hooked_models: set[int] = set()

@@ -169,18 +169,22 @@ def encode_whole(
     own: torch.Tensor,
     scale_of: Callable[[slice], torch.Tensor | None] | None = None,
     flags: int = 0,
+    clip: float | None = None,
 ) -> list[torch.Tensor]:
     """
     Compress a finite `[length]` fp32 row of which every entry is sent (`length` a multiple of the block size), with
     error feedback, chunk by chunk: the values are divided by `scale_of(piece)` (per entry; `None` for 1) before they
-    are quantized, `own` receives the decoded (divided) values, and `acc` becomes what was not sent,
-    `acc - own * scale`. Returns the message, as [`compress_rows`] would write it for this row.
+    are quantized (and clamped to `[-clip, clip]` when `clip` is given), `own` receives the decoded (divided) values,
+    and `acc` becomes what was not sent, `acc - own * scale`. Returns the message, as [`compress_rows`] would write it
+    for this row.
     """
     block, bits = spec.block_size, spec.bits
     scales, codes = [], []
     for piece in chunk_slices(acc.numel(), acc.device):
         scale = scale_of(piece) if scale_of is not None else None
         values = acc[piece] if scale is None else acc[piece] / scale
+        if clip is not None:  # at most `clip` of its scale per entry and step; the rest waits in the residual
+            values = values.clamp(-clip, clip)
         code, block_scales, decoded = quantize_blocks(values.view(-1, block), bits, with_codes=bits != 2)
         decoded = decoded.view(-1)
         own[piece] = decoded

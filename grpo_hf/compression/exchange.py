@@ -135,9 +135,12 @@ def _encode(row: torch.Tensor, spec, own: torch.Tensor, scales: RowScales | None
     decoded values (divided by the scales). Rows of which every entry is sent go chunk by chunk.
     """
     if spec.density >= 1.0:
-        return encode_whole(row, spec, own, scales)
+        return encode_whole(row, spec, own, scales, clip=None if scales is None else scales.clip)
     scale = None if scales is None else scales()
-    batch = compress_rows(_scaled(row, scale).view(1, -1), spec, num_values=num_values)
+    values = _scaled(row, scale)
+    if scales is not None and scales.clip is not None:
+        values = values.clamp(-scales.clip, scales.clip)
+    batch = compress_rows(values.view(1, -1), spec, num_values=num_values)
     decoded = batch.dense()[0]
     own.copy_(decoded)
     row.sub_(_unscaled(decoded, scale))

@@ -96,6 +96,10 @@ class GRPOCommState:
             keep their precision, as Adam sees them.
         scale_beta (`float`, *optional*, defaults to `0.99`):
             EMA factor of the squared gradients behind the scales.
+        scale_clip (`float`, *optional*):
+            With gradient scales: an entry sends at most this many of its scales per step (the rest waits in the
+            residual), so that an entry whose scale is small (a rare token's embedding row) cannot dominate the scale
+            of its block. `None`: no cap.
         simulated_world_size (`int`, *optional*, defaults to `2`):
             World size used by [`~grpo_hf.compression.compress_locally`] to count the bytes one worker would send.
         process_group (`torch.distributed.ProcessGroup`, *optional*):
@@ -109,6 +113,7 @@ class GRPOCommState:
         "dense_warmup_steps",
         "scale_gradients",
         "scale_beta",
+        "scale_clip",
         # --- seldom tuned ---
         "simulated_world_size",
         "process_group",
@@ -141,6 +146,7 @@ class GRPOCommState:
         dense_warmup_steps: int = 2,
         scale_gradients: bool = True,
         scale_beta: float = DEFAULT_SCALE_BETA,
+        scale_clip: float | None = None,
         simulated_world_size: int = 2,
         process_group: dist.ProcessGroup | None = None,
     ):
@@ -162,6 +168,9 @@ class GRPOCommState:
         self.dense_warmup_steps = int(dense_warmup_steps)
         self.scale_gradients = bool(scale_gradients)
         self.scale_beta = float(scale_beta)
+        if scale_clip is not None and not scale_clip > 0:
+            raise ValueError(f"scale_clip={scale_clip}: use a positive number of scales (e.g. 4) or None.")
+        self.scale_clip = None if scale_clip is None else float(scale_clip)
         self.simulated_world_size = int(simulated_world_size)
         self.process_group = process_group
         self.names: dict[int, str] = {}
@@ -235,7 +244,9 @@ class GRPOCommState:
             return None
         key = ("squares", *segment.key)
         squares = self.squares.row(key, segment_slots(segment), segment.length, device)
-        return RowScales.from_squares(squares, self.squares.row_sum(key), self.scale_beta, self.scale_updates)
+        return RowScales.from_squares(
+            squares, self.squares.row_sum(key), self.scale_beta, self.scale_updates, self.scale_clip
+        )
 
     def track_scale(self, segment: Segment, averaged: torch.Tensor) -> None:
         """Stage the EMA of the squared averaged gradient of a segment (`[length]` fp32) for this step."""

@@ -123,17 +123,22 @@ class RowScales:
     `floor = SCALE_FLOOR**2 * mean(squares)` (so that no entry's scale is below `SCALE_FLOOR` times the row's RMS).
     """
 
-    __slots__ = ("squares", "floor", "correction")
+    __slots__ = ("squares", "floor", "correction", "clip")
 
-    def __init__(self, squares: torch.Tensor, floor: float, correction: float):
-        self.squares, self.floor, self.correction = squares, floor, correction
+    def __init__(self, squares: torch.Tensor, floor: float, correction: float, clip: float | None = None):
+        self.squares, self.floor, self.correction, self.clip = squares, floor, correction, clip
 
     @classmethod
-    def from_squares(cls, squares: torch.Tensor, total: float, beta: float, updates: int) -> "RowScales":
-        """The scales of a row from its EMA of squares (`total` their sum, `updates` the EMA's steps, `beta` its factor)."""
+    def from_squares(
+        cls, squares: torch.Tensor, total: float, beta: float, updates: int, clip: float | None = None
+    ) -> "RowScales":
+        """
+        The scales of a row from its EMA of squares (`total` their sum, `updates` the EMA's steps, `beta` its factor);
+        `clip` caps what an entry sends per step, in units of its scale.
+        """
         mean = total / squares.numel() if squares.numel() else 0.0
         floor = SCALE_FLOOR**2 * mean if mean > 0 else 1.0
-        return cls(squares, floor, 1.0 / (1.0 - beta**updates))
+        return cls(squares, floor, 1.0 / (1.0 - beta**updates), clip)
 
     def __call__(self, piece: slice = slice(None)) -> torch.Tensor:
         return torch.sqrt(torch.clamp(self.squares[piece], min=self.floor) * self.correction)
@@ -141,7 +146,7 @@ class RowScales:
     def owned(self, blocks: torch.Tensor, block_size: int) -> "RowScales":
         """The scales of the listed blocks only, in that order (a row of the all-reduce mode)."""
         squares = self.squares.view(-1, block_size).index_select(0, blocks).view(-1)
-        return RowScales(squares, self.floor, self.correction)
+        return RowScales(squares, self.floor, self.correction, self.clip)
 
 
 __all__ = ["SCALE_FLOOR", "RowScales", "RowStore", "row_sum", "segment_slots"]
