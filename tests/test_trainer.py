@@ -101,7 +101,7 @@ def test_importance_off_matches_plain_trainer(tmp_path):
     )
     grpo.train()
     for (name, p), q in zip(plain.model.named_parameters(), grpo.model.parameters()):
-        torch.testing.assert_close(p, q, msg=name)
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)  # bit-identical, not merely close
 
 
 def test_plain_training_arguments_get_grpo_defaults(tmp_path):
