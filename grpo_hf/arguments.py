@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import GRPOInputError
+
 
 KINDS = ("source", "docstrings")
 TASKS = ("causal_lm", "sequence_classification")
@@ -23,8 +25,8 @@ CLASSIFICATION_MODELS = ("minilm", "tiny-bert")
 BERT_LORA_TARGETS = ["query", "key", "value", "dense"]
 
 
-class RecipeError(ValueError):
-    """A recipe file or override is invalid; the message names the file, the field and the fix."""
+class RecipeError(GRPOInputError):
+    """A recipe file, override or the data it names is invalid; the message names the file, the field and the fix."""
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
-import pickle
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from transformers import TrainerCallback
 
+from .checkpoints import STATE_FILE, STATE_VERSION, restore_grpo_state, write_grpo_state
 from .cost import (
     CostSettings,
     EnergyMeter,
@@ -33,39 +34,58 @@ from .importance import ImportanceState
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "grpo_state_rank{rank}.pt"
-STATE_VERSION = 1
-# The article's health targets (DESIGN.md §1, #9).
+# The article's health targets: load balance between groups (std of the multipliers) and update latency p99.
 LOAD_BALANCE_STD_TARGET = 0.15
 UPDATE_LATENCY_P99_MS_TARGET = 50.0
 
 
 class GRPOCallback(TrainerCallback):
     r"""
-    Applies importance-based learning-rate multipliers, measures the article's health metrics, and saves/restores all
-    GRPO state with every checkpoint.
+    Applies importance-based learning-rate multipliers, measures the article's health metrics, skips optimizer steps
+    whose gradients are not finite, and saves/restores all GRPO state with every checkpoint.
 
     Each optimizer step (after communication and clipping, so every rank sees the same gradients):
 
-    1. `on_pre_optimizer_step`: per-group gradient norms -> [`~grpo_hf.importance.ImportanceState.update`] ->
-       multipliers; each optimizer param group tagged `grpo_group` gets `lr = scheduler_lr * m_g`.
+    1. `on_pre_optimizer_step`: per-group gradient norms. If one is NaN or infinite (a NaN/Inf gradient on any rank
+       reaches every rank through the all-reduce), the step is skipped: the importance state and multipliers are left
+       as they are, the gradients are dropped so that `optimizer.step` changes no parameter and no optimizer state
+       (with an fp16 `GradScaler`, the scaler skips the step itself), the skip is logged (a warning and
+       `grpo/nonfinite_steps`), and training goes on; the compression hook has already left its residuals and scales
+       unchanged. Otherwise: [`~grpo_hf.importance.ImportanceState.update`] -> multipliers; each optimizer param group
+       tagged `grpo_group` gets `lr = scheduler_lr * ratio_g * m_g` (`ratio_g` the group's fixed LR ratio, `m_g` its
+       importance multiplier, 1 when importance scaling is off).
     2. `on_optimizer_step`: the scheduler's learning rates are put back, so multipliers never compound, whatever the
        scheduler (including `ReduceLROnPlateau`, which reads the current LR).
 
-    The metrics land in `metrics` (lists per key); [`GRPOMixin.log`] averages them into the Trainer's logs.
+    The metrics are summed per key over the logging window (memory stays constant however long the window);
+    [`GRPOMixin.log`] takes their averages into the Trainer's logs.
 
     Args:
         groups (`list[ParameterGroup]`): the semantic groups, in the order of `importance.names`.
         importance (`ImportanceState`): per-group scores and multipliers.
         apply_multipliers (`bool`, *optional*, defaults to `True`): `False` tracks scores without scaling the LR.
+        lr_ratios (`dict[str, float]`, *optional*): a fixed factor on each group's scheduled LR (see
+            [`~grpo_hf.grouping.lr_ratios`]), applied whether or not the multipliers are.
+        drop_nonfinite_gradients (`bool`, *optional*, defaults to `True`): drop the gradients of a non-finite step
+            so that the optimizer skips it; `GRPOMixin` turns it off when an fp16 `GradScaler` skips such steps.
     """
 
-    def __init__(self, groups: list[ParameterGroup], importance: ImportanceState, apply_multipliers: bool = True):
+    def __init__(
+        self,
+        groups: list[ParameterGroup],
+        importance: ImportanceState,
+        apply_multipliers: bool = True,
+        lr_ratios: dict[str, float] | None = None,
+        drop_nonfinite_gradients: bool = True,
+    ):
         self.groups = groups
         self.importance = importance
         self.apply_multipliers = apply_multipliers
+        self.lr_ratios = dict(lr_ratios or {})
+        self.drop_nonfinite_gradients = drop_nonfinite_gradients
         self.comm_state = None  # set by GRPOMixin once the compression state exists
-        self.metrics: dict[str, list[float]] = defaultdict(list)
+        self.metrics: dict[str, list[float]] = {}  # key -> [sum, count] over the logging window
+        self.nonfinite_steps = 0
         self._scheduler_lrs: list[float] | None = None
         self._backward_end: float | None = None
         self._latencies_ms: deque[float] = deque(maxlen=100)
@@ -88,17 +108,68 @@ class GRPOCallback(TrainerCallback):
             norms.append(float(torch.linalg.vector_norm(per_tensor)))
         return torch.tensor(norms, dtype=torch.float64)
 
+    def group_coherence(self, optimizer) -> torch.Tensor:
+        """
+        Cosine between each group's gradient and its optimizer momentum (`exp_avg` of Adam-like optimizers, from the
+        steps before this one); 1 for a group without momentum yet (the first step).
+        """
+        state = optimizer.state
+        values = []
+        for group in self.groups:
+            pairs = [
+                (p.grad, state[p]["exp_avg"])
+                for p in group.params
+                if p.grad is not None and "exp_avg" in state.get(p, {})
+            ]
+            if not pairs:
+                values.append(1.0)
+                continue
+            grads, moments = [g.detach().float() for g, _ in pairs], [m.float() for _, m in pairs]
+            dot = sum(float((g * m).sum()) for g, m in zip(grads, moments))
+            norm_g = math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(grads)))
+            norm_m = math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(moments)))
+            values.append(dot / (norm_g * norm_m) if norm_g > 0 and norm_m > 0 else 1.0)
+        return torch.tensor(values, dtype=torch.float64)
+
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        multipliers = self.importance.update(self.group_grad_norms())
+        norms = self.group_grad_norms()
+        if not torch.isfinite(norms).all():
+            self._skip_nonfinite_step(state, norms)
+            return
+        coherence = None
+        if self.importance.kind == "coherence":
+            if optimizer is None:
+                raise ValueError("grpo_importance_score='coherence' needs the optimizer's momentum; none was passed.")
+            coherence = self.group_coherence(optimizer)
+        multipliers = self.importance.update(norms, coherence)
         if optimizer is None:
             return
         index = {name: i for i, name in enumerate(self.importance.names)}
         self._scheduler_lrs = [group["lr"] for group in optimizer.param_groups]
-        if self.apply_multipliers:
-            for group in optimizer.param_groups:
-                if "grpo_group" in group:
-                    group["lr"] = group["lr"] * float(multipliers[index[group["grpo_group"]]])
+        for group in optimizer.param_groups:
+            name = group.get("grpo_group")
+            if name is None:
+                continue
+            factor = self.lr_ratios.get(name, 1.0)
+            if self.apply_multipliers:
+                factor *= float(multipliers[index[name]])
+            if factor != 1.0:
+                group["lr"] = group["lr"] * factor
         self._record(optimizer, multipliers, index)
+
+    def _skip_nonfinite_step(self, state, norms: torch.Tensor) -> None:
+        self.nonfinite_steps += 1
+        bad = [name for name, norm in zip(self.importance.names, norms.tolist()) if not math.isfinite(norm)]
+        if self.drop_nonfinite_gradients:
+            for group in self.groups:
+                for param in group.params:
+                    param.grad = None
+        if state is None or state.is_world_process_zero:
+            logger.warning(
+                f"GRPO: NaN/Inf gradients at optimizer step {state.global_step + 1 if state else '?'} (groups "
+                f"{', '.join(bad)}): the step is skipped (no parameter, optimizer state, importance score or "
+                f"compression residual changes); {self.nonfinite_steps} step(s) skipped so far."
+            )
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if optimizer is not None and self._scheduler_lrs is not None:
@@ -109,18 +180,23 @@ class GRPOCallback(TrainerCallback):
             self._latencies_ms.append((time.perf_counter() - self._backward_end) * 1000)
             self._backward_end = None
 
+    def _add(self, key: str, value: float) -> None:
+        entry = self.metrics.setdefault(key, [0.0, 0])
+        entry[0] += value
+        entry[1] += 1
+
     def _record(self, optimizer, multipliers: torch.Tensor, index: dict[str, int]) -> None:
         imp = self.importance
         effective_lr = {g["grpo_group"]: g["lr"] for g in optimizer.param_groups if "grpo_group" in g}
         for name, i in index.items():
-            self.metrics[f"grpo/lr_scale/{name}"].append(float(multipliers[i]))
-            self.metrics[f"grpo/grad_norm/{name}"].append(float(imp.last_grad_norms[i]))
-            self.metrics[f"grpo/importance/{name}"].append(float(imp.last_scores[i]))
-            self.metrics[f"grpo/update_count/{name}"].append(float(imp.update_counts[i]))
+            self._add(f"grpo/lr_scale/{name}", float(multipliers[i]))
+            self._add(f"grpo/grad_norm/{name}", float(imp.last_grad_norms[i]))
+            self._add(f"grpo/importance/{name}", float(imp.last_scores[i]))
+            self._add(f"grpo/update_count/{name}", float(imp.update_counts[i]))
             if name in effective_lr:
-                self.metrics[f"grpo/lr/{name}"].append(effective_lr[name])
+                self._add(f"grpo/lr/{name}", effective_lr[name])
         balance = imp.load_balance_std()
-        self.metrics["grpo/load_balance_std"].append(balance)
+        self._add("grpo/load_balance_std", balance)
         if imp.steps > imp.warmup_steps and balance > LOAD_BALANCE_STD_TARGET:
             self._warn_once(
                 "balance",
@@ -130,9 +206,13 @@ class GRPOCallback(TrainerCallback):
             )
 
     def pop_metrics(self) -> dict[str, float]:
-        """Average of every metric since the last call, plus the update latency p99; clears the window."""
-        logs = {key: sum(values) / len(values) for key, values in self.metrics.items() if values}
+        """
+        Average of every metric since the last call, the update latency p99 and the count of skipped non-finite
+        steps of the whole run (`grpo/nonfinite_steps`); clears the window.
+        """
+        logs = {key: total / count for key, (total, count) in self.metrics.items() if count}
         self.metrics.clear()
+        logs["grpo/nonfinite_steps"] = float(self.nonfinite_steps)
         if self._latencies_ms:
             p99 = float(torch.quantile(torch.tensor(list(self._latencies_ms), dtype=torch.float64), 0.99))
             logs["grpo/update_latency_p99_ms"] = p99
@@ -149,51 +229,36 @@ class GRPOCallback(TrainerCallback):
             self._warned.add(key)
             logger.warning(message)
 
-    # --- checkpoint state ---
-    def state_dict(self) -> dict:
+    # --- checkpoint state (files: grpo_hf.checkpoints) ---
+    def state_dict(self, world_size: int = 1, rank: int = 0) -> dict:
         return {
             "version": STATE_VERSION,
+            "world_size": world_size,
+            "rank": rank,
+            "nonfinite_steps": self.nonfinite_steps,
             "importance": self.importance.state_dict(),
             "comm": self.comm_state.state_dict() if self.comm_state is not None else None,
         }
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, STATE_FILE.format(rank=args.process_index))
-        tmp = path + ".tmp"
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, path)  # never leave a half-written state file behind
+        write_grpo_state(folder, args.process_index, self.state_dict(args.world_size, args.process_index))
 
-    def load_checkpoint(self, folder: str, rank: int) -> bool:
+    def load_checkpoint(self, folder: str, rank: int = 0, world_size: int = 1) -> bool:
         """
-        Restore the GRPO state saved in `folder` for `rank`. Returns `False` (with a warning) when the checkpoint has
-        no GRPO state (e.g. written by a plain `Trainer`); raises `ValueError` when it is unreadable or belongs to
-        another configuration.
+        Restore the GRPO state saved in `folder` for rank `rank` of `world_size` (see [`~grpo_hf.checkpoints`]: a
+        checkpoint of another world size is re-split, with a warning). Returns `False` (with a warning) when the
+        checkpoint has no GRPO state (e.g. written by a plain `Trainer`).
+
+        Raises:
+            [`~grpo_hf.errors.CheckpointError`]: the checkpoint is missing, incomplete, unreadable or belongs to
+                another configuration; the message names the file.
         """
-        path = os.path.join(folder, STATE_FILE.format(rank=rank))
-        if not os.path.isfile(path):
-            logger.warning(f"{folder} holds no GRPO state ({os.path.basename(path)}); GRPO state starts fresh.")
+        numels = {name: p.numel() for g in self.groups for name, p in zip(g.param_names, g.params)}
+        saved = restore_grpo_state(folder, rank, world_size, self.importance, self.comm_state, numels)
+        if saved is None:
             return False
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
-            raise ValueError(
-                f"cannot read the GRPO state {path} ({err}). The checkpoint is corrupt: resume from an earlier "
-                "checkpoint, or delete the file to resume with fresh GRPO state."
-            ) from None
-        if not isinstance(saved, dict) or saved.get("version") != STATE_VERSION:
-            raise ValueError(
-                f"{path} is not a GRPO state file of version {STATE_VERSION}; resume from another checkpoint."
-            )
-        self.importance.load_state_dict(saved["importance"])
-        if saved["comm"] is not None:
-            if self.comm_state is None:
-                raise ValueError(
-                    f"{path} holds compression residuals but this run has no gradient compression; resume with the "
-                    "same grpo_compression setting as the run that wrote the checkpoint."
-                )
-            self.comm_state.load_state_dict(saved["comm"])
+        self.nonfinite_steps = int(saved.get("nonfinite_steps", 0))
         return True
 
 
@@ -513,3 +578,6 @@ class CostCallback(TrainerCallback):
             else "ru_maxrss (process peak RSS)",
         }
         return {"metrics": self.metrics(), "assumptions": assumptions}
+
+
+__all__ = ["STATE_FILE", "CostCallback", "GRPOCallback"]

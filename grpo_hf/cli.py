@@ -1,4 +1,4 @@
-"""`grpo-hf` command line: `quickstart`, `compare`, `train`, `groups`, `env`.
+"""`grpo-hf` command line: `quickstart`, `compare`, `train`, `publish`, `groups`, `env`.
 
 Each sub-command is a `<name>_command_parser` / `<name>_command` pair, as in accelerate's CLI; `COMMANDS` lists the
 parsers. Every sub-parser is a [`~grpo_hf.parser.RecipeParser`] (TRL's `parser_class` pattern): those of the recipe
@@ -10,6 +10,7 @@ grpo-hf quickstart                       # SmolLM2-135M + LoRA, Trainer vs GRPOT
 grpo-hf quickstart --tiny                # the same pipeline on a tiny Llama, in seconds
 grpo-hf compare recipes/tiny.yaml --max_steps 50
 grpo-hf train recipes/quickstart.yaml --trainer grpo --learning_rate 1e-3
+grpo-hf publish runs/quickstart --repo_id me/smollm2-grpo-lora --dry_run   # the folder that would be uploaded
 grpo-hf groups tiny-llama --lora
 grpo-hf env
 ```
@@ -21,6 +22,7 @@ import platform
 import sys
 import time
 
+from .errors import GRPOInputError
 from .parser import RecipeError, RecipeParser, builtin_recipe_values, read_recipe, recipe_error_from
 
 
@@ -92,21 +94,30 @@ def groups_command_parser(subparsers):
     from .config import GRPOConfig  # the defaults and help texts of the same fields, so they cannot drift apart
 
     fields = GRPOConfig.__dataclass_fields__
-    for name, kind in (
-        ("grpo_groups", str),
-        ("grpo_compression", str),
-        ("grpo_density", float),
-        ("grpo_bits", str),
-        ("grpo_min_compress_numel", int),
-    ):
+    for name, kind in GROUPS_FIELDS.items():
         field = fields[name]
-        parser.add_argument(f"--{name}", type=kind, default=field.default, help=field.metadata["help"])
+        parser.add_argument(
+            f"--{name}",
+            type=kind,
+            default=field.default,
+            choices=field.metadata.get("choices"),
+            help=field.metadata["help"],
+        )
     parser.add_argument("--lora", action="store_true", help="Wrap the model with a LoRA adapter (r=8, all-linear).")
     parser.add_argument("--strict", action="store_true", help="Fail when a rule matches no trainable parameter.")
     parser.set_defaults(func=groups_command)
     return parser
 
 
+# The GRPOConfig fields `grpo-hf groups` takes, with their types; they are checked as `train` checks them.
+GROUPS_FIELDS = {
+    "grpo_groups": str,
+    "grpo_lr_ratios": str,
+    "grpo_compression": str,
+    "grpo_density": float,
+    "grpo_bits": str,
+    "grpo_min_compress_numel": int,
+}
 TINY_BUILDERS = ("tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-t5")
 
 
@@ -154,14 +165,53 @@ def _load_any_model(name: str):
     return load_model_for_inspection(name)
 
 
-def groups_command(args) -> int:
-    from rich.console import Console
+def groups_rich_table(groups, plan, title: str = "GRPO groups", ratios: dict | None = None):
+    """
+    The table `grpo-hf groups` prints, as a [`rich.table.Table`] (it renders in a terminal and in Jupyter): one row per
+    group with its rule, tensors, parameters, share, LR ratio and what compression would send.
+
+    Example:
+
+    ```python
+    >>> from rich import print
+    >>> print(groups_rich_table(trainer.grpo_groups, trainer.grpo_plan, ratios=trainer.args.grpo_lr_ratios))
+    ```
+    """
+    from rich.markup import escape
     from rich.table import Table
 
-    from .compression import compression_plan, resolve_compression
-    from .grouping import assign_groups, group_table, load_group_spec
+    from .grouping import group_table
 
-    spec = load_group_spec(args.grpo_groups)  # a bad group file fails before the model is loaded
+    table = Table(title=title)
+    for column in ("group", "rule", "tensors", "parameters", "share", "lr ratio", "density", "bits"):
+        table.add_column(
+            column, justify="right" if column in ("tensors", "parameters", "share", "lr ratio") else "left"
+        )
+    for row in group_table(groups, plan, ratios):
+        table.add_row(
+            row["group"],
+            escape(row["rule"]),  # a rule such as `Attention\.[qk]` is not rich markup
+            str(row["tensors"]),
+            f"{row['parameters']:,}",
+            f"{row['share']:.1%}",
+            f"{row['lr_ratio']:g}",
+            row["density"],
+            row["bits"],
+        )
+    return table
+
+
+def groups_command(args) -> int:
+    from rich.console import Console
+
+    from .compression import compression_plan, resolve_compression
+    from .config import grpo_defaults, validate_grpo_fields
+    from .grouping import assign_groups, load_group_spec
+
+    # The same checks as GRPOConfig (so as `train`), before the model is loaded: fields, then the group file.
+    checked = argparse.Namespace(**{**grpo_defaults(), **{k: getattr(args, k) for k in GROUPS_FIELDS}})
+    validate_grpo_fields(checked)
+    spec = load_group_spec(args.grpo_groups)
     model = _load_any_model(args.model)
     if args.lora:
         from peft import LoraConfig, get_peft_model
@@ -172,20 +222,8 @@ def groups_command(args) -> int:
     plan = compression_plan(
         model, groups, compression, args.grpo_density, args.grpo_bits, args.grpo_min_compress_numel
     )
-    table = Table(title=f"GRPO groups of {args.model} ({spec.source})")
-    for column in ("group", "rule", "tensors", "parameters", "share", "density", "bits"):
-        table.add_column(column, justify="right" if column in ("tensors", "parameters", "share") else "left")
-    for row in group_table(groups, plan):
-        table.add_row(
-            row["group"],
-            row["rule"],
-            str(row["tensors"]),
-            f"{row['parameters']:,}",
-            f"{row['share']:.1%}",
-            row["density"],
-            row["bits"],
-        )
-    Console(width=200).print(table)
+    title = f"GRPO groups of {args.model} ({spec.source})"
+    Console(width=200).print(groups_rich_table(groups, plan, title, ratios=checked.grpo_lr_ratios))
     return 0
 
 
@@ -231,7 +269,17 @@ def _offline() -> None:
 
 
 def _command_line(argv: list[str]) -> str:
-    return " ".join(["grpo-hf", *argv])
+    """The command as typed, for reports, with the value of any `--hub_token` replaced (it is never written)."""
+    shown, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            shown.append("<HUB_TOKEN>")
+        elif arg.startswith("--hub_token="):
+            shown.append("--hub_token=<HUB_TOKEN>")
+        else:
+            shown.append(arg)
+        hide_next = arg == "--hub_token"
+    return " ".join(["grpo-hf", *shown])
 
 
 def _compare_and_report(model_args, data_args, training_args, command: str, title: str, where: str) -> int:
@@ -333,10 +381,19 @@ def _end_distributed() -> None:
 
 
 def train_command(args) -> int:
+    import dataclasses
+
     from .compare import capture_environment, prepare, recipe_summary, run_training
+    from .hub import check_push_settings, describe_upload, publish
     from .report import print_table, write_report
 
     model_args, data_args, training_args = args.model_args, args.data_args, args.training_args
+    push = training_args.push_to_hub
+    check_push_settings(training_args)  # before any work: no hub_token in the arguments, a token to push with
+    if push and not training_args.hub_model_id:
+        raise RecipeError("push_to_hub is set: give the repository with --hub_model_id USER/NAME.")
+    # The upload happens once, after results.json is written, so that the card holds the run's figures.
+    training_args = dataclasses.replace(training_args, push_to_hub=False)
     _quiet_warnings()
     phases = _Phases()
     phases(
@@ -360,6 +417,62 @@ def train_command(args) -> int:
     paths = write_report(results, training_args.output_dir, command=_command_line(args.argv))
     print_table(results, title=f"{args.recipe}: {row['label']}")
     print(f"Saved the model and wrote {', '.join(paths.values())}")
+    if push:
+        phases(f"publishing to {training_args.hub_model_id}")
+        repo_id = training_args.hub_model_id
+        folder = publish(training_args.output_dir, repo_id, private=bool(training_args.hub_private_repo))
+        print(describe_upload(folder, repo_id))
+    return 0
+
+
+def publish_command_parser(subparsers):
+    parser = subparsers.add_parser(
+        "publish",
+        usage="grpo-hf publish [-h] OUTPUT_DIR --repo_id USER/NAME [--private] [--dry_run] [--run {grpo,trainer}] "
+        "[--upload_dir DIR] [--base_model HUB_ID]",
+        help="Publish a trained adapter (or model) to the Hugging Face Hub with a model card.",
+        description="Uploads the adapter (the model for a full fine-tune) and the tokenizer saved in OUTPUT_DIR (a "
+        "folder written by grpo-hf train, or by grpo-hf compare/quickstart: then the GRPOTrainer run's, or --run's) "
+        "with a model card: base model, eval perplexity in model-index, co2_eq_emissions when the energy was "
+        "measured, data, GRPO groups and settings, cost table and versions. The token is the one huggingface_hub "
+        "finds (HF_TOKEN or `hf auth login`); it is written nowhere.",
+        **_PLAIN,
+    )
+    parser.add_argument("output_dir", help="The run folder (the output_dir of the recipe).")
+    parser.add_argument("--repo_id", required=True, help="The Hub repository, USER/NAME or ORGANIZATION/NAME.")
+    parser.add_argument("--private", action="store_true", help="Create the repository private.")
+    parser.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="Write the exact folder that would be uploaded, print where it is, and upload nothing.",
+    )
+    parser.add_argument("--run", choices=("grpo", "trainer"), help="The run of a comparison (default: grpo).")
+    parser.add_argument(
+        "--upload_dir", help="Where to write the upload folder (default: OUTPUT_DIR/hub_upload/<run>)."
+    )
+    parser.add_argument(
+        "--base_model",
+        help="Hub id of the base model, when grpo_hf cannot tell it (a base loaded from a local folder).",
+    )
+    parser.set_defaults(func=publish_command)
+    return parser
+
+
+def publish_command(args) -> int:
+    from .hub import describe_upload, publish
+
+    folder = publish(
+        args.output_dir,
+        args.repo_id,
+        private=args.private,
+        dry_run=args.dry_run,
+        run=args.run,
+        upload_dir=args.upload_dir,
+        base_model=args.base_model,
+    )
+    print(describe_upload(folder, args.repo_id, dry_run=args.dry_run))
+    if args.dry_run:
+        print(f"Dry run: nothing was uploaded. To upload: grpo-hf publish {args.output_dir} --repo_id {args.repo_id}")
     return 0
 
 
@@ -367,6 +480,7 @@ COMMANDS = [
     quickstart_command_parser,
     compare_command_parser,
     train_command_parser,
+    publish_command_parser,
     groups_command_parser,
     env_command_parser,
 ]
@@ -435,9 +549,16 @@ def main(argv: list[str] | None = None) -> int:
         args = _parse(parser, command_parsers, argv)
         args.argv = argv
         return args.func(args)
-    except (RecipeError, FileNotFoundError) as err:
+    except (RecipeError, GRPOInputError, FileNotFoundError) as err:
         print(f"grpo-hf {argv[0]}: error: {err}", file=sys.stderr)
         return 2
+    except ValueError as err:
+        from .hub import HubError
+
+        if not isinstance(err, HubError):
+            raise
+        print(f"grpo-hf {argv[0]}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .arguments import DataArguments, ModelArguments
 from .build import Prepared, _say, build_datasets, build_model, build_tokenizer, prepare  # noqa: F401 - re-exported
+from .checkpoints import resolve_resume_checkpoint
 from .evaluation import evaluate_accuracy, evaluate_perplexity, reset_peak_memory
 
 
@@ -231,8 +232,13 @@ def quality_fields(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
     }
 
 
-def _cost_per_quality(cost_per_quality, total_usd: float, after: dict[str, Any]) -> float | None:
-    """`total_usd * perplexity` or `total_usd / accuracy`; `None` for a diverged run or an accuracy of 0."""
+def _cost_per_quality(cost_per_quality, total_usd: float | None, after: dict[str, Any]) -> float | None:
+    """
+    `total_usd * perplexity` or `total_usd / accuracy`; `None` for a diverged run, an accuracy of 0, or a resumed
+    run that had nothing left to train (no cost).
+    """
+    if total_usd is None:
+        return None
     if "accuracy" in after:
         return cost_per_quality(total_usd, accuracy=after["accuracy"]) if after["accuracy"] > 0 else None
     return cost_per_quality(total_usd, perplexity=after["perplexity"]) if math.isfinite(after["perplexity"]) else None
@@ -354,7 +360,10 @@ def run_training(
     memory_reset = reset_peak_memory(args.device)
     _say(progress, f"training {label}")
     start = time.perf_counter()
-    output = trainer.train()
+    resume = args.resume_from_checkpoint  # GRPOTrainer resolves "last" itself; the plain Trainer does not know it
+    if trainer_kind == "trainer":
+        resume = resolve_resume_checkpoint(output_dir, resume, grpo=False)
+    output = trainer.train(resume_from_checkpoint=resume)
     wall = time.perf_counter() - start
     load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     summary = cost.summary()
@@ -405,7 +414,7 @@ def run_training(
         "energy_usd": metrics.get("cost/energy_usd"),
         "cooling_usd": metrics.get("cost/cooling_usd"),
         "total_usd": metrics.get("cost/total_usd"),
-        "cost_per_quality": _cost_per_quality(cost_per_quality, metrics["cost/total_usd"], eval_after),
+        "cost_per_quality": _cost_per_quality(cost_per_quality, metrics.get("cost/total_usd"), eval_after),
         "loss_curve": loss_curve,
         "lr_scales": lr_scales,
         "bytes_per_step": list(recorder.per_step),
@@ -440,15 +449,20 @@ def compare(
     Train the plain `Trainer` and `GRPOTrainer` on identical data, seed and steps and compare them.
 
     The tokenizer, the datasets and the quality before training (perplexity or accuracy) are computed once; each
-    run loads the model afresh (same weights, same LoRA initialisation). Each run's checkpoints go to `<output_dir>/<kind>`.
+    run loads the model afresh (same weights, same LoRA initialisation). Each run's checkpoints and trained model (the
+    adapter with LoRA, and the tokenizer: what `grpo-hf publish` uploads) go to `<output_dir>/<kind>`. Then, with
+    `cost_noise_rounds > 0`, [`~grpo_hf.noise.measure_timing_noise`] times interleaved windows of both trainers
+    (checkpoints in `<output_dir>/noise`).
 
     `where` (the recipe file) names the recipe in the error raised for bad data.
 
     Returns:
         `dict`: `runs` (one row per trainer, see [`run_training`]), `ratios` (GRPOTrainer / Trainer per metric, see
-        [`~grpo_hf.report.compute_ratios`]), `recipe`, `data` (corpus fingerprint, `sys.version`, sizes),
-        `environment` and `wall_seconds`.
+        [`~grpo_hf.report.compute_ratios`]), `timing_noise` (the windows) and `ratio_noise` (a noise band and a
+        `within_noise` flag per timed ratio, see [`~grpo_hf.noise.timed_ratio_noise`]), `recipe`, `data` (corpus
+        fingerprint, `sys.version`, sizes), `environment` and `wall_seconds`.
     """
+    from .noise import measure_timing_noise, timed_ratio_noise
     from .report import compute_ratios
 
     start = time.perf_counter()
@@ -464,13 +478,25 @@ def compare(
                 prepared=prepared,
                 progress=progress,
                 output_dir=os.path.join(args.output_dir, kind),
+                save_model=True,
             )
         )
     by_name = {r["name"]: r for r in runs}
     ratios = compute_ratios(by_name["trainer"], by_name["grpo"]) if len(by_name) == 2 else {}
+    rounds = getattr(args, "cost_noise_rounds", 0) if ratios else 0
+    timing_noise = (
+        measure_timing_noise(
+            model_args, data_args, args, prepared, rounds, getattr(args, "cost_noise_window_steps", 4), progress
+        )
+        if rounds
+        else None
+    )
+    noise = timed_ratio_noise({"ratios": ratios, "timing_noise": timing_noise})
     return {
         "runs": runs,
         "ratios": ratios,
+        "timing_noise": timing_noise,
+        "ratio_noise": _jsonable(noise),
         "recipe": recipe_summary(model_args, data_args, args),
         "data": _jsonable(prepared.data_info),
         "eval_before": _jsonable(prepared.eval_before),

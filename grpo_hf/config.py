@@ -1,6 +1,7 @@
 """`GRPOConfig`: the Trainer's `TrainingArguments` plus every grpo_hf setting (`grpo_*`, `cost_*`)."""
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -16,9 +17,9 @@ from .compression.spec import (
 )
 from .compression.state import DEFAULT_SCALE_BETA
 from .cost import CostSettings
-
-
-SCORE_CHOICES = ("article", "rms")
+from .errors import ConfigError
+from .grouping import check_lr_ratios, load_group_spec
+from .importance import SCORE_KINDS as SCORE_CHOICES
 
 
 @dataclass
@@ -42,6 +43,10 @@ class GRPOConfig(TrainingArguments):
             `{"groups": [{"name": ..., "pattern": ..., "sparsity": ...}]}` format loads as is).
         grpo_groups_strict (`bool`, *optional*, defaults to `False`):
             Make a rule that matches no trainable parameter an error instead of a warning.
+        grpo_lr_ratios (`dict` or `str`, *optional*):
+            Fixed factors on the scheduled learning rate of groups, by group-name pattern (`fnmatch`), e.g.
+            `{"*lora_B": 4}` (LoRA+'s idea: the B matrices learn faster); a JSON string on the command line. A group
+            file's own `lr_ratio` wins; the importance multiplier (below) multiplies on top.
 
     Parameters that control importance-based learning-rate scaling:
 
@@ -49,7 +54,9 @@ class GRPOConfig(TrainingArguments):
             Scale each group's learning rate by its importance multiplier.
         grpo_importance_score (`str`, *optional*, defaults to `"article"`):
             `"article"`: `||grad_g||_2 * ln(update_count_g + 1)`; `"rms"`: the same with the per-element RMS of the
-            gradient instead of its norm, so that large groups do not win by size alone.
+            gradient instead of its norm, so that large groups do not win by size alone; `"coherence"`: the cosine
+            between the group's gradient and its optimizer momentum (Adam's `exp_avg`), so that groups whose gradients
+            keep their direction get more learning rate.
         grpo_lr_scale_min (`float`, *optional*, defaults to `0.9`) and grpo_lr_scale_max (`float`, *optional*,
         defaults to `1.1`):
             Bounds of every multiplier (a group file can override them per group). Wider bounds (0.5-2.0, 0.8-1.25)
@@ -88,7 +95,27 @@ class GRPOConfig(TrainingArguments):
         grpo_min_compress_numel (`int`, *optional*, defaults to `4096`):
             Tensors with fewer elements (norms, biases) are always sent dense.
 
-    Parameters that control cost accounting: see [`~grpo_hf.cost.CostSettings`].
+    Parameters that control cost accounting: see [`~grpo_hf.cost.CostSettings`] (`cost_*` prices, power, link
+    speed, workers, peak TFLOP/s and grid carbon intensity), plus two settings of the comparison runner
+    ([`~grpo_hf.compare.compare`]; `GRPOTrainer` ignores them):
+
+        cost_noise_rounds (`int`, *optional*, defaults to `2`):
+            Rounds of short timed windows of both trainers, interleaved, that measure the noise of the time, energy
+            and money ratios of a comparison (0: not measured).
+        cost_noise_window_steps (`int`, *optional*, defaults to `4`):
+            Optimizer steps of each timed window.
+
+    Parameters that protect earlier runs:
+
+        overwrite_output_dir (`bool`, *optional*, defaults to `False`):
+            [`GRPOTrainer`] refuses an `output_dir` that holds another run's results, saved model or checkpoints
+            unless it resumes (`resume_from_checkpoint`, e.g. `"last"`); `True` deletes that run's files and
+            checkpoints instead (transformers 5 dropped this `TrainingArguments` field; it has its old name here).
+
+    Every check runs when the config is built, before any model is loaded: the `grpo_*` and `cost_*` values, the
+    group file (read and validated, errors name the file and the rule), and the backend (FSDP and DeepSpeed are
+    refused). Errors are [`~grpo_hf.errors.ConfigError`] / [`~grpo_hf.errors.GroupConfigError`] (`ValueError`s)
+    that name the field.
     """
 
     # --- grouping ---
@@ -99,6 +126,13 @@ class GRPOConfig(TrainingArguments):
     grpo_groups_strict: bool = field(
         default=False, metadata={"help": "Fail (instead of warning) when a group rule matches no trainable parameter."}
     )
+    grpo_lr_ratios: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Fixed LR factors per group, by group-name pattern (fnmatch), as a dict or JSON string, e.g. "
+            '\'{"*lora_B": 4, "embeddings": 0.5}\'. A group file\'s own lr_ratio wins. Composed with importance.'
+        },
+    )
     # --- importance-based LR scaling ---
     grpo_importance: bool = field(
         default=True, metadata={"help": "Scale each group's learning rate by its importance multiplier."}
@@ -106,7 +140,8 @@ class GRPOConfig(TrainingArguments):
     grpo_importance_score: str = field(
         default="article",
         metadata={
-            "help": "Importance score: 'article' = ||grad||_2 * ln(count + 1); 'rms' = per-element RMS * ln(count + 1).",
+            "help": "Importance score: 'article' = ||grad||_2 * ln(count + 1); 'rms' = per-element RMS * ln(count + 1); "
+            "'coherence' = cos(gradient, optimizer momentum) * ln(count + 1).",
             "choices": list(SCORE_CHOICES),
         },
     )
@@ -158,6 +193,13 @@ class GRPOConfig(TrainingArguments):
         default=DEFAULT_SCALE_BETA,
         metadata={"help": "EMA factor in [0, 1) of the squared gradients behind the scales."},
     )
+    grpo_scale_clip: float | None = field(
+        default=None,
+        metadata={
+            "help": "With gradient scales: at most this many of its scales per entry and step are sent, the rest waits "
+            "in the residual (None: no cap)."
+        },
+    )
     grpo_dense_warmup_steps: int = field(
         default=2, metadata={"help": "Optimizer steps communicated dense before compression starts (>= 2 under DDP)."}
     )
@@ -185,10 +227,36 @@ class GRPOConfig(TrainingArguments):
     cost_peak_tflops: float | None = field(
         default=None, metadata={"help": "Peak TFLOPS of the device for MFU (default: a table of known devices)."}
     )
+    # --- earlier runs ---
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train into an output_dir that holds another run's results, model or checkpoints, deleting them "
+            "(without it GRPOTrainer refuses such a folder unless resuming, e.g. --resume_from_checkpoint last)."
+        },
+    )
+    cost_grid_gco2_per_kwh: float = field(
+        default=475.0,
+        metadata={
+            "help": "Carbon intensity of the electricity in gCO2eq/kWh, for co2_eq_emissions in model cards when "
+            "energy was measured (default: a world average; set your grid's)."
+        },
+    )
+    cost_noise_rounds: int = field(
+        default=2,
+        metadata={
+            "help": "Comparisons (grpo-hf compare/quickstart) only: rounds of short timed windows of both trainers, "
+            "interleaved, that measure the noise of the time, energy and money ratios; 0 turns the measurement off."
+        },
+    )
+    cost_noise_window_steps: int = field(
+        default=4, metadata={"help": "Optimizer steps of each timed window of the noise measurement (at least 3)."}
+    )
 
     def __post_init__(self):
-        super().__post_init__()
+        refuse_unsupported_backends(self.fsdp, self.deepspeed)  # before transformers sets the backend up
         validate_grpo_fields(self)
+        super().__post_init__()
 
 
 def grpo_field_names() -> list[str]:
@@ -212,34 +280,101 @@ def ensure_grpo_args(args: TrainingArguments) -> TrainingArguments:
     return args
 
 
+def _enabled(value) -> bool:
+    """Whether an `fsdp` / `deepspeed` value turns the backend on (`"false"`, `""`, `[]`, `None` do not)."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "false", "no", "0", "none")
+    return bool(value)
+
+
+def refuse_unsupported_backends(fsdp=None, deepspeed=None) -> None:
+    """
+    Raise [`~grpo_hf.errors.ConfigError`] naming the field when `fsdp` or `deepspeed` turns on a backend GRPO cannot
+    run on (their sharded parameters and gradients bypass GRPO's groups and DDP communication hook).
+    """
+    for name, value, backend in (("deepspeed", deepspeed, "DeepSpeed"), ("fsdp", fsdp, "FSDP")):
+        if _enabled(value):
+            raise ConfigError(
+                f"{name}={value!r}: GRPOTrainer does not support {backend}: its sharded parameters and gradients "
+                "bypass GRPO's groups and DDP communication hook. Train with DDP (`torchrun` or `accelerate launch "
+                f"--multi_gpu`) and drop {name}, or use the plain transformers Trainer for {backend} runs."
+            )
+
+
+def _check_types(args) -> None:
+    for name in ("grpo_groups_strict", "grpo_importance", "grpo_scale_gradients", "overwrite_output_dir"):
+        value = getattr(args, name, False)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r}: use true or false.")
+    for name in ("grpo_lr_scale_min", "grpo_lr_scale_max", "grpo_lr_scale_ema", "grpo_density", "grpo_scale_beta"):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ConfigError(f"{name}={value!r}: use a number.")
+    for name in ("grpo_lr_scale_warmup_steps", "grpo_dense_warmup_steps", "grpo_min_compress_numel"):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}={value!r}: use a whole number.")
+
+
 def validate_grpo_fields(args) -> None:
-    """Check the `grpo_*` fields; each `ValueError` says what is wrong and how to fix it."""
+    """
+    Check the fields `GRPOConfig` adds to `TrainingArguments` on any object that has them (a `GRPOConfig`, a
+    `TrainingArguments` given the defaults, the namespace of `grpo-hf groups`), parse `grpo_lr_ratios` from JSON, and
+    read and validate the group file.
+
+    Raises:
+        [`~grpo_hf.errors.ConfigError`]: a field's value is invalid; the message names the field and the fix.
+        [`~grpo_hf.errors.GroupConfigError`]: the group file is missing or invalid; the message names the file.
+    """
+    _check_types(args)
+    if isinstance(args.grpo_lr_ratios, str):
+        try:
+            args.grpo_lr_ratios = json.loads(args.grpo_lr_ratios)
+        except json.JSONDecodeError as err:
+            raise ConfigError(
+                f"grpo_lr_ratios={args.grpo_lr_ratios!r} is not valid JSON ({err}); give e.g. "
+                "'{\"*lora_B\": 4}' (a mapping of group-name patterns to ratios)."
+            ) from None
+    check_lr_ratios(args.grpo_lr_ratios)
     if args.grpo_importance_score not in SCORE_CHOICES:
-        raise ValueError(f"grpo_importance_score={args.grpo_importance_score!r}: use one of {SCORE_CHOICES}.")
+        raise ConfigError(f"grpo_importance_score={args.grpo_importance_score!r}: use one of {SCORE_CHOICES}.")
     if not 0 < args.grpo_lr_scale_min <= 1 <= args.grpo_lr_scale_max:
-        raise ValueError(
+        raise ConfigError(
             f"grpo_lr_scale_min={args.grpo_lr_scale_min}, grpo_lr_scale_max={args.grpo_lr_scale_max}: the bounds must "
             "satisfy 0 < min <= 1 <= max so that multipliers can average to 1 (e.g. 0.9 and 1.1)."
         )
     if not 0 <= args.grpo_lr_scale_ema < 1:
-        raise ValueError(f"grpo_lr_scale_ema={args.grpo_lr_scale_ema}: use a value in [0, 1), e.g. 0.9.")
+        raise ConfigError(f"grpo_lr_scale_ema={args.grpo_lr_scale_ema}: use a value in [0, 1), e.g. 0.9.")
     if args.grpo_lr_scale_warmup_steps < 0:
-        raise ValueError(f"grpo_lr_scale_warmup_steps={args.grpo_lr_scale_warmup_steps}: use 0 or more.")
+        raise ConfigError(f"grpo_lr_scale_warmup_steps={args.grpo_lr_scale_warmup_steps}: use 0 or more.")
     if args.grpo_compression not in COMPRESSION_CHOICES:
-        raise ValueError(f"grpo_compression={args.grpo_compression!r}: use one of {COMPRESSION_CHOICES}.")
+        raise ConfigError(f"grpo_compression={args.grpo_compression!r}: use one of {COMPRESSION_CHOICES}.")
     if not 0 < args.grpo_density <= 1:
-        raise ValueError(
+        raise ConfigError(
             f"grpo_density={args.grpo_density}: the density is the kept fraction of gradient entries and must lie in "
             "(0, 1], e.g. 0.15 to keep the top 15%."
         )
     if str(args.grpo_bits) not in BITS_CHOICES:
-        raise ValueError(f"grpo_bits={args.grpo_bits!r}: use one of {BITS_CHOICES}.")
+        raise ConfigError(f"grpo_bits={args.grpo_bits!r}: use one of {BITS_CHOICES}.")
     if args.grpo_comm_mode not in COMM_MODE_CHOICES:
-        raise ValueError(f"grpo_comm_mode={args.grpo_comm_mode!r}: use one of {COMM_MODE_CHOICES}.")
+        raise ConfigError(f"grpo_comm_mode={args.grpo_comm_mode!r}: use one of {COMM_MODE_CHOICES}.")
+    if args.grpo_scale_clip is not None and not args.grpo_scale_clip > 0:
+        raise ConfigError(f"grpo_scale_clip={args.grpo_scale_clip}: use a positive number of scales (e.g. 4) or None.")
     if not 0 <= args.grpo_scale_beta < 1:
-        raise ValueError(f"grpo_scale_beta={args.grpo_scale_beta}: use a value in [0, 1), e.g. 0.99.")
+        raise ConfigError(f"grpo_scale_beta={args.grpo_scale_beta}: use a value in [0, 1), e.g. 0.99.")
     if args.grpo_dense_warmup_steps < 0:
-        raise ValueError(f"grpo_dense_warmup_steps={args.grpo_dense_warmup_steps}: use 0 or more (2 under DDP).")
+        raise ConfigError(f"grpo_dense_warmup_steps={args.grpo_dense_warmup_steps}: use 0 or more (2 under DDP).")
     if args.grpo_min_compress_numel < 0:
-        raise ValueError(f"grpo_min_compress_numel={args.grpo_min_compress_numel}: use 0 or more.")
-    CostSettings.from_args(args)  # validates the cost_* fields
+        raise ConfigError(f"grpo_min_compress_numel={args.grpo_min_compress_numel}: use 0 or more.")
+    if args.cost_noise_rounds < 0:
+        raise ConfigError(f"cost_noise_rounds={args.cost_noise_rounds}: use 0 (no noise measurement) or more, e.g. 2.")
+    if args.cost_noise_window_steps < 3:
+        raise ConfigError(
+            f"cost_noise_window_steps={args.cost_noise_window_steps}: use at least 3 (the first 2 steps of a window "
+            "are left out of its rates)."
+        )
+    try:
+        CostSettings.from_args(args)  # validates the cost_* fields
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    load_group_spec(args.grpo_groups)  # a missing or invalid group file fails here, naming the file

@@ -7,8 +7,10 @@ parameters are never grouped.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,17 +19,16 @@ import torch
 from torch import nn
 
 from .compression.spec import SUPPORTED_BITS
+from .errors import GroupConfigError
 
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "default"
-RULE_KEYS = {"name", "pattern", "density", "sparsity", "bits", "lr_scale_min", "lr_scale_max", "importance"}
+RULE_KEYS = {
+    "name", "pattern", "density", "sparsity", "bits", "lr_ratio", "lr_scale_min", "lr_scale_max", "importance"
+}  # fmt: skip
 FILE_KEYS = {"groups", "split_by_shape"}
-
-
-class GroupConfigError(ValueError):
-    """A group file or rule is invalid; the message names the file, the rule and the fix."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,11 @@ class GroupRule:
         bits (`int`, *optional*):
             Bits per kept value (2, 4, 8, 16 or 32). `None` uses `grpo_bits` (see
             [`~grpo_hf.compression.compression_plan`]).
+        lr_ratio (`float`, *optional*):
+            A fixed factor on this group's scheduled learning rate (e.g. 4 for LoRA's B matrices, as LoRA+ does),
+            composed with the importance multiplier. `None` uses `grpo_lr_ratios`, else 1.
         lr_scale_min (`float`, *optional*), lr_scale_max (`float`, *optional*):
-            Bounds of this group's LR multiplier. `None` uses `grpo_lr_scale_min` / `grpo_lr_scale_max`.
+            Bounds of this group's importance multiplier. `None` uses `grpo_lr_scale_min` / `grpo_lr_scale_max`.
         importance (`bool`, *optional*, defaults to `True`):
             Whether importance scaling applies; `False` pins the multiplier to 1.
     """
@@ -55,6 +59,7 @@ class GroupRule:
     pattern: str
     density: float | None = None
     bits: int | None = None
+    lr_ratio: float | None = None
     lr_scale_min: float | None = None
     lr_scale_max: float | None = None
     importance: bool = True
@@ -128,22 +133,43 @@ def validate_rule(rule: GroupRule, where: str = "") -> GroupRule:
     """Check one rule; raise `GroupConfigError` naming `where` (file and rule) and the fix."""
     at = f"{where}group {rule.name!r}: "
     if not rule.name or not isinstance(rule.name, str):
-        raise GroupConfigError(f"{where}every group needs a non-empty string 'name'.")
+        raise GroupConfigError(f"{where}every group needs a non-empty string 'name' (got {rule.name!r}).")
+    if not isinstance(rule.pattern, str):
+        raise GroupConfigError(
+            f"{at}'pattern' must be a string (a regular expression), got {rule.pattern!r}; quote it in YAML."
+        )
     try:
         re.compile(rule.pattern)
-    except (re.error, TypeError) as err:
+    except re.error as err:
         raise GroupConfigError(
             f"{at}invalid regular expression {rule.pattern!r} ({err}). Fix the 'pattern' (it is used with re.search "
             "on full parameter names such as 'model.layers.0.self_attn.q_proj.weight'; escape literal dots as '\\.')."
         ) from None
-    if rule.density is not None and not (isinstance(rule.density, (int, float)) and 0 < rule.density <= 1):
+    if rule.density is not None and (
+        isinstance(rule.density, bool) or not (isinstance(rule.density, (int, float)) and 0 < rule.density <= 1)
+    ):
         raise GroupConfigError(
             f"{at}density/sparsity={rule.density!r} is outside (0, 1]. It is the kept fraction of gradient entries: "
             "use e.g. 0.15 to keep the top 15%."
         )
-    if rule.bits is not None and rule.bits not in SUPPORTED_BITS:
+    if rule.bits is not None and (isinstance(rule.bits, bool) or rule.bits not in SUPPORTED_BITS):
         raise GroupConfigError(f"{at}bits={rule.bits!r} is not supported; use one of {SUPPORTED_BITS}.")
+    ratio = rule.lr_ratio
+    if ratio is not None and (
+        isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < math.inf
+    ):
+        raise GroupConfigError(
+            f"{at}lr_ratio={ratio!r}: use a positive number (a factor on the scheduled LR, e.g. 4)."
+        )
+    if not isinstance(rule.importance, bool):
+        raise GroupConfigError(
+            f"{at}importance={rule.importance!r} is not a boolean; use true (scale this group's learning rate by its "
+            "importance, the default) or false (keep its multiplier at 1)."
+        )
     lo, hi = rule.lr_scale_min, rule.lr_scale_max
+    for key, value in (("lr_scale_min", lo), ("lr_scale_max", hi)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise GroupConfigError(f"{at}{key}={value!r} is not a number; use e.g. 0.9 and 1.1.")
     if (lo is not None and not lo > 0) or (hi is not None and not hi > 0) or (lo and hi and lo > hi):
         raise GroupConfigError(f"{at}lr_scale_min={lo}, lr_scale_max={hi}: use positive bounds with min <= max.")
     return rule
@@ -179,6 +205,10 @@ def parse_group_config(config: dict, source: str = "<dict>") -> GroupSpec:
     unknown = set(config) - FILE_KEYS
     if unknown:
         raise GroupConfigError(f"{where}unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(FILE_KEYS)}.")
+    if not isinstance(config.get("split_by_shape", False), bool):
+        raise GroupConfigError(
+            f"{where}split_by_shape={config['split_by_shape']!r} is not a boolean; use true or false."
+        )
     rules = [_rule_from_dict(entry, where) for entry in config["groups"]]
     names = [r.name for r in rules]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -212,17 +242,41 @@ def load_group_spec(spec: str | dict | list | GroupSpec) -> GroupSpec:
             f"grpo_groups={spec!r} is neither a preset ({sorted(PRESETS)}) nor an existing group file. Pass a preset "
             "name or the path of a JSON/YAML file."
         )
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
+    return parse_group_config(_read_group_file(path), str(path))
 
-            config = yaml.safe_load(text)
-        else:
-            config = json.loads(text)
-    except (json.JSONDecodeError, ValueError) as err:
-        raise GroupConfigError(f"{path}: cannot parse the group file ({err}).") from None
-    return parse_group_config(config, str(path))
+
+def _read_group_file(path: Path):
+    """The parsed content of a JSON/YAML group file; every read or parse error becomes a `GroupConfigError`."""
+    import yaml
+
+    yaml_file = path.suffix.lower() in (".yaml", ".yml")
+    try:
+        text = path.read_text(encoding="utf-8")
+        return yaml.safe_load(text) if yaml_file else json.loads(text)
+    except UnicodeDecodeError:
+        raise GroupConfigError(f"{path}: not a UTF-8 text file; a group file is JSON or YAML text.") from None
+    except OSError as err:
+        raise GroupConfigError(f"{path}: cannot read the group file ({err.strerror}).") from None
+    except yaml.constructor.ConstructorError as err:  # e.g. !!python/object: safe_load refuses to build objects
+        raise GroupConfigError(
+            f"{path}: unsupported YAML tag ({err.problem}{_yaml_line(err)}); a group file holds plain mappings, "
+            "lists, strings and numbers."
+        ) from None
+    except yaml.YAMLError as err:
+        raise GroupConfigError(
+            f"{path}: invalid YAML{_yaml_line(err)} ({getattr(err, 'problem', None) or err}); check indentation and "
+            "quote patterns that contain ':' or start with '*', '[' or '{'."
+        ) from None
+    except json.JSONDecodeError as err:
+        raise GroupConfigError(
+            f"{path}: invalid JSON at line {err.lineno}, column {err.colno} ({err.msg}); or give the file a .yaml "
+            "suffix if it is YAML."
+        ) from None
+
+
+def _yaml_line(err) -> str:
+    mark = getattr(err, "problem_mark", None)
+    return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
 
 
 def assign_groups(model: nn.Module, spec: GroupSpec, strict: bool = False) -> list[ParameterGroup]:
@@ -262,12 +316,48 @@ def assign_groups(model: nn.Module, spec: GroupSpec, strict: bool = False) -> li
     return sorted(groups.values(), key=lambda g: (order.get(g.rule.name, len(rules)), g.name))
 
 
-def group_table(groups: list[ParameterGroup], plan: dict | None = None) -> list[dict]:
+def check_lr_ratios(ratios: dict | None, where: str = "grpo_lr_ratios") -> dict[str, float]:
+    """Validate `{group-name pattern: ratio}` (fnmatch patterns such as `"*lora_B"`); `None` is `{}`."""
+    if ratios is None:
+        return {}
+    if not isinstance(ratios, dict):
+        raise GroupConfigError(f"{where}={ratios!r}: give a mapping of group-name patterns to ratios, e.g. "
+                               '{"*lora_B": 4, "embeddings": 0.5}.')  # fmt: skip
+    checked = {}
+    for pattern, ratio in ratios.items():
+        if not isinstance(pattern, str) or isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+            raise GroupConfigError(f"{where}: {pattern!r}: {ratio!r} must map a group-name pattern to a number.")
+        if not 0 < ratio < math.inf:
+            raise GroupConfigError(f"{where}: {pattern!r}: {ratio!r} is not a positive ratio (a factor on the LR).")
+        checked[pattern] = float(ratio)
+    return checked
+
+
+def lr_ratios(groups: list[ParameterGroup], ratios: dict[str, float] | None = None) -> dict[str, float]:
     """
-    One row per group: name, rule, #tensors, #parameters, share of parameters, and, given a compression plan
-    (`{name: CodecSpec | None}`), the densities and bits its tensors are sent with (`dense` for uncompressed ones).
+    The fixed LR factor of each group: its rule's `lr_ratio` when set, else the first pattern of `ratios` that
+    matches the group's name (`fnmatch`, e.g. `"*lora_B"` matches `attn_qk.lora_B`), else 1.
+    """
+    ratios = check_lr_ratios(ratios)
+    out = {}
+    for group in groups:
+        if group.rule.lr_ratio is not None:
+            out[group.name] = float(group.rule.lr_ratio)
+        else:
+            out[group.name] = next((r for p, r in ratios.items() if fnmatch.fnmatchcase(group.name, p)), 1.0)
+    return out
+
+
+def group_table(
+    groups: list[ParameterGroup], plan: dict | None = None, ratios: dict[str, float] | None = None
+) -> list[dict]:
+    """
+    One row per group: name, rule, #tensors, #parameters, share of parameters, its LR ratio ([`lr_ratios`] of
+    `ratios`), and, given a compression plan (`{name: CodecSpec | None}`), the densities and bits its tensors are sent
+    with.
     """
     total = sum(g.numel for g in groups) or 1
+    factors = lr_ratios(groups, ratios)
     rows = []
     for group in groups:
         if plan is None:
@@ -283,6 +373,7 @@ def group_table(groups: list[ParameterGroup], plan: dict | None = None) -> list[
                 "tensors": len(group.params),
                 "parameters": group.numel,
                 "share": group.numel / total,
+                "lr_ratio": factors[group.name],
                 "density": "/".join("-" if d is None else f"{d:g}" for d in densities),
                 "bits": "/".join("-" if b is None else str(b) for b in bits),
             }
@@ -298,6 +389,8 @@ __all__ = [
     "GroupSpec",
     "ParameterGroup",
     "assign_groups",
+    "check_lr_ratios",
+    "lr_ratios",
     "group_table",
     "load_group_spec",
     "parse_group_config",

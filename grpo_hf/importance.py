@@ -1,15 +1,17 @@
 """Importance scores -> learning-rate multipliers (pure functions) and the state that carries them across steps.
 
-Per optimizer step and group g (DESIGN.md §2):
+Per optimizer step and group g:
 
 1. `score_g = ||grad_g||_2 * ln(update_count_g + 1)` (the article's formula, `kind="article"`), or with the
    per-element RMS `||grad_g||_2 / sqrt(numel_g)` in place of the norm (`kind="rms"`), so that a large group does
-   not win by size alone.
+   not win by size alone, or the cosine between the group's gradient and its optimizer momentum (`kind="coherence"`,
+   floored at 0.05): a group whose gradients keep their direction gets more learning rate, a noisy one less.
 2. The scores are smoothed with an EMA (first value taken as is, no zero bias).
 3. Multipliers `m_g = clip(c * ema_g, lo_g, hi_g)`, with the one constant `c` (found by bisection in float64) that
    makes the parameter-weighted mean of the multipliers exactly 1 (up to 1e-12): the total learning-rate budget is
    unchanged, only its distribution moves. Groups whose importance scaling is off keep `m_g = 1`.
-4. The caller applies `lr_g = scheduler_lr_g * m_g` for the optimizer step only and restores the scheduler's value
+4. The caller applies `lr_g = scheduler_lr_g * ratio_g * m_g` (`ratio_g` a fixed per-group factor, see
+   [`~grpo_hf.grouping.lr_ratios`]) for the optimizer step only and restores the scheduler's value
    afterwards, so multipliers never compound, whatever the scheduler.
 
 Everything is computed in float64 from gradients that are identical on every rank (after communication), so every
@@ -21,8 +23,16 @@ import math
 import torch
 
 
+SCORE_KINDS = ("article", "rms", "coherence")
+COHERENCE_FLOOR = 0.05  # a group whose gradient opposes its momentum still keeps a small positive score
+
+
 def group_scores(
-    grad_norms: torch.Tensor, numels: torch.Tensor, update_counts: torch.Tensor, kind: str = "article"
+    grad_norms: torch.Tensor,
+    numels: torch.Tensor,
+    update_counts: torch.Tensor,
+    kind: str = "article",
+    coherence: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """
     Importance score of each group.
@@ -31,14 +41,22 @@ def group_scores(
         grad_norms (`torch.Tensor`): L2 norm of each group's gradient, shape `(G,)`.
         numels (`torch.Tensor`): number of elements of each group, shape `(G,)`.
         update_counts (`torch.Tensor`): optimizer steps in which each group received a non-zero gradient.
-        kind (`str`, *optional*, defaults to `"article"`): `"article"` or `"rms"` (see the module docstring).
+        kind (`str`, *optional*, defaults to `"article"`): `"article"`, `"rms"` or `"coherence"` (see the module
+            docstring).
+        coherence (`torch.Tensor`, *optional*): cosine between each group's gradient and its optimizer momentum
+            (needed by `"coherence"`).
     """
-    norms = grad_norms.double()
-    if kind == "rms":
-        norms = norms / numels.double().sqrt()
-    elif kind != "article":
-        raise ValueError(f"unknown importance score kind {kind!r}; use 'article' or 'rms'.")
-    return norms * torch.log(update_counts.double() + 1)
+    if kind == "article":
+        signal = grad_norms.double()
+    elif kind == "rms":
+        signal = grad_norms.double() / numels.double().sqrt()
+    elif kind == "coherence":
+        if coherence is None:
+            raise ValueError("the 'coherence' score needs each group's gradient-momentum cosine.")
+        signal = coherence.double().clamp(min=COHERENCE_FLOOR)
+    else:
+        raise ValueError(f"unknown importance score kind {kind!r}; use one of {SCORE_KINDS}.")
+    return signal * torch.log(update_counts.double() + 1)
 
 
 def normalised_multipliers(
@@ -131,19 +149,20 @@ class ImportanceState:
         self.last_grad_norms = torch.zeros(size, dtype=torch.float64)
         self.steps = 0
 
-    def update(self, grad_norms: torch.Tensor) -> torch.Tensor:
+    def update(self, grad_norms: torch.Tensor, coherence: torch.Tensor | None = None) -> torch.Tensor:
         """
-        Account one optimizer step with the given per-group gradient norms; return the new multipliers.
+        Account one optimizer step with the given per-group gradient norms (and, for the `"coherence"` score, each
+        group's gradient-momentum cosine); return the new multipliers.
 
         A step whose norms are not all finite (fp16 overflow, a diverging run) changes nothing and keeps the previous
         multipliers, so a skipped optimizer step cannot poison the scores.
         """
         grad_norms = grad_norms.double()
-        if not torch.isfinite(grad_norms).all():
+        if not torch.isfinite(grad_norms).all() or (coherence is not None and not torch.isfinite(coherence).all()):
             return self.multipliers
         updated = grad_norms > 0
         self.update_counts += updated.long()
-        scores = group_scores(grad_norms, self.numels, self.update_counts, self.kind)
+        scores = group_scores(grad_norms, self.numels, self.update_counts, self.kind, coherence)
         first = updated & (self.update_counts == 1)  # a group seen for the first time takes its score as is
         self.smoothed = torch.where(first, scores, self.ema * self.smoothed + (1 - self.ema) * scores)
         self.steps += 1

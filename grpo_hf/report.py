@@ -4,6 +4,9 @@ Reports of a comparison ([`~grpo_hf.compare.compare`]): one side-by-side table (
 
 Every row of the table is a key of a run's result; the last column is the ratio GRPOTrainer / Trainer
 ([`compute_ratios`]): below 1 means GRPOTrainer needed less (time, bytes, money) or reached a lower perplexity.
+Ratios that follow from wall-clock time (time, tokens/s, energy, money) carry the noise band measured by the runner
+([`~grpo_hf.noise`]): inside it they read "within noise" in the table, the ratio plot and `results.json`
+(`ratio_noise`); ratios of counted quantities (bytes, steps) are exact and carry none.
 
 Example:
 
@@ -25,7 +28,13 @@ from typing import Any
 
 RESULTS_FILE = "results.json"
 REPORT_FILE = "report.md"
-PLOT_FILES = {"loss": "loss_curves.png", "lr_scales": "lr_scales.png", "bytes": "bytes_per_step.png"}
+PLOT_FILES = {
+    "loss": "loss_curves.png",
+    "lr_scales": "lr_scales.png",
+    "bytes": "bytes_per_step.png",
+    "ratios": "ratios.png",
+}
+WITHIN_NOISE = "within noise"
 
 
 def format_bytes(value: float) -> str:
@@ -78,6 +87,21 @@ def compute_ratios(baseline: dict[str, Any], grpo: dict[str, Any], keys: list[st
     return ratios
 
 
+def ratio_cell(ratio: float | None, noise: dict | None = None) -> str:
+    """
+    The ratio column's text: `"0.141"` for an exact ratio, `"0.730 (within noise)"` for a timed ratio inside its noise
+    band, `"0.900 (measured 0.890-0.910)"` for a timed ratio outside it ([`~grpo_hf.noise.classify`]).
+    """
+    if ratio is None:
+        return "-"
+    if not noise or noise.get("within_noise") is None:
+        return f"{ratio:.3f}"
+    if noise["within_noise"]:
+        return f"{ratio:.3f} ({WITHIN_NOISE})"
+    low, high = noise["band"]
+    return f"{ratio:.3f} (measured {low:.3f}-{high:.3f})"
+
+
 def _cell(formatter, value) -> str:
     if value is None or isinstance(value, str):
         return "-" if value is None else value
@@ -94,8 +118,8 @@ def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         header.append(f"{runs[1]['label']} / {runs[0]['label']}")
     rows = []
     for key, label, formatter in TABLE_ROWS:
-        if all(r.get(key) is None for r in runs):
-            continue
+        if all(r.get(key) is None for r in runs) and ratios.get(key) is None:
+            continue  # a metric of another task (accuracy for a causal LM, perplexity for a classifier)
         if key == "energy_kwh" and any(r.get("energy_estimated") for r in runs):
             label = "Energy (kWh, estimated)"
         if key == "cost_per_quality" and any(r.get("accuracy_after") is not None for r in runs):
@@ -105,8 +129,7 @@ def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             label = f"Comm time projected @ {link:g} Gbit/s (s)" if link else label
         row = [label, *[_cell(formatter, r.get(key)) for r in runs]]
         if with_ratio:
-            ratio = ratios.get(key)
-            row.append("-" if ratio is None else f"{ratio:.3f}")
+            row.append(ratio_cell(ratios.get(key), (results.get("ratio_noise") or {}).get(key)))
         rows.append(row)
     return header, rows
 
@@ -224,6 +247,7 @@ def _notes(results: dict[str, Any]) -> list[str]:
     ]
     cores = results.get("environment", {}).get("usable_cpus") or results.get("environment", {}).get("cpu_count")
     loads = [r.get("load_average") for r in runs]
+    notes += _noise_notes(results)
     if cores and all(load is not None for load in loads):
         busy = [f"{r['label']} {load:.1f}" for r, load in zip(runs, loads)]
         warning = (
@@ -236,6 +260,45 @@ def _notes(results: dict[str, Any]) -> list[str]:
             f"{', '.join(busy)}{warning}."
         )
     return notes
+
+
+_NOISE_RULE = (
+    "each ratio is measured by the full runs and by every round of windows, and reads *within noise* when these "
+    "measurements disagree on its direction or all lie closer to 1 than one trainer's windows vary among themselves."
+)
+
+
+def _noise_notes(results: dict[str, Any]) -> list[str]:
+    noise = results.get("ratio_noise") or {}
+    timing = results.get("timing_noise") or {}
+    if not noise:
+        return []
+    if not timing.get("windows"):
+        return [
+            "- **Noise**: not measured (`cost_noise_rounds=0`), so time, energy and money ratios carry no band; on a "
+            "shared machine read them with care."
+        ]
+    labels = {key: label for key, label, _ in TABLE_ROWS}
+    bands = []
+    for key, entry in noise.items():
+        if entry.get("band") and entry.get("within_noise") is not None:
+            verdict = WITHIN_NOISE if entry["within_noise"] else "outside the noise"
+            spread = entry.get("self_spread")
+            bands.append(
+                f"{labels.get(key, key)} {entry['band'][0]:.3f}-{entry['band'][1]:.3f}"
+                + (f" (self-spread {spread:.1%})" if spread is not None else "")
+                + f", {verdict}"
+            )
+    loads = [w.get("load_average") for w in timing["windows"] if w.get("load_average") is not None]
+    load_text = f"; 1-min load average over the windows {min(loads):.1f}-{max(loads):.1f}" if loads else ""
+    return [
+        f"- **Noise** of the timed ratios: {timing.get('rounds')} rounds of {timing.get('window_steps')}-step windows "
+        f"of both trainers, interleaved ({timing.get('seconds', 0):.0f} s{load_text}); "
+        + _NOISE_RULE
+        + " Ranges: "
+        + "; ".join(bands)
+        + ". Bytes, steps and perplexity are exact."
+    ]
 
 
 def markdown_report(results: dict[str, Any], command: str | None = None, plots: dict[str, str] | None = None) -> str:
@@ -260,7 +323,12 @@ def markdown_report(results: dict[str, Any], command: str | None = None, plots: 
         "",
     ]
     lines += ["## How each figure was measured", ""] + _notes(results) + [""]
-    for key, title in (("loss", "Training loss"), ("lr_scales", "Per-group LR multipliers"), ("bytes", "Bytes")):
+    for key, title in (
+        ("loss", "Training loss"),
+        ("lr_scales", "Per-group LR multipliers"),
+        ("bytes", "Bytes"),
+        ("ratios", "Ratios and their noise"),
+    ):
         if plots and key in plots:
             lines += [f"![{title}]({Path(plots[key]).name})", ""]
     return "\n".join(lines)
@@ -337,17 +405,73 @@ def plot_bytes_per_step(runs: list[dict], path: str | Path) -> Path:
     return _save(fig, Path(path))
 
 
+def plot_ratios(results: dict[str, Any], path: str | Path) -> Path:
+    """
+    Every ratio GRPOTrainer / Trainer of the table on a log axis: exact ratios as dots, timed ratios with their noise
+    band as a bar, greyed and labelled "within noise" when inside it.
+    """
+    import math
+
+    labels = {key: label for key, label, _ in TABLE_ROWS}
+    ratios = results.get("ratios") or {}
+    noise = results.get("ratio_noise") or {}
+    keys = [key for key, *_ in TABLE_ROWS if isinstance(ratios.get(key), (int, float)) and ratios[key] > 0]
+    fig, ax = _figure("GRPOTrainer / Trainer", "ratio (log scale; below 1: GRPOTrainer needs less)", "")
+    fig.set_size_inches(7, 0.35 * len(keys) + 1.6)
+    for y, key in enumerate(reversed(keys)):
+        ratio, entry = ratios[key], noise.get(key) or {}
+        within = entry.get("within_noise")
+        color = "grey" if within else ("tab:blue" if within is None else "tab:red")
+        if entry.get("band") and within is not None:
+            ax.plot(entry["band"], [y, y], color=color, linewidth=5, alpha=0.35, solid_capstyle="butt")
+        ax.plot([ratio], [y], "o", color=color)
+        text = f"{ratio:.3f}" + (f"  {WITHIN_NOISE}" if within else "")
+        ax.annotate(text, (ratio, y), textcoords="offset points", xytext=(6, 4), fontsize=7, color=color)
+    ax.set_yticks(range(len(keys)), [labels[k] for k in reversed(keys)], fontsize=7)
+    ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
+    if keys:
+        from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+        values = [ratios[k] for k in keys] + [b for k in keys for b in ((noise.get(k) or {}).get("band") or [])]
+        span = max(abs(math.log10(v)) for v in values) + 0.1
+        ax.set_xscale("log")
+        ax.set_xlim(10**-span, 10**span)
+        ticks = [
+            t
+            for t in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 0.8, 1, 1.25, 2, 5, 10, 20, 50, 100)
+            if abs(math.log10(t)) < span
+        ]
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    fig.text(
+        0.01,
+        0.005,
+        "Bars: noise band of a timed ratio (grey: within noise, red: outside it). Blue: exact or untimed.",
+        fontsize=6,
+        va="bottom",
+    )
+    return _save(fig, Path(path))
+
+
 def write_plots(results: dict[str, Any], output_dir: str | Path) -> dict[str, str]:
-    """Write the three PNG plots into `output_dir`; returns their paths by kind (`loss`, `lr_scales`, `bytes`)."""
+    """
+    Write the PNG plots into `output_dir`; returns their paths by kind (`loss`, `lr_scales`, `bytes`, and `ratios`
+    for a comparison).
+    """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     runs = results["runs"]
     grpo_runs = [r for r in runs if r.get("lr_scales")] or [r for r in runs if r.get("name") == "grpo"]
-    return {
+    paths = {
         "loss": str(plot_loss_curves(runs, output_dir / PLOT_FILES["loss"])),
         "lr_scales": str(plot_lr_scales(grpo_runs, output_dir / PLOT_FILES["lr_scales"])),
         "bytes": str(plot_bytes_per_step(runs, output_dir / PLOT_FILES["bytes"])),
     }
+    if results.get("ratios"):
+        paths["ratios"] = str(plot_ratios(results, output_dir / PLOT_FILES["ratios"]))
+    return paths
 
 
 def write_report(results: dict[str, Any], output_dir: str | Path, command: str | None = None) -> dict[str, str]:
@@ -355,7 +479,7 @@ def write_report(results: dict[str, Any], output_dir: str | Path, command: str |
     Write `results.json`, `report.md` and the plots into `output_dir`.
 
     Returns:
-        `dict[str, str]`: the paths written, by kind (`results`, `report`, `loss`, `lr_scales`, `bytes`).
+        `dict[str, str]`: the paths written, by kind (`results`, `report`, `loss`, `lr_scales`, `bytes`, `ratios`).
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -380,7 +504,9 @@ __all__ = [
     "plot_bytes_per_step",
     "plot_loss_curves",
     "plot_lr_scales",
+    "plot_ratios",
     "print_table",
+    "ratio_cell",
     "rich_table",
     "table_rows",
     "write_plots",

@@ -140,7 +140,7 @@ def run_torchrun(
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike | None = None,
     log_path: str | os.PathLike | None = None,
-    launcher_args: list[str] | tuple[str, ...] = (),
+    torchrun_args: tuple[str, ...] = (),
 ) -> TorchrunResult:
     """
     Run `script args...` on `nproc` local processes with `python -m torch.distributed.run` (torchrun) and wait.
@@ -155,8 +155,6 @@ def run_torchrun(
             (`run_torchrun("-m", "grpo_hf.cli", "train", ...)`).
         nproc (`int`, *optional*, defaults to `2`):
             Processes (`--nproc_per_node`); gloo on CPU unless the script chooses otherwise.
-        launcher_args (`list[str]`, *optional*):
-            More torchrun options, before the script (e.g. `["--nnodes", "1", "--node_rank", "0"]`).
         timeout (`float`, *optional*, defaults to `240`):
             Seconds before the launch is killed (`returncode` is then `None`).
         env (`dict[str, str]`, *optional*):
@@ -166,6 +164,8 @@ def run_torchrun(
         log_path (`str` or `os.PathLike`, *optional*):
             Write stdout and stderr into this file as the run goes (to follow a long run with `tail -f`); `stdout`
             then holds the file's text and `stderr` is empty.
+        torchrun_args (`tuple[str, ...]`, *optional*):
+            More torchrun options, before the script (e.g. `("--max-restarts", "1")`, `("--nnodes", "1")`).
 
     Returns:
         [`TorchrunResult`]: `returncode`, `stdout`, `stderr` (and `timed_out`, `logs()`).
@@ -180,7 +180,7 @@ def run_torchrun(
         "127.0.0.1",
         "--master_port",
         str(free_port()),
-        *map(str, launcher_args),
+        *map(str, torchrun_args),
         str(script),
         *map(str, args),
     ]

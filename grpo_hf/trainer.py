@@ -1,30 +1,28 @@
 """`GRPOMixin` (in front of any `transformers.Trainer` subclass) and `GRPOTrainer`: the wiring, no math."""
 
+import os
+
+from accelerate.utils import gather_object
 from torch.nn.parallel import DistributedDataParallel
-from transformers import Trainer
-from transformers.trainer_utils import get_last_checkpoint
+from transformers import Trainer, TrainerState
+from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from .callbacks import CostCallback, GRPOCallback
+from .checkpoints import LAST, TRAINER_STATE_FILE, incomplete_checkpoints, resolve_resume_checkpoint
 from .compression import GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
 from .compression.plan import resolve_compression, resolve_mode
 from .compression.traffic import dense_allreduce_bytes
-from .config import ensure_grpo_args
-from .grouping import assign_groups, load_group_spec
+from .config import ensure_grpo_args, refuse_unsupported_backends
+from .errors import OutputDirError
+from .files import check_output_dir, remove_run_files
+from .grouping import assign_groups, load_group_spec, lr_ratios
+from .hub import check_push_settings, hub_errors
 from .importance import ImportanceState
+from .model_card import write_trainer_model_card
 
 
 logger = logging.get_logger(__name__)
-
-
-def _refuse_unsupported_backends(fsdp: bool, deepspeed: bool) -> None:
-    backend = "DeepSpeed" if deepspeed else "FSDP" if fsdp else None
-    if backend:
-        raise ValueError(
-            f"GRPOTrainer does not support {backend}: its sharded parameters and gradients bypass GRPO's groups and "
-            "DDP communication hook. Train with DDP (`torchrun` or `accelerate launch --multi_gpu`) or use the plain "
-            f"transformers Trainer for {backend} runs."
-        )
 
 
 class GRPOMixin:
@@ -56,15 +54,24 @@ class GRPOMixin:
       join the training logs.
     - **Metrics**: `grpo/*` keys are averaged over each logging window and added to the Trainer's logs, so every
       `report_to` integration receives them.
-    - **Checkpoints**: every checkpoint holds `grpo_state_rank<r>.pt`; `train(resume_from_checkpoint=...)` restores it.
+    - **Checkpoints**: every checkpoint holds `grpo_state_rank<r>.pt`, written atomically;
+      `train(resume_from_checkpoint=...)` restores it, also from a checkpoint of another world size (see
+      [`~grpo_hf.checkpoints`]), and takes `"last"` for the newest complete checkpoint or a fresh start.
+    - **Safety**: the first `train()` refuses an `output_dir` holding another run unless it resumes or
+      `overwrite_output_dir` is set; an optimizer step whose gradients hold a NaN or an Inf is skipped (logged as
+      `grpo/nonfinite_steps`) without touching the importance state or the compression residuals.
+    - **Hub**: `push_to_hub()` uploads grpo_hf's model card ([`grpo_hf.model_card`]: base model, perplexity in
+      `model-index`, groups, settings, cost); a `hub_token` in the arguments is refused (the Trainer would pickle it
+      into `training_args.bin`), and a missing token or an unreachable Hub is one [`~grpo_hf.hub.HubError`].
 
-    Not supported: FSDP and DeepSpeed (refused at construction with what to do instead).
+    Not supported: FSDP and DeepSpeed (refused when the config is built, with what to do instead).
     """
 
     def __init__(self, *args, **kwargs):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None:  # refuse before Accelerate sets up the backend
-            _refuse_unsupported_backends(bool(training_args.fsdp), bool(training_args.deepspeed))
+        if training_args is not None:  # refuse before Accelerate sets up the backend (or the Trainer creates a repo)
+            refuse_unsupported_backends(training_args.fsdp, training_args.deepspeed)
+            check_push_settings(training_args)
         # The cost callback must be registered at construction, before the progress/printer callbacks.
         callbacks = list(kwargs.get("callbacks") or [])
         self.cost_callback = next((cb for cb in callbacks if isinstance(cb, CostCallback)), None)
@@ -73,7 +80,7 @@ class GRPOMixin:
             kwargs["callbacks"] = [*callbacks, self.cost_callback]
         super().__init__(*args, **kwargs)
         ensure_grpo_args(self.args)
-        _refuse_unsupported_backends(self.is_fsdp_enabled, self.is_deepspeed_enabled)
+        refuse_unsupported_backends(self.is_fsdp_enabled, self.is_deepspeed_enabled)
         spec = load_group_spec(self.args.grpo_groups)
         self.grpo_groups = assign_groups(self.model, spec, strict=self.args.grpo_groups_strict)
         lo, hi = self.args.grpo_lr_scale_min, self.args.grpo_lr_scale_max
@@ -87,7 +94,14 @@ class GRPOMixin:
             ema=self.args.grpo_lr_scale_ema,
             warmup_steps=self.args.grpo_lr_scale_warmup_steps,
         )
-        self.grpo_callback = GRPOCallback(self.grpo_groups, importance, apply_multipliers=self.args.grpo_importance)
+        self.grpo_lr_ratios = lr_ratios(self.grpo_groups, self.args.grpo_lr_ratios)
+        self.grpo_callback = GRPOCallback(
+            self.grpo_groups,
+            importance,
+            apply_multipliers=self.args.grpo_importance,
+            lr_ratios=self.grpo_lr_ratios,
+            drop_nonfinite_gradients=self.accelerator.scaler is None,  # an fp16 GradScaler skips such steps itself
+        )
         self.add_callback(self.grpo_callback)
         distributed = self.accelerator.num_processes > 1 and self.accelerator.distributed_type.value.startswith(
             "MULTI_"
@@ -109,10 +123,12 @@ class GRPOMixin:
                 dense_warmup_steps=self.args.grpo_dense_warmup_steps,
                 scale_gradients=self.args.grpo_scale_gradients,
                 scale_beta=self.args.grpo_scale_beta,
+                scale_clip=self.args.grpo_scale_clip,
             )
             self.grpo_callback.comm_state = self.grpo_comm_state
         self._grpo_hooked_models: set[int] = set()
         self._grpo_bytes_counted = 0
+        self._grpo_output_dir_checked = False
         if self.optimizer is not None:  # optimizers=(opt, sched) given by the user
             self._tag_user_optimizer(self.optimizer)
 
@@ -206,15 +222,95 @@ class GRPOMixin:
                 logs.update(self.grpo_comm_state.pop_stats())
         super().log(logs, *args, **kwargs)
 
+    # --- Hub: grpo_hf's card, and one clear error instead of a network traceback ---
+    def create_model_card(
+        self, language=None, license=None, tags=None, model_name=None, finetuned_from=None, **kwargs
+    ):
+        """Write grpo_hf's model card into `output_dir/README.md` (what `push_to_hub` uploads)."""
+        if self.is_world_process_zero():
+            write_trainer_model_card(self, tags=tags, license=license, finetuned_from=finetuned_from, **kwargs)
+
+    def init_hf_repo(self, *args, **kwargs):
+        with hub_errors(self.args.hub_model_id, None):
+            return super().init_hf_repo(*args, **kwargs)
+
+    def push_to_hub(self, *args, **kwargs):
+        with hub_errors(self.hub_model_id or self.args.hub_model_id, self.args.output_dir):
+            return super().push_to_hub(*args, **kwargs)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """[`~transformers.Trainer.train`], restoring the GRPO state of the checkpoint it resumes from."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        if resume_from_checkpoint:
-            self.grpo_callback.load_checkpoint(resume_from_checkpoint, self.args.process_index)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        """
+        [`~transformers.Trainer.train`], after checking the output folder, restoring the GRPO state of the checkpoint
+        it resumes from.
+
+        Args:
+            resume_from_checkpoint (`str` or `bool`, *optional*):
+                A checkpoint folder; `True` for the newest complete checkpoint of `output_dir` (an error when there is
+                none); `"last"` for the newest complete checkpoint, or a fresh start when there is none, so that one
+                command both starts a run and resumes it after a crash (see [`~grpo_hf.checkpoints`]).
+
+        Raises:
+            [`~grpo_hf.errors.OutputDirError`]: the first `train()` of this trainer does not resume and `output_dir`
+                holds another run, and `overwrite_output_dir` is off (every rank raises, before any work).
+            [`~grpo_hf.errors.CheckpointError`]: the checkpoint is missing, incomplete, corrupt or from another setup.
+        """
+        checkpoint = resolve_resume_checkpoint(self.args.output_dir, resume_from_checkpoint)
+        self._claim_output_dir(resuming=checkpoint is not None, restarting=resume_from_checkpoint == LAST)
+        if checkpoint is not None:
+            self.grpo_callback.load_checkpoint(checkpoint, self.args.process_index, self.args.world_size)
+            finished = self._finished_run(checkpoint)
+            if finished is not None:
+                return finished
+        return super().train(checkpoint, *args, **kwargs)
+
+    def _finished_run(self, checkpoint: str) -> TrainOutput | None:
+        """
+        A checkpoint that already holds all `max_steps` steps (e.g. a worker died after the last save and torchrun
+        restarted the job with `"last"`): load its weights and state and train nothing. The Trainer itself would run
+        one more optimizer step before checking `max_steps` (transformers 5.x), so that a restart would change a
+        finished model. Returns `None` when steps are left (or the run is bounded by epochs).
+        """
+        path = os.path.join(checkpoint, TRAINER_STATE_FILE)
+        if not os.path.isfile(path):  # not a Trainer checkpoint: the Trainer says so itself
+            return None
+        state = TrainerState.load_from_json(path)
+        if not 0 < self.args.max_steps <= state.global_step:
+            return None
+        logger.warning(
+            f"{checkpoint} already holds all max_steps={self.args.max_steps} steps: nothing left to train, its model "
+            "is loaded as is. Raise max_steps to train further."
+        )
+        self._load_from_checkpoint(checkpoint)  # the Trainer's own loader (private; transformers < 5.30 pinned)
+        self.state = state
+        losses = [entry["train_loss"] for entry in state.log_history if "train_loss" in entry]
+        return TrainOutput(state.global_step, losses[-1] if losses else float("nan"), {})
+
+    def _claim_output_dir(self, resuming: bool, restarting: bool) -> None:
+        """
+        Refuse an `output_dir` that holds another run (its results, saved model or checkpoints) on the first `train()`
+        of this trainer, unless it resumes or `overwrite_output_dir` is set (then the old run's files are deleted, so
+        that no later resume can pick up one of its checkpoints). Every rank raises the same error.
+        """
+        if self._grpo_output_dir_checked:  # later train() calls of this trainer find its own files
+            return
+        output_dir, overwrite = self.args.output_dir, bool(getattr(self.args, "overwrite_output_dir", False))
+        ignore = incomplete_checkpoints(output_dir) if restarting else ()
+        try:
+            check_output_dir(output_dir, overwrite=overwrite, resuming=resuming, ignore=ignore)
+            problem = None
+        except OutputDirError as err:
+            problem = str(err)
+        if self.accelerator.num_processes > 1:  # one rank's view (e.g. another node's disk) stops every rank
+            problem = next((p for p in gather_object([problem]) if p), None)
+        if problem is not None:
+            raise OutputDirError(problem)
+        if overwrite and not resuming:
+            if self.args.should_save:
+                removed = remove_run_files(output_dir)
+                if removed:
+                    logger.warning(f"overwrite_output_dir: deleted {', '.join(removed)} from {output_dir}.")
+            self.accelerator.wait_for_everyone()
+        self._grpo_output_dir_checked = True
 
 
 class GRPOTrainer(GRPOMixin, Trainer):

@@ -1,3 +1,4 @@
+import contextlib
 import json
 import subprocess
 import sys
@@ -18,7 +19,7 @@ FAST = [
 
 def test_commands_are_registered():
     names = [register.__name__.removesuffix("_command_parser") for register in cli.COMMANDS]
-    assert names == ["quickstart", "compare", "train", "groups", "env"]
+    assert names == ["quickstart", "compare", "train", "publish", "groups", "env"]
     for name in names:
         assert callable(getattr(cli, f"{name}_command"))
 
@@ -97,3 +98,46 @@ def test_bad_recipe_field_is_an_error_message(tmp_path, capsys):
 def test_commands_without_overrides_refuse_extra_arguments():
     with pytest.raises(SystemExit):
         cli.main(["env", "--max_steps", "3"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--grpo_density", "1.5"], "grpo_density=1.5"),
+        (["--grpo_bits", "3"], "argument --grpo_bits: invalid choice: '3'"),
+        (["--grpo_bits", "abc"], "argument --grpo_bits: invalid choice: 'abc'"),
+        (["--grpo_density", "abc"], "argument --grpo_density: invalid float value: 'abc'"),
+        (["--grpo_compression", "zip"], "argument --grpo_compression: invalid choice: 'zip'"),
+    ],
+)
+def test_groups_refuses_bad_settings_as_train_does(capsys, args, message):
+    with pytest.raises(SystemExit) if "argument" in message else contextlib.nullcontext() as exit_info:
+        rc = cli.main(["groups", "tiny-llama", *args])
+    if exit_info is not None:
+        rc = exit_info.value.code
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_groups_names_a_bad_group_file_without_a_traceback(tmp_path, capsys):
+    bad = tmp_path / "groups.yaml"
+    bad.write_text("groups:\n  - name: qk\n   pattern: q_proj\n")
+    assert cli.main(["groups", "tiny-llama", "--grpo_groups", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"grpo-hf groups: error: {bad}: invalid YAML at line 3") and "Traceback" not in err
+
+
+def test_train_refuses_another_run_and_resumes_last(tmp_path, capsys, caplog):
+    out_dir = tmp_path / "train"
+    command = ["train", str(RECIPES / "tiny.yaml"), *FAST, "--save_strategy", "steps", "--save_steps", "2",
+               "--output_dir", str(out_dir)]  # fmt: skip
+    assert cli.main(command) == 0
+    results = (out_dir / "results.json").read_bytes()
+    capsys.readouterr()
+    assert cli.main(command) == 2  # the first run's results, model and checkpoints are kept
+    err = capsys.readouterr().err
+    assert f"output_dir '{out_dir}' already holds another run" in err and "Traceback" not in err
+    assert (out_dir / "results.json").read_bytes() == results
+    assert cli.main([*command, "--resume_from_checkpoint", "last"]) == 0  # checkpoint-4 is final: nothing to train
+    assert "already holds all max_steps=4 steps" in caplog.text
+    assert json.loads((out_dir / "results.json").read_text())["runs"][0]["steps"] == 4

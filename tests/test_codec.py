@@ -560,3 +560,24 @@ def test_compress_rows_is_compress_row_by_row(density, bits):
         ct = compress(values[row], spec)
         assert torch.equal(serialize(ct), message)
         assert torch.equal(decompress(ct), batch.dense()[row])
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8, 16])
+def test_whole_rows_chunk_by_chunk_are_the_codec(bits, monkeypatch):
+    """`encode_whole` / `decode_whole_into` (the hook's path for rows sent whole) write what `compress_rows` writes."""
+    from grpo_hf.compression.codec import decode_whole_into, encode_whole
+
+    monkeypatch.setattr(_cpu, "CHUNK", 1024)  # several chunks, one of them partial
+    spec = CodecSpec(1.0, bits)
+    row = _randn(128 * 37, seed=bits)
+    scale = torch.rand(row.numel(), generator=torch.Generator().manual_seed(1)) + 0.5
+    acc, own = row.clone(), torch.empty_like(row)
+    message = torch.cat(encode_whole(acc, spec, own, lambda piece: scale[piece]))
+    reference = compress_rows((row / scale).view(1, -1), spec)
+    assert torch.equal(message, torch.cat(reference.messages()))
+    assert torch.equal(own, reference.decoded[0]) and torch.equal(acc, row - own * scale)
+    total = torch.ones_like(row)
+    assert decode_whole_into(message, message.numpy(), 0, total, spec) == message.numel()
+    assert torch.equal(total, 1 + own)
+    empty = encode_whole(torch.zeros(0), spec, torch.zeros(0))
+    assert decode_whole_into(torch.cat(empty), torch.cat(empty).numpy(), 0, torch.zeros(0), spec) == HEADER_NBYTES

@@ -24,6 +24,7 @@ from grpo_hf.grouping import (
     assign_groups,
     group_table,
     load_group_spec,
+    parse_group_config,
     shape_kind,
 )
 
@@ -185,7 +186,7 @@ def test_duplicate_and_reserved_names(tmp_path):
     with pytest.raises(GroupConfigError, match="neither a preset"):
         load_group_spec(str(tmp_path / "missing.json"))
     (tmp_path / "broken.json").write_text("{not json")
-    with pytest.raises(GroupConfigError, match="cannot parse"):
+    with pytest.raises(GroupConfigError, match=r"broken.json: invalid JSON at line 1"):
         load_group_spec(str(tmp_path / "broken.json"))
 
 
@@ -221,3 +222,49 @@ def test_no_trainable_parameters_is_an_error():
     model = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(GroupConfigError, match="no trainable parameter"):
         assign_groups(model, load_group_spec("semantic"))
+
+
+def test_lr_ratios_come_from_rules_then_patterns():
+    from grpo_hf.grouping import lr_ratios
+
+    spec = parse_group_config({"groups": [{"name": "qk", "pattern": "q_proj|k_proj", "lr_ratio": 2}]})
+    groups = assign_groups(llama(), spec)
+    ratios = lr_ratios(groups, {"q*": 9.0, "def*": 0.5})
+    assert ratios == {"qk": 2.0, "default": 0.5}  # the rule's own ratio wins over a matching pattern
+    assert lr_ratios(groups) == {"qk": 2.0, "default": 1.0}
+    rows = {r["group"]: r for r in group_table(groups, None, {"default": 0.5})}
+    assert rows["default"]["lr_ratio"] == 0.5 and rows["qk"]["lr_ratio"] == 2.0
+
+
+@pytest.mark.parametrize("ratio", [0, -1, "2", True, float("inf")])
+def test_bad_lr_ratio_in_a_group_file(ratio):
+    with pytest.raises(GroupConfigError, match="'qk'.*lr_ratio"):
+        parse_group_config({"groups": [{"name": "qk", "pattern": "q_proj", "lr_ratio": ratio}]}, "my.json")
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("syntax.yaml", "groups:\n  - name: qk\n   pattern: q_proj\n", r"syntax.yaml: invalid YAML at line 3"),
+        ("tag.yaml", "groups: !!python/object/apply:os.system ['true']\n", r"tag.yaml: unsupported YAML tag"),
+        ("importance.yaml", "groups:\n  - {name: qk, pattern: q_proj, importance: sometimes}\n",
+         r"importance.yaml: group 'qk': importance='sometimes' is not a boolean"),
+        ("pattern.yaml", "groups:\n  - {name: qk, pattern: [q_proj]}\n", r"pattern.yaml: group 'qk': 'pattern' must be a string"),
+        ("bits.yaml", "groups:\n  - {name: qk, pattern: q, bits: true}\n", r"bits.yaml: group 'qk': bits=True"),
+        ("bounds.yaml", "groups:\n  - {name: qk, pattern: q, lr_scale_min: low}\n", r"bounds.yaml: group 'qk': lr_scale_min='low'"),
+        ("shape.yaml", "groups: []\nsplit_by_shape: maybe\n", r"shape.yaml: split_by_shape='maybe' is not a boolean"),
+        ("broken.json", '{"groups": [', r"broken.json: invalid JSON at line 1, column 13"),
+    ],
+)  # fmt: skip
+def test_group_file_errors_name_the_file(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(GroupConfigError, match=message):
+        load_group_spec(str(path))
+
+
+def test_binary_group_file_is_named(tmp_path):
+    path = tmp_path / "groups.json"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(GroupConfigError, match=r"groups.json: not a UTF-8 text file"):
+        load_group_spec(str(path))

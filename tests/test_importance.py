@@ -86,3 +86,19 @@ def test_state_dict_round_trip_and_mismatch():
     assert torch.equal(restored.update(t(2.0, 2.0)), state.update(t(2.0, 2.0)))
     with pytest.raises(ValueError, match="differ from this run"):
         make_state(names=["a", "c"]).load_state_dict(state.state_dict())
+
+
+def test_coherence_scores_are_floored_cosines_times_the_log_count():
+    from grpo_hf.importance import COHERENCE_FLOOR
+
+    scores = group_scores(
+        torch.tensor([1.0, 2.0, 3.0]),
+        torch.tensor([10.0, 10.0, 10.0]),
+        torch.tensor([1, 3, 7]),
+        kind="coherence",
+        coherence=torch.tensor([0.5, -0.2, 1.0]),
+    )
+    expected = torch.tensor([0.5 * math.log(2), COHERENCE_FLOOR * math.log(4), 1.0 * math.log(8)], dtype=torch.float64)
+    torch.testing.assert_close(scores, expected, rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="cosine"):
+        group_scores(torch.ones(1), torch.ones(1), torch.ones(1), kind="coherence")

@@ -125,7 +125,7 @@ def test_full_fine_tune_twin_under_torchrun_multi_node_form(tmp_path):
     out = tmp_path / "ddp"
     run = run_torchrun(
         "-m", "grpo_hf.cli", "train", "recipes/full_ft_tiny.yaml", "--use_cpu", "true", "--output_dir", str(out),
-        launcher_args=["--nnodes", "1", "--node_rank", "0"], cwd=ROOT, timeout=300,
+        torchrun_args=("--nnodes", "1", "--node_rank", "0"), cwd=ROOT, timeout=300,
     )  # fmt: skip
     row = _ddp_result(run, out)
     _assert_ddp_and_hooked(row, steps=6)

@@ -255,3 +255,39 @@ def test_smollm2_quickstart_pipeline_runs(tmp_path):
     trainer, grpo = results["runs"]
     assert trainer["perplexity_before"] == grpo["perplexity_before"] < 30
     assert trainer["trainable_params"] == 2_442_240
+
+
+# --- the noise of timed ratios, and the saved models (what grpo-hf publish uploads) ---
+
+
+def test_comparison_measures_the_noise_of_timed_ratios(comparison):
+    from grpo_hf.noise import TIMED_KEYS
+
+    results, _, out = comparison
+    saved = json.loads((out / "results.json").read_text())
+    timing = saved["timing_noise"]
+    assert timing["rounds"] == 2 and timing["window_steps"] == 4
+    # interleaved: T G in the first round, G T in the second
+    assert [(w["round"], w["name"]) for w in timing["windows"]] == [
+        (0, "trainer"),
+        (0, "grpo"),
+        (1, "grpo"),
+        (1, "trainer"),
+    ]
+    assert all(w["train_seconds"] > 0 and w["total_usd"] > 0 for w in timing["windows"])
+    noise = saved["ratio_noise"]
+    assert set(noise) == set(TIMED_KEYS)
+    for key, entry in noise.items():
+        assert entry["ratio"] == pytest.approx(results["ratios"][key])
+        assert len(entry["window_ratios"]) == 2 and entry["within_noise"] in (True, False)
+        low, high = entry["band"]
+        assert low <= entry["ratio"] <= high and all(low <= r <= high for r in entry["window_ratios"])
+    report = (out / "report.md").read_text()
+    assert "**Noise** of the timed ratios: 2 rounds of 4-step windows" in report
+    assert "Bytes, steps and perplexity are exact." in report
+
+
+def test_comparison_saves_each_runs_model(comparison):
+    _, _, out = comparison
+    for kind in ("trainer", "grpo"):
+        assert (out / kind / "model.safetensors").is_file() and (out / kind / "tokenizer.json").is_file()

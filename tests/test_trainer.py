@@ -101,7 +101,7 @@ def test_importance_off_matches_plain_trainer(tmp_path):
     )
     grpo.train()
     for (name, p), q in zip(plain.model.named_parameters(), grpo.model.parameters()):
-        torch.testing.assert_close(p, q, msg=name)
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)  # bit-identical, not merely close
 
 
 def test_plain_training_arguments_get_grpo_defaults(tmp_path):
@@ -260,3 +260,64 @@ def test_auto_compression_is_off_on_one_process(tmp_path):
     assert trainer.grpo_compression == "none" and trainer.grpo_comm_state is None
     trainer.train()
     assert "grpo/comm/bytes_sent" not in train_logs(trainer)[-1]
+
+
+@pytest.mark.parametrize("importance", [False, True])
+def test_lr_ratios_scale_their_groups_and_keep_weight_decay(tmp_path, importance):
+    """A static ratio multiplies the group's scheduled LR; the importance multipliers stay normalized on their own."""
+    args = make_args(
+        tmp_path,
+        max_steps=6,
+        weight_decay=0.1,
+        grpo_importance=importance,
+        grpo_lr_ratios='{"embeddings": 3, "attn_*": 0.5}',
+    )
+    trainer = GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
+    assert trainer.grpo_lr_ratios["embeddings"] == 3.0 and trainer.grpo_lr_ratios["attn_qk"] == 0.5
+    assert trainer.grpo_lr_ratios["ffn"] == 1.0
+    trainer.train()
+    decayed = {g["grpo_group"]: g["weight_decay"] for g in trainer.optimizer.param_groups if g["weight_decay"] > 0}
+    assert decayed and set(decayed.values()) == {0.1}  # as the user set it, whatever the ratio
+    assert {g["weight_decay"] for g in trainer.optimizer.param_groups} == {0.0, 0.1}
+    last = train_logs(trainer)[-1]
+    names = [g.name for g in trainer.grpo_groups]
+    scheduled = last["grpo/lr/ffn"] / last["grpo/lr_scale/ffn"] if importance else last["grpo/lr/ffn"]
+    for name in names:
+        multiplier = last[f"grpo/lr_scale/{name}"] if importance else 1.0
+        expected = scheduled * trainer.grpo_lr_ratios[name] * multiplier
+        assert last[f"grpo/lr/{name}"] == pytest.approx(expected, rel=1e-9), name
+    numels = {g.name: g.numel for g in trainer.grpo_groups}
+    if importance:  # the dynamic part alone averages to 1, the ratios stay as set
+        mean = sum(last[f"grpo/lr_scale/{n}"] * numels[n] for n in names) / sum(numels.values())
+        assert mean == pytest.approx(1.0, abs=1e-9)
+    # the scheduler's value is restored after every step: ratios never compound
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(trainer.lr_scheduler.get_last_lr()[0])
+
+
+def test_group_file_lr_ratio_wins_over_the_config(tmp_path):
+    groups = tmp_path / "groups.json"
+    groups.write_text('{"groups": [{"name": "emb", "pattern": "embed_tokens", "lr_ratio": 2.5}]}')
+    args = make_args(tmp_path, max_steps=1, grpo_groups=str(groups), grpo_lr_ratios={"emb": 7, "default": 0.5})
+    trainer = GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
+    assert trainer.grpo_lr_ratios == {"emb": 2.5, "default": 0.5}
+
+
+@pytest.mark.parametrize("bad", ['{"x": 0}', '{"x": -1}', '{"x": "fast"}', "[1, 2]", "{not json"])
+def test_bad_lr_ratios_are_refused(tmp_path, bad):
+    with pytest.raises(ValueError, match="grpo_lr_ratios"):
+        make_args(tmp_path, grpo_lr_ratios=bad)
+
+
+def test_coherence_importance_follows_gradient_momentum_agreement(tmp_path):
+    args = make_args(tmp_path, max_steps=8, grpo_importance_score="coherence")
+    trainer = GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
+    trainer.train()
+    imp = trainer.grpo_callback.importance
+    logs = train_logs(trainer)
+    names = [g.name for g in trainer.grpo_groups]
+    # the score is the floored cosine times ln(count + 1): between 0.05 ln(9) and ln(9) after 8 steps
+    for name in names:
+        assert 0.05 * math.log(9) - 1e-9 <= logs[-1][f"grpo/importance/{name}"] <= math.log(9) + 1e-9
+    assert len({round(logs[-1][f"grpo/lr_scale/{n}"], 9) for n in names}) > 1
+    weighted = sum(float(m) * n for m, n in zip(imp.multipliers, imp.numels)) / float(imp.numels.sum())
+    assert weighted == pytest.approx(1.0, abs=1e-9)

@@ -93,16 +93,60 @@ def quantize_blocks(blocks: torch.Tensor, bits: int, with_codes: bool):
     )
 
 
+CHUNK = 1 << 18  # entries: temporaries of this size stay in cache and are recycled (no page faults)
+
+
 def ternary_to_wire(decoded: torch.Tensor) -> list[np.ndarray]:
     """Bitmap of the non-zero values then one sign bit per non-zero value, per row of `[T, k]` fp32 (little-endian)."""
-    host = decoded.detach().numpy()
-    nonzero = host != 0
-    bitmap = np.packbits(nonzero, axis=1, bitorder="little")
-    negative = host < 0
-    return [
-        np.concatenate([bits, np.packbits(np.compress(mask, neg), bitorder="little")])
-        for bits, mask, neg in zip(bitmap, nonzero, negative)
-    ]
+    out = []
+    for row in decoded.detach().numpy():
+        bitmap, signs = [], []
+        for start in range(0, row.size, CHUNK):  # CHUNK is a multiple of 8: the bitmap pieces are whole bytes
+            piece = row[start : start + CHUNK]
+            nonzero = piece != 0
+            bitmap.append(np.packbits(nonzero, bitorder="little"))
+            signs.append(np.compress(nonzero, piece < 0))
+        out.append(np.concatenate([*bitmap, np.packbits(np.concatenate(signs), bitorder="little")]))
+    return out
+
+
+def ternary_add_into(wire: np.ndarray, scales: np.ndarray, total: np.ndarray, block_size: int, add: bool) -> int:
+    """
+    Decode one 2-bit row from the start of `wire` (its `scales` per block) into `total` (`+=` when `add`, else `=`)
+    chunk by chunk; returns the wire bytes used.
+    """
+    k = total.size
+    bitmap_bytes = (k + 7) // 8
+    signs_at, read = bitmap_bytes * 8, 0  # bit position of the next sign
+    for start in range(0, k, CHUNK):
+        stop = min(k, start + CHUNK)
+        nonzero = np.unpackbits(wire[start // 8 : (stop + 7) // 8], bitorder="little", count=stop - start)
+        positions = np.flatnonzero(nonzero)
+        first = signs_at + read
+        raw = np.unpackbits(wire[first // 8 : (first + positions.size + 7) // 8 + 1], bitorder="little")
+        negative = raw[first % 8 : first % 8 + positions.size].view(np.bool_)
+        read += positions.size
+        values = np.zeros(stop - start, dtype=np.float32)
+        magnitudes = scales[(positions + start) // block_size]
+        values[positions] = np.where(negative, -magnitudes, magnitudes)
+        if add:
+            total[start:stop] += values
+        else:
+            total[start:stop] = values
+    return bitmap_bytes + (read + 7) // 8
+
+
+def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
+    """`[n, bytes]` biased codes at 4 or 8 bits and `[n]` scales -> `[n, block]` fp32 (`code * scale`)."""
+    if bits == 4:
+        fields = np.empty((codes.shape[0], codes.shape[1], 2), dtype=np.uint8)
+        np.bitwise_and(codes, 15, out=fields[..., 0])
+        np.right_shift(codes, 4, out=fields[..., 1])
+        codes = fields.reshape(codes.shape[0], -1)
+    values = codes.astype(np.float32)
+    values -= np.float32(1 << (bits - 1))
+    values *= scales[:, None]
+    return values
 
 
 def ternary_from_wire(wire: np.ndarray, scales: np.ndarray, k: int, block_size: int) -> tuple[np.ndarray, int]:
@@ -167,4 +211,14 @@ def topk_positions(rows: np.ndarray, k: int) -> np.ndarray:
     return positions.astype(np.int64, copy=False)
 
 
-__all__ = ["block_absmax", "quantize_blocks", "scratch", "ternary_from_wire", "ternary_to_wire", "topk_positions"]
+__all__ = [
+    "CHUNK",
+    "block_absmax",
+    "dequantize_blocks",
+    "quantize_blocks",
+    "scratch",
+    "ternary_add_into",
+    "ternary_from_wire",
+    "ternary_to_wire",
+    "topk_positions",
+]

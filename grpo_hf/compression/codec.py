@@ -32,22 +32,26 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from . import _cpu
 from .indices import IndexScheme, decode_indices, decode_positions, encode_positions, view_as
-from .quantize import dequantize, pack_fields, quantize_blocks, to_blocks
+from .quantize import dequantize, dequantize_blocks, pack_fields, quantize_blocks, to_blocks
 from .spec import CodecSpec, dense_bytes, num_kept, scale_bytes, value_bytes
 from .topk import topk_positions
 from .wire import (
     FLAG_NONFINITE,
     HEADER_NBYTES,
     message_nbytes,
+    pack_header,
     read_rows,
     ternary_from_wire,
     ternary_nbytes,
+    ternary_to_wire,
     unpack_header,
     write_rows,
 )
@@ -144,9 +148,114 @@ def read_batch(
     return positions, decoded, offset
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Rows of which every entry is sent (density 1), chunk by chunk
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def chunk_slices(length: int, device: torch.device) -> list[slice]:
+    """
+    The pieces a long row is processed in: `_cpu.CHUNK` entries on CPU, where temporaries of that size stay in cache
+    and are recycled by the allocator (full-size temporaries cost more in page faults than the arithmetic), the whole
+    row elsewhere.
+    """
+    step = _cpu.CHUNK if device.type == "cpu" else max(1, length)
+    return [slice(start, min(start + step, length)) for start in range(0, length, step)]
+
+
+def encode_whole(
+    acc: torch.Tensor,
+    spec: CodecSpec,
+    own: torch.Tensor,
+    scale_of: Callable[[slice], torch.Tensor | None] | None = None,
+    flags: int = 0,
+    clip: float | None = None,
+) -> list[torch.Tensor]:
+    """
+    Compress a finite `[length]` fp32 row of which every entry is sent (`length` a multiple of the block size), with
+    error feedback, chunk by chunk: the values are divided by `scale_of(piece)` (per entry; `None` for 1) before they
+    are quantized (and clamped to `[-clip, clip]` when `clip` is given), `own` receives the decoded (divided) values,
+    and `acc` becomes what was not sent, `acc - own * scale`. Returns the message, as [`compress_rows`] would write it
+    for this row.
+    """
+    block, bits = spec.block_size, spec.bits
+    scales, codes = [], []
+    for piece in chunk_slices(acc.numel(), acc.device):
+        scale = scale_of(piece) if scale_of is not None else None
+        values = acc[piece] if scale is None else acc[piece] / scale
+        if clip is not None:  # at most `clip` of its scale per entry and step; the rest waits in the residual
+            values = values.clamp(-clip, clip)
+        code, block_scales, decoded = quantize_blocks(values.view(-1, block), bits, with_codes=bits != 2)
+        decoded = decoded.view(-1)
+        own[piece] = decoded
+        acc[piece] -= decoded if scale is None else decoded * scale
+        scales.append(block_scales)
+        codes.append(code)
+    header = torch.frombuffer(bytearray(pack_header(int(IndexScheme.DENSE), bits, block, acc.numel(), 0, flags)),
+                              dtype=torch.uint8).to(acc.device)  # fmt: skip
+    if not scales:  # an empty row (a rank that owns none of a segment's blocks): the header alone
+        return [header]
+    pieces = [header, torch.cat(scales).view(torch.uint8)]
+    if bits == 2:
+        pieces += ternary_to_wire(own.view(1, -1))
+    else:
+        pieces.append(torch.cat([c.reshape(-1) for c in codes]).view(torch.uint8))
+    return pieces
+
+
+def decode_whole_into(
+    buffer: torch.Tensor, host: np.ndarray, offset: int, total: torch.Tensor, spec: CodecSpec, add: bool = True
+) -> int:
+    """
+    Decode the message [`encode_whole`] wrote for a row of `total.numel()` entries, from `offset` of a `uint8` buffer
+    (`host`: its numpy copy), into `total` (`+=` when `add`, else `=`), chunk by chunk. Returns the offset after it.
+    """
+    length, block, bits = total.numel(), spec.block_size, spec.bits
+    scheme, got_bits, _flags, got_block, got_k, _ = unpack_header(host, offset)
+    if (scheme, got_bits, got_block, got_k) != (IndexScheme.DENSE, bits, block, length):
+        raise ValueError(
+            f"corrupt message: scheme {scheme}, {got_bits} bits, block {got_block}, {got_k} values; expected a dense "
+            f"row of {length} values at {bits} bits, block {block}. Every rank must run the same model, settings and "
+            "grpo_hf version."
+        )
+    start = offset + HEADER_NBYTES
+    nblocks = length // block
+    scales = view_as(buffer[start : start + 4 * nblocks], torch.float32)
+    start += 4 * nblocks
+    if bits == 2 and total.device.type == "cpu":
+        return start + _cpu.ternary_add_into(host[start:], scales.numpy(), total.numpy(), block, add)
+    if bits == 2:
+        decoded, used = ternary_from_wire(buffer[start:], scales, length, block)
+        total.add_(decoded) if add else total.copy_(decoded)
+        return start + used
+    per_block = block * bits // 8
+    for piece in chunk_slices(length, total.device):
+        first, last = piece.start // block, piece.stop // block
+        raw = buffer[start + first * per_block : start + last * per_block]
+        if bits == 16:
+            decoded = view_as(raw, torch.float16).view(-1, block).float() * scales[first:last, None]
+        elif total.device.type == "cpu":
+            codes = host[start + first * per_block : start + last * per_block].reshape(last - first, per_block)
+            decoded = torch.from_numpy(_cpu.dequantize_blocks(codes, scales[first:last].numpy(), bits))
+        else:
+            decoded = dequantize_blocks(raw.view(last - first, per_block), scales[first:last], bits, block)
+        decoded = decoded.reshape(-1)
+        total[piece].add_(decoded) if add else total[piece].copy_(decoded)
+    return start + nblocks * per_block
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """
+    Whether every tensor is free of NaN/Inf: the one non-finite check of grpo_hf. One `aminmax` pass per tensor (NaN
+    propagates; much faster than `isfinite().all()`) and one device sync in all.
+    """
+    extremes = [torch.stack(torch.aminmax(t.detach().reshape(-1))).float() for t in tensors if t.numel()]
+    return not extremes or bool(torch.isfinite(torch.cat(extremes)).all())
+
+
 def has_nonfinite(t: torch.Tensor) -> bool:
-    """Whether `t` holds a NaN or an Inf (one device sync; `amax` propagates NaN, 25x faster than `isfinite().all()`)."""
-    return t.numel() > 0 and not bool(torch.isfinite(t.detach().abs().amax()))
+    """Whether `t` holds a NaN or an Inf (see [`all_finite`])."""
+    return not all_finite([t])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -367,10 +476,14 @@ __all__ = [
     "CompressedTensor",
     "IndexScheme",
     "RowBatch",
+    "all_finite",
     "compress",
     "compress_rows",
     "compress_with_feedback",
+    "chunk_slices",
+    "decode_whole_into",
     "decompress",
+    "encode_whole",
     "dense_bytes",
     "deserialize",
     "has_nonfinite",

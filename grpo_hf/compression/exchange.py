@@ -31,9 +31,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from .codec import compress_rows, read_batch
+from .codec import chunk_slices, compress_rows, decode_whole_into, encode_whole, read_batch
 from .layout import Segment
-from .state import GRPOCommState, StepStats, segment_slots
+from .state import GRPOCommState, StepStats
+from .store import RowScales, segment_slots
 from .traffic import allgather_bytes, alltoall_bytes
 
 
@@ -77,12 +78,6 @@ class Collectives:
         dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
         self._timed(start)
         return recv
-
-
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every tensor is free of NaN/Inf: one `aminmax` per tensor (NaN propagates) and one sync in all."""
-    extremes = [torch.stack(torch.aminmax(t.detach().reshape(-1))).float() for t in tensors if t.numel()]
-    return not extremes or bool(torch.isfinite(torch.cat(extremes)).all())
 
 
 def accumulate(state: GRPOCommState, segment: Segment, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -134,27 +129,70 @@ def dense_entries(comm: Collectives, stats: StepStats, grads: list[torch.Tensor]
     stats.dense(vector.numel(), count_as)
 
 
+def _encode(row: torch.Tensor, spec, own: torch.Tensor, scales: RowScales | None, num_values: int) -> list:
+    """
+    Compress `row` (grad + residual; it becomes the new residual in place) relative to `scales`; `own` receives the
+    decoded values (divided by the scales). Rows of which every entry is sent go chunk by chunk.
+    """
+    if spec.density >= 1.0:
+        return encode_whole(row, spec, own, scales, clip=None if scales is None else scales.clip)
+    scale = None if scales is None else scales()
+    values = _scaled(row, scale)
+    if scales is not None and scales.clip is not None:
+        values = values.clamp(-scales.clip, scales.clip)
+    batch = compress_rows(values.view(1, -1), spec, num_values=num_values)
+    decoded = batch.dense()[0]
+    own.copy_(decoded)
+    row.sub_(_unscaled(decoded, scale))
+    return batch.messages()
+
+
+def _decode_into(message, host, offset: int, total: torch.Tensor, spec, num_values: int) -> int:
+    """Add the decoded values of the message at `offset` into `total`; returns the offset after it."""
+    if spec.density >= 1.0:
+        return decode_whole_into(message, host, offset, total, spec, add=True)
+    positions, decoded, offset = read_batch(message, host, offset, 1, total.numel(), spec, num_values)
+    if positions is None:
+        total += decoded[0]
+    else:
+        total.index_add_(0, positions[0], decoded[0])
+    return offset
+
+
+def _finish(state: GRPOCommState, segment: Segment, grads, total: torch.Tensor, scales: RowScales | None, divide):
+    """`averaged = total / divide * scale`, piece by piece, written into the gradients; the scales' EMA takes it in."""
+    for piece in chunk_slices(total.numel(), total.device):
+        values = total[piece]
+        if divide != 1:
+            values.div_(divide)
+        if scales is not None:
+            values.mul_(scales(piece))
+    _write(segment, grads, total)
+    state.track_scale(segment, total)
+
+
 def allgather_segments(
-    state: GRPOCommState, comm: Collectives, segments: list[Segment], grads: list[list[torch.Tensor]], count_as: int
+    state: GRPOCommState,
+    comm: Collectives,
+    segments: list[Segment],
+    grads: list[list[torch.Tensor]],
+    count_as: int,
+    finite: bool,
 ) -> bool:
     """
-    The all-gather exchange of a bucket's segments (see the module docstring). Returns `False`, with nothing
-    written, when a rank flagged a NaN/Inf (the caller then sends the bucket dense).
+    The all-gather exchange of a bucket's segments (see the module docstring); `finite` tells whether this rank's
+    gradients are free of NaN/Inf. Returns `False`, with nothing written, when a rank flagged a NaN/Inf (the caller
+    then sends the bucket dense).
     """
     stats, world_size, rank = state._step, comm.world_size, comm.rank
-    finite = all_finite([g for seg_grads in grads for g in seg_grads])
     own, scales, pieces = [], [], []
     if finite:
         for segment, seg_grads in zip(segments, grads):
             acc = accumulate(state, segment, seg_grads)
-            scale = state.gradient_scale(segment, acc.device)
-            batch = compress_rows(_scaled(acc, scale).view(1, -1), segment.spec, num_values=segment.num_values())
-            decoded = batch.dense()[0]
-            acc.sub_(_unscaled(decoded, scale))  # the residual
-            own.append(decoded)
-            scales.append(scale)
-            pieces += batch.messages()
-            stats.kept += min(batch.num_values, segment.numel)
+            scales.append(state.scales_of(segment, acc.device))
+            own.append(state.buffer("own", segment.key, segment.length, acc.device))
+            pieces += _encode(acc, segment.spec, own[-1], scales[-1], segment.num_values())
+            stats.kept += min(segment.num_values(), segment.numel)
     payload = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=grads[0][0].device)
     meta = torch.tensor([payload.numel(), int(not finite)], dtype=torch.int64, device=payload.device)
     metas = torch.stack(comm.all_gather(meta)).tolist()
@@ -162,65 +200,57 @@ def allgather_segments(
     if any(flag for _, flag in metas):
         return False
     longest = max(size for size, _ in metas)
-    padded = torch.cat([payload, payload.new_zeros(longest - payload.numel())])
-    messages = comm.all_gather(padded)
+    if payload.numel() < longest:  # gloo gathers equal sizes only
+        payload = torch.cat([payload, payload.new_zeros(longest - payload.numel())])
+    messages = comm.all_gather(payload)
     stats.bytes_sent += allgather_bytes(longest, count_as)
-    totals = [torch.zeros(segment.length, dtype=torch.float32, device=payload.device) for segment in segments]
+    totals = [state.buffer("total", s.key, s.length, payload.device).zero_() for s in segments]
     for source, message in enumerate(messages):  # in rank order on every rank: bit-identical sums
         host = message.cpu().numpy() if source != rank else None
         offset = 0
         for segment, total, mine in zip(segments, totals, own):
             if source == rank:
                 total += mine
-                continue
-            positions, decoded, offset = read_batch(
-                message, host, offset, 1, segment.length, segment.spec, segment.num_values()
-            )
-            _add_row(total, positions, decoded[0])
+            else:
+                offset = _decode_into(message, host, offset, total, segment.spec, segment.num_values())
     for segment, seg_grads, total, scale in zip(segments, grads, totals, scales):
-        averaged = _unscaled(total.div_(world_size), scale)
-        _write(segment, seg_grads, averaged)
-        state.track_scale(segment, averaged)
+        _finish(state, segment, seg_grads, total, scale, world_size)
     return True
 
 
-def _add_row(total: torch.Tensor, positions: torch.Tensor | None, decoded: torch.Tensor) -> None:
-    if positions is None:
-        total += decoded
-    else:
-        total.index_add_(0, positions[0], decoded)
-
-
 def allreduce_segments(
-    state: GRPOCommState, comm: Collectives, segments: list[Segment], grads: list[list[torch.Tensor]], count_as: int
+    state: GRPOCommState,
+    comm: Collectives,
+    segments: list[Segment],
+    grads: list[list[torch.Tensor]],
+    count_as: int,
+    finite: bool,
 ) -> bool:
     """
-    The all-reduce exchange of a bucket's segments with owner-side error feedback (see the module docstring).
-    Returns `False`, with nothing written, when a rank flagged a NaN/Inf.
+    The all-reduce exchange of a bucket's segments with owner-side error feedback (see the module docstring);
+    `finite` tells whether this rank's gradients are free of NaN/Inf. Returns `False`, with nothing written, when a
+    rank flagged a NaN/Inf.
     """
     stats, world_size, rank = state._step, comm.world_size, comm.rank
     device = grads[0][0].device
-    finite = all_finite([g for seg_grads in grads for g in seg_grads])
     to_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
     own, scales = [], []  # own: this rank's decoded contribution to the blocks it owns, per segment
     if finite:
         for segment, seg_grads in zip(segments, grads):
             acc = accumulate(state, segment, seg_grads)
-            scale = state.gradient_scale(segment, device)
-            blocks = _scaled(acc, scale).view(segment.num_blocks, -1)
-            decoded = torch.zeros_like(blocks)
+            scale = state.scales_of(segment, device)
+            blocks = acc.view(segment.num_blocks, -1)
             for owner, owned in enumerate(segment.owned_blocks(world_size)):
                 owned = owned.to(device)
-                row = blocks.index_select(0, owned).view(1, -1)
+                row = blocks.index_select(0, owned).view(-1)
+                part = state.buffer(("own", owner), segment.key, row.numel(), device)
                 k = segment.num_values(row.numel(), segment.owned_numel(world_size, owner))
-                batch = compress_rows(row, segment.spec, num_values=k)
-                part = batch.dense()[0]
-                decoded.index_copy_(0, owned, part.view(-1, blocks.shape[1]))
-                to_rank[owner] += batch.messages()
-                stats.kept += min(batch.num_values, row.numel())
+                owned_scales = None if scale is None else scale.owned(owned, segment.spec.block_size)
+                to_rank[owner] += _encode(row, segment.spec, part, owned_scales, k)
+                blocks.index_copy_(0, owned, row.view(-1, blocks.shape[1]))  # the residual of those blocks
+                stats.kept += min(k, row.numel())
                 if owner == rank:
                     own.append(part)
-            acc.sub_(_unscaled(decoded.view(-1), scale))  # the residual
             scales.append(scale)
     sends = [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device) for parts in to_rank]
     # [bytes for rank r, non-finite flag, bytes in all] to every rank r: every rank learns every rank's total, so
@@ -245,41 +275,36 @@ def allreduce_segments(
         owned = segment.owned_blocks(world_size)[rank].to(device)
         length = owned.numel() * segment.spec.block_size
         owned_k = segment.num_values(length, segment.owned_numel(world_size, rank))
-        total = torch.zeros(length, dtype=torch.float32, device=device)
+        total = state.buffer("owned_total", segment.key, length, device).zero_()
         for source in range(world_size):
             if source == rank:
                 total += own[index]
-                continue
-            message = contributions[source]
-            positions, decoded, offsets[source] = read_batch(
-                message, hosts[source], offsets[source], 1, length, segment.spec, owned_k
-            )
-            _add_row(total, positions, decoded[0])
-        scale = scales[index]
-        owned_scale = None if scale is None else scale.view(segment.num_blocks, -1).index_select(0, owned).view(-1)
+            else:
+                offsets[source] = _decode_into(
+                    contributions[source], hosts[source], offsets[source], total, segment.spec, owned_k
+                )
+        owned_scales = None if scales[index] is None else scales[index].owned(owned, segment.spec.block_size)
         slots = segment.owned_slots(world_size, rank)
         key = (segment.key, world_size, rank)
         residual = state.owner_residuals.row(key, slots, length, device)
         acc = state.owner_residuals.scratch(key, length, device)
-        torch.add(residual, _unscaled(total.div_(world_size), owned_scale), out=acc)
-        batch = compress_rows(_scaled(acc, owned_scale).view(1, -1), segment.spec, num_values=owned_k)
-        acc.sub_(_unscaled(batch.dense()[0], owned_scale))  # the owner's residual
+        for piece in chunk_slices(length, device):  # the owner's acc = its residual + the mean, in gradient units
+            mean = total[piece].div_(world_size)
+            torch.add(residual[piece], _unscaled(mean, None if owned_scales is None else owned_scales(piece)),
+                      out=acc[piece])  # fmt: skip
+        out_pieces += _encode(acc, segment.spec, own[index], owned_scales, owned_k)  # acc: the owner's residual
         state.owner_residuals.stage(key, slots, acc)
-        out_pieces += batch.messages()
-        own[index] = batch.dense()[0]
 
     # All-gather of the owners' messages (padded to the longest), decoded in owner order on every rank.
     mine = torch.cat(out_pieces) if out_pieces else torch.zeros(0, dtype=torch.uint8, device=device)
-    lengths = [
-        int(n) for n in torch.stack(comm.all_gather(torch.tensor([mine.numel()], device=device))).view(-1).tolist()
-    ]
+    sizes = torch.stack(comm.all_gather(torch.tensor([mine.numel()], device=device))).view(-1).tolist()
     stats.bytes_sent += allgather_bytes(8, count_as)
-    longest = max(lengths)
+    longest = max(sizes)
     gathered = comm.all_gather(torch.cat([mine, mine.new_zeros(longest - mine.numel())]))
     stats.bytes_sent += (
         allgather_bytes(longest, count_as) if world_size > 1 else allgather_bytes(longest / count_as, count_as)
     )
-    averaged = [torch.empty(segment.length, dtype=torch.float32, device=device) for segment in segments]
+    averaged = [state.buffer("total", segment.key, segment.length, device) for segment in segments]
     for owner, message in enumerate(gathered):
         host = message.cpu().numpy() if owner != rank else None
         offset = 0
@@ -290,17 +315,14 @@ def allreduce_segments(
             if owner == rank:
                 values = own[index]
             else:
-                positions, decoded, offset = read_batch(message, host, offset, 1, length, segment.spec, owner_k)
-                values = torch.zeros(length, dtype=torch.float32, device=device)
-                _add_row(values, positions, decoded[0])
+                values = state.buffer(("owner", owner), segment.key, length, device).zero_()
+                offset = _decode_into(message, host, offset, values, segment.spec, owner_k)
             averaged[index].view(segment.num_blocks, -1).index_copy_(
                 0, owned, values.view(-1, segment.spec.block_size)
             )
     for segment, seg_grads, row, scale in zip(segments, grads, averaged, scales):
-        row = _unscaled(row, scale)
-        _write(segment, seg_grads, row)
-        state.track_scale(segment, row)
+        _finish(state, segment, seg_grads, row, scale, 1)
     return True
 
 
-__all__ = ["Collectives", "accumulate", "all_finite", "allgather_segments", "allreduce_segments", "dense_entries"]
+__all__ = ["Collectives", "accumulate", "allgather_segments", "allreduce_segments", "dense_entries"]

@@ -26,6 +26,13 @@ Example:
   `2 S` whatever `W`.
 - Warm-up and non-finite steps: `2 (W - 1) / W` times the bucket's bytes in its dtype.
 
+## Non-finite gradients
+
+A NaN or an Inf in any gradient of any rank, in any bucket, makes the whole optimizer step non-finite on every rank
+(a flag in the first collective of a compressed bucket; the all-reduced buffer itself for a dense one): the affected
+buckets are all-reduced raw, so the NaN/Inf reaches every rank's gradients, and the residuals, owner residuals and
+gradient scales staged for the step are discarded. [`~grpo_hf.GRPOTrainer`] then skips the optimizer step.
+
 The baselines `grpo/comm/bytes_dense_fp32` / `_fp16` are a plain all-reduce of every gradient at 4 / 2 bytes per
 entry; `ratio_* = baseline / bytes_sent` (higher is better).
 
@@ -48,7 +55,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from .exchange import Collectives, allgather_segments, allreduce_segments, dense_entries, track_dense_scales
+from .codec import all_finite
+from .exchange import (
+    Collectives,
+    allgather_segments,
+    allreduce_segments,
+    dense_entries,
+    track_dense_scales,
+)
 from .layout import plan_segments
 from .state import GRPOCommState
 from .traffic import allreduce_bytes
@@ -71,17 +85,22 @@ def bucket_layout(state: GRPOCommState, names: list[str | None], numels: list[in
     return layout
 
 
-def exchange_bucket(state: GRPOCommState, comm: Collectives, grads: list[torch.Tensor], names, count_as: int) -> bool:
+def exchange_bucket(
+    state: GRPOCommState, comm: Collectives, grads: list[torch.Tensor], names, count_as: int, buffer=None
+) -> bool:
     """
-    Average `grads` (flat gradient tensors of one bucket, written in place) over the ranks, compressed as the plan
-    says. Returns `False` when the step must go dense (warm-up or a NaN/Inf on some rank); nothing was written then.
+    Average `grads` (flat gradient tensors of one bucket, written in place; `buffer` the flat tensor they are views
+    of, when there is one) over the ranks, compressed as the plan says. Returns `False` when the step must go dense
+    (warm-up or a NaN/Inf on some rank); nothing was written then.
     """
     segments, members, dense = bucket_layout(state, names, [g.numel() for g in grads])
     if state.warming_up or not segments:
         return False
     seg_grads = [[grads[i] for i in indices] for indices in members]
     exchange = allgather_segments if state.mode == "allgather" else allreduce_segments
-    if not exchange(state, comm, segments, seg_grads, count_as):
+    # The flag covers the dense entries too: a NaN anywhere in the step must leave every residual unchanged.
+    finite = all_finite([buffer] if buffer is not None else grads)  # one pass over the bucket when it is flat
+    if not exchange(state, comm, segments, seg_grads, count_as, finite):
         state.mark_nonfinite()
         return False
     dense_entries(comm, state._step, [grads[i] for i in dense], count_as)
@@ -116,11 +135,13 @@ def grpo_comm_hook(state: GRPOCommState, bucket: dist.GradBucket) -> torch.futur
     comm = Collectives(state)
     grads = [g.view(-1) for g in bucket.gradients()]
     warmup = state.warming_up
-    if not exchange_bucket(state, comm, grads, names, state.world_size):
+    if not exchange_bucket(state, comm, grads, names, state.world_size, buffer):
         comm.all_reduce(buffer).div_(state.world_size)
         stats.bytes_sent += allreduce_bytes(buffer.numel() * buffer.element_size(), state.world_size)
         stats.kept += buffer.numel()
-        if warmup:
+        if not all_finite([buffer]):  # the same answer on every rank: the buffer is the all-reduced one
+            state.mark_nonfinite()  # a warm-up step or a dense bucket: keep NaN/Inf out of the scales and residuals
+        elif warmup:
             segments, members, _ = bucket_layout(state, names, [g.numel() for g in grads])
             track_dense_scales(state, segments, [[grads[i] for i in indices] for indices in members])
     stats.hook_ms += (time.perf_counter() - start) * 1000

@@ -10,6 +10,7 @@ import time
 
 from torch import nn
 
+from .codec import all_finite
 from .exchange import Collectives, track_dense_scales
 from .hook import bucket_layout, exchange_bucket
 from .state import GRPOCommState
@@ -39,7 +40,9 @@ def compress_locally(state: GRPOCommState, model: nn.Module) -> None:
     comm = Collectives(state, world_size=1, rank=0)
     if not exchange_bucket(state, comm, grads, names, world_size):
         stats.dense(numel, world_size)
-        if warmup:
+        if not all_finite(grads):  # a warm-up step: keep NaN/Inf out of the gradient scales
+            state.mark_nonfinite()
+        elif warmup:
             segments, members, _ = bucket_layout(state, names, [g.numel() for g in grads])
             track_dense_scales(state, segments, [[grads[i] for i in indices] for indices in members])
     stats.hook_ms += (time.perf_counter() - start) * 1000

@@ -6,8 +6,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .codec import chunk_slices
 from .layout import Segment
 from .spec import MODES, CodecSpec
+from .store import RowScales, RowStore, segment_slots
 from .traffic import allreduce_bytes
 
 
@@ -15,87 +17,6 @@ logger = logging.getLogger(__name__)
 
 STATE_VERSION = 2
 DEFAULT_SCALE_BETA = 0.99
-_SCALE_FLOOR = 1e-3  # a gradient scale is at least this fraction of its segment's mean scale
-
-
-class RowStore:
-    """
-    Named fp32 vectors (one per tensor) kept as slices of one flat row per layout, with a staged copy per step.
-
-    The hook reads a row (the committed values of a segment's tensors, zeros for tensors it has not seen), writes the
-    step's new values into a second buffer (`staged`) and commits them when the optimizer step ends, or discards them
-    when the step is not finite. Both buffers are reused from step to step: no multi-megabyte allocation per step.
-    """
-
-    def __init__(self):
-        self.values: dict[str, torch.Tensor] = {}  # name -> committed vector (a view of a row)
-        self._rows: dict[tuple, torch.Tensor] = {}  # layout key -> committed row
-        self._staged: dict[tuple, tuple[list, torch.Tensor]] = {}  # layout key -> (slots, new row)
-        self._spare: dict[tuple, torch.Tensor] = {}  # layout key -> the row replaced at the last commit
-
-    def row(self, key: tuple, slots: list[tuple[str, int, int]], length: int, device) -> torch.Tensor:
-        """The committed `[length]` row of `slots` (`(name, offset, size)`), assembled from the vectors if needed."""
-        row = self._rows.get(key)
-        if (
-            row is not None
-            and row.device == device
-            and all(
-                self.values.get(name) is not None and self.values[name].data_ptr() == row[offset:].data_ptr()
-                for name, offset, _ in slots
-            )
-        ):
-            return row
-        row = torch.zeros(length, dtype=torch.float32, device=device)
-        for name, offset, size in slots:
-            value = self.values.get(name)
-            if value is not None:
-                row[offset : offset + size] = value.to(device).reshape(-1)[:size]
-        self._rows[key] = row
-        for name, offset, size in slots:
-            if name in self.values:
-                self.values[name] = row[offset : offset + size]
-        return row
-
-    def scratch(self, key: tuple, length: int, device) -> torch.Tensor:
-        """A `[length]` buffer for this step's new row (the row that the last commit replaced, when there is one)."""
-        spare = self._spare.pop(key, None)
-        if spare is None or spare.numel() != length or spare.device != device:
-            spare = torch.empty(length, dtype=torch.float32, device=device)
-        return spare
-
-    def stage(self, key: tuple, slots: list[tuple[str, int, int]], row: torch.Tensor) -> None:
-        self._staged[key] = (slots, row)
-
-    def commit(self) -> None:
-        for key, (slots, row) in self._staged.items():
-            old = self._rows.get(key)
-            if old is not None and old is not row:
-                self._spare[key] = old
-            self._rows[key] = row
-            for name, offset, size in slots:
-                self.values[name] = row[offset : offset + size]
-        self._staged = {}
-
-    @property
-    def staged(self) -> bool:
-        return bool(self._staged)
-
-    def discard(self) -> None:
-        for key, (_, row) in self._staged.items():
-            self._spare[key] = row
-        self._staged = {}
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: value.detach().to("cpu", copy=True) for name, value in self.values.items()}
-
-    def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
-        self.values = {name: value.to(torch.float32).reshape(-1).clone() for name, value in values.items()}
-        self._rows, self._staged, self._spare = {}, {}, {}
-
-
-def segment_slots(segment: Segment) -> list[tuple[str, int, int]]:
-    """`(name, offset, numel)` of each tensor of a segment's row."""
-    return list(zip(segment.names, segment.offsets, segment.numels))
 
 
 class StepStats:
@@ -121,6 +42,10 @@ class StepStats:
 
     def as_dict(self) -> dict:
         return {key: getattr(self, key) for key in self.KEYS}
+
+
+def _empty_window() -> dict:
+    return {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "dense_steps": 0}
 
 
 def _metrics(summed: dict, steps: int, dense_steps: int, prefix: bool) -> dict[str, float]:
@@ -171,6 +96,10 @@ class GRPOCommState:
             keep their precision, as Adam sees them.
         scale_beta (`float`, *optional*, defaults to `0.99`):
             EMA factor of the squared gradients behind the scales.
+        scale_clip (`float`, *optional*):
+            With gradient scales: an entry sends at most this many of its scales per step (the rest waits in the
+            residual), so that an entry whose scale is small (a rare token's embedding row) cannot dominate the scale
+            of its block. `None`: no cap.
         simulated_world_size (`int`, *optional*, defaults to `2`):
             World size used by [`~grpo_hf.compression.compress_locally`] to count the bytes one worker would send.
         process_group (`torch.distributed.ProcessGroup`, *optional*):
@@ -184,6 +113,7 @@ class GRPOCommState:
         "dense_warmup_steps",
         "scale_gradients",
         "scale_beta",
+        "scale_clip",
         # --- seldom tuned ---
         "simulated_world_size",
         "process_group",
@@ -201,6 +131,7 @@ class GRPOCommState:
         "_nonfinite",
         "_step",
         "_segments",
+        "_buffers",
         # --- statistics ---
         "hook_calls",
         "_window",
@@ -215,6 +146,7 @@ class GRPOCommState:
         dense_warmup_steps: int = 2,
         scale_gradients: bool = True,
         scale_beta: float = DEFAULT_SCALE_BETA,
+        scale_clip: float | None = None,
         simulated_world_size: int = 2,
         process_group: dist.ProcessGroup | None = None,
     ):
@@ -236,6 +168,9 @@ class GRPOCommState:
         self.dense_warmup_steps = int(dense_warmup_steps)
         self.scale_gradients = bool(scale_gradients)
         self.scale_beta = float(scale_beta)
+        if scale_clip is not None and not scale_clip > 0:
+            raise ValueError(f"scale_clip={scale_clip}: use a positive number of scales (e.g. 4) or None.")
+        self.scale_clip = None if scale_clip is None else float(scale_clip)
         self.simulated_world_size = int(simulated_world_size)
         self.process_group = process_group
         self.names: dict[int, str] = {}
@@ -248,9 +183,10 @@ class GRPOCommState:
         self._nonfinite = False
         self._step = StepStats()
         self._segments: dict[tuple, list] = {}  # bucket layout (names) -> its segments
+        self._buffers: dict[tuple, torch.Tensor] = {}  # work buffers of the exchange, kept from step to step
         self.hook_calls = 0
-        self._window: list[dict] = []
-        self._totals = {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "dense_steps": 0}
+        self._window = _empty_window()  # sums over the steps since the last pop_stats (constant size)
+        self._totals = {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "dense_steps": 0, "nonfinite_steps": 0}
         self._warned: set[str] = set()
 
     def spec_for(self, name: str | None) -> CodecSpec | None:
@@ -299,17 +235,18 @@ class GRPOCommState:
         return self.step < self.dense_warmup_steps
 
     # --- gradient scales ---
-    def gradient_scale(self, segment: Segment, device) -> torch.Tensor | None:
+    def scales_of(self, segment: Segment, device) -> "RowScales | None":
         """
-        Per-entry scale `[length]` a segment is compressed relative to: `sqrt` of the bias-corrected EMA of its squared
-        averaged gradient, at least `_SCALE_FLOOR` times its mean. `None` when scaling is off or has no estimate yet.
+        The per-entry scales a segment is compressed relative to (see [`RowScales`]), or `None` when scaling is off or
+        has no estimate yet.
         """
         if not self.scale_gradients or self.scale_updates == 0:
             return None
-        squares = self.squares.row(("squares", *segment.key), segment_slots(segment), segment.length, device)
-        scale = torch.sqrt(squares * (1.0 / (1.0 - self.scale_beta**self.scale_updates)))
-        floor = _SCALE_FLOOR * float(scale.mean())
-        return scale.clamp_(min=floor if floor > 0 else 1.0)
+        key = ("squares", *segment.key)
+        squares = self.squares.row(key, segment_slots(segment), segment.length, device)
+        return RowScales.from_squares(
+            squares, self.squares.row_sum(key), self.scale_beta, self.scale_updates, self.scale_clip
+        )
 
     def track_scale(self, segment: Segment, averaged: torch.Tensor) -> None:
         """Stage the EMA of the squared averaged gradient of a segment (`[length]` fp32) for this step."""
@@ -318,16 +255,31 @@ class GRPOCommState:
         key, slots = ("squares", *segment.key), segment_slots(segment)
         old = self.squares.row(key, slots, segment.length, averaged.device)
         new = self.squares.scratch(key, segment.length, averaged.device)
-        torch.mul(averaged, averaged, out=new).mul_(1.0 - self.scale_beta).add_(old, alpha=self.scale_beta)
-        self.squares.stage(key, slots, new)
+        total = 0.0
+        for piece in chunk_slices(segment.length, averaged.device):
+            # Three plain fp32 operations (no fused multiply-add), so that every path rounds the same way.
+            torch.mul(averaged[piece], averaged[piece], out=new[piece])
+            new[piece].mul_(1.0 - self.scale_beta).add_(old[piece] * self.scale_beta)
+            total += float(new[piece].sum())  # = row_sum(new), while the piece is in cache
+        self.squares.stage(key, slots, new, total)
+
+    def buffer(self, kind, key: tuple, length: int, device) -> torch.Tensor:
+        """A `[length]` fp32 work buffer kept from step to step (a fresh multi-megabyte one costs page faults)."""
+        name = (kind, key)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() != length or buffer.device != device:
+            buffer = self._buffers[name] = torch.empty(length, dtype=torch.float32, device=device)
+        return buffer
 
     # --- steps ---
     def mark_nonfinite(self) -> None:
+        """Flag the current optimizer step as not finite: `commit_step` then discards what it staged."""
         self._nonfinite = True
         self._warn_once(
             "nonfinite",
             f"GRPO compression: NaN/Inf gradients at optimizer step {self.step}; the step was sent dense and the "
-            "error-feedback residuals and gradient scales were left unchanged (an fp16 GradScaler skips it).",
+            "error-feedback residuals and gradient scales were left unchanged (GRPOTrainer skips the optimizer step; "
+            "later ones are counted in the totals' nonfinite_steps).",
         )
 
     def commit_step(self, dense: bool) -> None:
@@ -342,11 +294,14 @@ class GRPOCommState:
         record["dense"] = dense or nonfinite
         self._step = StepStats()
         self.step += 1
-        self._window.append(record)
         for key in StepStats.KEYS:
+            self._window[key] += record[key]
             self._totals[key] += record[key]
+        self._window["steps"] += 1
+        self._window["dense_steps"] += int(record["dense"])
         self._totals["steps"] += 1
         self._totals["dense_steps"] += int(record["dense"])
+        self._totals["nonfinite_steps"] += int(nonfinite)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -364,15 +319,14 @@ class GRPOCommState:
         (`1 - density`), `grpo/comm/hook_ms` (time in the hook per step) and `grpo/comm/dense_steps` (warm-up and
         non-finite steps in the window).
         """
-        window, self._window = self._window, []
-        if not window:
+        window, self._window = self._window, _empty_window()
+        if not window["steps"]:
             return {}
-        summed = {key: sum(r[key] for r in window) for key in StepStats.KEYS}
-        return _metrics(summed, len(window), sum(int(r["dense"]) for r in window), prefix=True)
+        return _metrics(window, window["steps"], window["dense_steps"], prefix=True)
 
     def totals(self) -> dict[str, float]:
         """
-        Running totals of the whole run (checkpointed): `steps`, `dense_steps`, `bytes_sent`, `bytes_dense_fp32`,
+        Running totals of the whole run (checkpointed): `steps`, `dense_steps`, `nonfinite_steps`, `bytes_sent`, `bytes_dense_fp32`,
         `bytes_dense_fp16`, `ratio_fp32`, `ratio_fp16`, `density`, `hook_ms` (time in the hook), `comm_ms` (the part
         of it spent inside collectives, waiting for other ranks included), `kept`, `numel`.
         """
@@ -425,7 +379,7 @@ class GRPOCommState:
         self.squares.load_state_dict(state_dict.get("squares", {}))
         self._nonfinite = False
         self._step = StepStats()
-        self._window = []
+        self._window = _empty_window()
         totals = state_dict.get("totals", {})
         for key in self._totals:
             if key in totals:
@@ -433,12 +387,13 @@ class GRPOCommState:
 
     def __getstate__(self):
         """Pickle without the process group (it cannot be pickled), as torch's `PowerSGDState` does."""
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "process_group"}
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("process_group", "_buffers")}
 
     def __setstate__(self, state):
         for slot, value in state.items():
             setattr(self, slot, value)
         self.process_group = None
+        self._buffers = {}
 
     def __repr__(self) -> str:
         compressed = sum(1 for spec in self.plan.values() if spec is not None)
@@ -449,4 +404,4 @@ class GRPOCommState:
         )
 
 
-__all__ = ["DEFAULT_SCALE_BETA", "GRPOCommState", "RowStore", "StepStats", "segment_slots"]
+__all__ = ["DEFAULT_SCALE_BETA", "GRPOCommState", "StepStats"]

@@ -48,6 +48,10 @@ class CostSettings:
         cost_peak_tflops (`float`, *optional*):
             Peak TFLOP/s of one device, overriding [`PEAK_TFLOPS`]. Without it MFU is reported only for devices
             in the table.
+        cost_grid_gco2_per_kwh (`float`, *optional*, defaults to `475.0`):
+            Carbon intensity of the electricity in grams of CO2-equivalent per kWh, used for `co2_eq_emissions` in
+            model cards ([`~grpo_hf.hub`]) when the energy was measured: `grams = energy_kwh · cost_pue ·
+            cost_grid_gco2_per_kwh`. The default is a world average (IEA, 2019); set your grid's figure.
     """
 
     cost_gpu_hour_usd: float = 2.0
@@ -57,6 +61,7 @@ class CostSettings:
     cost_link_gbps: float = 10.0
     cost_num_workers: int | None = None
     cost_peak_tflops: float | None = None
+    cost_grid_gco2_per_kwh: float = 475.0
 
     def __post_init__(self):
         # `not (x >= 0)` also rejects NaN.
@@ -92,6 +97,11 @@ class CostSettings:
         if self.cost_peak_tflops is not None and not self.cost_peak_tflops > 0:
             raise ValueError(
                 f"cost_peak_tflops must be > 0, got {self.cost_peak_tflops}; leave it unset to use the table."
+            )
+        if not self.cost_grid_gco2_per_kwh >= 0:
+            raise ValueError(
+                f"cost_grid_gco2_per_kwh must be >= 0, got {self.cost_grid_gco2_per_kwh}; give your grid's carbon "
+                "intensity in gCO2eq/kWh (e.g. 475 for a world average)."
             )
 
     @classmethod

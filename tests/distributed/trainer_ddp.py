@@ -60,7 +60,7 @@ def make_args(out_dir, name, **overrides):
 
 
 def train(args, model=None, resume=None):
-    """Train, then return (record, trainer state parameters); frees the trainer as FACTS.md's clean-exit recipe."""
+    """Train, then return (record, trainer state parameters); frees the trainer so that gloo exits cleanly (free_memory, del, gc, destroy_process_group)."""
     model = model if model is not None else tiny_llama()
     initial = [p.detach().clone() for p in model.parameters()]
     trainer = GRPOTrainer(model=model, args=args, train_dataset=random_tokens())

@@ -1,0 +1,611 @@
+"""The benchmark suite: every setting that becomes a default is measured on five tasks and several seeds.
+
+    python benchmarks/suite.py comm --output_dir runs/suite_comm          # compression under 2-process DDP (gloo)
+    python benchmarks/suite.py comm --quick                               # 2 seeds, the from-scratch tasks
+    python benchmarks/suite.py lr --output_dir runs/suite_lr              # per-group learning rates, one process
+    python benchmarks/suite.py comm --tasks llama-scratch --rows dense,q4s --seeds 0 --output_dir /tmp/x
+
+Tasks: see `benchmarks/tasks.py` (two tiny models trained from scratch, LoRA and full fine-tunes of SmolLM2-135M, a
+LoRA classification fine-tune of MiniLM). Rows are compared with a baseline on the same seeds: `dense` (GRPOTrainer
+with compression off) in the `comm` suite, `trainer` (the plain Trainer at the task's learning rate) in the `lr`
+suite. Per task and row: the metric's ratio to the baseline per seed (perplexity; accuracy is a difference in
+points), their geometric mean, the worst seed and a 95% t-interval over seeds; bytes per rank against dense fp32 over
+the whole run and in the steady state (after the dense warm-up). Runs are resumable: a row whose result file exists
+is skipped. The results go to `<output_dir>/results.json` and `<output_dir>/report.md`.
+
+Hardware notes: on 2 shared CPU cores (gloo over loopback) bytes and quality are the meaningful outputs; step times
+are CPU times of the machine.
+"""
+
+import gc
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tasks import TASKS, Task, build_model, compute_accuracy, prepare  # noqa: E402
+
+
+_ALLGATHER = {"grpo_comm_mode": "allgather"}
+COMM_ROWS = {
+    "dense": {"grpo_compression": "none"},
+    "q4s": {"grpo_compression": "quantize", "grpo_bits": "4", "grpo_scale_gradients": True, **_ALLGATHER},
+    "q4": {"grpo_compression": "quantize", "grpo_bits": "4", "grpo_scale_gradients": False, **_ALLGATHER},
+    "q8s": {"grpo_compression": "quantize", "grpo_bits": "8", "grpo_scale_gradients": True, **_ALLGATHER},
+    "q2s": {"grpo_compression": "quantize", "grpo_bits": "2", "grpo_scale_gradients": True, **_ALLGATHER},
+    "q2": {"grpo_compression": "quantize", "grpo_bits": "2", "grpo_scale_gradients": False, **_ALLGATHER},  # 0.1's
+    "q4s-m1k": {"grpo_compression": "quantize", "grpo_bits": "4", "grpo_min_compress_numel": 1024, **_ALLGATHER},
+    "q4s-ar": {"grpo_compression": "quantize", "grpo_bits": "4", "grpo_comm_mode": "allreduce"},
+    "q2s-ar": {"grpo_compression": "quantize", "grpo_bits": "2", "grpo_comm_mode": "allreduce"},
+    "article": {  # top 15% + 4/8 bits by module type, as the article describes it
+        "grpo_compression": "sparse+quantize",
+        "grpo_density": 0.15,
+        "grpo_bits": "auto",
+        "grpo_scale_gradients": False,
+    },
+}
+DEFAULT_COMM_ROWS = "dense,q4s,q4,q2s,q2,q4s-ar,q2s-ar"
+_STATIC = {"grpo_importance": False}
+LR_ROWS = {  # GRPOTrainer settings measured in the lr suite (one process: no compression)
+    "grpo": {},  # GRPOConfig's defaults
+    "grpo-article": {"grpo_importance": True, "grpo_importance_score": "article", "grpo_lr_ratios": None},
+    "grpo-coherence": {"grpo_importance": True, "grpo_importance_score": "coherence", "grpo_lr_ratios": None},
+    "grpo-coherence-wide": {
+        "grpo_importance": True, "grpo_importance_score": "coherence", "grpo_lr_scale_min": 0.5,
+        "grpo_lr_scale_max": 2.0, "grpo_lr_ratios": None,
+    },
+    "grpo-off": {**_STATIC, "grpo_lr_ratios": None},
+    "grpo-lora-b2": {**_STATIC, "grpo_lr_ratios": {"*lora_B": 2}},
+    "grpo-lora-b4": {**_STATIC, "grpo_lr_ratios": {"*lora_B": 4}},
+    "grpo-lora-b4a4": {**_STATIC, "grpo_lr_ratios": {"*lora_B": 4, "*lora_A": 0.25}},  # LoRA+ ratio 16 around lr
+    "grpo-lora-b8a2": {**_STATIC, "grpo_lr_ratios": {"*lora_B": 8, "*lora_A": 0.5}},
+    "grpo-norms": {**_STATIC, "grpo_lr_ratios": {"norms": 0.63}},  # the article: norm layers get ~37% less
+    "grpo-emb2": {**_STATIC, "grpo_lr_ratios": {"embeddings": 2}},
+    "grpo-emb0.5": {**_STATIC, "grpo_lr_ratios": {"embeddings": 0.5}},
+}  # fmt: skip
+DEFAULT_LR_ROWS = "trainer,trainer-lr0.5,trainer-lr2,loraplus-16,loraplus-4,grpo"
+POWERSGD_START = 10  # start_powerSGD_iter: torch's docs and our earlier measurements
+
+
+@dataclass
+class SuiteArguments:
+    suite: str = field(
+        metadata={
+            "help": "'comm' (compression under DDP) or 'lr' (per-group learning rates).",
+            "choices": ["comm", "lr"],
+        }
+    )
+    output_dir: str = field(
+        default="", metadata={"help": "Data, per-run JSON and the report (default runs/suite_<suite>)."}
+    )
+    tasks: str = field(default="", metadata={"help": f"Comma-separated tasks (default: all of {', '.join(TASKS)})."})
+    rows: str = field(
+        default="",
+        metadata={
+            "help": f"Comma-separated rows. comm: {', '.join(COMM_ROWS)}, fp16, powersgd-r<rank>, or "
+            "'grpo:field=value;...' (GRPOConfig fields, e.g. grpo:grpo_bits=4;grpo_scale_beta=0.9). lr: trainer, "
+            f"trainer-lr<factor>, loraplus-<ratio>, {', '.join(LR_ROWS)}, grpo:field=value;.... "
+            f"Default comm: {DEFAULT_COMM_ROWS}; lr: {DEFAULT_LR_ROWS}."
+        },
+    )
+    seeds: str = field(default="0,1,2,3", metadata={"help": "Comma-separated seeds."})
+    quick: bool = field(default=False, metadata={"help": "2 seeds and the two from-scratch tasks only."})
+    world_size: int = field(default=2, metadata={"help": "Processes of the comm suite's DDP runs."})
+    max_steps: int = field(
+        default=0, metadata={"help": "Optimizer steps of every run (0: each task's own; smoke runs)."}
+    )
+    scaling_world_sizes: str = field(
+        default="2,4,8",
+        metadata={"help": "comm: world sizes of the short bytes-only runs on llama-scratch ('' to skip)."},
+    )
+    timeout: int = field(default=14400, metadata={"help": "Seconds before one launch (a task and a seed) is killed."})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rows
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def parse_row(suite: str, name: str) -> dict:
+    """A row name -> `{"name", "kind", ...}`: what trains it and with which settings."""
+    if name.startswith("grpo:"):
+        overrides = {}
+        for item in filter(None, name[5:].split(";")):
+            key, _, value = item.partition("=")
+            overrides[key] = value
+        return {"name": name, "kind": "grpo", "overrides": overrides}
+    if suite == "comm":
+        if name in COMM_ROWS:
+            return {"name": name, "kind": "grpo", "overrides": dict(COMM_ROWS[name])}
+        if name == "fp16":
+            return {"name": name, "kind": "fp16"}
+        match = re.fullmatch(r"powersgd-r(\d+)", name)
+        if match:
+            return {"name": name, "kind": "powersgd", "rank": int(match.group(1))}
+    else:
+        if name == "trainer":
+            return {"name": name, "kind": "trainer", "lr_factor": 1.0}
+        match = re.fullmatch(r"trainer-lr([0-9.]+)", name)
+        if match:
+            return {"name": name, "kind": "trainer", "lr_factor": float(match.group(1))}
+        match = re.fullmatch(r"loraplus-([0-9.]+)", name)
+        if match:
+            return {"name": name, "kind": "loraplus", "ratio": float(match.group(1))}
+        if name in LR_ROWS:
+            return {"name": name, "kind": "grpo", "overrides": dict(LR_ROWS[name])}
+    raise ValueError(f"unknown {suite} row {name!r}; see --help for the row names.")
+
+
+def _typed(overrides: dict) -> dict:
+    """`grpo:` overrides typed as GRPOConfig's fields."""
+    import dataclasses
+
+    from grpo_hf import GRPOConfig
+
+    types = {f.name: f.type for f in dataclasses.fields(GRPOConfig)}
+    out = {}
+    for key, value in overrides.items():
+        if key not in types:
+            raise ValueError(f"row override {key!r} is not a GRPOConfig field.")
+        kind = str(types[key])
+        if not isinstance(value, str):
+            out[key] = value
+        elif "bool" in kind:
+            out[key] = value.lower() in ("1", "true", "yes")
+        elif "float" in kind:
+            out[key] = float(value)
+        elif "int" in kind:
+            out[key] = int(value)
+        else:
+            out[key] = value
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Worker: one task and one seed, every row in turn (under torchrun for the comm suite)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _torch_hook_bytes(kind: str, state, bucket, world_size: int) -> float:
+    """What torch's `fp16_compress_hook` / `powerSGD_hook` sends for this bucket (ring model)."""
+    from grpo_hf.compression.traffic import allreduce_bytes
+
+    if kind == "fp16":
+        return allreduce_bytes(2 * bucket.buffer().numel(), world_size)
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    if state.iter < state.start_powerSGD_iter:
+        return allreduce_bytes(bucket.buffer().numel() * bucket.buffer().element_size(), world_size)
+    uncompressed = p_size = q_size = 0
+    for tensor in bucket.gradients():
+        n = tensor.shape[0]
+        m = tensor.numel() // n
+        rank = min(n, m, state.matrix_approximation_rank)
+        if _should_compress(n, m, rank, state.min_compression_rate)[0]:
+            p_size, q_size = p_size + n * rank, q_size + m * rank
+        else:
+            uncompressed += tensor.numel()
+    size = bucket.buffer().element_size()
+    return sum(allreduce_bytes(size * count, world_size) for count in (uncompressed, p_size, q_size))
+
+
+def run_row(task: Task, info: dict, row: dict, seed: int, train, evaluation, out_dir: str, world_size: int) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+
+    from grpo_hf import GRPOConfig, GRPOTrainer
+    from grpo_hf.compression.traffic import dense_allreduce_bytes
+
+    distributed = world_size > 1
+    common = dict(
+        output_dir=os.path.join(out_dir, "tmp"),
+        **task.training_arguments(world_size),
+        logging_steps=max(1, task.max_steps // 4),
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=seed,
+        data_seed=seed,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    if not distributed:  # the lr suite: evaluate along the run, for the steps each row needs to reach a target
+        common.update(eval_strategy="steps", eval_steps=max(1, task.max_steps // 4))
+    if row["kind"] == "trainer":
+        common["learning_rate"] *= row["lr_factor"]
+    model = build_model(task, info, seed)
+    set_seed(seed)
+    kwargs = dict(model=model, train_dataset=train, eval_dataset=evaluation)
+    if task.kind == "cls":
+        kwargs["compute_metrics"] = compute_accuracy
+    hook_bytes = {"bytes": 0.0, "seconds": 0.0}
+
+    class HookedTrainer(Trainer):
+        """The plain Trainer with a torch comm hook registered on the DDP model, as GRPOMixin registers its own."""
+
+        comm_hook = comm_state = None
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.comm_hook is not None and not getattr(self, "_hooked", False):
+                assert isinstance(model, DistributedDataParallel), "no DDP wrapper: was use_cpu=True set?"
+                model.register_comm_hook(self.comm_state, self.comm_hook)
+                self._hooked = True
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def timed(hook, kind):
+        def wrapper(state, bucket):
+            hook_bytes["bytes"] += _torch_hook_bytes(kind, state, bucket, world_size)
+            start = time.perf_counter()
+            future = hook(state, bucket)
+            future.wait()  # PowerSGD on gloo: ranks must not start its collectives in different orders
+            hook_bytes["seconds"] += time.perf_counter() - start
+            return future
+
+        return wrapper
+
+    if row["kind"] == "grpo":
+        extra = {"grpo_importance": False} if distributed else {}  # comm rows: only the communication differs
+        extra.update(_typed(row["overrides"]))
+        trainer = GRPOTrainer(args=GRPOConfig(**common, **extra), **kwargs)
+    elif row["kind"] == "loraplus":
+        import torch
+        from peft.optimizers import create_loraplus_optimizer
+
+        optimizer = create_loraplus_optimizer(
+            model,
+            torch.optim.AdamW,
+            lr=common["learning_rate"],
+            loraplus_lr_ratio=row["ratio"],
+            loraplus_weight_decay=common["weight_decay"],  # PEFT ignores a plain `weight_decay` here
+        )
+        trainer = Trainer(args=TrainingArguments(**common), optimizers=(optimizer, None), **kwargs)
+    else:
+        trainer = HookedTrainer(args=TrainingArguments(**common), **kwargs)
+        if row["kind"] == "fp16":
+            trainer.comm_hook = timed(default_hooks.fp16_compress_hook, "fp16")
+        elif row["kind"] == "powersgd":
+            trainer.comm_state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=row["rank"],
+                start_powerSGD_iter=POWERSGD_START,
+                use_error_feedback=True,
+                warm_start=True,
+            )
+            trainer.comm_hook = timed(powerSGD_hook.powerSGD_hook, "powersgd")
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dense_bytes = dense_allreduce_bytes(numel, world_size)
+    comm_state = getattr(trainer, "grpo_comm_state", None)
+    per_step = []
+
+    class StepRecorder(TrainerCallback):
+        """Per optimizer step: wall time and the bytes this rank sent."""
+
+        def _bytes(self):
+            if comm_state is not None:
+                return comm_state.totals()["bytes_sent"]
+            if row["kind"] in ("fp16", "powersgd"):
+                return hook_bytes["bytes"]
+            return None
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._start, self._before = time.perf_counter(), self._bytes()
+
+        def on_step_end(self, args, state, control, **kw):
+            after = self._bytes()
+            sent = dense_bytes if after is None else after - self._before
+            per_step.append({"step_s": time.perf_counter() - self._start, "bytes": sent})
+
+    trainer.add_callback(StepRecorder())
+    start = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - start
+    if distributed:
+        assert isinstance(trainer.model_wrapped, DistributedDataParallel), "the run did not use DDP"
+    final = trainer.evaluate()
+    history = [
+        {"step": h["step"], "eval_loss": h["eval_loss"], "eval_accuracy": h.get("eval_accuracy")}
+        for h in trainer.state.log_history
+        if "eval_loss" in h
+    ]
+    result = {
+        "task": task.name,
+        "row": row["name"],
+        "seed": seed,
+        "world_size": world_size,
+        "steps": len(per_step),
+        "trainable_params": numel,
+        "train_s": train_s,
+        "per_step": per_step,
+        "dense_fp32_bytes_per_step": dense_bytes,
+        "eval_loss": final["eval_loss"],
+        "eval_accuracy": final.get("eval_accuracy"),
+        "eval_history": history,
+        "train_loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+    }
+    if comm_state is not None:
+        result["grpo_totals"] = comm_state.totals()
+        result["grpo_mode"] = comm_state.mode
+    trainer.accelerator.free_memory()
+    del trainer, model
+    gc.collect()
+    return result
+
+
+def worker(job_path: str) -> None:
+    import torch
+    from datasets import load_from_disk
+
+    job = json.loads(Path(job_path).read_text())
+    task = Task(**{**TASKS[job["task"]].__dict__, **job.get("task_overrides", {})})
+    distributed = job["world_size"] > 1
+    if distributed:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")  # Accelerate takes it over
+    train, evaluation = load_from_disk(job["info"]["train_path"]), load_from_disk(job["info"]["eval_path"])
+    results = Path(job["results_dir"])
+    for seed in job["seeds"]:
+        for name in job["rows"]:
+            out = results / f"{name.replace('/', '_')}-seed{seed}.json"
+            if out.exists():  # every rank sees the same files: finished rows are skipped on a re-run
+                continue
+            result = run_row(task, job["info"], parse_row(job["suite"], name), seed, train, evaluation,
+                             job["output_dir"], job["world_size"])  # fmt: skip
+            rank = 0
+            if distributed:
+                rank = dist.get_rank()
+                gathered = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, sum(s["bytes"] for s in result["per_step"]))
+                result["bytes_by_rank"] = gathered
+            if rank == 0:
+                tmp = out.with_suffix(".tmp")
+                tmp.write_text(json.dumps(result, indent=1))
+                os.replace(tmp, out)
+                metric = f"acc {result['eval_accuracy']:.4f}" if result["eval_accuracy"] is not None else ""
+                print(f"[{task.name} seed {seed}] {name:<24} {result['train_s']:6.0f} s  loss {result['eval_loss']:.4f} "
+                      f"ppl {math.exp(result['eval_loss']):9.3f} {metric}", flush=True)  # fmt: skip
+            if distributed:
+                dist.barrier()
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def launch(job: dict, job_path: Path, timeout: int) -> None:
+    """One task and seed: torchrun (comm) or one process (lr); raises with the log tail when it fails."""
+    import subprocess
+
+    from grpo_hf.test_utils import WORKER_ENV, run_torchrun
+
+    results = Path(job["results_dir"])
+    if all((results / f"{row}-seed{seed}.json").exists() for row in job["rows"] for seed in job["seeds"]):
+        return  # done in an earlier run
+    job_path.write_text(json.dumps(job, indent=1))
+    log_path = job_path.with_suffix(".log")
+    if job["world_size"] > 1:
+        run = run_torchrun(Path(__file__).resolve(), nproc=job["world_size"], timeout=timeout,
+                           env={"GRPO_SUITE_JOB": str(job_path)}, cwd=ROOT, log_path=log_path)  # fmt: skip
+        text, rc = run.stdout, ("timeout" if run.timed_out else run.returncode)
+    else:
+        env = {**os.environ, **WORKER_ENV, "OMP_NUM_THREADS": "2", "GRPO_SUITE_JOB": str(job_path)}
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        with open(log_path, "w") as log:
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=timeout)  # fmt: skip
+        text, rc = log_path.read_text(), proc.returncode
+    for line in text.splitlines():
+        if line.startswith("["):
+            print(line, flush=True)
+    if rc != 0:
+        raise RuntimeError(f"{job['task']} seeds {job['seeds']} failed ({rc}); log {log_path}:\n{text[-6000:]}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Statistics and the report
+# ----------------------------------------------------------------------------------------------------------------
+
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def ratio_stats(ratios: list[float]) -> dict:
+    """Geometric mean, worst (largest) and a 95% t-interval of the geometric mean of per-seed ratios."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    half = (
+        T_975.get(len(logs) - 1, 1.96) * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else math.nan
+    )
+    return {"geomean": math.exp(mean), "worst": max(ratios), "best": min(ratios),
+            "ci95": [math.exp(mean - half), math.exp(mean + half)]}  # fmt: skip
+
+
+def first_step_reaching(history: list[dict], target: float) -> int | None:
+    """The first evaluated step whose loss is at most `target` (`None` if never)."""
+    return next((h["step"] for h in history if h["eval_loss"] <= target + 1e-12), None)
+
+
+def summarize(suite: str, results: dict[str, dict[str, dict[int, dict]]], baseline: str) -> dict:
+    """Per task and row: the figures of the report (see the module docstring)."""
+    summary = {}
+    for task_name, rows in results.items():
+        base = rows.get(baseline, {})
+        summary[task_name] = {}
+        for name, by_seed in rows.items():
+            seeds = sorted(s for s in by_seed if s in base)
+            if not seeds:
+                continue
+            ppl = {s: math.exp(by_seed[s]["eval_loss"]) for s in seeds}
+            ratios = [ppl[s] / math.exp(base[s]["eval_loss"]) for s in seeds]
+            entry = {"seeds": seeds, "perplexity": ppl, "ppl_ratio": dict(zip(seeds, ratios)), **ratio_stats(ratios)}
+            accuracy = [by_seed[s].get("eval_accuracy") for s in seeds]
+            if all(a is not None for a in accuracy):
+                deltas = [100 * (a - base[s]["eval_accuracy"]) for a, s in zip(accuracy, seeds)]
+                entry.update(accuracy=dict(zip(seeds, accuracy)), accuracy_delta_mean=statistics.fmean(deltas),
+                             accuracy_delta_worst=min(deltas))  # fmt: skip
+            sent = [sum(s["bytes"] for s in by_seed[seed]["per_step"]) for seed in seeds]
+            dense = [by_seed[seed]["dense_fp32_bytes_per_step"] * by_seed[seed]["steps"] for seed in seeds]
+            entry["bytes_ratio"] = statistics.fmean(d / s for d, s in zip(dense, sent))
+            warm = 10 if name.startswith("powersgd") else 2
+            steady = [by_seed[seed]["per_step"][warm:] for seed in seeds]
+            if all(steady):
+                entry["steady_bytes_ratio"] = statistics.fmean(
+                    by_seed[seed]["dense_fp32_bytes_per_step"] / statistics.fmean(x["bytes"] for x in st)
+                    for seed, st in zip(seeds, steady)
+                )
+            entry["step_s"] = statistics.fmean(
+                statistics.fmean(x["step_s"] for x in by_seed[s]["per_step"][warm:] or by_seed[s]["per_step"])
+                for s in seeds
+            )
+            if suite == "lr":
+                reach = [first_step_reaching(by_seed[s]["eval_history"], base[s]["eval_loss"]) for s in seeds]
+                entry["steps_to_baseline"] = dict(zip(seeds, reach))
+            summary[task_name][name] = entry
+    return summary
+
+
+def markdown(suite: str, summary: dict, baseline: str) -> str:
+    lines = []
+    metric = "ppl / " + baseline
+    header = f"| task | row | seeds | {metric}: geomean | worst seed | 95% CI | per seed |"
+    align = "|---|---|---:|---:|---:|---|---|"
+    if suite == "comm":
+        header += " bytes vs fp32 (run) | (steady) | step s |"
+        align += "---:|---:|---:|"
+    else:
+        header += " steps to baseline |"
+        align += "---|"
+    header += " accuracy delta (mean / worst) |"
+    align += "---|"
+    lines += [header, align]
+    for task, rows in summary.items():
+        for name, e in rows.items():
+            per_seed = " ".join(f"{e['ppl_ratio'][s]:.3f}" for s in e["seeds"])
+            ci = f"{e['ci95'][0]:.3f}-{e['ci95'][1]:.3f}" if not math.isnan(e["ci95"][0]) else "-"
+            cells = [task, name, str(len(e["seeds"])), f"{e['geomean']:.3f}", f"{e['worst']:.3f}", ci, per_seed]
+            if suite == "comm":
+                steady = e.get("steady_bytes_ratio")
+                cells += [f"{e['bytes_ratio']:.1f}x", f"{steady:.1f}x" if steady else "-", f"{e['step_s']:.2f}"]
+            else:
+                reach = e["steps_to_baseline"]
+                cells.append(" ".join("-" if reach[s] is None else str(reach[s]) for s in e["seeds"]))
+            if "accuracy_delta_mean" in e:
+                cells.append(f"{e['accuracy_delta_mean']:+.2f} / {e['accuracy_delta_worst']:+.2f} pts")
+            else:
+                cells.append("")
+            lines.append("| " + " | ".join(cells) + " |")
+    rows = sorted({name for task in summary.values() for name in task})
+    lines += ["", f"Across tasks (geometric mean of the per-task geometric means of {metric}; worst task):", ""]
+    for name in rows:
+        per_task = {t: summary[t][name]["geomean"] for t in summary if name in summary[t]}
+        if per_task:
+            overall = math.exp(statistics.fmean(math.log(v) for v in per_task.values()))
+            worst = max(per_task, key=per_task.get)
+            lines.append(
+                f"- `{name}`: {overall:.3f} over {len(per_task)} tasks (worst: {worst} {per_task[worst]:.3f})"
+            )
+    return "\n".join(lines)
+
+
+def scaling(args, out: Path) -> list[dict]:
+    """Steady-state bytes per rank of the compressed rows at several world sizes (short runs on llama-scratch)."""
+    sizes = [int(w) for w in args.scaling_world_sizes.split(",") if w]
+    if not sizes:
+        return []
+    task = TASKS["llama-scratch"]
+    rows = ["dense", "q4s", "q2s", "q4s-ar", "q2s-ar"]
+    table = []
+    info = prepare(task, out / "data", 2)
+    for world_size in sizes:
+        results_dir = out / "scaling" / f"w{world_size}"
+        results_dir.mkdir(parents=True, exist_ok=True)
+        job = {"suite": "comm", "task": task.name, "task_overrides": {"max_steps": 8}, "info": info, "rows": rows,
+               "seeds": [0], "results_dir": str(results_dir), "output_dir": str(out), "world_size": world_size}  # fmt: skip
+        launch(job, results_dir / "_job.json", args.timeout)
+        for name in rows:
+            result = json.loads((results_dir / f"{name}-seed0.json").read_text())
+            steady = result["per_step"][2:]
+            table.append({"world_size": world_size, "row": name,
+                          "steady_bytes": statistics.fmean(s["bytes"] for s in steady)})  # fmt: skip
+    return table
+
+
+def main() -> None:
+    from transformers import HfArgumentParser
+
+    argv = sys.argv[1:]
+    if argv and not argv[0].startswith("-"):  # `suite.py comm ...`: the suite is the first word
+        argv = ["--suite", *argv]
+    (args,) = HfArgumentParser(SuiteArguments).parse_args_into_dataclasses(args=argv)
+    out = Path(args.output_dir or f"runs/suite_{args.suite}")
+    tasks = [t for t in (args.tasks.split(",") if args.tasks else TASKS)]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.quick:
+        seeds, tasks = seeds[:2], [t for t in tasks if t.endswith("scratch")]
+    args.row_list = (args.rows or (DEFAULT_COMM_ROWS if args.suite == "comm" else DEFAULT_LR_ROWS)).split(",")
+    baseline = "dense" if args.suite == "comm" else "trainer"
+    if baseline not in args.row_list:
+        args.row_list.insert(0, baseline)
+    world_size = args.world_size if args.suite == "comm" else 1
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    for name in tasks:
+        task = TASKS[name]
+        rows = [r for r in args.row_list if not (r.startswith("loraplus") and not task.lora)]
+        for row in rows:
+            parse_row(args.suite, row)  # fail on a bad row name before any work
+        info = prepare(task, out / "data", world_size)
+        results_dir = out / "results" / name
+        results_dir.mkdir(parents=True, exist_ok=True)
+        for seed in seeds:  # one launch per seed: a crash loses one seed's rows at most
+            job = {"suite": args.suite, "task": name, "info": info, "rows": rows, "seeds": [seed],
+                   "results_dir": str(results_dir), "output_dir": str(out), "world_size": world_size,
+                   "task_overrides": {"max_steps": args.max_steps} if args.max_steps else {}}  # fmt: skip
+            launch(job, results_dir / f"_job-seed{seed}.json", args.timeout)
+    results = {}
+    for name in tasks:
+        results[name] = {}
+        for path in sorted((out / "results" / name).glob("[!_]*-seed*.json")):
+            record = json.loads(path.read_text())
+            if record["row"] in args.row_list and record["seed"] in seeds:
+                results[name].setdefault(record["row"], {})[record["seed"]] = record
+    summary = summarize(args.suite, results, baseline)
+    table = scaling(args, out) if args.suite == "comm" and "llama-scratch" in tasks else []
+    report = markdown(args.suite, summary, baseline)
+    if table:
+        report += (
+            "\n\nSteady-state bytes per rank and step (llama-scratch, short runs):\n\n| row | "
+            + " | ".join(f"W={w}" for w in sorted({t["world_size"] for t in table}))
+            + " |\n|---|"
+            + "---:|" * len({t["world_size"] for t in table})
+            + "\n"
+        )
+        for name in dict.fromkeys(t["row"] for t in table):
+            cells = [f"{t['steady_bytes'] / 1e3:,.1f} kB" for t in table if t["row"] == name]
+            report += f"| {name} | " + " | ".join(cells) + " |\n"
+    command = "python benchmarks/suite.py " + " ".join(sys.argv[1:])
+    report = f"`{command}` ({time.time() - start:.0f} s, {time.strftime('%Y-%m-%d')})\n\n" + report
+    (out / "results.json").write_text(json.dumps({"summary": summary, "scaling": table, "command": command}, indent=1))
+    (out / "report.md").write_text(report + "\n")
+    print(report)
+
+
+if __name__ == "__main__":
+    if os.environ.get("GRPO_SUITE_JOB"):
+        worker(os.environ["GRPO_SUITE_JOB"])
+    else:
+        main()

