@@ -53,7 +53,7 @@ COMM_ROWS = {
         "grpo_scale_gradients": False,
     },
 }
-DEFAULT_COMM_ROWS = "dense,q4s,q4,q2s,q2,q4s-ar,q2s-ar"
+DEFAULT_COMM_ROWS = "dense,q8s,q4s,q4,q2s,q2,q4s-ar,q2s-ar"  # q8s: GRPOConfig's defaults at W=2
 _STATIC = {"grpo_importance": False}
 LR_ROWS = {  # GRPOTrainer settings measured in the lr suite (one process: no compression)
     "grpo": {},  # GRPOConfig's defaults
@@ -106,6 +106,10 @@ class SuiteArguments:
     scaling_world_sizes: str = field(
         default="2,4,8",
         metadata={"help": "comm: world sizes of the short bytes-only runs on llama-scratch ('' to skip)."},
+    )
+    eval_points: int = field(
+        default=4,
+        metadata={"help": "lr suite: evaluations along each run (for the steps a row needs to reach the baseline)."},
     )
     timeout: int = field(default=14400, metadata={"help": "Seconds before one launch (a task and a seed) is killed."})
 
@@ -198,7 +202,17 @@ def _torch_hook_bytes(kind: str, state, bucket, world_size: int) -> float:
     return sum(allreduce_bytes(size * count, world_size) for count in (uncompressed, p_size, q_size))
 
 
-def run_row(task: Task, info: dict, row: dict, seed: int, train, evaluation, out_dir: str, world_size: int) -> dict:
+def run_row(
+    task: Task,
+    info: dict,
+    row: dict,
+    seed: int,
+    train,
+    evaluation,
+    out_dir: str,
+    world_size: int,
+    eval_points: int = 4,
+) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
     from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
@@ -220,7 +234,7 @@ def run_row(task: Task, info: dict, row: dict, seed: int, train, evaluation, out
         dataloader_num_workers=0,
     )
     if not distributed:  # the lr suite: evaluate along the run, for the steps each row needs to reach a target
-        common.update(eval_strategy="steps", eval_steps=max(1, task.max_steps // 4))
+        common.update(eval_strategy="steps", eval_steps=max(1, task.max_steps // max(1, eval_points)))
     if row["kind"] == "trainer":
         common["learning_rate"] *= row["lr_factor"]
     model = build_model(task, info, seed)
@@ -311,12 +325,17 @@ def run_row(task: Task, info: dict, row: dict, seed: int, train, evaluation, out
     train_s = time.perf_counter() - start
     if distributed:
         assert isinstance(trainer.model_wrapped, DistributedDataParallel), "the run did not use DDP"
-    final = trainer.evaluate()
     history = [
         {"step": h["step"], "eval_loss": h["eval_loss"], "eval_accuracy": h.get("eval_accuracy")}
         for h in trainer.state.log_history
         if "eval_loss" in h
     ]
+    if history and history[-1]["step"] == trainer.state.global_step:  # the run's last step was evaluated already
+        final = {"eval_loss": history[-1]["eval_loss"], "eval_accuracy": history[-1]["eval_accuracy"]}
+    else:
+        final = trainer.evaluate()
+        history.append({"step": trainer.state.global_step, "eval_loss": final["eval_loss"],
+                        "eval_accuracy": final.get("eval_accuracy")})  # fmt: skip
     result = {
         "task": task.name,
         "row": row["name"],
@@ -361,7 +380,7 @@ def worker(job_path: str) -> None:
             if out.exists():  # every rank sees the same files: finished rows are skipped on a re-run
                 continue
             result = run_row(task, job["info"], parse_row(job["suite"], name), seed, train, evaluation,
-                             job["output_dir"], job["world_size"])  # fmt: skip
+                             job["output_dir"], job["world_size"], job.get("eval_points", 4))  # fmt: skip
             rank = 0
             if distributed:
                 rank = dist.get_rank()
@@ -574,7 +593,8 @@ def main() -> None:
         for seed in seeds:  # one launch per seed: a crash loses one seed's rows at most
             job = {"suite": args.suite, "task": name, "info": info, "rows": rows, "seeds": [seed],
                    "results_dir": str(results_dir), "output_dir": str(out), "world_size": world_size,
-                   "task_overrides": {"max_steps": args.max_steps} if args.max_steps else {}}  # fmt: skip
+                   "task_overrides": {"max_steps": args.max_steps} if args.max_steps else {},
+                   "eval_points": args.eval_points}  # fmt: skip
             launch(job, results_dir / f"_job-seed{seed}.json", args.timeout)
     results = {}
     for name in tasks:

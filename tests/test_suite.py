@@ -1,0 +1,121 @@
+"""The benchmark suite (`benchmarks/suite.py`): row names, the statistics of the report, and a smoke run of each suite."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "suite.py"
+
+
+@pytest.fixture(scope="module")
+def suite():
+    spec = importlib.util.spec_from_file_location("benchmark_suite", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_row_names_resolve_to_settings(suite):
+    assert suite.parse_row("comm", "dense") == {
+        "name": "dense",
+        "kind": "grpo",
+        "overrides": {"grpo_compression": "none"},
+    }
+    assert suite.parse_row("comm", "q8s")["overrides"]["grpo_bits"] == "8"
+    assert suite.parse_row("comm", "powersgd-r4") == {"name": "powersgd-r4", "kind": "powersgd", "rank": 4}
+    assert suite.parse_row("comm", "grpo:grpo_bits=2;grpo_scale_beta=0.9")["overrides"] == {
+        "grpo_bits": "2", "grpo_scale_beta": "0.9"
+    }  # fmt: skip
+    assert suite.parse_row("lr", "trainer-lr0.5")["lr_factor"] == 0.5
+    assert suite.parse_row("lr", "loraplus-16")["ratio"] == 16.0
+    with pytest.raises(ValueError, match="unknown comm row 'q3'"):
+        suite.parse_row("comm", "q3")
+    with pytest.raises(ValueError, match="unknown lr row 'fp16'"):
+        suite.parse_row("lr", "fp16")  # a comm row is not an lr row
+
+
+def test_default_rows_are_known(suite):
+    for name in suite.DEFAULT_COMM_ROWS.split(","):
+        suite.parse_row("comm", name)
+    for name in suite.DEFAULT_LR_ROWS.split(","):
+        suite.parse_row("lr", name)
+
+
+def test_ratio_stats_are_geometric(suite):
+    stats = suite.ratio_stats([1.1, 0.9, 1.0])
+    assert stats["geomean"] == pytest.approx((1.1 * 0.9) ** (1 / 3))
+    assert stats["worst"] == 1.1 and stats["best"] == 0.9
+    logs = [math.log(r) for r in (1.1, 0.9, 1.0)]
+    mean = sum(logs) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
+    assert stats["ci95"] == pytest.approx(
+        [math.exp(mean - 4.303 * sd / math.sqrt(3)), math.exp(mean + 4.303 * sd / math.sqrt(3))]
+    )
+    assert math.isnan(suite.ratio_stats([1.2])["ci95"][0])
+
+
+def test_first_step_reaching(suite):
+    history = [{"step": 6, "eval_loss": 2.5}, {"step": 12, "eval_loss": 2.3}, {"step": 18, "eval_loss": 2.2}]
+    assert suite.first_step_reaching(history, 2.3) == 12
+    assert suite.first_step_reaching(history, 2.0) is None
+
+
+def _record(loss, steps=4, sent=100.0, dense=400.0, accuracy=None):
+    return {"eval_loss": loss, "eval_accuracy": accuracy, "steps": steps, "dense_fp32_bytes_per_step": dense,
+            "per_step": [{"bytes": dense, "step_s": 1.0}] * 2 + [{"bytes": sent, "step_s": 0.5}] * (steps - 2),
+            "eval_history": [{"step": steps, "eval_loss": loss}]}  # fmt: skip
+
+
+def test_summary_compares_rows_on_shared_seeds(suite):
+    results = {
+        "task": {
+            "dense": {0: _record(2.0, sent=400.0), 1: _record(2.1, sent=400.0)},
+            "q8s": {0: _record(2.0 + math.log(1.1)), 1: _record(2.1), 2: _record(9.0)},  # seed 2 has no baseline
+        }
+    }
+    summary = suite.summarize("comm", results, "dense")["task"]["q8s"]
+    assert summary["seeds"] == [0, 1]
+    assert summary["ppl_ratio"] == pytest.approx({0: 1.1, 1: 1.0})
+    assert summary["bytes_ratio"] == pytest.approx(4 * 400 / (2 * 400 + 2 * 100))  # whole run: warm-up included
+    assert summary["steady_bytes_ratio"] == pytest.approx(4.0)
+    table = suite.markdown("comm", {"task": {"q8s": summary}}, "dense")
+    assert "| task | q8s | 2 | 1.049 | 1.100 |" in table and "1.6x | 4.0x" in table
+
+
+def _run_suite(*args, timeout=900):
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return run
+
+
+@pytest.mark.slow  # two DDP launches and a tokenization of the corpus: ~1-2 min on 2 cores
+@pytest.mark.distributed
+def test_comm_suite_smoke(tmp_path):
+    _run_suite("comm", "--tasks", "llama-scratch", "--rows", "dense,q8s", "--seeds", "0", "--max_steps", "4",
+               "--scaling_world_sizes", "", "--output_dir", str(tmp_path))  # fmt: skip
+    results = json.loads((tmp_path / "results.json").read_text())
+    q8s = results["summary"]["llama-scratch"]["q8s"]
+    assert 3.0 < q8s["steady_bytes_ratio"] < 4.5  # 8 bits and their scales against fp32
+    assert 0.8 < q8s["geomean"] < 1.25
+    record = json.loads((tmp_path / "results" / "llama-scratch" / "q8s-seed0.json").read_text())
+    assert record["world_size"] == 2 and record["grpo_mode"] == "allgather" and record["grpo_totals"]["steps"] == 4
+    assert "| llama-scratch | q8s | 1 |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow  # one process, three short runs with evaluations along the way
+def test_lr_suite_smoke_grpo_without_ratios_is_the_trainer(tmp_path):
+    _run_suite("lr", "--tasks", "gpt2-scratch", "--rows", "trainer,grpo-off,grpo-emb2", "--seeds", "0",
+               "--max_steps", "2", "--eval_points", "1", "--output_dir", str(tmp_path))  # fmt: skip
+    summary = json.loads((tmp_path / "results.json").read_text())["summary"]["gpt2-scratch"]
+    assert summary["grpo-off"]["ppl_ratio"] == {"0": 1.0}  # static GRPO without ratios: the Trainer, bit for bit
+    assert summary["grpo-emb2"]["ppl_ratio"]["0"] != 1.0  # a ratio changes the run
+    assert summary["trainer"]["steps_to_baseline"] == {"0": 2}  # the baseline reaches its own final loss
