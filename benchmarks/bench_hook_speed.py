@@ -37,7 +37,7 @@ from grpo_hf.test_utils import FakeBucket
 @dataclass
 class SpeedArguments:
     density: float = field(default=1.0, metadata={"help": "Top-k kept fraction of every compressed tensor."})
-    bits: int = field(default=4, metadata={"help": "Bits per sent value (4 is GRPOConfig's default; 2 is ternary)."})
+    bits: int = field(default=8, metadata={"help": "Bits per sent value (8 is GRPOConfig's default; 2 is ternary)."})
     scale_gradients: bool = field(default=True, metadata={"help": "Compress relative to the gradient scales."})
     steps: int = field(default=6, metadata={"help": "Timed steps per measurement (after 2 untimed ones)."})
     threads: int = field(default=1, metadata={"help": "torch intra-op threads (W=1)."})

@@ -155,7 +155,7 @@ def tokens(rows=32, length=16):
 def trainer_for(output_dir, **overrides):
     values = dict(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=4, learning_rate=3e-3,
                   report_to=[], use_cpu=True, save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True,
-                  logging_steps=1, grpo_lr_scale_warmup_steps=1)  # fmt: skip
+                  logging_steps=1, grpo_lr_scale_warmup_steps=1, grpo_importance=True)  # fmt: skip
     values.update(overrides)
     return GRPOTrainer(model=tiny_test_llama(seed=0), args=GRPOConfig(**values), train_dataset=tokens())
 

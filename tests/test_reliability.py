@@ -45,7 +45,7 @@ def tiny_trainer(output_dir, **overrides):
     values = dict(output_dir=str(output_dir), use_cpu=True, max_steps=4, per_device_train_batch_size=4,
                   learning_rate=3e-3, lr_scheduler_type="constant", report_to=[], seed=0, disable_tqdm=True,
                   save_strategy="steps", save_steps=4, grpo_compression="quantize", grpo_min_compress_numel=256,
-                  grpo_lr_scale_warmup_steps=2)  # fmt: skip
+                  grpo_lr_scale_warmup_steps=2, grpo_importance=True)  # fmt: skip
     values.update(overrides)
     model = tiny_test_llama(seed=0, max_position_embeddings=SEQ_LEN)
     return GRPOTrainer(model=model, args=GRPOConfig(**values), train_dataset=tokens())

@@ -52,6 +52,7 @@ def make_args(tmp_path, cls=GRPOConfig, **overrides):
     )
     values.update(overrides)
     if cls is GRPOConfig:
+        values.setdefault("grpo_importance", True)  # these tests exercise the multipliers (off by default)
         values.setdefault("grpo_lr_scale_warmup_steps", 2)
     return cls(**values)
 
@@ -108,7 +109,7 @@ def test_plain_training_arguments_get_grpo_defaults(tmp_path):
     trainer = GRPOTrainer(
         model=tiny_llama(), args=make_args(tmp_path, TrainingArguments), train_dataset=token_dataset()
     )
-    assert trainer.args.grpo_groups == "semantic" and trainer.args.grpo_importance
+    assert trainer.args.grpo_groups == "semantic" and not trainer.args.grpo_importance  # measured, not assumed
     trainer.train()
     assert "grpo/lr_scale/ffn" in train_logs(trainer)[-1]
 

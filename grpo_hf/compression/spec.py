@@ -11,7 +11,7 @@ MODES = ("allgather", "allreduce")
 COMM_MODE_CHOICES = ("auto", *MODES)
 DEFAULT_BLOCK_SIZE = 128
 DEFAULT_DENSITY = 0.15  # the article's top 15%, used when compression includes "sparse"
-DEFAULT_BITS = "4"
+DEFAULT_BITS = "8"
 DEFAULT_MODE = "auto"
 
 
@@ -35,7 +35,7 @@ class CodecSpec:
         density (`float`, *optional*, defaults to `1.0`):
             Fraction of entries kept (the article's `sparsity` level, a *kept* fraction), in `(0, 1]`. `1.0` sends
             every entry and no indices; below 1 the `ceil(density * numel)` entries of largest magnitude are kept.
-        bits (`int`, *optional*, defaults to `4`):
+        bits (`int`, *optional*, defaults to `8`):
             Bits per kept value: `32` (raw fp32), `16` (fp16 after a power-of-two shift per block), `8` or `4`
             (symmetric round-to-nearest codes, one fp32 absmax scale per block) or `2` (ternary codes -1/0/+1 times
             the block's absmax).

@@ -70,6 +70,7 @@ def run(out_dir, name, callbacks=()):
         dataloader_num_workers=0,
         grpo_compression="quantize",
         grpo_min_compress_numel=256,
+        grpo_importance=True,  # the multipliers are applied, so replicas could drift
         grpo_lr_scale_warmup_steps=2,
     )
     model = tiny_test_llama(seed=0, max_position_embeddings=SEQ_LEN)

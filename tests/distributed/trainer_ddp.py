@@ -53,6 +53,7 @@ def make_args(out_dir, name, **overrides):
         dataloader_num_workers=0,
         grpo_min_compress_numel=256,
         grpo_dense_warmup_steps=2,
+        grpo_importance=True,  # the multipliers are applied, so replicas could drift
         grpo_lr_scale_warmup_steps=2,  # importance multipliers are active in every scenario
     )
     kwargs.update(overrides)
