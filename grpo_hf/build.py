@@ -52,7 +52,7 @@ def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, texts:
     if model_args.tokenizer_name_or_path:
         return AutoTokenizer.from_pretrained(model_args.tokenizer_name_or_path)
     if name == "minilm":
-        from .models import minilm_path
+        from .offline_models import minilm_path
 
         return AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
     if not _is_tiny(model_args):
@@ -78,7 +78,8 @@ def _classification_model(model_args: ModelArguments, data_args: DataArguments, 
     """A sequence classifier with a new head of `len(labels)` classes, initialised from `seed`."""
     from transformers import AutoModelForSequenceClassification
 
-    from .models import load_minilm_for_classification, tiny_bert
+    from .models import tiny_bert
+    from .offline_models import load_minilm_for_classification
 
     if not labels:
         raise ValueError("A classification model needs the class names (`labels`), from `prepare(...).labels`.")

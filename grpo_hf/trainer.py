@@ -8,12 +8,13 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
-from .callbacks import CostCallback, GRPOCallback
+from .callbacks import GRPOCallback
 from .checkpoints import LAST, TRAINER_STATE_FILE, incomplete_checkpoints, resolve_resume_checkpoint
 from .compression import GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
 from .compression.plan import resolve_compression, resolve_mode
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args, refuse_unsupported_backends
+from .cost.callback import CostCallback
 from .errors import OutputDirError
 from .files import check_output_dir, remove_run_files
 from .grouping import assign_groups, load_group_spec, lr_ratios

@@ -1,9 +1,9 @@
 """
 What a training run costs: FLOPs, MFU, energy, money and projected communication time.
 
-`flops` counts FLOPs and MFU, `energy` measures energy, `prices` turns both into money; [`~grpo_hf.CostCallback`]
-(in `grpo_hf.callbacks`) measures a run with them. Every figure is computed by one of the formulas below; prices, PUE
-and power are configuration ([`CostSettings`]), never constants hidden in the code.
+`flops` counts FLOPs and MFU, `energy` measures energy, `prices` turns both into money; `callback` holds
+[`~grpo_hf.CostCallback`], which measures a run with them. Every figure is computed by one of the formulas below;
+prices, PUE and power are configuration ([`CostSettings`]), never constants hidden in the code.
 
 **FLOPs per trained token** (nanoGPT / PaLM appendix B; forward + backward, a multiply-add counts as 2 FLOPs):
 
