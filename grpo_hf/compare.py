@@ -199,7 +199,7 @@ def run_training(
     1. builds the tokenizer and the datasets ([`~grpo_hf.build.prepare`]: your data, or the Python standard library
        corpus), unless `prepared` holds them;
     2. loads the model ([`~grpo_hf.build.build_model`]: a causal LM, or a classifier for
-       `task="sequence_classification"`) and wraps it with a LoRA adapter (`lora_r > 0`), the adapter initialised
+       `task="sequence_classification"`) and wraps it with a LoRA adapter (`lora_r > 0`), the adapter initialized
        from the run's seed, so both trainers of a comparison start from the same weights;
     3. evaluates the held-out quality with the offline `evaluate` metrics: perplexity
        ([`~grpo_hf.evaluation.evaluate_perplexity`], on the completion tokens with completion-only loss) or accuracy
@@ -388,7 +388,7 @@ def compare(
     Train the plain `Trainer` and `GRPOTrainer` on identical data, seed and steps and compare them.
 
     The tokenizer, the datasets and the quality before training (perplexity or accuracy) are computed once; each
-    run loads the model afresh (same weights, same LoRA initialisation). Each run's checkpoints and trained model (the
+    run loads the model afresh (same weights, same LoRA initialization). Each run's checkpoints and trained model (the
     adapter with LoRA, and the tokenizer: what `grpo-hf publish` uploads) go to `<output_dir>/<kind>`. Then, with
     `cost_noise_rounds > 0`, [`~grpo_hf.noise.measure_timing_noise`] times interleaved windows of both trainers
     (checkpoints in `<output_dir>/noise`).

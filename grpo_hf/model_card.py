@@ -347,12 +347,12 @@ def build_model_card(
             f"{base_link or 'a local base model'}"
         )
     else:
-        what = f"A full fine-tune of {base_link}" if base else "A model built from a config (random initialisation)"
+        what = f"A full fine-tune of {base_link}" if base else "A model built from a config (random initialization)"
     lines = [
         f"# {repo_id.split('/')[-1]}",
         "",
         f"{what}, trained with {trainer_text} from [grpo_hf](https://pypi.org/project/grpo_hf/): grouped parameter "
-        "resource optimisation for the Hugging Face Trainer (semantic parameter groups, a learning rate per group, "
+        "resource optimization for the Hugging Face Trainer (semantic parameter groups, a learning rate per group, "
         "compressed gradient communication, cost reports). Not TRL's Group Relative Policy Optimization.",
         "",
     ]

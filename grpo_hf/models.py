@@ -40,7 +40,7 @@ def _check_dims(hidden_size: int, heads: int) -> None:
 
 
 def _build(model_cls, config, seed: int):
-    # Seeded, reproducible initialisation that leaves the caller's RNG state untouched.
+    # Seeded, reproducible initialization that leaves the caller's RNG state untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
@@ -60,7 +60,7 @@ def tiny_llama(
     pad_token_id: int = 1,
 ):
     """
-    A randomly initialised [`~transformers.LlamaForCausalLM`] (SmolLM2's architecture) built from a config.
+    A randomly initialized [`~transformers.LlamaForCausalLM`] (SmolLM2's architecture) built from a config.
 
     With the defaults and `vocab_size=8192` it has 0.6M parameters (0.5M in the tied embeddings).
 
@@ -76,7 +76,7 @@ def tiny_llama(
         seq_len (`int`, *optional*, defaults to `128`):
             Maximum sequence length (`max_position_embeddings`).
         seed (`int`, *optional*, defaults to `0`):
-            Seed of the initialisation; the global RNG is left untouched.
+            Seed of the initialization; the global RNG is left untouched.
         intermediate_size (`int`, *optional*):
             MLP width; defaults to `4 * hidden_size`.
         tie_word_embeddings (`bool`, *optional*, defaults to `True`):
@@ -117,7 +117,7 @@ def tiny_gpt2(
     pad_token_id: int = 1,
 ):
     """
-    A randomly initialised [`~transformers.GPT2LMHeadModel`] built from a config.
+    A randomly initialized [`~transformers.GPT2LMHeadModel`] built from a config.
 
     GPT-2 ties `lm_head` to `transformer.wte` (only `wte` appears in `named_parameters()`) and fuses q/k/v
     into one `attn.c_attn` Conv1D. Arguments as in [`tiny_llama`]; `dropout` (defaults to `0.0`, GPT-2 uses
@@ -155,7 +155,7 @@ def tiny_bert(
     pad_token_id: int = 1,
 ):
     """
-    A randomly initialised BERT built from a config: [`~transformers.BertForMaskedLM`] (MLM decoder tied to
+    A randomly initialized BERT built from a config: [`~transformers.BertForMaskedLM`] (MLM decoder tied to
     the word embeddings, as in BERT) or, with `num_labels`, [`~transformers.BertForSequenceClassification`]
     (MiniLM's task in the recipes).
 
@@ -194,7 +194,7 @@ def tiny_t5(
     pad_token_id: int = 1,
 ):
     """
-    A randomly initialised [`~transformers.T5ForConditionalGeneration`] (encoder-decoder) built from a config.
+    A randomly initialized [`~transformers.T5ForConditionalGeneration`] (encoder-decoder) built from a config.
 
     `layers` encoder and `layers` decoder blocks; T5's relative position buckets need no `seq_len` (accepted
     for a uniform signature). The LM head is tied to the shared embeddings, as in the original T5; decoding

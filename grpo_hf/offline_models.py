@@ -271,7 +271,7 @@ def load_minilm_for_classification(
         id2label (`dict[int, str]`, *optional*):
             Class names, stored in the config (and `label2id` derived from it).
         seed (`int`, *optional*, defaults to `0`):
-            Seed of the new head's initialisation.
+            Seed of the new head's initialization.
         dtype (`torch.dtype`, *optional*, defaults to `torch.float32`):
             Data type of the model.
 

@@ -28,7 +28,7 @@ logger = logging.get_logger(__name__)
 
 class GRPOMixin:
     r"""
-    Grouped parameter resource optimisation for any [`~transformers.Trainer`] subclass.
+    Grouped parameter resource optimization for any [`~transformers.Trainer`] subclass.
 
     Put it first among the bases so that its overrides run and then defer to the trainer with `super()`:
 
@@ -316,7 +316,7 @@ class GRPOMixin:
 
 class GRPOTrainer(GRPOMixin, Trainer):
     r"""
-    A drop-in [`~transformers.Trainer`] with grouped parameter resource optimisation (see [`GRPOMixin`]).
+    A drop-in [`~transformers.Trainer`] with grouped parameter resource optimization (see [`GRPOMixin`]).
 
     Not TRL's `GRPOTrainer` (Group Relative Policy Optimization): import it as `from grpo_hf import GRPOTrainer`.
 
