@@ -233,6 +233,7 @@ def test_mixin_in_front_of_trl_sft_trainer(tmp_path):
         save_strategy="no",
         disable_tqdm=True,
         max_length=16,
+        activation_checkpointing=True,  # SFTConfig's default, under the name that replaces `gradient_checkpointing`
     )
     trainer = GRPOSFTTrainer(
         model=tiny_llama(), args=args, train_dataset=Dataset.from_dict({"text": texts}), processing_class=tokenizer
