@@ -1,4 +1,4 @@
-"""grpo_hf: grouped parameter resource optimisation (GRPO) for the Hugging Face Trainer.
+"""grpo_hf: grouped parameter resource optimization (GRPO) for the Hugging Face Trainer.
 
 Not TRL's Group Relative Policy Optimization: import `GRPOTrainer` from `grpo_hf`.
 """

@@ -131,7 +131,7 @@ class DataArguments:
 
     Args:
         task (`str`, *optional*, defaults to `"causal_lm"`):
-            `"causal_lm"` (language modelling / SFT, measured by held-out perplexity) or `"sequence_classification"`
+            `"causal_lm"` (language modeling / SFT, measured by held-out perplexity) or `"sequence_classification"`
             (text and label columns, measured by held-out accuracy).
         dataset_name (`str`, *optional*):
             Your data instead of the standard library: a local file (`.json`, `.jsonl`, `.csv`, `.parquet`, `.txt`),
@@ -249,7 +249,7 @@ class DataArguments:
         if self.dataset_name is None:
             if self.task == "sequence_classification":
                 raise ValueError(
-                    "task='sequence_classification' needs labelled data: set dataset_name to a file, folder or Hub "
+                    "task='sequence_classification' needs labeled data: set dataset_name to a file, folder or Hub "
                     "dataset with a text and a label column (see recipes/classify_minilm_lora.yaml)."
                 )
             if self.completion_only_loss:

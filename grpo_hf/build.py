@@ -52,7 +52,7 @@ def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, texts:
     if model_args.tokenizer_name_or_path:
         return AutoTokenizer.from_pretrained(model_args.tokenizer_name_or_path)
     if name == "minilm":
-        from .models import minilm_path
+        from .offline_models import minilm_path
 
         return AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
     if not _is_tiny(model_args):
@@ -75,10 +75,11 @@ def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, texts:
 
 
 def _classification_model(model_args: ModelArguments, data_args: DataArguments, seed: int, tokenizer, labels):
-    """A sequence classifier with a new head of `len(labels)` classes, initialised from `seed`."""
+    """A sequence classifier with a new head of `len(labels)` classes, initialized from `seed`."""
     from transformers import AutoModelForSequenceClassification
 
-    from .models import load_minilm_for_classification, tiny_bert
+    from .models import tiny_bert
+    from .offline_models import load_minilm_for_classification
 
     if not labels:
         raise ValueError("A classification model needs the class names (`labels`), from `prepare(...).labels`.")
@@ -123,7 +124,7 @@ def build_model(
     Causal LM ([`~grpo_hf.models.load_causal_lm`]), or for `task="sequence_classification"` a classifier with a new
     head for `labels` (MiniLM offline, a tiny BERT, or `AutoModelForSequenceClassification`); its LoRA adapter is a
     PEFT `SEQ_CLS` one, which also trains the classification head (`modules_to_save`). The tiny models, the new head
-    and the LoRA adapter are initialised from `seed` without touching the global RNG, so two calls give identical
+    and the LoRA adapter are initialized from `seed` without touching the global RNG, so two calls give identical
     weights.
 
     Returns:

@@ -14,16 +14,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import gc
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -31,16 +28,11 @@ from .arguments import DataArguments, ModelArguments
 from .build import Prepared, _say, build_datasets, build_model, build_tokenizer, prepare  # noqa: F401 - re-exported
 from .checkpoints import resolve_resume_checkpoint
 from .evaluation import evaluate_accuracy, evaluate_perplexity, reset_peak_memory
+from .provenance import SUMMARY_TRAINING_KEYS, _jsonable, capture_environment, recipe_summary  # noqa: F401 - re-exported
 
 
 TRAINER_KINDS = ("trainer", "grpo")
 LABELS = {"trainer": "Trainer", "grpo": "GRPOTrainer"}
-# The training fields a comparison's results record (with every model, data and grpo_*/cost_* field).
-SUMMARY_TRAINING_KEYS = (
-    "output_dir seed max_steps num_train_epochs per_device_train_batch_size per_device_eval_batch_size "
-    "gradient_accumulation_steps learning_rate lr_scheduler_type warmup_steps weight_decay max_grad_norm optim "
-    "logging_steps bf16 fp16"
-).split()
 
 
 def plain_training_arguments(args):
@@ -138,59 +130,6 @@ def _use_compact_progress(trainer) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Provenance
-# --------------------------------------------------------------------------------------------------------------
-
-
-def capture_environment() -> dict[str, Any]:
-    """Versions, platform, CPUs, torch threads and GPU of this run, for `results.json`."""
-    import importlib.metadata as metadata
-    import platform
-
-    env = {"python": sys.version, "platform": platform.platform(), "cpu_count": os.cpu_count()}
-    try:
-        env["usable_cpus"] = len(os.sched_getaffinity(0))
-    except AttributeError:
-        pass
-    for package in ("torch", "transformers", "accelerate", "peft", "evaluate", "grpo_hf"):
-        try:
-            env[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            env[package] = None
-    env["torch_threads"] = torch.get_num_threads()
-    env["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return env
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, enum.Enum):  # before str: transformers' enums are str subclasses
-        return value.value
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
-
-
-def recipe_summary(model_args: ModelArguments, data_args: DataArguments, args) -> dict[str, Any]:
-    """The settings a comparison depends on: every model and data field, and the training fields that matter."""
-    from .config import grpo_field_names
-
-    return _jsonable(
-        {
-            "model": dataclasses.asdict(model_args),
-            "data": dataclasses.asdict(data_args),
-            "training": {k: getattr(args, k) for k in SUMMARY_TRAINING_KEYS},
-            "grpo": {k: getattr(args, k) for k in grpo_field_names()},
-        }
-    )
-
-
-# --------------------------------------------------------------------------------------------------------------
 # Runner
 # --------------------------------------------------------------------------------------------------------------
 
@@ -260,7 +199,7 @@ def run_training(
     1. builds the tokenizer and the datasets ([`~grpo_hf.build.prepare`]: your data, or the Python standard library
        corpus), unless `prepared` holds them;
     2. loads the model ([`~grpo_hf.build.build_model`]: a causal LM, or a classifier for
-       `task="sequence_classification"`) and wraps it with a LoRA adapter (`lora_r > 0`), the adapter initialised
+       `task="sequence_classification"`) and wraps it with a LoRA adapter (`lora_r > 0`), the adapter initialized
        from the run's seed, so both trainers of a comparison start from the same weights;
     3. evaluates the held-out quality with the offline `evaluate` metrics: perplexity
        ([`~grpo_hf.evaluation.evaluate_perplexity`], on the completion tokens with completion-only loss) or accuracy
@@ -302,8 +241,8 @@ def run_training(
     from torch.nn.parallel import DistributedDataParallel
     from transformers import Trainer
 
-    from .callbacks import CostCallback
     from .cost import CostSettings, comm_time_seconds, cost_per_quality
+    from .cost.callback import CostCallback
     from .trainer import GRPOTrainer
 
     if trainer_kind not in TRAINER_KINDS:
@@ -449,7 +388,7 @@ def compare(
     Train the plain `Trainer` and `GRPOTrainer` on identical data, seed and steps and compare them.
 
     The tokenizer, the datasets and the quality before training (perplexity or accuracy) are computed once; each
-    run loads the model afresh (same weights, same LoRA initialisation). Each run's checkpoints and trained model (the
+    run loads the model afresh (same weights, same LoRA initialization). Each run's checkpoints and trained model (the
     adapter with LoRA, and the tokenizer: what `grpo-hf publish` uploads) go to `<output_dir>/<kind>`. Then, with
     `cost_noise_rounds > 0`, [`~grpo_hf.noise.measure_timing_noise`] times interleaved windows of both trainers
     (checkpoints in `<output_dir>/noise`).

@@ -26,7 +26,7 @@ from .importance import SCORE_KINDS as SCORE_CHOICES
 class GRPOConfig(TrainingArguments):
     r"""
     Configuration of [`GRPOTrainer`]: every field of [`~transformers.TrainingArguments`] plus the settings of grouped
-    parameter resource optimisation (GRPO; not TRL's Group Relative Policy Optimization).
+    parameter resource optimization (GRPO; not TRL's Group Relative Policy Optimization).
 
     Example:
 
@@ -221,10 +221,10 @@ class GRPOConfig(TrainingArguments):
     )
     cost_energy_kwh_usd: float = field(default=0.15, metadata={"help": "Price of one kWh in USD."})
     cost_pue: float = field(
-        default=1.4, metadata={"help": "Power usage effectiveness of the data centre (cooling = energy * (PUE - 1))."}
+        default=1.4, metadata={"help": "Power usage effectiveness of the data center (cooling = energy * (PUE - 1))."}
     )
     cost_device_power_watts: float | None = field(
-        default=None, metadata={"help": "Power draw used when energy cannot be measured (labelled 'estimated')."}
+        default=None, metadata={"help": "Power draw used when energy cannot be measured (labeled 'estimated')."}
     )
     cost_link_gbps: float = field(
         default=10.0, metadata={"help": "Link speed in Gbit/s used to project communication time."}

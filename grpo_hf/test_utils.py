@@ -62,7 +62,7 @@ def tiny_llama_config(**overrides):
 
 
 def tiny_test_llama(seed: int = 0, **overrides):
-    """A randomly initialised `LlamaForCausalLM` of [`tiny_llama_config`]`(**overrides)`, seeded with `seed`."""
+    """A randomly initialized `LlamaForCausalLM` of [`tiny_llama_config`]`(**overrides)`, seeded with `seed`."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -128,7 +128,7 @@ class TorchrunResult:
         return self.returncode is None
 
     def logs(self, tail: int = 6000) -> str:
-        """The last `tail` characters of stdout and of stderr, labelled, for an error message."""
+        """The last `tail` characters of stdout and of stderr, labeled, for an error message."""
         return f"--- stdout ---\n{self.stdout[-tail:]}\n--- stderr ---\n{self.stderr[-tail:]}"
 
 

@@ -8,12 +8,13 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
-from .callbacks import CostCallback, GRPOCallback
+from .callbacks import GRPOCallback
 from .checkpoints import LAST, TRAINER_STATE_FILE, incomplete_checkpoints, resolve_resume_checkpoint
 from .compression import GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
 from .compression.plan import resolve_compression, resolve_mode
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args, refuse_unsupported_backends
+from .cost.callback import CostCallback
 from .errors import OutputDirError
 from .files import check_output_dir, remove_run_files
 from .grouping import assign_groups, load_group_spec, lr_ratios
@@ -27,7 +28,7 @@ logger = logging.get_logger(__name__)
 
 class GRPOMixin:
     r"""
-    Grouped parameter resource optimisation for any [`~transformers.Trainer`] subclass.
+    Grouped parameter resource optimization for any [`~transformers.Trainer`] subclass.
 
     Put it first among the bases so that its overrides run and then defer to the trainer with `super()`:
 
@@ -315,7 +316,7 @@ class GRPOMixin:
 
 class GRPOTrainer(GRPOMixin, Trainer):
     r"""
-    A drop-in [`~transformers.Trainer`] with grouped parameter resource optimisation (see [`GRPOMixin`]).
+    A drop-in [`~transformers.Trainer`] with grouped parameter resource optimization (see [`GRPOMixin`]).
 
     Not TRL's `GRPOTrainer` (Group Relative Policy Optimization): import it as `from grpo_hf import GRPOTrainer`.
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 
-pytestmark = pytest.mark.distributed
+# Launches the benchmark's gloo workers: ~20-40 s on 2 cores, so it runs with `-m slow` (CI runs both sets).
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_comm.py"

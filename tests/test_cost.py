@@ -9,8 +9,6 @@ import torch
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
     Trainer,
     TrainerCallback,
     TrainerControl,
@@ -42,6 +40,7 @@ from grpo_hf.cost import (
     peak_tflops,
     training_flops_per_token,
 )
+from grpo_hf.test_utils import tiny_test_llama
 
 
 class FakeClock:
@@ -53,17 +52,9 @@ class FakeClock:
 
 
 def tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
+    return tiny_test_llama(
+        0, vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2, max_position_embeddings=32
     )
-    return LlamaForCausalLM(config)
 
 
 # ---- settings ----------------------------------------------------------------------------------------------------

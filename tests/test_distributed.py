@@ -12,7 +12,8 @@ import torch
 from grpo_hf.test_utils import ROOT, run_torchrun
 
 
-pytestmark = pytest.mark.distributed
+# Each module fixture is a torchrun launch (~20-60 s on 2 cores): the module runs with `-m slow` (CI runs both sets).
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 SCRIPTS = Path(__file__).resolve().parent / "distributed"
 MODES = ("allreduce", "allgather")

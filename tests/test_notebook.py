@@ -30,6 +30,7 @@ def test_the_committed_notebook_is_clean_and_tiny():
     assert any("from grpo_hf import GRPOConfig, GRPOTrainer" in cell.source for cell in code)
 
 
+@pytest.mark.slow  # a Jupyter kernel runs the whole tiny quickstart: ~20-40 s on 2 cores
 def test_quickstart_notebook_runs_in_a_jupyter_kernel(tmp_path):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(

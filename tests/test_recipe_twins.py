@@ -65,6 +65,7 @@ def test_multi_gpu_launch_files_are_documented():
 # --- the twins, end to end ---
 
 
+@pytest.mark.slow  # a whole recipe twin, tokenizer to report: ~30-60 s on 2 cores
 def test_sft_twin_trains_on_the_assistant_turns(tmp_path):
     out = tmp_path / "sft"
     assert (
@@ -87,6 +88,7 @@ def test_sft_twin_trains_on_the_assistant_turns(tmp_path):
     assert "format `messages`, completion-only loss" in report and data["fingerprint"] in report
 
 
+@pytest.mark.slow  # a whole recipe twin, tokenizer to report: ~30-60 s on 2 cores
 def test_classification_twin_reports_accuracy_and_cost(tmp_path):
     out = tmp_path / "cls"
     args = ["compare", str(RECIPES / "classify_tiny.yaml"), "--max_steps", "4", *QUIET, "--output_dir", str(out)]
@@ -119,6 +121,7 @@ def _assert_ddp_and_hooked(row: dict, steps: int) -> None:
     assert row["perplexity_after"] < row["perplexity_before"]
 
 
+@pytest.mark.slow  # launches worker processes: ~20-30 s on 2 cores
 @pytest.mark.distributed
 def test_full_fine_tune_twin_under_torchrun_multi_node_form(tmp_path):
     """The documented multi-node torchrun line, on one node (`--nnodes 1 --node_rank 0`), gloo on CPU."""
@@ -134,6 +137,7 @@ def test_full_fine_tune_twin_under_torchrun_multi_node_form(tmp_path):
     assert run.stdout.count("Saved the model") == 1  # rank 0 alone writes the report
 
 
+@pytest.mark.slow  # launches worker processes: ~20-30 s on 2 cores
 @pytest.mark.distributed
 def test_full_fine_tune_twin_under_accelerate_launch(tmp_path):
     out = tmp_path / "accelerate"

@@ -19,7 +19,8 @@ from grpo_hf.compression.layout import chunk_bounds, chunk_owner
 from grpo_hf.test_utils import ROOT, free_port, run_torchrun, tiny_test_llama
 
 
-pytestmark = pytest.mark.distributed
+# Every test here needs a torchrun launch (~30 s and more on 2 cores): the module runs with `-m slow`.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 SCRIPTS = Path(__file__).resolve().parent / "distributed"
 INJECTED = (1, 5, 8, 10)  # faults_ddp.INJECTIONS: NaN (warm-up), NaN, Inf (compressed tensor), NaN (dense tensor)
@@ -152,7 +153,7 @@ def test_two_rank_allreduce_checkpoint_resumed_by_one_process(faults, tmp_path, 
 # --- a worker killed during a checkpoint save ---------------------------------------------------------------------
 
 
-@pytest.mark.slow  # ~80 s on 2 cores: three process-group starts, one of them a restart
+# ~80 s on 2 cores: three process-group starts, one of them a restart
 def test_killed_worker_restarts_and_matches_an_uninterrupted_run(tmp_path):
     # The c10d rendezvous with a TCPStore per attempt: with the launcher's shared store (the static default, or c10d's
     # shared store), the restarted ranks sometimes read the killed attempt's gloo addresses and fail to connect

@@ -4,27 +4,18 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from grpo_hf import GroupConfigError, GRPOConfig, GRPOMixin, GRPOTrainer
 from grpo_hf.callbacks import STATE_FILE
+from grpo_hf.test_utils import tiny_test_llama
 
 
 VOCAB = 96
 
 
 def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config)
+    return tiny_test_llama(seed, vocab_size=VOCAB, max_position_embeddings=64)
 
 
 def token_dataset(rows=64, length=24, seed=0):
@@ -234,6 +225,7 @@ def test_mixin_in_front_of_trl_sft_trainer(tmp_path):
         save_strategy="no",
         disable_tqdm=True,
         max_length=16,
+        activation_checkpointing=True,  # SFTConfig's default, under the name that replaces `gradient_checkpointing`
     )
     trainer = GRPOSFTTrainer(
         model=tiny_llama(), args=args, train_dataset=Dataset.from_dict({"text": texts}), processing_class=tokenizer

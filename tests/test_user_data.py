@@ -219,5 +219,5 @@ def test_model_and_task_must_match():
     with pytest.raises(RecipeError, match=r"Llama default .* set lora_target_modules: \['query', 'key', 'value'"):
         parse_recipe({"task": "sequence_classification", "model_name_or_path": "minilm", "dataset_name": topics,
                       "dataset_eval_split": "test"})  # fmt: skip
-    with pytest.raises(RecipeError, match="needs labelled data"):
+    with pytest.raises(RecipeError, match="needs labeled data"):
         parse_recipe({"task": "sequence_classification", "model_name_or_path": "minilm"})

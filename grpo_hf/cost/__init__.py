@@ -1,9 +1,9 @@
 """
 What a training run costs: FLOPs, MFU, energy, money and projected communication time.
 
-`flops` counts FLOPs and MFU, `energy` measures energy, `prices` turns both into money; [`~grpo_hf.CostCallback`]
-(in `grpo_hf.callbacks`) measures a run with them. Every figure is computed by one of the formulas below; prices, PUE
-and power are configuration ([`CostSettings`]), never constants hidden in the code.
+`flops` counts FLOPs and MFU, `energy` measures energy, `prices` turns both into money; `callback` holds
+[`~grpo_hf.CostCallback`], which measures a run with them. Every figure is computed by one of the formulas below;
+prices, PUE and power are configuration ([`CostSettings`]), never constants hidden in the code.
 
 **FLOPs per trained token** (nanoGPT / PaLM appendix B; forward + backward, a multiply-add counts as 2 FLOPs):
 
@@ -23,7 +23,7 @@ which equals `6·N` when everything is trainable. [`ModelShape.from_model`] leav
 `nn.Embedding` whose weight is not tied to the output projection): they cost no multiply-adds. A tied embedding
 (GPT-2's `wte`) is counted once, as the LM head matmul it also is.
 
-**MFU** (model FLOPs utilisation):
+**MFU** (model FLOPs utilization):
 
     mfu = achieved_flops_per_second / (num_devices · peak_flops_per_second)
 
@@ -32,7 +32,7 @@ or from `cost_peak_tflops`. An unknown device, the CPU included, has no peak: MF
 
 **Energy**: measured by NVML (`nvmlDeviceGetTotalEnergyConsumption`, mJ; or NVML power samples integrated with the
 trapezoidal rule) on CUDA devices, by RAPL (`/sys/class/powercap/intel-rapl:<n>/energy_uj`, µJ, with wrap-around
-at `max_energy_range_uj`) on CPUs, else estimated and labelled so:
+at `max_energy_range_uj`) on CPUs, else estimated and labeled so:
 
     energy_joules = power_watts · seconds
     energy_kwh    = energy_joules / 3.6e6

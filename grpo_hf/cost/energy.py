@@ -24,7 +24,7 @@ logger = logging.get_logger(__name__)
 # desktop parts about 8 W; 10 W errs high on purpose because memory, board and power-supply losses are not
 # counted separately. Measure and set `cost_device_power_watts` for real numbers.
 DEFAULT_CPU_WATTS_PER_CORE = 10.0
-# Accelerator whose power limit NVML cannot report: a typical PCIe data-centre card (A100 PCIe, L40S: 300-350 W).
+# Accelerator whose power limit NVML cannot report: a typical PCIe data-center card (A100 PCIe, L40S: 300-350 W).
 DEFAULT_ACCELERATOR_WATTS = 300.0
 
 
@@ -52,7 +52,7 @@ class EnergyMeter:
 
 
 def _nvml_handle(nvml: Any, device: torch.device | str | int | None) -> Any:
-    """NVML handle of a torch CUDA device, honouring `CUDA_VISIBLE_DEVICES` (NVML indexes all GPUs)."""
+    """NVML handle of a torch CUDA device, honoring `CUDA_VISIBLE_DEVICES` (NVML indexes all GPUs)."""
     if isinstance(device, int):
         index = device
     else:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 # name (`torch.cuda.get_device_name()`) as a whole word, case-insensitively; the longest matching key wins, so
 # "H100 PCIe" beats "H100" and "A100" never matches "RTX A1000".
 PEAK_TFLOPS: dict[str, float] = {
-    # NVIDIA data centre
+    # NVIDIA data center
     "V100": 125.0,  # SXM2, fp16 (no bf16)
     "V100-PCIE": 112.0,
     "T4": 65.0,  # fp16 (no bf16)

@@ -34,7 +34,7 @@ class CostSettings:
         cost_energy_kwh_usd (`float`, *optional*, defaults to `0.15`):
             Price of one kilowatt-hour of electricity in US dollars.
         cost_pue (`float`, *optional*, defaults to `1.4`):
-            Power usage effectiveness of the data centre (facility energy / IT energy, at least 1.0). Cooling costs
+            Power usage effectiveness of the data center (facility energy / IT energy, at least 1.0). Cooling costs
             `energy_usd * (cost_pue - 1)`; use `1.0` to leave cooling out.
         cost_device_power_watts (`float`, *optional*):
             Power draw of one device (CPU: of one machine) in watts, used only when energy cannot be measured.
