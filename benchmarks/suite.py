@@ -478,10 +478,11 @@ def summarize(suite: str, results: dict[str, dict[str, dict[int, dict]]], baseli
                              accuracy_delta_worst=min(deltas))  # fmt: skip
             sent = [sum(s["bytes"] for s in by_seed[seed]["per_step"]) for seed in seeds]
             dense = [by_seed[seed]["dense_fp32_bytes_per_step"] * by_seed[seed]["steps"] for seed in seeds]
-            entry["bytes_ratio"] = statistics.fmean(d / s for d, s in zip(dense, sent))
+            if suite == "comm":  # one process (the lr suite) sends nothing
+                entry["bytes_ratio"] = statistics.fmean(d / s for d, s in zip(dense, sent))
             warm = 10 if name.startswith("powersgd") else 2
             steady = [by_seed[seed]["per_step"][warm:] for seed in seeds]
-            if all(steady):
+            if suite == "comm" and all(steady):
                 entry["steady_bytes_ratio"] = statistics.fmean(
                     by_seed[seed]["dense_fp32_bytes_per_step"] / statistics.fmean(x["bytes"] for x in st)
                     for seed, st in zip(seeds, steady)
