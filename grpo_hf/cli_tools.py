@@ -84,12 +84,15 @@ def load_model_for_inspection(name: str, vocab_size: int = 1024):
             Vocabulary of the tiny models.
     """
     from . import models
-    from .parser import missing_local_path
+    from .parser import hub_model_available, missing_local_path
 
+    hint = f"Give a model folder, a model config .json, a Hub name, or one of {', '.join(TINY_BUILDERS)}, "
     if missing_local_path(name):
+        raise MissingPathError(f"model {name!r}: no such file or folder. {hint}{models.SMOLLM2_NAME}.")
+    if name not in (*TINY_BUILDERS, models.SMOLLM2_NAME) and not hub_model_available(name):
         raise MissingPathError(
-            f"model {name!r}: no such file or folder. Give a model folder, a model config .json, a Hub name, or one "
-            f"of {', '.join(TINY_BUILDERS)}, {models.SMOLLM2_NAME}."
+            f"model {name!r}: no local folder, and not in the Hugging Face cache while the Hub is offline "
+            f"(HF_HUB_OFFLINE). Download it once online (`hf download {name}`), or: {hint}{models.SMOLLM2_NAME}."
         )
     if name in TINY_BUILDERS:
         builder = getattr(models, name.replace("-", "_"))

@@ -249,11 +249,30 @@ def missing_local_path(value: str | None) -> bool:
     return value.startswith((".", "/", "~")) or "\\" in value or value.endswith(".json") or not _HUB_ID.match(value)
 
 
+def hub_model_available(name: str) -> bool:
+    """
+    Whether a model named by a Hub id can be loaded: always online (the Hub says), offline (`HF_HUB_OFFLINE` or
+    `TRANSFORMERS_OFFLINE`) only when the Hugging Face cache holds it. Local paths count as available.
+    """
+    truthy = ("1", "ON", "YES", "TRUE")
+    offline = any(os.environ.get(k, "").upper() in truthy for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if not offline or os.path.exists(os.path.expanduser(name)) or not _HUB_ID.match(name):
+        return True
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        snapshot_download(name, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError):
+        return False
+    return True
+
+
 def check_local_paths(model_args: ModelArguments, data_args: DataArguments, where: str = "recipe") -> None:
     """
     Check that the local paths of a recipe's model and tokenizer (`model_name_or_path`, `tokenizer_name_or_path`)
-    and of its corpus (`corpus_root`) exist, before anything is loaded (`dataset_name` is checked with the data,
-    [`~grpo_hf.user_data.check_data_arguments`]).
+    and of its corpus (`corpus_root`) exist, and that a Hub model is in the cache when the Hub is offline, before
+    anything is loaded (`dataset_name` is checked with the data, [`~grpo_hf.user_data.check_data_arguments`]).
 
     Raises:
         [`RecipeError`]: naming the recipe, the field and the path.
@@ -265,6 +284,12 @@ def check_local_paths(model_args: ModelArguments, data_args: DataArguments, wher
                 f"{where}: {field}={value!r}: no such file or folder (relative paths are taken from the current "
                 f"folder {os.getcwd()}). Fix the path, or give a built-in name ({', '.join(CAUSAL_LM_MODELS)}) or a "
                 "Hub id such as 'owner/name'."
+            )
+        if value and value not in CAUSAL_LM_MODELS + CLASSIFICATION_MODELS and not hub_model_available(value):
+            raise RecipeError(
+                f"{where}: {field}={value!r} is no local folder, and not in the Hugging Face cache while the Hub is "
+                "offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE). Download it once online (`hf download "
+                f"{value}`), or point {field} at a local folder."
             )
     root = data_args.corpus_root
     if root is not None and not os.path.isdir(os.path.expanduser(root)):
@@ -331,7 +356,12 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
-        raise RecipeError(f"{path}: not valid YAML ({err}).") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
+        raise RecipeError(
+            f"{path}: not valid YAML{where} ({problem}); a recipe is one `field: value` line per field (see recipes/)."
+        ) from None
     except UnicodeDecodeError:
         raise RecipeError(f"{path}: not a UTF-8 text file; a recipe is a YAML file of `field: value` lines.") from None
     return resolve_recipe_paths(values, path.parent)
@@ -400,6 +430,7 @@ __all__ = [
     "builtin_recipe_values",
     "check_local_paths",
     "check_recipe",
+    "hub_model_available",
     "load_recipe",
     "missing_local_path",
     "parse_overrides",
