@@ -3,7 +3,12 @@
 Each sub-command is a `<name>_command_parser` / `<name>_command` pair, as in accelerate's CLI; `COMMANDS` lists the
 parsers. Every sub-parser is a [`~grpo_hf.parser.RecipeParser`] (TRL's `parser_class` pattern): those of the recipe
 commands hold every field of the recipe's dataclasses, with the recipe's values as defaults, so
-`grpo-hf train RECIPE --help` lists them all and `--field value` after the recipe overrides the file.
+`grpo-hf train RECIPE --help` lists them all and `--field value` after the recipe overrides the file. The commands
+without a recipe (`groups`, `publish`, `env`) are in [`grpo_hf.cli_tools`].
+
+Bad input (a recipe, a field, a group file, a checkpoint, an output folder holding another run) stops a command
+before any model is loaded or any file written, with one `grpo-hf COMMAND: error: ...` line on stderr and exit status
+2; `--debug` (before or after the command) shows the traceback instead.
 
 ```bash
 grpo-hf quickstart                       # SmolLM2-135M + LoRA, Trainer vs GRPOTrainer, offline, a few minutes on CPU
@@ -18,213 +23,33 @@ grpo-hf env
 
 import argparse
 import os
-import platform
 import sys
 import time
 
+from .cli_tools import (  # noqa: F401 - re-exported: the commands without a recipe are part of the CLI's API
+    GROUPS_FIELDS,
+    TINY_BUILDERS,
+    env_command,
+    env_command_parser,
+    groups_command,
+    groups_command_parser,
+    groups_rich_table,
+    load_model_for_inspection,
+    publish_command,
+    publish_command_parser,
+)
 from .errors import GRPOInputError
 from .parser import RecipeError, RecipeParser, builtin_recipe_values, read_recipe, recipe_error_from
 
 
-# Sub-commands without a recipe: no dataclass fields, and argparse's own abbreviations and error exits.
-_PLAIN = {
-    "dataclass_types": (),
-    "allow_abbrev": True,
-    "exit_on_error": True,
-    "formatter_class": argparse.HelpFormatter,
-}
+DEBUG_HELP = (
+    "Show the full traceback of an input error (without it: one 'grpo-hf COMMAND: error: ...' line on stderr, exit "
+    "status 2). Goes before or after the command."
+)
 _FIELDS_HELP = (
     "Every field listed below can follow as --field value (None or null for None); the recipe's values are the "
     "defaults shown, the command line wins over them."
 )
-
-
-def env_command_parser(subparsers):
-    parser = subparsers.add_parser("env", help="Print versions and hardware for bug reports.", **_PLAIN)
-    parser.set_defaults(func=env_command)
-    return parser
-
-
-def env_command(args) -> int:
-    import importlib.metadata as metadata
-
-    import psutil
-    import torch
-
-    import grpo_hf
-
-    info = {
-        "grpo_hf version": grpo_hf.__version__,
-        "Platform": platform.platform(),
-        "Python version": sys.version.split()[0],
-    }
-    for package in ("torch", "transformers", "accelerate", "peft", "datasets", "evaluate", "trl"):
-        try:
-            info[f"{package} version"] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            info[f"{package} version"] = "not installed"
-    info["CPU cores"] = str(psutil.cpu_count(logical=True))
-    info["RAM"] = f"{psutil.virtual_memory().total / 2**30:.1f} GiB"
-    info["CUDA available"] = str(torch.cuda.is_available())
-    if torch.cuda.is_available():
-        info["GPU"] = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-        info["CUDA version"] = str(torch.version.cuda)
-    info["torch.distributed backends"] = ", ".join(
-        name
-        for name, ok in (
-            ("gloo", torch.distributed.is_gloo_available()),
-            ("nccl", torch.distributed.is_nccl_available()),
-        )
-        if ok
-    )
-    print("\nCopy-and-paste the text below in your GitHub issue\n")
-    print("\n".join(f"- {key}: {value}" for key, value in info.items()))
-    return 0
-
-
-def groups_command_parser(subparsers):
-    parser = subparsers.add_parser(
-        "groups", help="Show how a model's trainable parameters are grouped, to check group rules.", **_PLAIN
-    )
-    parser.add_argument(
-        "model",
-        help="A model name or path (loaded with AutoModel*), a model config .json, or one of the built-in "
-        "'tiny-llama', 'tiny-gpt2', 'tiny-bert', 'tiny-t5', 'smollm2-135m'.",
-    )
-    from .config import GRPOConfig  # the defaults and help texts of the same fields, so they cannot drift apart
-
-    fields = GRPOConfig.__dataclass_fields__
-    for name, kind in GROUPS_FIELDS.items():
-        field = fields[name]
-        parser.add_argument(
-            f"--{name}",
-            type=kind,
-            default=field.default,
-            choices=field.metadata.get("choices"),
-            help=field.metadata["help"],
-        )
-    parser.add_argument("--lora", action="store_true", help="Wrap the model with a LoRA adapter (r=8, all-linear).")
-    parser.add_argument("--strict", action="store_true", help="Fail when a rule matches no trainable parameter.")
-    parser.set_defaults(func=groups_command)
-    return parser
-
-
-# The GRPOConfig fields `grpo-hf groups` takes, with their types; they are checked as `train` checks them.
-GROUPS_FIELDS = {
-    "grpo_groups": str,
-    "grpo_lr_ratios": str,
-    "grpo_compression": str,
-    "grpo_density": float,
-    "grpo_bits": str,
-    "grpo_min_compress_numel": int,
-}
-TINY_BUILDERS = ("tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-t5")
-
-
-def load_model_for_inspection(name: str, vocab_size: int = 1024):
-    """
-    A model to show the groups of, without training it.
-
-    Args:
-        name (`str`):
-            - `"tiny-llama"`, `"tiny-gpt2"`, `"tiny-bert"`, `"tiny-t5"`: built from a config ([`grpo_hf.models`]),
-              with a `vocab_size` vocabulary (no tokenizer is trained);
-            - `"smollm2-135m"`: [`~grpo_hf.models.load_smollm2`] (offline);
-            - a path to a model config `.json`: [`~transformers.AutoConfig`] then
-              [`~transformers.AutoModelForCausalLM`]`.from_config` (or [`~transformers.AutoModel`] for architectures
-              without a causal-LM head), randomly initialised;
-            - anything else: a Hub name or local folder, loaded with `AutoModelForCausalLM.from_pretrained` (or
-              `AutoModel.from_pretrained`).
-        vocab_size (`int`, *optional*, defaults to `1024`):
-            Vocabulary of the tiny models.
-    """
-    from . import models
-
-    if name in TINY_BUILDERS:
-        builder = getattr(models, name.replace("-", "_"))
-        return builder(vocab_size=vocab_size)
-    if name == models.SMOLLM2_NAME:
-        return models.load_smollm2()[0]
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-    if name.endswith(".json"):
-        if not os.path.isfile(name):
-            raise FileNotFoundError(f"No model config file {name}.")
-        config = AutoConfig.from_pretrained(name)
-        try:
-            return AutoModelForCausalLM.from_config(config)
-        except ValueError:  # no causal-LM head for this architecture (e.g. an encoder)
-            return AutoModel.from_config(config)
-    try:
-        return AutoModelForCausalLM.from_pretrained(name)
-    except ValueError:
-        return AutoModel.from_pretrained(name)
-
-
-def _load_any_model(name: str):
-    return load_model_for_inspection(name)
-
-
-def groups_rich_table(groups, plan, title: str = "GRPO groups", ratios: dict | None = None):
-    """
-    The table `grpo-hf groups` prints, as a [`rich.table.Table`] (it renders in a terminal and in Jupyter): one row per
-    group with its rule, tensors, parameters, share, LR ratio and what compression would send.
-
-    Example:
-
-    ```python
-    >>> from rich import print
-    >>> print(groups_rich_table(trainer.grpo_groups, trainer.grpo_plan, ratios=trainer.args.grpo_lr_ratios))
-    ```
-    """
-    from rich.markup import escape
-    from rich.table import Table
-
-    from .grouping import group_table
-
-    table = Table(title=title)
-    for column in ("group", "rule", "tensors", "parameters", "share", "lr ratio", "density", "bits"):
-        table.add_column(
-            column, justify="right" if column in ("tensors", "parameters", "share", "lr ratio") else "left"
-        )
-    for row in group_table(groups, plan, ratios):
-        table.add_row(
-            row["group"],
-            escape(row["rule"]),  # a rule such as `Attention\.[qk]` is not rich markup
-            str(row["tensors"]),
-            f"{row['parameters']:,}",
-            f"{row['share']:.1%}",
-            f"{row['lr_ratio']:g}",
-            row["density"],
-            row["bits"],
-        )
-    return table
-
-
-def groups_command(args) -> int:
-    from rich.console import Console
-
-    from .compression import compression_plan, resolve_compression
-    from .config import grpo_defaults, validate_grpo_fields
-    from .grouping import assign_groups, load_group_spec
-
-    # The same checks as GRPOConfig (so as `train`), before the model is loaded: fields, then the group file.
-    checked = argparse.Namespace(**{**grpo_defaults(), **{k: getattr(args, k) for k in GROUPS_FIELDS}})
-    validate_grpo_fields(checked)
-    spec = load_group_spec(args.grpo_groups)
-    model = _load_any_model(args.model)
-    if args.lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
-    groups = assign_groups(model, spec, strict=args.strict)
-    compression = resolve_compression(args.grpo_compression, distributed=True)  # what a DDP run would send
-    plan = compression_plan(
-        model, groups, compression, args.grpo_density, args.grpo_bits, args.grpo_min_compress_numel
-    )
-    title = f"GRPO groups of {args.model} ({spec.source})"
-    Console(width=200).print(groups_rich_table(groups, plan, title, ratios=checked.grpo_lr_ratios))
-    return 0
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -282,10 +107,56 @@ def _command_line(argv: list[str]) -> str:
     return " ".join(["grpo-hf", *shown])
 
 
+def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | None = None) -> None:
+    """
+    What a recipe command will write and resume, checked before any model or tokenizer is loaded (GRPOTrainer
+    checks its `output_dir` again when it trains, but a comparison trains the plain Trainer first, and a model may take
+    minutes to load).
+
+    Args:
+        training_args ([`~grpo_hf.GRPOConfig`]):
+            `overwrite_output_dir` and `resume_from_checkpoint` of the recipe.
+        runs (`dict[str, bool]`):
+            The folder each trainer writes its checkpoints and model into, and whether the trainer is GRPOTrainer
+            (its checkpoints hold GRPO state files).
+        report_dir (`str`, *optional*):
+            A folder that receives only the report (`results.json`, `report.md`, plots): that of a comparison.
+
+    Raises:
+        [`~grpo_hf.errors.OutputDirError`]: a folder holds another run, and the recipe neither resumes nor overwrites.
+        [`~grpo_hf.errors.CheckpointError`]: `resume_from_checkpoint` names no folder, `True` finds no complete
+            checkpoint, or a GRPO state file of the checkpoint it resumes is corrupt or truncated.
+    """
+    from .checkpoints import (
+        LAST,
+        incomplete_checkpoints,
+        read_grpo_state,
+        resolve_resume_checkpoint,
+        saved_ranks,
+        state_path,
+    )
+    from .files import check_output_dir
+
+    overwrite = bool(training_args.overwrite_output_dir)
+    resume = training_args.resume_from_checkpoint
+    if report_dir is not None:
+        check_output_dir(report_dir, overwrite=overwrite, resuming=bool(resume))
+    for folder, grpo in runs.items():
+        checkpoint = resolve_resume_checkpoint(folder, resume, grpo=grpo)
+        if checkpoint is not None and grpo:
+            for rank in saved_ranks(checkpoint):  # maps the tensors: cheap, and a corrupt file fails here
+                read_grpo_state(state_path(checkpoint, rank), mmap=True)
+        ignore = incomplete_checkpoints(folder, grpo) if resume == LAST else ()
+        check_output_dir(folder, overwrite=overwrite, resuming=checkpoint is not None, ignore=ignore)
+
+
 def _compare_and_report(model_args, data_args, training_args, command: str, title: str, where: str) -> int:
-    from .compare import compare
+    from .compare import TRAINER_KINDS, compare
     from .report import print_table, write_report
 
+    output_dir = training_args.output_dir
+    runs = {os.path.join(output_dir, kind): kind == "grpo" for kind in TRAINER_KINDS}  # where compare() puts them
+    check_run_folders(training_args, runs, report_dir=output_dir)
     _quiet_warnings()
     phases = _Phases()
     phases(
@@ -392,6 +263,7 @@ def train_command(args) -> int:
     check_push_settings(training_args)  # before any work: no hub_token in the arguments, a token to push with
     if push and not training_args.hub_model_id:
         raise RecipeError("push_to_hub is set: give the repository with --hub_model_id USER/NAME.")
+    check_run_folders(training_args, {training_args.output_dir: args.trainer == "grpo"})
     # The upload happens once, after results.json is written, so that the card holds the run's figures.
     training_args = dataclasses.replace(training_args, push_to_hub=False)
     _quiet_warnings()
@@ -422,57 +294,6 @@ def train_command(args) -> int:
         repo_id = training_args.hub_model_id
         folder = publish(training_args.output_dir, repo_id, private=bool(training_args.hub_private_repo))
         print(describe_upload(folder, repo_id))
-    return 0
-
-
-def publish_command_parser(subparsers):
-    parser = subparsers.add_parser(
-        "publish",
-        usage="grpo-hf publish [-h] OUTPUT_DIR --repo_id USER/NAME [--private] [--dry_run] [--run {grpo,trainer}] "
-        "[--upload_dir DIR] [--base_model HUB_ID]",
-        help="Publish a trained adapter (or model) to the Hugging Face Hub with a model card.",
-        description="Uploads the adapter (the model for a full fine-tune) and the tokenizer saved in OUTPUT_DIR (a "
-        "folder written by grpo-hf train, or by grpo-hf compare/quickstart: then the GRPOTrainer run's, or --run's) "
-        "with a model card: base model, eval perplexity in model-index, co2_eq_emissions when the energy was "
-        "measured, data, GRPO groups and settings, cost table and versions. The token is the one huggingface_hub "
-        "finds (HF_TOKEN or `hf auth login`); it is written nowhere.",
-        **_PLAIN,
-    )
-    parser.add_argument("output_dir", help="The run folder (the output_dir of the recipe).")
-    parser.add_argument("--repo_id", required=True, help="The Hub repository, USER/NAME or ORGANIZATION/NAME.")
-    parser.add_argument("--private", action="store_true", help="Create the repository private.")
-    parser.add_argument(
-        "--dry_run",
-        action="store_true",
-        help="Write the exact folder that would be uploaded, print where it is, and upload nothing.",
-    )
-    parser.add_argument("--run", choices=("grpo", "trainer"), help="The run of a comparison (default: grpo).")
-    parser.add_argument(
-        "--upload_dir", help="Where to write the upload folder (default: OUTPUT_DIR/hub_upload/<run>)."
-    )
-    parser.add_argument(
-        "--base_model",
-        help="Hub id of the base model, when grpo_hf cannot tell it (a base loaded from a local folder).",
-    )
-    parser.set_defaults(func=publish_command)
-    return parser
-
-
-def publish_command(args) -> int:
-    from .hub import describe_upload, publish
-
-    folder = publish(
-        args.output_dir,
-        args.repo_id,
-        private=args.private,
-        dry_run=args.dry_run,
-        run=args.run,
-        upload_dir=args.upload_dir,
-        base_model=args.base_model,
-    )
-    print(describe_upload(folder, args.repo_id, dry_run=args.dry_run))
-    if args.dry_run:
-        print(f"Dry run: nothing was uploaded. To upload: grpo-hf publish {args.output_dir} --repo_id {args.repo_id}")
     return 0
 
 
@@ -527,35 +348,73 @@ def _parse(parser, command_parsers: dict, argv: list[str]) -> argparse.Namespace
     return args
 
 
+def take_debug_flag(argv: list[str]) -> tuple[list[str], bool]:
+    """
+    `argv` without the global `--debug` flag, and whether it was there (anywhere: before or after the command). A
+    `--debug` followed by values of the `TrainingArguments` field of that name (`--debug underflow_overflow`) is that
+    field's, and stays.
+    """
+    from transformers.debug_utils import DebugOption
+
+    options = {option.value for option in DebugOption}
+    kept, debug = [], False
+    for index, arg in enumerate(argv):
+        if arg == "--debug" and (index + 1 == len(argv) or argv[index + 1] not in options):
+            debug = True
+        else:
+            kept.append(arg)
+    return kept, debug
+
+
+def _document_debug(command_parsers: dict) -> None:
+    """`--debug` in every command's --help; in a recipe command's it shares the TrainingArguments field's option."""
+    for sub in command_parsers.values():
+        field = next((a for a in sub._actions if "--debug" in a.option_strings), None)
+        if field is None:
+            sub.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+        else:
+            field.help = f"Alone: {DEBUG_HELP[0].lower()}{DEBUG_HELP[1:]} With values: {field.help}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """
+    Run one `grpo-hf` command; returns the exit status. Bad input ([`~grpo_hf.errors.GRPOInputError`]: a recipe, a
+    field, a group file, a checkpoint, an output folder) prints one `grpo-hf COMMAND: error: ...` line on stderr and
+    returns 2, before any model is loaded or any file written; `--debug` raises it with its traceback instead. Other
+    exceptions keep their traceback.
+    """
     global _MAIN_STARTED
     _MAIN_STARTED = time.time()
     if argv is None:  # the console script: count from the process start, so that the imports are included
         import psutil
 
         _MAIN_STARTED = min(_MAIN_STARTED, psutil.Process().create_time())
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, debug = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(
         "grpo-hf",
         description="Grouped parameter resource optimisation for the HF Trainer.",
         allow_abbrev=False,
         exit_on_error=False,  # a recipe command's wrong value becomes a RecipeError (see `_parse`)
     )
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=RecipeParser)
     command_parsers = {
         register.__name__.removesuffix("_command_parser"): register(subparsers) for register in COMMANDS
     }
+    _document_debug(command_parsers)
     try:
         args = _parse(parser, command_parsers, argv)
         args.argv = argv
         return args.func(args)
-    except (RecipeError, GRPOInputError, FileNotFoundError) as err:
+    except GRPOInputError as err:
+        if debug:
+            raise
         print(f"grpo-hf {argv[0]}: error: {err}", file=sys.stderr)
         return 2
     except ValueError as err:
         from .hub import HubError
 
-        if not isinstance(err, HubError):
+        if debug or not isinstance(err, HubError):
             raise
         print(f"grpo-hf {argv[0]}: error: {err}", file=sys.stderr)
         return 1

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,10 @@ from .arguments import (  # noqa: F401 - re-exported: the recipe arguments are p
     RecipeError,
 )
 from .config import GRPOConfig
+
+
+class RecipeNotFoundError(RecipeError, FileNotFoundError):
+    """The recipe file does not exist: a [`RecipeError`] and a `FileNotFoundError` (what `read_recipe` raised before)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -223,9 +228,75 @@ def check_recipe(model_args: ModelArguments, data_args: DataArguments, where: st
             f"{where}: lora_target_modules is the Llama default {DEFAULT_LORA_TARGETS}, but {name!r} is a BERT "
             f"encoder: set lora_target_modules: {BERT_LORA_TARGETS} (or a subset)."
         )
+    check_local_paths(model_args, data_args, where)
     from .user_data import check_data_arguments
 
     check_data_arguments(data_args, where)
+
+
+# A Hub model id: `name` or `owner/name` (what is not one, and does not exist, is a missing local path).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def missing_local_path(value: str | None) -> bool:
+    """
+    Whether `value` names a local file or folder that does not exist: it is not there, and is no Hub id (it starts
+    with `.`, `/` or `~`, holds a backslash or more than one `/`, or ends in `.json`). Built-in names (`tiny-llama`,
+    `smollm2-135m`, ...) and Hub ids (`gpt2`, `owner/name`) are not local paths.
+    """
+    if not value or os.path.exists(os.path.expanduser(value)):
+        return False
+    return value.startswith((".", "/", "~")) or "\\" in value or value.endswith(".json") or not _HUB_ID.match(value)
+
+
+def hub_model_available(name: str) -> bool:
+    """
+    Whether a model named by a Hub id can be loaded: always online (the Hub says), offline (`HF_HUB_OFFLINE` or
+    `TRANSFORMERS_OFFLINE`) only when the Hugging Face cache holds it. Local paths count as available.
+    """
+    truthy = ("1", "ON", "YES", "TRUE")
+    offline = any(os.environ.get(k, "").upper() in truthy for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if not offline or os.path.exists(os.path.expanduser(name)) or not _HUB_ID.match(name):
+        return True
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        snapshot_download(name, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError):
+        return False
+    return True
+
+
+def check_local_paths(model_args: ModelArguments, data_args: DataArguments, where: str = "recipe") -> None:
+    """
+    Check that the local paths of a recipe's model and tokenizer (`model_name_or_path`, `tokenizer_name_or_path`)
+    and of its corpus (`corpus_root`) exist, and that a Hub model is in the cache when the Hub is offline, before
+    anything is loaded (`dataset_name` is checked with the data, [`~grpo_hf.user_data.check_data_arguments`]).
+
+    Raises:
+        [`RecipeError`]: naming the recipe, the field and the path.
+    """
+    for field in ("model_name_or_path", "tokenizer_name_or_path"):
+        value = getattr(model_args, field)
+        if missing_local_path(value):
+            raise RecipeError(
+                f"{where}: {field}={value!r}: no such file or folder (relative paths are taken from the current "
+                f"folder {os.getcwd()}). Fix the path, or give a built-in name ({', '.join(CAUSAL_LM_MODELS)}) or a "
+                "Hub id such as 'owner/name'."
+            )
+        if value and value not in CAUSAL_LM_MODELS + CLASSIFICATION_MODELS and not hub_model_available(value):
+            raise RecipeError(
+                f"{where}: {field}={value!r} is no local folder, and not in the Hugging Face cache while the Hub is "
+                "offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE). Download it once online (`hf download "
+                f"{value}`), or point {field} at a local folder."
+            )
+    root = data_args.corpus_root
+    if root is not None and not os.path.isdir(os.path.expanduser(root)):
+        raise RecipeError(
+            f"{where}: corpus_root={root!r} is not a folder. Point it at a folder of *.py files, or set it to None "
+            "for the Python standard library."
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -272,17 +343,27 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
     The mapping a recipe YAML file holds (not yet checked: see [`RecipeParser.set_recipe_defaults`]).
 
     Raises:
-        `FileNotFoundError`: no such file. [`RecipeError`]: not valid YAML.
+        [`RecipeNotFoundError`] (a `FileNotFoundError` too): no such file. [`RecipeError`]: a folder, or not
+            valid YAML (or not UTF-8 text).
     """
     import yaml
 
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"{path} is a folder, not a recipe file: give the path of a recipe YAML file in it.")
     if not path.is_file():
-        raise FileNotFoundError(f"No recipe file {path}; see the recipes/ folder for examples.")
+        raise RecipeNotFoundError(f"No recipe file {path}; see the recipes/ folder for examples.")
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
-        raise RecipeError(f"{path}: not valid YAML ({err}).") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
+        raise RecipeError(
+            f"{path}: not valid YAML{where} ({problem}); a recipe is one `field: value` line per field (see recipes/)."
+        ) from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: not a UTF-8 text file; a recipe is a YAML file of `field: value` lines.") from None
     return resolve_recipe_paths(values, path.parent)
 
 
@@ -306,7 +387,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None):
         `tuple[ModelArguments, DataArguments, GRPOConfig]`
 
     Raises:
-        `FileNotFoundError`: no such file. [`RecipeError`]: the file is not a mapping, a field is unknown or a value
+        [`RecipeNotFoundError`]: no such file. [`RecipeError`]: the file is not a mapping, a field is unknown or a value
             invalid (the message says which and how to fix it).
     """
     return parse_recipe(read_recipe(path), overrides, where=str(path))
@@ -342,12 +423,16 @@ __all__ = [
     "DataArguments",
     "ModelArguments",
     "RecipeError",
+    "RecipeNotFoundError",
     "RecipeParser",
     "builtin_recipe",
     "builtin_recipe_names",
     "builtin_recipe_values",
+    "check_local_paths",
     "check_recipe",
+    "hub_model_available",
     "load_recipe",
+    "missing_local_path",
     "parse_overrides",
     "parse_recipe",
     "read_recipe",
