@@ -111,6 +111,10 @@ class SuiteArguments:
         default=4,
         metadata={"help": "lr suite: evaluations along each run (for the steps a row needs to reach the baseline)."},
     )
+    report_only: bool = field(
+        default=False,
+        metadata={"help": "Summarize the results already on disk; launch nothing (missing seeds are left out)."},
+    )
     timeout: int = field(default=14400, metadata={"help": "Seconds before one launch (a task and a seed) is killed."})
 
 
@@ -549,13 +553,14 @@ def scaling(args, out: Path) -> list[dict]:
     task = TASKS["llama-scratch"]
     rows = ["dense", "q4s", "q2s", "q4s-ar", "q2s-ar"]
     table = []
-    info = prepare(task, out / "data", 2)
+    info = None if args.report_only else prepare(task, out / "data", 2)
     for world_size in sizes:
         results_dir = out / "scaling" / f"w{world_size}"
         results_dir.mkdir(parents=True, exist_ok=True)
         job = {"suite": "comm", "task": task.name, "task_overrides": {"max_steps": 8}, "info": info, "rows": rows,
                "seeds": [0], "results_dir": str(results_dir), "output_dir": str(out), "world_size": world_size}  # fmt: skip
-        launch(job, results_dir / "_job.json", args.timeout)
+        if not args.report_only:
+            launch(job, results_dir / "_job.json", args.timeout)
         for name in rows:
             result = json.loads((results_dir / f"{name}-seed0.json").read_text())
             steady = result["per_step"][2:]
@@ -588,6 +593,8 @@ def main() -> None:
         rows = [r for r in args.row_list if not (r.startswith("loraplus") and not task.lora)]
         for row in rows:
             parse_row(args.suite, row)  # fail on a bad row name before any work
+        if args.report_only:
+            continue
         info = prepare(task, out / "data", world_size)
         results_dir = out / "results" / name
         results_dir.mkdir(parents=True, exist_ok=True)
