@@ -178,7 +178,7 @@ class RecipeParser(HfArgumentParser):
 
     def parse_recipe_args(self, args: list[str] | None = None, where: str = "recipe") -> tuple:
         """
-        Parse command-line overrides (`["--max_steps", "10", "--no_grpo_importance", ...]`) over the defaults once.
+        Parse command-line overrides (`["--max_steps", "10", "--no_grpo_scale_gradients", ...]`) over the defaults once.
 
         Returns:
             `tuple[ModelArguments, DataArguments, GRPOConfig]`
