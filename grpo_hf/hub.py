@@ -30,6 +30,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard
 
+from .errors import GRPOInputError
 from .model_card import HUB_ID_PATTERN, build_model_card
 
 
@@ -62,18 +63,26 @@ class HubError(ValueError):
     """Publishing failed or cannot start; the message says why and what to do, and no token is ever in it."""
 
 
+class PublishInputError(HubError, GRPOInputError):
+    """
+    What was given to `grpo-hf publish` cannot be published as is (a folder without a run or a saved model, a malformed
+    repository id): a user error, reported like every [`~grpo_hf.errors.GRPOInputError`] (exit status 2 on the
+    command line). Failures of the upload itself (no token, an unreachable Hub) stay [`HubError`] (exit status 1).
+    """
+
+
 def load_run(output_dir: str | Path, run: str | None = None) -> tuple[dict, dict, Path]:
     """
     `(results, row, model_folder)` of a folder written by `grpo-hf train` (the model in the folder itself) or by
     `grpo-hf compare` / `quickstart` (each run's model in `<output_dir>/<run>`; `run` defaults to `"grpo"`).
 
     Raises:
-        [`HubError`]: no `results.json`, no such run, or no saved model (the message says what to run).
+        [`PublishInputError`]: no `results.json`, no such run, or no saved model (the message says what to run).
     """
     output_dir = Path(output_dir)
     results_path = output_dir / "results.json"
     if not results_path.is_file():
-        raise HubError(
+        raise PublishInputError(
             f"{output_dir}: no results.json. Publish a folder written by `grpo-hf train RECIPE` or `grpo-hf compare "
             "RECIPE` (the output_dir of the recipe)."
         )
@@ -84,10 +93,10 @@ def load_run(output_dir: str | Path, run: str | None = None) -> tuple[dict, dict
     else:
         run = run or "grpo"
         if run not in runs:
-            raise HubError(f"{results_path}: no run named {run!r}; choose one of {sorted(runs)} with --run.")
+            raise PublishInputError(f"{results_path}: no run named {run!r}; choose one of {sorted(runs)} with --run.")
         row, folder = runs[run], output_dir / run
     if not any((folder / name).is_file() for name in ("adapter_config.json", "config.json")):
-        raise HubError(
+        raise PublishInputError(
             f"{folder}: no saved adapter or model (adapter_config.json or config.json). `grpo-hf train` saves it; "
             "`grpo-hf compare` saves each run's model since grpo_hf 0.1.0.dev0: rerun the recipe."
         )
@@ -105,7 +114,7 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
 
 def _check_repo_id(repo_id: str) -> None:
     if not repo_id or not HUB_ID_PATTERN.match(repo_id):
-        raise HubError(f"repo_id={repo_id!r}: give the Hub repository as USER/NAME (or ORGANIZATION/NAME).")
+        raise PublishInputError(f"repo_id={repo_id!r}: give the Hub repository as USER/NAME (or ORGANIZATION/NAME).")
 
 
 def _own_upload_folder(folder: Path) -> bool:
@@ -302,6 +311,7 @@ def describe_upload(folder: str | Path, repo_id: str, dry_run: bool = False) -> 
 
 __all__ = [
     "HubError",
+    "PublishInputError",
     "describe_upload",
     "check_push_settings",
     "hub_errors",

@@ -25,6 +25,7 @@ from grpo_hf import GRPOConfig, cli
 from grpo_hf.checkpoints import STATE_FILE
 from grpo_hf.errors import CheckpointError, ConfigError, GroupConfigError, MissingPathError, OutputDirError
 from grpo_hf.grouping import assign_groups, load_group_spec
+from grpo_hf.hub import PublishInputError
 from grpo_hf.parser import RecipeError, RecipeNotFoundError, load_recipe
 from grpo_hf.test_utils import tiny_test_llama
 
@@ -234,6 +235,25 @@ CASES = {
         lambda tmp: (finished_run("report.md")(tmp), ["quickstart", "--tiny", "--output_dir", "out"])[1],
         OutputDirError,
         ("output_dir 'out'", "report.md"),
+    ),
+    # --- publishing ---
+    "publish-folder-missing": Case(
+        lambda tmp: ["publish", "no_such_run", "--repo_id", "me/adapter", "--dry_run"],
+        PublishInputError,
+        ("no_such_run", "no results.json", "grpo-hf train RECIPE"),
+    ),
+    "publish-repo-id": Case(
+        lambda tmp: ["publish", "out", "--repo_id", "not a repo", "--dry_run"],
+        PublishInputError,
+        ("repo_id='not a repo'", "USER/NAME"),
+    ),
+    "publish-no-saved-model": Case(
+        lambda tmp: (
+            write(Path("out") / "results.json", json.dumps({"runs": [{"name": "grpo"}]})),
+            ["publish", "out", "--repo_id", "me/adapter", "--dry_run"],
+        )[1],
+        PublishInputError,
+        ("no saved adapter or model", "adapter_config.json"),
     ),
 }
 
