@@ -103,7 +103,8 @@ def test_lossy_replicas_stay_bit_identical(trainer_run, mode):
         assert len(record["residual_names"]) > 0
         totals = record["totals"]
         assert totals["steps"] == 20 and totals["dense_steps"] == 2  # the dense warm-up
-        assert totals["ratio_fp32"] > 4 and totals["bytes_sent"] < totals["bytes_dense_fp16"]
+        # 8-bit codes (the default) after 2 dense warm-up steps of 20: below 4x over the run, above fp16's 2x
+        assert totals["ratio_fp32"] > 2.5 and totals["bytes_sent"] < totals["bytes_dense_fp16"]
     assert records[0]["residual_digest"] != records[1]["residual_digest"]  # residuals are per rank
 
 
