@@ -8,7 +8,7 @@
 | `smollm2-full` | SmolLM2-135M-Instruct | every parameter (134.5M) | stdlib docstrings (prose), 64 tokens | perplexity |
 | `minilm-cls` | all-MiniLM-L6-v2 (pretrained encoder, offline) | LoRA r=8 + head | BBC News, 5 classes | accuracy, loss |
 
-Every task is built the same way for every row and seed: the same initialisation for a seed (LoRA adapters and new
+Every task is built the same way for every row and seed: the same initialization for a seed (LoRA adapters and new
 heads included), the same data order, the same steps. `prepare` builds and saves the tokenized data once (in the
 launching process); workers load it from disk.
 """
@@ -176,7 +176,7 @@ def bbc_news_datasets(tokenizer, seq_len: int):
 
 
 def build_model(task: Task, info: dict, seed: int):
-    """The task's model for `seed`: the same weights (and LoRA/head initialisation) for every row."""
+    """The task's model for `seed`: the same weights (and LoRA/head initialization) for every row."""
     import torch
 
     from grpo_hf import models

@@ -325,7 +325,7 @@ def _parse(parser, command_parsers: dict, argv: list[str]) -> argparse.Namespace
     """Parse the command line once; a recipe command gets `model_args`, `data_args` and `training_args`."""
     command = argv[0] if argv else None
     sub = command_parsers.get(command)
-    if sub is None or not sub.dataclass_types:  # no recipe: argparse's usual behaviour
+    if sub is None or not sub.dataclass_types:  # no recipe: argparse's usual behavior
         try:
             args, unknown = parser.parse_known_args(argv)
         except argparse.ArgumentError as err:
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     argv, debug = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(
         "grpo-hf",
-        description="Grouped parameter resource optimisation for the HF Trainer.",
+        description="Grouped parameter resource optimization for the HF Trainer.",
         allow_abbrev=False,
         exit_on_error=False,  # a recipe command's wrong value becomes a RecipeError (see `_parse`)
     )

@@ -77,7 +77,7 @@ def load_model_for_inspection(name: str, vocab_size: int = 1024):
             - `"smollm2-135m"`: [`~grpo_hf.models.load_smollm2`] (offline);
             - a path to a model config `.json`: [`~transformers.AutoConfig`] then
               [`~transformers.AutoModelForCausalLM`]`.from_config` (or [`~transformers.AutoModel`] for architectures
-              without a causal-LM head), randomly initialised;
+              without a causal-LM head), randomly initialized;
             - anything else: a Hub name or local folder, loaded with `AutoModelForCausalLM.from_pretrained` (or
               `AutoModel.from_pretrained`).
         vocab_size (`int`, *optional*, defaults to `1024`):

@@ -129,7 +129,7 @@ def corpus_fingerprint(files: list[tuple[str, Path]], length: int = 16) -> str:
 
 
 def _read_source(path: Path) -> str:
-    # Honour PEP 263 coding cookies and BOMs like the interpreter does; undecodable bytes become U+FFFD
+    # Honor PEP 263 coding cookies and BOMs like the interpreter does; undecodable bytes become U+FFFD
     # instead of dropping the file, so the file list (and its fingerprint) stays the corpus.
     data = path.read_bytes()
     try:

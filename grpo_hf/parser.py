@@ -70,7 +70,7 @@ def _none_or(convert):
 class RecipeParser(HfArgumentParser):
     r"""
     An [`~transformers.HfArgumentParser`] over `(ModelArguments, DataArguments, GRPOConfig)` that takes a recipe's
-    values as its defaults, modelled on TRL's `TrlParser`.
+    values as its defaults, modeled on TRL's `TrlParser`.
 
     Differences from a plain `HfArgumentParser`: no abbreviations (`--max_step` is an error, not `--max_steps`), no
     exit on a wrong value (an [`argparse.ArgumentError`] is raised, [`parse_recipe_args`] turns it into a
@@ -98,7 +98,7 @@ class RecipeParser(HfArgumentParser):
     def __init__(self, dataclass_types=None, **kwargs):
         if dataclass_types is None:
             dataclass_types = (ModelArguments, DataArguments, GRPOConfig)
-        # Known before `HfArgumentParser.__init__` adds the options, so that `add_argument` can recognise them.
+        # Known before `HfArgumentParser.__init__` adds the options, so that `add_argument` can recognize them.
         self.field_names = [f.name for dtype in dataclass_types for f in dataclasses.fields(dtype) if f.init]
         # Fields whose default is `None` (`str | None = None`): `--field None` gives `None` for strings too. (The
         # default, not the annotation: HfArgumentParser rewrites `Field.type` of `X | None` fields to `X`.)
@@ -221,7 +221,7 @@ def check_recipe(model_args: ModelArguments, data_args: DataArguments, where: st
     if data_args.task == "causal_lm" and name in CLASSIFICATION_MODELS:
         raise RecipeError(
             f"{where}: model_name_or_path={name!r} is an encoder for task='sequence_classification' (set task), or "
-            f"use one of {CAUSAL_LM_MODELS} for language modelling."
+            f"use one of {CAUSAL_LM_MODELS} for language modeling."
         )
     if name in CLASSIFICATION_MODELS and model_args.lora_r and model_args.lora_target_modules == DEFAULT_LORA_TARGETS:
         raise RecipeError(

@@ -98,7 +98,7 @@ def plot_bytes_per_step(runs: list[dict], path: str | Path) -> Path:
 def plot_ratios(results: dict[str, Any], path: str | Path) -> Path:
     """
     Every ratio GRPOTrainer / Trainer of the table on a log axis: exact ratios as dots, timed ratios with their noise
-    band as a bar, greyed and labelled "within noise" when inside it.
+    band as a bar, grayed and labeled "within noise" when inside it.
     """
     from .report import TABLE_ROWS, WITHIN_NOISE
 

@@ -352,7 +352,7 @@ def write_report(results: dict[str, Any], output_dir: str | Path, command: str |
     plots = write_plots(results, output_dir)
     results = dict(results, command=command, files={k: Path(v).name for k, v in plots.items()})
     results_path = output_dir / RESULTS_FILE
-    text = json.dumps(results, indent=2, default=str) + "\n"  # serialised first: a failure here writes nothing
+    text = json.dumps(results, indent=2, default=str) + "\n"  # serialized first: a failure here writes nothing
     with atomic_write(results_path) as handle:
         handle.write(text)
     report_path = output_dir / REPORT_FILE

@@ -1,7 +1,7 @@
 """The gradient codec: top-k, block quantization and index coding of many rows at once, and its per-tensor facade.
 
 [`compress_rows`] is the one implementation: it compresses the `T` rows of a `[T, n]` fp32 matrix with one
-[`~grpo_hf.compression.spec.CodecSpec`] in a few vectorised calls (a model repeats its layers, so the tensors of a DDP
+[`~grpo_hf.compression.spec.CodecSpec`] in a few vectorized calls (a model repeats its layers, so the tensors of a DDP
 bucket come in few sizes; tensors sent whole are concatenated into one row). The per-tensor functions below
 ([`compress`], [`decompress`], [`compress_with_feedback`], [`serialize`], [`deserialize`]) treat a tensor as one row.
 

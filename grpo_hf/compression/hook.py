@@ -42,7 +42,7 @@ entry; `ratio_* = baseline / bytes_sent` (higher is better).
   object (a second call raises). Use one state per DDP model.
 - The plan, `mode` and `dense_warmup_steps` must be identical on every rank: the collectives' sizes derive from them.
 - Collectives run synchronously inside the hook, in the same order on every rank (torch's `powerSGD_hook`, which
-  chains collectives in future callbacks, was seen to desynchronise at `W = 4` on gloo). The price: a bucket's
+  chains collectives in future callbacks, was seen to desynchronize at `W = 4` on gloo). The price: a bucket's
   communication does not overlap with the rest of the backward pass.
 - Memory per compressed entry and rank: the fp32 residual (twice, while a step's new one is staged) and, with
   gradient scales, the fp32 EMA of its square (twice as well); in `allreduce` mode also the residual of the owned
