@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 # The article's health targets: load balance between groups (std of the multipliers) and update latency p99.
 LOAD_BALANCE_STD_TARGET = 0.15
 UPDATE_LATENCY_P99_MS_TARGET = 50.0
+# Timings of the compression state's per-window stats: measured, so reported at the end of training, not per step.
+MEASURED_COMM_KEYS = ("grpo/comm/hook_ms",)
 
 
 class GRPOCallback(TrainerCallback):
@@ -49,35 +51,57 @@ class GRPOCallback(TrainerCallback):
     [`GRPOMixin.log`] takes their averages into the Trainer's logs.
 
     Args:
-        groups (`list[ParameterGroup]`): the semantic groups, in the order of `importance.names`.
-        importance (`ImportanceState`): per-group scores and multipliers.
+        groups (`list[ParameterGroup]`, *optional*): the semantic groups, in the order of `importance.names`.
+        importance (`ImportanceState`, *optional*): per-group scores and multipliers.
         apply_multipliers (`bool`, *optional*, defaults to `True`): `False` tracks scores without scaling the LR.
         lr_ratios (`dict[str, float]`, *optional*): a fixed factor on each group's scheduled LR (see
             [`~grpo_hf.grouping.lr_ratios`]), applied whether or not the multipliers are.
         drop_nonfinite_gradients (`bool`, *optional*, defaults to `True`): drop the gradients of a non-finite step
             so that the optimizer skips it; `GRPOMixin` turns it off when an fp16 `GradScaler` skips such steps.
+
+    Groups and importance state given here or later with [`~GRPOCallback.bind`] (`GRPOMixin` binds them to the model
+    it trains). Set `resume_from` to a checkpoint folder before training to restore the GRPO state saved there at
+    `on_train_begin` (after the Trainer restored its own).
     """
 
     def __init__(
         self,
-        groups: list[ParameterGroup],
-        importance: ImportanceState,
+        groups: list[ParameterGroup] | None = None,
+        importance: ImportanceState | None = None,
         apply_multipliers: bool = True,
         lr_ratios: dict[str, float] | None = None,
         drop_nonfinite_gradients: bool = True,
     ):
-        self.groups = groups
-        self.importance = importance
-        self.apply_multipliers = apply_multipliers
-        self.lr_ratios = dict(lr_ratios or {})
         self.drop_nonfinite_gradients = drop_nonfinite_gradients
-        self.comm_state = None  # set by GRPOMixin once the compression state exists
+        self.cost_callback = None  # set by GRPOMixin: its counted figures are checkpointed with the GRPO state
+        self.resume_from: str | None = None
         self.metrics: dict[str, list[float]] = {}  # key -> [sum, count] over the logging window
-        self.nonfinite_steps = 0
         self._scheduler_lrs: list[float] | None = None
         self._backward_end: float | None = None
         self._latencies_ms: deque[float] = deque(maxlen=100)
         self._warned: set[str] = set()
+        self.bind(groups or [], importance, apply_multipliers, lr_ratios)
+
+    def bind(
+        self,
+        groups: list[ParameterGroup],
+        importance: ImportanceState | None,
+        apply_multipliers: bool = True,
+        lr_ratios: dict[str, float] | None = None,
+        comm_state=None,
+    ) -> None:
+        """
+        Follow `groups` (the parameters of the model being trained) with a fresh `importance` state, LR ratios and
+        compression state ([`~grpo_hf.compression.GRPOCommState`] or `None`); the count of skipped steps restarts.
+        """
+        self.groups = groups
+        self.importance = importance
+        self.apply_multipliers = apply_multipliers
+        self.lr_ratios = dict(lr_ratios or {})
+        self.comm_state = comm_state
+        self.nonfinite_steps = 0
+        self.metrics.clear()
+        self._latencies_ms.clear()
 
     # --- per step ---
     def mark_backward_end(self) -> None:
@@ -195,22 +219,39 @@ class GRPOCallback(TrainerCallback):
 
     def pop_metrics(self) -> dict[str, float]:
         """
-        Average of every metric since the last call, the update latency p99 and the count of skipped non-finite
-        steps of the whole run (`grpo/nonfinite_steps`); clears the window.
+        Average of every metric since the last call and the count of skipped non-finite steps of the whole run
+        (`grpo/nonfinite_steps`); clears the window. Adds the compression state's window (`grpo/comm/*` bytes and
+        ratios, `grpo/density`) when there is one. Counted figures only: a resumed run logs the same.
         """
         logs = {key: total / count for key, (total, count) in self.metrics.items() if count}
         self.metrics.clear()
         logs["grpo/nonfinite_steps"] = float(self.nonfinite_steps)
+        if self.comm_state is not None:
+            stats = self.comm_state.pop_stats()
+            logs.update({k: v for k, v in stats.items() if k not in MEASURED_COMM_KEYS})
+        return logs
+
+    def measured_metrics(self) -> dict[str, float]:
+        """
+        What was measured rather than counted, for the end-of-training metrics: the update latency p99 (end of
+        backward to end of `optimizer.step`, over the last 100 steps) and the time spent in the compression hook per
+        step (`grpo/comm/hook_ms`, whole run).
+        """
+        out = {}
         if self._latencies_ms:
             p99 = float(torch.quantile(torch.tensor(list(self._latencies_ms), dtype=torch.float64), 0.99))
-            logs["grpo/update_latency_p99_ms"] = p99
+            out["grpo/update_latency_p99_ms"] = p99
             if p99 > UPDATE_LATENCY_P99_MS_TARGET:
                 self._warn_once(
                     "latency",
                     f"GRPO update latency p99 is {p99:.1f} ms (end of backward to end of optimizer.step), above the "
                     f"article's target of {UPDATE_LATENCY_P99_MS_TARGET:.0f} ms.",
                 )
-        return logs
+        if self.comm_state is not None:
+            totals = self.comm_state.totals()
+            if totals.get("steps"):
+                out["grpo/comm/hook_ms"] = totals["hook_ms"] / totals["steps"]
+        return out
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -226,7 +267,13 @@ class GRPOCallback(TrainerCallback):
             "nonfinite_steps": self.nonfinite_steps,
             "importance": self.importance.state_dict(),
             "comm": self.comm_state.state_dict() if self.comm_state is not None else None,
+            "cost": self.cost_callback.counted_state() if self.cost_callback is not None else None,
         }
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.resume_from is not None:
+            self.load_checkpoint(self.resume_from, args.process_index, args.world_size)
+            self.resume_from = None
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -235,8 +282,8 @@ class GRPOCallback(TrainerCallback):
     def load_checkpoint(self, folder: str, rank: int = 0, world_size: int = 1) -> bool:
         """
         Restore the GRPO state saved in `folder` for rank `rank` of `world_size` (see [`~grpo_hf.checkpoints`]: a
-        checkpoint of another world size is re-split, with a warning). Returns `False` (with a warning) when the
-        checkpoint has no GRPO state (e.g. written by a plain `Trainer`).
+        checkpoint of another world size is re-split, with a warning), and the counted cost figures. Returns `False`
+        (with a warning) when the checkpoint has no GRPO state (e.g. written by a plain `Trainer`).
 
         Raises:
             [`~grpo_hf.errors.CheckpointError`]: the checkpoint is missing, incomplete, unreadable or belongs to
@@ -247,6 +294,8 @@ class GRPOCallback(TrainerCallback):
         if saved is None:
             return False
         self.nonfinite_steps = int(saved.get("nonfinite_steps", 0))
+        if self.cost_callback is not None and saved.get("cost") is not None:
+            self.cost_callback.resume_counts(saved["cost"])
         return True
 
 

@@ -16,7 +16,6 @@ warning naming both world sizes.
 import json
 import logging
 import os
-import pickle
 import re
 
 import torch
@@ -33,7 +32,6 @@ STATE_VERSION = 1
 TRAINER_STATE_FILE = "trainer_state.json"
 LAST = "last"
 _STATE_FILE_PATTERN = re.compile(r"^grpo_state_rank(\d+)\.pt$")
-_READ_ERRORS = (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError, UnicodeDecodeError)
 
 
 def state_path(folder: str, rank: int) -> str:
@@ -65,7 +63,7 @@ def read_grpo_state(path: str, mmap: bool = False) -> dict:
     """
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except _READ_ERRORS as err:
+    except Exception as err:  # noqa: BLE001  (arbitrary bytes fail torch.load in many ways: IndexError, KeyError, ...)
         raise CheckpointError(
             f"cannot read the GRPO state file {path} ({type(err).__name__}: {str(err)[:200]}). The checkpoint is "
             "corrupt: resume from an earlier checkpoint, or delete the checkpoint's grpo_state_rank*.pt files to "
@@ -84,6 +82,18 @@ def read_grpo_state(path: str, mmap: bool = False) -> dict:
             "replaced by another file); resume from another checkpoint."
         )
     return saved
+
+
+def check_grpo_state_files(folder: str) -> None:
+    """
+    Read every GRPO state file of the checkpoint `folder` (mapping its tensors: cheap), so that a corrupt one fails
+    before any work.
+
+    Raises:
+        [`~grpo_hf.errors.CheckpointError`]: a file is unreadable or not a GRPO state file; the message names it.
+    """
+    for rank in saved_ranks(folder):
+        read_grpo_state(state_path(folder, rank), mmap=True)
 
 
 def _world_size_of(folder: str, rank0_state: dict) -> int:
@@ -159,16 +169,17 @@ def resolve_resume_checkpoint(output_dir: str, resume_from_checkpoint: str | boo
                 for f in checkpoint_folders(output_dir)
             ]
             raise CheckpointError(
-                f"resume_from_checkpoint=True, but {output_dir!r} holds no complete checkpoint-<step> folder"
-                + (f" ({'; '.join(incomplete)})" if incomplete else "")
+                f"No valid checkpoint found in output directory ({output_dir})"  # the Trainer's words, then GRPO's
+                + (f": no complete checkpoint-<step> folder ({'; '.join(incomplete)})" if incomplete else "")
                 + ". Give a checkpoint's path, use resume_from_checkpoint='last' to start fresh when there is none, "
                 "or drop the option."
             )
         return folder
     if not os.path.isdir(resume_from_checkpoint):
         raise CheckpointError(
-            f"resume_from_checkpoint={resume_from_checkpoint!r} is not a folder. Give a checkpoint-<step> folder "
-            f"(e.g. {os.path.join(output_dir, 'checkpoint-500')}), or 'last' for the newest complete one of output_dir."
+            f"Can't find a valid checkpoint at {resume_from_checkpoint}: it is not a folder. Give a checkpoint-<step> "
+            f"folder (e.g. {os.path.join(output_dir, 'checkpoint-500')}), or 'last' for the newest complete one of "
+            "output_dir."
         )
     return os.fspath(resume_from_checkpoint)
 
@@ -229,12 +240,17 @@ def restore_grpo_state(
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from None
     comms = [state["comm"] for state in states]
-    if any(comm is not None for comm in comms):
-        if comm_state is None:
-            raise CheckpointError(
-                f"{path} holds compression residuals but this run has no gradient compression; resume with a "
-                "compressing grpo_compression (e.g. 'quantize'), as the run that wrote the checkpoint."
+    dropped = comm_state is None and any(comm is not None for comm in comms)
+    if dropped:
+        saved_world_size = _world_size_of(folder, states[0])
+        if rank == 0:
+            logger.warning(
+                f"{folder} was written by {saved_world_size} rank(s) with gradient compression and is resumed by "
+                f"{world_size} process(es) without it: the saved error feedback (what compression held back) is "
+                "dropped. Resume with the run's grpo_compression to keep it."
             )
+        comms = []
+    if any(comm is not None for comm in comms):
         try:
             if len(states) == 1:
                 comm_state.load_state_dict(comms[0])
@@ -246,7 +262,7 @@ def restore_grpo_state(
             raise CheckpointError(f"{folder}: {err}") from None
         except ValueError as err:
             raise CheckpointError(f"{path}: {err}") from None
-    if len(states) > 1 and rank == 0:
+    if len(states) > 1 and rank == 0 and not dropped:
         saved_mode = next((c["mode"] for c in comms if c is not None), None)
         logger.warning(
             f"{folder} was written by {len(states)} ranks"
@@ -269,6 +285,7 @@ __all__ = [
     "LAST",
     "STATE_FILE",
     "STATE_VERSION",
+    "check_grpo_state_files",
     "incomplete_checkpoints",
     "last_complete_checkpoint",
     "missing_parts",

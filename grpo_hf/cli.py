@@ -109,9 +109,10 @@ def _command_line(argv: list[str]) -> str:
 
 def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | None = None) -> None:
     """
-    What a recipe command will write and resume, checked before any model or tokenizer is loaded (GRPOTrainer
-    checks its `output_dir` again when it trains, but a comparison trains the plain Trainer first, and a model may take
-    minutes to load).
+    What a recipe command will write and resume, checked before any model or tokenizer is loaded: the guarantee that
+    a command never trains over another run lives here, where a person types the folder name (the library follows
+    the Trainer, which writes into an existing `output_dir`). With `overwrite_output_dir`, the earlier run's files
+    and checkpoints are deleted (by the main process) so that no later resume can pick up one of its checkpoints.
 
     Args:
         training_args ([`~grpo_hf.GRPOConfig`]):
@@ -127,15 +128,8 @@ def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | No
         [`~grpo_hf.errors.CheckpointError`]: `resume_from_checkpoint` names no folder, `True` finds no complete
             checkpoint, or a GRPO state file of the checkpoint it resumes is corrupt or truncated.
     """
-    from .checkpoints import (
-        LAST,
-        incomplete_checkpoints,
-        read_grpo_state,
-        resolve_resume_checkpoint,
-        saved_ranks,
-        state_path,
-    )
-    from .files import check_output_dir
+    from .checkpoints import LAST, check_grpo_state_files, incomplete_checkpoints, resolve_resume_checkpoint
+    from .files import check_output_dir, remove_run_files
 
     overwrite = bool(training_args.overwrite_output_dir)
     resume = training_args.resume_from_checkpoint
@@ -144,10 +138,14 @@ def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | No
     for folder, grpo in runs.items():
         checkpoint = resolve_resume_checkpoint(folder, resume, grpo=grpo)
         if checkpoint is not None and grpo:
-            for rank in saved_ranks(checkpoint):  # maps the tensors: cheap, and a corrupt file fails here
-                read_grpo_state(state_path(checkpoint, rank), mmap=True)
+            check_grpo_state_files(checkpoint)
         ignore = incomplete_checkpoints(folder, grpo) if resume == LAST else ()
         check_output_dir(folder, overwrite=overwrite, resuming=checkpoint is not None, ignore=ignore)
+    if overwrite and not resume and training_args.process_index == 0:
+        for folder in {*runs, *([report_dir] if report_dir else [])}:
+            removed = remove_run_files(folder)
+            if removed:
+                print(f"overwrite_output_dir: deleted {', '.join(removed)} from {folder}.", file=sys.stderr)
 
 
 def _compare_and_report(model_args, data_args, training_args, command: str, title: str, where: str) -> int:

@@ -109,12 +109,13 @@ class GRPOConfig(TrainingArguments):
         cost_noise_window_steps (`int`, *optional*, defaults to `4`):
             Optimizer steps of each timed window.
 
-    Parameters that protect earlier runs:
+    Parameters of the `grpo-hf` commands (the library ignores them, as the Trainer does):
 
         overwrite_output_dir (`bool`, *optional*, defaults to `False`):
-            [`GRPOTrainer`] refuses an `output_dir` that holds another run's results, saved model or checkpoints
-            unless it resumes (`resume_from_checkpoint`, e.g. `"last"`); `True` deletes that run's files and
-            checkpoints instead (transformers 5 dropped this `TrainingArguments` field; it has its old name here).
+            The `grpo-hf` commands refuse an `output_dir` that holds another run's results, saved model or checkpoints
+            unless they resume (`--resume_from_checkpoint last`); `True` deletes that run's files and checkpoints
+            instead. [`GRPOTrainer`] itself follows the Trainer and writes into an existing folder (transformers 5
+            dropped this `TrainingArguments` field; it has its old name here).
 
     Every check runs when the config is built, before any model is loaded: the `grpo_*` and `cost_*` values, the
     group file (read and validated, errors name the file and the rule), and the backend (FSDP and DeepSpeed are
@@ -239,8 +240,9 @@ class GRPOConfig(TrainingArguments):
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
-            "help": "Train into an output_dir that holds another run's results, model or checkpoints, deleting them "
-            "(without it GRPOTrainer refuses such a folder unless resuming, e.g. --resume_from_checkpoint last)."
+            "help": "grpo-hf commands: train into an output_dir that holds another run's results, model or checkpoints, "
+            "deleting them (without it the command refuses such a folder unless resuming, e.g. "
+            "--resume_from_checkpoint last). GRPOTrainer itself writes into an existing folder, as the Trainer does."
         },
     )
     cost_grid_gco2_per_kwh: float = field(

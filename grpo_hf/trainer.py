@@ -1,22 +1,19 @@
 """`GRPOMixin` (in front of any `transformers.Trainer` subclass) and `GRPOTrainer`: the wiring, no math."""
 
-import os
+import weakref
 
-from accelerate.utils import gather_object
 from torch.nn.parallel import DistributedDataParallel
-from transformers import Trainer, TrainerState
-from transformers.trainer_utils import TrainOutput
+from transformers import Trainer
 from transformers.utils import logging
 
 from .callbacks import GRPOCallback
-from .checkpoints import LAST, TRAINER_STATE_FILE, incomplete_checkpoints, resolve_resume_checkpoint
+from .checkpoints import check_grpo_state_files, resolve_resume_checkpoint
 from .compression import GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
 from .compression.plan import resolve_compression, resolve_mode
 from .compression.traffic import dense_allreduce_bytes
-from .config import ensure_grpo_args, refuse_unsupported_backends
+from .config import ensure_grpo_args, refuse_unsupported_backends, validate_grpo_fields
 from .cost.callback import CostCallback
-from .errors import OutputDirError
-from .files import check_output_dir, remove_run_files
+from .errors import ConfigError
 from .grouping import assign_groups, load_group_spec, lr_ratios
 from .hub import check_push_settings, hub_errors
 from .importance import ImportanceState
@@ -43,23 +40,27 @@ class GRPOMixin:
     What it adds (settings in [`GRPOConfig`]; a plain [`~transformers.TrainingArguments`] gets the GRPO defaults):
 
     - **Semantic groups**: trainable parameters are grouped by `grpo_groups` at construction time, so that a bad group
-      file fails before any work is done. `create_optimizer` builds one optimizer param group per semantic group and
-      weight-decay flag (keys `grpo_group` and `param_names`), from the optimizer chosen in `TrainingArguments`.
+      file fails before any work is done, and again for the model `train()` trains when that is another one (built
+      by `model_init`, e.g. in each trial of `hyperparameter_search`). `create_optimizer` builds one optimizer param
+      group per semantic group and weight-decay flag (keys `grpo_group` and `param_names`), from the optimizer chosen
+      in `TrainingArguments`.
     - **Importance-scaled learning rates**: [`GRPOCallback`] multiplies each group's scheduled LR by its multiplier
       for the optimizer step only.
     - **Compressed communication** (`grpo_compression`): under multi-process DDP, [`~grpo_hf.compression.grpo_comm_hook`]
       is registered on the DDP model Accelerate built, before its first backward (Accelerate cannot take a custom
       hook). On one process with compression switched on, the same codec is applied locally after the last
       micro-batch's backward (the article's sparse updates), counting the bytes a worker would send.
-    - **Cost**: a [`~grpo_hf.CostCallback`] is added unless one is passed in `callbacks`; its `cost/*` figures
-      join the training logs.
-    - **Metrics**: `grpo/*` keys are averaged over each logging window and added to the Trainer's logs, so every
-      `report_to` integration receives them.
-    - **Checkpoints**: every checkpoint holds `grpo_state_rank<r>.pt`, written atomically;
-      `train(resume_from_checkpoint=...)` restores it, also from a checkpoint of another world size (see
-      [`~grpo_hf.checkpoints`]), and takes `"last"` for the newest complete checkpoint or a fresh start.
-    - **Safety**: the first `train()` refuses an `output_dir` holding another run unless it resumes or
-      `overwrite_output_dir` is set; an optimizer step whose gradients hold a NaN or an Inf is skipped (logged as
+    - **Cost**: a [`~grpo_hf.CostCallback`] is added unless one is passed in `callbacks`.
+    - **Metrics**: counted figures (`grpo/*` averaged over each logging window, `cost/*` tokens, FLOPs and bytes) are
+      added to the Trainer's logs, so every `report_to` integration receives them and `state.log_history` is the
+      same for a resumed run as for a straight one; measured ones (`cost/*` time, energy and money, latencies) go
+      into the metrics `train()` returns.
+    - **Checkpoints**: every checkpoint holds `grpo_state_rank<r>.pt`, written atomically; the Trainer's own resume
+      (`train(resume_from_checkpoint=...)`) restores it too, also from a checkpoint of another world size (see
+      [`~grpo_hf.checkpoints`]), and GRPO adds `"last"` for the newest complete checkpoint or a fresh start.
+    - **Output folder**: the Trainer's rules (it writes into an existing `output_dir`). The `grpo-hf` commands refuse
+      a folder holding another run; the library does not.
+    - **Safety**: an optimizer step whose gradients hold a NaN or an Inf is skipped (logged as
       `grpo/nonfinite_steps`) without touching the importance state or the compression residuals.
     - **Hub**: `push_to_hub()` uploads grpo_hf's model card ([`grpo_hf.model_card`]: base model, perplexity in
       `model-index`, groups, settings, cost); a `hub_token` in the arguments is refused (the Trainer would pickle it
@@ -82,35 +83,47 @@ class GRPOMixin:
         super().__init__(*args, **kwargs)
         ensure_grpo_args(self.args)
         refuse_unsupported_backends(self.is_fsdp_enabled, self.is_deepspeed_enabled)
-        spec = load_group_spec(self.args.grpo_groups)
-        self.grpo_groups = assign_groups(self.model, spec, strict=self.args.grpo_groups_strict)
-        lo, hi = self.args.grpo_lr_scale_min, self.args.grpo_lr_scale_max
-        importance = ImportanceState(
-            names=[g.name for g in self.grpo_groups],
-            numels=[g.numel for g in self.grpo_groups],
-            lower=[g.rule.lr_scale_min or lo for g in self.grpo_groups],
-            upper=[g.rule.lr_scale_max or hi for g in self.grpo_groups],
-            scaled=[g.rule.importance for g in self.grpo_groups],
-            kind=self.args.grpo_importance_score,
-            ema=self.args.grpo_lr_scale_ema,
-            warmup_steps=self.args.grpo_lr_scale_warmup_steps,
-        )
-        self.grpo_lr_ratios = lr_ratios(self.grpo_groups, self.args.grpo_lr_ratios)
         self.grpo_callback = GRPOCallback(
-            self.grpo_groups,
-            importance,
-            apply_multipliers=self.args.grpo_importance,
-            lr_ratios=self.grpo_lr_ratios,
             drop_nonfinite_gradients=self.accelerator.scaler is None,  # an fp16 GradScaler skips such steps itself
         )
+        self.grpo_callback.cost_callback = self.cost_callback
         self.add_callback(self.grpo_callback)
+        self._grpo_hooked_models = weakref.WeakSet()
+        self._grpo_model = None
+        # Bound now, so that a bad group file or rule fails before any work; bound again to the model `train()`
+        # actually trains when that is another one (`model_init`, each trial of `hyperparameter_search`).
+        self._bind_grpo(self.model)
+        if self.optimizer is not None:  # optimizers=(opt, sched) given by the user
+            self._tag_user_optimizer(self.optimizer)
+
+    def _bind_grpo(self, model) -> None:
+        """
+        Build everything GRPO keeps per parameter for `model`: its groups, LR ratios, importance state, compression
+        plan and compression state (fresh: a new model starts a new run), from the current arguments (a
+        hyperparameter-search trial may have changed them).
+        """
         distributed = self.accelerator.num_processes > 1 and self.accelerator.distributed_type.value.startswith(
             "MULTI_"
         )
         self.grpo_compression = resolve_compression(self.args.grpo_compression, distributed)
+        spec = load_group_spec(self.args.grpo_groups)
+        groups = assign_groups(model, spec, strict=self.args.grpo_groups_strict)
+        lo, hi = self.args.grpo_lr_scale_min, self.args.grpo_lr_scale_max
+        importance = ImportanceState(
+            names=[g.name for g in groups],
+            numels=[g.numel for g in groups],
+            lower=[g.rule.lr_scale_min or lo for g in groups],
+            upper=[g.rule.lr_scale_max or hi for g in groups],
+            scaled=[g.rule.importance for g in groups],
+            kind=self.args.grpo_importance_score,
+            ema=self.args.grpo_lr_scale_ema,
+            warmup_steps=self.args.grpo_lr_scale_warmup_steps,
+        )
+        self.grpo_groups = groups
+        self.grpo_lr_ratios = lr_ratios(groups, self.args.grpo_lr_ratios)
         self.grpo_plan = compression_plan(
-            self.model,
-            self.grpo_groups,
+            model,
+            groups,
             compression=self.grpo_compression,
             density=self.args.grpo_density,
             bits=self.args.grpo_bits,
@@ -126,28 +139,40 @@ class GRPOMixin:
                 scale_beta=self.args.grpo_scale_beta,
                 scale_clip=self.args.grpo_scale_clip,
             )
-            self.grpo_callback.comm_state = self.grpo_comm_state
-        self._grpo_hooked_models: set[int] = set()
-        self._grpo_bytes_counted = 0
-        self._grpo_output_dir_checked = False
-        if self.optimizer is not None:  # optimizers=(opt, sched) given by the user
-            self._tag_user_optimizer(self.optimizer)
+        self.grpo_callback.bind(
+            groups,
+            importance,
+            apply_multipliers=self.args.grpo_importance,
+            lr_ratios=self.grpo_lr_ratios,
+            comm_state=self.grpo_comm_state,
+        )
+        self._grpo_model = model
 
     # --- construction-time checks ---
     def _tag_user_optimizer(self, optimizer) -> None:
-        """Map each param group of a user-supplied optimizer to the one GRPO group that holds all its parameters."""
+        """
+        Map each param group of a user-supplied optimizer to the one GRPO group that holds all its parameters (key
+        `grpo_group`), so that its learning rate can follow that group's ratio and importance multiplier.
+
+        Raises:
+            [`~grpo_hf.errors.ConfigError`]: a param group mixes parameters of several GRPO groups while importance
+                scaling or an LR ratio other than 1 asks for one learning rate per GRPO group.
+        """
         owner = {id(p): g.name for g in self.grpo_groups for p in g.params}
         for index, param_group in enumerate(optimizer.param_groups):
             names = {owner.get(id(p)) for p in param_group["params"] if p.requires_grad}
             names.discard(None)
             if len(names) == 1:
                 param_group["grpo_group"] = names.pop()
-            elif len(names) > 1 and self.args.grpo_importance:
-                raise ValueError(
+                continue
+            ratios = {n: self.grpo_lr_ratios[n] for n in sorted(names) if self.grpo_lr_ratios.get(n, 1.0) != 1.0}
+            if len(names) > 1 and (self.args.grpo_importance or ratios):
+                wanted = "grpo_importance=True" if self.args.grpo_importance else f"the LR ratios {ratios}"
+                raise ConfigError(
                     f"optimizer param group {index} mixes parameters of the GRPO groups {sorted(names)}, so one "
-                    "learning rate cannot follow each group's importance. Let GRPOTrainer build the optimizer (drop "
-                    "`optimizers=`, choose it with `optim=` in the arguments), split your param groups along GRPO "
-                    "groups (see `trainer.grpo_groups`), or set grpo_importance=False."
+                    f"learning rate cannot follow each group as {wanted} asks. Let GRPOTrainer build the optimizer "
+                    "(drop `optimizers=`, choose it with `optim=` in the arguments), split your param groups along "
+                    "GRPO groups (see `trainer.grpo_groups`), or turn off grpo_importance and the ratios."
                 )
 
     # --- Trainer overrides ---
@@ -156,6 +181,9 @@ class GRPOMixin:
         opt_model = self.model if model is None else model
         if self.optimizer is not None:
             return self.optimizer
+        if opt_model is not self._grpo_model:  # e.g. built by `model_init` at `train()`: GRPO follows the new model
+            validate_grpo_fields(self.args)  # a hyperparameter-search trial sets fields without the config's checks
+            self._bind_grpo(opt_model)
         if self.optimizer_cls_and_kwargs is not None:
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
         else:
@@ -187,40 +215,43 @@ class GRPOMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Register the compression hook on the DDP model before its first backward, then train as usual."""
-        if self.grpo_comm_state is not None and id(model) not in self._grpo_hooked_models:
-            self.grpo_comm_state.bind(self.model)
+        comm_state = self.grpo_comm_state
+        if comm_state is not None and model not in self._grpo_hooked_models:
+            comm_state.bind(self.model)
             if isinstance(model, DistributedDataParallel):  # `model` is the wrapper Accelerate built
-                model.register_comm_hook(self.grpo_comm_state, grpo_comm_hook)
-            self._grpo_hooked_models.add(id(model))
+                model.register_comm_hook(comm_state, grpo_comm_hook)
+            self._grpo_hooked_models.add(model)
         if "input_ids" in inputs:
             ids = inputs["input_ids"]
             self.cost_callback.add_tokens(ids.numel(), seq_len=ids.shape[-1])
+        sync_step = self.accelerator.sync_gradients
+        sent_before = comm_state.totals()["bytes_sent"] if comm_state is not None and sync_step else 0.0
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.accelerator.sync_gradients:
-            if self.grpo_comm_state is not None and not isinstance(model, DistributedDataParallel):
-                compress_locally(self.grpo_comm_state, self.model)  # the article's sparse updates on one process
-            self._count_comm_bytes()
+        if sync_step:
+            if comm_state is not None and not isinstance(model, DistributedDataParallel):
+                compress_locally(comm_state, self.model)  # the article's sparse updates on one process
+            self._count_comm_bytes(sent_before)
             self.grpo_callback.mark_backward_end()
         return loss
 
-    def _count_comm_bytes(self) -> None:
+    def _count_comm_bytes(self, sent_before: float) -> None:
         """Give the cost callback the bytes this rank sent in this optimizer step."""
         if self.grpo_comm_state is not None:
-            total = self.grpo_comm_state.totals()["bytes_sent"]
-            self.cost_callback.add_comm_bytes(total - self._grpo_bytes_counted)
-            self._grpo_bytes_counted = total
+            self.cost_callback.add_comm_bytes(self.grpo_comm_state.totals()["bytes_sent"] - sent_before)
         elif self.args.world_size > 1:  # uncompressed DDP: one fp32 ring all-reduce of every trainable gradient
             numel = sum(g.numel for g in self.grpo_groups)
             self.cost_callback.add_comm_bytes(dense_allreduce_bytes(numel, self.args.world_size))
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        """Add the averaged `grpo/*` metrics of the window and the `cost/*` figures to training logs, then log."""
+        """
+        Add GRPO's counted figures to training logs, then log: the averaged `grpo/*` metrics of the window and the
+        counted `cost/*` figures (tokens, FLOPs, bytes). What a resumed run reproduces only goes into
+        `state.log_history`; measured time, energy, money and latencies go into the metrics `train()` returns.
+        """
         if "loss" in logs or "train_runtime" in logs:
-            logs.update(self.cost_callback.metrics(numeric_only=True))
+            logs.update(self.cost_callback.counted_metrics())
         if "loss" in logs:
             logs.update(self.grpo_callback.pop_metrics())
-            if self.grpo_comm_state is not None:
-                logs.update(self.grpo_comm_state.pop_stats())
         super().log(logs, *args, **kwargs)
 
     # --- Hub: grpo_hf's card, and one clear error instead of a network traceback ---
@@ -241,77 +272,51 @@ class GRPOMixin:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """
-        [`~transformers.Trainer.train`], after checking the output folder, restoring the GRPO state of the checkpoint
-        it resumes from.
+        [`~transformers.Trainer.train`], resuming GRPO's state with the Trainer's own from a checkpoint.
 
         Args:
             resume_from_checkpoint (`str` or `bool`, *optional*):
-                A checkpoint folder; `True` for the newest complete checkpoint of `output_dir` (an error when there is
-                none); `"last"` for the newest complete checkpoint, or a fresh start when there is none, so that one
-                command both starts a run and resumes it after a crash (see [`~grpo_hf.checkpoints`]).
+                As the Trainer's: a checkpoint folder, or `True` for the newest checkpoint of `output_dir` that is
+                complete (one whose GRPO state files were all written; see [`~grpo_hf.checkpoints`]). GRPO adds
+                `"last"`: the newest complete checkpoint, or a fresh start when there is none, so that one command
+                both starts a run and resumes it after a crash.
+
+        Returns:
+            [`~transformers.trainer_utils.TrainOutput`]: the Trainer's, whose metrics also hold what was measured
+            rather than counted (`cost/*` time, energy and money, `grpo/update_latency_p99_ms`,
+            `grpo/comm/hook_ms`): they stay out of `state.log_history`, which a resumed run reproduces.
 
         Raises:
-            [`~grpo_hf.errors.OutputDirError`]: the first `train()` of this trainer does not resume and `output_dir`
-                holds another run, and `overwrite_output_dir` is off (every rank raises, before any work).
-            [`~grpo_hf.errors.CheckpointError`]: the checkpoint is missing, incomplete, corrupt or from another setup.
+            [`~grpo_hf.errors.CheckpointError`]: the checkpoint is missing, incomplete, corrupt or from another setup
+                (a `ValueError` whose message starts as the Trainer's own), before any work.
         """
         checkpoint = resolve_resume_checkpoint(self.args.output_dir, resume_from_checkpoint)
-        self._claim_output_dir(resuming=checkpoint is not None, restarting=resume_from_checkpoint == LAST)
         if checkpoint is not None:
-            self.grpo_callback.load_checkpoint(checkpoint, self.args.process_index, self.args.world_size)
-            finished = self._finished_run(checkpoint)
-            if finished is not None:
-                return finished
-        return super().train(checkpoint, *args, **kwargs)
+            check_grpo_state_files(checkpoint)
+        self.grpo_callback.resume_from = checkpoint  # restored at `on_train_begin`, after the Trainer's own state
+        output = super().train(checkpoint, *args, **kwargs)
+        output.metrics.update(self.grpo_callback.measured_metrics())
+        return output
 
-    def _finished_run(self, checkpoint: str) -> TrainOutput | None:
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, *args, **kwargs):
         """
-        A checkpoint that already holds all `max_steps` steps (e.g. a worker died after the last save and torchrun
-        restarted the job with `"last"`): load its weights and state and train nothing. The Trainer itself would run
-        one more optimizer step before checking `max_steps` (transformers 5.x), so that a restart would change a
-        finished model. Returns `None` when steps are left (or the run is bounded by epochs).
+        The Trainer's, except that a checkpoint already holding all `max_steps` steps leaves no epoch to run: the
+        Trainer would train one more optimizer step before its `max_steps` check, so that restarting a finished job
+        (e.g. torchrun restarting workers with `"last"` after a kill that followed the final save) would change a
+        finished model. Everything else of the resume runs as usual (weights, optimizer, scheduler, callback
+        states, `on_train_begin` / `on_train_end`).
         """
-        path = os.path.join(checkpoint, TRAINER_STATE_FILE)
-        if not os.path.isfile(path):  # not a Trainer checkpoint: the Trainer says so itself
-            return None
-        state = TrainerState.load_from_json(path)
-        if not 0 < self.args.max_steps <= state.global_step:
-            return None
-        logger.warning(
-            f"{checkpoint} already holds all max_steps={self.args.max_steps} steps: nothing left to train, its model "
-            "is loaded as is. Raise max_steps to train further."
+        epochs_trained, steps_in_epoch = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, *args, **kwargs
         )
-        self._load_from_checkpoint(checkpoint)  # the Trainer's own loader (private; transformers < 5.30 pinned)
-        self.state = state
-        losses = [entry["train_loss"] for entry in state.log_history if "train_loss" in entry]
-        return TrainOutput(state.global_step, losses[-1] if losses else float("nan"), {})
-
-    def _claim_output_dir(self, resuming: bool, restarting: bool) -> None:
-        """
-        Refuse an `output_dir` that holds another run (its results, saved model or checkpoints) on the first `train()`
-        of this trainer, unless it resumes or `overwrite_output_dir` is set (then the old run's files are deleted, so
-        that no later resume can pick up one of its checkpoints). Every rank raises the same error.
-        """
-        if self._grpo_output_dir_checked:  # later train() calls of this trainer find its own files
-            return
-        output_dir, overwrite = self.args.output_dir, bool(getattr(self.args, "overwrite_output_dir", False))
-        ignore = incomplete_checkpoints(output_dir) if restarting else ()
-        try:
-            check_output_dir(output_dir, overwrite=overwrite, resuming=resuming, ignore=ignore)
-            problem = None
-        except OutputDirError as err:
-            problem = str(err)
-        if self.accelerator.num_processes > 1:  # one rank's view (e.g. another node's disk) stops every rank
-            problem = next((p for p in gather_object([problem]) if p), None)
-        if problem is not None:
-            raise OutputDirError(problem)
-        if overwrite and not resuming:
-            if self.args.should_save:
-                removed = remove_run_files(output_dir)
-                if removed:
-                    logger.warning(f"overwrite_output_dir: deleted {', '.join(removed)} from {output_dir}.")
-            self.accelerator.wait_for_everyone()
-        self._grpo_output_dir_checked = True
+        if 0 < max_steps <= self.state.global_step:
+            if self.is_world_process_zero():
+                logger.warning(
+                    f"The checkpoint already holds all max_steps={max_steps} steps: nothing left to train, its model "
+                    "is loaded as is. Raise max_steps to train further."
+                )
+            return num_train_epochs, 0
+        return epochs_trained, steps_in_epoch
 
 
 class GRPOTrainer(GRPOMixin, Trainer):

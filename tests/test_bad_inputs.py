@@ -213,7 +213,7 @@ CASES = {
         corrupt_checkpoint(truncated_state()), CheckpointError, ("out/checkpoint-2/grpo_state_rank0.pt",)
     ),
     "checkpoint-not-a-folder": Case(
-        train("--resume_from_checkpoint", "out/checkpoint-9"), CheckpointError, ("'out/checkpoint-9'", "not a folder")
+        train("--resume_from_checkpoint", "out/checkpoint-9"), CheckpointError, ("out/checkpoint-9", "not a folder")
     ),
     # Output folders holding another run: nothing is trained, and its files are kept.
     "output-dir-train": Case(

@@ -5,8 +5,9 @@ import zlib
 import pytest
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
-from grpo_hf import CheckpointError, GRPOConfig, GRPOTrainer, OutputDirError
+from grpo_hf import CheckpointError, GRPOConfig, GRPOTrainer
 from grpo_hf.checkpoints import (
     STATE_FILE,
     last_complete_checkpoint,
@@ -160,39 +161,76 @@ def trainer_for(output_dir, **overrides):
     return GRPOTrainer(model=tiny_test_llama(seed=0), args=GRPOConfig(**values), train_dataset=tokens())
 
 
-def test_output_dir_of_another_run_is_refused_unless_resumed_or_overwritten(tmp_path, caplog):
+def test_output_dir_follows_the_trainer_rules(tmp_path):
+    # The library writes into a folder that holds another run, as the Trainer does (the grpo-hf commands refuse it:
+    # tests/test_cli.py); a fresh train() does not resume that run.
     out = tmp_path / "out"
     trainer_for(out).train()
-    second = trainer_for(out, max_steps=3)
-    before = [p.detach().clone() for p in second.model.parameters()]
-    with pytest.raises(OutputDirError, match=r"already holds another run \(checkpoint-2\)"):
-        second.train()
-    assert second.state.global_step == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, second.model.parameters()))
-    second.train(resume_from_checkpoint="last")  # resumes checkpoint-2, trains step 3
-    assert second.state.global_step == 3 and (out / "checkpoint-3").is_dir()
-    second.train()  # this trainer's own files do not count
-    overwriting = trainer_for(out, overwrite_output_dir=True)
-    with caplog.at_level(logging.WARNING, logger="grpo_hf.trainer"):
-        overwriting.train()
-    assert "deleted checkpoint-2, checkpoint-3" in caplog.text
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
+    second = trainer_for(out, max_steps=3, save_steps=3)
+    second.train()
+    assert second.state.global_step == 3 and second.grpo_callback.importance.steps == 3
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-3"]
 
 
-def test_last_starts_fresh_then_resumes_but_never_over_a_finished_run(tmp_path):
+class EventCounter(TrainerCallback):
+    def __init__(self):
+        self.events = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.events.append(("begin", state.global_step))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.events.append(("step", state.global_step))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.events.append(("end", state.global_step))
+
+
+def test_last_starts_fresh_then_resumes_and_a_finished_run_trains_nothing(tmp_path, caplog):
     out = tmp_path / "out"
     first = trainer_for(out, max_steps=4)
     first.train(resume_from_checkpoint="last")  # nothing to resume: a fresh start
     assert first.state.global_step == 4
+    final = {n: p.detach().clone() for n, p in first.model.named_parameters()}
     (out / "checkpoint-4" / STATE_FILE.format(rank=0)).unlink()  # interrupted during the last save
     again = trainer_for(out, max_steps=4)
-    again.train(resume_from_checkpoint="last")
+    with caplog.at_level(logging.WARNING):
+        again.train(resume_from_checkpoint="last")
+    assert "checkpoint-4 is incomplete" in caplog.text
     assert again.grpo_callback.importance.steps == 4  # resumed from checkpoint-2, trained steps 3 and 4
-    finished = tmp_path / "finished"
-    finished.mkdir()
-    (finished / "results.json").write_text("{}")
-    with pytest.raises(OutputDirError, match="results.json"):
-        trainer_for(finished).train(resume_from_checkpoint="last")
+    # A checkpoint holding all max_steps goes through the Trainer's resume (events fire, callback states come back)
+    # and trains no further step, so that restarting a finished job leaves its model as it was.
+    events = EventCounter()
+    finished = trainer_for(out, max_steps=4, save_steps=2)
+    finished.add_callback(events)
+    output = finished.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert output.global_step == 4 and events.events[0] == ("begin", 2)
+    restarted = trainer_for(out, max_steps=4)
+    restarted.add_callback(events)
+    events.events.clear()
+    restarted.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert events.events == [("begin", 4), ("end", 4)]
+    assert restarted.state.global_step == 4
+    assert all(torch.equal(p, final[n]) for n, p in restarted.model.named_parameters())
+
+
+def test_checkpoint_errors_keep_the_trainer_words(tmp_path):
+    empty = tmp_path / "empty"
+    with pytest.raises(CheckpointError, match=r"^No valid checkpoint found in output directory"):
+        trainer_for(empty).train(resume_from_checkpoint=True)
+    with pytest.raises(CheckpointError, match=r"^Can't find a valid checkpoint at .*bogus: it is not a folder"):
+        trainer_for(empty).train(resume_from_checkpoint=str(tmp_path / "bogus"))
+
+
+@pytest.mark.parametrize("content", [b"not a torch file at all", bytes(range(256)) * 4, b""])
+def test_a_state_file_that_is_not_a_torch_file_is_named(tmp_path, content):
+    out = tmp_path / "out"
+    trainer_for(out).train()
+    (out / "checkpoint-2" / STATE_FILE.format(rank=0)).write_bytes(content)
+    resumed = trainer_for(out, max_steps=3)
+    with pytest.raises(CheckpointError, match=r"checkpoint-2/grpo_state_rank0\.pt"):
+        resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resumed.state.global_step == 0  # refused before any work
 
 
 def test_checkpoint_of_two_ranks_resumed_by_one_merges_residuals(tmp_path, caplog):
@@ -219,3 +257,12 @@ def test_checkpoint_of_two_ranks_resumed_by_one_merges_residuals(tmp_path, caplo
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 6
     assert all(torch.isfinite(v).all() for v in resumed.grpo_comm_state.residuals.values.values())
+    # The same checkpoint resumed by one process without compression (grpo_compression="auto" on one process): the
+    # saved error feedback cannot go anywhere, and the warning says so, naming both world sizes.
+    plain = trainer_for(tmp_path / "plain", max_steps=6)
+    assert plain.grpo_comm_state is None
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.checkpoints"):
+        plain.train(resume_from_checkpoint=str(checkpoint))
+    assert "written by 2 rank(s) with gradient compression and is resumed by 1 process(es) without it" in caplog.text
+    assert "error feedback" in caplog.text and plain.state.global_step == 6

@@ -141,3 +141,8 @@ def test_train_refuses_another_run_and_resumes_last(tmp_path, capsys, caplog):
     assert cli.main([*command, "--resume_from_checkpoint", "last"]) == 0  # checkpoint-4 is final: nothing to train
     assert "already holds all max_steps=4 steps" in caplog.text
     assert json.loads((out_dir / "results.json").read_text())["runs"][0]["steps"] == 4
+    (out_dir / "checkpoint-99").mkdir()  # a stale checkpoint a later resume must never pick up
+    capsys.readouterr()
+    assert cli.main([*command, "--overwrite_output_dir", "true"]) == 0
+    assert "overwrite_output_dir: deleted" in capsys.readouterr().err
+    assert not (out_dir / "checkpoint-99").exists() and (out_dir / "checkpoint-4").is_dir()

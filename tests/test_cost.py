@@ -451,7 +451,11 @@ def test_callback_exact_figures(tmp_path):
 
     logs = {"loss": 1.0, "cost/tokens": -1}
     cb.on_log(args, state, control, logs=logs)
-    assert logs["cost/tokens"] == -1 and logs["cost/tokens_per_second"] == 16.0
+    assert logs["cost/tokens"] == -1 and logs["cost/flops"] == 96 * fpt and logs["cost/comm_bytes"] == 1.25e9
+    assert "cost/tokens_per_second" not in logs and "cost/total_usd" not in logs  # measured: end of training only
+    final_logs = {"train_runtime": 6.0}
+    cb.on_log(args, state, control, logs=final_logs)
+    assert final_logs["cost/tokens_per_second"] == 16.0 and final_logs["cost/total_usd"] == money["total_usd"]
     eval_logs = {"eval_loss": 1.0}
     cb.on_log(args, state, control, logs=eval_logs)
     assert eval_logs == {"eval_loss": 1.0}

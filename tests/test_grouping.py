@@ -258,3 +258,13 @@ def test_binary_group_file_is_named(tmp_path):
     path.write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(GroupConfigError, match=r"groups.json: not a UTF-8 text file"):
         load_group_spec(str(path))
+
+
+def test_group_file_without_rules_warns_that_everything_lands_in_default(tmp_path, caplog):
+    path = tmp_path / "empty.json"
+    path.write_text(json.dumps({"groups": []}))
+    with caplog.at_level("WARNING", logger="grpo_hf.grouping"):
+        spec = load_group_spec(str(path))
+    assert f"{path}: the 'groups' list is empty: every trainable parameter lands in the group 'default'" in caplog.text
+    groups = assign_groups(tiny_test_llama(0), spec)
+    assert [g.name for g in groups] == ["default"]

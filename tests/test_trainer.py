@@ -6,7 +6,7 @@ from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainingArguments
 
-from grpo_hf import GroupConfigError, GRPOConfig, GRPOMixin, GRPOTrainer
+from grpo_hf import ConfigError, GroupConfigError, GRPOConfig, GRPOMixin, GRPOTrainer
 from grpo_hf.callbacks import STATE_FILE
 from grpo_hf.test_utils import tiny_test_llama
 
@@ -56,7 +56,7 @@ def test_trains_logs_multipliers_and_changes_every_parameter(tmp_path):
     model = tiny_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = GRPOTrainer(model=model, args=make_args(tmp_path), train_dataset=token_dataset())
-    trainer.train()
+    output = trainer.train()
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters()), "a parameter did not change"
     logs = train_logs(trainer)
     assert logs[-1]["loss"] < logs[0]["loss"]
@@ -68,9 +68,13 @@ def test_trains_logs_multipliers_and_changes_every_parameter(tmp_path):
     weighted_mean = sum(scales[n] * numels[n] for n in names) / sum(numels.values())
     assert weighted_mean == pytest.approx(1.0, abs=1e-9)
     assert all(logs[0][f"grpo/lr_scale/{n}"] == 1.0 for n in names)  # warm-up
-    for key in ("grpo/load_balance_std", "grpo/update_latency_p99_ms", f"grpo/update_count/{names[0]}"):
+    for key in ("grpo/load_balance_std", f"grpo/update_count/{names[0]}", "cost/tokens", "cost/flops"):
         assert key in last
     assert last[f"grpo/update_count/{names[0]}"] == 12
+    # measured figures are returned at the end of training, never logged per step (a resumed run could not match)
+    for key in ("grpo/update_latency_p99_ms", "cost/train_seconds", "cost/total_usd", "cost/energy_kwh"):
+        assert key in output.metrics
+        assert not any(key in entry for entry in trainer.state.log_history)
 
 
 def test_multipliers_compose_with_scheduler_without_compounding(tmp_path):
@@ -314,3 +318,59 @@ def test_coherence_importance_follows_gradient_momentum_agreement(tmp_path):
     assert len({round(logs[-1][f"grpo/lr_scale/{n}"], 9) for n in names}) > 1
     weighted = sum(float(m) * n for m, n in zip(imp.multipliers, imp.numels)) / float(imp.numels.sum())
     assert weighted == pytest.approx(1.0, abs=1e-9)
+
+
+def test_model_init_trains_the_model_it_builds_with_compression(tmp_path):
+    built = []
+
+    def model_init():
+        built.append(tiny_llama())
+        return built[-1]
+
+    args = make_args(tmp_path, max_steps=6, grpo_compression="quantize", grpo_min_compress_numel=256)
+    trainer = GRPOTrainer(model_init=model_init, args=args, train_dataset=token_dataset())
+    trainer.train()
+    assert len(built) == 2 and trainer.model is built[1]  # the Trainer built a fresh model at train()
+    trained = dict(built[1].named_parameters())
+    initial = dict(tiny_llama().named_parameters())  # the same seed: what model_init returned
+    assert all(not torch.equal(p, initial[n]) for n, p in trained.items()), (
+        "a parameter of the trained model did not move"
+    )
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in trained.values()}
+    assert {id(p) for g in trainer.grpo_groups for p in g.params} == optimized
+    residuals = trainer.grpo_comm_state.residuals.values
+    assert residuals and trainer.grpo_comm_state.step == 6 and any(v.abs().sum() > 0 for v in residuals.values())
+
+
+def test_hyperparameter_search_trains_every_trial(tmp_path):
+    built = []
+
+    def model_init(trial):
+        model = tiny_llama(seed=len(built))
+        built.append((model, {n: p.detach().clone() for n, p in model.named_parameters()}))
+        return model
+
+    args = make_args(tmp_path, max_steps=4, grpo_compression="quantize", grpo_min_compress_numel=256)
+    trainer = GRPOTrainer(
+        model_init=model_init, args=args, train_dataset=token_dataset(), eval_dataset=token_dataset(rows=16, seed=1)
+    )
+    best = trainer.hyperparameter_search(
+        hp_space=lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-3, log=True)},
+        backend="optuna",
+        n_trials=2,
+        direction="minimize",
+    )
+    assert len(built) == 3 and best.objective > 0  # one model at construction, one per trial
+    for model, before in built[1:]:
+        assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters()), "a trial trained nothing"
+
+
+def test_user_optimizer_spanning_groups_is_refused_when_ratios_ask_for_one_lr_per_group(tmp_path):
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # one param group over every GRPO group
+    args = make_args(tmp_path, grpo_importance=False, grpo_lr_ratios={"ffn": 2})
+    with pytest.raises(ConfigError, match=r"optimizer param group 0 mixes .* the LR ratios \{'ffn': 2"):
+        GRPOTrainer(model=model, args=args, train_dataset=token_dataset(), optimizers=(optimizer, None))
+    plain = make_args(tmp_path, grpo_importance=False)  # nothing asks for per-group learning rates: accepted
+    GRPOTrainer(model=model, args=plain, train_dataset=token_dataset(), optimizers=(optimizer, None)).train()

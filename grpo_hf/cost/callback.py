@@ -45,10 +45,13 @@ class CostCallback(TrainerCallback):
 
     Wiring: pass it in `callbacks=[...]`; call [`~CostCallback.add_tokens`] from `training_step` and
     [`~CostCallback.add_comm_bytes`] once per optimizer step with the bytes this rank sent. Callbacks passed to the
-    Trainer run *after* the `report_to` integrations in `on_log`, so the keys this callback adds to `logs` reach the
-    progress bar / printer and the final `TrainOutput.metrics`, but neither `state.log_history` nor TensorBoard /
-    W&B. To report them there, merge [`~CostCallback.metrics`] into `logs` in an override of `Trainer.log` before
-    calling `super().log(logs, start_time)`; the keys already present are left alone by `on_log`.
+    Trainer run *after* the `report_to` integrations in `on_log`, so the keys this callback adds to `logs` (the
+    counted figures at each logging step, every figure at the end of training) reach the progress bar / printer and
+    the final `TrainOutput.metrics`, but neither `state.log_history` nor TensorBoard / W&B. To report the counted
+    figures there, merge [`~CostCallback.counted_metrics`] into `logs` in an override of `Trainer.log` before calling
+    `super().log(logs, start_time)` (as `GRPOTrainer` does); the keys already present are left alone by `on_log`.
+    Measured figures (time, energy, money, memory) differ between a straight run and a resumed one, so they stay out
+    of `state.log_history`.
 
     Example:
 
@@ -113,6 +116,7 @@ class CostCallback(TrainerCallback):
         self._last_seq_len: int | None = None
         self._comm_bytes = 0
         self._comm_calls = 0
+        self._resumed = {"tokens": 0, "flops": 0, "comm_bytes": 0}  # counted before a resume (resume_counts)
         self._steps = 0
         self._t_begin: float | None = None
         self._t_end: float | None = None
@@ -184,7 +188,10 @@ class CostCallback(TrainerCallback):
             return
         if any(k.startswith(("eval_", "test_", "predict_")) for k in logs):
             return
-        for key, value in self.metrics().items():
+        # Training steps get the counted figures; the end of training (`train_runtime`) gets every figure, which the
+        # Trainer returns in `TrainOutput.metrics` (callbacks see `logs` after it joined `state.log_history`).
+        figures = self.metrics() if "train_runtime" in logs else self.counted_metrics()
+        for key, value in figures.items():
             logs.setdefault(key, value)
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -246,9 +253,48 @@ class CostCallback(TrainerCallback):
             return not self._attention_term_missing
         return (self.seq_len if self.seq_len is not None else self._last_seq_len) is not None
 
+    def counted_metrics(self) -> dict[str, float]:
+        """
+        The figures that are counted rather than measured, so that a run resumed from a checkpoint reports the same
+        ones as a straight run (with [`~CostCallback.resume_counts`]): `cost/tokens`, `cost/flops`, `cost/comm_bytes`
+        and `cost/comm_seconds_projected` (bytes over the configured link). Empty before training starts.
+        """
+        if self._t_begin is None:
+            return {}
+        out: dict[str, float] = {}
+        source = self._token_source()
+        if source is not None:
+            final = self._mark(self._clock())
+            out["cost/tokens"] = self._resumed["tokens"] + self._global_tokens(final, source)
+            flops = self._global_flops(final, source)
+            if flops is not None:
+                out["cost/flops"] = self._resumed["flops"] + flops
+        if self._comm_calls or self._resumed["comm_bytes"]:
+            comm_bytes = self._resumed["comm_bytes"] + self._comm_bytes
+            out["cost/comm_bytes"] = comm_bytes
+            out["cost/comm_seconds_projected"] = comm_time_seconds(comm_bytes, self.settings.cost_link_gbps)
+        return out
+
+    def counted_state(self) -> dict[str, float]:
+        """The counted totals so far (tokens and FLOPs of the whole job, bytes of this rank), for a checkpoint."""
+        counted = self.counted_metrics()
+        return {
+            "tokens": counted.get("cost/tokens", 0),
+            "flops": counted.get("cost/flops", 0),
+            "comm_bytes": counted.get("cost/comm_bytes", 0),
+        }
+
+    def resume_counts(self, counted: dict[str, float]) -> None:
+        """
+        Continue the counted totals of a checkpoint ([`~CostCallback.counted_state`]); call it after `on_train_begin`.
+        Time, energy and money cover this `train()` call only: they are measured, not restored.
+        """
+        self._resumed = {key: counted.get(key, 0) for key in ("tokens", "flops", "comm_bytes")}
+
     def metrics(self, numeric_only: bool = False) -> dict[str, float | str]:
         """
-        The `cost/*` figures so far (frozen at `on_train_end`); empty before training starts. `cost/mfu` appears only
+        The `cost/*` figures so far (frozen at `on_train_end`; the counted ones are those of
+        [`~CostCallback.counted_metrics`]); empty before training starts. `cost/mfu` appears only
         for devices with a known peak, token figures only when tokens are counted, `cost/comm_*` only after
         `add_comm_bytes()`. `numeric_only=True` drops the string `cost/energy_source` (TensorBoard warns on strings);
         `cost/energy_estimated` (1.0 or 0.0) carries the same information.
@@ -259,25 +305,19 @@ class CostCallback(TrainerCallback):
         train_seconds = now - self._t_begin
         out: dict[str, float | str] = {"cost/train_seconds": train_seconds}
 
-        source = self._token_source()
-        if source is not None:
-            final = self._mark(now)
-            out["cost/tokens"] = self._global_tokens(final, source)
-            window = self._rate_window()
-            if window is not None:
-                start, end, _ = window
-                seconds = end.time - start.time
-                out["cost/tokens_per_second"] = (
-                    self._global_tokens(end, source) - self._global_tokens(start, source)
-                ) / seconds
-            flops = self._global_flops(final, source)
-            if flops is not None:
-                out["cost/flops"] = flops
-                if window is not None:
-                    flops_per_second = (self._global_flops(end, source) - self._global_flops(start, source)) / seconds
-                    value = mfu(flops_per_second, self._peak, self._world_size)
-                    if value is not None:
-                        out["cost/mfu"] = value
+        out.update(self.counted_metrics())
+        source, window = self._token_source(), self._rate_window()
+        if source is not None and window is not None:
+            start, end, _ = window
+            seconds = end.time - start.time
+            out["cost/tokens_per_second"] = (
+                self._global_tokens(end, source) - self._global_tokens(start, source)
+            ) / seconds
+            if self._shape is not None:
+                flops_per_second = (self._global_flops(end, source) - self._global_flops(start, source)) / seconds
+                value = mfu(flops_per_second, self._peak, self._world_size)
+                if value is not None:
+                    out["cost/mfu"] = value
 
         joules = self._joules_end if self._joules_end is not None else self._meter.read_joules()
         energy_kwh = joules * self._billed / 3.6e6
@@ -291,9 +331,6 @@ class CostCallback(TrainerCallback):
         money = cost_breakdown(train_seconds / 3600, energy_kwh, self.settings, num_devices=self._billed)
         for key in ("gpu_usd", "energy_usd", "cooling_usd", "total_usd"):
             out[f"cost/{key}"] = money[key]
-        if self._comm_calls:
-            out["cost/comm_bytes"] = self._comm_bytes
-            out["cost/comm_seconds_projected"] = comm_time_seconds(self._comm_bytes, self.settings.cost_link_gbps)
         return out
 
     def summary(self) -> dict[str, Any]:

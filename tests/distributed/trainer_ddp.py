@@ -65,7 +65,7 @@ def train(args, model=None, resume=None):
     model = model if model is not None else tiny_llama()
     initial = [p.detach().clone() for p in model.parameters()]
     trainer = GRPOTrainer(model=model, args=args, train_dataset=random_tokens())
-    trainer.train(resume_from_checkpoint=resume)
+    output = trainer.train(resume_from_checkpoint=resume)
     state = trainer.grpo_comm_state
     params = [p.detach().clone() for p in trainer.model.parameters()]
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -85,6 +85,7 @@ def train(args, model=None, resume=None):
             {k: v for k, v in entry.items() if k.startswith("grpo/comm") or k in GRPO_KEYS} for entry in logs
         ],
         "totals": state.totals() if state is not None else {},
+        "measured": {k: v for k, v in output.metrics.items() if k.startswith("grpo/")},
         "residual_names": sorted(state.residuals.values) if state is not None else [],
         "residual_digest": tensor_digest([state.residuals.values[n] for n in sorted(state.residuals.values)])
         if state
