@@ -5,9 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from testing_utils import tiny_llama_config
 
 from grpo_hf import cli
-from grpo_hf.test_utils import tiny_llama_config
 
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"

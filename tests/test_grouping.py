@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from testing_utils import tiny_test_llama
 from torch import nn
 from transformers import (
     BertConfig,
@@ -25,7 +26,6 @@ from grpo_hf.grouping import (
     parse_group_config,
     shape_kind,
 )
-from grpo_hf.test_utils import tiny_test_llama
 
 
 ARTICLE_CONFIG = """{

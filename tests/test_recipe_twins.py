@@ -6,10 +6,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from testing_utils import ROOT, run_accelerate_launch, run_torchrun
 
 from grpo_hf import cli
 from grpo_hf.parser import builtin_recipe, builtin_recipe_names, load_recipe
-from grpo_hf.test_utils import ROOT, run_accelerate_launch, run_torchrun
 
 
 RECIPES = ROOT / "recipes"
