@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import GRPOInputError
-
 
 KINDS = ("source", "docstrings")
 TASKS = ("causal_lm", "sequence_classification")
@@ -23,10 +21,6 @@ DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 CAUSAL_LM_MODELS = ("smollm2-135m", "tiny-llama", "tiny-gpt2")
 CLASSIFICATION_MODELS = ("minilm", "tiny-bert")
 BERT_LORA_TARGETS = ["query", "key", "value", "dense"]
-
-
-class RecipeError(GRPOInputError):
-    """A recipe file, override or the data it names is invalid; the message names the file, the field and the fix."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -275,5 +269,4 @@ __all__ = [
     "TASKS",
     "DataArguments",
     "ModelArguments",
-    "RecipeError",
 ]

@@ -212,7 +212,7 @@ def prepare(
     `dataset_name`, the standard library corpus ([`build_datasets`]).
 
     Raises:
-        [`~grpo_hf.parser.RecipeError`]: the data is missing, unreadable or does not fit the recipe (`where` names the
+        [`~grpo_hf.errors.RecipeError`]: the data is missing, unreadable or does not fit the recipe (`where` names the
             recipe in the message).
     """
     from .formatting import build_user_datasets, collator_for, texts_for_tokenizer

@@ -38,8 +38,8 @@ from .cli_tools import (  # noqa: F401 - re-exported: the commands without a rec
     publish_command,
     publish_command_parser,
 )
-from .errors import GRPOInputError
-from .parser import RecipeError, RecipeParser, builtin_recipe_values, read_recipe, recipe_error_from
+from .errors import GRPOInputError, HubError, RecipeError
+from .parser import RecipeParser, builtin_recipe_values, read_recipe, recipe_error_from
 
 
 DEBUG_HELP = (
@@ -412,8 +412,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grpo-hf {argv[0]}: error: {err}", file=sys.stderr)
         return 2
     except ValueError as err:
-        from .hub import HubError
-
         if debug or not isinstance(err, HubError):
             raise
         print(f"grpo-hf {argv[0]}: error: {err}", file=sys.stderr)

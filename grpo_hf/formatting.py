@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .parser import RecipeError
+from .errors import RecipeError
 
 
 IGNORE_INDEX = -100
@@ -64,7 +64,7 @@ def assistant_spans(tokenizer, messages: list[dict], where: str = "recipe") -> t
     end of `messages[: i + 1]` rendered: the reply and the template's end-of-turn text.
 
     Raises:
-        [`~grpo_hf.parser.RecipeError`]: the template does not render a conversation prefix by prefix (a prefix is not
+        [`~grpo_hf.errors.RecipeError`]: the template does not render a conversation prefix by prefix (a prefix is not
             a prefix of the whole), so the assistant turns cannot be located.
     """
     text = tokenizer.apply_chat_template(messages, tokenize=False)
@@ -217,7 +217,7 @@ def build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info: dict[
         `labels` and `num_labels`.
 
     Raises:
-        [`~grpo_hf.parser.RecipeError`]: no row is left in a split, or the tokenizer cannot render messages.
+        [`~grpo_hf.errors.RecipeError`]: no row is left in a split, or the tokenizer cannot render messages.
     """
     where = info.get("where", "recipe")
     kind = info["format"]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard
 
-from .errors import GRPOInputError
+from .errors import HubError, PublishInputError
 from .model_card import HUB_ID_PATTERN, build_model_card
 
 
@@ -57,18 +57,6 @@ TOKENIZER_PATTERNS = (
     "chat_template.json",
 )
 _TEXT_SUFFIXES = {".json", ".md", ".txt", ".jinja", ".yaml", ".csv"}
-
-
-class HubError(ValueError):
-    """Publishing failed or cannot start; the message says why and what to do, and no token is ever in it."""
-
-
-class PublishInputError(HubError, GRPOInputError):
-    """
-    What was given to `grpo-hf publish` cannot be published as is (a folder without a run or a saved model, a malformed
-    repository id): a user error, reported like every [`~grpo_hf.errors.GRPOInputError`] (exit status 2 on the
-    command line). Failures of the upload itself (no token, an unreachable Hub) stay [`HubError`] (exit status 1).
-    """
 
 
 def load_run(output_dir: str | Path, run: str | None = None) -> tuple[dict, dict, Path]:
@@ -310,8 +298,6 @@ def describe_upload(folder: str | Path, repo_id: str, dry_run: bool = False) -> 
 
 
 __all__ = [
-    "HubError",
-    "PublishInputError",
     "describe_upload",
     "check_push_settings",
     "hub_errors",

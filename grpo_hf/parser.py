@@ -43,13 +43,9 @@ from .arguments import (  # noqa: F401 - re-exported: the recipe arguments are p
     TASKS,
     DataArguments,
     ModelArguments,
-    RecipeError,
 )
 from .config import GRPOConfig
-
-
-class RecipeNotFoundError(RecipeError, FileNotFoundError):
-    """The recipe file does not exist: a [`RecipeError`] and a `FileNotFoundError` (what `read_recipe` raised before)."""
+from .errors import RecipeError, RecipeNotFoundError
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -24,10 +24,18 @@ from testing_utils import tiny_test_llama
 
 from grpo_hf import GRPOConfig, cli
 from grpo_hf.checkpoints import STATE_FILE
-from grpo_hf.errors import CheckpointError, ConfigError, GroupConfigError, MissingPathError, OutputDirError
+from grpo_hf.errors import (
+    CheckpointError,
+    ConfigError,
+    GroupConfigError,
+    MissingPathError,
+    OutputDirError,
+    PublishInputError,
+    RecipeError,
+    RecipeNotFoundError,
+)
 from grpo_hf.grouping import assign_groups, load_group_spec
-from grpo_hf.hub import PublishInputError
-from grpo_hf.parser import RecipeError, RecipeNotFoundError, load_recipe
+from grpo_hf.parser import load_recipe
 
 
 TINY = "model_name_or_path: tiny-llama\nlora_r: 0\nmax_steps: 2\nreport_to: none\noutput_dir: out\n"

@@ -15,7 +15,8 @@ from huggingface_hub import HfApi, ModelCard
 from transformers import default_data_collator
 
 from grpo_hf import GRPOConfig, GRPOTrainer, cli
-from grpo_hf.hub import HubError, check_push_settings, load_run, prepare_upload_folder, publish
+from grpo_hf.errors import HubError
+from grpo_hf.hub import check_push_settings, load_run, prepare_upload_folder, publish
 from grpo_hf.model_card import KNOWN_BASES, build_model_card, resolve_base_model
 
 

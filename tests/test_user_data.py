@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from grpo_hf import cli
-from grpo_hf.parser import RecipeError, load_recipe, parse_recipe
+from grpo_hf.errors import RecipeError
+from grpo_hf.parser import load_recipe, parse_recipe
 from grpo_hf.user_data import (
     check_data_arguments,
     load_train_eval,
