@@ -30,7 +30,7 @@ from torch import nn
 from transformers import HfArgumentParser
 
 from grpo_hf.compression import CodecSpec, GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
-from grpo_hf.models import tiny_llama
+from grpo_hf.harness.models import tiny_llama
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers, kept out of the wheel

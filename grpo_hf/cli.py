@@ -1,8 +1,8 @@
 """`grpo-hf` command line: `quickstart`, `compare`, `train`, `publish`, `groups`, `env`.
 
 Each sub-command is a `<name>_command_parser` / `<name>_command` pair, as in accelerate's CLI; `COMMANDS` lists the
-parsers. Every sub-parser is a [`~grpo_hf.parser.RecipeParser`] (TRL's `parser_class` pattern): those of the recipe
-commands hold every field of the recipe's dataclasses, with the recipe's values as defaults, so
+parsers. Every sub-parser is a [`~grpo_hf.harness.parser.RecipeParser`] (TRL's `parser_class` pattern): those of the
+recipe commands hold every field of the recipe's dataclasses, with the recipe's values as defaults, so
 `grpo-hf train RECIPE --help` lists them all and `--field value` after the recipe overrides the file. The commands
 without a recipe (`groups`, `publish`, `env`) are in [`grpo_hf.cli_tools`].
 
@@ -39,7 +39,8 @@ from .cli_tools import (  # noqa: F401 - re-exported: the commands without a rec
     publish_command_parser,
 )
 from .errors import GRPOInputError, HubError, RecipeError
-from .parser import RecipeParser, builtin_recipe_values, read_recipe, recipe_error_from
+from .harness.parser import RecipeParser, recipe_error_from
+from .harness.recipe_files import builtin_recipe_values, read_recipe
 
 
 DEBUG_HELP = (
@@ -151,8 +152,9 @@ def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | No
 
 
 def _compare_and_report(model_args, data_args, training_args, command: str, title: str, where: str) -> int:
-    from .compare import TRAINER_KINDS, compare
-    from .report import print_table, write_report
+    from .harness.build import TRAINER_KINDS
+    from .harness.compare import compare
+    from .harness.report import print_table, write_report
 
     output_dir = training_args.output_dir
     runs = {os.path.join(output_dir, kind): kind == "grpo" for kind in TRAINER_KINDS}  # where compare() puts them
@@ -254,9 +256,12 @@ def _end_distributed() -> None:
 def train_command(args) -> int:
     import dataclasses
 
-    from .compare import capture_environment, prepare, recipe_summary, run_training
-    from .hub import check_push_settings, describe_upload, publish
-    from .report import print_table, write_report
+    from .harness.build import prepare
+    from .harness.compare import recipe_summary, run_training
+    from .harness.report import print_table, write_report
+    from .hub.upload import describe_upload, publish
+    from .hub_guards import check_push_settings
+    from .provenance import capture_environment
 
     model_args, data_args, training_args = args.model_args, args.data_args, args.training_args
     push = training_args.push_to_hub

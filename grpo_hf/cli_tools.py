@@ -72,9 +72,9 @@ def load_model_for_inspection(name: str, vocab_size: int = 1024):
 
     Args:
         name (`str`):
-            - `"tiny-llama"`, `"tiny-gpt2"`, `"tiny-bert"`, `"tiny-t5"`: built from a config ([`grpo_hf.models`]),
-              with a `vocab_size` vocabulary (no tokenizer is trained);
-            - `"smollm2-135m"`: [`~grpo_hf.models.load_smollm2`] (offline);
+            - `"tiny-llama"`, `"tiny-gpt2"`, `"tiny-bert"`, `"tiny-t5"`: built from a config
+              ([`grpo_hf.harness.models`]), with a `vocab_size` vocabulary (no tokenizer is trained);
+            - `"smollm2-135m"`: [`~grpo_hf.harness.offline_models.load_smollm2`] (offline);
             - a path to a model config `.json`: [`~transformers.AutoConfig`] then
               [`~transformers.AutoModelForCausalLM`]`.from_config` (or [`~transformers.AutoModel`] for architectures
               without a causal-LM head), randomly initialized;
@@ -83,22 +83,23 @@ def load_model_for_inspection(name: str, vocab_size: int = 1024):
         vocab_size (`int`, *optional*, defaults to `1024`):
             Vocabulary of the tiny models.
     """
-    from . import models
-    from .parser import hub_model_available, missing_local_path
+    from .harness import models, offline_models
+    from .harness.recipe_files import hub_model_available, missing_local_path
 
     hint = f"Give a model folder, a model config .json, a Hub name, or one of {', '.join(TINY_BUILDERS)}, "
     if missing_local_path(name):
-        raise MissingPathError(f"model {name!r}: no such file or folder. {hint}{models.SMOLLM2_NAME}.")
-    if name not in (*TINY_BUILDERS, models.SMOLLM2_NAME) and not hub_model_available(name):
+        raise MissingPathError(f"model {name!r}: no such file or folder. {hint}{offline_models.SMOLLM2_NAME}.")
+    if name not in (*TINY_BUILDERS, offline_models.SMOLLM2_NAME) and not hub_model_available(name):
         raise MissingPathError(
             f"model {name!r}: no local folder, and not in the Hugging Face cache while the Hub is offline "
-            f"(HF_HUB_OFFLINE). Download it once online (`hf download {name}`), or: {hint}{models.SMOLLM2_NAME}."
+            f"(HF_HUB_OFFLINE). Download it once online (`hf download {name}`), or: "
+            f"{hint}{offline_models.SMOLLM2_NAME}."
         )
     if name in TINY_BUILDERS:
         builder = getattr(models, name.replace("-", "_"))
         return builder(vocab_size=vocab_size)
-    if name == models.SMOLLM2_NAME:
-        return models.load_smollm2()[0]
+    if name == offline_models.SMOLLM2_NAME:
+        return offline_models.load_smollm2()[0]
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     if name.endswith(".json"):
@@ -215,7 +216,7 @@ def publish_command_parser(subparsers):
 
 
 def publish_command(args) -> int:
-    from .hub import describe_upload, publish
+    from .hub.upload import describe_upload, publish
 
     folder = publish(
         args.output_dir,

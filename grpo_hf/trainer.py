@@ -18,7 +18,7 @@ from .cost.callback import CostCallback
 from .errors import OutputDirError
 from .files import check_output_dir, remove_run_files
 from .grouping import assign_groups, load_group_spec, lr_ratios
-from .hub import check_push_settings, hub_errors
+from .hub_guards import check_push_settings, hub_errors
 from .importance import ImportanceState
 from .model_card import write_trainer_model_card
 

@@ -35,7 +35,7 @@ from grpo_hf.errors import (
     RecipeNotFoundError,
 )
 from grpo_hf.grouping import assign_groups, load_group_spec
-from grpo_hf.parser import load_recipe
+from grpo_hf.harness.parser import load_recipe
 
 
 TINY = "model_name_or_path: tiny-llama\nlora_r: 0\nmax_steps: 2\nreport_to: none\noutput_dir: out\n"
@@ -283,21 +283,24 @@ def snapshot(folder: Path) -> dict[str, str]:
 @pytest.fixture
 def no_work(monkeypatch):
     """Loading a model or tokenizer, preparing data or training fails the test: the checks must come first."""
-    import grpo_hf.build
-    import grpo_hf.compare
-    import grpo_hf.models
+    import grpo_hf.harness.build
+    import grpo_hf.harness.compare
+    import grpo_hf.harness.models
+    import grpo_hf.harness.offline_models
 
     def work(*args, **kwargs):
         raise AssertionError("work started before the bad input was reported")
 
     for module, name in [
-        (grpo_hf.compare, "prepare"),
-        (grpo_hf.compare, "compare"),
-        (grpo_hf.compare, "run_training"),
-        (grpo_hf.build, "build_tokenizer"),
-        (grpo_hf.build, "build_model"),
-        (grpo_hf.models, "load_causal_lm"),
-        (grpo_hf.models, "load_smollm2"),
+        (grpo_hf.harness.compare, "prepare"),
+        (grpo_hf.harness.compare, "compare"),
+        (grpo_hf.harness.compare, "run_training"),
+        (grpo_hf.harness.build, "prepare"),
+        (grpo_hf.harness.build, "build_tokenizer"),
+        (grpo_hf.harness.build, "build_model"),
+        (grpo_hf.harness.models, "load_causal_lm"),
+        (grpo_hf.harness.models, "load_smollm2"),
+        (grpo_hf.harness.offline_models, "load_smollm2"),
     ]:
         monkeypatch.setattr(module, name, work)
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # `quickstart` sets them

@@ -16,7 +16,9 @@ from transformers import default_data_collator
 
 from grpo_hf import GRPOConfig, GRPOTrainer, cli
 from grpo_hf.errors import HubError
-from grpo_hf.hub import check_push_settings, load_run, prepare_upload_folder, publish
+from grpo_hf.hub.folder import load_run
+from grpo_hf.hub.upload import prepare_upload_folder, publish
+from grpo_hf.hub_guards import check_push_settings
 from grpo_hf.model_card import KNOWN_BASES, build_model_card, resolve_base_model
 
 
@@ -25,7 +27,7 @@ REPO = "grpo-hf-tests/tiny-lora"
 
 def _small_corpus(folder: Path) -> Path:
     """40 top-level standard library modules: a corpus folder (`corpus_root`) that is quick to list and tokenize."""
-    from grpo_hf.data import stdlib_root
+    from grpo_hf.harness.data import stdlib_root
 
     folder.mkdir()
     for path in sorted(stdlib_root().glob("*.py"))[:40]:
@@ -35,8 +37,8 @@ def _small_corpus(folder: Path) -> Path:
 
 def _save_tiny_base(folder: Path, corpus: Path) -> Path:
     """A tiny Llama and its BPE tokenizer saved as a local base model (what a user's own checkpoint looks like)."""
-    from grpo_hf.data import train_bpe_tokenizer
-    from grpo_hf.models import tiny_llama
+    from grpo_hf.harness.data import train_bpe_tokenizer
+    from grpo_hf.harness.models import tiny_llama
 
     tokenizer = train_bpe_tokenizer([p.read_text() for p in sorted(corpus.glob("*.py"))], vocab_size=400)
     model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, layers=2, heads=4, seq_len=64, seed=0)
@@ -206,9 +208,9 @@ def test_no_token_is_written_anywhere(pushed):
 def test_the_dry_run_folder_loads_back_with_the_same_eval_loss(pushed, tmp_path):
     from peft import AutoPeftModelForCausalLM
 
-    from grpo_hf.compare import prepare
-    from grpo_hf.evaluation import evaluate_perplexity
-    from grpo_hf.parser import load_recipe
+    from grpo_hf.harness.build import prepare
+    from grpo_hf.harness.evaluation import evaluate_perplexity
+    from grpo_hf.harness.parser import load_recipe
 
     folder = publish(pushed.out, REPO, dry_run=True, upload_dir=tmp_path / "upload")
     model = AutoPeftModelForCausalLM.from_pretrained(folder)
@@ -305,9 +307,9 @@ def test_publish_refuses_bad_input_clearly(pushed, tmp_path):
 def test_push_to_hub_through_grpo_trainer_writes_the_same_card(pushed, tmp_path, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
-    from grpo_hf.compare import prepare
-    from grpo_hf.models import load_causal_lm
-    from grpo_hf.parser import load_recipe
+    from grpo_hf.harness.build import prepare
+    from grpo_hf.harness.models import load_causal_lm
+    from grpo_hf.harness.parser import load_recipe
 
     model_args, data_args, _ = load_recipe(pushed.recipe)
     prepared = prepare(model_args, data_args)
@@ -408,6 +410,6 @@ def test_resolve_base_model():
     assert resolve_base_model("smollm2-135m").hub_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert resolve_base_model("org/some-model").hub_id == "org/some-model"
     assert resolve_base_model("") is None and resolve_base_model("/no/such/folder") is None
-    from grpo_hf.models import minilm_path
+    from grpo_hf.harness.offline_models import minilm_path
 
     assert resolve_base_model(str(minilm_path())).hub_id == "sentence-transformers/all-MiniLM-L6-v2"

@@ -7,7 +7,8 @@ import pytest
 
 from grpo_hf import GRPOConfig, cli
 from grpo_hf.errors import RecipeError
-from grpo_hf.parser import DataArguments, ModelArguments, RecipeParser, parse_overrides, parse_recipe
+from grpo_hf.harness.arguments import DataArguments, ModelArguments
+from grpo_hf.harness.parser import RecipeParser, parse_overrides, parse_recipe
 
 
 def test_parser_covers_the_three_dataclasses():

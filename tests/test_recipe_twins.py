@@ -9,7 +9,8 @@ import pytest
 from testing_utils import ROOT, run_accelerate_launch, run_torchrun
 
 from grpo_hf import cli
-from grpo_hf.parser import builtin_recipe, builtin_recipe_names, load_recipe
+from grpo_hf.harness.parser import builtin_recipe, load_recipe
+from grpo_hf.harness.recipe_files import builtin_recipe_names
 
 
 RECIPES = ROOT / "recipes"

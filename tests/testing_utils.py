@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 
-# The repository root (it holds the `grpo_hf` package) and this folder (for `testing_utils`): on the workers' PYTHONPATH.
+# The repository root (it holds the `grpo_hf` package) and this folder (for `testing_utils`): on the workers'
+# PYTHONPATH.
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 # What every launched worker gets: one thread each, and no network.

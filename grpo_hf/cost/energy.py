@@ -226,8 +226,8 @@ class RaplEnergyMeter(EnergyMeter):
             The powercap folder.
 
     Raises:
-        [`~grpo_hf.errors.EnergyMeterUnavailable`]: if no package domain exists or its counter is not readable (recent kernels make
-        `energy_uj` readable by root only).
+        [`~grpo_hf.errors.EnergyMeterUnavailable`]: if no package domain exists or its counter is not readable (recent
+        kernels make `energy_uj` readable by root only).
     """
 
     source = "rapl"

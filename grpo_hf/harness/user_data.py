@@ -1,17 +1,17 @@
 """Your own data through 🤗 Datasets: find it (local file, folder or Hub id), load it, check it, split it.
 
-A recipe names its data with [`~grpo_hf.parser.DataArguments`] (`dataset_name`, `dataset_config`, `dataset_split`,
-`dataset_eval_split`, the column names, `task`). [`check_data_arguments`] runs when the recipe is loaded, before any
-model is: it loads the data with [`datasets.load_dataset`] (which never touches the network when `HF_HUB_OFFLINE=1`)
-and raises one [`~grpo_hf.errors.RecipeError`] naming the recipe, the field and the fix when a file is missing, a
-split or column does not exist, or a Hub dataset is neither reachable nor cached. [`load_train_eval`] gives the
-train and eval [`datasets.Dataset`]s; [`grpo_hf.formatting`] tokenizes them.
+A recipe names its data with [`~grpo_hf.harness.arguments.DataArguments`] (`dataset_name`, `dataset_config`,
+`dataset_split`, `dataset_eval_split`, the column names, `task`). [`check_data_arguments`] runs when the recipe is
+loaded, before any model is: it loads the data with [`datasets.load_dataset`] (which never touches the network when
+`HF_HUB_OFFLINE=1`) and raises one [`~grpo_hf.errors.RecipeError`] naming the recipe, the field and the fix when a file
+is missing, a split or column does not exist, or a Hub dataset is neither reachable nor cached. [`load_train_eval`]
+gives the train and eval [`datasets.Dataset`]s; [`grpo_hf.harness.formatting`] tokenizes them.
 
 Example:
 
 ```python
->>> from grpo_hf.parser import DataArguments
->>> from grpo_hf.user_data import check_data_arguments, load_train_eval
+>>> from grpo_hf.harness.arguments import DataArguments
+>>> from grpo_hf.harness.user_data import check_data_arguments, load_train_eval
 >>> data_args = DataArguments(dataset_name="recipes/data/instructions.jsonl")
 >>> check_data_arguments(data_args, where="my_recipe.yaml")  # raises RecipeError on bad data
 'messages'
@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .errors import RecipeError
+from ..errors import RecipeError
 
 
 # Extensions 🤗 Datasets reads, and the builder that reads each.
@@ -348,7 +348,7 @@ def load_train_eval(data_args, where: str = "recipe") -> tuple[Any, Any, dict[st
         (`"local"` or `"hub"`), `path`, `fingerprint`, `format`, `dataset_split`, `dataset_eval_split`, row counts).
     """
     if data_args.dataset_name is None:
-        raise ValueError("dataset_name is None: the standard library corpus is built by grpo_hf.data instead.")
+        raise ValueError("dataset_name is None: the standard library corpus is built by grpo_hf.harness.data instead.")
     kind, dataset_dict = _load_and_check(data_args, where)
     train = dataset_dict[data_args.dataset_split]
     name = data_args.dataset_name

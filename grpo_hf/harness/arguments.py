@@ -1,8 +1,8 @@
 """The recipe arguments: which model to fine-tune and how ([`ModelArguments`]), on which data ([`DataArguments`]).
 
-With [`~grpo_hf.GRPOConfig`] they make a recipe; [`~grpo_hf.parser.RecipeParser`] reads them from a YAML file and the
-command line. `__post_init__` checks each field alone; [`~grpo_hf.parser.check_recipe`] checks them together and the
-data itself.
+With [`~grpo_hf.GRPOConfig`] they make a recipe; [`~grpo_hf.harness.parser.RecipeParser`] reads them from a YAML file
+and the command line. `__post_init__` checks each field alone; [`~grpo_hf.harness.parser.check_recipe`] checks them
+together and the data itself.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class ModelArguments:
     Example:
 
     ```python
-    >>> from grpo_hf.parser import ModelArguments
+    >>> from grpo_hf.harness.arguments import ModelArguments
     >>> ModelArguments(model_name_or_path="tiny-llama", lora_r=0, tiny_hidden_size=64)
     ```
 
@@ -111,13 +111,13 @@ class ModelArguments:
 class DataArguments:
     r"""
     The data: the running interpreter's standard library (the default, split per file by a hash of its path, see
-    [`~grpo_hf.data.build_lm_datasets`]), or your own data through 🤗 Datasets (`dataset_name`, see
-    [`~grpo_hf.user_data`]).
+    [`~grpo_hf.harness.data.build_lm_datasets`]), or your own data through 🤗 Datasets (`dataset_name`, see
+    [`~grpo_hf.harness.user_data`]).
 
     Example:
 
     ```python
-    >>> from grpo_hf.parser import DataArguments
+    >>> from grpo_hf.harness.arguments import DataArguments
     >>> DataArguments(dataset_name="data/chat.jsonl", seq_len=512)  # a `messages` column: chat-template SFT
     >>> DataArguments(dataset_name="trl-lib/Capybara", dataset_eval_split="test")  # a Hub dataset (needs network once)
     >>> DataArguments(task="sequence_classification", dataset_name="data/topics", dataset_label_field="label")
