@@ -22,8 +22,9 @@ import pytest
 import torch
 from testing_utils import tiny_test_llama
 
-from grpo_hf import GRPOConfig, cli
+from grpo_hf import GRPOConfig
 from grpo_hf.checkpoints import STATE_FILE
+from grpo_hf.cli.main import main, take_debug_flag
 from grpo_hf.errors import (
     CheckpointError,
     ConfigError,
@@ -314,12 +315,12 @@ def test_bad_input_gets_one_clear_error_before_any_work(case, tmp_path, monkeypa
     before = snapshot(tmp_path)
     names = case.names
     if isinstance(action, list):  # a command line: one line on stderr and exit status 2, then the error with --debug
-        assert cli.main(action) == 2
+        assert main(action) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"grpo-hf {action[0]}: error: ") and err.count("\n") == 1, err
         assert "Traceback" not in err and all(name in err for name in names), err
         with pytest.raises(case.error) as raised:
-            cli.main(["--debug", *action])
+            main(["--debug", *action])
     else:
         with pytest.raises(case.error) as raised:
             action()
@@ -335,9 +336,9 @@ def test_missing_recipe_file_is_still_a_file_not_found_error(tmp_path):
 
 
 def test_debug_flag_after_the_command_and_training_arguments_debug_values():
-    argv, debug = cli.take_debug_flag(["train", "r.yaml", "--debug"])
+    argv, debug = take_debug_flag(["train", "r.yaml", "--debug"])
     assert (argv, debug) == (["train", "r.yaml"], True)
-    argv, debug = cli.take_debug_flag(["train", "r.yaml", "--debug", "underflow_overflow", "--max_steps", "2"])
+    argv, debug = take_debug_flag(["train", "r.yaml", "--debug", "underflow_overflow", "--max_steps", "2"])
     assert not debug and argv[2:4] == ["--debug", "underflow_overflow"]  # the TrainingArguments field keeps it
 
 
@@ -355,6 +356,6 @@ def test_console_script_exits_2_with_one_line(tmp_path):
 
 def test_debug_raises_with_the_whole_traceback(tmp_path):
     with pytest.raises(RecipeNotFoundError) as raised:
-        cli.main(["train", str(tmp_path / "missing.yaml"), "--debug"])
+        main(["train", str(tmp_path / "missing.yaml"), "--debug"])
     frames = "".join(traceback.format_tb(raised.value.__traceback__))
-    assert "grpo_hf/cli.py" in frames and "in read_recipe" in frames  # from main down to where it was raised
+    assert "grpo_hf/cli/main.py" in frames and "in read_recipe" in frames  # from main down to where it was raised

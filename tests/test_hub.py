@@ -14,7 +14,9 @@ import yaml
 from huggingface_hub import HfApi, ModelCard
 from transformers import default_data_collator
 
-from grpo_hf import GRPOConfig, GRPOTrainer, cli
+from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.cli.main import main
+from grpo_hf.cli.recipes import _command_line
 from grpo_hf.errors import HubError
 from grpo_hf.hub.folder import load_run
 from grpo_hf.hub.upload import prepare_upload_folder, publish
@@ -137,7 +139,7 @@ def pushed(tmp_path_factory):
         mp.setenv("HF_TOKEN", token)
         hub.install(mp)
         argv = ["train", str(recipe), "--push_to_hub", "true", "--hub_model_id", REPO, "--output_dir", str(out)]
-        rc = cli.main(argv)
+        rc = main(argv)
         text = captured()
     return SimpleNamespace(rc=rc, out=out, root=root, recipe=recipe, token=token, hub=hub, text=text)
 
@@ -182,7 +184,7 @@ def test_train_with_push_to_hub_uploads_the_adapter_and_its_card(pushed):
 def test_the_upload_is_the_dry_run_folder(pushed, capsys):
     uploaded = pushed.hub.uploads[0]["files"]
     upload_dir = pushed.root / "dry"
-    assert cli.main(["publish", str(pushed.out), "--repo_id", REPO, "--dry_run", "--upload_dir", str(upload_dir)]) == 0
+    assert main(["publish", str(pushed.out), "--repo_id", REPO, "--dry_run", "--upload_dir", str(upload_dir)]) == 0
     out = capsys.readouterr().out
     assert f"Would upload {len(uploaded)} files from {upload_dir}" in out and "Dry run: nothing was uploaded" in out
     assert "model-index: perplexity" in out
@@ -231,7 +233,7 @@ def test_missing_token_is_one_message_and_the_folder_stays(pushed, tmp_path, mon
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     before = {p: p.stat().st_mtime_ns for p in pushed.out.iterdir() if p.is_file()}
-    assert cli.main(["publish", str(pushed.out), "--repo_id", REPO]) == 1
+    assert main(["publish", str(pushed.out), "--repo_id", REPO]) == 1
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "No Hugging Face token found" in err and "hf auth login" in err
     assert {p: p.stat().st_mtime_ns for p in pushed.out.iterdir() if p.is_file()} == before
@@ -262,10 +264,10 @@ def test_hub_token_in_the_arguments_is_refused_before_any_work(tmp_path, capsys)
         GRPOTrainer(model=None, args=GRPOConfig(output_dir=str(tmp_path / "t"), hub_token="hf_abc"))
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny.yaml"
     out = tmp_path / "run"
-    assert cli.main(["train", str(recipe), "--hub_token", "hf_secret123", "--output_dir", str(out)]) == 1
+    assert main(["train", str(recipe), "--hub_token", "hf_secret123", "--output_dir", str(out)]) == 1
     err = capsys.readouterr().err
     assert "hub_token is set" in err and "hf_secret123" not in err and not out.exists()
-    assert cli._command_line(["train", "r.yaml", "--hub_token", "hf_x", "--hub_token=hf_y"]) == (
+    assert _command_line(["train", "r.yaml", "--hub_token", "hf_x", "--hub_token=hf_y"]) == (
         "grpo-hf train r.yaml --hub_token <HUB_TOKEN> --hub_token=<HUB_TOKEN>"
     )
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_hf import cli
+from grpo_hf.cli.main import main
 from grpo_hf.errors import RecipeError
 from grpo_hf.harness.parser import load_recipe, parse_recipe
 from grpo_hf.harness.user_data import (
@@ -142,7 +142,7 @@ def test_the_cli_reports_bad_data_in_one_line_before_loading_a_model(tmp_path, c
     monkeypatch.setattr(grpo_hf.harness.build, "build_model", fail)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model_name_or_path: smollm2-135m\ndataset_name: grpo-hf-tests/no-such-dataset\n")
-    assert cli.main(["train", str(recipe)]) == 2
+    assert main(["train", str(recipe)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"grpo-hf train: error: {recipe}: dataset_name='grpo-hf-tests/no-such-dataset'")
