@@ -298,11 +298,10 @@ def parse_recipe_command(register: Callable, argv: list[str]) -> argparse.Namesp
     Raises:
         [`~grpo_hf.errors.RecipeError`]: the recipe or an override is invalid (naming the file or the field).
     """
-    from ..harness.parser import recipe_error_from
-
     command, tail = argv[0], argv[1:]
-    values, where, path = _recipe_named_by(command, tail)
+    values, where, path = _recipe_named_by(command, tail)  # before transformers is imported
     parser = register()
+    from ..harness.parser import recipe_error_from
     parser.set_recipe_defaults(values, where)
     try:
         args, unknown = parser.parse_known_args(tail)
