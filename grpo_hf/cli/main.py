@@ -41,7 +41,8 @@ class Command(NamedTuple):
 COMMANDS = {
     "quickstart": Command(
         "grpo_hf.cli.recipes",
-        "Fine-tune SmolLM2-135M (LoRA) with Trainer and GRPOTrainer side by side, offline; report perplexity and cost.",
+        "Fine-tune SmolLM2-135M (LoRA) with Trainer and GRPOTrainer side by side, offline; report perplexity and "
+        "cost.",
         recipe=True,
     ),
     "compare": Command(

@@ -302,6 +302,7 @@ def parse_recipe_command(register: Callable, argv: list[str]) -> argparse.Namesp
     values, where, path = _recipe_named_by(command, tail)  # before transformers is imported
     parser = register()
     from ..harness.parser import recipe_error_from
+
     parser.set_recipe_defaults(values, where)
     try:
         args, unknown = parser.parse_known_args(tail)

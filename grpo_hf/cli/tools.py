@@ -179,13 +179,17 @@ def publish_command_parser():
         "grpo-hf publish",
         usage="grpo-hf publish [-h] OUTPUT_DIR --repo_id USER/NAME [--private] [--dry_run] [--run {grpo,trainer}] "
         "[--upload_dir DIR] [--base_model HUB_ID]",
-        description="Uploads the adapter (the model for a full fine-tune) and the tokenizer saved in OUTPUT_DIR (a "
-        "folder written by grpo-hf train, or by grpo-hf compare/quickstart: then the GRPOTrainer run's, or --run's) "
-        "with a model card: base model, eval perplexity in model-index, co2_eq_emissions when the energy was "
-        "measured, data, GRPO groups and settings, cost table and versions. The token is the one huggingface_hub "
-        "finds (HF_TOKEN or `hf auth login`); it is written nowhere.",
+        description="Uploads the adapter (the model for a full fine-tune) and the tokenizer saved in OUTPUT_DIR (any "
+        "folder holding a saved model or adapter: written by trainer.save_model(DIR) in your script, by grpo-hf "
+        "train, or by grpo-hf compare/quickstart: then the GRPOTrainer run's, or --run's) with a model card: base "
+        "model, eval perplexity in model-index, co2_eq_emissions when the energy was measured, data, GRPO groups "
+        "and settings, cost table and versions, from results.json, else grpo_run.json (GRPOTrainer.save_model), "
+        "else trainer_state.json; the card lists what the folder does not record. The token is the one "
+        "huggingface_hub finds (HF_TOKEN or `hf auth login`); it is written nowhere.",
     )
-    parser.add_argument("output_dir", help="The run folder (the output_dir of the recipe).")
+    parser.add_argument(
+        "output_dir", help="A folder holding a saved model or adapter (the output_dir of a recipe, or of save_model)."
+    )
     parser.add_argument("--repo_id", required=True, help="The Hub repository, USER/NAME or ORGANIZATION/NAME.")
     parser.add_argument("--private", action="store_true", help="Create the repository private.")
     parser.add_argument(

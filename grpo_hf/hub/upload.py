@@ -29,8 +29,8 @@ from huggingface_hub import HfApi, ModelCard
 from ..errors import HubError, PublishInputError
 from ..harness.table import markdown_table
 from ..hub_guards import hub_errors, refuse_token_in, require_token
-from ..model_card import HUB_ID_PATTERN, build_model_card
-from .folder import load_run
+from ..model_card import HUB_ID_PATTERN, RUN_SUMMARY_FILE, build_model_card
+from .folder import RESULTS_FILE, load_run
 
 
 UPLOAD_DIR = "hub_upload"
@@ -80,12 +80,14 @@ def prepare_upload_folder(
 ) -> Path:
     """
     Write the folder that [`publish`] uploads: the adapter (or model) and tokenizer files, `README.md` (the card),
-    `results.json` and the report's plots. `adapter_config.json`'s `base_model_name_or_path` becomes the base's Hub
-    id when it is known, so that the adapter loads from the Hub.
+    the record it was built from (`results.json` and the report's plots, else `grpo_run.json`).
+    `adapter_config.json`'s `base_model_name_or_path` becomes the base's Hub id when it is known, so that the adapter
+    loads from the Hub.
 
     Args:
         output_dir (`str` or `Path`):
-            A folder written by `grpo-hf train` or `grpo-hf compare` (see [`load_run`]).
+            A folder written by `grpo-hf train` or `grpo-hf compare`, or any folder holding a saved model or adapter
+            (see [`~grpo_hf.hub.folder.load_run`]).
         repo_id (`str`):
             `USER/NAME`.
         run (`str`, *optional*):
@@ -94,7 +96,7 @@ def prepare_upload_folder(
             Where to write it; defaults to `<output_dir>/hub_upload/<run>`. A folder that exists and is not empty is
             replaced only when it holds a card written here.
         base_model (`str`, *optional*):
-            Hub id of the base model, when [`resolve_base_model`] cannot tell it.
+            Hub id of the base model, when [`~grpo_hf.model_card.resolve_base_model`] cannot tell it.
 
     Returns:
         `Path`: the folder.
@@ -125,7 +127,10 @@ def prepare_upload_folder(
         adapter["base_model_name_or_path"] = card.data.base_model
         adapter_path.write_text(json.dumps(adapter, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     card.save(target / "README.md")
-    shutil.copy2(Path(output_dir) / "results.json", target / "results.json")
+    for record in (Path(output_dir) / RESULTS_FILE, model_folder / RUN_SUMMARY_FILE):  # what the card was built from
+        if record.is_file():
+            shutil.copy2(record, target / record.name)
+            break
     for name in (results.get("files") or {}).values():
         if (Path(output_dir) / name).is_file():
             shutil.copy2(Path(output_dir) / name, target / name)
@@ -150,11 +155,14 @@ def publish(
         `Path`: the folder uploaded (or that would be).
 
     Raises:
-        [`HubError`]: no token, a token in a file, or the Hub refused or could not be reached (the folder is kept
-            for a retry).
+        [`~grpo_hf.errors.PublishInputError`]: a malformed `repo_id`, or a folder without a saved model (checked
+            first). [`~grpo_hf.errors.HubError`]: no token, a token in a file, or the Hub refused or could not be
+            reached (the folder is kept for a retry).
     """
     from huggingface_hub import get_token
 
+    _check_repo_id(repo_id)
+    load_run(output_dir, run)  # what is given is checked before the environment (the token)
     if not dry_run:
         require_token()
     folder = prepare_upload_folder(output_dir, repo_id, run, upload_dir, base_model)
