@@ -2,7 +2,8 @@
 
 [`prepare`] does it once for all runs of a comparison: the data first (your data is loaded and checked before any
 model is), then the tokenizer, then the tokenized datasets and their collator. [`build_model`] then loads a fresh
-model for each run, identical for one seed.
+model for each run, identical for one seed, and [`plain_training_arguments`] gives the plain `Trainer` of a
+comparison its arguments ([`TRAINER_KINDS`] and [`LABELS`] name the two trainers).
 
 Example:
 
