@@ -155,5 +155,12 @@ def test_grpo_hf_help_and_bad_command_lines_import_nothing_heavy(tmp_path):
         "        pass\n"
         f"assert main(['train', {str(tmp_path / 'missing.yaml')!r}]) == 2\n"
         f"assert main(['compare', {str(tmp_path)!r}]) == 2\n"
+        f"assert main(['publish', {str(tmp_path)!r}, '--repo_id', 'not a repo', '--dry_run']) == 2\n"
+        f"assert main(['publish', {str(tmp_path)!r}, '--repo_id', 'me/model', '--dry_run']) == 2\n"
+        "for argv in (['env', '--bad'], ['publish']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
     )
     assert not _modules_after(code) & set(HEAVY)
