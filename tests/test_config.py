@@ -1,11 +1,7 @@
 import pytest
 
-from grpo_hf import ConfigError, GroupConfigError, GRPOConfig, GRPOInputError
+from grpo_hf import ConfigError, GroupConfigError, GRPOInputError
 from grpo_hf.config import grpo_defaults, validate_grpo_fields
-
-
-def config(tmp_path, **overrides):
-    return GRPOConfig(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, **overrides)
 
 
 @pytest.mark.parametrize(
@@ -17,14 +13,14 @@ def config(tmp_path, **overrides):
         ("deepspeed", "ds_config.json"),
     ],  # fmt: skip
 )
-def test_backends_are_refused_when_the_config_is_built(tmp_path, field, value):
+def test_backends_are_refused_when_the_config_is_built(grpo_config, field, value):
     # before TrainingArguments sets the backend up: no DeepSpeed install or config file is needed to get the message
     with pytest.raises(ConfigError, match=rf"^{field}=.*does not support (FSDP|DeepSpeed).*DDP"):
-        config(tmp_path, **{field: value})
+        grpo_config(**{field: value})
 
 
-def test_disabled_backend_values_pass(tmp_path):
-    assert config(tmp_path, fsdp="").fsdp in ("", None, False)
+def test_disabled_backend_values_pass(grpo_config):
+    assert grpo_config(fsdp="").fsdp in ("", None, False)
 
 
 @pytest.mark.parametrize(
@@ -42,22 +38,22 @@ def test_disabled_backend_values_pass(tmp_path):
         ("overwrite_output_dir", "no", r"overwrite_output_dir='no'"),
     ],
 )
-def test_bad_fields_name_the_field(tmp_path, field, value, message):
+def test_bad_fields_name_the_field(grpo_config, field, value, message):
     with pytest.raises(ConfigError, match=message) as err:
-        config(tmp_path, **{field: value})
+        grpo_config(**{field: value})
     assert isinstance(err.value, GRPOInputError) and isinstance(err.value, ValueError)
 
 
-def test_group_file_is_read_when_the_config_is_built(tmp_path):
+def test_group_file_is_read_when_the_config_is_built(tmp_path, grpo_config):
     with pytest.raises(GroupConfigError, match=r"missing.yaml.*neither a preset"):
-        config(tmp_path, grpo_groups=str(tmp_path / "missing.yaml"))
+        grpo_config(grpo_groups=str(tmp_path / "missing.yaml"))
     bad = tmp_path / "groups.yaml"
     bad.write_text("groups:\n  - name: qk\n    pattern: q_proj\n    importance: maybe\n")
     with pytest.raises(GroupConfigError, match=r"groups.yaml: group 'qk': importance='maybe' is not a boolean"):
-        config(tmp_path, grpo_groups=str(bad))
+        grpo_config(grpo_groups=str(bad))
     good = tmp_path / "good.yaml"
     good.write_text("groups:\n  - name: qk\n    pattern: q_proj\n    importance: false\n")
-    assert config(tmp_path, grpo_groups=str(good)).grpo_groups == str(good)
+    assert grpo_config(grpo_groups=str(good)).grpo_groups == str(good)
 
 
 def test_validate_grpo_fields_works_on_any_namespace():

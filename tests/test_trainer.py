@@ -4,11 +4,11 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
+from testing_utils import tiny_test_llama
 from transformers import Trainer, TrainingArguments
 
 from grpo_hf import ConfigError, GroupConfigError, GRPOConfig, GRPOMixin, GRPOTrainer
 from grpo_hf.callbacks import STATE_FILE
-from grpo_hf.test_utils import tiny_test_llama
 
 
 VOCAB = 96
