@@ -142,7 +142,8 @@ def results_from_trainer(trainer, dataset: str | None = None) -> dict[str, Any]:
     )
     model = trainer.accelerator.unwrap_model(trainer.model)
     peft_config = getattr(model, "peft_config", {}).get("default")
-    base = peft_config.base_model_name_or_path if peft_config else getattr(model.config, "_name_or_path", None)
+    config = getattr(model, "config", None)  # a plain nn.Module has none
+    base = peft_config.base_model_name_or_path if peft_config else getattr(config, "_name_or_path", None)
     recipe = {
         "model": {"model_name_or_path": base, "lora_r": getattr(peft_config, "r", 0) if peft_config else 0},
         "training": {key: getattr(args, key) for key in SUMMARY_TRAINING_KEYS},

@@ -374,3 +374,23 @@ def test_user_optimizer_spanning_groups_is_refused_when_ratios_ask_for_one_lr_pe
         GRPOTrainer(model=model, args=args, train_dataset=token_dataset(), optimizers=(optimizer, None))
     plain = make_args(tmp_path, grpo_importance=False)  # nothing asks for per-group learning rates: accepted
     GRPOTrainer(model=model, args=plain, train_dataset=token_dataset(), optimizers=(optimizer, None)).train()
+
+
+class RegressionModule(torch.nn.Module):
+    """A plain `nn.Module` (no `config`), as some users and transformers' own tests train."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return {"loss": torch.nn.functional.mse_loss(self.fc(x).squeeze(-1), y)}
+
+
+def test_a_plain_module_without_config_trains_and_checkpoints(tmp_path):
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    data = Dataset.from_dict({"x": x.tolist(), "y": x.sum(1).tolist()})
+    args = make_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, grpo_importance=False)
+    trainer = GRPOTrainer(model=RegressionModule(), args=args, train_dataset=data)
+    trainer.train()
+    assert (tmp_path / "out" / "checkpoint-2" / "grpo_run.json").is_file()
