@@ -30,8 +30,11 @@ from torch import nn
 from transformers import HfArgumentParser
 
 from grpo_hf.compression import CodecSpec, GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
-from grpo_hf.models import tiny_llama
-from grpo_hf.test_utils import FakeBucket
+from grpo_hf.harness.models import tiny_llama
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers, kept out of the wheel
+from testing_utils import FakeBucket  # noqa: E402
 
 
 @dataclass
@@ -155,7 +158,7 @@ def main():
             continue
         import tempfile
 
-        from grpo_hf.test_utils import run_torchrun
+        from testing_utils import run_torchrun
 
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"

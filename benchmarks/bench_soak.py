@@ -28,14 +28,18 @@ import gc
 import io
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from grpo_hf.test_utils import run_torchrun
-
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the test helpers, kept out of the wheel
+
+from testing_utils import run_torchrun  # noqa: E402
+
+
 SEQ_LEN = 16
 RSS_TOLERANCE = 0.05
 LATENCY_TOLERANCE = 0.25
@@ -67,10 +71,10 @@ def worker(job_path: str) -> None:
     import torch
     import torch.distributed as dist
     from datasets import Dataset
+    from testing_utils import tiny_test_llama
     from transformers import TrainerCallback
 
     from grpo_hf import GRPOConfig, GRPOTrainer
-    from grpo_hf.test_utils import tiny_test_llama
 
     job = json.loads(Path(job_path).read_text())
     torch.set_num_threads(1)

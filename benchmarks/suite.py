@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "tests"))  # the test helpers (testing_utils), kept out of the wheel
 
 from tasks import TASKS, Task, build_model, compute_accuracy, prepare  # noqa: E402
 
@@ -414,7 +415,7 @@ def launch(job: dict, job_path: Path, timeout: int) -> None:
     """One task and seed: torchrun (comm) or one process (lr); raises with the log tail when it fails."""
     import subprocess
 
-    from grpo_hf.test_utils import WORKER_ENV, run_torchrun
+    from testing_utils import WORKER_ENV, run_torchrun
 
     results = Path(job["results_dir"])
     if all((results / f"{row}-seed{seed}.json").exists() for row in job["rows"] for seed in job["seeds"]):

@@ -104,7 +104,7 @@ def prepare(task: Task, data_dir: Path, world_size: int) -> dict:
     if task.kind == "cls":
         train, evaluation, meta = bbc_news_datasets(tokenizer, task.seq_len)
     else:
-        from grpo_hf.data import build_lm_datasets
+        from grpo_hf.harness.data import build_lm_datasets
 
         tokens = task.max_steps * task.batch_size * task.seq_len + task.seq_len
         train, evaluation, meta = build_lm_datasets(
@@ -127,16 +127,16 @@ def prepare(task: Task, data_dir: Path, world_size: int) -> dict:
 
 def build_tokenizer(task: Task):
     if task.model == "smollm2":
-        from grpo_hf.models import load_smollm2
+        from grpo_hf.harness.offline_models import load_smollm2
 
         return load_smollm2()[1]  # converts the GGUF file into the cache once, before the workers start
     if task.model == "minilm":
         from transformers import AutoTokenizer
 
-        from grpo_hf.models import minilm_path
+        from grpo_hf.harness.offline_models import minilm_path
 
         return AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
-    from grpo_hf.data import load_stdlib_texts, train_bpe_tokenizer
+    from grpo_hf.harness.data import load_stdlib_texts, train_bpe_tokenizer
 
     texts, total = [], 0
     for text in load_stdlib_texts(split="train"):  # the first 2M characters of the train split
@@ -179,7 +179,7 @@ def build_model(task: Task, info: dict, seed: int):
     """The task's model for `seed`: the same weights (and LoRA/head initialization) for every row."""
     import torch
 
-    from grpo_hf import models
+    from grpo_hf.harness import models, offline_models
 
     if task.model in ("tiny-llama", "tiny-gpt2"):
         builder = models.tiny_llama if task.model == "tiny-llama" else models.tiny_gpt2
@@ -194,9 +194,11 @@ def build_model(task: Task, info: dict, seed: int):
             pad_token_id=info["pad_token_id"],
         )
     if task.model == "smollm2":
-        model = models.load_smollm2()[0]
+        model = offline_models.load_smollm2()[0]
     else:
-        model = models.load_minilm_for_classification(len(BBC_LABELS), dict(enumerate(BBC_LABELS)), seed=seed)[0]
+        model = offline_models.load_minilm_for_classification(len(BBC_LABELS), dict(enumerate(BBC_LABELS)), seed=seed)[
+            0
+        ]
     model.train()
     if not task.lora:
         return model
@@ -217,7 +219,7 @@ def build_model(task: Task, info: dict, seed: int):
 
 def compute_accuracy(prediction) -> dict:
     """`compute_metrics` of the classification task: accuracy with the offline `evaluate` metric."""
-    from grpo_hf.metrics import load_metric
+    from grpo_hf.harness.metrics import load_metric
 
     predictions = prediction.predictions.argmax(-1)
     return load_metric("accuracy").compute(predictions=predictions, references=prediction.label_ids)

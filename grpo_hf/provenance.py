@@ -1,13 +1,12 @@
-"""Provenance of a run's results: the library versions and machine it ran on, and the settings it depended on.
+"""Provenance of a run's results: the library versions and machine it ran on, and the training fields it records.
 
-A comparison ([`~grpo_hf.compare.compare`]), `grpo-hf train` and
-[`~grpo_hf.model_card.results_from_trainer`] record these in `results.json`, converted to plain JSON values by
-`_jsonable`.
+[`~grpo_hf.model_card.results_from_trainer`] (the card of `GRPOTrainer.push_to_hub` and the run summary of
+`GRPOTrainer.save_model`) records these, and so do the application's comparison and `grpo-hf train` in
+`results.json`; [`jsonable`] turns any value into plain JSON.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 import os
@@ -15,8 +14,6 @@ import sys
 from typing import Any
 
 import torch
-
-from .arguments import DataArguments, ModelArguments
 
 
 # The training fields a comparison's results record (with every model, data and grpo_*/cost_* field).
@@ -47,13 +44,14 @@ def capture_environment() -> dict[str, Any]:
     return env
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """`value` as plain JSON: enums by value, dict keys as strings, non-finite floats and other objects as strings."""
     if isinstance(value, enum.Enum):  # before str: transformers' enums are str subclasses
         return value.value
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, (str, int, float, bool)) or value is None:
@@ -61,18 +59,4 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def recipe_summary(model_args: ModelArguments, data_args: DataArguments, args) -> dict[str, Any]:
-    """The settings a comparison depends on: every model and data field, and the training fields that matter."""
-    from .config import grpo_field_names
-
-    return _jsonable(
-        {
-            "model": dataclasses.asdict(model_args),
-            "data": dataclasses.asdict(data_args),
-            "training": {k: getattr(args, k) for k in SUMMARY_TRAINING_KEYS},
-            "grpo": {k: getattr(args, k) for k in grpo_field_names()},
-        }
-    )
-
-
-__all__ = ["SUMMARY_TRAINING_KEYS", "capture_environment", "recipe_summary"]
+__all__ = ["SUMMARY_TRAINING_KEYS", "capture_environment", "jsonable"]

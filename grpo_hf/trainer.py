@@ -17,9 +17,9 @@ from .cost.callback import CostCallback
 from .engines import OptimizerStepProbe, check_backends, deepspeed_zero_stage, detect_engine, has_fsdp2_units
 from .errors import ConfigError
 from .grouping import assign_groups, load_group_spec, lr_ratios
-from .hub import check_push_settings, hub_errors
+from .hub_guards import check_push_settings, hub_errors
 from .importance import ImportanceState
-from .model_card import write_trainer_model_card
+from .model_card import write_run_summary, write_trainer_model_card
 
 
 logger = logging.get_logger(__name__)
@@ -73,7 +73,7 @@ class GRPOMixin:
       `grpo/nonfinite_steps`) without touching the importance state or the compression residuals.
     - **Hub**: `push_to_hub()` uploads grpo_hf's model card ([`grpo_hf.model_card`]: base model, perplexity in
       `model-index`, groups, settings, cost); a `hub_token` in the arguments is refused (the Trainer would pickle it
-      into `training_args.bin`), and a missing token or an unreachable Hub is one [`~grpo_hf.hub.HubError`].
+      into `training_args.bin`), and a missing token or an unreachable Hub is one [`~grpo_hf.errors.HubError`].
 
     Refused before any work, with what to change: FSDP1, DeepSpeed ZeRO stage 0, a DeepSpeed config with an
     `"optimizer"` or `"scheduler"` block, compression settings an engine cannot carry.
@@ -365,6 +365,17 @@ class GRPOMixin:
     def push_to_hub(self, *args, **kwargs):
         with hub_errors(self.hub_model_id or self.args.hub_model_id, self.args.output_dir):
             return super().push_to_hub(*args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """
+        [`~transformers.Trainer.save_model`], and beside the model `grpo_run.json`: what its model card needs (eval
+        metrics, GRPO groups and settings, cost, versions; see [`~grpo_hf.model_card.write_run_summary`]), so that
+        `grpo-hf publish DIR` publishes a model saved by `trainer.save_model(DIR)` in any script. Checkpoints get it
+        too. Written first, so that a `push_to_hub` from `save_model` uploads it.
+        """
+        if self.args.should_save:
+            write_run_summary(self, output_dir if output_dir is not None else self.args.output_dir)
+        super().save_model(output_dir, _internal_call)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """

@@ -20,14 +20,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from testing_utils import tiny_test_llama
 
-from grpo_hf import GRPOConfig, cli
+from grpo_hf import GRPOConfig
 from grpo_hf.checkpoints import STATE_FILE
-from grpo_hf.errors import CheckpointError, ConfigError, GroupConfigError, MissingPathError, OutputDirError
+from grpo_hf.cli.main import main, take_debug_flag
+from grpo_hf.errors import (
+    CheckpointError,
+    ConfigError,
+    GroupConfigError,
+    MissingPathError,
+    OutputDirError,
+    PublishInputError,
+    RecipeError,
+    RecipeNotFoundError,
+)
 from grpo_hf.grouping import assign_groups, load_group_spec
-from grpo_hf.hub import PublishInputError
-from grpo_hf.parser import RecipeError, RecipeNotFoundError, load_recipe
-from grpo_hf.test_utils import tiny_test_llama
+from grpo_hf.harness.parser import load_recipe
 
 
 TINY = "model_name_or_path: tiny-llama\nlora_r: 0\nmax_steps: 2\nreport_to: none\noutput_dir: out\n"
@@ -249,7 +258,7 @@ CASES = {
     "publish-folder-missing": Case(
         lambda tmp: ["publish", "no_such_run", "--repo_id", "me/adapter", "--dry_run"],
         PublishInputError,
-        ("no_such_run", "no results.json", "grpo-hf train RECIPE"),
+        ("no_such_run", "no such folder", "trainer.save_model(DIR)", "grpo-hf train RECIPE"),
     ),
     "publish-repo-id": Case(
         lambda tmp: ["publish", "out", "--repo_id", "not a repo", "--dry_run"],
@@ -284,21 +293,24 @@ def snapshot(folder: Path) -> dict[str, str]:
 @pytest.fixture
 def no_work(monkeypatch):
     """Loading a model or tokenizer, preparing data or training fails the test: the checks must come first."""
-    import grpo_hf.build
-    import grpo_hf.compare
-    import grpo_hf.models
+    import grpo_hf.harness.build
+    import grpo_hf.harness.compare
+    import grpo_hf.harness.models
+    import grpo_hf.harness.offline_models
 
     def work(*args, **kwargs):
         raise AssertionError("work started before the bad input was reported")
 
     for module, name in [
-        (grpo_hf.compare, "prepare"),
-        (grpo_hf.compare, "compare"),
-        (grpo_hf.compare, "run_training"),
-        (grpo_hf.build, "build_tokenizer"),
-        (grpo_hf.build, "build_model"),
-        (grpo_hf.models, "load_causal_lm"),
-        (grpo_hf.models, "load_smollm2"),
+        (grpo_hf.harness.compare, "prepare"),
+        (grpo_hf.harness.compare, "compare"),
+        (grpo_hf.harness.compare, "run_training"),
+        (grpo_hf.harness.build, "prepare"),
+        (grpo_hf.harness.build, "build_tokenizer"),
+        (grpo_hf.harness.build, "build_model"),
+        (grpo_hf.harness.models, "load_causal_lm"),
+        (grpo_hf.harness.models, "load_smollm2"),
+        (grpo_hf.harness.offline_models, "load_smollm2"),
     ]:
         monkeypatch.setattr(module, name, work)
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # `quickstart` sets them
@@ -312,12 +324,12 @@ def test_bad_input_gets_one_clear_error_before_any_work(case, tmp_path, monkeypa
     before = snapshot(tmp_path)
     names = case.names
     if isinstance(action, list):  # a command line: one line on stderr and exit status 2, then the error with --debug
-        assert cli.main(action) == 2
+        assert main(action) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"grpo-hf {action[0]}: error: ") and err.count("\n") == 1, err
         assert "Traceback" not in err and all(name in err for name in names), err
         with pytest.raises(case.error) as raised:
-            cli.main(["--debug", *action])
+            main(["--debug", *action])
     else:
         with pytest.raises(case.error) as raised:
             action()
@@ -333,9 +345,9 @@ def test_missing_recipe_file_is_still_a_file_not_found_error(tmp_path):
 
 
 def test_debug_flag_after_the_command_and_training_arguments_debug_values():
-    argv, debug = cli.take_debug_flag(["train", "r.yaml", "--debug"])
+    argv, debug = take_debug_flag(["train", "r.yaml", "--debug"])
     assert (argv, debug) == (["train", "r.yaml"], True)
-    argv, debug = cli.take_debug_flag(["train", "r.yaml", "--debug", "underflow_overflow", "--max_steps", "2"])
+    argv, debug = take_debug_flag(["train", "r.yaml", "--debug", "underflow_overflow", "--max_steps", "2"])
     assert not debug and argv[2:4] == ["--debug", "underflow_overflow"]  # the TrainingArguments field keeps it
 
 
@@ -353,6 +365,6 @@ def test_console_script_exits_2_with_one_line(tmp_path):
 
 def test_debug_raises_with_the_whole_traceback(tmp_path):
     with pytest.raises(RecipeNotFoundError) as raised:
-        cli.main(["train", str(tmp_path / "missing.yaml"), "--debug"])
+        main(["train", str(tmp_path / "missing.yaml"), "--debug"])
     frames = "".join(traceback.format_tb(raised.value.__traceback__))
-    assert "grpo_hf/cli.py" in frames and "in read_recipe" in frames  # from main down to where it was raised
+    assert "grpo_hf/cli/main.py" in frames and "in read_recipe" in frames  # from main down to where it was raised

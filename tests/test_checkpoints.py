@@ -5,6 +5,7 @@ import zlib
 import pytest
 import torch
 from datasets import Dataset
+from testing_utils import tiny_test_llama
 from transformers import TrainerCallback
 
 from grpo_hf import CheckpointError, GRPOConfig, GRPOTrainer
@@ -19,7 +20,6 @@ from grpo_hf.checkpoints import (
 from grpo_hf.compression import CodecSpec
 from grpo_hf.compression.reshard import owed_residuals, reshard_comm_state
 from grpo_hf.compression.state import STATE_VERSION as COMM_VERSION
-from grpo_hf.test_utils import tiny_test_llama
 
 
 # --- re-splitting the residuals of W ranks for W' ranks (hand-written inputs) ----------------------------------

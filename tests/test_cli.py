@@ -1,13 +1,15 @@
 import contextlib
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from testing_utils import tiny_llama_config
 
-from grpo_hf import cli
-from grpo_hf.test_utils import tiny_llama_config
+from grpo_hf.cli.main import COMMANDS, TRAINING_DEBUG_OPTIONS, main
+from grpo_hf.cli.tools import load_model_for_inspection
 
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -18,14 +20,20 @@ FAST = [
 
 
 def test_commands_are_registered():
-    names = [register.__name__.removesuffix("_command_parser") for register in cli.COMMANDS]
-    assert names == ["quickstart", "compare", "train", "publish", "groups", "env"]
-    for name in names:
-        assert callable(getattr(cli, f"{name}_command"))
+    assert list(COMMANDS) == ["quickstart", "compare", "train", "publish", "groups", "env"]
+    for name, command in COMMANDS.items():
+        module = importlib.import_module(command.module)
+        assert callable(getattr(module, f"{name}_command")) and callable(getattr(module, f"{name}_command_parser"))
+
+
+def test_training_debug_options_are_transformers_debug_options():
+    from transformers.debug_utils import DebugOption
+
+    assert set(TRAINING_DEBUG_OPTIONS) == {option.value for option in DebugOption}
 
 
 def test_env_prints_versions(capsys):
-    assert cli.main(["env"]) == 0
+    assert main(["env"]) == 0
     out = capsys.readouterr().out
     for key in ("grpo_hf version", "torch version", "transformers version", "Python version", "CPU cores"):
         assert f"- {key}: " in out
@@ -39,12 +47,12 @@ def test_env_through_the_module_entry_point():
 
 
 def test_groups_of_tiny_llama(capsys):
-    assert cli.main(["groups", "tiny-llama"]) == 0
+    assert main(["groups", "tiny-llama"]) == 0
     out = capsys.readouterr().out
     assert "GRPO groups of tiny-llama" in out
     for group in ("attn_qk", "attn_vo", "ffn", "norms", "embeddings"):
         assert group in out
-    assert cli.main(["groups", "tiny-llama", "--lora"]) == 0
+    assert main(["groups", "tiny-llama", "--lora"]) == 0
     out = capsys.readouterr().out
     assert "attn_qk.lora_A" in out and "ffn.lora_B" in out
 
@@ -54,14 +62,14 @@ def test_load_model_for_inspection_from_a_config_file(tmp_path):
                                num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
     path = tmp_path / "config.json"
     config.to_json_file(path)
-    model = cli.load_model_for_inspection(str(path))
+    model = load_model_for_inspection(str(path))
     assert type(model).__name__ == "LlamaForCausalLM"
-    assert type(cli.load_model_for_inspection("tiny-bert")).__name__ == "BertForMaskedLM"
+    assert type(load_model_for_inspection("tiny-bert")).__name__ == "BertForMaskedLM"
 
 
 def test_quickstart_tiny_prints_the_table_and_writes_the_report(tmp_path, capsys):
     out_dir = tmp_path / "qs"
-    assert cli.main(["quickstart", "--tiny", *FAST, "--output_dir", str(out_dir)]) == 0
+    assert main(["quickstart", "--tiny", *FAST, "--output_dir", str(out_dir)]) == 0
     out = capsys.readouterr().out
     for phase in ("tokenizing the corpus", "loading model (Trainer)", "evaluating before", "training Trainer",
                   "training GRPOTrainer", "evaluating after (GRPOTrainer)", "done in"):  # fmt: skip
@@ -76,7 +84,7 @@ def test_quickstart_tiny_prints_the_table_and_writes_the_report(tmp_path, capsys
 
 def test_train_one_recipe_saves_the_model(tmp_path, capsys):
     out_dir = tmp_path / "train"
-    rc = cli.main(["train", str(RECIPES / "tiny.yaml"), "--trainer", "trainer", *FAST, "--output_dir", str(out_dir)])
+    rc = main(["train", str(RECIPES / "tiny.yaml"), "--trainer", "trainer", *FAST, "--output_dir", str(out_dir)])
     assert rc == 0
     out = capsys.readouterr().out
     assert "training Trainer" in out and "GRPOTrainer" not in out.split("training Trainer")[1].split("\n")[0]
@@ -88,16 +96,16 @@ def test_train_one_recipe_saves_the_model(tmp_path, capsys):
 def test_bad_recipe_field_is_an_error_message(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("model_name_or_path: tiny-llama\nlerning_rate: 0.1\n")
-    assert cli.main(["compare", str(path)]) == 2
+    assert main(["compare", str(path)]) == 2
     err = capsys.readouterr().err
     assert "grpo-hf compare: error:" in err and "did you mean 'learning_rate'" in err
-    assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
     assert "No recipe file" in capsys.readouterr().err
 
 
 def test_commands_without_overrides_refuse_extra_arguments():
     with pytest.raises(SystemExit):
-        cli.main(["env", "--max_steps", "3"])
+        main(["env", "--max_steps", "3"])
 
 
 @pytest.mark.parametrize(
@@ -112,7 +120,7 @@ def test_commands_without_overrides_refuse_extra_arguments():
 )
 def test_groups_refuses_bad_settings_as_train_does(capsys, args, message):
     with pytest.raises(SystemExit) if "argument" in message else contextlib.nullcontext() as exit_info:
-        rc = cli.main(["groups", "tiny-llama", *args])
+        rc = main(["groups", "tiny-llama", *args])
     if exit_info is not None:
         rc = exit_info.value.code
     err = capsys.readouterr().err
@@ -122,7 +130,7 @@ def test_groups_refuses_bad_settings_as_train_does(capsys, args, message):
 def test_groups_names_a_bad_group_file_without_a_traceback(tmp_path, capsys):
     bad = tmp_path / "groups.yaml"
     bad.write_text("groups:\n  - name: qk\n   pattern: q_proj\n")
-    assert cli.main(["groups", "tiny-llama", "--grpo_groups", str(bad)]) == 2
+    assert main(["groups", "tiny-llama", "--grpo_groups", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"grpo-hf groups: error: {bad}: invalid YAML at line 3") and "Traceback" not in err
 
@@ -131,18 +139,18 @@ def test_train_refuses_another_run_and_resumes_last(tmp_path, capsys, caplog):
     out_dir = tmp_path / "train"
     command = ["train", str(RECIPES / "tiny.yaml"), *FAST, "--save_strategy", "steps", "--save_steps", "2",
                "--output_dir", str(out_dir)]  # fmt: skip
-    assert cli.main(command) == 0
+    assert main(command) == 0
     results = (out_dir / "results.json").read_bytes()
     capsys.readouterr()
-    assert cli.main(command) == 2  # the first run's results, model and checkpoints are kept
+    assert main(command) == 2  # the first run's results, model and checkpoints are kept
     err = capsys.readouterr().err
     assert f"output_dir '{out_dir}' already holds another run" in err and "Traceback" not in err
     assert (out_dir / "results.json").read_bytes() == results
-    assert cli.main([*command, "--resume_from_checkpoint", "last"]) == 0  # checkpoint-4 is final: nothing to train
+    assert main([*command, "--resume_from_checkpoint", "last"]) == 0  # checkpoint-4 is final: nothing to train
     assert "already holds all max_steps=4 steps" in caplog.text
     assert json.loads((out_dir / "results.json").read_text())["runs"][0]["steps"] == 4
     (out_dir / "checkpoint-99").mkdir()  # a stale checkpoint a later resume must never pick up
     capsys.readouterr()
-    assert cli.main([*command, "--overwrite_output_dir", "true"]) == 0
+    assert main([*command, "--overwrite_output_dir", "true"]) == 0
     assert "overwrite_output_dir: deleted" in capsys.readouterr().err
     assert not (out_dir / "checkpoint-99").exists() and (out_dir / "checkpoint-4").is_dir()

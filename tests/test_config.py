@@ -1,11 +1,7 @@
 import pytest
 
-from grpo_hf import ConfigError, GroupConfigError, GRPOConfig, GRPOInputError
+from grpo_hf import ConfigError, GroupConfigError, GRPOInputError
 from grpo_hf.config import grpo_defaults, validate_grpo_fields
-
-
-def config(tmp_path, **overrides):
-    return GRPOConfig(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, **overrides)
 
 
 FSDP1 = r"GRPOTrainer runs on FSDP2.*fsdp_config=\{'version': 2\}.*fsdp_version: 2"
@@ -18,76 +14,80 @@ FSDP1 = r"GRPOTrainer runs on FSDP2.*fsdp_config=\{'version': 2\}.*fsdp_version:
         {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 1}},
     ],
 )
-def test_fsdp1_is_refused_with_how_to_switch(tmp_path, overrides):
+def test_fsdp1_is_refused_with_how_to_switch(grpo_config, overrides):
     # before TrainingArguments sets the backend up, naming the field
     with pytest.raises(ConfigError, match=rf"^fsdp=.*{FSDP1}"):
-        config(tmp_path, **overrides)
+        grpo_config(**overrides)
 
 
-def test_fsdp1_from_a_json_file_and_from_accelerate_launch_is_refused(tmp_path, monkeypatch):
+def test_fsdp1_from_a_json_file_and_from_accelerate_launch_is_refused(grpo_config, tmp_path, monkeypatch):
     path = tmp_path / "fsdp.json"
     path.write_text('{"fsdp_version": 1}')
     with pytest.raises(ConfigError, match=FSDP1):
-        config(tmp_path, fsdp=True, fsdp_config=str(path))
+        grpo_config(fsdp=True, fsdp_config=str(path))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` sets from an FSDP1 config file
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ConfigError, match=rf"^accelerate launch with FSDP version 1: {FSDP1}"):
-        config(tmp_path)
+        grpo_config()
     monkeypatch.setenv("FSDP_VERSION", "2")
-    assert config(tmp_path).fsdp in ("", None, False, [])
+    assert grpo_config().fsdp in ("", None, False, [])
 
 
 @pytest.mark.parametrize("fsdp_config", [None, {"version": 2}, {"fsdp_version": 2, "reshard_after_forward": True}])
-def test_fsdp2_is_accepted(tmp_path, fsdp_config):
-    args = config(tmp_path, fsdp=True, fsdp_config=fsdp_config)
+def test_fsdp2_is_accepted(grpo_config, fsdp_config):
+    args = grpo_config(fsdp=True, fsdp_config=fsdp_config)
     assert args.fsdp_plugin_args["fsdp_version"] == 2
 
 
 @pytest.mark.parametrize(
     "ds_config, message",
     [
-        ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
-         r"the block 'optimizer' .*one flat param group.*Delete the 'optimizer' block.*`optim`"),
-        ({"zero_optimization": {"stage": 3}, "scheduler": {"type": "WarmupLR"}},
-         r"the block 'scheduler' .*one learning rate into every param group.*Delete the 'scheduler' block"),
+        (
+            {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+            r"the block 'optimizer' .*one flat param group.*Delete the 'optimizer' block.*`optim`",
+        ),
+        (
+            {"zero_optimization": {"stage": 3}, "scheduler": {"type": "WarmupLR"}},
+            r"the block 'scheduler' .*one learning rate into every param group.*Delete the 'scheduler' block",
+        ),
         ({"zero_optimization": {"stage": 0}}, r"ZeRO stage 0: GRPOTrainer runs on DeepSpeed ZeRO 1, 2 or 3"),
         ({"train_micro_batch_size_per_gpu": 4}, r"ZeRO stage 0: "),
         ({"zero_optimization": {"stage": "auto"}}, r"ZeRO stage 'auto': "),
     ],  # fmt: skip
 )
-def test_deepspeed_configs_grpo_cannot_carry_are_refused(tmp_path, ds_config, message):
+def test_deepspeed_configs_grpo_cannot_carry_are_refused(grpo_config, ds_config, message):
     # refused before TrainingArguments builds the DeepSpeed plugin: no DeepSpeed install is needed to get the message
     with pytest.raises(ConfigError, match=rf"^deepspeed=.*{message}"):
-        config(tmp_path, deepspeed=ds_config)
+        grpo_config(deepspeed=ds_config)
 
 
-def test_deepspeed_config_files_are_read_and_checked(tmp_path, monkeypatch):
+def test_deepspeed_config_files_are_read_and_checked(grpo_config, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^deepspeed='ds_config.json': cannot read the file"):
-        config(tmp_path, deepspeed="ds_config.json")
+        grpo_config(deepspeed="ds_config.json")
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}')
     with pytest.raises(ConfigError, match=r"the block 'optimizer'"):
-        config(tmp_path, deepspeed=str(path))
+        grpo_config(deepspeed=str(path))
     path.write_text('{"zero_optimization": {"stage": 2},')
     with pytest.raises(ConfigError, match=r"invalid JSON at line 1"):
-        config(tmp_path, deepspeed=str(path))
+        grpo_config(deepspeed=str(path))
     # `accelerate launch --config_file ds.yaml` with a `deepspeed_config_file`
     path.write_text('{"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR"}}')
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
     with pytest.raises(ConfigError, match=r"^deepspeed_config_file=.*the block 'scheduler'"):
-        config(tmp_path)
+        grpo_config()
 
 
-def test_deepspeed_zero_config_without_optimizer_or_scheduler_is_accepted(tmp_path):
+def test_deepspeed_zero_config_without_optimizer_or_scheduler_is_accepted(grpo_config):
     pytest.importorskip("deepspeed")  # TrainingArguments builds Accelerate's DeepSpeed plugin
     for stage in (1, 2, 3):
-        args = config(tmp_path, deepspeed={"zero_optimization": {"stage": stage}})
+        args = grpo_config(deepspeed={"zero_optimization": {"stage": stage}})
         assert args.hf_deepspeed_config.config["zero_optimization"]["stage"] == stage
 
 
-def test_disabled_backend_values_pass(tmp_path):
-    assert config(tmp_path, fsdp="").fsdp in ("", None, False)
+def test_disabled_backend_values_pass(grpo_config):
+    assert grpo_config(fsdp="").fsdp in ("", None, False)
 
 
 @pytest.mark.parametrize(
@@ -105,22 +105,22 @@ def test_disabled_backend_values_pass(tmp_path):
         ("overwrite_output_dir", "no", r"overwrite_output_dir='no'"),
     ],
 )
-def test_bad_fields_name_the_field(tmp_path, field, value, message):
+def test_bad_fields_name_the_field(grpo_config, field, value, message):
     with pytest.raises(ConfigError, match=message) as err:
-        config(tmp_path, **{field: value})
+        grpo_config(**{field: value})
     assert isinstance(err.value, GRPOInputError) and isinstance(err.value, ValueError)
 
 
-def test_group_file_is_read_when_the_config_is_built(tmp_path):
+def test_group_file_is_read_when_the_config_is_built(tmp_path, grpo_config):
     with pytest.raises(GroupConfigError, match=r"missing.yaml.*neither a preset"):
-        config(tmp_path, grpo_groups=str(tmp_path / "missing.yaml"))
+        grpo_config(grpo_groups=str(tmp_path / "missing.yaml"))
     bad = tmp_path / "groups.yaml"
     bad.write_text("groups:\n  - name: qk\n    pattern: q_proj\n    importance: maybe\n")
     with pytest.raises(GroupConfigError, match=r"groups.yaml: group 'qk': importance='maybe' is not a boolean"):
-        config(tmp_path, grpo_groups=str(bad))
+        grpo_config(grpo_groups=str(bad))
     good = tmp_path / "good.yaml"
     good.write_text("groups:\n  - name: qk\n    pattern: q_proj\n    importance: false\n")
-    assert config(tmp_path, grpo_groups=str(good)).grpo_groups == str(good)
+    assert grpo_config(grpo_groups=str(good)).grpo_groups == str(good)
 
 
 def test_validate_grpo_fields_works_on_any_namespace():

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from testing_utils import tiny_test_llama
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -40,7 +41,6 @@ from grpo_hf.cost import (
     peak_tflops,
     training_flops_per_token,
 )
-from grpo_hf.test_utils import tiny_test_llama
 
 
 class FakeClock:

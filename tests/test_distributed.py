@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from grpo_hf.test_utils import ROOT, run_torchrun
+from testing_utils import ROOT, run_torchrun
 
 
 # Each module fixture is a torchrun launch (~20-60 s on 2 cores): the module runs with `-m slow` (CI runs both sets).

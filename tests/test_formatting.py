@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_hf.build import build_model, prepare
-from grpo_hf.data import train_bpe_tokenizer
-from grpo_hf.evaluation import evaluate_accuracy, evaluate_perplexity
-from grpo_hf.formatting import (
+from grpo_hf.errors import RecipeError
+from grpo_hf.harness.build import build_model, prepare
+from grpo_hf.harness.data import train_bpe_tokenizer
+from grpo_hf.harness.evaluation import evaluate_accuracy, evaluate_perplexity
+from grpo_hf.harness.formatting import (
     CHATML_TEMPLATE,
     IGNORE_INDEX,
     assistant_spans,
@@ -21,7 +22,7 @@ from grpo_hf.formatting import (
     tokenize_text,
     truncate,
 )
-from grpo_hf.parser import RecipeError, parse_recipe
+from grpo_hf.harness.parser import parse_recipe
 
 
 DATA = Path(__file__).resolve().parent.parent / "recipes" / "data"

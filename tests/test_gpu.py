@@ -90,10 +90,10 @@ def test_whole_rows_cuda_are_the_cpu_rows(bits):
 def test_hook_cuda_buckets_match_cpu_buckets(mode):
     """The whole hook on CUDA gradients (world size 1) against the same steps on CPU. Gradient scales are off: their
     floor comes from a sum whose order differs between devices."""
+    from testing_utils import FakeBucket
     from torch import nn
 
     from grpo_hf.compression import GRPOCommState, grpo_comm_hook
-    from grpo_hf.test_utils import FakeBucket
 
     shapes = {"attn": (64, 96), "mlp": (5000,), "norm": (64,)}
     plan = {"attn": CodecSpec(1.0, 4), "mlp": CodecSpec(0.2, 8), "norm": None}

@@ -25,7 +25,6 @@ from grpo_hf.grouping import (
     parse_group_config,
     shape_kind,
 )
-from grpo_hf.test_utils import tiny_test_llama
 
 
 ARTICLE_CONFIG = """{
@@ -36,15 +35,17 @@ ARTICLE_CONFIG = """{
 }"""
 
 
-def llama():
-    return tiny_test_llama(vocab_size=64, hidden_size=16, intermediate_size=32)
+@pytest.fixture
+def llama(tiny_model):
+    """A factory of tiny Llamas smaller than the default (vocabulary 64, hidden 16)."""
+    return lambda: tiny_model(vocab_size=64, hidden_size=16, intermediate_size=32)
 
 
 def groups_of(model, spec="semantic"):
     return {g.name: g.param_names for g in assign_groups(model, load_group_spec(spec))}
 
 
-def test_llama_semantic_groups():
+def test_llama_semantic_groups(llama):
     groups = groups_of(llama())
     assert list(groups) == ["embeddings", "norms", "attn_qk", "attn_vo", "ffn"]
     assert groups["embeddings"] == ["model.embed_tokens.weight", "lm_head.weight"]
@@ -94,7 +95,7 @@ def test_t5_groups():
     assert "default" not in groups
 
 
-def test_lora_groups_keep_layer_kind_and_skip_frozen():
+def test_lora_groups_keep_layer_kind_and_skip_frozen(llama):
     model = get_peft_model(llama(), LoraConfig(r=2, target_modules="all-linear"))
     groups = groups_of(model)
     assert list(groups) == [
@@ -109,7 +110,7 @@ def test_lora_groups_keep_layer_kind_and_skip_frozen():
     assert all("base_layer" not in n for names in groups.values() for n in names)
 
 
-def test_semantic_shape_split():
+def test_semantic_shape_split(llama):
     groups = groups_of(llama(), "semantic+shape")
     # q_proj is 16x16 (square); k_proj is 8x16 with 2 KV heads (rect); norms are vectors
     assert groups["attn_qk/square"] == [
@@ -124,7 +125,7 @@ def test_semantic_shape_split():
     assert shape_kind(torch.zeros(3)) == "vector" and shape_kind(torch.zeros(2, 3, 4)) == "rect"
 
 
-def test_article_config_loads_verbatim(tmp_path, caplog):
+def test_article_config_loads_verbatim(llama, tmp_path, caplog):
     path = tmp_path / "groups.json"
     path.write_text(ARTICLE_CONFIG)
     spec = load_group_spec(str(path))
@@ -195,7 +196,7 @@ def test_bits_by_module_type_and_dense_small_tensors():
     assert overridden["0.weight"] == CodecSpec(0.3, 16)
 
 
-def test_group_rule_settings_override_config():
+def test_group_rule_settings_override_config(llama):
     spec = GroupSpec((GroupRule("qk", "q_proj|k_proj", density=0.5, bits=8),))
     model = llama()
     groups = assign_groups(model, spec)
@@ -214,7 +215,7 @@ def test_no_trainable_parameters_is_an_error():
         assign_groups(model, load_group_spec("semantic"))
 
 
-def test_lr_ratios_come_from_rules_then_patterns():
+def test_lr_ratios_come_from_rules_then_patterns(llama):
     from grpo_hf.grouping import lr_ratios
 
     spec = parse_group_config({"groups": [{"name": "qk", "pattern": "q_proj|k_proj", "lr_ratio": 2}]})
@@ -260,11 +261,11 @@ def test_binary_group_file_is_named(tmp_path):
         load_group_spec(str(path))
 
 
-def test_group_file_without_rules_warns_that_everything_lands_in_default(tmp_path, caplog):
+def test_group_file_without_rules_warns_that_everything_lands_in_default(tmp_path, caplog, tiny_model):
     path = tmp_path / "empty.json"
     path.write_text(json.dumps({"groups": []}))
     with caplog.at_level("WARNING", logger="grpo_hf.grouping"):
         spec = load_group_spec(str(path))
     assert f"{path}: the 'groups' list is empty: every trainable parameter lands in the group 'default'" in caplog.text
-    groups = assign_groups(tiny_test_llama(0), spec)
+    groups = assign_groups(tiny_model(0), spec)
     assert [g.name for g in groups] == ["default"]

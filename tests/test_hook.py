@@ -9,6 +9,7 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
+from testing_utils import FakeBucket, tiny_test_llama
 from torch import nn
 
 from grpo_hf.compression import GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
@@ -16,7 +17,6 @@ from grpo_hf.compression.codec import CodecSpec, compress_with_feedback
 from grpo_hf.compression.layout import chunk_bounds, plan_segments
 from grpo_hf.compression.plan import resolve_compression, resolve_mode
 from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes, alltoall_bytes, broadcast_bytes
-from grpo_hf.test_utils import FakeBucket, tiny_test_llama
 
 
 SHAPES = {"attn": (40, 30), "mlp": (1000,), "norm": (64,)}

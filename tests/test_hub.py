@@ -14,8 +14,13 @@ import yaml
 from huggingface_hub import HfApi, ModelCard
 from transformers import default_data_collator
 
-from grpo_hf import GRPOConfig, GRPOTrainer, cli
-from grpo_hf.hub import HubError, check_push_settings, load_run, prepare_upload_folder, publish
+from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.cli.main import main
+from grpo_hf.cli.recipes import _command_line
+from grpo_hf.errors import HubError
+from grpo_hf.hub.folder import load_run
+from grpo_hf.hub.upload import prepare_upload_folder, publish
+from grpo_hf.hub_guards import check_push_settings
 from grpo_hf.model_card import KNOWN_BASES, build_model_card, resolve_base_model
 
 
@@ -24,7 +29,7 @@ REPO = "grpo-hf-tests/tiny-lora"
 
 def _small_corpus(folder: Path) -> Path:
     """40 top-level standard library modules: a corpus folder (`corpus_root`) that is quick to list and tokenize."""
-    from grpo_hf.data import stdlib_root
+    from grpo_hf.harness.data import stdlib_root
 
     folder.mkdir()
     for path in sorted(stdlib_root().glob("*.py"))[:40]:
@@ -34,8 +39,8 @@ def _small_corpus(folder: Path) -> Path:
 
 def _save_tiny_base(folder: Path, corpus: Path) -> Path:
     """A tiny Llama and its BPE tokenizer saved as a local base model (what a user's own checkpoint looks like)."""
-    from grpo_hf.data import train_bpe_tokenizer
-    from grpo_hf.models import tiny_llama
+    from grpo_hf.harness.data import train_bpe_tokenizer
+    from grpo_hf.harness.models import tiny_llama
 
     tokenizer = train_bpe_tokenizer([p.read_text() for p in sorted(corpus.glob("*.py"))], vocab_size=400)
     model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, layers=2, heads=4, seq_len=64, seed=0)
@@ -134,7 +139,7 @@ def pushed(tmp_path_factory):
         mp.setenv("HF_TOKEN", token)
         hub.install(mp)
         argv = ["train", str(recipe), "--push_to_hub", "true", "--hub_model_id", REPO, "--output_dir", str(out)]
-        rc = cli.main(argv)
+        rc = main(argv)
         text = captured()
     return SimpleNamespace(rc=rc, out=out, root=root, recipe=recipe, token=token, hub=hub, text=text)
 
@@ -179,7 +184,7 @@ def test_train_with_push_to_hub_uploads_the_adapter_and_its_card(pushed):
 def test_the_upload_is_the_dry_run_folder(pushed, capsys):
     uploaded = pushed.hub.uploads[0]["files"]
     upload_dir = pushed.root / "dry"
-    assert cli.main(["publish", str(pushed.out), "--repo_id", REPO, "--dry_run", "--upload_dir", str(upload_dir)]) == 0
+    assert main(["publish", str(pushed.out), "--repo_id", REPO, "--dry_run", "--upload_dir", str(upload_dir)]) == 0
     out = capsys.readouterr().out
     assert f"Would upload {len(uploaded)} files from {upload_dir}" in out and "Dry run: nothing was uploaded" in out
     assert "model-index: perplexity" in out
@@ -205,9 +210,9 @@ def test_no_token_is_written_anywhere(pushed):
 def test_the_dry_run_folder_loads_back_with_the_same_eval_loss(pushed, tmp_path):
     from peft import AutoPeftModelForCausalLM
 
-    from grpo_hf.compare import prepare
-    from grpo_hf.evaluation import evaluate_perplexity
-    from grpo_hf.parser import load_recipe
+    from grpo_hf.harness.build import prepare
+    from grpo_hf.harness.evaluation import evaluate_perplexity
+    from grpo_hf.harness.parser import load_recipe
 
     folder = publish(pushed.out, REPO, dry_run=True, upload_dir=tmp_path / "upload")
     model = AutoPeftModelForCausalLM.from_pretrained(folder)
@@ -228,7 +233,7 @@ def test_missing_token_is_one_message_and_the_folder_stays(pushed, tmp_path, mon
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     before = {p: p.stat().st_mtime_ns for p in pushed.out.iterdir() if p.is_file()}
-    assert cli.main(["publish", str(pushed.out), "--repo_id", REPO]) == 1
+    assert main(["publish", str(pushed.out), "--repo_id", REPO]) == 1
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "No Hugging Face token found" in err and "hf auth login" in err
     assert {p: p.stat().st_mtime_ns for p in pushed.out.iterdir() if p.is_file()} == before
@@ -259,10 +264,10 @@ def test_hub_token_in_the_arguments_is_refused_before_any_work(tmp_path, capsys)
         GRPOTrainer(model=None, args=GRPOConfig(output_dir=str(tmp_path / "t"), hub_token="hf_abc"))
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny.yaml"
     out = tmp_path / "run"
-    assert cli.main(["train", str(recipe), "--hub_token", "hf_secret123", "--output_dir", str(out)]) == 1
+    assert main(["train", str(recipe), "--hub_token", "hf_secret123", "--output_dir", str(out)]) == 1
     err = capsys.readouterr().err
     assert "hub_token is set" in err and "hf_secret123" not in err and not out.exists()
-    assert cli._command_line(["train", "r.yaml", "--hub_token", "hf_x", "--hub_token=hf_y"]) == (
+    assert _command_line(["train", "r.yaml", "--hub_token", "hf_x", "--hub_token=hf_y"]) == (
         "grpo-hf train r.yaml --hub_token <HUB_TOKEN> --hub_token=<HUB_TOKEN>"
     )
 
@@ -284,8 +289,10 @@ def test_a_token_left_in_a_file_stops_the_upload(pushed, tmp_path, monkeypatch):
 def test_publish_refuses_bad_input_clearly(pushed, tmp_path):
     with pytest.raises(HubError, match="USER/NAME"):
         prepare_upload_folder(pushed.out, "no-namespace")
-    with pytest.raises(HubError, match="no results.json"):
+    with pytest.raises(HubError, match="no saved adapter or model .* and no results.json"):
         load_run(tmp_path)
+    with pytest.raises(HubError, match="no such folder"):
+        load_run(tmp_path / "missing")
     with pytest.raises(HubError, match="no run named 'trainer'"):
         load_run(pushed.out, run="trainer")
     foreign = tmp_path / "foreign"
@@ -304,9 +311,9 @@ def test_publish_refuses_bad_input_clearly(pushed, tmp_path):
 def test_push_to_hub_through_grpo_trainer_writes_the_same_card(pushed, tmp_path, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
-    from grpo_hf.compare import prepare
-    from grpo_hf.models import load_causal_lm
-    from grpo_hf.parser import load_recipe
+    from grpo_hf.harness.build import prepare
+    from grpo_hf.harness.models import load_causal_lm
+    from grpo_hf.harness.parser import load_recipe
 
     model_args, data_args, _ = load_recipe(pushed.recipe)
     prepared = prepare(model_args, data_args)
@@ -355,6 +362,83 @@ def test_push_to_hub_through_grpo_trainer_writes_the_same_card(pushed, tmp_path,
     ]
     assert "- stdlib blocks" in card.text and "| attn_qk.lora_A |" in card.text
     assert all(pushed.token.encode() not in content for content in files.values())
+
+
+# --- any folder holding a saved model: trainer.save_model() in a user's script ---
+
+
+USER_SCRIPT = """
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+from grpo_hf import GRPOConfig, GRPOTrainer
+
+ids = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(0)).tolist()
+data = Dataset.from_dict({{"input_ids": ids, "labels": ids}})
+model = get_peft_model(AutoModelForCausalLM.from_pretrained({base!r}), LoraConfig(r=4, target_modules="all-linear"))
+args = GRPOConfig(output_dir={run!r}, max_steps=4, learning_rate=1e-2, report_to="none", use_cpu=True)
+trainer = GRPOTrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+trainer.train()
+trainer.evaluate()
+trainer.save_model({saved!r})
+"""
+
+
+def test_a_model_saved_by_a_ten_line_script_publishes(tmp_path, tiny_model, capsys):
+    import runpy
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, saved = tmp_path / "base", tmp_path / "my_adapter"
+    tiny_model(seed=0).save_pretrained(base)
+    script = tmp_path / "train.py"
+    script.write_text(USER_SCRIPT.format(base=str(base), run=str(tmp_path / "run"), saved=str(saved)))
+    runpy.run_path(str(script), run_name="__main__")
+    assert not (saved / "results.json").exists() and (saved / "grpo_run.json").is_file()
+
+    assert main(["publish", str(saved), "--repo_id", REPO, "--dry_run"]) == 0
+    assert "Dry run: nothing was uploaded" in capsys.readouterr().out
+    folder = saved / "hub_upload" / "grpo"
+    card = ModelCard.load(folder / "README.md")  # the card parses
+    summary = json.loads((saved / "grpo_run.json").read_text())
+    eval_loss = summary["runs"][0]["mean_nll_after"]
+    assert card.data.library_name == "peft" and {"grpo_hf", "peft", "lora"} <= set(card.data.tags)
+    figures = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert figures["perplexity"] == pytest.approx(math.exp(eval_loss), rel=1e-5)
+    assert "trained with `GRPOTrainer`" in card.text and "| attn_qk.lora_A |" in card.text
+    assert "| grpo_compression |" in card.text and "| Cost (USD) |" in card.text
+    assert "## Not recorded" in card.text and "`results.json`" in card.text and "grpo_run.json`" not in card.text
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "grpo_run.json"} <= {
+        p.name for p in folder.iterdir()
+    }
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), folder)  # the adapter loads back
+    ids = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert model(input_ids=ids, labels=ids).loss.item() == pytest.approx(eval_loss, rel=1e-5)
+
+
+def test_a_folder_without_grpo_run_json_publishes_what_it_has(tmp_path, tiny_model):
+    from peft import LoraConfig, get_peft_model
+
+    saved = tmp_path / "saved"
+    get_peft_model(tiny_model(), LoraConfig(r=2, target_modules="all-linear")).save_pretrained(saved)
+    state = {"global_step": 3, "log_history": [{"loss": 4.0, "step": 3}, {"eval_loss": 2.0, "step": 3}]}
+    (saved / "trainer_state.json").write_text(json.dumps(state))  # a checkpoint, or trainer.save_state()
+
+    card = ModelCard.load(prepare_upload_folder(saved, REPO) / "README.md")
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results}["perplexity"] == pytest.approx(math.exp(2))
+    assert "its folder does not record the trainer" in card.text and "GRPO settings" not in card.text
+    assert "`grpo_run.json` (written beside the model by `GRPOTrainer.save_model()`)" in card.text
+    assert "not named in the adapter" in card.text  # a base built from a config has no name
+
+    (saved / "trainer_state.json").unlink()
+    card = ModelCard.load(prepare_upload_folder(saved, REPO) / "README.md")
+    assert not card.data.eval_results and "Not evaluated" in card.text
+    assert "evaluation: no `eval_loss` in `trainer_state.json`" in card.text
 
 
 # --- the card alone, from a results.json-shaped dict ---
@@ -407,6 +491,6 @@ def test_resolve_base_model():
     assert resolve_base_model("smollm2-135m").hub_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert resolve_base_model("org/some-model").hub_id == "org/some-model"
     assert resolve_base_model("") is None and resolve_base_model("/no/such/folder") is None
-    from grpo_hf.models import minilm_path
+    from grpo_hf.harness.offline_models import minilm_path
 
     assert resolve_base_model(str(minilm_path())).hub_id == "sentence-transformers/all-MiniLM-L6-v2"

@@ -8,21 +8,17 @@ import pytest
 import torch
 import transformers
 
-from grpo_hf import models, offline_models
-from grpo_hf.data import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
-from grpo_hf.models import (
-    CACHE_MARKER,
+from grpo_hf.harness import offline_models
+from grpo_hf.harness.data import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
+from grpo_hf.harness.models import load_causal_lm, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
+from grpo_hf.harness.offline_models import (
     default_cache_dir,
-    load_causal_lm,
     load_minilm_for_classification,
     load_smollm2,
     minilm_path,
     smollm2_gguf_path,
-    tiny_bert,
-    tiny_gpt2,
-    tiny_llama,
-    tiny_t5,
 )
+from grpo_hf.model_card import CACHE_MARKER
 
 
 VOCAB = 256
@@ -142,13 +138,13 @@ def test_ensure_pad_token_prefers_a_distinct_existing_token(bpe_tokenizer):
     tok.unk_token = "<x>"
     tok.pad_token = "<|im_end|>"
     model = tiny_llama(len(tok))
-    models._ensure_pad_token(model, tok)
+    offline_models.ensure_pad_token(model, tok)
     assert tok.pad_token == "<x>" and model.config.pad_token_id == tok.pad_token_id == 1
     assert model.generation_config.pad_token_id == 1
     # GPT-2's situation: no pad, unknown == EOS: pad with EOS.
     tok.pad_token = None
     tok.unk_token = "<|im_end|>"
-    models._ensure_pad_token(None, tok)
+    offline_models.ensure_pad_token(None, tok)
     assert tok.pad_token == "<|im_end|>"
     assert len(bpe_tokenizer) == vocab_before
 

@@ -4,8 +4,9 @@ import math
 
 import pytest
 
-from grpo_hf.noise import TIMED_KEYS, classify, self_spread, timed_ratio_noise
-from grpo_hf.report import TABLE_ROWS, plot_ratios, ratio_cell, table_rows
+from grpo_hf.harness.noise import TIMED_KEYS, classify, self_spread, timed_ratio_noise
+from grpo_hf.harness.plots import plot_ratios
+from grpo_hf.harness.table import TABLE_ROWS, ratio_cell, table_rows
 
 
 def test_classify_the_overclaim_of_a_busy_machine():

@@ -5,8 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from grpo_hf import GRPOConfig, cli
-from grpo_hf.parser import DataArguments, ModelArguments, RecipeError, RecipeParser, parse_overrides, parse_recipe
+from grpo_hf import GRPOConfig
+from grpo_hf.cli.main import main
+from grpo_hf.errors import RecipeError
+from grpo_hf.harness.arguments import DataArguments, ModelArguments
+from grpo_hf.harness.parser import RecipeParser, parse_overrides, parse_recipe
 
 
 def test_parser_covers_the_three_dataclasses():
@@ -102,7 +105,7 @@ def _flat(text: str) -> str:
 )
 def test_recipe_command_help_lists_every_field_with_the_recipe_defaults(argv, max_steps, capsys):
     with pytest.raises(SystemExit) as stop:
-        cli.main(argv)
+        main(argv)
     assert stop.value.code == 0
     out = _flat(capsys.readouterr().out)
     for name in RecipeParser().field_names:
@@ -117,10 +120,10 @@ def test_recipe_command_help_lists_every_field_with_the_recipe_defaults(argv, ma
 
 def test_cli_errors_name_the_field_and_exit_2(capsys):
     tiny = str(RECIPES / "tiny.yaml")
-    assert cli.main(["train", tiny, "--learning_rate", "abc"]) == 2
+    assert main(["train", tiny, "--learning_rate", "abc"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("grpo-hf train: error: command line: argument --learning_rate") and "'abc'" in err
-    assert cli.main(["compare", tiny, "--max_step", "3"]) == 2
+    assert main(["compare", tiny, "--max_step", "3"]) == 2
     assert "did you mean 'max_steps'" in capsys.readouterr().err
-    assert cli.main(["train", "--trainer", "trainer", tiny]) == 2
+    assert main(["train", "--trainer", "trainer", tiny]) == 2
     assert "give the recipe file right after the command" in capsys.readouterr().err

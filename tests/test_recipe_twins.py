@@ -6,10 +6,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from testing_utils import ROOT, run_accelerate_launch, run_torchrun
 
-from grpo_hf import cli
-from grpo_hf.parser import builtin_recipe, builtin_recipe_names, load_recipe
-from grpo_hf.test_utils import ROOT, run_accelerate_launch, run_torchrun
+from grpo_hf.cli.main import main
+from grpo_hf.harness.parser import builtin_recipe, load_recipe
+from grpo_hf.harness.recipe_files import builtin_recipe_names
 
 
 RECIPES = ROOT / "recipes"
@@ -68,10 +69,7 @@ def test_multi_gpu_launch_files_are_documented():
 @pytest.mark.slow  # a whole recipe twin, tokenizer to report: ~30-60 s on 2 cores
 def test_sft_twin_trains_on_the_assistant_turns(tmp_path):
     out = tmp_path / "sft"
-    assert (
-        cli.main(["compare", str(RECIPES / "sft_tiny.yaml"), "--max_steps", "4", *QUIET, "--output_dir", str(out)])
-        == 0
-    )
+    assert main(["compare", str(RECIPES / "sft_tiny.yaml"), "--max_steps", "4", *QUIET, "--output_dir", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     data = results["data"]
     assert data["format"] == "messages" and data["completion_only_loss"] is True
@@ -92,7 +90,7 @@ def test_sft_twin_trains_on_the_assistant_turns(tmp_path):
 def test_classification_twin_reports_accuracy_and_cost(tmp_path):
     out = tmp_path / "cls"
     args = ["compare", str(RECIPES / "classify_tiny.yaml"), "--max_steps", "4", *QUIET, "--output_dir", str(out)]
-    assert cli.main(args) == 0
+    assert main(args) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["data"]["labels"] == ["computing", "cooking", "sports", "weather"]
     trainer, grpo = results["runs"]
@@ -157,7 +155,7 @@ def test_full_fine_tune_twin_under_accelerate_launch(tmp_path):
 def test_real_recipe_runs_from_one_command(tmp_path, name):
     out = tmp_path / name
     args = ["compare", str(RECIPES / f"{name}.yaml"), "--max_steps", "2", "--max_eval_samples", "8", *QUIET]
-    assert cli.main([*args, "--output_dir", str(out)]) == 0
+    assert main([*args, "--output_dir", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert [r["steps"] for r in results["runs"]] == [2, 2]
 

@@ -9,25 +9,16 @@ import torch
 from transformers import TrainingArguments
 
 from grpo_hf import GRPOConfig
-from grpo_hf.compare import (
-    build_datasets,
-    build_model,
-    build_tokenizer,
-    compare,
-    dense_allreduce_bytes_per_step,
-    plain_training_arguments,
-)
-from grpo_hf.evaluation import evaluate_perplexity
-from grpo_hf.parser import (
-    DataArguments,
-    ModelArguments,
-    RecipeError,
-    builtin_recipe,
-    builtin_recipe_names,
-    load_recipe,
-    parse_overrides,
-)
-from grpo_hf.report import PLOT_FILES, TABLE_ROWS, compute_ratios, markdown_table, write_report
+from grpo_hf.errors import RecipeError
+from grpo_hf.harness.arguments import DataArguments, ModelArguments
+from grpo_hf.harness.build import build_datasets, build_model, build_tokenizer, plain_training_arguments
+from grpo_hf.harness.compare import compare, dense_allreduce_bytes_per_step
+from grpo_hf.harness.evaluation import evaluate_perplexity
+from grpo_hf.harness.parser import builtin_recipe, load_recipe, parse_overrides
+from grpo_hf.harness.plots import PLOT_FILES
+from grpo_hf.harness.recipe_files import builtin_recipe_names
+from grpo_hf.harness.report import write_report
+from grpo_hf.harness.table import TABLE_ROWS, compute_ratios, markdown_table
 
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -263,7 +254,7 @@ def test_smollm2_quickstart_pipeline_runs(tmp_path):
 
 
 def test_comparison_measures_the_noise_of_timed_ratios(comparison):
-    from grpo_hf.noise import TIMED_KEYS
+    from grpo_hf.harness.noise import TIMED_KEYS
 
     results, _, out = comparison
     saved = json.loads((out / "results.json").read_text())

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from testing_utils import ROOT, free_port, run_torchrun, tiny_test_llama
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.checkpoints import STATE_FILE
 from grpo_hf.compression.layout import chunk_bounds, chunk_owner
-from grpo_hf.test_utils import ROOT, free_port, run_torchrun, tiny_test_llama
 
 
 # Every test here needs a torchrun launch (~30 s and more on 2 cores): the module runs with `-m slow`.

@@ -4,11 +4,11 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
+from testing_utils import tiny_test_llama
 from transformers import Trainer, TrainingArguments
 
 from grpo_hf import ConfigError, GroupConfigError, GRPOConfig, GRPOMixin, GRPOTrainer
 from grpo_hf.callbacks import STATE_FILE
-from grpo_hf.test_utils import tiny_test_llama
 
 
 VOCAB = 96
@@ -200,7 +200,10 @@ def test_fsdp1_and_deepspeed_blocks_are_refused_by_the_trainer(tmp_path):
     with pytest.raises(ValueError, match=r"GRPOTrainer runs on FSDP2.*fsdp_config=\{'version': 2\}"):
         GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
     args = make_args(tmp_path)
-    args.deepspeed = {"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR"}}  # no DeepSpeed install needed
+    args.deepspeed = {
+        "zero_optimization": {"stage": 2},
+        "scheduler": {"type": "WarmupLR"},
+    }  # no DeepSpeed install needed
     with pytest.raises(ValueError, match=r"the block 'scheduler'"):
         GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
 

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo_hf import cli
-from grpo_hf.parser import RecipeError, load_recipe, parse_recipe
-from grpo_hf.user_data import (
+from grpo_hf.cli.main import main
+from grpo_hf.errors import RecipeError
+from grpo_hf.harness.parser import load_recipe, parse_recipe
+from grpo_hf.harness.user_data import (
     check_data_arguments,
     load_train_eval,
     local_fingerprint,
@@ -131,17 +132,17 @@ def test_a_missing_file_fails_when_the_recipe_is_loaded(tmp_path):
 
 
 def test_the_cli_reports_bad_data_in_one_line_before_loading_a_model(tmp_path, capsys, monkeypatch):
-    import grpo_hf.build
-    import grpo_hf.models
+    import grpo_hf.harness.build
+    import grpo_hf.harness.models
 
     def fail(*args, **kwargs):
         raise AssertionError("a model was loaded before the data was checked")
 
-    monkeypatch.setattr(grpo_hf.models, "load_causal_lm", fail)
-    monkeypatch.setattr(grpo_hf.build, "build_model", fail)
+    monkeypatch.setattr(grpo_hf.harness.models, "load_causal_lm", fail)
+    monkeypatch.setattr(grpo_hf.harness.build, "build_model", fail)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model_name_or_path: smollm2-135m\ndataset_name: grpo-hf-tests/no-such-dataset\n")
-    assert cli.main(["train", str(recipe)]) == 2
+    assert main(["train", str(recipe)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"grpo-hf train: error: {recipe}: dataset_name='grpo-hf-tests/no-such-dataset'")

@@ -55,11 +55,11 @@ at `max_energy_range_uj`) on CPUs, else estimated and labeled so:
 (`resource.getrusage(...).ru_maxrss`, KiB on Linux, bytes on macOS).
 """
 
+from ..errors import EnergyMeterUnavailable
 from .energy import (
     DEFAULT_ACCELERATOR_WATTS,
     DEFAULT_CPU_WATTS_PER_CORE,
     EnergyMeter,
-    EnergyMeterUnavailable,
     EstimatedEnergyMeter,
     NvmlEnergyMeter,
     RaplEnergyMeter,

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from transformers.utils import logging
 
+from ..errors import EnergyMeterUnavailable
 from .flops import _device
 from .prices import CostSettings
 
@@ -26,10 +27,6 @@ logger = logging.get_logger(__name__)
 DEFAULT_CPU_WATTS_PER_CORE = 10.0
 # Accelerator whose power limit NVML cannot report: a typical PCIe data-center card (A100 PCIe, L40S: 300-350 W).
 DEFAULT_ACCELERATOR_WATTS = 300.0
-
-
-class EnergyMeterUnavailable(RuntimeError):
-    """Raised by an energy meter's constructor when it cannot measure on this machine; the message says why."""
 
 
 class EnergyMeter:
@@ -108,7 +105,7 @@ class NvmlEnergyMeter(EnergyMeter):
             The NVML module (defaults to `pynvml` from nvidia-ml-py); tests pass a fake.
 
     Raises:
-        [`EnergyMeterUnavailable`]: if NVML cannot be loaded or reports neither energy nor power.
+        [`~grpo_hf.errors.EnergyMeterUnavailable`]: if NVML cannot be loaded or reports neither energy nor power.
     """
 
     source = "nvml"
@@ -229,8 +226,8 @@ class RaplEnergyMeter(EnergyMeter):
             The powercap folder.
 
     Raises:
-        [`EnergyMeterUnavailable`]: if no package domain exists or its counter is not readable (recent kernels make
-        `energy_uj` readable by root only).
+        [`~grpo_hf.errors.EnergyMeterUnavailable`]: if no package domain exists or its counter is not readable (recent
+        kernels make `energy_uj` readable by root only).
     """
 
     source = "rapl"

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-
-if TYPE_CHECKING:
-    from .prices import CostSettings
 
 
 # Dense (no sparsity) bf16 / fp16 tensor-core peak TFLOP/s from the vendors' datasheets. A key matches the device
@@ -209,10 +205,11 @@ def device_name(device: torch.device | str | None) -> str:
     return device.type
 
 
-def peak_tflops(device: torch.device | str | None, settings: CostSettings | None = None) -> float | None:
+def peak_tflops(device: torch.device | str | None, settings: Any = None) -> float | None:
     """
     Peak TFLOP/s of one `device`: `settings.cost_peak_tflops` when set, else the [`PEAK_TFLOPS`] entry of a CUDA
-    device, else `None` (CPUs and unknown devices: MFU is not reported).
+    device, else `None` (CPUs and unknown devices: MFU is not reported). `settings` is a
+    [`~grpo_hf.cost.CostSettings`] (not imported here: `prices` imports this module).
     """
     if settings is not None and settings.cost_peak_tflops is not None:
         return float(settings.cost_peak_tflops)

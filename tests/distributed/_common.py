@@ -1,6 +1,6 @@
 """Helpers shared by the scripts that `tests/test_distributed.py` runs under `torchrun` (not collected by pytest).
 
-The fake DDP bucket and the launcher live in `grpo_hf.test_utils`, for the benchmarks too.
+The fake DDP bucket and the launcher live in `tests/testing_utils.py`, for the benchmarks too.
 """
 
 import hashlib

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from _common import same_on_all_ranks, tensor_digest, write_result
 from datasets import Dataset
+from testing_utils import tiny_test_llama
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from grpo_hf import GRPOConfig, GRPOTrainer
-from grpo_hf.test_utils import tiny_test_llama
 
 
 SEQ_LEN = 16

@@ -18,12 +18,12 @@ import sys
 import torch
 import torch.distributed as dist
 from _common import same_on_all_ranks, tensor_digest, write_result
+from testing_utils import FakeBucket
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from grpo_hf.compression import CodecSpec, GRPOCommState, grpo_comm_hook
 from grpo_hf.compression.layout import chunk_bounds, chunk_owner
-from grpo_hf.test_utils import FakeBucket
 
 
 SHAPES = {"attn": (40, 30), "mlp": (1000,), "norm": (64,), "emb": (33, 7)}

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from _common import tensor_digest, write_result
 from datasets import Dataset
+from testing_utils import tiny_test_llama
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.checkpoints import resolve_resume_checkpoint
-from grpo_hf.test_utils import tiny_test_llama
 
 
 SEQ_LEN = 16

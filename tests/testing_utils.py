@@ -4,7 +4,7 @@ accelerate launch).
 Example:
 
 ```python
->>> from grpo_hf.test_utils import run_torchrun, tiny_test_llama
+>>> from testing_utils import run_torchrun, tiny_test_llama
 >>> model = tiny_test_llama(seed=0)  # 2 layers, hidden 32, vocab 128, random weights
 >>> result = run_torchrun("worker.py", "out_dir", nproc=2, timeout=240)  # 2 gloo processes on a free port
 >>> result.returncode, result.stdout[-200:]
@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 
 
-# The folder that holds the `grpo_hf` package (the repository root in a checkout): put on the workers' PYTHONPATH.
+# The repository root (it holds the `grpo_hf` package) and this folder (for `testing_utils`): on the workers'
+# PYTHONPATH.
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 # What every launched worker gets: one thread each, and no network.
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -146,8 +148,8 @@ def run_torchrun(
     Run `script args...` on `nproc` local processes with `python -m torch.distributed.run` (torchrun) and wait.
 
     The rendezvous uses 127.0.0.1 and a free port; the workers get [`WORKER_ENV`] (one thread, offline), [`ROOT`]
-    on their `PYTHONPATH`, then `env`. The launch runs in a new session, so that a run past `timeout` seconds is killed
-    with all its workers (and only them).
+    and [`TESTS`] on their `PYTHONPATH`, then `env`. The launch runs in a new session, so that a run past `timeout`
+    seconds is killed with all its workers (and only them).
 
     Args:
         script (`str` or `os.PathLike`):
@@ -222,11 +224,14 @@ def run_launcher(
     cwd: str | os.PathLike | None = None,
     log_path: str | os.PathLike | None = None,
 ) -> TorchrunResult:
-    """Run a launcher `command` with [`WORKER_ENV`], [`ROOT`] on the `PYTHONPATH` and `env`, killed at `timeout`."""
+    """
+    Run a launcher `command` with [`WORKER_ENV`], [`ROOT`] and [`TESTS`] on the `PYTHONPATH` and `env`, killed at
+    `timeout`.
+    """
     full_env = {
         **os.environ,
         **WORKER_ENV,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(TESTS), os.environ.get("PYTHONPATH")])),
         **(env or {}),
     }
     with open(log_path, "w") if log_path is not None else contextlib.nullcontext() as log:
@@ -253,6 +258,7 @@ def run_launcher(
 
 __all__ = [
     "ROOT",
+    "TESTS",
     "WORKER_ENV",
     "FakeBucket",
     "TorchrunResult",

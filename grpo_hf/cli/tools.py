@@ -1,4 +1,5 @@
-"""The `grpo-hf` commands without a recipe: `groups`, `publish`, `env` (the recipe commands are in [`grpo_hf.cli`]).
+"""The `grpo-hf` commands without a recipe: `groups`, `publish`, `env` (the recipe commands are in
+[`grpo_hf.cli.recipes`]). Each is a `<name>_command_parser` / `<name>_command` pair, as in accelerate's CLI.
 
 ```bash
 grpo-hf groups tiny-llama --lora         # how a model's trainable parameters are grouped, to check group rules
@@ -15,28 +16,19 @@ import os
 import platform
 import sys
 
-from .errors import MissingPathError
+from ..errors import MissingPathError
 
 
-# Sub-commands without a recipe: no dataclass fields, and argparse's own abbreviations and error exits.
-PLAIN = {
-    "dataclass_types": (),
-    "allow_abbrev": True,
-    "exit_on_error": True,
-    "formatter_class": argparse.HelpFormatter,
-}
-
-
-def groups_command_parser(subparsers):
-    parser = subparsers.add_parser(
-        "groups", help="Show how a model's trainable parameters are grouped, to check group rules.", **PLAIN
+def groups_command_parser():
+    parser = argparse.ArgumentParser(
+        "grpo-hf groups", description="Show how a model's trainable parameters are grouped, to check group rules."
     )
     parser.add_argument(
         "model",
         help="A model name or path (loaded with AutoModel*), a model config .json, or one of the built-in "
         "'tiny-llama', 'tiny-gpt2', 'tiny-bert', 'tiny-t5', 'smollm2-135m'.",
     )
-    from .config import GRPOConfig  # the defaults and help texts of the same fields, so they cannot drift apart
+    from ..config import GRPOConfig  # the defaults and help texts of the same fields, so they cannot drift apart
 
     fields = GRPOConfig.__dataclass_fields__
     for name, kind in GROUPS_FIELDS.items():
@@ -72,9 +64,9 @@ def load_model_for_inspection(name: str, vocab_size: int = 1024):
 
     Args:
         name (`str`):
-            - `"tiny-llama"`, `"tiny-gpt2"`, `"tiny-bert"`, `"tiny-t5"`: built from a config ([`grpo_hf.models`]),
-              with a `vocab_size` vocabulary (no tokenizer is trained);
-            - `"smollm2-135m"`: [`~grpo_hf.models.load_smollm2`] (offline);
+            - `"tiny-llama"`, `"tiny-gpt2"`, `"tiny-bert"`, `"tiny-t5"`: built from a config
+              ([`grpo_hf.harness.models`]), with a `vocab_size` vocabulary (no tokenizer is trained);
+            - `"smollm2-135m"`: [`~grpo_hf.harness.offline_models.load_smollm2`] (offline);
             - a path to a model config `.json`: [`~transformers.AutoConfig`] then
               [`~transformers.AutoModelForCausalLM`]`.from_config` (or [`~transformers.AutoModel`] for architectures
               without a causal-LM head), randomly initialized;
@@ -83,22 +75,23 @@ def load_model_for_inspection(name: str, vocab_size: int = 1024):
         vocab_size (`int`, *optional*, defaults to `1024`):
             Vocabulary of the tiny models.
     """
-    from . import models
-    from .parser import hub_model_available, missing_local_path
+    from ..harness import models, offline_models
+    from ..harness.recipe_files import hub_model_available, missing_local_path
 
     hint = f"Give a model folder, a model config .json, a Hub name, or one of {', '.join(TINY_BUILDERS)}, "
     if missing_local_path(name):
-        raise MissingPathError(f"model {name!r}: no such file or folder. {hint}{models.SMOLLM2_NAME}.")
-    if name not in (*TINY_BUILDERS, models.SMOLLM2_NAME) and not hub_model_available(name):
+        raise MissingPathError(f"model {name!r}: no such file or folder. {hint}{offline_models.SMOLLM2_NAME}.")
+    if name not in (*TINY_BUILDERS, offline_models.SMOLLM2_NAME) and not hub_model_available(name):
         raise MissingPathError(
             f"model {name!r}: no local folder, and not in the Hugging Face cache while the Hub is offline "
-            f"(HF_HUB_OFFLINE). Download it once online (`hf download {name}`), or: {hint}{models.SMOLLM2_NAME}."
+            f"(HF_HUB_OFFLINE). Download it once online (`hf download {name}`), or: "
+            f"{hint}{offline_models.SMOLLM2_NAME}."
         )
     if name in TINY_BUILDERS:
         builder = getattr(models, name.replace("-", "_"))
         return builder(vocab_size=vocab_size)
-    if name == models.SMOLLM2_NAME:
-        return models.load_smollm2()[0]
+    if name == offline_models.SMOLLM2_NAME:
+        return offline_models.load_smollm2()[0]
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     if name.endswith(".json"):
@@ -134,7 +127,7 @@ def groups_rich_table(groups, plan, title: str = "GRPO groups", ratios: dict | N
     from rich.markup import escape
     from rich.table import Table
 
-    from .grouping import group_table
+    from ..grouping import group_table
 
     table = Table(title=title)
     for column in ("group", "rule", "tensors", "parameters", "share", "lr ratio", "density", "bits"):
@@ -158,9 +151,9 @@ def groups_rich_table(groups, plan, title: str = "GRPO groups", ratios: dict | N
 def groups_command(args) -> int:
     from rich.console import Console
 
-    from .compression import compression_plan, resolve_compression
-    from .config import grpo_defaults, validate_grpo_fields
-    from .grouping import assign_groups, load_group_spec
+    from ..compression import compression_plan, resolve_compression
+    from ..config import grpo_defaults, validate_grpo_fields
+    from ..grouping import assign_groups, load_group_spec
 
     # The same checks as GRPOConfig (so as `train`), before the model is loaded: fields, then the group file.
     checked = argparse.Namespace(**{**grpo_defaults(), **{k: getattr(args, k) for k in GROUPS_FIELDS}})
@@ -181,20 +174,22 @@ def groups_command(args) -> int:
     return 0
 
 
-def publish_command_parser(subparsers):
-    parser = subparsers.add_parser(
-        "publish",
+def publish_command_parser():
+    parser = argparse.ArgumentParser(
+        "grpo-hf publish",
         usage="grpo-hf publish [-h] OUTPUT_DIR --repo_id USER/NAME [--private] [--dry_run] [--run {grpo,trainer}] "
         "[--upload_dir DIR] [--base_model HUB_ID]",
-        help="Publish a trained adapter (or model) to the Hugging Face Hub with a model card.",
-        description="Uploads the adapter (the model for a full fine-tune) and the tokenizer saved in OUTPUT_DIR (a "
-        "folder written by grpo-hf train, or by grpo-hf compare/quickstart: then the GRPOTrainer run's, or --run's) "
-        "with a model card: base model, eval perplexity in model-index, co2_eq_emissions when the energy was "
-        "measured, data, GRPO groups and settings, cost table and versions. The token is the one huggingface_hub "
-        "finds (HF_TOKEN or `hf auth login`); it is written nowhere.",
-        **PLAIN,
+        description="Uploads the adapter (the model for a full fine-tune) and the tokenizer saved in OUTPUT_DIR (any "
+        "folder holding a saved model or adapter: written by trainer.save_model(DIR) in your script, by grpo-hf "
+        "train, or by grpo-hf compare/quickstart: then the GRPOTrainer run's, or --run's) with a model card: base "
+        "model, eval perplexity in model-index, co2_eq_emissions when the energy was measured, data, GRPO groups "
+        "and settings, cost table and versions, from results.json, else grpo_run.json (GRPOTrainer.save_model), "
+        "else trainer_state.json; the card lists what the folder does not record. The token is the one "
+        "huggingface_hub finds (HF_TOKEN or `hf auth login`); it is written nowhere.",
     )
-    parser.add_argument("output_dir", help="The run folder (the output_dir of the recipe).")
+    parser.add_argument(
+        "output_dir", help="A folder holding a saved model or adapter (the output_dir of a recipe, or of save_model)."
+    )
     parser.add_argument("--repo_id", required=True, help="The Hub repository, USER/NAME or ORGANIZATION/NAME.")
     parser.add_argument("--private", action="store_true", help="Create the repository private.")
     parser.add_argument(
@@ -215,7 +210,7 @@ def publish_command_parser(subparsers):
 
 
 def publish_command(args) -> int:
-    from .hub import describe_upload, publish
+    from ..hub.upload import describe_upload, publish
 
     folder = publish(
         args.output_dir,
@@ -232,8 +227,8 @@ def publish_command(args) -> int:
     return 0
 
 
-def env_command_parser(subparsers):
-    parser = subparsers.add_parser("env", help="Print versions and hardware for bug reports.", **PLAIN)
+def env_command_parser():
+    parser = argparse.ArgumentParser("grpo-hf env", description="Print versions and hardware for bug reports.")
     parser.set_defaults(func=env_command)
     return parser
 
@@ -277,7 +272,6 @@ def env_command(args) -> int:
 
 __all__ = [
     "GROUPS_FIELDS",
-    "PLAIN",
     "TINY_BUILDERS",
     "env_command",
     "env_command_parser",

@@ -1,18 +1,18 @@
 """
-Reports of a comparison ([`~grpo_hf.compare.compare`]): one side-by-side table (rich in the terminal, markdown in
-`report.md`), `results.json`, and PNG plots ([`grpo_hf.plots`]: matplotlib, Agg backend, no display needed), each
-file written whole or not at all.
+Reports of a comparison ([`~grpo_hf.harness.compare.compare`]): one side-by-side table ([`grpo_hf.harness.table`];
+rich in the terminal, markdown in `report.md`), `results.json`, and PNG plots ([`grpo_hf.harness.plots`]: matplotlib,
+Agg backend, no display needed), each file written whole or not at all.
 
 Every row of the table is a key of a run's result; the last column is the ratio GRPOTrainer / Trainer
-([`compute_ratios`]): below 1 means GRPOTrainer needed less (time, bytes, money) or reached a lower perplexity.
-Ratios that follow from wall-clock time (time, tokens/s, energy, money) carry the noise band measured by the runner
-([`~grpo_hf.noise`]): inside it they read "within noise" in the table, the ratio plot and `results.json`
-(`ratio_noise`); ratios of counted quantities (bytes, steps) are exact and carry none.
+([`~grpo_hf.harness.table.compute_ratios`]): below 1 means GRPOTrainer needed less (time, bytes, money) or reached a
+lower perplexity. Ratios that follow from wall-clock time (time, tokens/s, energy, money) carry the noise band measured
+by the runner ([`~grpo_hf.harness.noise`]): inside it they read "within noise" in the table, the ratio plot and
+`results.json` (`ratio_noise`); ratios of counted quantities (bytes, steps) are exact and carry none.
 
 Example:
 
 ```python
->>> from grpo_hf.report import print_table, write_report
+>>> from grpo_hf.harness.report import print_table, write_report
 >>> print_table(results)
 >>> write_report(results, "runs/quickstart")  # results.json, report.md, loss_curves.png, lr_scales.png, ...
 ```
@@ -21,122 +21,16 @@ Example:
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .files import atomic_write
-from .plots import (  # noqa: F401 - re-exported: the plots were part of this module
-    PLOT_FILES,
-    plot_bytes_per_step,
-    plot_loss_curves,
-    plot_lr_scales,
-    plot_ratios,
-    write_plots,
-)
+from ..files import atomic_write
+from .plots import write_plots
+from .table import TABLE_ROWS, WITHIN_NOISE, markdown_table, table_rows
 
 
 RESULTS_FILE = "results.json"
 REPORT_FILE = "report.md"
-WITHIN_NOISE = "within noise"
-
-
-def format_bytes(value: float) -> str:
-    """`1234567` -> `"1.23 MB"` (decimal units, as link speeds are quoted)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{value:.0f} B"
-
-
-def _fixed(digits: int) -> Callable[[float], str]:
-    return lambda v: f"{v:,.{digits}f}"
-
-
-def _usd(v: float) -> str:
-    return f"${v:.4f}" if abs(v) >= 1e-3 else f"${v:.2e}"
-
-
-# (key of a run's result, row label, formatter). The ratio column is GRPOTrainer / Trainer for every row.
-# Rows whose value is missing in every run (accuracy for a language model, perplexity for a classifier) are left out.
-TABLE_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
-    ("perplexity_before", "Eval perplexity before", _fixed(3)),
-    ("perplexity_after", "Eval perplexity after", _fixed(3)),
-    ("accuracy_before", "Eval accuracy before", _fixed(4)),
-    ("accuracy_after", "Eval accuracy after", _fixed(4)),
-    ("eval_loss_after", "Eval loss after", _fixed(4)),
-    ("train_loss", "Train loss (last log)", _fixed(4)),
-    ("train_seconds", "Training time (s)", _fixed(1)),
-    ("tokens_per_second", "Tokens/s", _fixed(0)),
-    ("peak_memory_gb", "Peak memory (GB)", _fixed(2)),
-    ("comm_bytes", "Bytes sent per worker (total)", format_bytes),
-    ("comm_bytes_per_step", "Bytes sent per worker per step", format_bytes),
-    ("comm_seconds_projected", "Comm time projected (s)", lambda v: f"{v:.3f}"),
-    ("energy_kwh", "Energy (kWh)", lambda v: f"{v:.5f}"),
-    ("total_usd", "Cost (USD)", _usd),
-    ("cost_per_quality", "Cost per quality (USD x ppl)", _usd),
-]
-
-
-def compute_ratios(baseline: dict[str, Any], grpo: dict[str, Any], keys: list[str] | None = None) -> dict:
-    """
-    `grpo[key] / baseline[key]` for every table row (or `keys`); `None` where either value is missing, not a finite
-    number, or the baseline is 0.
-    """
-    ratios = {}
-    for key in keys or [row[0] for row in TABLE_ROWS]:
-        a, b = baseline.get(key), grpo.get(key)
-        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (a, b))
-        ratios[key] = b / a if ok and a != 0 else None
-    return ratios
-
-
-def ratio_cell(ratio: float | None, noise: dict | None = None) -> str:
-    """
-    The ratio column's text: `"0.141"` for an exact ratio, `"0.730 (within noise)"` for a timed ratio inside its noise
-    band, `"0.900 (measured 0.890-0.910)"` for a timed ratio outside it ([`~grpo_hf.noise.classify`]).
-    """
-    if ratio is None:
-        return "-"
-    if not noise or noise.get("within_noise") is None:
-        return f"{ratio:.3f}"
-    if noise["within_noise"]:
-        return f"{ratio:.3f} ({WITHIN_NOISE})"
-    low, high = noise["band"]
-    return f"{ratio:.3f} (measured {low:.3f}-{high:.3f})"
-
-
-def _cell(formatter, value) -> str:
-    if value is None or isinstance(value, str):
-        return "-" if value is None else value
-    return formatter(value)
-
-
-def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the side-by-side table, as strings (shared by the terminal and markdown tables)."""
-    runs = results["runs"]
-    header = ["Metric", *[r["label"] for r in runs]]
-    ratios = results.get("ratios") or {}
-    with_ratio = len(runs) == 2 and bool(ratios)
-    if with_ratio:
-        header.append(f"{runs[1]['label']} / {runs[0]['label']}")
-    rows = []
-    for key, label, formatter in TABLE_ROWS:
-        if all(r.get(key) is None for r in runs) and ratios.get(key) is None:
-            continue  # a metric of another task (accuracy for a causal LM, perplexity for a classifier)
-        if key == "energy_kwh" and any(r.get("energy_estimated") for r in runs):
-            label = "Energy (kWh, estimated)"
-        if key == "cost_per_quality" and any(r.get("accuracy_after") is not None for r in runs):
-            label = "Cost per quality (USD / accuracy)"
-        if key == "comm_seconds_projected":
-            link = runs[0].get("cost_assumptions", {}).get("cost_link_gbps")
-            label = f"Comm time projected @ {link:g} Gbit/s (s)" if link else label
-        row = [label, *[_cell(formatter, r.get(key)) for r in runs]]
-        if with_ratio:
-            row.append(ratio_cell(ratios.get(key), (results.get("ratio_noise") or {}).get(key)))
-        rows.append(row)
-    return header, rows
 
 
 def rich_table(results: dict[str, Any], title: str | None = None):
@@ -158,14 +52,6 @@ def print_table(results: dict[str, Any], title: str | None = None, console=None)
 
     console = console or Console(width=max(120, Console().width))
     console.print(rich_table(results, title))
-
-
-def markdown_table(results: dict[str, Any]) -> str:
-    """The table in GitHub markdown."""
-    header, rows = table_rows(results)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _caption(results: dict[str, Any]) -> str:
@@ -220,11 +106,11 @@ def _notes(results: dict[str, Any]) -> list[str]:
     distributed = (runs[0].get("world_size") or 1) > 1
     quality = (
         "- **Accuracy**: share of held-out rows whose argmax class is right, through the offline `evaluate` metric "
-        "`grpo_hf.metrics.load_metric('accuracy')`; eval loss is the mean cross-entropy."
+        "`grpo_hf.harness.metrics.load_metric('accuracy')`; eval loss is the mean cross-entropy."
         if runs[0].get("accuracy_after") is not None
         else "- **Perplexity**: `exp(sum NLL / tokens)` over the held-out tokens that have a label (completion tokens "
         "only with completion-only loss), through the offline `evaluate` metric "
-        "`grpo_hf.metrics.load_metric('perplexity')`."
+        "`grpo_hf.harness.metrics.load_metric('perplexity')`."
     )
     bytes_note = (
         "- **Bytes**: what one rank sent per optimizer step under DDP: "
@@ -362,23 +248,4 @@ def write_report(results: dict[str, Any], output_dir: str | Path, command: str |
     return {"results": str(results_path), "report": str(report_path), **plots}
 
 
-__all__ = [
-    "PLOT_FILES",
-    "REPORT_FILE",
-    "RESULTS_FILE",
-    "TABLE_ROWS",
-    "compute_ratios",
-    "format_bytes",
-    "markdown_report",
-    "markdown_table",
-    "plot_bytes_per_step",
-    "plot_loss_curves",
-    "plot_lr_scales",
-    "plot_ratios",
-    "print_table",
-    "ratio_cell",
-    "rich_table",
-    "table_rows",
-    "write_plots",
-    "write_report",
-]
+__all__ = ["REPORT_FILE", "RESULTS_FILE", "markdown_report", "print_table", "rich_table", "write_report"]

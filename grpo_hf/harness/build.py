@@ -2,13 +2,14 @@
 
 [`prepare`] does it once for all runs of a comparison: the data first (your data is loaded and checked before any
 model is), then the tokenizer, then the tokenized datasets and their collator. [`build_model`] then loads a fresh
-model for each run, identical for one seed.
+model for each run, identical for one seed, and [`plain_training_arguments`] gives the plain `Trainer` of a
+comparison its arguments ([`TRAINER_KINDS`] and [`LABELS`] name the two trainers).
 
 Example:
 
 ```python
->>> from grpo_hf.build import build_model, prepare
->>> from grpo_hf.parser import builtin_recipe
+>>> from grpo_hf.harness.build import build_model, prepare
+>>> from grpo_hf.harness.parser import builtin_recipe
 >>> model_args, data_args, args = builtin_recipe("sft_tiny")
 >>> prepared = prepare(model_args, data_args)
 >>> model, _ = build_model(model_args, data_args, seed=0, tokenizer=prepared.tokenizer, labels=prepared.labels)
@@ -17,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,9 +33,26 @@ def _is_tiny(model_args: ModelArguments) -> bool:
     return model_args.model_name_or_path.startswith("tiny-")
 
 
-def _say(progress: Callable[[str], None] | None, message: str) -> None:
+# The two trainers of a comparison, and their labels in reports.
+TRAINER_KINDS = ("trainer", "grpo")
+LABELS = {"trainer": "Trainer", "grpo": "GRPOTrainer"}
+
+
+def report_progress(progress: Callable[[str], None] | None, message: str) -> None:
+    """Give `message` to `progress` (a phase printer such as `print`), if any."""
     if progress is not None:
         progress(message)
+
+
+def plain_training_arguments(args):
+    """
+    A plain [`~transformers.TrainingArguments`] with every `TrainingArguments` field of `args` and nothing else, so
+    that the baseline `Trainer` cannot be influenced by a `grpo_*` or `cost_*` field.
+    """
+    from transformers import TrainingArguments
+
+    names = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+    return TrainingArguments(**{name: getattr(args, name) for name in names})
 
 
 def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, texts: list[str] | None = None):
@@ -44,7 +63,8 @@ def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, texts:
     - `tiny-*` models: a byte-level BPE of `tiny_vocab_size` trained on the first `tiny_tokenizer_chars` characters
       of `texts` (your train rows), or of the standard library corpus' train split;
     - `minilm`: the tokenizer shipped with it; a Hub name or folder for classification: its `AutoTokenizer`;
-    - else `None`: the causal LM's own tokenizer, returned by [`~grpo_hf.models.load_causal_lm`] with the model.
+    - else `None`: the causal LM's own tokenizer, returned by [`~grpo_hf.harness.models.load_causal_lm`] with the
+      model.
     """
     from transformers import AutoTokenizer
 
@@ -121,8 +141,8 @@ def build_model(
     """
     Load the recipe's model (and tokenizer) and wrap it with LoRA when `lora_r > 0`.
 
-    Causal LM ([`~grpo_hf.models.load_causal_lm`]), or for `task="sequence_classification"` a classifier with a new
-    head for `labels` (MiniLM offline, a tiny BERT, or `AutoModelForSequenceClassification`); its LoRA adapter is a
+    Causal LM ([`~grpo_hf.harness.models.load_causal_lm`]), or for `task="sequence_classification"` a classifier with a
+    new head for `labels` (MiniLM offline, a tiny BERT, or `AutoModelForSequenceClassification`); its LoRA adapter is a
     PEFT `SEQ_CLS` one, which also trains the classification head (`modules_to_save`). The tiny models, the new head
     and the LoRA adapter are initialized from `seed` without touching the global RNG, so two calls give identical
     weights.
@@ -167,7 +187,7 @@ def build_model(
 
 
 def build_datasets(tokenizer, data_args: DataArguments):
-    """`(train_ds, eval_ds, info)` of the standard library corpus ([`~grpo_hf.data.build_lm_datasets`])."""
+    """`(train_ds, eval_ds, info)` of the standard library corpus ([`~grpo_hf.harness.data.build_lm_datasets`])."""
     from .data import build_lm_datasets
 
     return build_lm_datasets(
@@ -207,12 +227,12 @@ def prepare(
     """
     Build the tokenizer, the datasets and their collator once for all runs of a comparison.
 
-    Your data (`dataset_name`) is loaded and checked first ([`~grpo_hf.user_data.load_train_eval`]), so that bad
-    data fails before any model is loaded; a `tiny-*` model's tokenizer is trained on its train rows. Without
+    Your data (`dataset_name`) is loaded and checked first ([`~grpo_hf.harness.user_data.load_train_eval`]), so that
+    bad data fails before any model is loaded; a `tiny-*` model's tokenizer is trained on its train rows. Without
     `dataset_name`, the standard library corpus ([`build_datasets`]).
 
     Raises:
-        [`~grpo_hf.parser.RecipeError`]: the data is missing, unreadable or does not fit the recipe (`where` names the
+        [`~grpo_hf.errors.RecipeError`]: the data is missing, unreadable or does not fit the recipe (`where` names the
             recipe in the message).
     """
     from .formatting import build_user_datasets, collator_for, texts_for_tokenizer
@@ -220,7 +240,7 @@ def prepare(
 
     rows = None
     if data_args.dataset_name is not None:
-        _say(progress, f"loading the data ({data_args.dataset_name})")
+        report_progress(progress, f"loading the data ({data_args.dataset_name})")
         train_rows, eval_rows, info = load_train_eval(data_args, where)
         rows = (train_rows, eval_rows, dict(info, where=where))
         if tokenizer is None:
@@ -231,16 +251,16 @@ def prepare(
     if tokenizer is None:  # the causal LM's own tokenizer (SmolLM2, Hub models)
         from .models import load_causal_lm
 
-        _say(progress, "loading model (for its tokenizer)")
+        report_progress(progress, "loading model (for its tokenizer)")
         model, tokenizer = load_causal_lm(model_args.model_name_or_path, dtype=DTYPES[model_args.dtype])
         del model
         gc.collect()
     if rows is None:
-        _say(progress, "tokenizing the corpus")
+        report_progress(progress, "tokenizing the corpus")
         train_ds, eval_ds, info = build_datasets(tokenizer, data_args)
         kind = None
     else:
-        _say(progress, "tokenizing the data")
+        report_progress(progress, "tokenizing the data")
         train_ds, eval_ds, info = build_user_datasets(
             tokenizer, data_args, *rows, model_name=model_args.model_name_or_path
         )

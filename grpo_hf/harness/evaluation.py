@@ -21,7 +21,8 @@ def evaluate_perplexity(
     model, dataset, batch_size: int = 8, device=None, show_progress: bool = True, collate_fn=None
 ) -> dict:
     """
-    Held-out perplexity through the offline `evaluate` metric ([`~grpo_hf.metrics.load_metric`]`("perplexity")`).
+    Held-out perplexity through the offline `evaluate` metric
+    ([`~grpo_hf.harness.metrics.load_metric`]`("perplexity")`).
 
     For every example: the summed negative log-likelihood (nats) of its predicted tokens (labels shifted by one,
     `-100` ignored: padding, and the prompt with completion-only loss) and their count go to the metric, which
@@ -67,7 +68,7 @@ def evaluate_accuracy(
 ) -> dict:
     """
     Held-out accuracy of a sequence classifier through the offline `evaluate` metric
-    ([`~grpo_hf.metrics.load_metric`]`("accuracy")`): the predicted class is the argmax of the logits. The mean
+    ([`~grpo_hf.harness.metrics.load_metric`]`("accuracy")`): the predicted class is the argmax of the logits. The mean
     cross-entropy of the true class is returned too. The model's mode (train / eval) is restored afterwards.
 
     Args:

@@ -17,7 +17,7 @@ Classification rows become `input_ids`, `attention_mask` (and `token_type_ids` f
 Example:
 
 ```python
->>> from grpo_hf.formatting import build_user_datasets
+>>> from grpo_hf.harness.formatting import build_user_datasets
 >>> train_ds, eval_ds, info = build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info)
 >>> info["train_label_tokens"], info["dropped_rows"]
 ```
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .parser import RecipeError
+from ..errors import RecipeError
 
 
 IGNORE_INDEX = -100
@@ -64,7 +64,7 @@ def assistant_spans(tokenizer, messages: list[dict], where: str = "recipe") -> t
     end of `messages[: i + 1]` rendered: the reply and the template's end-of-turn text.
 
     Raises:
-        [`~grpo_hf.parser.RecipeError`]: the template does not render a conversation prefix by prefix (a prefix is not
+        [`~grpo_hf.errors.RecipeError`]: the template does not render a conversation prefix by prefix (a prefix is not
             a prefix of the whole), so the assistant turns cannot be located.
     """
     text = tokenizer.apply_chat_template(messages, tokenize=False)
@@ -206,7 +206,7 @@ def _tokenize_rows(tokenizer, rows, kind: str, data_args, completion_only: bool,
 
 def build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info: dict[str, Any], model_name: str = ""):
     """
-    Tokenize the train and eval rows of [`~grpo_hf.user_data.load_train_eval`].
+    Tokenize the train and eval rows of [`~grpo_hf.harness.user_data.load_train_eval`].
 
     Rows whose labels are all `-100` after truncation (a prompt longer than `seq_len`) are dropped and counted.
 
@@ -217,7 +217,7 @@ def build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info: dict[
         `labels` and `num_labels`.
 
     Raises:
-        [`~grpo_hf.parser.RecipeError`]: no row is left in a split, or the tokenizer cannot render messages.
+        [`~grpo_hf.errors.RecipeError`]: no row is left in a split, or the tokenizer cannot render messages.
     """
     where = info.get("where", "recipe")
     kind = info["format"]

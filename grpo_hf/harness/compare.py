@@ -3,8 +3,8 @@
 Example:
 
 ```python
->>> from grpo_hf.compare import compare
->>> from grpo_hf.parser import load_recipe
+>>> from grpo_hf.harness.compare import compare
+>>> from grpo_hf.harness.parser import load_recipe
 >>> model_args, data_args, args = load_recipe("recipes/tiny.yaml", ["--max_steps", "20"])
 >>> results = compare(model_args, data_args, args)
 >>> results["ratios"]["perplexity_after"]  # GRPOTrainer / Trainer
@@ -24,31 +24,39 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from ..checkpoints import resolve_resume_checkpoint
+from ..config import grpo_field_names
+from ..provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
 from .arguments import DataArguments, ModelArguments
-from .build import Prepared, _say, build_datasets, build_model, build_tokenizer, prepare  # noqa: F401 - re-exported
-from .checkpoints import resolve_resume_checkpoint
+from .build import (
+    LABELS,
+    TRAINER_KINDS,
+    Prepared,
+    build_model,
+    plain_training_arguments,
+    prepare,
+    report_progress,
+)
 from .evaluation import evaluate_accuracy, evaluate_perplexity, reset_peak_memory
-from .provenance import SUMMARY_TRAINING_KEYS, _jsonable, capture_environment, recipe_summary  # noqa: F401 - re-exported
+from .noise import measure_timing_noise, timed_ratio_noise
+from .table import compute_ratios
 
 
-TRAINER_KINDS = ("trainer", "grpo")
-LABELS = {"trainer": "Trainer", "grpo": "GRPOTrainer"}
-
-
-def plain_training_arguments(args):
-    """
-    A plain [`~transformers.TrainingArguments`] with every `TrainingArguments` field of `args` and nothing else, so
-    that the baseline `Trainer` cannot be influenced by a `grpo_*` or `cost_*` field.
-    """
-    from transformers import TrainingArguments
-
-    names = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
-    return TrainingArguments(**{name: getattr(args, name) for name in names})
+def recipe_summary(model_args: ModelArguments, data_args: DataArguments, args) -> dict[str, Any]:
+    """The settings a run depends on: every model and data field, and the training and GRPO fields that matter."""
+    return jsonable(
+        {
+            "model": dataclasses.asdict(model_args),
+            "data": dataclasses.asdict(data_args),
+            "training": {k: getattr(args, k) for k in SUMMARY_TRAINING_KEYS},
+            "grpo": {k: getattr(args, k) for k in grpo_field_names()},
+        }
+    )
 
 
 def dense_allreduce_bytes_per_step(trainable_params: int, world_size: int) -> float:
     """Bytes one rank sends per optimizer step in a dense fp32 ring all-reduce: `2 (W - 1) / W * 4 * params`."""
-    from .compression.traffic import dense_allreduce_bytes
+    from ..compression.traffic import dense_allreduce_bytes
 
     return dense_allreduce_bytes(trainable_params, world_size)
 
@@ -137,8 +145,8 @@ def _use_compact_progress(trainer) -> None:
 def evaluate_quality(model, prepared: Prepared, args) -> dict[str, Any]:
     """
     The held-out quality of `model`: accuracy and mean loss for a classifier
-    ([`~grpo_hf.evaluation.evaluate_accuracy`]), else perplexity ([`~grpo_hf.evaluation.evaluate_perplexity`], on
-    the tokens whose label is not `-100`).
+    ([`~grpo_hf.harness.evaluation.evaluate_accuracy`]), else perplexity
+    ([`~grpo_hf.harness.evaluation.evaluate_perplexity`], on the tokens whose label is not `-100`).
     """
     evaluate = evaluate_accuracy if prepared.task == "sequence_classification" else evaluate_perplexity
     return evaluate(
@@ -196,14 +204,14 @@ def run_training(
     """
     Train one model with the plain `Trainer` (`trainer_kind="trainer"`) or `GRPOTrainer` (`"grpo"`) and measure it.
 
-    1. builds the tokenizer and the datasets ([`~grpo_hf.build.prepare`]: your data, or the Python standard library
-       corpus), unless `prepared` holds them;
-    2. loads the model ([`~grpo_hf.build.build_model`]: a causal LM, or a classifier for
+    1. builds the tokenizer and the datasets ([`~grpo_hf.harness.build.prepare`]: your data, or the Python standard
+       library corpus), unless `prepared` holds them;
+    2. loads the model ([`~grpo_hf.harness.build.build_model`]: a causal LM, or a classifier for
        `task="sequence_classification"`) and wraps it with a LoRA adapter (`lora_r > 0`), the adapter initialized
        from the run's seed, so both trainers of a comparison start from the same weights;
     3. evaluates the held-out quality with the offline `evaluate` metrics: perplexity
-       ([`~grpo_hf.evaluation.evaluate_perplexity`], on the completion tokens with completion-only loss) or accuracy
-       ([`~grpo_hf.evaluation.evaluate_accuracy`]), unless `prepared` holds it;
+       ([`~grpo_hf.harness.evaluation.evaluate_perplexity`], on the completion tokens with completion-only loss) or
+       accuracy ([`~grpo_hf.harness.evaluation.evaluate_accuracy`]), unless `prepared` holds it;
     4. trains with the plain `Trainer` (a plain `TrainingArguments` built from the same values, so no GRPO field can
        influence it) or with `GRPOTrainer`, measuring cost with a [`~grpo_hf.CostCallback`];
     5. evaluates again and collects the logs, the bytes communicated per step and the cost figures.
@@ -241,9 +249,9 @@ def run_training(
     from torch.nn.parallel import DistributedDataParallel
     from transformers import Trainer
 
-    from .cost import CostSettings, comm_time_seconds, cost_per_quality
-    from .cost.callback import CostCallback
-    from .trainer import GRPOTrainer
+    from ..cost import CostSettings, comm_time_seconds, cost_per_quality
+    from ..cost.callback import CostCallback
+    from ..trainer import GRPOTrainer
 
     if trainer_kind not in TRAINER_KINDS:
         raise ValueError(f"trainer_kind={trainer_kind!r}: use one of {TRAINER_KINDS}.")
@@ -255,13 +263,13 @@ def run_training(
     if args.include_num_input_tokens_seen == "no":  # the plain Trainer's token count, for tokens/s
         args.include_num_input_tokens_seen = "all"
 
-    _say(progress, f"loading model ({label})")
+    report_progress(progress, f"loading model ({label})")
     model, _ = build_model(model_args, data_args, seed=args.seed, tokenizer=prepared.tokenizer, labels=prepared.labels)
     model.to(args.device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total_params = sum(p.numel() for p in model.parameters())
     if prepared.eval_before is None:
-        _say(progress, "evaluating before")
+        report_progress(progress, "evaluating before")
         prepared.eval_before = evaluate_quality(model, prepared, args)
 
     settings = CostSettings.from_args(args)
@@ -297,7 +305,7 @@ def run_training(
     _use_compact_progress(trainer)
 
     memory_reset = reset_peak_memory(args.device)
-    _say(progress, f"training {label}")
+    report_progress(progress, f"training {label}")
     start = time.perf_counter()
     resume = args.resume_from_checkpoint  # GRPOTrainer resolves "last" itself; the plain Trainer does not know it
     if trainer_kind == "trainer":
@@ -308,7 +316,7 @@ def run_training(
     summary = cost.summary()
     metrics = summary["metrics"]
 
-    _say(progress, f"evaluating after ({label})")
+    report_progress(progress, f"evaluating after ({label})")
     eval_after = evaluate_quality(model, prepared, args)
     if save_model:
         trainer.save_model(output_dir)
@@ -373,7 +381,7 @@ def run_training(
     trainer.accelerator.free_memory()
     del trainer, model
     gc.collect()
-    return _jsonable(row)
+    return jsonable(row)
 
 
 def compare(
@@ -390,20 +398,17 @@ def compare(
     The tokenizer, the datasets and the quality before training (perplexity or accuracy) are computed once; each
     run loads the model afresh (same weights, same LoRA initialization). Each run's checkpoints and trained model (the
     adapter with LoRA, and the tokenizer: what `grpo-hf publish` uploads) go to `<output_dir>/<kind>`. Then, with
-    `cost_noise_rounds > 0`, [`~grpo_hf.noise.measure_timing_noise`] times interleaved windows of both trainers
+    `cost_noise_rounds > 0`, [`~grpo_hf.harness.noise.measure_timing_noise`] times interleaved windows of both trainers
     (checkpoints in `<output_dir>/noise`).
 
     `where` (the recipe file) names the recipe in the error raised for bad data.
 
     Returns:
         `dict`: `runs` (one row per trainer, see [`run_training`]), `ratios` (GRPOTrainer / Trainer per metric, see
-        [`~grpo_hf.report.compute_ratios`]), `timing_noise` (the windows) and `ratio_noise` (a noise band and a
-        `within_noise` flag per timed ratio, see [`~grpo_hf.noise.timed_ratio_noise`]), `recipe`, `data` (corpus
-        fingerprint, `sys.version`, sizes), `environment` and `wall_seconds`.
+        [`~grpo_hf.harness.table.compute_ratios`]), `timing_noise` (the windows) and `ratio_noise` (a noise band and a
+        `within_noise` flag per timed ratio, see [`~grpo_hf.harness.noise.timed_ratio_noise`]), `recipe`, `data`
+        (corpus fingerprint, `sys.version`, sizes), `environment` and `wall_seconds`.
     """
-    from .noise import measure_timing_noise, timed_ratio_noise
-    from .report import compute_ratios
-
     start = time.perf_counter()
     prepared = prepare(model_args, data_args, progress, where=where)
     runs = []
@@ -435,10 +440,10 @@ def compare(
         "runs": runs,
         "ratios": ratios,
         "timing_noise": timing_noise,
-        "ratio_noise": _jsonable(noise),
+        "ratio_noise": jsonable(noise),
         "recipe": recipe_summary(model_args, data_args, args),
-        "data": _jsonable(prepared.data_info),
-        "eval_before": _jsonable(prepared.eval_before),
+        "data": jsonable(prepared.data_info),
+        "eval_before": jsonable(prepared.eval_before),
         "environment": capture_environment(),
         "wall_seconds": time.perf_counter() - start,
     }

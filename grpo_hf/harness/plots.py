@@ -1,12 +1,12 @@
 """
-The PNG plots of a report ([`~grpo_hf.report.write_report`]): loss curves, GRPO's per-group LR multipliers, bytes
-sent per step, and the ratios GRPOTrainer / Trainer with their noise bands. matplotlib's Agg backend draws them (no
-display needed), and each file is written whole or not at all ([`~grpo_hf.files.atomic_write`]).
+The PNG plots of a report ([`~grpo_hf.harness.report.write_report`]): loss curves, GRPO's per-group LR multipliers,
+bytes sent per step, and the ratios GRPOTrainer / Trainer with their noise bands. matplotlib's Agg backend draws them
+(no display needed), and each file is written whole or not at all ([`~grpo_hf.files.atomic_write`]).
 
 Example:
 
 ```python
->>> from grpo_hf.plots import write_plots
+>>> from grpo_hf.harness.plots import write_plots
 >>> write_plots(results, "runs/quickstart")  # loss_curves.png, lr_scales.png, bytes_per_step.png, ratios.png
 ```
 """
@@ -17,7 +17,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .files import atomic_write
+from ..files import atomic_write
+from .table import TABLE_ROWS, WITHIN_NOISE
 
 
 PLOT_FILES = {
@@ -100,8 +101,6 @@ def plot_ratios(results: dict[str, Any], path: str | Path) -> Path:
     Every ratio GRPOTrainer / Trainer of the table on a log axis: exact ratios as dots, timed ratios with their noise
     band as a bar, grayed and labeled "within noise" when inside it.
     """
-    from .report import TABLE_ROWS, WITHIN_NOISE
-
     labels = {key: label for key, label, _ in TABLE_ROWS}
     ratios = results.get("ratios") or {}
     noise = results.get("ratio_noise") or {}

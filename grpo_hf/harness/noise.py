@@ -1,8 +1,8 @@
 """The noise of a comparison's time, energy and money ratios: interleaved timed windows of both trainers, and bands.
 
-A comparison ([`~grpo_hf.compare.compare`]) trains the plain `Trainer` and then `GRPOTrainer`, one after the other.
-On a shared machine the second run can meet a busier or a quieter machine than the first, so the ratios that follow
-from wall-clock time (training time, tokens/s, energy, money, cost per quality) move without any real difference
+A comparison ([`~grpo_hf.harness.compare.compare`]) trains the plain `Trainer` and then `GRPOTrainer`, one after the
+other. On a shared machine the second run can meet a busier or a quieter machine than the first, so the ratios that
+follow from wall-clock time (training time, tokens/s, energy, money, cost per quality) move without any real difference
 between the trainers. The runner therefore also times short windows of both trainers, interleaved (`T G`, `G T`,
 `T G`, ...: alternating the order cancels a steady drift of the machine's load), and this module turns them into one
 noise band per ratio:
@@ -22,7 +22,7 @@ band: they are exact. Peak memory is not timed either and is reported as measure
 Example:
 
 ```python
->>> from grpo_hf.noise import timed_ratio_noise
+>>> from grpo_hf.harness.noise import timed_ratio_noise
 >>> noise = timed_ratio_noise(results)  # results of compare(), with results["timing_noise"]
 >>> noise["train_seconds"]["within_noise"], noise["train_seconds"]["band"]  # e.g. True, [0.73, 1.01]
 ```
@@ -97,7 +97,7 @@ def classify(ratio: float | None, window_ratios: list[float], spread: float | No
 def timed_ratio_noise(results: dict[str, Any], baseline: str = "trainer", candidate: str = "grpo") -> dict:
     """
     One noise band per timed ratio ([`TIMED_KEYS`]) of a comparison's `results`: `results["ratios"]` measured by the
-    full runs, `results["timing_noise"]["windows"]` by the interleaved windows ([`~grpo_hf.compare.compare`]).
+    full runs, `results["timing_noise"]["windows"]` by the interleaved windows ([`~grpo_hf.harness.compare.compare`]).
 
     Returns:
         `dict[str, dict]`: per key, [`classify`]'s entry; empty when the results hold no ratios.
@@ -137,10 +137,10 @@ def _timed_window(model_args, data_args, args, kind: str, prepared, steps: int, 
     from transformers import Trainer, default_data_collator
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from .compare import build_model, plain_training_arguments
-    from .cost import CostSettings
-    from .cost.callback import CostCallback
-    from .trainer import GRPOTrainer
+    from ..cost import CostSettings
+    from ..cost.callback import CostCallback
+    from ..trainer import GRPOTrainer
+    from .build import build_model, plain_training_arguments
 
     args = dataclasses.replace(
         args,
@@ -202,14 +202,14 @@ def measure_timing_noise(
 
     Each round trains a fresh model for `steps` optimizer steps with each trainer (same data, seed and settings as
     the full runs, no evaluation), in the order `T G` in even rounds and `G T` in odd ones, so that a steady drift of
-    the machine's load falls on both trainers alike. [`~grpo_hf.noise.timed_ratio_noise`] turns the windows into one
-    noise band per ratio.
+    the machine's load falls on both trainers alike. [`~grpo_hf.harness.noise.timed_ratio_noise`] turns the windows
+    into one noise band per ratio.
 
     Args:
-        model_args ([`~grpo_hf.parser.ModelArguments`]), data_args ([`~grpo_hf.parser.DataArguments`]), args
-        ([`~grpo_hf.GRPOConfig`]):
+        model_args ([`~grpo_hf.harness.arguments.ModelArguments`]), data_args ([`~grpo_hf.harness.arguments.DataArguments`]),
+        args ([`~grpo_hf.GRPOConfig`]):
             The recipe of the comparison; window checkpoints go to `<output_dir>/noise/<kind>`.
-        prepared ([`~grpo_hf.compare.Prepared`]):
+        prepared ([`~grpo_hf.harness.build.Prepared`]):
             The tokenizer and datasets of the comparison.
         rounds (`int`, *optional*, defaults to `2`), steps (`int`, *optional*, defaults to `4`):
             Rounds of windows and optimizer steps per window.
@@ -221,8 +221,8 @@ def measure_timing_noise(
         per window: `round`, `name`, `train_seconds`, `tokens_per_second`, `energy_kwh`, `total_usd`,
         `load_average`).
     """
-    from .compare import LABELS
-    from .provenance import _jsonable
+    from ..provenance import jsonable
+    from .build import LABELS
 
     start = time.perf_counter()
     windows = []
@@ -233,7 +233,7 @@ def measure_timing_noise(
             output_dir = os.path.join(args.output_dir, "noise", kind)
             window = _timed_window(model_args, data_args, args, kind, prepared, steps, output_dir)
             windows.append({"round": index, "name": kind, **window})
-    return _jsonable(
+    return jsonable(
         {
             "method": METHOD,
             "rounds": rounds,

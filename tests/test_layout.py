@@ -1,0 +1,166 @@
+"""The layout says the architecture: the library never imports the application, no module imports itself back, every
+error class lives in `errors.py`, the test helpers stay out of the package, and `import grpo_hf` / `grpo-hf --help`
+import neither torch nor transformers.
+
+The imports are read from the source (ast), every `import` statement of a module: at its top level, in functions and
+methods, and under `if TYPE_CHECKING:`.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import grpo_hf
+
+
+PACKAGE = Path(grpo_hf.__file__).resolve().parent
+# The application around the library: sub-packages the library must never import.
+APPLICATION = ("grpo_hf.cli", "grpo_hf.harness", "grpo_hf.hub")
+HEAVY = ("torch", "transformers", "accelerate", "peft", "datasets")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {
+    module_name(path): path
+    for path in sorted(PACKAGE.rglob("*.py"))
+    if "recipes" not in path.relative_to(PACKAGE).parts  # the data folder's scripts are not modules of grpo_hf
+    and path.parent.parent.name != "metrics"  # evaluate's metric scripts, loaded by path
+}
+
+
+def is_application(name: str) -> bool:
+    return any(name == app or name.startswith(app + ".") for app in APPLICATION)
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> list[str]:
+    """The grpo_hf modules a `from ... import ...` statement imports (a submodule when a name is one)."""
+    if node.level:
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    if not base.startswith("grpo_hf"):
+        return []
+    return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+
+
+def imports_of(module: str, module_level_only: bool = False) -> set[str]:
+    """The grpo_hf modules `module` imports: anywhere in it, or only in statements run when it is imported."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    if module_level_only:  # top-level statements, descending into if/try blocks but not into functions or classes
+        nodes, stack = [], list(tree.body)
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            if isinstance(node, (ast.If, ast.Try, ast.With)):
+                stack += [n for block in ("body", "orelse", "finalbody", "handlers") for n in getattr(node, block, [])]
+            elif isinstance(node, ast.ExceptHandler):
+                stack += node.body
+    else:
+        nodes = list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom):
+            found.update(_resolve(module, path, node))
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "grpo_hf")
+    return found - {module}
+
+
+def test_the_modules_are_found():
+    assert {"grpo_hf.trainer", "grpo_hf.cli.main", "grpo_hf.harness.compare", "grpo_hf.hub.upload"} <= set(MODULES)
+    assert {name for name in MODULES if is_application(name)} > {"grpo_hf.cli", "grpo_hf.harness", "grpo_hf.hub"}
+
+
+@pytest.mark.parametrize("module", [name for name in MODULES if not is_application(name)])
+def test_the_library_never_imports_the_application(module):
+    bad = sorted(name for name in imports_of(module) if is_application(name))
+    assert not bad, f"{module} (library) imports {bad} (application)"
+
+
+def test_no_import_cycle_among_grpo_hf_modules():
+    graph = {module: imports_of(module, module_level_only=True) & set(MODULES) for module in MODULES}
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            cycle = path[path.index(module) :] + [module]
+            pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+        if module in done:
+            return
+        path.append(module)
+        for imported in sorted(graph[module]):
+            visit(imported)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_every_error_class_is_in_errors_py():
+    defined = {}
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(base) for base in node.bases]
+                if node.name.endswith(("Error", "Exception", "Unavailable")) or any(
+                    base.endswith(("Error", "Exception")) for base in bases
+                ):
+                    defined.setdefault(module, []).append(node.name)
+    assert set(defined) == {"grpo_hf.errors"}, defined
+
+
+def test_the_test_helpers_are_not_in_the_package():
+    assert not [path.name for path in PACKAGE.rglob("test*.py")]
+    assert (Path(__file__).parent / "testing_utils.py").is_file()
+
+
+def test_the_public_names_are_exported_lazily():
+    from grpo_hf import _EXPORTS  # the table behind the lazy module
+
+    assert grpo_hf.__all__ == list(_EXPORTS)
+    assert set(grpo_hf.__all__) | {"__version__"} <= set(dir(grpo_hf))
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        grpo_hf.NoSuchName  # noqa: B018
+
+
+def _modules_after(code: str) -> set[str]:
+    """The top-level packages imported by a fresh interpreter that runs `code`."""
+    script = f"import sys\n{code}\nprint(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return set(result.stdout.splitlines()[-1].split())  # the last line: --help prints above it
+
+
+def test_import_grpo_hf_imports_nothing_heavy():
+    assert not _modules_after("import grpo_hf") & set(HEAVY)
+
+
+def test_grpo_hf_help_and_bad_command_lines_import_nothing_heavy(tmp_path):
+    code = (
+        "from grpo_hf.cli.main import main\n"
+        "for argv in ([], ['--help'], ['bogus'], ['--debug']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        f"assert main(['train', {str(tmp_path / 'missing.yaml')!r}]) == 2\n"
+        f"assert main(['compare', {str(tmp_path)!r}]) == 2\n"
+        f"assert main(['publish', {str(tmp_path)!r}, '--repo_id', 'not a repo', '--dry_run']) == 2\n"
+        f"assert main(['publish', {str(tmp_path)!r}, '--repo_id', 'me/model', '--dry_run']) == 2\n"
+        "for argv in (['env', '--bad'], ['publish']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+    )
+    assert not _modules_after(code) & set(HEAVY)
