@@ -17,7 +17,14 @@ from transformers import TrainerCallback
 from .checkpoints import STATE_FILE, STATE_VERSION, restore_grpo_state, write_grpo_state
 from .compression.fsdp import FSDPCommState
 from .cost.callback import CostCallback
-from .engines import OptimizerStepProbe, follow_parameters, local_tensor, shard_groups, sum_over_shards
+from .engines import (
+    OptimizerStepProbe,
+    follow_parameters,
+    local_tensor,
+    process_rank,
+    shard_groups,
+    sum_over_shards,
+)
 from .grouping import ParameterGroup
 from .importance import ImportanceState
 
@@ -374,12 +381,14 @@ class GRPOCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.resume_from is not None:
-            self.load_checkpoint(self.resume_from, args.process_index, args.world_size)
+            rank, world_size = process_rank(args)
+            self.load_checkpoint(self.resume_from, rank, world_size)
             self.resume_from = None
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        write_grpo_state(folder, args.process_index, self.state_dict(args.world_size, args.process_index))
+        rank, world_size = process_rank(args)
+        write_grpo_state(folder, rank, self.state_dict(world_size, rank))
 
     def load_checkpoint(self, folder: str, rank: int = 0, world_size: int = 1) -> bool:
         """

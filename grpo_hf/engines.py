@@ -158,6 +158,16 @@ def detect_engine(trainer) -> str:
     return "single"
 
 
+def process_rank(args) -> tuple[int, int]:
+    """
+    This process's rank and the world size: torch.distributed's when it is initialized (Accelerate's state reports
+    process 0 on every rank of a DeepSpeed run on CPU), else the Trainer arguments' `process_index` and `world_size`.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return args.process_index, args.world_size
+
+
 def deepspeed_zero_stage(trainer) -> int:
     """The ZeRO stage of a Trainer running DeepSpeed."""
     return check_deepspeed_config(trainer.accelerator.state.deepspeed_plugin.deepspeed_config, "the DeepSpeed config")
@@ -341,6 +351,7 @@ __all__ = [
     "has_fsdp2_units",
     "local_tensor",
     "ordered_sum",
+    "process_rank",
     "shard_groups",
     "sum_over_shards",
 ]

@@ -14,7 +14,14 @@ from .compression.plan import resolve_compression, resolve_mode
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args, validate_grpo_fields
 from .cost.callback import CostCallback
-from .engines import OptimizerStepProbe, check_backends, deepspeed_zero_stage, detect_engine, has_fsdp2_units
+from .engines import (
+    OptimizerStepProbe,
+    check_backends,
+    deepspeed_zero_stage,
+    detect_engine,
+    has_fsdp2_units,
+    process_rank,
+)
 from .errors import ConfigError
 from .grouping import assign_groups, load_group_spec, lr_ratios
 from .hub_guards import check_push_settings, hub_errors
@@ -182,7 +189,7 @@ class GRPOMixin:
                     f"grpo_compression={compression!r} under DeepSpeed: ZeRO reduces gradients itself, so GRPO cannot "
                     "compress them. Use grpo_compression='none' (or 'auto'), or train with DDP or FSDP2 to compress."
                 )
-            if self.is_world_process_zero() and not getattr(self, "_grpo_said_compression_off", False):
+            if process_rank(self.args)[0] == 0 and not getattr(self, "_grpo_said_compression_off", False):
                 self._grpo_said_compression_off = True
                 logger.warning(
                     f"GRPO on DeepSpeed ZeRO-{deepspeed_zero_stage(self)}: groups, LR ratios and importance apply; "
@@ -328,7 +335,7 @@ class GRPOMixin:
         the compression, else the engine's fp32 reduction in the ring model (DDP and DeepSpeed: an all-reduce; FSDP2: a
         reduce-scatter; FSDP2's parameter all-gathers are not counted).
         """
-        world_size = self.args.world_size
+        world_size = process_rank(self.args)[1]
         if self.grpo_comm_state is not None:
             self.cost_callback.add_comm_bytes(self.grpo_comm_state.totals()["bytes_sent"] - sent_before)
         elif world_size > 1:

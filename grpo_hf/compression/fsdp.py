@@ -367,11 +367,18 @@ class FSDPCommState:
         return self._metrics(window, prefix=True) if window["steps"] else {}
 
     def totals(self) -> dict[str, float]:
-        """Running totals of the whole run (checkpointed): the sums of `_STAT_KEYS`, `steps`, `dense_steps`, ratios."""
+        """
+        Running totals of the whole run (checkpointed): the sums of `_STAT_KEYS` (including the reduce-scatters of the
+        step not yet closed by [`end_step`]), `steps`, `dense_steps`, `nonfinite_steps`, ratios.
+        """
         totals = dict(self._totals)
+        for key in _STAT_KEYS:
+            totals[key] += self._step[key]
+        sums = {
+            key: totals[key] for key in ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "hook_ms", "comm_ms")
+        }
         totals.update(self._metrics(totals, prefix=False))
-        for key in ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "hook_ms", "comm_ms"):
-            totals[key] = self._totals[key]
+        totals.update(sums)
         return totals
 
     # --- checkpointing ---
