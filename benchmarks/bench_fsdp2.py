@@ -70,7 +70,7 @@ T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
 
 
 class CountingAllGather:
-    """FSDP2's all-gather as it is (`all_gather_into_tensor`), counting what this rank sends (ring: (W - 1) * s)."""
+    """FSDP2's all-gather as it is (`all_gather_single`), counting what this rank sends (ring: (W - 1) * s)."""
 
     def __init__(self):
         self.bytes = 0.0
@@ -84,11 +84,12 @@ class CountingAllGather:
         import torch.distributed as dist
 
         self.bytes += (dist.get_world_size(group) - 1) * input_tensor.numel() * input_tensor.element_size()
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13: the old name
+        return gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class CountingReduceScatter:
-    """FSDP2's reduce-scatter as it is (`reduce_scatter_tensor`), counting what this rank sends (ring: (W - 1) * s)."""
+    """FSDP2's reduce-scatter as it is (`reduce_scatter_single`), counting what this rank sends (ring: (W - 1) * s)."""
 
     def __init__(self):
         self.bytes = 0.0
@@ -102,7 +103,10 @@ class CountingReduceScatter:
         import torch.distributed as dist
 
         self.bytes += (dist.get_world_size(group) - 1) * output_tensor.numel() * output_tensor.element_size()
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        scatter = (
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        )  # torch < 2.13: the old name
+        return scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def _tensor_bytes(tensors) -> int:

@@ -134,7 +134,18 @@ class GRPOCallback(TrainerCallback):
         """
         self.probe = probe
         probe.coherence = self.importance is not None and self.importance.kind == "coherence"
-        probe.factors = {name: self.lr_ratios.get(name, 1.0) for name in probe.index}
+        self._set_probe_factors()
+
+    def _set_probe_factors(self) -> None:
+        """Each group's LR factor for the next step ZeRO takes: its ratio times its current multiplier."""
+        index = {name: i for i, name in enumerate(self.importance.names)} if self.importance is not None else {}
+        factors = {}
+        for name in self.probe.index:
+            multiplier = (
+                float(self.importance.multipliers[index[name]]) if self.apply_multipliers and name in index else 1.0
+            )
+            factors[name] = self.lr_ratios.get(name, 1.0) * multiplier
+        self.probe.factors = factors
 
     def _keys(self) -> list[list[tuple]]:
         if self._shard_keys is None:
@@ -265,13 +276,10 @@ class GRPOCallback(TrainerCallback):
         if self.importance.kind == "coherence":
             coherence = self._cosines(torch.stack([sums[:, 1], sums[:, 0], sums[:, 2], sums[:, 3]], dim=1))
         multipliers = self.importance.update(norms, coherence)
-        index = {name: i for i, name in enumerate(self.importance.names)}
-        factors = {}
-        for name, i in index.items():
-            factors[name] = self.lr_ratios.get(name, 1.0) * (float(multipliers[i]) if self.apply_multipliers else 1.0)
         if optimizer is not None:
-            self._record(optimizer, multipliers, index, factors=self.probe.factors)
-        self.probe.factors = factors
+            index = {name: i for i, name in enumerate(self.importance.names)}
+            self._record(optimizer, multipliers, index, factors=self.probe.factors)  # the factors this step used
+        self._set_probe_factors()
 
     def _skip_nonfinite_step(self, state, norms: torch.Tensor) -> None:
         self.nonfinite_steps += 1
@@ -384,6 +392,8 @@ class GRPOCallback(TrainerCallback):
             rank, world_size = process_rank(args)
             self.load_checkpoint(self.resume_from, rank, world_size)
             self.resume_from = None
+            if self.probe is not None:  # DeepSpeed: the restored multipliers apply from the next step, as in the run
+                self._set_probe_factors()
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from testing_utils import ROOT, run_torchrun
+from testing_utils import ROOT, run_accelerate_launch, run_torchrun
 
 from grpo_hf.compression.fsdp import message_nbytes
 
@@ -217,3 +217,46 @@ def test_deepspeed_zero_keeps_groups_ratios_and_importance(trainer_deepspeed, st
 def test_deepspeed_refuses_compression_settings(trainer_deepspeed):
     for result in trainer_deepspeed:
         assert result["refused"]["error"].startswith("grpo_compression='quantize' under DeepSpeed")
+
+
+# --- the accelerate config files of recipes/accelerate/ ---------------------------------------------------------------
+
+
+def _launch_env(config_file: Path, out_dir: Path) -> list[dict]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run = run_accelerate_launch(config_file, SCRIPTS / "launch_env.py", out_dir, nproc=2, timeout=180, cwd=ROOT)
+    assert run.returncode == 0, run.logs()
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_accelerate_config_files_are_accepted_and_fsdp1_or_blocks_refused(tmp_path):
+    pytest.importorskip("deepspeed")
+    accelerate_dir = ROOT / "grpo_hf" / "recipes" / "accelerate"
+    for result in _launch_env(accelerate_dir / "fsdp2.yaml", tmp_path / "fsdp2"):
+        assert result["env"]["ACCELERATE_USE_FSDP"] == "true" and result["env"]["FSDP_VERSION"] == "2"
+        assert result["error"] is None and result["world_size"] == 2
+    for result in _launch_env(accelerate_dir / "deepspeed_zero2.yaml", tmp_path / "zero2"):
+        assert result["env"]["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == "recipes/accelerate/ds_zero2.json"
+        assert result["error"] is None
+    fsdp1 = tmp_path / "fsdp1.yaml"
+    fsdp1.write_text((accelerate_dir / "fsdp2.yaml").read_text().replace("fsdp_version: 2", "fsdp_version: 1"))
+    for result in _launch_env(fsdp1, tmp_path / "fsdp1"):
+        assert result["error"].startswith("accelerate launch with FSDP version 1: GRPOTrainer runs on FSDP2")
+    blocks = tmp_path / "ds_blocks.json"
+    blocks.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}))
+    zero2 = tmp_path / "zero2_blocks.yaml"
+    zero2.write_text(
+        (accelerate_dir / "deepspeed_zero2.yaml").read_text().replace("recipes/accelerate/ds_zero2.json", str(blocks))
+    )
+    for result in _launch_env(zero2, tmp_path / "zero2_blocks"):
+        assert "the DeepSpeed config has the block 'optimizer'" in result["error"]
+
+
+def test_deepspeed_zero2_resume_is_exact(tmp_path):
+    """benchmarks/gpu_engines.py's ZeRO-2 mode runs on CPU too: train 12 steps, resume from step 6, same parameters."""
+    pytest.importorskip("deepspeed")
+    run = run_torchrun(ROOT / "benchmarks" / "gpu_engines.py", "zero2", tmp_path, nproc=2, timeout=240, cwd=ROOT)
+    assert run.returncode == 0, run.logs()
+    lines = [line for line in run.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(lines) == 9 and all(line.startswith("PASS") for line in lines), "\n".join(lines)
+    assert "PASS zero2: resumed run equals the straight one" in lines
