@@ -82,6 +82,7 @@ def test_group_norms_and_multipliers_agree_across_ranks(pieces):
         _is_sharded(record)
         assert record["multipliers_identical"] and record["params_identical"]
         assert max(record["norm_gap"]) < 1e-6  # the shards' sums of squares = the gathered full gradient's norm
+        assert max(record["coherence_gap"]) < 1e-9  # the cosines with Adam's momentum, over the shards
         assert len(set(record["multipliers"])) > 1  # importance scaling acted
     assert records[0]["digest"] == records[1]["digest"]
     assert records[0]["losses"] != records[1]["losses"]  # the ranks trained on different batches

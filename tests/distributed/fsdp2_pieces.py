@@ -70,7 +70,7 @@ class Run:
             self.units = install_compressed_reduce_scatter(model, self.state)
             self.callback.comm_state = self.state
         self.model, self.optimizer, self.groups = model, optimizer, groups
-        self.losses, self.lrs, self.norms_check = [], [], []
+        self.losses, self.lrs, self.norms_check, self.coherence_check = [], [], [], []
 
     def backward(self, step: int, poison: bool = False) -> None:
         ids = batch(step, dist.get_rank())
@@ -81,6 +81,7 @@ class Run:
     def step(self, step: int, poison: bool = False) -> None:
         self.backward(step, poison)
         self.norms_check.append(self.check_norms())
+        self.coherence_check.append(self.check_coherence())  # collectives: every rank, poisoned or not
         self.callback.on_pre_optimizer_step(None, None, None, optimizer=self.optimizer)
         self.lrs.append({g["grpo_group"]: g["lr"] for g in self.optimizer.param_groups})
         self.optimizer.step()
@@ -98,6 +99,24 @@ class Run:
         if not torch.isfinite(norms).all():
             return float("nan")
         return float(((norms - reference).abs() / reference.clamp(min=1e-30)).max())
+
+    def check_coherence(self) -> float:
+        """Largest gap between the callback's gradient-momentum cosines and those of the gathered full tensors."""
+        cosines = self.callback.group_coherence(self.optimizer)
+        reference = []
+        for group in self.groups:
+            pairs = [
+                (p.grad.full_tensor().double(), self.optimizer.state[p]["exp_avg"].full_tensor().double())
+                for p in group.params
+                if p.grad is not None and "exp_avg" in self.optimizer.state.get(p, {})
+            ]
+            if not pairs:
+                reference.append(1.0)
+                continue
+            dot = sum((g * m).sum() for g, m in pairs)
+            gg, mm = sum((g * g).sum() for g, _ in pairs), sum((m * m).sum() for _, m in pairs)
+            reference.append(float(dot / (gg.sqrt() * mm.sqrt())))
+        return float((cosines - torch.tensor(reference, dtype=torch.float64)).abs().max())
 
     def full_params(self) -> list[torch.Tensor]:
         return [p.full_tensor().detach().clone() for p in self.model.parameters()]
@@ -121,6 +140,7 @@ class Run:
             "losses": self.losses,
             "lrs": self.lrs,
             "norm_gap": self.norms_check,
+            "coherence_gap": self.coherence_check,
             "multipliers": self.callback.importance.multipliers.tolist(),
             "multipliers_identical": same_on_all_ranks(self.callback.importance.multipliers),
             "params_identical": same_on_all_ranks(torch.cat([p.reshape(-1) for p in params])),
