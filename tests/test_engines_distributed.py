@@ -172,6 +172,8 @@ def test_trainer_fsdp2_compressed_by_default(trainer_fsdp2):
         assert record["engine"] == "fsdp2" and record["compression"] == "quantize" and record["fsdp_comm"]
         _is_sharded(record)
         assert record["comm_steps"] == record["global_step"] == 8 and record["hook_calls"] > 0
+        # gradient_accumulation_steps=2: one reduce-scatter per unit and optimizer step, not per micro-batch
+        assert record["hook_calls"] % 8 == 0 and record["hook_calls"] <= 8 * record["units"]
         assert record["params_identical"] and record["multipliers_identical"]
         assert record["totals"]["dense_steps"] == 2  # grpo_dense_warmup_steps
         last = record["logs"][-1]

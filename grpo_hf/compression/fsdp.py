@@ -234,7 +234,19 @@ class FSDPCommState:
 
     # --- the reduce-scatter ---
     def reduce_scatter(self, unit: str, output: torch.Tensor, input: torch.Tensor, group, op) -> None:
-        """The compressed reduce-scatter of one unit's flat gradient (see the module docstring)."""
+        """
+        The compressed reduce-scatter of one unit's flat gradient (see the module docstring).
+
+        Args:
+            unit (`str`): the unit's name (its residuals are kept under `"<unit>:<input size>"`).
+            output (`torch.Tensor`): this rank's chunk of the result, `S` entries (FSDP's reduce-scatter output).
+            input (`torch.Tensor`): the unit's flat gradient, `W * S` entries laid out rank by rank.
+            group (`torch.distributed.ProcessGroup`): the FSDP shard group.
+            op (`torch.distributed.ReduceOp`): `AVG` (the sum divided by `W`) or `SUM`.
+
+        Raises:
+            `ValueError`: another reduce op (a pre-multiplied sum), or sizes that do not split over the group.
+        """
         start = time.perf_counter()
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 from grpo_hf import GRPOConfig, GRPOTrainer
-from grpo_hf.compression.fsdp import FSDPCommState
+from grpo_hf.compression.fsdp import FSDPCommState, fsdp_units
 
 
 SEQ_LEN = 16
@@ -89,6 +89,7 @@ def train(model_dir, args, resume=None):
         "compression": trainer.grpo_compression,
         "fsdp_comm": isinstance(state, FSDPCommState),
         "hook_calls": state.hook_calls if state is not None else 0,
+        "units": len(fsdp_units(trainer.model)),
         "comm_steps": state.step if state is not None else 0,
         "totals": state.totals() if state is not None else {},
         "multipliers": trainer.grpo_callback.importance.multipliers.tolist(),
@@ -111,8 +112,12 @@ def scenario_groups(out_dir, model_dir):
 
 
 def scenario_compressed(out_dir, model_dir):
-    """The default compression under FSDP2 ('auto': 8-bit reduce-scatter), with worker error feedback."""
-    return train(model_dir, make_args(out_dir, "compressed", grpo_fsdp_error_feedback="worker-bf16"))
+    """
+    The default compression under FSDP2 ('auto': 8-bit reduce-scatter), with worker error feedback and gradient
+    accumulation (FSDP2 reduce-scatters once per optimizer step).
+    """
+    args = make_args(out_dir, "compressed", grpo_fsdp_error_feedback="worker-bf16", gradient_accumulation_steps=2)
+    return train(model_dir, args)
 
 
 def scenario_checkpoint(out_dir, model_dir):
