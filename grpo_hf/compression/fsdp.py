@@ -95,7 +95,8 @@ _STAT_KEYS = ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "numel", "ho
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The codec behind one pair of functions (switching to another codec is an edit of these two)
+# The codec behind one pair of functions: today `quantize.py`'s block quantizer; moving to another codec (e.g. the
+# fused `encode_blocks` / `decode_blocks` kernels) is an edit of `_encode`, `_decode` and this module's import.
 # ----------------------------------------------------------------------------------------------------------------
 
 
