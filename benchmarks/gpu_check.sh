@@ -5,7 +5,11 @@
 #
 # 1. the CUDA codec against the CPU codec (`tests/test_gpu.py`, bit for bit where the formats must agree);
 # 2. the hook's time per step on CUDA (tiny Llama, SmolLM2's LoRA adapters and its 135M full parameter set), 4 and 2 bits;
-# 3. the GPU's name, memory and power draw as NVML reports them (what the cost meter reads).
+# 3. the GPU's name, memory and power draw as NVML reports them (what the cost meter reads);
+# 4. GRPOTrainer on the Trainer's FSDP2 (fsdp_config={"version": 2}, then accelerate launch with
+#    recipes/accelerate/fsdp2.yaml) and on DeepSpeed ZeRO-2 (recipes/accelerate/ds_zero2.json): train 12 steps,
+#    checkpoint at 6, resume, one PASS/FAIL line per check (benchmarks/gpu_engines.py). One process per GPU (NCCL);
+#    with 2+ GPUs the FSDP2 runs also check GRPO's compressed reduce-scatter. Needs `pip install deepspeed` for ZeRO-2.
 # Paste the printed figures into benchmarks/LOG.md with the date and the GPU's name.
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
@@ -34,4 +38,16 @@ if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,memory.total,memory.used,power.draw,utilization.gpu --format=csv
 else
     echo "nvidia-smi not found: the cost meter falls back to its estimate"
+fi
+
+NGPU="$("$PYTHON" -c 'import torch; print(min(torch.cuda.device_count(), 2))')"
+OUT="$(mktemp -d)"
+echo "== 4. GRPOTrainer on FSDP2 and DeepSpeed ZeRO-2, ${NGPU} GPU(s)"
+timeout 240 "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" benchmarks/gpu_engines.py fsdp2 "$OUT/fsdp2"
+timeout 240 "$PYTHON" -m accelerate.commands.launch --config_file recipes/accelerate/fsdp2.yaml \
+    --num_processes "$NGPU" benchmarks/gpu_engines.py fsdp2-accelerate "$OUT/fsdp2-accelerate"
+if "$PYTHON" -c 'import deepspeed' 2>/dev/null; then
+    timeout 240 "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" benchmarks/gpu_engines.py zero2 "$OUT/zero2"
+else
+    echo "deepspeed is not installed (pip install deepspeed): ZeRO-2 check skipped"
 fi

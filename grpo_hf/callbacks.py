@@ -15,7 +15,16 @@ import torch
 from transformers import TrainerCallback
 
 from .checkpoints import STATE_FILE, STATE_VERSION, restore_grpo_state, write_grpo_state
+from .compression.fsdp import FSDPCommState
 from .cost.callback import CostCallback
+from .engines import (
+    OptimizerStepProbe,
+    follow_parameters,
+    local_tensor,
+    process_rank,
+    shard_groups,
+    sum_over_shards,
+)
 from .grouping import ParameterGroup
 from .importance import ImportanceState
 
@@ -62,6 +71,13 @@ class GRPOCallback(TrainerCallback):
     Groups and importance state given here or later with [`~GRPOCallback.bind`] (`GRPOMixin` binds them to the model
     it trains). Set `resume_from` to a checkpoint folder before training to restore the GRPO state saved there at
     `on_train_begin` (after the Trainer restored its own).
+
+    Engines (see [`~grpo_hf.engines`]): under FSDP2 the groups follow the sharded parameters ([`~GRPOCallback.follow`])
+    and a group's norm is computed from every rank's local sum of squares, gathered and added in rank order, so that
+    every rank gets the same norms, multipliers and skip decision; the FSDP2 compression state commits its residuals
+    only for a finite step. Under DeepSpeed the optimizer step runs inside the backward, before this callback: with a
+    step probe ([`~GRPOCallback.use_step_probe`]) the norms come from the gradients ZeRO stepped, the multipliers they
+    give apply from the next step on, and NaN/Inf steps are left to DeepSpeed.
     """
 
     def __init__(
@@ -80,6 +96,7 @@ class GRPOCallback(TrainerCallback):
         self._backward_end: float | None = None
         self._latencies_ms: deque[float] = deque(maxlen=100)
         self._warned: set[str] = set()
+        self.probe: OptimizerStepProbe | None = None
         self.bind(groups or [], importance, apply_multipliers, lr_ratios)
 
     def bind(
@@ -102,6 +119,55 @@ class GRPOCallback(TrainerCallback):
         self.nonfinite_steps = 0
         self.metrics.clear()
         self._latencies_ms.clear()
+        self._shard_keys: list[list[tuple]] | None = None  # per group and parameter: its shard process groups
+
+    def follow(self, model) -> None:
+        """Point the groups at `model`'s parameters of the same names (FSDP2 replaced them; see [`~grpo_hf.engines`])."""
+        follow_parameters(self.groups, model)
+        self._shard_keys = None
+
+    def use_step_probe(self, probe: OptimizerStepProbe) -> None:
+        """
+        Take the norms from `probe` and apply the LR factors through it (DeepSpeed: the optimizer steps inside the
+        backward, before `on_pre_optimizer_step`). The LR ratios apply from the first step, the multipliers one step
+        after the gradients they come from.
+        """
+        self.probe = probe
+        probe.coherence = self.importance is not None and self.importance.kind == "coherence"
+        self._set_probe_factors()
+
+    def _set_probe_factors(self) -> None:
+        """Each group's LR factor for the next step ZeRO takes: its ratio times its current multiplier."""
+        index = {name: i for i, name in enumerate(self.importance.names)} if self.importance is not None else {}
+        factors = {}
+        for name in self.probe.index:
+            multiplier = (
+                float(self.importance.multipliers[index[name]]) if self.apply_multipliers and name in index else 1.0
+            )
+            factors[name] = self.lr_ratios.get(name, 1.0) * multiplier
+        self.probe.factors = factors
+
+    def _keys(self) -> list[list[tuple]]:
+        if self._shard_keys is None:
+            self._shard_keys = [[shard_groups(p) for p in group.params] for group in self.groups]
+        return self._shard_keys
+
+    def _sharded(self) -> bool:
+        return any(key for keys in self._keys() for key in keys)
+
+    def _group_sums(self, values) -> torch.Tensor:
+        """
+        `[G, K]` float64 sums over the whole (sharded) parameters of `values(group_index, param) -> [K] local sums`,
+        identical on every rank ([`~grpo_hf.engines.sum_over_shards`]).
+        """
+        partials: dict[tuple, torch.Tensor] = {}
+        for i, (group, keys) in enumerate(zip(self.groups, self._keys())):
+            for param, key in zip(group.params, keys):
+                local = values(param)
+                if key not in partials:
+                    partials[key] = torch.zeros(len(self.groups), local.numel(), dtype=torch.float64)
+                partials[key][i] += local
+        return sum_over_shards(partials)
 
     # --- per step ---
     def mark_backward_end(self) -> None:
@@ -110,6 +176,14 @@ class GRPOCallback(TrainerCallback):
 
     def group_grad_norms(self) -> torch.Tensor:
         """L2 norm of each group's gradient (float64; 0 for a group without gradients this step)."""
+        if self._sharded():
+
+            def squares(param):
+                grad = param.grad
+                value = 0.0 if grad is None else float(torch.linalg.vector_norm(local_tensor(grad).float())) ** 2
+                return torch.tensor([value], dtype=torch.float64)
+
+            return self._group_sums(squares)[:, 0].sqrt()
         norms = []
         for group in self.groups:
             grads = [p.grad.detach() for p in group.params if p.grad is not None]
@@ -126,6 +200,16 @@ class GRPOCallback(TrainerCallback):
         steps before this one); 1 for a group without momentum yet (the first step).
         """
         state = optimizer.state
+        if self._sharded():
+
+            def products(param):
+                moment = state.get(param, {}).get("exp_avg")
+                if param.grad is None or moment is None:
+                    return torch.zeros(4, dtype=torch.float64)
+                g, m = local_tensor(param.grad).double(), local_tensor(moment).double()
+                return torch.stack([(g * m).sum(), (g * g).sum(), (m * m).sum(), torch.ones((), dtype=torch.float64)])
+
+            return self._cosines(self._group_sums(products))
         values = []
         for group in self.groups:
             pairs = [
@@ -143,9 +227,22 @@ class GRPOCallback(TrainerCallback):
             values.append(dot / (norm_g * norm_m) if norm_g > 0 and norm_m > 0 else 1.0)
         return torch.tensor(values, dtype=torch.float64)
 
+    @staticmethod
+    def _cosines(sums: torch.Tensor) -> torch.Tensor:
+        """Cosines from `[G, 4]` sums (g . m, |g|^2, |m|^2, tensors with a moment); 1 where there is no moment."""
+        dot, gg, mm, count = sums.unbind(dim=1)
+        ok = (count > 0) & (gg > 0) & (mm > 0)
+        return torch.where(ok, dot / (gg.sqrt() * mm.sqrt()).clamp(min=1e-300), torch.ones_like(dot))
+
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if self.probe is not None:
+            self._after_probed_step(optimizer)
+            return
         norms = self.group_grad_norms()
-        if not torch.isfinite(norms).all():
+        finite = bool(torch.isfinite(norms).all())
+        if isinstance(self.comm_state, FSDPCommState):
+            self.comm_state.end_step(finite)  # its residuals count only if the step is taken
+        if not finite:
             self._skip_nonfinite_step(state, norms)
             return
         coherence = None
@@ -168,6 +265,21 @@ class GRPOCallback(TrainerCallback):
             if factor != 1.0:
                 group["lr"] = group["lr"] * factor
         self._record(optimizer, multipliers, index)
+
+    def _after_probed_step(self, optimizer) -> None:
+        """DeepSpeed: importance from the step ZeRO just took; its multipliers go into the probe's factors."""
+        sums = self.probe.pop()
+        if sums is None:  # DeepSpeed skipped the step (fp16 overflow)
+            return
+        norms = sums[:, 0].sqrt()
+        coherence = None
+        if self.importance.kind == "coherence":
+            coherence = self._cosines(torch.stack([sums[:, 1], sums[:, 0], sums[:, 2], sums[:, 3]], dim=1))
+        multipliers = self.importance.update(norms, coherence)
+        if optimizer is not None:
+            index = {name: i for i, name in enumerate(self.importance.names)}
+            self._record(optimizer, multipliers, index, factors=self.probe.factors)  # the factors this step used
+        self._set_probe_factors()
 
     def _skip_nonfinite_step(self, state, norms: torch.Tensor) -> None:
         self.nonfinite_steps += 1
@@ -197,9 +309,14 @@ class GRPOCallback(TrainerCallback):
         entry[0] += value
         entry[1] += 1
 
-    def _record(self, optimizer, multipliers: torch.Tensor, index: dict[str, int]) -> None:
+    def _record(self, optimizer, multipliers: torch.Tensor, index: dict[str, int], factors=None) -> None:
         imp = self.importance
-        effective_lr = {g["grpo_group"]: g["lr"] for g in optimizer.param_groups if "grpo_group" in g}
+        factors = factors or {}
+        effective_lr = {
+            g["grpo_group"]: g["lr"] * factors.get(g["grpo_group"], 1.0)
+            for g in optimizer.param_groups
+            if "grpo_group" in g
+        }
         for name, i in index.items():
             self._add(f"grpo/lr_scale/{name}", float(multipliers[i]))
             self._add(f"grpo/grad_norm/{name}", float(imp.last_grad_norms[i]))
@@ -272,12 +389,16 @@ class GRPOCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.resume_from is not None:
-            self.load_checkpoint(self.resume_from, args.process_index, args.world_size)
+            rank, world_size = process_rank(args)
+            self.load_checkpoint(self.resume_from, rank, world_size)
             self.resume_from = None
+            if self.probe is not None:  # DeepSpeed: the restored multipliers apply from the next step, as in the run
+                self._set_probe_factors()
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        write_grpo_state(folder, args.process_index, self.state_dict(args.world_size, args.process_index))
+        rank, world_size = process_rank(args)
+        write_grpo_state(folder, rank, self.state_dict(world_size, rank))
 
     def load_checkpoint(self, folder: str, rank: int = 0, world_size: int = 1) -> bool:
         """

@@ -20,6 +20,7 @@ import re
 
 import torch
 
+from .compression.fsdp import FSDP_MODE
 from .compression.reshard import reshard_comm_state
 from .errors import CheckpointError
 from .files import atomic_write, checkpoint_folders
@@ -240,6 +241,10 @@ def restore_grpo_state(
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from None
     comms = [state["comm"] for state in states]
+    fsdp_saved = any(comm is not None and comm.get("mode") == FSDP_MODE for comm in comms)
+    if fsdp_saved or (comm_state is not None and comm_state.mode == FSDP_MODE):
+        _restore_fsdp_comm(folder, path, rank, world_size, states, comm_state)
+        return states[0]
     dropped = comm_state is None and any(comm is not None for comm in comms)
     if dropped:
         saved_world_size = _world_size_of(folder, states[0])
@@ -279,6 +284,32 @@ def restore_grpo_state(
             )
         )
     return states[0]
+
+
+def _restore_fsdp_comm(folder: str, path: str, rank: int, world_size: int, states: list[dict], comm_state) -> None:
+    """
+    The FSDP2 reduce-scatter's state: this rank's own when the checkpoint was written by as many ranks with the same
+    compression; otherwise its residuals are dropped with a warning (their chunks are laid out per world size: they
+    cannot be re-split as the DDP hook's can), keeping the counters when the saved state is an FSDP2 one.
+    """
+    comms = [state["comm"] for state in states]
+    try:
+        if comm_state is not None and len(states) == 1 and comms[0] is not None:
+            comm_state.load_state_dict(comms[0])
+            return
+        if comm_state is not None and comms[0] is not None and comms[0].get("mode") == FSDP_MODE:
+            comm_state.load_state_dict(comms[0], residuals=False)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    if rank == 0 and any(comm is not None for comm in comms):
+        saved_world_size = _world_size_of(folder, states[0])
+        saved_mode = next((c["mode"] for c in comms if c is not None), None)
+        logger.warning(
+            f"{folder} was written by {saved_world_size} rank(s) with compression mode {saved_mode!r} and is resumed "
+            f"by {world_size} in mode {comm_state.mode if comm_state is not None else None!r}: the error-feedback "
+            "residuals are dropped (the FSDP2 reduce-scatter lays them out per world size). Resume with the same "
+            "world size and compression to keep them."
+        )
 
 
 __all__ = [

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .compression.fsdp import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES
 from .compression.plan import DEFAULT_MIN_NUMEL
 from .compression.spec import (
     BITS_CHOICES,
@@ -17,6 +18,7 @@ from .compression.spec import (
 )
 from .compression.state import DEFAULT_SCALE_BETA
 from .cost import CostSettings
+from .engines import check_backends
 from .errors import ConfigError
 from .grouping import check_lr_ratios, load_group_spec
 from .importance import SCORE_KINDS as SCORE_CHOICES
@@ -73,8 +75,11 @@ class GRPOConfig(TrainingArguments):
 
         grpo_compression (`str`, *optional*, defaults to `"auto"`):
             `"none"`, `"sparse"` (top-k, fp32 values), `"quantize"` (every entry, `grpo_bits` per value),
-            `"sparse+quantize"` (the article's), or `"auto"`: `"quantize"` under DDP with more than one process,
-            `"none"` otherwise. Every lossy setting keeps what it did not send for the next step (error feedback).
+            `"sparse+quantize"` (the article's), or `"auto"`: `"quantize"` under DDP or FSDP2 with more than one
+            process, `"none"` otherwise. Every lossy DDP setting keeps what it did not send for the next step (error
+            feedback). FSDP2 takes `"none"` and `"quantize"` (its compressed reduce-scatter, see
+            [`~grpo_hf.compression.fsdp`]); DeepSpeed only `"none"` (ZeRO reduces gradients itself; `"auto"` turns
+            compression off there).
         grpo_density (`float`, *optional*, defaults to `0.15`):
             Fraction of gradient entries kept by top-k (the article's 15%%) when `grpo_compression` includes
             `"sparse"`, for groups that do not set their own.
@@ -96,8 +101,14 @@ class GRPOConfig(TrainingArguments):
             EMA factor of the squared gradients behind those scales.
         grpo_dense_warmup_steps (`int`, *optional*, defaults to `2`):
             Optimizer steps sent dense before compression starts (DDP rebuilds its buckets after step 1).
+        grpo_fsdp_error_feedback (`str`, *optional*, defaults to `"none"`):
+            FSDP2's compressed reduce-scatter only: `"none"` (no memory: an owner's own chunk is exact, the others'
+            quantization errors are dropped), `"worker-bf16"` or `"worker-int8"` (every rank keeps the residual of the
+            chunks it sends, in bf16 or 8-bit blocks: memory that does not shrink with the number of ranks). See
+            `docs/engines.md` for the measurement behind the default.
         grpo_min_compress_numel (`int`, *optional*, defaults to `4096`):
-            Tensors with fewer elements (norms, biases) are always sent dense.
+            Tensors with fewer elements (norms, biases) are always sent dense (DDP; FSDP2 compresses every gradient
+            of a unit alike).
 
     Parameters that control cost accounting: see [`~grpo_hf.cost.CostSettings`] (`cost_*` prices, power, link
     speed, workers, peak TFLOP/s and grid carbon intensity), plus two settings of the comparison runner
@@ -118,8 +129,9 @@ class GRPOConfig(TrainingArguments):
             dropped this `TrainingArguments` field; it has its old name here).
 
     Every check runs when the config is built, before any model is loaded: the `grpo_*` and `cost_*` values, the
-    group file (read and validated, errors name the file and the rule), and the backend (FSDP and DeepSpeed are
-    refused). Errors are [`~grpo_hf.errors.ConfigError`] / [`~grpo_hf.errors.GroupConfigError`] (`ValueError`s)
+    group file (read and validated, errors name the file and the rule), and the engine (FSDP2 and DeepSpeed ZeRO 1/2/3
+    are accepted; FSDP1, ZeRO stage 0 and a DeepSpeed config with an `"optimizer"` or `"scheduler"` block are refused,
+    see [`~grpo_hf.engines.check_backends`]). Errors are [`~grpo_hf.errors.ConfigError`] / [`~grpo_hf.errors.GroupConfigError`] (`ValueError`s)
     that name the field.
     """
 
@@ -212,6 +224,14 @@ class GRPOConfig(TrainingArguments):
     grpo_dense_warmup_steps: int = field(
         default=2, metadata={"help": "Optimizer steps communicated dense before compression starts (>= 2 under DDP)."}
     )
+    grpo_fsdp_error_feedback: str = field(
+        default=DEFAULT_FSDP_ERROR_FEEDBACK,
+        metadata={
+            "help": "FSDP2 only: where the compressed reduce-scatter keeps what it did not send: 'none' (no memory), "
+            "'worker-bf16' or 'worker-int8' (a residual of every chunk a rank sends, in bf16 or 8-bit blocks).",
+            "choices": list(ERROR_FEEDBACK_CHOICES),
+        },
+    )
     grpo_min_compress_numel: int = field(
         default=DEFAULT_MIN_NUMEL,
         metadata={"help": "Tensors with fewer elements (norms, biases) are always sent dense."},
@@ -264,7 +284,7 @@ class GRPOConfig(TrainingArguments):
     )
 
     def __post_init__(self):
-        refuse_unsupported_backends(self.fsdp, self.deepspeed)  # before transformers sets the backend up
+        check_backends(self.fsdp, self.fsdp_config, self.deepspeed)  # before transformers sets the backend up
         validate_grpo_fields(self)
         super().__post_init__()
 
@@ -288,27 +308,6 @@ def ensure_grpo_args(args: TrainingArguments) -> TrainingArguments:
                 setattr(args, name, value)
         validate_grpo_fields(args)
     return args
-
-
-def _enabled(value) -> bool:
-    """Whether an `fsdp` / `deepspeed` value turns the backend on (`"false"`, `""`, `[]`, `None` do not)."""
-    if isinstance(value, str):
-        return value.strip().lower() not in ("", "false", "no", "0", "none")
-    return bool(value)
-
-
-def refuse_unsupported_backends(fsdp=None, deepspeed=None) -> None:
-    """
-    Raise [`~grpo_hf.errors.ConfigError`] naming the field when `fsdp` or `deepspeed` turns on a backend GRPO cannot
-    run on (their sharded parameters and gradients bypass GRPO's groups and DDP communication hook).
-    """
-    for name, value, backend in (("deepspeed", deepspeed, "DeepSpeed"), ("fsdp", fsdp, "FSDP")):
-        if _enabled(value):
-            raise ConfigError(
-                f"{name}={value!r}: GRPOTrainer does not support {backend}: its sharded parameters and gradients "
-                "bypass GRPO's groups and DDP communication hook. Train with DDP (`torchrun` or `accelerate launch "
-                f"--multi_gpu`) and drop {name}, or use the plain transformers Trainer for {backend} runs."
-            )
 
 
 def _check_types(args) -> None:
@@ -374,6 +373,10 @@ def validate_grpo_fields(args) -> None:
         raise ConfigError(f"grpo_scale_beta={args.grpo_scale_beta}: use a value in [0, 1), e.g. 0.99.")
     if args.grpo_dense_warmup_steps < 0:
         raise ConfigError(f"grpo_dense_warmup_steps={args.grpo_dense_warmup_steps}: use 0 or more (2 under DDP).")
+    if args.grpo_fsdp_error_feedback not in ERROR_FEEDBACK_CHOICES:
+        raise ConfigError(
+            f"grpo_fsdp_error_feedback={args.grpo_fsdp_error_feedback!r}: use one of {ERROR_FEEDBACK_CHOICES}."
+        )
     if args.grpo_min_compress_numel < 0:
         raise ConfigError(f"grpo_min_compress_numel={args.grpo_min_compress_numel}: use 0 or more.")
     if args.cost_noise_rounds < 0:

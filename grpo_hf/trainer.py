@@ -9,10 +9,19 @@ from transformers.utils import logging
 from .callbacks import GRPOCallback
 from .checkpoints import check_grpo_state_files, resolve_resume_checkpoint
 from .compression import GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
+from .compression.fsdp import FSDPCommState, install_compressed_reduce_scatter, reduce_scatter_bytes
 from .compression.plan import resolve_compression, resolve_mode
 from .compression.traffic import dense_allreduce_bytes
-from .config import ensure_grpo_args, refuse_unsupported_backends, validate_grpo_fields
+from .config import ensure_grpo_args, validate_grpo_fields
 from .cost.callback import CostCallback
+from .engines import (
+    OptimizerStepProbe,
+    check_backends,
+    deepspeed_zero_stage,
+    detect_engine,
+    has_fsdp2_units,
+    process_rank,
+)
 from .errors import ConfigError
 from .grouping import assign_groups, load_group_spec, lr_ratios
 from .hub_guards import check_push_settings, hub_errors
@@ -48,8 +57,15 @@ class GRPOMixin:
       for the optimizer step only.
     - **Compressed communication** (`grpo_compression`): under multi-process DDP, [`~grpo_hf.compression.grpo_comm_hook`]
       is registered on the DDP model Accelerate built, before its first backward (Accelerate cannot take a custom
-      hook). On one process with compression switched on, the same codec is applied locally after the last
-      micro-batch's backward (the article's sparse updates), counting the bytes a worker would send.
+      hook). Under FSDP2, every `fully_shard` unit gets the compressed reduce-scatter of
+      [`~grpo_hf.compression.fsdp`]. On one process with compression switched on, the same codec is applied locally
+      after the last micro-batch's backward (the article's sparse updates), counting the bytes a worker would send.
+    - **Engines** ([`~grpo_hf.engines`]): DDP, FSDP2 (the Trainer's `fsdp` with `fsdp_config={"version": 2}`,
+      `accelerate launch` with `fsdp_version: 2`, or a model sharded with `fully_shard` before it reaches the trainer)
+      and DeepSpeed ZeRO 1/2/3 with a config that leaves the optimizer and scheduler to the Trainer. Under FSDP2, GRPO's
+      groups follow the sharded parameters by name and group norms add up every shard. Under DeepSpeed, groups, LR
+      ratios and importance apply through step hooks on the optimizer ZeRO wraps (multipliers one step later than
+      under DDP), compression is off and NaN/Inf steps are left to DeepSpeed. See `docs/engines.md`.
     - **Cost**: a [`~grpo_hf.CostCallback`] is added unless one is passed in `callbacks`.
     - **Metrics**: counted figures (`grpo/*` averaged over each logging window, `cost/*` tokens, FLOPs and bytes) are
       added to the Trainer's logs, so every `report_to` integration receives them and `state.log_history` is the
@@ -66,13 +82,14 @@ class GRPOMixin:
       `model-index`, groups, settings, cost); a `hub_token` in the arguments is refused (the Trainer would pickle it
       into `training_args.bin`), and a missing token or an unreachable Hub is one [`~grpo_hf.errors.HubError`].
 
-    Not supported: FSDP and DeepSpeed (refused when the config is built, with what to do instead).
+    Refused before any work, with what to change: FSDP1, DeepSpeed ZeRO stage 0, a DeepSpeed config with an
+    `"optimizer"` or `"scheduler"` block, compression settings an engine cannot carry.
     """
 
     def __init__(self, *args, **kwargs):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:  # refuse before Accelerate sets up the backend (or the Trainer creates a repo)
-            refuse_unsupported_backends(training_args.fsdp, training_args.deepspeed)
+            check_backends(training_args.fsdp, training_args.fsdp_config, training_args.deepspeed)
             check_push_settings(training_args)
         # The cost callback must be registered at construction, before the progress/printer callbacks.
         callbacks = list(kwargs.get("callbacks") or [])
@@ -82,7 +99,8 @@ class GRPOMixin:
             kwargs["callbacks"] = [*callbacks, self.cost_callback]
         super().__init__(*args, **kwargs)
         ensure_grpo_args(self.args)
-        refuse_unsupported_backends(self.is_fsdp_enabled, self.is_deepspeed_enabled)
+        self.grpo_engine = detect_engine(self)  # "single", "ddp", "fsdp2" or "deepspeed"
+        self._grpo_probe = None  # DeepSpeed: step hooks on the optimizer ZeRO wraps
         self.grpo_callback = GRPOCallback(
             drop_nonfinite_gradients=self.accelerator.scaler is None,  # an fp16 GradScaler skips such steps itself
         )
@@ -95,6 +113,7 @@ class GRPOMixin:
         self._bind_grpo(self.model)
         if self.optimizer is not None:  # optimizers=(opt, sched) given by the user
             self._tag_user_optimizer(self.optimizer)
+            self._probe_deepspeed_steps(self.optimizer)
 
     def _bind_grpo(self, model) -> None:
         """
@@ -102,12 +121,12 @@ class GRPOMixin:
         plan and compression state (fresh: a new model starts a new run), from the current arguments (a
         hyperparameter-search trial may have changed them).
         """
-        distributed = self.accelerator.num_processes > 1 and self.accelerator.distributed_type.value.startswith(
-            "MULTI_"
-        )
+        engine = self.grpo_engine
+        distributed = engine == "ddp" or (engine == "fsdp2" and self.accelerator.num_processes > 1)
         self.grpo_compression = resolve_compression(self.args.grpo_compression, distributed)
         spec = load_group_spec(self.args.grpo_groups)
         groups = assign_groups(model, spec, strict=self.args.grpo_groups_strict)
+        self._check_engine_compression(groups)
         lo, hi = self.args.grpo_lr_scale_min, self.args.grpo_lr_scale_max
         importance = ImportanceState(
             names=[g.name for g in groups],
@@ -130,7 +149,13 @@ class GRPOMixin:
             min_numel=self.args.grpo_min_compress_numel,
         )
         self.grpo_comm_state = None
-        if self.grpo_compression != "none":
+        if self.grpo_compression != "none" and engine == "fsdp2":
+            self.grpo_comm_state = FSDPCommState(
+                bits=int(self.args.grpo_bits),
+                error_feedback=self.args.grpo_fsdp_error_feedback,
+                dense_warmup_steps=self.args.grpo_dense_warmup_steps,
+            )
+        elif self.grpo_compression != "none":
             self.grpo_comm_state = GRPOCommState(
                 self.grpo_plan,
                 mode=resolve_mode(self.args.grpo_comm_mode, self.accelerator.num_processes),
@@ -149,6 +174,48 @@ class GRPOMixin:
         self._grpo_model = model
 
     # --- construction-time checks ---
+    def _check_engine_compression(self, groups) -> None:
+        """
+        Refuse compression settings the engine cannot carry; under DeepSpeed, say once that compression is off.
+
+        Raises:
+            [`~grpo_hf.errors.ConfigError`]: a compression setting other than `"auto"` / `"none"` under DeepSpeed;
+                top-k, `grpo_bits="auto"` or per-group `bits` / `density` under FSDP2.
+        """
+        engine, compression = self.grpo_engine, self.args.grpo_compression
+        if engine == "deepspeed":
+            if compression not in ("auto", "none"):
+                raise ConfigError(
+                    f"grpo_compression={compression!r} under DeepSpeed: ZeRO reduces gradients itself, so GRPO cannot "
+                    "compress them. Use grpo_compression='none' (or 'auto'), or train with DDP or FSDP2 to compress."
+                )
+            if process_rank(self.args)[0] == 0 and not getattr(self, "_grpo_said_compression_off", False):
+                self._grpo_said_compression_off = True
+                logger.warning(
+                    f"GRPO on DeepSpeed ZeRO-{deepspeed_zero_stage(self)}: groups, LR ratios and importance apply; "
+                    "gradient compression is off (ZeRO reduces gradients itself)."
+                )
+            return
+        if engine != "fsdp2" or self.grpo_compression == "none":
+            return
+        if self.grpo_compression != "quantize":
+            raise ConfigError(
+                f"grpo_compression={compression!r} under FSDP2: its compressed reduce-scatter sends every entry "
+                "(top-k messages would differ in size from rank to rank). Use 'quantize' (or 'auto'), or 'none'."
+            )
+        if str(self.args.grpo_bits) == "auto":
+            raise ConfigError(
+                "grpo_bits='auto' under FSDP2: FSDP hands the reduce-scatter one flat buffer per unit, so one bit width "
+                "applies to every gradient. Choose one: grpo_bits=8 (or 4, 16, 32)."
+            )
+        for group in groups:
+            if group.rule.bits is not None or group.rule.density is not None:
+                raise ConfigError(
+                    f"GRPO group {group.name!r} sets its own bits/density: under FSDP2 one setting (grpo_bits) "
+                    "applies to every gradient. Remove 'bits' / 'density' (or 'sparsity') from the group file, or set "
+                    "grpo_compression='none'."
+                )
+
     def _tag_user_optimizer(self, optimizer) -> None:
         """
         Map each param group of a user-supplied optimizer to the one GRPO group that holds all its parameters (key
@@ -211,16 +278,27 @@ class GRPOMixin:
                         }
                     )
         self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
+        self._probe_deepspeed_steps(self.optimizer)
         return self.optimizer
 
+    def _probe_deepspeed_steps(self, optimizer) -> None:
+        """Under DeepSpeed: hook the optimizer ZeRO will step (norms, LR factors); see [`~grpo_hf.engines`]."""
+        if self.grpo_engine != "deepspeed":
+            return
+        if self._grpo_probe is not None:
+            self._grpo_probe.remove()
+        self._grpo_probe = OptimizerStepProbe(optimizer, [g.name for g in self.grpo_groups])
+        self.grpo_callback.use_step_probe(self._grpo_probe)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Register the compression hook on the DDP model before its first backward, then train as usual."""
+        """
+        Before the first backward of a prepared model: under DDP register the compression hook on the DDP wrapper;
+        under FSDP2 point GRPO's groups at the sharded parameters and install the compressed reduce-scatter. Then train
+        as usual.
+        """
         comm_state = self.grpo_comm_state
-        if comm_state is not None and model not in self._grpo_hooked_models:
-            comm_state.bind(self.model)
-            if isinstance(model, DistributedDataParallel):  # `model` is the wrapper Accelerate built
-                model.register_comm_hook(comm_state, grpo_comm_hook)
-            self._grpo_hooked_models.add(model)
+        if model not in self._grpo_hooked_models:
+            self._attach_to_prepared_model(model)
         if "input_ids" in inputs:
             ids = inputs["input_ids"]
             self.cost_callback.add_tokens(ids.numel(), seq_len=ids.shape[-1])
@@ -228,19 +306,44 @@ class GRPOMixin:
         sent_before = comm_state.totals()["bytes_sent"] if comm_state is not None and sync_step else 0.0
         loss = super().training_step(model, inputs, num_items_in_batch)
         if sync_step:
-            if comm_state is not None and not isinstance(model, DistributedDataParallel):
+            if comm_state is not None and self.grpo_engine == "single":
                 compress_locally(comm_state, self.model)  # the article's sparse updates on one process
             self._count_comm_bytes(sent_before)
             self.grpo_callback.mark_backward_end()
         return loss
 
+    def _attach_to_prepared_model(self, model) -> None:
+        comm_state = self.grpo_comm_state
+        if self.grpo_engine == "fsdp2":
+            if not has_fsdp2_units(model):
+                raise ConfigError(
+                    "GRPOTrainer expected an FSDP2 model (fully_shard) at its first training step, got "
+                    f"{type(model).__name__}: check the FSDP settings (fsdp_config={{'version': 2}})."
+                )
+            self.grpo_callback.follow(self.model)  # fully_shard replaced the parameters: follow them by name
+            if comm_state is not None:
+                install_compressed_reduce_scatter(model, comm_state)
+        elif comm_state is not None:
+            comm_state.bind(self.model)
+            if isinstance(model, DistributedDataParallel):  # `model` is the wrapper Accelerate built
+                model.register_comm_hook(comm_state, grpo_comm_hook)
+        self._grpo_hooked_models.add(model)
+
     def _count_comm_bytes(self, sent_before: float) -> None:
-        """Give the cost callback the bytes this rank sent in this optimizer step."""
+        """
+        Give the cost callback the bytes of gradient communication this rank sent in this optimizer step: counted by
+        the compression, else the engine's fp32 reduction in the ring model (DDP and DeepSpeed: an all-reduce; FSDP2: a
+        reduce-scatter; FSDP2's parameter all-gathers are not counted).
+        """
+        world_size = process_rank(self.args)[1]
         if self.grpo_comm_state is not None:
             self.cost_callback.add_comm_bytes(self.grpo_comm_state.totals()["bytes_sent"] - sent_before)
-        elif self.args.world_size > 1:  # uncompressed DDP: one fp32 ring all-reduce of every trainable gradient
+        elif world_size > 1:
             numel = sum(g.numel for g in self.grpo_groups)
-            self.cost_callback.add_comm_bytes(dense_allreduce_bytes(numel, self.args.world_size))
+            if self.grpo_engine == "fsdp2":
+                self.cost_callback.add_comm_bytes(reduce_scatter_bytes(4 * numel, world_size))
+            else:
+                self.cost_callback.add_comm_bytes(dense_allreduce_bytes(numel, world_size))
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """

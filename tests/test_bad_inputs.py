@@ -134,7 +134,16 @@ CASES = {
         lambda tmp: config(grpo_lr_ratios='{"qk": -1}'), GroupConfigError, ("grpo_lr_ratios", "'qk'")
     ),
     "compression": Case(lambda tmp: config(grpo_compression="zip"), ConfigError, ("grpo_compression='zip'",)),
-    "fsdp": Case(lambda tmp: config(fsdp="full_shard"), ConfigError, ("fsdp='full_shard'", "DDP")),
+    "fsdp1": Case(
+        lambda tmp: config(fsdp="full_shard", fsdp_config={"version": 1}),
+        ConfigError,
+        ("fsdp='full_shard'", "FSDP2", "fsdp_config={'version': 2}"),
+    ),
+    "deepspeed-optimizer-block": Case(
+        lambda tmp: config(deepspeed={"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}),
+        ConfigError,
+        ("the block 'optimizer'", "Delete the 'optimizer' block"),
+    ),
     # Group files: the message names the file and the rule.
     "group-regex": Case(
         group_config("g.json", RULE.format('{"name": "qk", "pattern": "(q|k_proj"}')),
@@ -191,7 +200,7 @@ CASES = {
     "recipe-wrong-type": Case(train(recipe=TINY + "max_steps: ten\n"), RecipeError, ("r.yaml", "--max_steps", "ten")),
     "recipe-density-2": Case(train(recipe=TINY + "grpo_density: 2\n"), RecipeError, ("r.yaml", "grpo_density=2")),
     "recipe-deepspeed": Case(
-        train(recipe=TINY + "deepspeed: ds.json\n"), RecipeError, ("r.yaml", "deepspeed='ds.json'", "DDP")
+        train(recipe=TINY + "deepspeed: ds.json\n"), RecipeError, ("r.yaml", "deepspeed='ds.json'", "cannot read")
     ),
     "override-bits": Case(train("--grpo_bits", "3"), RecipeError, ("command line", "--grpo_bits", "'3'")),
     "recipe-dataset-missing": Case(

@@ -4,19 +4,86 @@ from grpo_hf import ConfigError, GroupConfigError, GRPOInputError
 from grpo_hf.config import grpo_defaults, validate_grpo_fields
 
 
+FSDP1 = r"GRPOTrainer runs on FSDP2.*fsdp_config=\{'version': 2\}.*fsdp_version: 2"
+
+
 @pytest.mark.parametrize(
-    "field, value",
+    "overrides",
     [
-        ("fsdp", "full_shard auto_wrap"),
-        ("fsdp", True),
-        ("deepspeed", {"zero_optimization": {"stage": 2}}),
-        ("deepspeed", "ds_config.json"),
+        {"fsdp": True, "fsdp_config": {"version": 1}},
+        {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 1}},
+    ],
+)
+def test_fsdp1_is_refused_with_how_to_switch(grpo_config, overrides):
+    # before TrainingArguments sets the backend up, naming the field
+    with pytest.raises(ConfigError, match=rf"^fsdp=.*{FSDP1}"):
+        grpo_config(**overrides)
+
+
+def test_fsdp1_from_a_json_file_and_from_accelerate_launch_is_refused(grpo_config, tmp_path, monkeypatch):
+    path = tmp_path / "fsdp.json"
+    path.write_text('{"fsdp_version": 1}')
+    with pytest.raises(ConfigError, match=FSDP1):
+        grpo_config(fsdp=True, fsdp_config=str(path))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` sets from an FSDP1 config file
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigError, match=rf"^accelerate launch with FSDP version 1: {FSDP1}"):
+        grpo_config()
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert grpo_config().fsdp in ("", None, False, [])
+
+
+@pytest.mark.parametrize("fsdp_config", [None, {"version": 2}, {"fsdp_version": 2, "reshard_after_forward": True}])
+def test_fsdp2_is_accepted(grpo_config, fsdp_config):
+    args = grpo_config(fsdp=True, fsdp_config=fsdp_config)
+    assert args.fsdp_plugin_args["fsdp_version"] == 2
+
+
+@pytest.mark.parametrize(
+    "ds_config, message",
+    [
+        (
+            {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+            r"the block 'optimizer' .*one flat param group.*Delete the 'optimizer' block.*`optim`",
+        ),
+        (
+            {"zero_optimization": {"stage": 3}, "scheduler": {"type": "WarmupLR"}},
+            r"the block 'scheduler' .*one learning rate into every param group.*Delete the 'scheduler' block",
+        ),
+        ({"zero_optimization": {"stage": 0}}, r"ZeRO stage 0: GRPOTrainer runs on DeepSpeed ZeRO 1, 2 or 3"),
+        ({"train_micro_batch_size_per_gpu": 4}, r"ZeRO stage 0: "),
+        ({"zero_optimization": {"stage": "auto"}}, r"ZeRO stage 'auto': "),
     ],  # fmt: skip
 )
-def test_backends_are_refused_when_the_config_is_built(grpo_config, field, value):
-    # before TrainingArguments sets the backend up: no DeepSpeed install or config file is needed to get the message
-    with pytest.raises(ConfigError, match=rf"^{field}=.*does not support (FSDP|DeepSpeed).*DDP"):
-        grpo_config(**{field: value})
+def test_deepspeed_configs_grpo_cannot_carry_are_refused(grpo_config, ds_config, message):
+    # refused before TrainingArguments builds the DeepSpeed plugin: no DeepSpeed install is needed to get the message
+    with pytest.raises(ConfigError, match=rf"^deepspeed=.*{message}"):
+        grpo_config(deepspeed=ds_config)
+
+
+def test_deepspeed_config_files_are_read_and_checked(grpo_config, tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"^deepspeed='ds_config.json': cannot read the file"):
+        grpo_config(deepspeed="ds_config.json")
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}')
+    with pytest.raises(ConfigError, match=r"the block 'optimizer'"):
+        grpo_config(deepspeed=str(path))
+    path.write_text('{"zero_optimization": {"stage": 2},')
+    with pytest.raises(ConfigError, match=r"invalid JSON at line 1"):
+        grpo_config(deepspeed=str(path))
+    # `accelerate launch --config_file ds.yaml` with a `deepspeed_config_file`
+    path.write_text('{"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR"}}')
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    with pytest.raises(ConfigError, match=r"^deepspeed_config_file=.*the block 'scheduler'"):
+        grpo_config()
+
+
+def test_deepspeed_zero_config_without_optimizer_or_scheduler_is_accepted(grpo_config):
+    pytest.importorskip("deepspeed")  # TrainingArguments builds Accelerate's DeepSpeed plugin
+    for stage in (1, 2, 3):
+        args = grpo_config(deepspeed={"zero_optimization": {"stage": stage}})
+        assert args.hf_deepspeed_config.config["zero_optimization"]["stage"] == stage
 
 
 def test_disabled_backend_values_pass(grpo_config):

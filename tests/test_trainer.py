@@ -193,12 +193,18 @@ def test_bad_config_fails_before_any_work(tmp_path):
         GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path, grpo_groups=str(bad)), train_dataset=token_dataset())
 
 
-def test_fsdp_and_deepspeed_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="does not support FSDP"):
-        GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path, fsdp=True), train_dataset=token_dataset())
+def test_fsdp1_and_deepspeed_blocks_are_refused_by_the_trainer(tmp_path):
+    # a plain TrainingArguments (no GRPOConfig checks) set after validation: the trainer refuses before any work
     args = make_args(tmp_path)
-    args.deepspeed = {"zero_optimization": {"stage": 2}}  # set after validation: no DeepSpeed install needed
-    with pytest.raises(ValueError, match="does not support DeepSpeed"):
+    args.fsdp, args.fsdp_config = True, {"version": 1}
+    with pytest.raises(ValueError, match=r"GRPOTrainer runs on FSDP2.*fsdp_config=\{'version': 2\}"):
+        GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
+    args = make_args(tmp_path)
+    args.deepspeed = {
+        "zero_optimization": {"stage": 2},
+        "scheduler": {"type": "WarmupLR"},
+    }  # no DeepSpeed install needed
+    with pytest.raises(ValueError, match=r"the block 'scheduler'"):
         GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
 
 

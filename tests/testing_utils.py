@@ -71,6 +71,27 @@ def tiny_test_llama(seed: int = 0, **overrides):
     return LlamaForCausalLM(tiny_llama_config(**overrides))
 
 
+def shard_like_accelerate(model, **fsdp_kwargs):
+    """
+    Apply FSDP2's `fully_shard` to a transformers causal LM as Accelerate's `fsdp2_prepare_model` does with its default
+    wrap policy: every decoder layer, the input embedding (untied) or nothing (tied), the tail `[final norm, lm_head]`
+    (tied: `[final norm, embedding, lm_head]`, one group for the shared weight) with `reshard_after_forward=False`, then
+    the root. Returns the model (changed in place).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, **fsdp_kwargs)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = embed.weight is head.weight
+    if not tied:
+        fully_shard(embed, **fsdp_kwargs)
+    tail = [model.model.norm, embed, head] if tied else [model.model.norm, head]
+    fully_shard(tail, **{**fsdp_kwargs, "reshard_after_forward": False})
+    fully_shard(model, **fsdp_kwargs)
+    return model
+
+
 # --------------------------------------------------------------------------------------------------------------
 # A fake DDP bucket
 # --------------------------------------------------------------------------------------------------------------
@@ -266,6 +287,7 @@ __all__ = [
     "run_accelerate_launch",
     "run_launcher",
     "run_torchrun",
+    "shard_like_accelerate",
     "tiny_llama_config",
     "tiny_test_llama",
 ]

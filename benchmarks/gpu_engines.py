@@ -1,0 +1,177 @@
+"""GRPOTrainer on the engines that need GPUs to run as users run them: the Trainer's FSDP2 (Accelerate's FSDP plugin)
+and DeepSpeed ZeRO-2, each trained, checkpointed and resumed (called by `benchmarks/gpu_check.sh`).
+
+    torchrun --nproc_per_node N benchmarks/gpu_engines.py fsdp2 OUT_DIR      # fsdp=True, fsdp_config={"version": 2}
+    accelerate launch --config_file recipes/accelerate/fsdp2.yaml --num_processes N \\
+        benchmarks/gpu_engines.py fsdp2-accelerate OUT_DIR                   # the accelerate config file's FSDP2
+    torchrun --nproc_per_node N benchmarks/gpu_engines.py zero2 OUT_DIR      # --deepspeed recipes/accelerate/ds_zero2.json
+
+Each mode trains a tiny Llama on random tokens for 12 steps (a checkpoint at step 6), resumes a second trainer from
+that checkpoint, and prints one `PASS` / `FAIL` line per check (the engine GRPO detected, the model and optimizer it
+trains, the per-group learning rates, the compressed reduce-scatter with more than one GPU, the resumed run equal to
+the straight one), then the figures as one JSON line. Exit status 1 when a check fails. `zero2` also runs on CPU
+(DeepSpeed's CPU accelerator); the FSDP2 modes need CUDA (Accelerate turns FSDP off on CPU).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the test helpers (testing_utils), kept out of the wheel
+
+SEQ_LEN = 32
+RATIOS = {"norms": 0.5, "embeddings": 2.0}
+CHECKS: list[tuple[str, bool, str]] = []
+
+
+def check(name: str, ok: bool, detail="") -> None:
+    CHECKS.append((name, bool(ok), str(detail)))
+
+
+def dataset():
+    import torch
+    from datasets import Dataset
+
+    ids = torch.randint(0, 128, (512, SEQ_LEN), generator=torch.Generator().manual_seed(1)).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def make_args(mode: str, out_dir: str, **overrides):
+    from grpo_hf import GRPOConfig
+
+    kwargs = dict(
+        output_dir=out_dir,
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=6,
+        save_strategy="steps",
+        save_steps=6,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        grpo_importance=True,
+        grpo_lr_scale_warmup_steps=2,
+        grpo_lr_ratios=RATIOS,
+        grpo_fsdp_error_feedback="worker-bf16",
+    )
+    if mode == "fsdp2":
+        kwargs.update(fsdp=True, fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"})
+    elif mode == "zero2":
+        kwargs.update(deepspeed=str(ROOT / "grpo_hf" / "recipes" / "accelerate" / "ds_zero2.json"))
+    kwargs.update(overrides)
+    return GRPOConfig(**kwargs)
+
+
+def full_params(trainer):
+    import torch
+
+    params = []
+    for p in trainer.model.parameters():
+        params.append(
+            p.full_tensor().detach().float().cpu() if hasattr(p, "full_tensor") else p.detach().float().cpu()
+        )
+    return torch.cat([p.reshape(-1) for p in params])
+
+
+def train(mode: str, out_dir: str, resume=None):
+    from testing_utils import tiny_test_llama
+
+    from grpo_hf import GRPOTrainer
+
+    trainer = GRPOTrainer(
+        model=tiny_test_llama(seed=0, max_position_embeddings=SEQ_LEN), args=make_args(mode, out_dir),
+        train_dataset=dataset(),
+    )  # fmt: skip
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def run(mode: str, out_dir: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    straight = train(mode, os.path.join(out_dir, "straight"))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    engine = (
+        "deepspeed" if mode == "zero2" else "fsdp2"
+    )  # fsdp2: the Trainer's arguments; fsdp2-accelerate: the config
+    check("engine", straight.grpo_engine == engine, straight.grpo_engine)
+    named = dict(straight.model.named_parameters())
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        check("model is FSDPModule", isinstance(straight.model_wrapped, FSDPModule), type(straight.model_wrapped))
+        check("DTensor parameters", all(isinstance(p, DTensor) for p in named.values()))
+        check(
+            "optimizer holds the sharded parameters",
+            all(p is named[n] for g in straight.optimizer.param_groups for n, p in zip(g["param_names"], g["params"])),
+        )
+        check("groups follow the sharded parameters", all(p is named[n] for g in straight.grpo_groups for n, p in zip(g.param_names, g.params)))  # fmt: skip
+        state = straight.grpo_comm_state
+        if world_size > 1:
+            check("compressed reduce-scatter ran", state is not None and state.hook_calls > 0 and state.step == 12)
+    else:
+        check("ZeRO stage 2", straight.model_wrapped.zero_optimization_stage() == 2)
+        check("compression off", straight.grpo_compression == "none" and straight.grpo_comm_state is None)
+    groups = {g.get("grpo_group") for g in straight.optimizer.param_groups}
+    check(
+        "one optimizer group per GRPO group",
+        groups == {g.name for g in straight.grpo_groups},
+        sorted(map(str, groups)),
+    )
+    logs = [e for e in straight.state.log_history if "loss" in e]
+    lr = logs[-1]
+    check(
+        "LR ratios and multipliers",
+        lr["grpo/lr/norms"] < lr["grpo/lr/embeddings"],
+        {k: v for k, v in lr.items() if k.startswith("grpo/lr/")},
+    )
+    multipliers = straight.grpo_callback.importance.multipliers
+    gathered = [torch.empty_like(multipliers) for _ in range(world_size)]
+    dist.all_gather(gathered, multipliers)
+    check("multipliers identical on every rank", all(torch.equal(g, multipliers) for g in gathered))
+    check(
+        "finite losses", all(e["loss"] == e["loss"] and abs(e["loss"]) < 1e4 for e in logs), [e["loss"] for e in logs]
+    )
+    final = full_params(straight)
+    checkpoint = os.path.join(out_dir, "straight", "checkpoint-6")
+    check("GRPO state file per rank", os.path.isfile(os.path.join(checkpoint, f"grpo_state_rank{rank}.pt")))
+    del straight
+    resumed = train(mode, os.path.join(out_dir, "straight"), resume=checkpoint)
+    again = full_params(resumed)
+    check("resumed run equals the straight one", torch.equal(final, again), float((final - again).abs().max()))
+    figures = {
+        "mode": mode,
+        "world_size": world_size,
+        "max_param_gap_after_resume": float((final - again).abs().max()),
+    }
+    if resumed.grpo_comm_state is not None:
+        figures["comm"] = {k: v for k, v in resumed.grpo_comm_state.totals().items() if isinstance(v, (int, float))}
+    return figures
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    mode, out_dir = sys.argv[1], sys.argv[2]
+    if mode not in ("fsdp2", "fsdp2-accelerate", "zero2"):
+        sys.exit(f"unknown mode {mode!r}: fsdp2, fsdp2-accelerate or zero2")
+    figures = run(mode, out_dir)
+    if dist.get_rank() == 0:
+        for name, ok, detail in CHECKS:
+            print(f"{'PASS' if ok else 'FAIL'} {mode}: {name}" + (f" ({detail})" if detail and not ok else ""))
+        print(json.dumps(figures))
+    failed = any(not ok for _, ok, _ in CHECKS)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

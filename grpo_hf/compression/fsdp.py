@@ -1,0 +1,512 @@
+"""A compressed reduce-scatter for FSDP2 (`fully_shard`): [`FSDPCommState`] and [`GRPOReduceScatter`].
+
+FSDP2 reduces each unit's gradients with one reduce-scatter per backward (with gradient sync) and lets a module replace
+it ([`torch.distributed.fsdp.FSDPModule.set_custom_reduce_scatter`]). [`install_compressed_reduce_scatter`] puts a
+[`GRPOReduceScatter`] on every FSDP2 unit of a model; one [`FSDPCommState`] holds the settings, the error-feedback
+residuals and the traffic statistics of all of them.
+
+Example:
+
+```python
+>>> from torch.distributed.fsdp import fully_shard
+>>> from grpo_hf.compression.fsdp import FSDPCommState, install_compressed_reduce_scatter
+
+>>> for layer in model.model.layers:
+...     fully_shard(layer)
+>>> fully_shard(model)
+>>> state = FSDPCommState(bits=8, error_feedback="none")
+>>> install_compressed_reduce_scatter(model, state)  # before the first backward
+>>> for batch in batches:
+...     model(**batch).loss.backward()
+...     optimizer.step()
+...     optimizer.zero_grad()
+...     state.end_step()  # `end_step(finite=False)` for a step whose update was skipped
+```
+
+## Algorithm (one unit, one backward)
+
+FSDP hands the comm the unit's flat gradient `input` of `W * S` entries laid out rank by rank: chunk `j` (`S` entries,
+padding included) is what rank `j` owns. On rank `r`:
+
+1. The `W - 1` chunks it does not own are encoded: with error feedback, the residual of the chunk is added first and
+   what the codec does not transmit becomes the new residual. The codec cuts a chunk into blocks of `block_size`
+   entries, each sent as one fp32 absmax scale and `bits`-bit codes (`bits=32`: the fp32 values as they are).
+2. One `all_to_all_single` of equal-sized byte messages: rank `r` receives the `W - 1` messages for its own chunk.
+3. The owner decodes them and sums the `W` contributions in rank order, its own chunk exact (it never travels); with
+   `op=AVG` (FSDP's default for fp32 and bf16 gradients) it divides by `W`, with `op=SUM` not (FSDP then divides by
+   its `gradient_divide_factor` itself), exactly as the built-in reduce-scatter does. The sum is written into
+   `output` in its dtype.
+
+Every owner adds the same values in the same order in every run: a run is deterministic, and with `bits=32` it equals
+the built-in reduce-scatter up to the order of the additions.
+
+## Error feedback (`error_feedback`)
+
+- `"none"`: no memory. The only contribution that reaches an owner exactly is its own; quantization errors of the
+  others are dropped. Feedback on the owner side alone has nothing to correct in a one-phase reduce-scatter (the
+  owner never re-encodes), so this is also what owner-side feedback amounts to here.
+- `"worker-bf16"`: each rank keeps the residual of every chunk it sends, in bf16: `2 (W - 1) / W` bytes per gradient
+  entry of the unit on every rank (FSDP2 keeps `16 / W` bytes per entry for fp32 weights, gradients and AdamW's
+  moments: the residual does not shrink with `W`, so it undoes part of the sharding as `W` grows).
+- `"worker-int8"`: the same residual stored as 8-bit blocks (codes and one fp32 scale per block): about half of it.
+
+## Bytes per rank and backward (`grpo/comm/bytes_sent`)
+
+`(W - 1) * m(S)` with `m(S) = ceil(S / B) * (4 + B * bits / 8)` (`bits=32`: `m(S) = 4 S`), against `(W - 1) * 4 S`
+for the built-in fp32 reduce-scatter (ring model) and `(W - 1) * 2 S` for a 16-bit one (`bytes_dense_fp32` /
+`bytes_dense_fp16`). Flat in `W` for a given model size, as the built-in reduce-scatter. FSDP's parameter all-gathers
+are not counted: compression does not change them.
+
+## Non-finite gradients
+
+A chunk holding a NaN or an Inf reaches its owner as NaN (its blocks' scales are sent as NaN), as with the built-in
+reduce-scatter: the owner's shard is not finite, and so is every rank's global gradient norm computed from all shards
+(what [`~grpo_hf.GRPOTrainer`] uses to skip the step). The residuals staged for a step are committed by
+[`FSDPCommState.end_step`] only when that step was finite on every rank.
+
+## Warnings
+
+- Call [`FSDPCommState.end_step`] once per optimizer step (after the backward of its last micro-batch): residuals are
+  committed there and the dense warm-up counts those steps. `GRPOTrainer` does it.
+- FSDP2 allows a custom reduce-scatter only on units with one parameter group (one mesh); it raises otherwise.
+- Gradient scales (`grpo_scale_gradients`) and top-k (`grpo_density`) are not used here: a sender would need the
+  scales of every chunk (unsharded memory), and top-k messages differ in size from rank to rank.
+"""
+
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .quantize import dequantize_blocks, quantize_blocks, to_blocks
+from .spec import DEFAULT_BLOCK_SIZE, SUPPORTED_BITS
+
+
+logger = logging.getLogger(__name__)
+
+FSDP_MODE = "fsdp-reduce-scatter"
+ERROR_FEEDBACK_CHOICES = ("none", "worker-bf16", "worker-int8")
+DEFAULT_FSDP_ERROR_FEEDBACK = "none"
+STATE_VERSION = 1
+_STAT_KEYS = ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "numel", "hook_ms", "comm_ms")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The codec behind one pair of functions: today `quantize.py`'s block quantizer; moving to another codec (e.g. the
+# fused `encode_blocks` / `decode_blocks` kernels) is an edit of `_encode`, `_decode` and this module's import.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def message_nbytes(numel: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes of one encoded chunk of `numel` entries: `ceil(numel / B) * (4 + B * bits / 8)`, or `4 numel` at 32 bits."""
+    if bits == 32:
+        return 4 * numel
+    blocks = -(-numel // block_size)
+    return blocks * (4 + block_size * bits // 8)
+
+
+def _encode(rows: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    Encode `[n, S]` finite fp32 rows into `[n, message_nbytes(S)]` uint8 messages (the fp32 scales of the blocks, then
+    their codes) and return them with the values the receivers decode (`[n, S]` fp32).
+    """
+    n, numel = rows.shape
+    if bits == 32:
+        return rows.contiguous().view(torch.uint8).reshape(n, 4 * numel), rows
+    blocks = to_blocks(rows, block_size)  # [n, nb, B]
+    codes, scales, decoded = quantize_blocks(blocks, bits)
+    messages = torch.cat([scales.reshape(n, -1).view(torch.uint8), codes.reshape(n, -1).view(torch.uint8)], dim=1)
+    return messages, decoded.reshape(n, -1)[:, :numel]
+
+
+def _decode(messages: torch.Tensor, numel: int, bits: int, block_size: int) -> torch.Tensor:
+    """Inverse of [`_encode`]: `[n, message_nbytes(S)]` uint8 -> `[n, S]` fp32 (`code * scale`, one multiply each)."""
+    n = messages.shape[0]
+    if bits == 32:
+        return messages.contiguous().view(torch.float32)
+    blocks = -(-numel // block_size)
+    scales = messages[:, : 4 * blocks].contiguous().view(torch.float32)  # [n, nb]
+    codes = messages[:, 4 * blocks :].contiguous()
+    if bits == 16:
+        codes = codes.view(torch.float16)
+    codes = codes.reshape(n, blocks, -1)
+    return dequantize_blocks(codes, scales, bits, block_size).reshape(n, -1)[:, :numel]
+
+
+def _poison(messages: torch.Tensor, bad_rows: torch.Tensor, numel: int, bits: int, block_size: int) -> None:
+    """Make the blocks of `[n, S]` rows that held a NaN/Inf (`bad_rows`, bool `[n, S]`) decode to NaN (below 32 bits)."""
+    blocks = -(-numel // block_size)
+    pad = blocks * block_size - numel
+    bad_blocks = torch.nn.functional.pad(bad_rows, (0, pad)).reshape(bad_rows.shape[0], blocks, -1).any(dim=2)
+    scales = messages[:, : 4 * blocks].contiguous().view(torch.float32)
+    scales[bad_blocks] = math.nan
+    messages[:, : 4 * blocks] = scales.view(torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The state
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _empty_window() -> dict:
+    return dict.fromkeys(_STAT_KEYS, 0.0) | {"steps": 0, "dense_steps": 0}
+
+
+class FSDPCommState:
+    r"""
+    Settings, error-feedback residuals and traffic statistics of [`GRPOReduceScatter`] (see the module docstring for
+    the algorithm, the bytes and the warnings).
+
+    Args:
+        bits (`int`, *optional*, defaults to `8`):
+            Bits per sent gradient entry: `2` (ternary), `4`, `8` (symmetric codes, one fp32 absmax scale per block),
+            `16` (fp16 after a power-of-two shift per block) or `32` (fp32: lossless, for checks).
+        error_feedback (`str`, *optional*, defaults to `"none"`):
+            `"none"`, `"worker-bf16"` or `"worker-int8"` (where the quantization error of the sent chunks is kept).
+        dense_warmup_steps (`int`, *optional*, defaults to `0`):
+            Optimizer steps sent as fp32 before compression starts.
+        block_size (`int`, *optional*, defaults to `128`):
+            Entries per scale.
+    """
+
+    __slots__ = (
+        # --- tuned ---
+        "bits",
+        "error_feedback",
+        "dense_warmup_steps",
+        # --- seldom tuned ---
+        "block_size",
+        # --- internal state (checkpointed) ---
+        "mode",
+        "world_size",
+        "rank",
+        "residuals",
+        "step",
+        "hook_calls",
+        # --- per step ---
+        "_staged",
+        "_nonfinite",
+        "_step",
+        # --- statistics ---
+        "_window",
+        "_totals",
+        "_logged",
+    )
+
+    def __init__(
+        self,
+        bits: int = 8,
+        error_feedback: str = DEFAULT_FSDP_ERROR_FEEDBACK,
+        dense_warmup_steps: int = 0,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ):
+        if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits={bits!r}: use one of {SUPPORTED_BITS}.")
+        if error_feedback not in ERROR_FEEDBACK_CHOICES:
+            raise ValueError(f"error_feedback={error_feedback!r}: use one of {ERROR_FEEDBACK_CHOICES}.")
+        if dense_warmup_steps < 0:
+            raise ValueError(f"dense_warmup_steps={dense_warmup_steps}: use 0 or more.")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size={block_size}: use a power of two, e.g. 128.")
+        self.bits, self.error_feedback = int(bits), error_feedback
+        self.dense_warmup_steps, self.block_size = int(dense_warmup_steps), int(block_size)
+        self.mode = FSDP_MODE
+        self.world_size, self.rank = 1, 0
+        self.residuals: dict[str, torch.Tensor] = {}  # "<unit>:<flat size>" -> this rank's residual of its W-1 chunks
+        self.step = 0
+        self.hook_calls = 0
+        self._staged: dict[str, torch.Tensor] = {}
+        self._nonfinite = False
+        self._step = dict.fromkeys(_STAT_KEYS, 0.0)
+        self._window = _empty_window()
+        self._totals = dict.fromkeys(_STAT_KEYS, 0.0) | {"steps": 0, "dense_steps": 0, "nonfinite_steps": 0}
+        self._logged = False
+
+    @property
+    def warming_up(self) -> bool:
+        return self.step < self.dense_warmup_steps
+
+    def residual_nbytes(self) -> int:
+        """Bytes this rank holds in error-feedback residuals (committed ones; a step's staged ones double it briefly)."""
+        return sum(t.numel() * t.element_size() for t in self.residuals.values())
+
+    # --- the reduce-scatter ---
+    def reduce_scatter(self, unit: str, output: torch.Tensor, input: torch.Tensor, group, op) -> None:
+        """
+        The compressed reduce-scatter of one unit's flat gradient (see the module docstring).
+
+        Args:
+            unit (`str`): the unit's name (its residuals are kept under `"<unit>:<input size>"`).
+            output (`torch.Tensor`): this rank's chunk of the result, `S` entries (FSDP's reduce-scatter output).
+            input (`torch.Tensor`): the unit's flat gradient, `W * S` entries laid out rank by rank.
+            group (`torch.distributed.ProcessGroup`): the FSDP shard group.
+            op (`torch.distributed.ReduceOp`): `AVG` (the sum divided by `W`) or `SUM`.
+
+        Raises:
+            `ValueError`: another reduce op (a pre-multiplied sum), or sizes that do not split over the group.
+        """
+        start = time.perf_counter()
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise ValueError(
+                f"GRPO's FSDP2 reduce-scatter supports op SUM and AVG, got {op}: FSDP passes a pre-multiplied sum when "
+                "a gradient_divide_factor other than the world size is set. Call "
+                "`module.set_force_sum_reduction_for_comms(True)` on the FSDP modules so that FSDP divides afterwards."
+            )
+        numel = input.numel() // world_size
+        if numel * world_size != input.numel() or output.numel() != numel:
+            raise ValueError(f"reduce-scatter of {input.numel()} entries into {output.numel()} on {world_size} ranks.")
+        self._log_once(world_size, rank)
+        chunks = input.view(world_size, numel)
+        others = [j for j in range(world_size) if j != rank]
+        rows = chunks[others].float()  # [W - 1, S]: a copy
+        dense = self.warming_up or self.bits == 32
+        key = f"{unit}:{input.numel()}"
+        feedback = self.error_feedback != "none" and not dense
+        if feedback and key in self.residuals:
+            rows += self._residual_values(self.residuals[key], numel)
+        finite = bool(torch.isfinite(rows).all())
+        if dense:
+            messages, decoded = _encode(rows, 32, self.block_size)
+        else:
+            bad = None if finite else ~torch.isfinite(rows)
+            clean = rows if finite else torch.where(bad, 0.0, rows)
+            messages, decoded = _encode(clean, self.bits, self.block_size)
+            if not finite:
+                _poison(messages, bad, numel, self.bits, self.block_size)
+        if feedback and finite:
+            self._staged[key] = self._stored_residual(rows - decoded)
+        self._nonfinite |= not finite
+        send = torch.zeros(world_size, messages.shape[1], dtype=torch.uint8, device=input.device)
+        send[others] = messages
+        received = torch.empty_like(send)
+        comm_start = time.perf_counter()
+        dist.all_to_all_single(received, send, group=group)
+        comm_ms = (time.perf_counter() - comm_start) * 1000
+        bits = 32 if dense else self.bits
+        incoming = _decode(received[others], numel, bits, self.block_size)
+        total = chunks[0].float() if rank == 0 else incoming[0].clone()
+        for source in range(1, world_size):
+            total += chunks[rank].float() if source == rank else incoming[source - (source > rank)]
+        if op == dist.ReduceOp.AVG:
+            total /= world_size
+        output.copy_(total.view_as(output))
+        self.hook_calls += 1
+        sent = (world_size - 1) * messages.shape[1]
+        step = self._step
+        step["bytes_sent"] += sent
+        step["bytes_dense_fp32"] += (world_size - 1) * 4 * numel
+        step["bytes_dense_fp16"] += (world_size - 1) * 2 * numel
+        step["numel"] += input.numel()
+        step["comm_ms"] += comm_ms
+        step["hook_ms"] += (time.perf_counter() - start) * 1000
+
+    def _residual_values(self, stored: torch.Tensor, numel: int) -> torch.Tensor:
+        if self.error_feedback == "worker-int8":
+            return _decode(stored, numel, 8, self.block_size)
+        return stored.float()
+
+    def _stored_residual(self, residual: torch.Tensor) -> torch.Tensor:
+        if self.error_feedback == "worker-int8":
+            return _encode(residual, 8, self.block_size)[0].clone()
+        return residual.to(torch.bfloat16)
+
+    def _log_once(self, world_size: int, rank: int) -> None:
+        self.world_size, self.rank = world_size, rank
+        if not self._logged:
+            self._logged = True
+            logger.info(
+                "GRPO FSDP2 compressed reduce-scatter: %d bits, blocks of %d, error feedback %s, dense warm-up %d "
+                "steps, world size %d.",
+                self.bits,
+                self.block_size,
+                self.error_feedback,
+                self.dense_warmup_steps,
+                world_size,
+            )
+
+    # --- steps ---
+    def end_step(self, finite: bool = True) -> None:
+        """
+        Close an optimizer step: commit the residuals staged by its reduce-scatters when the step was finite on every
+        rank (`finite`) and on this one, drop them otherwise, and add the step to the statistics.
+        """
+        nonfinite = self._nonfinite or not finite
+        if not nonfinite:
+            self.residuals.update(self._staged)
+        self._staged = {}
+        dense = self.warming_up or nonfinite or self.bits == 32
+        self._nonfinite = False
+        record, self._step = self._step, dict.fromkeys(_STAT_KEYS, 0.0)
+        self.step += 1
+        for key in _STAT_KEYS:
+            self._window[key] += record[key]
+            self._totals[key] += record[key]
+        for target in (self._window, self._totals):
+            target["steps"] += 1
+            target["dense_steps"] += int(dense)
+        self._totals["nonfinite_steps"] += int(nonfinite)
+
+    # --- statistics ---
+    @staticmethod
+    def _metrics(summed: dict, prefix: bool) -> dict[str, float]:
+        comm, top = ("grpo/comm/", "grpo/") if prefix else ("", "")
+        steps = max(1, summed["steps"])
+        out = {
+            f"{comm}bytes_sent": summed["bytes_sent"] / steps,
+            f"{comm}bytes_dense_fp32": summed["bytes_dense_fp32"] / steps,
+            f"{comm}bytes_dense_fp16": summed["bytes_dense_fp16"] / steps,
+            f"{top}density": 1.0,
+            f"{top}sparsity": 0.0,
+            f"{comm}hook_ms": summed["hook_ms"] / steps,
+            f"{comm}dense_steps": float(summed["dense_steps"]),
+        }
+        if summed["bytes_sent"] > 0:
+            out[f"{comm}ratio_fp32"] = summed["bytes_dense_fp32"] / summed["bytes_sent"]
+            out[f"{comm}ratio_fp16"] = summed["bytes_dense_fp16"] / summed["bytes_sent"]
+        return out
+
+    def pop_stats(self) -> dict[str, float]:
+        """
+        Metrics of the optimizer steps since the last call (then cleared; `{}` when there were none), per rank and
+        step: `grpo/comm/bytes_sent`, `grpo/comm/bytes_dense_fp32`, `grpo/comm/bytes_dense_fp16`,
+        `grpo/comm/ratio_fp32`, `grpo/comm/ratio_fp16`, `grpo/density` (1), `grpo/sparsity` (0), `grpo/comm/hook_ms`,
+        `grpo/comm/dense_steps`.
+        """
+        window, self._window = self._window, _empty_window()
+        return self._metrics(window, prefix=True) if window["steps"] else {}
+
+    def totals(self) -> dict[str, float]:
+        """
+        Running totals of the whole run (checkpointed): the sums of `_STAT_KEYS` (including the reduce-scatters of the
+        step not yet closed by [`end_step`]), `steps`, `dense_steps`, `nonfinite_steps`, ratios.
+        """
+        totals = dict(self._totals)
+        for key in _STAT_KEYS:
+            totals[key] += self._step[key]
+        sums = {
+            key: totals[key] for key in ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "hook_ms", "comm_ms")
+        }
+        totals.update(self._metrics(totals, prefix=False))
+        totals.update(sums)
+        return totals
+
+    # --- checkpointing ---
+    def state_dict(self) -> dict:
+        """This rank's residuals (cpu), counters and totals."""
+        return {
+            "version": STATE_VERSION,
+            "mode": self.mode,
+            "bits": self.bits,
+            "error_feedback": self.error_feedback,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "step": self.step,
+            "hook_calls": self.hook_calls,
+            "residuals": {key: t.detach().cpu().clone() for key, t in self.residuals.items()},
+            "totals": {key: float(v) for key, v in self._totals.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict, residuals: bool = True) -> None:
+        """
+        Restore [`state_dict`] (`residuals=False`: the counters and totals only, e.g. after a change of world size,
+        where the residuals' chunks mean other entries). Residuals move to the gradients' device on first use.
+        """
+        if state_dict.get("version") != STATE_VERSION or state_dict.get("mode") != FSDP_MODE:
+            raise ValueError(
+                f"the checkpoint's compression state is not an FSDP2 reduce-scatter state of version {STATE_VERSION} "
+                f"(mode {state_dict.get('mode')!r}): resume with the engine and grpo_hf version that wrote it."
+            )
+        if residuals and state_dict["error_feedback"] != self.error_feedback:
+            raise ValueError(
+                f"the checkpoint's error feedback is {state_dict['error_feedback']!r}, this run's "
+                f"{self.error_feedback!r}: resume with the same grpo_fsdp_error_feedback."
+            )
+        self.step = int(state_dict["step"])
+        self.hook_calls = int(state_dict["hook_calls"])
+        self.residuals = dict(state_dict["residuals"]) if residuals else {}
+        self._staged, self._nonfinite = {}, False
+        self._step, self._window = dict.fromkeys(_STAT_KEYS, 0.0), _empty_window()
+        for key, value in state_dict.get("totals", {}).items():
+            if key in self._totals:
+                self._totals[key] = type(self._totals[key])(value)
+
+    def __repr__(self) -> str:
+        return (
+            f"FSDPCommState(bits={self.bits}, error_feedback={self.error_feedback!r}, "
+            f"dense_warmup_steps={self.dense_warmup_steps}, step={self.step}, units={len(self.residuals)})"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The comm object FSDP2 calls, and its installation
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class GRPOReduceScatter:
+    """
+    The custom reduce-scatter of one FSDP2 unit: the interface of torch's `ReduceScatter` comm (`allocate`, and a call
+    with `output_tensor, input_tensor, group, op, async_op`), backed by [`FSDPCommState.reduce_scatter`].
+    """
+
+    def __init__(self, state: FSDPCommState, unit: str):
+        self.state, self.unit = state, unit
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self.state.reduce_scatter(self.unit, output_tensor, input_tensor, group, op)
+        return None  # done synchronously: FSDP waits on nothing
+
+
+def fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
+    """The FSDP2 units of `model` (modules `fully_shard` was applied to), by module name (`""` for the root)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return {}
+    return {name: module for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+
+
+def install_compressed_reduce_scatter(model: nn.Module, state: FSDPCommState) -> int:
+    """
+    Give every FSDP2 unit of `model` a [`GRPOReduceScatter`] bound to `state`; returns how many units got one.
+
+    Raises:
+        `ValueError`: `model` holds no FSDP2 unit, or this torch lacks `set_custom_reduce_scatter`.
+    """
+    units = fsdp_units(model)
+    if not units:
+        raise ValueError("the model has no FSDP2 unit: apply `torch.distributed.fsdp.fully_shard` to it first.")
+    for name, module in units.items():
+        if not hasattr(module, "set_custom_reduce_scatter"):
+            raise ValueError(
+                "this torch has no FSDPModule.set_custom_reduce_scatter (torch 2.13 has it): upgrade torch, or train "
+                "FSDP2 without gradient compression (grpo_compression='none')."
+            )
+        module.set_custom_reduce_scatter(GRPOReduceScatter(state, name or "<root>"))
+    return len(units)
+
+
+def reduce_scatter_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes one rank sends in a ring reduce-scatter of an `nbytes` buffer: `(W - 1) / W * nbytes`."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    return (world_size - 1) / world_size * nbytes
+
+
+__all__ = [
+    "DEFAULT_FSDP_ERROR_FEEDBACK",
+    "ERROR_FEEDBACK_CHOICES",
+    "FSDP_MODE",
+    "FSDPCommState",
+    "GRPOReduceScatter",
+    "fsdp_units",
+    "install_compressed_reduce_scatter",
+    "message_nbytes",
+    "reduce_scatter_bytes",
+]
