@@ -133,8 +133,7 @@ def test_packaged_recipes_parse_and_document_themselves(name):
         if not text.startswith("#")
         else "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
     )
-    for word in ("grpo-hf", "Hardware:", "Wall time:", "Measured:"):
-        assert word in header
+    assert "grpo-hf" in header and "recipes/LOG.md" in header  # the command; measured runs live in the dated log
     model_args, data_args, args = builtin_recipe(name)
     assert isinstance(args, GRPOConfig) and args.grpo_compression == "quantize"
     assert model_args.model_name_or_path in ("smollm2-135m", "tiny-llama")

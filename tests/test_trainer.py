@@ -109,8 +109,16 @@ def test_plain_training_arguments_get_grpo_defaults(tmp_path):
     assert "grpo/lr_scale/ffn" in train_logs(trainer)[-1]
 
 
+def _reproducible(log_history):
+    """The log rows without the Trainer's own timing keys (which its own tests leave out of the comparison too)."""
+    timing = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss")
+    return [{k: v for k, v in row.items() if k not in timing} for row in log_history]
+
+
 def test_resume_is_bit_identical(tmp_path):
-    args = dict(max_steps=8, save_strategy="steps", save_steps=4)
+    args = dict(
+        max_steps=8, save_strategy="steps", save_steps=4, grpo_compression="quantize", grpo_min_compress_numel=256
+    )
     straight = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path / "a", **args), train_dataset=token_dataset())
     straight.train()
     checkpoint = tmp_path / "b" / "out" / "checkpoint-4"
@@ -123,6 +131,9 @@ def test_resume_is_bit_identical(tmp_path):
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
     assert torch.equal(straight.grpo_callback.importance.smoothed, resumed.grpo_callback.importance.smoothed)
+    # log_history holds counted figures only (cost/tokens, bytes, grpo/*, continued from the checkpoint): the same
+    assert _reproducible(resumed.state.log_history) == _reproducible(straight.state.log_history)
+    assert "cost/comm_bytes" in straight.state.log_history[-2] and "cost/tokens" in straight.state.log_history[-1]
 
 
 def test_corrupt_grpo_state_is_refused_before_training(tmp_path):
