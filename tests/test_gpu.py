@@ -36,8 +36,9 @@ def test_compiled_cuda_kernels_match_the_cpu(bits):
     squares = torch.rand(300, 128, generator=torch.Generator().manual_seed(3)) + 0.01
     results = []
     for kernels, device in ((EAGER, "cpu"), (compiled, CUDA)):
-        encoded = [kernels.encode(g.to(device), residual.to(device), squares.to(device), bits) for g in grads]
-        out, _ = kernels.decode([e[0] for e in encoded], [e[1] for e in encoded], squares.to(device), bits, 2)
+        scale = kernels.scales(squares.to(device))
+        encoded = [kernels.encode(g.to(device), residual.to(device), scale, bits) for g in grads]
+        out, _ = kernels.decode([e[0] for e in encoded], [e[1] for e in encoded], scale, bits, 2)
         results.append((encoded[0][0].cpu(), encoded[0][1].cpu(), encoded[0][2].float().cpu(), out.cpu()))
     (codes, absmax, residual_cpu, out), (codes_cuda, absmax_cuda, residual_cuda, out_cuda) = results
     assert (codes.float() != codes_cuda.float()).float().mean() < 1e-3

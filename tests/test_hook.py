@@ -608,8 +608,9 @@ def test_scales_come_from_the_optimizer_exp_avg_sq():
             if residuals is None
             else torch.cat([residuals["w"], residuals["v"]]).view(-1, 128)
         )
-        codes, absmax, new_residual = kernels.encode(row, residual, squares, 8)
-        expected = kernels.decode([codes], [absmax], squares, 8, 1)[0].view(-1)
+        scale = kernels.scales(squares)
+        codes, absmax, new_residual = kernels.encode(row, residual, scale, 8)
+        expected = kernels.decode([codes], [absmax], scale, 8, 1)[0].view(-1)
         assert torch.equal(torch.cat([out["w"].reshape(-1), out["v"].reshape(-1)]), expected)
         assert torch.equal(state.residuals.values["w"], new_residual.view(-1)[:2048])
 

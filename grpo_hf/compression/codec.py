@@ -27,6 +27,9 @@ non-zero codes, then one sign bit per non-zero code, set = negative, little-endi
 fixed by the number of blocks, except at 2 bits, where a 16-byte header (`int32` size) comes first. Top-k messages
 (density below 1, [`~grpo_hf.compression.sparse`]) carry their sizes in their header too.
 
+The scales come from a third, small kernel ([`scales_blocks`]): computed once per step and bucket, in bf16, read by
+both.
+
 ## Compiling
 
 [`compile_kernels`] chooses, once per process, compiled kernels (where a compiler works) or the eager functions; both
@@ -62,13 +65,19 @@ _QMAX = {8: 127, 4: 7}
 def entry_scales(squares: torch.Tensor) -> torch.Tensor:
     """
     Per-entry gradient scales `[n, B]` from a squared-gradient estimate `[n, B]` (the optimizer's `exp_avg_sq` or the
-    EMA of the squared averaged gradient): `sqrt(max(squares, SCALE_FLOOR**2 * peak + SQUARES_FLOOR))`, `peak` the
-    block's largest estimate. A constant factor on a block's scales leaves its codes and decoded gradients unchanged
-    (so the estimate needs no bias correction, and a block without any estimate is sent unscaled).
+    EMA of the squared averaged gradient): `sqrt(max(squares, SCALE_FLOOR**2 * peak + SQUARES_FLOOR))` in bf16,
+    `peak` the block's largest estimate. A constant factor on a block's scales leaves its codes and decoded gradients
+    unchanged (so the estimate needs no bias correction, and a block without any estimate is sent unscaled); bf16 is
+    precision enough for a scale, and every rank computes the same one.
     """
     squares = squares.float()
     peak = squares.amax(dim=1, keepdim=True)
-    return torch.sqrt(torch.maximum(squares, peak * (SCALE_FLOOR * SCALE_FLOOR) + SQUARES_FLOOR))
+    return torch.sqrt(torch.maximum(squares, peak * (SCALE_FLOOR * SCALE_FLOOR) + SQUARES_FLOOR)).to(torch.bfloat16)
+
+
+def scales_blocks(squares: torch.Tensor, out: torch.Tensor) -> None:
+    """The scale kernel: [`entry_scales`] of `[n, B]` squares written into `out` (`[n, B]` bf16)."""
+    out.copy_(entry_scales(squares))
 
 
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:
@@ -126,10 +135,10 @@ def _step(absmax: torch.Tensor, bits: int) -> torch.Tensor:
     return absmax / _QMAX[bits]
 
 
-def encode_blocks(grad, residual, squares, codes_out, bits: int, clip: float | None):
+def encode_blocks(grad, residual, scale, codes_out, bits: int, clip: float | None):
     """
-    The sender's kernel on `[n, B]` blocks: `acc = grad + residual` (fp32), divided by [`entry_scales`]`(squares)`
-    when `squares` is given and clamped to `[-clip, clip]` when `clip` is given, quantized at `bits`; the codes are
+    The sender's kernel on `[n, B]` blocks: `acc = grad + residual` (fp32), divided by the per-entry `scale` (see
+    [`entry_scales`]) when given and clamped to `[-clip, clip]` when `clip` is given, quantized at `bits`; the codes are
     written into `codes_out` (`[n, B]` int8 at 8 and 2 bits, `[n, B / 2]` uint8 at 4, `[n, B]` fp16 at 16).
 
     Returns `(absmax [n] fp32, new_residual)`: `new_residual = acc - decoded * scale` in `residual`'s dtype, or `None`
@@ -139,8 +148,8 @@ def encode_blocks(grad, residual, squares, codes_out, bits: int, clip: float | N
     if residual is not None:
         acc = acc + residual.float()
     x = acc
-    if squares is not None:
-        scale = entry_scales(squares)
+    if scale is not None:
+        scale = scale.float()
         x = acc / scale
     if clip is not None:
         x = x.clamp(-clip, clip)
@@ -149,16 +158,16 @@ def encode_blocks(grad, residual, squares, codes_out, bits: int, clip: float | N
     new_residual = None
     if residual is not None:
         sent = q.float() * step
-        if squares is not None:
+        if scale is not None:
             sent = sent * scale
         new_residual = (acc - sent).to(residual.dtype)
     return absmax.squeeze(1), new_residual
 
 
-def decode_blocks(codes, absmax, squares, ema, out, bits: int, divide: float, beta: float):
+def decode_blocks(codes, absmax, scale, ema, out, bits: int, divide: float, beta: float):
     """
     Every rank's kernel: `sum_r code_r * step_r` over the ranks' `[n, B]` codes and `[n]` absmax (in that order, from
-    the first), divided by `divide`, times [`entry_scales`]`(squares)` when `squares` is given, written into `out`
+    the first), divided by `divide`, times the per-entry `scale` when given, written into `out`
     (`[n, B]`, any float dtype: the bucket's gradients).
 
     Returns the new EMA when `ema` (`[n, B]` fp32) is given: `beta * ema + (1 - beta) * values**2` from the fp32
@@ -170,8 +179,8 @@ def decode_blocks(codes, absmax, squares, ema, out, bits: int, divide: float, be
         total = decoded if total is None else total + decoded
     if divide != 1:
         total = total / divide
-    if squares is not None:
-        total = total * entry_scales(squares)
+    if scale is not None:
+        total = total * scale.float()
     out.copy_(total)
     if ema is None:
         return None
@@ -179,39 +188,40 @@ def decode_blocks(codes, absmax, squares, ema, out, bits: int, divide: float, be
 
 
 # One entry point per bit width, so that each has its own compile cache (dynamo keeps one per code object).
-def _encode8(grad, residual, squares, codes_out, clip: float | None):
-    return encode_blocks(grad, residual, squares, codes_out, 8, clip)
+def _encode8(grad, residual, scale, codes_out, clip: float | None):
+    return encode_blocks(grad, residual, scale, codes_out, 8, clip)
 
 
-def _encode4(grad, residual, squares, codes_out, clip: float | None):
-    return encode_blocks(grad, residual, squares, codes_out, 4, clip)
+def _encode4(grad, residual, scale, codes_out, clip: float | None):
+    return encode_blocks(grad, residual, scale, codes_out, 4, clip)
 
 
-def _encode2(grad, residual, squares, codes_out, clip: float | None):
-    return encode_blocks(grad, residual, squares, codes_out, 2, clip)
+def _encode2(grad, residual, scale, codes_out, clip: float | None):
+    return encode_blocks(grad, residual, scale, codes_out, 2, clip)
 
 
-def _encode16(grad, residual, squares, codes_out, clip: float | None):
-    return encode_blocks(grad, residual, squares, codes_out, 16, clip)
+def _encode16(grad, residual, scale, codes_out, clip: float | None):
+    return encode_blocks(grad, residual, scale, codes_out, 16, clip)
 
 
-def _decode8(codes, absmax, squares, ema, out, divide: float, beta: float):
-    return decode_blocks(codes, absmax, squares, ema, out, 8, divide, beta)
+def _decode8(codes, absmax, scale, ema, out, divide: float, beta: float):
+    return decode_blocks(codes, absmax, scale, ema, out, 8, divide, beta)
 
 
-def _decode4(codes, absmax, squares, ema, out, divide: float, beta: float):
-    return decode_blocks(codes, absmax, squares, ema, out, 4, divide, beta)
+def _decode4(codes, absmax, scale, ema, out, divide: float, beta: float):
+    return decode_blocks(codes, absmax, scale, ema, out, 4, divide, beta)
 
 
-def _decode2(codes, absmax, squares, ema, out, divide: float, beta: float):
-    return decode_blocks(codes, absmax, squares, ema, out, 2, divide, beta)
+def _decode2(codes, absmax, scale, ema, out, divide: float, beta: float):
+    return decode_blocks(codes, absmax, scale, ema, out, 2, divide, beta)
 
 
-def _decode16(codes, absmax, squares, ema, out, divide: float, beta: float):
-    return decode_blocks(codes, absmax, squares, ema, out, 16, divide, beta)
+def _decode16(codes, absmax, scale, ema, out, divide: float, beta: float):
+    return decode_blocks(codes, absmax, scale, ema, out, 16, divide, beta)
 
 
 _ENCODERS = {8: _encode8, 4: _encode4, 2: _encode2, 16: _encode16}
+_SCALES = {0: scales_blocks}
 _DECODERS = {8: _decode8, 4: _decode4, 2: _decode2, 16: _decode16}
 
 
@@ -261,7 +271,14 @@ class Kernels:
             self._cache.clear()
             return self._get(table, bits)(*args)
 
-    def encode(self, grad, residual, squares, bits: int, clip: float | None = None, codes_out=None):
+    def scales(self, squares: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[`entry_scales`] of `[n, B]` squares, into `out` (a fresh bf16 tensor when `None`)."""
+        if out is None:
+            out = torch.empty(squares.shape, dtype=torch.bfloat16, device=squares.device)
+        self._call(_SCALES, 0, (squares, out))
+        return out
+
+    def encode(self, grad, residual, scale, bits: int, clip: float | None = None, codes_out=None):
         """
         [`encode_blocks`] of `[n, B]` rows; returns `(codes, absmax, new_residual)`, the codes written into `codes_out`
         (see [`code_shape`]) or a fresh tensor.
@@ -270,10 +287,10 @@ class Kernels:
             shape, dtype = code_shape(grad.shape[0], grad.shape[1], bits)
             codes_out = torch.empty(shape, dtype=dtype, device=grad.device)
         clip = None if clip is None else float(clip)
-        absmax, new_residual = self._call(_ENCODERS, bits, (grad, residual, squares, codes_out, clip))
+        absmax, new_residual = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip))
         return codes_out, absmax, new_residual
 
-    def decode(self, codes, absmax, squares, bits: int, divide: float, out=None, ema=None, beta: float = 0.0):
+    def decode(self, codes, absmax, scale, bits: int, divide: float, out=None, ema=None, beta: float = 0.0):
         """
         [`decode_blocks`] of the ranks' `codes` / `absmax` (sequences, in rank order) into `out` (a fresh fp32 tensor
         when `None`); returns `(out, new_ema)`.
@@ -281,7 +298,7 @@ class Kernels:
         if out is None:
             width = codes[0].shape[1] * (2 if bits == 4 else 1)
             out = torch.empty(codes[0].shape[0], width, device=codes[0].device)
-        args = (tuple(codes), tuple(absmax), squares, ema, out, float(divide), float(beta))
+        args = (tuple(codes), tuple(absmax), scale, ema, out, float(divide), float(beta))
         return out, self._call(_DECODERS, bits, args)
 
     def warm_up(self, specs, dtype: torch.dtype, world_size: int, scaled: bool, ema: bool, device) -> float:
@@ -291,11 +308,11 @@ class Kernels:
             block = max(spec.block_size for spec in specs if spec.bits == bits)
             grad = torch.zeros(3, block, dtype=dtype, device=device)
             residual = torch.zeros(3, block, dtype=torch.bfloat16, device=device)
-            squares = torch.ones(3, block, device=device) if scaled else None
-            codes, absmax, _ = self.encode(grad, residual, squares, bits)
+            scale = self.scales(torch.ones(3, block, device=device)) if scaled else None
+            codes, absmax, _ = self.encode(grad, residual, scale, bits)
             ema_row = torch.zeros(3, block, device=device) if ema else None
             out = torch.empty(3, block, dtype=dtype, device=device)
-            self.decode([codes] * world_size, [absmax] * world_size, squares, bits, world_size, out, ema_row, 0.9)
+            self.decode([codes] * world_size, [absmax] * world_size, scale, bits, world_size, out, ema_row, 0.9)
         return time.perf_counter() - start
 
 
@@ -450,5 +467,6 @@ __all__ = [
     "decode_blocks",
     "encode_blocks",
     "entry_scales",
+    "scales_blocks",
     "padded_nbytes",
 ]

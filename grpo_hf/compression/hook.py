@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .codec import BlockMessages, all_safe
+from .codec import BlockMessages, all_safe, code_shape
 from .layout import BucketLayout, Run
 from .sparse import TopKMessages
 from .state import GRPOCommState
@@ -105,10 +105,10 @@ class Collectives:
         if self.world_size == 1:
             return tensor.unsqueeze(0)
         start = time.perf_counter()
-        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(out, tensor.contiguous(), group=self.group)
+        out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(out, tensor.contiguous().view(-1), group=self.group)
         self._timed(start)
-        return out
+        return out.view(self.world_size, *tensor.shape)
 
     def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """`all_to_all_single` with uneven splits: `send_splits[j]` elements go to rank `j`."""
@@ -286,6 +286,28 @@ def _params(run: Run, bucket: _Bucket) -> list[nn.Parameter]:
     return [bucket.params[index] for index, _, _ in run.covered]
 
 
+def _take(rows: torch.Tensor, ranges: list[tuple[int, int]], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows of `ranges`, one after the other (a view when there is one range and no `out`)."""
+    if out is None and len(ranges) == 1:
+        return rows[ranges[0][0] : ranges[0][1]]
+    pieces = [rows[start:end] for start, end in ranges]
+    if out is None:
+        return torch.cat(pieces) if pieces else rows[:0]
+    return torch.cat(pieces, out=out) if pieces else out
+
+
+def _put(rows: torch.Tensor, ranges: list[tuple[int, int]], values: torch.Tensor) -> None:
+    """Inverse of [`_take`]: write `values` into the rows of `ranges`."""
+    offset = 0
+    for start, end in ranges:
+        rows[start:end].copy_(values[offset : offset + end - start])
+        offset += end - start
+
+
+def _count(ranges: list[tuple[int, int]]) -> int:
+    return sum(end - start for start, end in ranges)
+
+
 def _split(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     out, start = [], 0
     for size in sizes:
@@ -319,33 +341,33 @@ def _walk(buffer: torch.Tensor, runs: list[tuple]) -> list[torch.Tensor]:
     return out
 
 
-def _encode(state: GRPOCommState, spec, rows, residual, squares, k: int, message=None):
+def _encode(state: GRPOCommState, spec, rows, residual, scale, k: int, message=None):
     """
     Compress `[n, B]` rows with error feedback (see `encode_blocks`; top-k below density 1). Returns `(message,
     new_residual)`; a fixed-size message is written into `message` when given.
     """
-    clip = state.scale_clip if squares is not None else None
+    clip = state.scale_clip if scale is not None else None
     if spec.density < 1.0:
-        encoded, _, new_residual = TopKMessages(spec).encode(state.kernels, rows, residual, squares, clip, k)
+        encoded, _, new_residual = TopKMessages(spec).encode(state.kernels, rows, residual, scale, clip, k)
         return encoded, new_residual
     writer = BlockMessages(spec)
     if message is None:
-        codes, absmax, new_residual = state.kernels.encode(rows, residual, squares, spec.bits, clip)
+        codes, absmax, new_residual = state.kernels.encode(rows, residual, scale, spec.bits, clip)
         return writer.pack(codes, absmax), new_residual
     codes_view, absmax_view = writer.unpack(message, rows.shape[0])
-    _, absmax, new_residual = state.kernels.encode(rows, residual, squares, spec.bits, clip, codes_out=codes_view)
+    _, absmax, new_residual = state.kernels.encode(rows, residual, scale, spec.bits, clip, codes_out=codes_view)
     absmax_view.copy_(absmax)
     writer.clear_padding(message, rows.shape[0])
     return message, new_residual
 
 
-def _decode(state: GRPOCommState, spec, messages, nblocks: int, squares, divide, out=None, ema=None):
+def _decode(state: GRPOCommState, spec, messages, nblocks: int, scale, divide, out=None, ema=None):
     """
     The messages' decoded rows summed in order, divided by `divide`, times the scales, written into `out` (`[n, B]`;
     a fresh fp32 tensor when `None`). Returns `(out, new_ema)`.
     """
     if spec.density < 1.0:
-        values = TopKMessages(spec).decode(state.kernels, messages, (nblocks, spec.block_size), squares, divide)
+        values = TopKMessages(spec).decode(state.kernels, messages, (nblocks, spec.block_size), scale, divide)
         new_ema = None if ema is None else ema * state.scale_beta + values * values * (1.0 - state.scale_beta)
         if out is None:
             return values, new_ema
@@ -353,7 +375,7 @@ def _decode(state: GRPOCommState, spec, messages, nblocks: int, squares, divide,
         return out, new_ema
     reader = BlockMessages(spec)
     codes, absmax = zip(*(reader.unpack(message, nblocks) for message in messages))
-    return state.kernels.decode(codes, absmax, squares, spec.bits, divide, out, ema, state.scale_beta)
+    return state.kernels.decode(codes, absmax, scale, spec.bits, divide, out, ema, state.scale_beta)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -372,14 +394,14 @@ def _allgather(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
     messages, scales, offset = [], [], 0
     for index, run in enumerate(layout.runs):
         rows = run.rows(bucket.buffer)
-        squares, ema = state.scales_for(run, _params(run, bucket), device, offset)
+        scale, ema = state.scales_for(run, _params(run, bucket), device, offset)
         offset += run.length
         residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
-        message, new_residual = _encode(state, run.spec, rows, residual, squares, run.num_values(),
+        message, new_residual = _encode(state, run.spec, rows, residual, scale, run.num_values(),
                                         None if payload is None else slots[index])  # fmt: skip
         state.residuals.replace(run.key, run.slots, new_residual)
         messages.append(message)
-        scales.append((squares, ema))
+        scales.append((scale, ema))
         stats.kept += min(run.num_values(), run.numel)
     dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
     if payload is not None:
@@ -395,10 +417,10 @@ def _allgather(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         stats.bytes_sent += allgather_bytes(longest, count_as)
         runs = [(run.spec, run.num_blocks) for run in layout.runs]
         per_rank = [_walk(gathered[r], runs) for r in range(world_size)]
-    for index, (run, (squares, ema)) in enumerate(zip(layout.runs, scales)):
+    for index, (run, (scale, ema)) in enumerate(zip(layout.runs, scales)):
         out = run.rows(bucket.buffer) if run.in_place else None
         values, new_ema = _decode(state, run.spec, [per_rank[r][index] for r in range(world_size)], run.num_blocks,
-                                  squares, world_size, out, ema)  # fmt: skip
+                                  scale, world_size, out, ema)  # fmt: skip
         if out is None:
             run.write(bucket.buffer, values)
         if new_ema is not None:
@@ -410,110 +432,139 @@ def _allgather(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
 def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bucket: _Bucket, count_as: int):
     """Owners average and re-compress the blocks they own (with their own residual); their messages are gathered."""
     stats, world_size, rank, device = state.stats, comm.world_size, comm.rank, bucket.buffer.device
-    block_rows = [[b.to(device) for b in run.owned_blocks(world_size)] for run in layout.runs]
-    to_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
-    empty = torch.zeros(0, dtype=torch.uint8, device=device)
-    scales, offset = [], 0
-    for run, owned in zip(layout.runs, block_rows):
-        rows = run.rows(bucket.buffer)
-        squares, ema = state.scales_for(run, _params(run, bucket), device, offset)
-        offset += run.length
-        residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
-        if run.spec.density >= 1.0:  # one kernel call for the whole run, then each owner's blocks
-            clip = state.scale_clip if squares is not None else None
-            codes, absmax, new_residual = state.kernels.encode(rows, residual, squares, run.spec.bits, clip)
-            writer = BlockMessages(run.spec)
-            for owner, blocks in enumerate(owned):
-                message = writer.pack(codes.index_select(0, blocks), absmax.index_select(0, blocks))
-                to_rank[owner].append(message if blocks.numel() else empty)
-            stats.kept += min(run.num_values(), run.numel)
-        else:  # top-k within each owner's blocks
-            new_residual = residual.clone()
-            for owner, blocks in enumerate(owned):
-                if not blocks.numel():
-                    to_rank[owner].append(empty)
-                    continue
-                k = run.num_values(blocks.numel() * run.spec.block_size, run.owned_numel(world_size, owner))
-                part = None if squares is None else squares.index_select(0, blocks)
-                message, kept = _encode(
-                    state, run.spec, rows.index_select(0, blocks), residual.index_select(0, blocks), part, k
-                )
-                new_residual.index_copy_(0, blocks, kept)
-                to_rank[owner].append(message)
-                stats.kept += min(k, run.owned_numel(world_size, owner))
-        state.residuals.replace(run.key, run.slots, new_residual)
-        scales.append((squares, ema))
-    dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
-
-    # All-to-all: each owner receives every rank's messages for its blocks.
-    sends = [torch.cat(parts) if parts else empty for parts in to_rank]
+    block_rows = [run.owned_ranges(world_size) for run in layout.runs]  # per run and rank: [start, end) of blocks
     fixed = [
-        [_message_size(run.spec, owned[r].numel()) for run, owned in zip(layout.runs, block_rows)]
+        [_message_size(run.spec, _count(owned[r])) for run, owned in zip(layout.runs, block_rows)]
         for r in range(world_size)
     ]
     known = all(size is not None for sizes in fixed for size in sizes)
+    empty = torch.zeros(0, dtype=torch.uint8, device=device)
+    to_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    if known:  # sizes known: every message is written in place into one send buffer
+        send_sizes = [sum(sizes) for sizes in fixed]
+        send = state.buffer("send", sum(send_sizes), device, torch.uint8)
+        to_rank = [_split(piece, sizes) for piece, sizes in zip(_split(send, send_sizes), fixed)]
+    scales, offset = [], 0
+    for index, (run, owned) in enumerate(zip(layout.runs, block_rows)):
+        rows = run.rows(bucket.buffer)
+        scale, ema = state.scales_for(run, _params(run, bucket), device, offset)
+        offset += run.length
+        residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
+        if run.spec.density >= 1.0:  # one kernel call for the whole run, then each owner's blocks
+            clip = state.scale_clip if scale is not None else None
+            codes, absmax, new_residual = state.kernels.encode(rows, residual, scale, run.spec.bits, clip)
+            writer = BlockMessages(run.spec)
+            for owner, ranges in enumerate(owned):
+                count = _count(ranges)
+                if known:
+                    if count:
+                        codes_view, absmax_view = writer.unpack(to_rank[owner][index], count)
+                        _take(codes, ranges, out=codes_view)
+                        _take(absmax, ranges, out=absmax_view)
+                        writer.clear_padding(to_rank[owner][index], count)
+                else:
+                    message = writer.pack(_take(codes, ranges), _take(absmax, ranges))
+                    to_rank[owner].append(message if count else empty)
+            stats.kept += min(run.num_values(), run.numel)
+        else:  # top-k within each owner's blocks
+            new_residual = residual.clone()
+            for owner, ranges in enumerate(owned):
+                count = _count(ranges)
+                if not count:
+                    to_rank[owner].append(empty)
+                    continue
+                k = run.num_values(count * run.spec.block_size, run.owned_numel(world_size, owner))
+                part = None if scale is None else _take(scale, ranges)
+                message, kept = _encode(state, run.spec, _take(rows, ranges), _take(residual, ranges), part, k)
+                _put(new_residual, ranges, kept)
+                to_rank[owner].append(message)
+                stats.kept += min(k, run.owned_numel(world_size, owner))
+        state.residuals.replace(run.key, run.slots, new_residual)
+        scales.append((scale, ema))
+    dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
+
+    # All-to-all: each owner receives every rank's messages for its blocks.
     if known:
-        recv_totals = [sum(fixed[rank])] * world_size
-        stats.bytes_sent += alltoall_bytes(sum(s.numel() for s in sends), count_as)
+        send_splits, recv_totals = send_sizes, [send_sizes[rank]] * world_size
+        stats.bytes_sent += alltoall_bytes(send.numel(), count_as)
     else:  # sizes depend on the data: announce them (every rank learns every rank's total, to count the same bytes)
-        meta = torch.tensor([s.numel() for s in sends], dtype=torch.int64, device=device)
+        sends = [torch.cat(parts) if parts else empty for parts in to_rank]
+        send, send_splits = torch.cat(sends), [s.numel() for s in sends]
+        meta = torch.tensor(send_splits, dtype=torch.int64, device=device)
         recv_totals = comm.all_to_all(meta, [1] * world_size, [1] * world_size).tolist()
         totals = comm.all_gather(meta.sum().view(1)).view(-1).tolist()
         stats.bytes_sent += alltoall_bytes(_SIZE_BYTES * world_size, count_as) + allgather_bytes(_SIZE_BYTES, count_as)
         stats.bytes_sent += alltoall_bytes(sum(totals) / world_size, count_as)
-    received = comm.all_to_all(torch.cat(sends), [s.numel() for s in sends], recv_totals)
-    mine_runs = [(run.spec, owned[rank].numel()) for run, owned in zip(layout.runs, block_rows)]
+    received = comm.all_to_all(send, send_splits, recv_totals)
+    mine_runs = [(run.spec, _count(owned[rank])) for run, owned in zip(layout.runs, block_rows)]
     contributions = [_split(c, fixed[rank]) if known else _walk(c, mine_runs) for c in _split(received, recv_totals)]
 
     # Owner: average the W contributions to the blocks it owns, add its residual, compress the mean again.
     out_messages = []
-    for index, (run, owned, (squares, _)) in enumerate(zip(layout.runs, block_rows, scales)):
-        blocks = owned[rank]
-        nblocks = blocks.numel()
+    if known:  # written in place into the payload of the all-gather, padded to the longest owner's
+        longest = max(sum(sizes) for sizes in fixed)
+        payload = state.buffer("owned", longest, device, torch.uint8)
+        payload[sum(fixed[rank]) :].zero_()
+        slots = _split(payload, fixed[rank])
+    for index, (run, owned, (scale, _)) in enumerate(zip(layout.runs, block_rows, scales)):
+        nblocks = _count(owned[rank])
         if nblocks == 0:
             out_messages.append(empty)
             continue
-        mine = None if squares is None else squares.index_select(0, blocks)
+        mine = None if scale is None else _take(scale, owned[rank])
         mean, _ = _decode(state, run.spec, [contributions[s][index] for s in range(world_size)], nblocks, mine,
                           world_size)  # fmt: skip
-        key, slots = (run.key, world_size, rank), run.owned_slots(world_size, rank)
-        residual = state.owner_residuals.row(key, slots, nblocks * run.spec.block_size, device).view(mean.shape)
+        key, owner_slots = (run.key, world_size, rank), run.owned_slots(world_size, rank)
+        residual = state.owner_residuals.row(key, owner_slots, nblocks * run.spec.block_size, device).view(mean.shape)
         k = run.num_values(nblocks * run.spec.block_size, run.owned_numel(world_size, rank))
-        message, new_residual = _encode(state, run.spec, mean, residual, mine, k)
-        state.owner_residuals.replace(key, slots, new_residual)
+        message, new_residual = _encode(state, run.spec, mean, residual, mine, k, slots[index] if known else None)
+        state.owner_residuals.replace(key, owner_slots, new_residual)
         out_messages.append(message)
 
     # All-gather of the owners' messages (padded to the longest), decoded in owner order on every rank.
-    mine = torch.cat(out_messages)
-    if known:
-        longest = max(sum(sizes) for sizes in fixed)
-    else:
-        totals = comm.all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=device)).view(-1).tolist()
+    if not known:
+        payload = torch.cat(out_messages)
+        totals = comm.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device)).view(-1).tolist()
         stats.bytes_sent += allgather_bytes(_SIZE_BYTES, count_as)
         longest = max(totals)
-    gathered = comm.all_gather(torch.nn.functional.pad(mine, (0, longest - mine.numel())))
+        payload = torch.nn.functional.pad(payload, (0, longest - payload.numel()))
+    gathered = comm.all_gather(payload)
     stats.bytes_sent += (
         allgather_bytes(longest, count_as) if world_size > 1 else allgather_bytes(longest / count_as, count_as)
     )
     per_owner = [
         _split(gathered[r], fixed[r])
         if known
-        else _walk(gathered[r], [(run.spec, owned[r].numel()) for run, owned in zip(layout.runs, block_rows)])
+        else _walk(gathered[r], [(run.spec, _count(owned[r])) for run, owned in zip(layout.runs, block_rows)])
         for r in range(world_size)
     ]
-    for index, (run, owned, (squares, ema)) in enumerate(zip(layout.runs, block_rows, scales)):
-        values = torch.zeros(run.num_blocks, run.spec.block_size, device=device)
-        for owner, blocks in enumerate(owned):
-            if blocks.numel():
-                part = None if squares is None else squares.index_select(0, blocks)
-                decoded, _ = _decode(state, run.spec, [per_owner[owner][index]], blocks.numel(), part, 1)
-                values.index_copy_(0, blocks, decoded)
-        if ema is not None:
-            state.squares.replace(
-                run.key, run.slots, ema * state.scale_beta + values * values * (1 - state.scale_beta)
-            )
+    for index, (run, owned, (scale, ema)) in enumerate(zip(layout.runs, block_rows, scales)):
+        if run.spec.density >= 1.0:  # the owners' codes back in block order, then one decode into the bucket
+            shape, dtype = code_shape(run.num_blocks, run.spec.block_size, run.spec.bits)
+            codes, absmax = torch.empty(shape, dtype=dtype, device=device), torch.empty(run.num_blocks, device=device)
+            reader = BlockMessages(run.spec)
+            for owner, ranges in enumerate(owned):
+                if _count(ranges):
+                    owner_codes, owner_absmax = reader.unpack(per_owner[owner][index], _count(ranges))
+                    _put(codes, ranges, owner_codes)
+                    _put(absmax, ranges, owner_absmax)
+            out = run.rows(bucket.buffer) if run.in_place else None
+            values, new_ema = state.kernels.decode([codes], [absmax], scale, run.spec.bits, 1, out, ema,
+                                                   state.scale_beta)  # fmt: skip
+        else:
+            values = torch.zeros(run.num_blocks, run.spec.block_size, device=device)
+            for owner, ranges in enumerate(owned):
+                if _count(ranges):
+                    part = None if scale is None else _take(scale, ranges)
+                    decoded, _ = _decode(state, run.spec, [per_owner[owner][index]], _count(ranges), part, 1)
+                    _put(values, ranges, decoded)
+            new_ema = None if ema is None else ema * state.scale_beta + values * values * (1 - state.scale_beta)
+            out = None
+        if new_ema is not None:
+            state.squares.replace(run.key, run.slots, new_ema)
             state.ema_updated = True
-        run.write(bucket.buffer, values.to(bucket.buffer.dtype))
+        if out is None:
+            run.write(bucket.buffer, values.to(bucket.buffer.dtype))
     dense.write()
 
 

@@ -98,6 +98,10 @@ class Run:
         """For each rank, the `int64` indices of the blocks of this run it owns in the all-reduce mode."""
         return self._ownership(world_size)[0]
 
+    def owned_ranges(self, world_size: int) -> list[list[tuple[int, int]]]:
+        """For each rank, the blocks of [`owned_blocks`] as `[start, end)` ranges (adjacent ones merged)."""
+        return self._ownership(world_size)[3]
+
     def owned_numel(self, world_size: int, rank: int) -> int:
         """Real entries (padding excluded) in the blocks `rank` owns."""
         return self._ownership(world_size)[1][rank]
@@ -121,7 +125,16 @@ class Run:
                     owned[rank].extend(range(first + start, first + end))
                     real[rank] += max(0, min(numel, end * block) - start * block)
             blocks = [torch.tensor(indices, dtype=torch.int64) for indices in owned]
-            self._owned[world_size] = (blocks, real, slots)
+            ranges = []
+            for indices in owned:
+                merged = []
+                for index in indices:
+                    if merged and merged[-1][1] == index:
+                        merged[-1][1] += 1
+                    else:
+                        merged.append([index, index + 1])
+                ranges.append([tuple(r) for r in merged])
+            self._owned[world_size] = (blocks, real, slots, ranges)
         return self._owned[world_size]
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import BlockMessages, Kernels, all_safe, code_shape, compile_kernels, entry_scales, padded_nbytes
+from .codec import BlockMessages, Kernels, all_safe, code_shape, compile_kernels, padded_nbytes
 from .spec import CodecSpec, num_blocks, num_kept
 
 
@@ -313,14 +313,14 @@ class TopKMessages:
             codes.view(-1)[:k] = view_as(body[: k * codes.element_size()], dtype)
         return codes, absmax
 
-    def encode(self, kernels: Kernels, grad, residual, squares, clip: float | None, k: int):
+    def encode(self, kernels: Kernels, grad, residual, scale, clip: float | None, k: int):
         """
-        Compress `[n, B]` rows (`grad + residual`, relative to the scales of `squares` when given) keeping `k`
+        Compress `[n, B]` rows (`grad + residual`, relative to the per-entry `scale` when given) keeping `k`
         entries. Returns `(message, decoded, new_residual)`: `decoded` the `[n, B]` fp32 values the receivers decode
         (before the scales), `new_residual` in `residual`'s dtype (`None` without a residual).
         """
         acc = grad.float() if residual is None else grad.float() + residual.float()
-        scale = None if squares is None else entry_scales(squares)
+        scale = None if scale is None else scale.float()
         x = acc if scale is None else acc / scale
         if clip is not None:
             x = x.clamp(-clip, clip)
@@ -368,8 +368,8 @@ class TopKMessages:
             raise ValueError(f"corrupt message: {positions.numel()} positions for {k} values.")
         return positions, decoded
 
-    def decode(self, kernels: Kernels, messages, shape, squares, divide: float) -> torch.Tensor:
-        """The fp32 `[n, B]` sum of the messages' decoded rows (in order), divided by `divide`, times the scales."""
+    def decode(self, kernels: Kernels, messages, shape, scale, divide: float) -> torch.Tensor:
+        """The fp32 `[n, B]` sum of the messages' decoded rows (in order), divided by `divide`, times `scale`."""
         total = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=messages[0].device)
         for message in messages:
             positions, decoded = self.read(kernels, message, total.numel())
@@ -377,8 +377,8 @@ class TopKMessages:
         total = total.view(shape)
         if divide != 1:
             total /= divide
-        if squares is not None:
-            total *= entry_scales(squares)
+        if scale is not None:
+            total *= scale.float()
         return total
 
 

@@ -15,6 +15,7 @@ from .traffic import allreduce_bytes
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 2
+_PER_TENSOR_SCALES = 64  # runs of at most this many tensors compute their scales tensor by tensor (no gather)
 DEFAULT_SCALE_BETA = 0.99
 RESIDUAL_DTYPE = torch.bfloat16
 
@@ -230,6 +231,7 @@ class GRPOCommState:
         "ema_updated",
         "layouts",
         "bucket_starts",
+        "sources",
         "workspace",
         # --- statistics ---
         "hook_calls",
@@ -290,6 +292,7 @@ class GRPOCommState:
         self.ema_updated = False
         self.layouts: dict[tuple, BucketLayout] = {}  # bucket (names, sizes, offsets) -> its layout
         self.bucket_starts: dict[tuple, list[int]] = {}  # bucket (names, sizes) -> each gradient's offset in it
+        self.sources: dict[tuple, tuple] = {}  # parameters -> their optimizer's exp_avg_sq (see optimizer_squares)
         self.workspace: dict[tuple, torch.Tensor] = {}  # reusable work buffers (at most one bucket's size each)
         self.hook_calls = 0
         self._window = _empty_window()  # sums over the steps since the last pop_stats (constant size)
@@ -403,43 +406,65 @@ class GRPOCommState:
 
     # --- gradient scales ---
     def optimizer_squares(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
-        """The optimizer's `exp_avg_sq` of each parameter, or `None` unless every one of them has one."""
-        if self.optimizer is None or not self.scale_gradients:
+        """
+        The optimizer's `exp_avg_sq` of each parameter (flat views), or `None` unless every one of them has one.
+        Remembered per list of parameters while the optimizer keeps its state objects (Adam updates them in place;
+        loading a state dict replaces them, which is noticed).
+        """
+        if self.optimizer is None or not self.scale_gradients or not params:
             return None
         state = self.optimizer.state
+        key = (id(params[0]), id(params[-1]), len(params))
+        cached = self.sources.get(key)
+        if cached is not None and cached[0] is state:
+            first, last = state.get(params[0]), state.get(params[-1])
+            if first and last and first.get("exp_avg_sq") is cached[1] and last.get("exp_avg_sq") is cached[2]:
+                return cached[3]
         found = []
         for param in params:
-            squares = state.get(param, {}).get("exp_avg_sq") if param in state else None
+            squares = state[param].get("exp_avg_sq") if param in state else None
             if not isinstance(squares, torch.Tensor) or squares.numel() != param.numel():
                 return None
             found.append(squares)
-        return found
+        self.sources[key] = (state, found[0], found[-1], [squares.view(-1) for squares in found])
+        return self.sources[key][3]
 
     def scales_for(self, run: Run, params: list[nn.Parameter], device, offset: int = 0):
         """
-        What the run's gradient scales come from, as `(squares, ema)` `[blocks, B]` rows: `squares` the estimate the
-        scales are computed from (`None`: no scaling this step), `ema` this state's EMA row to update (`None` when the
-        optimizer provides the estimate or scaling is off). `params` are the parameters of `run.covered`. Optimizer
-        estimates are copied into the work buffer `"squares"` at `offset` (several runs of a bucket hold theirs at once).
+        The run's gradient scales for this step and where they come from, as `(scale, ema)` `[blocks, B]` rows:
+        `scale` the bf16 per-entry scales ([`~grpo_hf.compression.codec.entry_scales`]; `None`: no scaling this step),
+        `ema` this state's EMA row to update (`None` when the optimizer provides the estimate or scaling is off).
+        `params` are the parameters of `run.covered`. The scales are written into the work buffer `"scales"` at
+        `offset` (several runs of a bucket hold theirs at once).
         """
         if not self.scale_gradients:
             return None, None
         block = run.spec.block_size
+        scale = self.buffer("scales", offset + run.length, device, torch.bfloat16)[offset:].view(-1, block)
         sources = self.optimizer_squares(params)
         if sources is not None:
             if run.names[0] in self.squares.values:
                 self.squares.drop(run.names)  # the optimizer has taken over: the EMA's memory goes
-            if len(sources) == 1 and run.in_place and sources[0].is_contiguous() and sources[0].device == device:
-                return sources[0].view(-1, block), None
-            row = self.buffer("squares", offset + run.length, device, sources[0].dtype)[offset:]
-            if run.in_place:  # the tensors fill the row: one concatenation
-                torch.cat([s.view(-1) for s in sources], out=row)
+            if run.in_place and len(sources) <= _PER_TENSOR_SCALES:  # straight from each exp_avg_sq
+                sent = set(run.positions)
+                for (index, start, numel), source in zip(run.covered, sources):
+                    rows = scale[start // block : (start + numel) // block]
+                    if index in sent:
+                        self.kernels.scales(source.view(-1, block), out=rows)
+                    else:  # a dense tensor the run spans: its codes are not used
+                        rows.fill_(1.0)
+                return scale, None
+            row = self.buffer("squares", run.length, device, sources[0].dtype)
+            if run.in_place:  # many small tensors: one concatenation, one kernel call
+                torch.cat(sources, out=row)
             else:
                 row.zero_()
-                row[: sources[0].numel()] = sources[0].view(-1)
-            return row.view(-1, block), None
+                row[: sources[0].numel()] = sources[0]
+            return self.kernels.scales(row.view(-1, block), out=scale), None
         ema = self.squares.row(run.key, run.slots, run.length, device).view(-1, block)
-        return (ema if self.scale_updates > 0 else None), ema
+        if self.scale_updates == 0:
+            return None, ema
+        return self.kernels.scales(ema, out=scale), ema
 
     # --- steps ---
     def mark_nonfinite(self) -> None:
@@ -572,14 +597,14 @@ class GRPOCommState:
 
     def __getstate__(self):
         """Pickle without the process group, the optimizer and the kernels, as torch's `PowerSGDState` does."""
-        dropped = ("process_group", "workspace", "kernels", "optimizer", "pending", "bucket_starts")
+        dropped = ("process_group", "workspace", "kernels", "optimizer", "pending", "bucket_starts", "sources")
         return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in dropped}
 
     def __setstate__(self, state):
         for slot, value in state.items():
             setattr(self, slot, value)
         self.process_group = self.kernels = self.optimizer = None
-        self.workspace, self.pending, self.bucket_starts = {}, [], {}
+        self.workspace, self.pending, self.bucket_starts, self.sources = {}, [], {}, {}
 
     def __repr__(self) -> str:
         compressed = sum(1 for spec in self.plan.values() if spec is not None)
