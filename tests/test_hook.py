@@ -673,3 +673,29 @@ def test_compiled_hook_is_the_eager_hook(mode):
     for eager, compiled in zip(*outputs):
         for name in ALIGNED:
             torch.testing.assert_close(compiled[name], eager[name], rtol=1e-2, atol=1e-2)
+
+
+def test_trainer_can_hand_its_optimizer_to_the_state(tmp_path):
+    """What GRPOTrainer is to call once (`state.attach_optimizer(self.optimizer)` where it binds the state): the
+    AdamW behind Accelerate's wrapper then provides the scales, and no EMA of our own is kept."""
+    from datasets import Dataset
+
+    from grpo_hf import GRPOConfig, GRPOTrainer
+
+    class Wired(GRPOTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.grpo_comm_state is not None and self.grpo_comm_state.optimizer is None:
+                self.grpo_comm_state.attach_optimizer(self.optimizer)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    ids = torch.randint(0, 128, (32, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=5, per_device_train_batch_size=4,
+                      report_to=[], save_strategy="no", disable_tqdm=True, grpo_compression="quantize",
+                      grpo_min_compress_numel=256)  # fmt: skip
+    trainer = Wired(
+        model=tiny_test_llama(), args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids})
+    )
+    trainer.train()
+    state = trainer.grpo_comm_state
+    assert state.step == 5 and state.residuals.values and state.squares.values == {}
+    assert state.memory_bytes()["squares"] == 0 and state.sources  # the exp_avg_sq were found and used

@@ -40,6 +40,7 @@ are dynamic (`maybe_mark_dynamic` on the block dimension): each kernel variant c
 
 import logging
 import time
+import types
 import warnings
 from dataclasses import dataclass
 
@@ -240,18 +241,35 @@ class Kernels:
         self.compiled = compiled
         self._cache: dict = {}
 
-    def _get(self, table: dict, bits: int):
-        key = (id(table), bits)
+    @staticmethod
+    def _variant(args) -> tuple:
+        """What a call specializes on besides sizes: which inputs are given, their dtypes, the scalars."""
+        out = []
+        for arg in args:
+            if isinstance(arg, tuple):
+                out.append(("tuple", len(arg), *(t.dtype for t in arg)))
+            elif isinstance(arg, torch.Tensor):
+                out.append((arg.dtype, arg.device.type))
+            else:
+                out.append(arg)
+        return tuple(out)
+
+    def _get(self, table: dict, bits: int, variant: tuple):
+        key = (id(table), bits, variant)
         if key not in self._cache:
             fn = table[bits]
             if self.compiled:
+                # A code object of its own per variant: dynamo keeps one compile cache (and its recompile limit) per
+                # code object, and a bucket's kernels come in several variants.
+                code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(self._cache)}")
+                fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
                 # 16 bits rounds to fp16 and back inside the kernel: inductor must not skip that rounding.
                 fn = torch.compile(fn, options={"emulate_precision_casts": True} if bits == 16 else None)
             self._cache[key] = fn
         return self._cache[key]
 
     def _call(self, table, bits, args):
-        fn = self._get(table, bits)
+        fn = self._get(table, bits, self._variant(args) if self.compiled else None)
         if self.compiled:
             for arg in args:
                 for tensor in arg if isinstance(arg, tuple) else (arg,):
@@ -269,7 +287,7 @@ class Kernels:
             _fall_back(error)
             self.compiled = False
             self._cache.clear()
-            return self._get(table, bits)(*args)
+            return self._get(table, bits, None)(*args)
 
     def scales(self, squares: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[`entry_scales`] of `[n, B]` squares, into `out` (a fresh bf16 tensor when `None`)."""
@@ -312,7 +330,8 @@ class Kernels:
             codes, absmax, _ = self.encode(grad, residual, scale, bits)
             ema_row = torch.zeros(3, block, device=device) if ema else None
             out = torch.empty(3, block, dtype=dtype, device=device)
-            self.decode([codes] * world_size, [absmax] * world_size, scale, bits, world_size, out, ema_row, 0.9)
+            ranks = [(codes.clone(), absmax.clone()) for _ in range(world_size)]  # distinct tensors, as in a step
+            self.decode([c for c, _ in ranks], [a for _, a in ranks], scale, bits, world_size, out, ema_row, 0.9)
         return time.perf_counter() - start
 
 

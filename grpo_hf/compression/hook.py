@@ -160,7 +160,7 @@ def grpo_comm_hook(state: GRPOCommState, bucket: dist.GradBucket) -> torch.futur
         when the step's last bucket has been handed over.
     """
     start = time.perf_counter()
-    if not state.names:
+    if not state.names or state.kernels is None:  # (an unpickled state has no kernels: bind it again)
         raise RuntimeError("grpo_comm_hook: call `state.bind(model)` before the first backward pass.")
     buffer = bucket.buffer()
     params = list(bucket.parameters())
@@ -203,7 +203,7 @@ def compress_locally(state: GRPOCommState, model: nn.Module) -> None:
         model (`torch.nn.Module`): the model whose gradients to compress.
     """
     start = time.perf_counter()
-    if not state.names:
+    if not state.names or state.kernels is None:
         state.bind(model)
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     numels = [p.numel() for p in params]

@@ -596,7 +596,10 @@ class GRPOCommState:
                 self._totals[key] = type(self._totals[key])(totals[key])
 
     def __getstate__(self):
-        """Pickle without the process group, the optimizer and the kernels, as torch's `PowerSGDState` does."""
+        """
+        Pickle without the process group, the optimizer and the kernels, as torch's `PowerSGDState` does (bind the
+        copy again, and attach its optimizer, before using it).
+        """
         dropped = ("process_group", "workspace", "kernels", "optimizer", "pending", "bucket_starts", "sources")
         return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in dropped}
 
