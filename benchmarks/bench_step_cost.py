@@ -8,10 +8,12 @@ launch per row, so that each row's peak memory is its own:
 
 - `trainer`: the plain `Trainer` (DDP's fp32 all-reduce);
 - `grpo`: `GRPOTrainer` with its defaults (8-bit codes with error feedback and gradient scales, all-gather at W=2);
+- `grpo-adam`: the same, its compression state reading the gradient scales from AdamW's `exp_avg_sq`
+  (`state.attach_optimizer`; the same row as `grpo` once GRPOTrainer attaches its optimizer itself);
 - `fp16`, `powersgd-r4`: the plain Trainer with torch's `fp16_compress_hook` / `powerSGD_hook` (rank 4), registered
   as `benchmarks/suite.py` registers them.
 
-Models: `tiny-llama` (a 10.2M Llama, hidden 384, 4 layers, vocab 8192, trained from scratch on the stdlib corpus,
+Models: `tiny-llama` (a 10.8M Llama, hidden 352, 4 layers, vocab 8192, trained from scratch on the stdlib corpus,
 batch 16 x 128 tokens) and `smollm2` (SmolLM2-135M, every parameter trained, the suite's `smollm2-full` task).
 
 Per row: the median wall time of an optimizer step (after the dense warm-up of GRPO and PowerSGD's start iteration),
@@ -42,11 +44,11 @@ from tasks import TASKS, Task, build_model, prepare  # noqa: E402
 MODELS = {
     "tiny-llama": Task(
         "cost-tiny-llama", "lm", "tiny-llama", False, max_steps=40, batch_size=16, seq_len=128, learning_rate=1e-3,
-        warmup_steps=2, shape={"hidden_size": 384, "layers": 4, "heads": 6, "vocab_size": 8192},
+        warmup_steps=2, shape={"hidden_size": 352, "layers": 4, "heads": 4, "vocab_size": 8192},
     ),
     "smollm2": TASKS["smollm2-full"],
 }  # fmt: skip
-ROWS = ("trainer", "grpo", "fp16", "powersgd-r4")
+ROWS = ("trainer", "grpo", "grpo-adam", "fp16", "powersgd-r4")
 LINKS_GBIT = (1, 10, 100)
 GRPO_WARMUP = 3  # GRPOConfig's 2 dense steps, then the first compressed one (it compiles the codec if needed)
 
@@ -62,7 +64,7 @@ class CostArguments:
 
 def _skipped(row: str) -> int:
     """Untimed steps of a row: its dense warm-up (GRPO), PowerSGD's start iteration, one step otherwise."""
-    if row == "grpo":
+    if row.startswith("grpo"):
         return GRPO_WARMUP
     if row.startswith("powersgd"):
         return POWERSGD_START + 1
@@ -103,8 +105,18 @@ def worker(job_path: str) -> None:
     )
     kwargs = dict(model=model, train_dataset=load_from_disk(job["info"]["train_path"]))
     hook_bytes = {"bytes": 0.0, "seconds": 0.0}
-    if row == "grpo":
-        trainer = GRPOTrainer(args=GRPOConfig(**common), **kwargs)
+    if row.startswith("grpo"):
+
+        class AdamScales(GRPOTrainer):
+            """The line GRPOTrainer is to gain: hand the optimizer to the compression state where it binds it."""
+
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                if self.grpo_comm_state is not None and self.grpo_comm_state.optimizer is None:
+                    self.grpo_comm_state.attach_optimizer(self.optimizer)
+                return super().training_step(model, inputs, num_items_in_batch)
+
+        trainer_class = AdamScales if row == "grpo-adam" else GRPOTrainer
+        trainer = trainer_class(args=GRPOConfig(**common), **kwargs)
     else:
         trainer = torch_hook_trainer(parse_row("comm", row) if row != "trainer" else {"kind": "trainer"},
                                      TrainingArguments(**common), world_size, hook_bytes, **kwargs)  # fmt: skip
@@ -148,6 +160,7 @@ def worker(job_path: str) -> None:
             "per_step": steps,
         }
         if comm_state is not None:
+            result["grpo_codec"] = "compiled" if comm_state.kernels.compiled else "eager"
             result["grpo_totals"] = comm_state.totals()
             result["grpo_memory_bytes"] = comm_state.memory_bytes()
             result["grpo_compile_s"] = comm_state.compile_seconds

@@ -319,7 +319,9 @@ class Kernels:
         args = (tuple(codes), tuple(absmax), scale, ema, out, float(divide), float(beta))
         return out, self._call(_DECODERS, bits, args)
 
-    def warm_up(self, specs, dtype: torch.dtype, world_size: int, scaled: bool, ema: bool, device) -> float:
+    def warm_up(
+        self, specs, dtype: torch.dtype, world_size: int, scaled: bool, ema: bool, device, beta: float = 0.99
+    ) -> float:
         """Run every variant the given specs need once on tiny inputs (compiling them); returns the seconds it took."""
         start = time.perf_counter()
         for bits in sorted({spec.bits for spec in specs if spec.density >= 1.0 and spec.bits in _ENCODERS}):
@@ -331,7 +333,7 @@ class Kernels:
             ema_row = torch.zeros(3, block, device=device) if ema else None
             out = torch.empty(3, block, dtype=dtype, device=device)
             ranks = [(codes.clone(), absmax.clone()) for _ in range(world_size)]  # distinct tensors, as in a step
-            self.decode([c for c, _ in ranks], [a for _, a in ranks], scale, bits, world_size, out, ema_row, 0.9)
+            self.decode([c for c, _ in ranks], [a for _, a in ranks], scale, bits, world_size, out, ema_row, beta)
         return time.perf_counter() - start
 
 

@@ -1,6 +1,7 @@
 """`GRPOCommState`: the settings, error-feedback residuals, gradient scales and traffic statistics of the compression."""
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -195,8 +196,9 @@ class GRPOCommState:
             Group to communicate in; the default group when `None`.
         compile_codec (`bool`, *optional*):
             Run the codec's kernels compiled by `torch.compile` (`True`) or eagerly (`False`). `None` (default):
-            compiled when `bind` finds more than one rank. Without a working compiler the eager functions run (logged
-            once); under `torch.distributed` the ranks agree on one choice.
+            compiled when `bind` finds more than one rank, unless the environment variable `GRPO_HF_COMPILE_CODEC=0`
+            is set. Without a working compiler the eager functions run (logged once); under `torch.distributed` the
+            ranks agree on one choice.
     """
 
     __slots__ = (
@@ -347,14 +349,22 @@ class GRPOCommState:
     def _make_kernels(self, params: dict, compressed: list[str]) -> None:
         if self.kernels is not None:
             return
-        wanted = self.compile_codec if self.compile_codec is not None else self.world_size > 1
+        wanted = self.compile_codec
+        if wanted is None:  # auto: compiled under torch.distributed, unless the environment says otherwise
+            wanted = self.world_size > 1 and os.environ.get("GRPO_HF_COMPILE_CODEC", "1") != "0"
         kernels = compile_kernels(bool(wanted))
         if kernels.compiled and compressed:
             first = params[compressed[0]]
             specs = {self.plan[n] for n in compressed}
             try:
                 self.compile_seconds = kernels.warm_up(
-                    specs, first.dtype, self.world_size, self.scale_gradients, self.optimizer is None, first.device
+                    specs,
+                    first.dtype,
+                    self.world_size,
+                    self.scale_gradients,
+                    self.optimizer is None,
+                    first.device,
+                    self.scale_beta,
                 )
             except Exception:  # `Kernels` has already fallen back to eager (and said so)
                 pass
