@@ -143,8 +143,9 @@ def test_two_rank_allreduce_checkpoint_resumed_by_one_process(faults, tmp_path, 
     assert "written by 2 ranks in 'allreduce' mode and is resumed by 1 in 'allgather' mode" in caplog.text
     expected = owed(states, numels)
     assert expected.keys() == trainer.grpo_comm_state.residuals.values.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(trainer.grpo_comm_state.residuals.values[name], value, rtol=0, atol=1e-7)
+    for name, value in expected.items():  # residuals are kept in bf16: the merged ones are rounded to it
+        got = trainer.grpo_comm_state.residuals.values[name]
+        torch.testing.assert_close(got.float(), value, rtol=2**-8, atol=1e-7)
     trainer.train(resume_from_checkpoint=str(checkpoint))
     assert trainer.state.global_step == 14
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
