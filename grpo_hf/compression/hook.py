@@ -57,9 +57,11 @@ entry; `ratio_* = baseline / bytes_sent` (higher is better).
   which chains collectives in future callbacks, was seen to desynchronize at `W = 4` on gloo). The price: the
   communication does not overlap with the backward pass.
 - Memory per compressed entry and rank: the bf16 residual (2 bytes); with gradient scales and an optimizer without
-  `exp_avg_sq`, the fp32 EMA of its square (4 bytes); in `allreduce` mode also the bf16 residual of the owned blocks
-  (`2 / W` bytes). While a bucket is exchanged: its messages (about `(W + 1) * bits / 8` bytes per entry) and, with
-  the optimizer's scales, a copy of its `exp_avg_sq` (4 bytes per entry of the largest bucket, kept for reuse).
+  `exp_avg_sq` (or none attached), the fp32 EMA of its square (4 bytes); in `allreduce` mode also the bf16 residual
+  of the owned blocks (`2 / W` bytes). Work buffers, kept from step to step, hold one bucket's bf16 scales (2 bytes per
+  entry) and messages (`bits / 8` bytes per entry); while a bucket is exchanged, the all-gather's result (`W * bits /
+  8` bytes per entry) and one run's new residual (2 bytes per entry) exist besides. Compiling the kernels costs a fixed
+  amount of host memory for torch.compile itself.
 - Sparse gradients (`nn.Embedding(sparse=True)`), FSDP and DeepSpeed are not supported.
 """
 
