@@ -119,6 +119,11 @@ class RowStore:
                 self._drop_if_unused(key)
         self._values = None
 
+    @property
+    def num_rows(self) -> int:
+        """Rows held (one per run layout seen and still in use)."""
+        return len(self._rows)
+
     def nbytes(self) -> int:
         """Bytes of the rows and vectors held."""
         tensors = [row for row, _ in self._rows.values()] + list(self._loose.values())
