@@ -699,3 +699,18 @@ def test_trainer_can_hand_its_optimizer_to_the_state(tmp_path):
     state = trainer.grpo_comm_state
     assert state.step == 5 and state.residuals.values and state.squares.values == {}
     assert state.memory_bytes()["squares"] == 0 and state.sources  # the exp_avg_sq were found and used
+
+
+def test_a_plan_that_compresses_nothing_is_a_plain_all_reduce():
+    """Lossless settings (every tensor dense): the bucket goes out as DDP would send it, nothing else is sent."""
+    model = tiny_test_llama()
+    plan = {name: CodecSpec(1.0, 32) for name, _ in model.named_parameters()}  # lossless: sent dense
+    state = GRPOCommState(plan, dense_warmup_steps=1)
+    for seed in range(3):
+        backward(model, seed)
+        raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+        compress_locally(state, model)
+        assert all(torch.equal(p.grad, raw[n]) for n, p in model.named_parameters())
+    totals = state.totals()
+    assert totals["ratio_fp32"] == 1.0 and totals["density"] == 1.0 and totals["dense_steps"] == 1
+    assert state.residuals.values == {}

@@ -181,7 +181,7 @@ def grpo_comm_hook(state: GRPOCommState, bucket: dist.GradBucket) -> torch.futur
         state.stats.hook_ms += (time.perf_counter() - start) * 1000
         return future
     buckets, state.pending = state.pending, []
-    dense = _run_step(state, Collectives(state), buckets, state.world_size)
+    dense, _ = _run_step(state, Collectives(state), buckets, state.world_size)
     for held in buckets:
         held.future.set_result(held.buffer)
     state.stats.hook_ms += (time.perf_counter() - start) * 1000
@@ -213,44 +213,47 @@ def compress_locally(state: GRPOCommState, model: nn.Module) -> None:
     buffer = torch.cat([p.grad.reshape(-1) for p in params]) if params else torch.zeros(0)
     names = [state.names.get(id(p)) for p in params]
     bucket = _Bucket(buffer, names, params, numels, starts)
-    dense = _run_step(state, Collectives(state, world_size=1, rank=0), [bucket], state.simulated_world_size)
-    if not dense:
+    dense, compressed = _run_step(
+        state, Collectives(state, world_size=1, rank=0), [bucket], state.simulated_world_size
+    )
+    if compressed:
         torch._foreach_copy_([p.grad.view(-1) for p in params], list(torch.split(buffer, numels)))
     state.hook_calls += 1
     state.stats.hook_ms += (time.perf_counter() - start) * 1000
     state.commit_step(dense=dense)
 
 
-def _run_step(state: GRPOCommState, comm: Collectives, buckets: list[_Bucket], count_as: int) -> bool:
+def _run_step(state: GRPOCommState, comm: Collectives, buckets: list[_Bucket], count_as: int) -> tuple[bool, bool]:
     """
     One optimizer step over its buckets (see the module docstring); `count_as`: the world size bytes count for.
-    Returns whether the step was sent dense (warm-up, or a NaN/Inf on some rank).
+    Returns `(dense, compressed)`: whether the step counts as dense (warm-up, or a NaN/Inf on some rank) and whether
+    any gradient went through the codec.
     """
     stats = state.stats
-    warmup = state.warming_up
+    layouts = [state.layout(b.names, b.numels, b.starts) for b in buckets]
+    plain = state.warming_up or not any(layout.runs for layout in layouts)  # nothing to compress: as DDP does
     unsafe = False
-    if not warmup:
+    if not plain:
         flag = torch.tensor([int(not all_safe([b.buffer for b in buckets]))], device=buckets[0].buffer.device)
         unsafe = bool(comm.all_reduce(flag, op=dist.ReduceOp.MAX).item())
         stats.bytes_sent += allreduce_bytes(_FLAG_BYTES, count_as)
-    for bucket in buckets:
+    for bucket, layout in zip(buckets, layouts):
         stats.baseline(bucket.buffer.numel(), count_as)
-        if warmup or unsafe:
+        if plain or unsafe:
             comm.all_reduce(bucket.buffer).div_(comm.world_size)
             stats.bytes_sent += allreduce_bytes(bucket.buffer.numel() * bucket.buffer.element_size(), count_as)
             stats.kept += bucket.buffer.numel()
             continue
-        layout = state.layout(bucket.names, bucket.numels, bucket.starts)
         exchange = _allgather if state.mode == "allgather" else _allreduce
         exchange(state, comm, layout, bucket, count_as)
-    if warmup:
+    if plain:
         if not all_safe([b.buffer for b in buckets]):  # the same answer on every rank: the buffers are averaged
             unsafe = True
-        else:
+        elif state.warming_up:
             _track_dense_scales(state, buckets)
     if unsafe:
         state.mark_nonfinite()
-    return warmup or unsafe
+    return state.warming_up or unsafe, not (plain or unsafe)
 
 
 class _DenseTensors:
