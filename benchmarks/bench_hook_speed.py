@@ -20,7 +20,9 @@ full parameter set (134.5M in 272 tensors: the large-tensor case). Each step is 
 The codec's kernels are compiled (`--compile false`: eager); the one-off compile time is printed. Gradient scales come
 from an Adam-like `exp_avg_sq` (what `GRPOTrainer` reads from AdamW) unless `--scales ema` or `--scales off`.
 
-Prints one markdown table: median milliseconds per step, and per million gradient entries.
+Prints one markdown table: median milliseconds per step, and per million gradient entries: `codec` (wall time
+outside collectives) and `CPU` (CPU time of the hook's thread, collectives included: the work itself, which the load
+of other processes on a shared machine does not inflate as it inflates wall time).
 """
 
 import json
@@ -51,7 +53,7 @@ class SpeedArguments:
     )  # fmt: skip
     compile: bool = field(default=True, metadata={"help": "Compile the codec's kernels (false: eager)."})
     baselines: bool = field(default=True, metadata={"help": "Also time torch's fp16 and PowerSGD r4 hooks (W>1)."})
-    steps: int = field(default=6, metadata={"help": "Timed steps per measurement (after 2 untimed ones)."})
+    steps: int = field(default=10, metadata={"help": "Timed steps per measurement (after 2 untimed ones)."})
     threads: int = field(default=1, metadata={"help": "torch intra-op threads (W=1)."})
     device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (W=1 only on CUDA)."})
     world_sizes: str = field(default="1,2", metadata={"help": "Comma-separated world sizes (2: torchrun, gloo)."})
@@ -106,8 +108,11 @@ def _grads(params, rank, device):
     return [torch.randn(p.shape, generator=generator).mul_(1e-3).to(device) for p in params]
 
 
-def measure(model, plan, args, mode: str, hook: bool, device) -> tuple[float, float, float]:
-    """Median seconds per step in the hook (or `compress_locally`) and in its collectives; the compile seconds."""
+def measure(model, plan, args, mode: str, hook: bool, device) -> tuple[float, float, float, float]:
+    """
+    Median seconds per step in the hook (or `compress_locally`), in its collectives, and of CPU time (this thread) in
+    the hook; the compile seconds.
+    """
     model.to(device)
     params = list(model.parameters())
     state = GRPOCommState(
@@ -117,7 +122,7 @@ def measure(model, plan, args, mode: str, hook: bool, device) -> tuple[float, fl
         state.attach_optimizer(_AdamLike(params, torch.Generator().manual_seed(7)))
     state.bind(model)
     grads = _grads(params, state.rank, device)
-    times, comm = [], []
+    times, comm, cpu = [], [], []
     for step in range(args.steps + 2):
         for p, g in zip(params, grads):
             p.grad = g.clone()
@@ -127,7 +132,9 @@ def measure(model, plan, args, mode: str, hook: bool, device) -> tuple[float, fl
             bucket = FakeBucket(ordered, [p.grad for p in ordered], index=0, last=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        if state.world_size > 1:  # the ranks start together, as they leave a DDP backward pass together
+            torch.distributed.barrier()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         if hook:
             grpo_comm_hook(state, bucket).wait()
         else:
@@ -136,12 +143,16 @@ def measure(model, plan, args, mode: str, hook: bool, device) -> tuple[float, fl
             torch.cuda.synchronize()
         if step >= 2:
             times.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - start_cpu)
             comm.append((state.totals()["comm_ms"] - before) / 1e3)
-    return statistics.median(times), statistics.median(comm), state.compile_seconds
+    return statistics.median(times), statistics.median(comm), statistics.median(cpu), state.compile_seconds
 
 
-def measure_torch_hook(model, kind: str, args) -> tuple[float, float]:
-    """Median seconds per step in torch's `fp16_compress_hook` / `powerSGD_hook` (rank 4) and in its all-reduces."""
+def measure_torch_hook(model, kind: str, args) -> tuple[float, float, float]:
+    """
+    Median seconds per step in torch's `fp16_compress_hook` / `powerSGD_hook` (rank 4), in its all-reduces, and of
+    CPU time (this thread) in the hook.
+    """
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -165,24 +176,26 @@ def measure_torch_hook(model, kind: str, args) -> tuple[float, float]:
         state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=start_iter,
                                             use_error_feedback=True, warm_start=True)  # fmt: skip
         hook, warm = powerSGD_hook.powerSGD_hook, start_iter + 2
-    times, comm = [], []
+    times, comm, cpu = [], [], []
     dist.all_reduce = timed_all_reduce
     try:
         for step in range(args.steps + warm):
             bucket = FakeBucket(params, [g.clone() for g in grads], index=0, last=True)
             in_comm[0] = 0.0
-            start = time.perf_counter()
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             hook(state, bucket).wait()
             if step >= warm:
                 times.append(time.perf_counter() - start)
+                cpu.append(time.thread_time() - start_cpu)
                 comm.append(in_comm[0])
     finally:
         dist.all_reduce = all_reduce
-    return statistics.median(times), statistics.median(comm)
+    return statistics.median(times), statistics.median(comm), statistics.median(cpu)
 
 
 def rows(args, world_size: int):
-    """Every measurement of one process: `(model, tensors, compressed, numel, path, mode, s, comm s, compile s)`."""
+    """Every measurement of one process: `(model, tensors, compressed, numel, path, mode, s, comm s, cpu s, compile s)`."""
     device = torch.device(args.device)
     out = []
     for label, build in MODELS.items():
@@ -194,14 +207,14 @@ def rows(args, world_size: int):
         paths = (False, True) if world_size == 1 else (True,)
         for hook in paths:
             for mode in ("allgather", "allreduce"):
-                seconds, comm, compile_s = measure(model, plan, args, mode, hook, device)
+                seconds, comm, cpu, compile_s = measure(model, plan, args, mode, hook, device)
                 path = f"grpo_comm_hook (W={world_size})" if hook else "compress_locally"
-                out.append((label, len(plan), compressed, numel, path, mode, seconds, comm, compile_s))
+                out.append((label, len(plan), compressed, numel, path, mode, seconds, comm, cpu, compile_s))
         if world_size > 1 and args.baselines and device.type == "cpu":
             for kind, path in (("fp16", "fp16_compress_hook"), ("powersgd", "powerSGD_hook r4")):
-                seconds, comm = measure_torch_hook(model, kind, args)
+                seconds, comm, cpu = measure_torch_hook(model, kind, args)
                 out.append((label, len(plan), len(plan), numel, f"{path} (W={world_size})", "allreduce", seconds,
-                            comm, 0.0))  # fmt: skip
+                            comm, cpu, 0.0))  # fmt: skip
         del model
     return out
 
@@ -239,7 +252,7 @@ def main():
             if run.returncode != 0:
                 sys.exit(f"torchrun failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
             measured += [tuple(row) for row in json.loads(out.read_text())]
-    compile_s = max((row[8] for row in measured), default=0.0)
+    compile_s = max((row[9] for row in measured), default=0.0)
     load = os.getloadavg()
     lines = [
         f"density {args.density}, {args.bits} bits, scales {args.scales}, codec "
@@ -247,13 +260,14 @@ def main():
         f"{args.steps} steps; W=1 with {args.threads} thread(s), W>1 one thread per rank; load average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end",
         "",
-        "| model | tensors (compressed) | entries | path | mode | ms/step | in collectives | codec ms per M entries |",
-        "|---|---:|---:|---|---|---:|---:|---:|",
+        "| model | tensors (compressed) | entries | path | mode | ms/step | in collectives | codec ms per M entries "
+        "| CPU ms per M entries |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|",
     ]
-    for label, tensors, compressed, numel, path, mode, seconds, comm, _ in measured:
+    for label, tensors, compressed, numel, path, mode, seconds, comm, cpu, _ in measured:
         lines.append(
             f"| {label} | {tensors} ({compressed}) | {numel / 1e6:.2f}M | {path} | {mode} | {1e3 * seconds:.1f} | "
-            f"{1e3 * comm:.1f} | {1e3 * (seconds - comm) / (numel / 1e6):.2f} |"
+            f"{1e3 * comm:.1f} | {1e3 * (seconds - comm) / (numel / 1e6):.2f} | {1e3 * cpu / (numel / 1e6):.2f} |"
         )
     print("\n".join(lines))
 

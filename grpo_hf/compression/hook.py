@@ -102,12 +102,16 @@ class Collectives:
             self._timed(start)
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`[W, *tensor.shape]`: every rank's `tensor`, in rank order (equal sizes on every rank)."""
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """
+        `[W, *tensor.shape]`: every rank's `tensor`, in rank order (equal sizes on every rank), written into `out`
+        (`W * tensor.numel()` entries) when given.
+        """
         if self.world_size == 1:
             return tensor.unsqueeze(0)
         start = time.perf_counter()
-        out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        if out is None:
+            out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         dist.all_gather_into_tensor(out, tensor.contiguous().view(-1), group=self.group)
         self._timed(start)
         return out.view(self.world_size, *tensor.shape)
@@ -291,8 +295,14 @@ def _params(run: Run, bucket: _Bucket) -> list[nn.Parameter]:
     return [bucket.params[index] for index, _, _ in run.covered]
 
 
-def _take(rows: torch.Tensor, ranges: list[tuple[int, int]], out: torch.Tensor | None = None) -> torch.Tensor:
-    """The rows of `ranges`, one after the other (a view when there is one range and no `out`)."""
+_MAX_SLICES = 8  # owned blocks in more ranges than this are gathered with an index instead of slices
+
+
+def _take(rows: torch.Tensor, owned: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows of `owned` (`(ranges, index)`), one after the other (a view when there is one range and no `out`)."""
+    ranges, index = owned
+    if len(ranges) > _MAX_SLICES:
+        return torch.index_select(rows, 0, index, out=out) if out is not None else rows.index_select(0, index)
     if out is None and len(ranges) == 1:
         return rows[ranges[0][0] : ranges[0][1]]
     pieces = [rows[start:end] for start, end in ranges]
@@ -301,16 +311,20 @@ def _take(rows: torch.Tensor, ranges: list[tuple[int, int]], out: torch.Tensor |
     return torch.cat(pieces, out=out) if pieces else out
 
 
-def _put(rows: torch.Tensor, ranges: list[tuple[int, int]], values: torch.Tensor) -> None:
-    """Inverse of [`_take`]: write `values` into the rows of `ranges`."""
+def _put(rows: torch.Tensor, owned: tuple, values: torch.Tensor) -> None:
+    """Inverse of [`_take`]: write `values` into the rows of `owned`."""
+    ranges, index = owned
+    if len(ranges) > _MAX_SLICES:
+        rows.index_copy_(0, index, values)
+        return
     offset = 0
     for start, end in ranges:
         rows[start:end].copy_(values[offset : offset + end - start])
         offset += end - start
 
 
-def _count(ranges: list[tuple[int, int]]) -> int:
-    return sum(end - start for start, end in ranges)
+def _count(owned: tuple) -> int:
+    return owned[1].numel()
 
 
 def _split(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -410,7 +424,9 @@ def _allgather(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         stats.kept += min(run.num_values(), run.numel)
     dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
     if payload is not None:
-        gathered = comm.all_gather(payload)
+        gathered = comm.all_gather(
+            payload, state.buffer("gathered", world_size * payload.numel(), device, torch.uint8)
+        )
         stats.bytes_sent += allgather_bytes(payload.numel(), count_as)
         per_rank = [_split(gathered[r], fixed) for r in range(world_size)]
     else:  # sizes depend on the data: announce each rank's total, pad to the longest, read the messages' headers
@@ -437,7 +453,13 @@ def _allgather(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
 def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bucket: _Bucket, count_as: int):
     """Owners average and re-compress the blocks they own (with their own residual); their messages are gathered."""
     stats, world_size, rank, device = state.stats, comm.world_size, comm.rank, bucket.buffer.device
-    block_rows = [run.owned_ranges(world_size) for run in layout.runs]  # per run and rank: [start, end) of blocks
+    block_rows = [  # per run and rank: its blocks as [start, end) ranges and as an index
+        [
+            (ranges, index.to(device))
+            for ranges, index in zip(run.owned_ranges(world_size), run.owned_blocks(world_size))
+        ]
+        for run in layout.runs
+    ]
     fixed = [
         [_message_size(run.spec, _count(owned[r])) for run, owned in zip(layout.runs, block_rows)]
         for r in range(world_size)
