@@ -424,9 +424,8 @@ def _allgather(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         stats.kept += min(run.num_values(), run.numel)
     dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
     if payload is not None:
-        gathered = comm.all_gather(
-            payload, state.buffer("gathered", world_size * payload.numel(), device, torch.uint8)
-        )
+        kept = state.buffer("gathered", world_size * payload.numel(), device, torch.uint8) if world_size > 1 else None
+        gathered = comm.all_gather(payload, kept)
         stats.bytes_sent += allgather_bytes(payload.numel(), count_as)
         per_rank = [_split(gathered[r], fixed) for r in range(world_size)]
     else:  # sizes depend on the data: announce each rank's total, pad to the longest, read the messages' headers
