@@ -625,7 +625,8 @@ def test_optimizers_without_exp_avg_sq_fall_back_to_the_ema():
         for p, name in zip(params.values(), params):
             p.grad = out[name].clone()
         optimizer.step()
-    assert set(state.squares.values) == {"w", "v"} and state.scale_updates == 3
+    # the EMA starts with compression (an attached optimizer is expected to provide the scales during the warm-up)
+    assert set(state.squares.values) == {"w", "v"} and state.scale_updates == 2
     assert state.memory_bytes()["squares"] == 4 * (2048 + 2048)
 
 

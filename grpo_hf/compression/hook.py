@@ -276,17 +276,19 @@ class _DenseTensors:
 
 
 def _track_dense_scales(state: GRPOCommState, buckets: list[_Bucket]) -> None:
-    """Warm-up steps: the scales' EMA takes in the (already averaged) dense gradients of runs without optimizer ones."""
-    if not state.scale_gradients:
+    """
+    Warm-up steps: the scales' EMA takes in the (already averaged) dense gradients, in place. Not while an optimizer
+    is attached: its `exp_avg_sq` will be the scales (should it have none, the EMA starts with compression).
+    """
+    if not state.scale_gradients or state.optimizer is not None:
         return
     beta = state.scale_beta
     for bucket in buckets:
         for run in state.layout(bucket.names, bucket.numels, bucket.starts).runs:
-            if state.optimizer_squares(_params(run, bucket)) is not None:
-                continue
             ema = state.squares.row(run.key, run.slots, run.length, bucket.buffer.device)
-            averaged = run.rows(bucket.buffer).float().view(-1)
-            state.squares.replace(run.key, run.slots, ema * beta + averaged * averaged * (1.0 - beta))
+            averaged = run.rows(bucket.buffer).view(-1)
+            averaged = averaged if averaged.dtype == torch.float32 else averaged.float()
+            ema.mul_(beta).addcmul_(averaged, averaged, value=1.0 - beta)
             state.ema_updated = True
 
 

@@ -188,7 +188,8 @@ class GRPOCommState:
             Compress each entry relative to its own gradient scale, the same on every rank, rather than to its
             block's largest magnitude alone, so that small coordinates keep their precision, as Adam sees them. The
             scale is `sqrt` of the attached optimizer's `exp_avg_sq` where it has one ([`attach_optimizer`]), else of
-            an EMA of the squared averaged gradient kept here.
+            an EMA of the squared averaged gradient kept here (fed by the dense warm-up steps when no optimizer is
+            attached).
         scale_beta (`float`, *optional*, defaults to `0.99`):
             EMA factor of the squared gradients behind the scales when the optimizer has no `exp_avg_sq`.
         scale_clip (`float`, *optional*):
