@@ -10,6 +10,7 @@ launch per row, so that each row's peak memory is its own:
 - `grpo`: `GRPOTrainer` with its defaults (8-bit codes with error feedback and gradient scales, all-gather at W=2);
 - `grpo-adam`: the same, its compression state reading the gradient scales from AdamW's `exp_avg_sq`
   (`state.attach_optimizer`; the same row as `grpo` once GRPOTrainer attaches its optimizer itself);
+- `grpo-none`: GRPOTrainer with compression off (`grpo_compression="none"`): what GRPOTrainer costs besides its codec;
 - `fp16`, `powersgd-r4`: the plain Trainer with torch's `fp16_compress_hook` / `powerSGD_hook` (rank 4), registered
   as `benchmarks/suite.py` registers them.
 
@@ -48,7 +49,7 @@ MODELS = {
     ),
     "smollm2": TASKS["smollm2-full"],
 }  # fmt: skip
-ROWS = ("trainer", "grpo", "grpo-adam", "fp16", "powersgd-r4")
+ROWS = ("trainer", "grpo", "grpo-adam", "grpo-none", "fp16", "powersgd-r4")
 LINKS_GBIT = (1, 10, 100)
 GRPO_WARMUP = 3  # GRPOConfig's 2 dense steps, then the first compressed one (it compiles the codec if needed)
 
@@ -116,7 +117,8 @@ def worker(job_path: str) -> None:
                 return super().training_step(model, inputs, num_items_in_batch)
 
         trainer_class = AdamScales if row == "grpo-adam" else GRPOTrainer
-        trainer = trainer_class(args=GRPOConfig(**common), **kwargs)
+        extra = {"grpo_compression": "none"} if row == "grpo-none" else {}
+        trainer = trainer_class(args=GRPOConfig(**common, **extra), **kwargs)
     else:
         trainer = torch_hook_trainer(parse_row("comm", row) if row != "trainer" else {"kind": "trainer"},
                                      TrainingArguments(**common), world_size, hook_bytes, **kwargs)  # fmt: skip
@@ -124,10 +126,12 @@ def worker(job_path: str) -> None:
     comm_state = getattr(trainer, "grpo_comm_state", None)
     steps = []
 
+    dense = row in ("trainer", "grpo-none")  # DDP's own fp32 all-reduce
+
     def sent() -> float:
         if comm_state is not None:
             return comm_state.totals()["bytes_sent"]
-        if row != "trainer":
+        if not dense:
             return hook_bytes["bytes"]
         return dense_allreduce_bytes(numel, world_size) * len(steps)
 
@@ -141,7 +145,7 @@ def worker(job_path: str) -> None:
     trainer.add_callback(StepRecorder())
     trainer.train()
     assert isinstance(trainer.model_wrapped, DistributedDataParallel), "the run did not use DDP"
-    if row == "trainer":  # the plain all-reduce: every step sends the dense fp32 gradients
+    if dense:  # the plain all-reduce: every step sends the dense fp32 gradients
         for step in steps:
             step["bytes"] = dense_allreduce_bytes(numel, world_size)
     peak = [None] * world_size
