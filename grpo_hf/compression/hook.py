@@ -105,10 +105,10 @@ class Collectives:
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """
         `[W, *tensor.shape]`: every rank's `tensor`, in rank order (equal sizes on every rank), written into `out`
-        (`W * tensor.numel()` entries) when given.
+        (`W * tensor.numel()` entries) when given; `tensor` may be this rank's part of `out` (gathered in place).
         """
         if self.world_size == 1:
-            return tensor.unsqueeze(0)
+            return tensor.unsqueeze(0) if out is None else out.view(1, *tensor.shape)
         start = time.perf_counter()
         if out is None:
             out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
@@ -409,8 +409,10 @@ def _allgather(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
     stats, world_size, device = state.stats, comm.world_size, bucket.buffer.device
     fixed = [_message_size(run.spec, run.num_blocks) for run in layout.runs]
     payload = None
-    if all(size is not None for size in fixed):  # sizes known: encode straight into the payload
-        payload = state.buffer("payload", sum(fixed), device, torch.uint8)
+    if all(size is not None for size in fixed):  # sizes known: encode straight into this rank's part of the gather
+        total = sum(fixed)
+        gathered = state.buffer("gathered", world_size * total, device, torch.uint8)
+        payload = gathered[comm.rank * total : (comm.rank + 1) * total]
         slots = _split(payload, fixed)
     messages, scales, offset = [], [], 0
     for index, run in enumerate(layout.runs):
@@ -426,8 +428,7 @@ def _allgather(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         stats.kept += min(run.num_values(), run.numel)
     dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
     if payload is not None:
-        kept = state.buffer("gathered", world_size * payload.numel(), device, torch.uint8) if world_size > 1 else None
-        gathered = comm.all_gather(payload, kept)
+        gathered = comm.all_gather(payload, gathered)  # in place: the input is this rank's part of the output
         stats.bytes_sent += allgather_bytes(payload.numel(), count_as)
         per_rank = [_split(gathered[r], fixed) for r in range(world_size)]
     else:  # sizes depend on the data: announce each rank's total, pad to the longest, read the messages' headers
