@@ -8,8 +8,8 @@ loop on CPU, one Triton kernel on CUDA), or run eagerly where compiling is impos
    squared-gradient estimate, see [`entry_scales`]); block absmax; codes; the new residual `acc - code * step * scale`
    (bf16). Returns the codes, the raw absmax per block (the step is derived from it on every rank) and the residual.
 2. [`decode_blocks`] (every rank): the sum of the `W` ranks' `code * step`, in rank order from the first, divided by
-   `divide`, times the scale, cast to the gradient's dtype; optionally the EMA of the squared result (the scales of
-   optimizers without `exp_avg_sq`).
+   `divide`, times the scale, written into the bucket's gradients (their dtype); optionally the EMA of the squared
+   result (the scales of optimizers without `exp_avg_sq`).
 
 Every rank decodes every message, its own included, with the same kernel, so all ranks hold bit-identical averages.
 
@@ -17,8 +17,8 @@ Every rank decodes every message, its own included, with the same kernel, so all
 
 | bits | code per entry                                    | step per block                 | message per block          |
 |------|---------------------------------------------------|--------------------------------|----------------------------|
-| 8    | `round(x / step)` in `[-127, 127]`, int8          | `absmax / 127`                 | 4 + 128 bytes              |
-| 4    | `round(x / step)` in `[-7, 7]`, two per byte      | `absmax / 7`                   | 4 + 64 bytes               |
+| 8    | `round(x * (1 / step))` in `[-127, 127]`, int8    | `absmax / 127`                 | 4 + 128 bytes              |
+| 4    | `round(x * (1 / step))` in `[-7, 7]`, two per byte| `absmax / 7`                   | 4 + 64 bytes               |
 | 2    | `sign(x)` where `|x| > absmax / 2`, else 0        | `absmax`                       | 4 + 16 + (non-zero) / 8    |
 | 16   | `x / 2**e` in fp16, `e` from `absmax`'s exponent  | `2**e`                         | 4 + 256 bytes              |
 

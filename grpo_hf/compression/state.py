@@ -169,8 +169,9 @@ class GRPOCommState:
     ```python
     >>> from grpo_hf.compression import GRPOCommState, compression_plan, grpo_comm_hook
 
-    >>> state = GRPOCommState(compression_plan(model)).bind(model)  # GRPOConfig's defaults
-    >>> state.attach_optimizer(optimizer)  # optional: Adam's `exp_avg_sq` become the gradient scales
+    >>> state = GRPOCommState(compression_plan(model))  # GRPOConfig's defaults
+    >>> state.attach_optimizer(optimizer)  # AdamW's `exp_avg_sq` become the gradient scales (optional)
+    >>> state.bind(model)  # names, world size, the codec's kernels compiled
     >>> ddp_model.register_comm_hook(state, grpo_comm_hook)
     ```
 
