@@ -1,20 +1,28 @@
-"""Compression time per optimizer step of `grpo_comm_hook` and `compress_locally` (fake DDP buckets, random gradients).
+"""Time per optimizer step of `grpo_comm_hook` and `compress_locally`, next to torch's fp16 and PowerSGD hooks.
 
     python benchmarks/bench_hook_speed.py                        # W=1 and W=2 (torchrun, gloo), tiny Llama and LoRA
     python benchmarks/bench_hook_speed.py --bits 2 --large       # also SmolLM2-135M's full parameter set (135M)
-    python benchmarks/bench_hook_speed.py --device cuda          # the torch (CUDA) path, W=1
+    python benchmarks/bench_hook_speed.py --device cuda          # the compiled kernels on CUDA (Triton), W=1
+    python benchmarks/bench_hook_speed.py --scales ema           # scales from our EMA (optimizers without exp_avg_sq)
 
 Models: a tiny Llama (hidden 256, 4 layers, vocab 8192: 6.3M parameters in 38 tensors, 29 compressed); the LoRA r=8
 adapters of SmolLM2-135M (2.4M parameters in 420 tensors: the many-small-tensors case); with `--large`, SmolLM2-135M's
 full parameter set (134.5M in 272 tensors: the large-tensor case). Each step is one bucket holding every gradient.
 
-- `W=1`: `compress_locally` and the hook in one process: the sender's work (error feedback, scales, quantization,
-  message) and its own share of the average; collectives are no-ops.
-- `W=2`: two processes under torchrun (gloo, one thread each), the real hook: every rank also decodes the other's
-  message. `codec` is the hook's time minus the time spent inside collectives (which includes waiting for the other
-  rank); on loopback the transfer itself is nearly free.
+- `W=1`: `compress_locally` and the hook in one process: the sender's work (error feedback, scales, codes, message)
+  and the decode of its own message; collectives are no-ops.
+- `W=2`: two processes under torchrun (gloo, one thread each): the real hook, in both modes, and on the same buckets
+  torch's `fp16_compress_hook` and `powerSGD_hook` (rank 4, error feedback, warm start; timed after its start
+  iteration). `codec` is the hook's time minus the time spent inside collectives (which includes waiting for the
+  other rank; on loopback the transfer itself is nearly free). For torch's hooks the collectives are timed by wrapping
+  `torch.distributed.all_reduce` (made synchronous for the measurement).
 
-Prints one markdown table: median milliseconds per step, and per million gradient entries.
+The codec's kernels are compiled (`--compile false`: eager); the one-off compile time is printed. Gradient scales come
+from an Adam-like `exp_avg_sq` (what `GRPOTrainer` reads from AdamW) unless `--scales ema` or `--scales off`.
+
+Prints one markdown table: median milliseconds per step, and per million gradient entries: `codec` (wall time
+outside collectives) and `CPU` (CPU time of the hook's thread, collectives included: the work itself, which the load
+of other processes on a shared machine does not inflate as it inflates wall time).
 """
 
 import json
@@ -41,8 +49,14 @@ from testing_utils import FakeBucket  # noqa: E402
 class SpeedArguments:
     density: float = field(default=1.0, metadata={"help": "Top-k kept fraction of every compressed tensor."})
     bits: int = field(default=8, metadata={"help": "Bits per sent value (8 is GRPOConfig's default; 2 is ternary)."})
-    scale_gradients: bool = field(default=True, metadata={"help": "Compress relative to the gradient scales."})
-    steps: int = field(default=6, metadata={"help": "Timed steps per measurement (after 2 untimed ones)."})
+    scales: str = field(
+        default="adam",
+        metadata={"help": "Gradient scales from: adam (an optimizer's exp_avg_sq), ema (our EMA), off.",
+                  "choices": ["adam", "ema", "off"]},
+    )  # fmt: skip
+    compile: bool = field(default=True, metadata={"help": "Compile the codec's kernels (false: eager)."})
+    baselines: bool = field(default=True, metadata={"help": "Also time torch's fp16 and PowerSGD r4 hooks (W>1)."})
+    steps: int = field(default=10, metadata={"help": "Timed steps per measurement (after 2 untimed ones)."})
     threads: int = field(default=1, metadata={"help": "torch intra-op threads (W=1)."})
     device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (W=1 only on CUDA)."})
     world_sizes: str = field(default="1,2", metadata={"help": "Comma-separated world sizes (2: torchrun, gloo)."})
@@ -85,37 +99,106 @@ def smollm2_model(args):
 MODELS = {"tiny Llama h256 x4": llama_model, "SmolLM2 LoRA r=8": lora_model, "SmolLM2-135M (full)": smollm2_model}
 
 
-def measure(model, plan, args, mode: str, hook: bool, device) -> tuple[float, float]:
-    """Median seconds per step in the hook (or `compress_locally`) and in its collectives."""
+class _AdamLike:
+    """What `GRPOCommState.attach_optimizer` reads of an optimizer: `state[p]["exp_avg_sq"]`."""
+
+    def __init__(self, params, generator):
+        self.state = {p: {"exp_avg_sq": torch.rand(p.shape, generator=generator).to(p.device)} for p in params}
+
+
+def _grads(params, rank, device):
+    generator = torch.Generator().manual_seed(rank)
+    return [torch.randn(p.shape, generator=generator).mul_(1e-3).to(device) for p in params]
+
+
+def measure(model, plan, args, mode: str, hook: bool, device) -> tuple[float, float, float, float]:
+    """
+    Median seconds per step in the hook (or `compress_locally`), in its collectives, and of CPU time (this thread) in
+    the hook; the compile seconds.
+    """
     model.to(device)
     params = list(model.parameters())
-    state = GRPOCommState(plan, mode=mode, dense_warmup_steps=1, scale_gradients=args.scale_gradients).bind(model)
-    rank = state.rank
-    generator = torch.Generator().manual_seed(rank)
-    grads = [torch.randn(p.shape, generator=generator).mul_(1e-3).to(device) for p in params]
-    times, comm = [], []
+    state = GRPOCommState(
+        plan, mode=mode, dense_warmup_steps=1, scale_gradients=args.scales != "off", compile_codec=args.compile
+    )
+    if args.scales == "adam":
+        state.attach_optimizer(_AdamLike(params, torch.Generator().manual_seed(7)))
+    state.bind(model)
+    grads = _grads(params, state.rank, device)
+    times, comm, cpu = [], [], []
     for step in range(args.steps + 2):
         for p, g in zip(params, grads):
             p.grad = g.clone()
         before = state.totals()["comm_ms"]
+        if hook:  # one bucket, in DDP's (reverse) order, built before the clock starts
+            ordered = list(reversed(params))
+            bucket = FakeBucket(ordered, [p.grad for p in ordered], index=0, last=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
-        if hook:  # one bucket, in DDP's (reverse) order
-            bucket = list(reversed(params))
-            grpo_comm_hook(state, FakeBucket(bucket, [p.grad for p in bucket], index=0, last=True)).wait()
+        if state.world_size > 1:  # the ranks start together, as they leave a DDP backward pass together
+            torch.distributed.barrier()
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        if hook:
+            grpo_comm_hook(state, bucket).wait()
         else:
             compress_locally(state, model)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step >= 2:
             times.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - start_cpu)
             comm.append((state.totals()["comm_ms"] - before) / 1e3)
-    return statistics.median(times), statistics.median(comm)
+    return statistics.median(times), statistics.median(comm), statistics.median(cpu), state.compile_seconds
+
+
+def measure_torch_hook(model, kind: str, args) -> tuple[float, float, float]:
+    """
+    Median seconds per step in torch's `fp16_compress_hook` / `powerSGD_hook` (rank 4), in its all-reduces, and of
+    CPU time (this thread) in the hook.
+    """
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    params = list(reversed(list(model.parameters())))
+    grads = _grads(params, dist.get_rank(), torch.device("cpu"))
+    in_comm = [0.0]
+    all_reduce = dist.all_reduce
+
+    def timed_all_reduce(tensor, *a, **kw):
+        start = time.perf_counter()
+        work = all_reduce(tensor, *a, **kw)
+        if work is not None:
+            work.wait()
+        in_comm[0] += time.perf_counter() - start
+        return work
+
+    if kind == "fp16":
+        state, hook, warm = None, default_hooks.fp16_compress_hook, 2
+    else:
+        start_iter = 2
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=start_iter,
+                                            use_error_feedback=True, warm_start=True)  # fmt: skip
+        hook, warm = powerSGD_hook.powerSGD_hook, start_iter + 2
+    times, comm, cpu = [], [], []
+    dist.all_reduce = timed_all_reduce
+    try:
+        for step in range(args.steps + warm):
+            bucket = FakeBucket(params, [g.clone() for g in grads], index=0, last=True)
+            in_comm[0] = 0.0
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            hook(state, bucket).wait()
+            if step >= warm:
+                times.append(time.perf_counter() - start)
+                cpu.append(time.thread_time() - start_cpu)
+                comm.append(in_comm[0])
+    finally:
+        dist.all_reduce = all_reduce
+    return statistics.median(times), statistics.median(comm), statistics.median(cpu)
 
 
 def rows(args, world_size: int):
-    """Every measurement of one process: `(model, tensors, compressed, numel, path, mode, seconds, comm seconds)`."""
+    """Every measurement of one process: `(model, tensors, compressed, numel, path, mode, s, comm s, cpu s, compile s)`."""
     device = torch.device(args.device)
     out = []
     for label, build in MODELS.items():
@@ -127,9 +210,14 @@ def rows(args, world_size: int):
         paths = (False, True) if world_size == 1 else (True,)
         for hook in paths:
             for mode in ("allgather", "allreduce"):
-                seconds, comm = measure(model, plan, args, mode, hook, device)
+                seconds, comm, cpu, compile_s = measure(model, plan, args, mode, hook, device)
                 path = f"grpo_comm_hook (W={world_size})" if hook else "compress_locally"
-                out.append((label, len(plan), compressed, numel, path, mode, seconds, comm))
+                out.append((label, len(plan), compressed, numel, path, mode, seconds, comm, cpu, compile_s))
+        if world_size > 1 and args.baselines and device.type == "cpu":
+            for kind, path in (("fp16", "fp16_compress_hook"), ("powersgd", "powerSGD_hook r4")):
+                seconds, comm, cpu = measure_torch_hook(model, kind, args)
+                out.append((label, len(plan), len(plan), numel, f"{path} (W={world_size})", "allreduce", seconds,
+                            comm, cpu, 0.0))  # fmt: skip
         del model
     return out
 
@@ -167,17 +255,22 @@ def main():
             if run.returncode != 0:
                 sys.exit(f"torchrun failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
             measured += [tuple(row) for row in json.loads(out.read_text())]
+    compile_s = max((row[9] for row in measured), default=0.0)
+    load = os.getloadavg()
     lines = [
-        f"density {args.density}, {args.bits} bits, gradient scales {'on' if args.scale_gradients else 'off'}, "
-        f"{args.device}, median of {args.steps} steps; W=1 with {args.threads} thread(s), W>1 one thread per rank",
+        f"density {args.density}, {args.bits} bits, scales {args.scales}, codec "
+        f"{'compiled' if args.compile else 'eager'} (first compile {compile_s:.1f} s), {args.device}, median of "
+        f"{args.steps} steps; W=1 with {args.threads} thread(s), W>1 one thread per rank; load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end",
         "",
-        "| model | tensors (compressed) | entries | path | mode | ms/step | in collectives | codec ms per M entries |",
-        "|---|---:|---:|---|---|---:|---:|---:|",
+        "| model | tensors (compressed) | entries | path | mode | ms/step | in collectives | codec ms per M entries "
+        "| CPU ms per M entries |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|",
     ]
-    for label, tensors, compressed, numel, path, mode, seconds, comm in measured:
+    for label, tensors, compressed, numel, path, mode, seconds, comm, cpu, _ in measured:
         lines.append(
             f"| {label} | {tensors} ({compressed}) | {numel / 1e6:.2f}M | {path} | {mode} | {1e3 * seconds:.1f} | "
-            f"{1e3 * comm:.1f} | {1e3 * (seconds - comm) / (numel / 1e6):.1f} |"
+            f"{1e3 * comm:.1f} | {1e3 * (seconds - comm) / (numel / 1e6):.2f} | {1e3 * cpu / (numel / 1e6):.2f} |"
         )
     print("\n".join(lines))
 

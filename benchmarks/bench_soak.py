@@ -16,7 +16,8 @@ dataset. Every `window` steps each rank records:
   of GRPOCallback (end of backward to end of `optimizer.step`): p50 and p99 per window;
 - the length of `state.log_history` and its size as JSON, the size of the GRPO state file as written into checkpoints
   (`torch.save` of `GRPOCallback.state_dict()`), and the sizes of the containers that live as long as the trainer
-  (the metric window, compression statistics window, cached bucket layouts, residual rows, latency buffer).
+  (the metric window, compression statistics window, cached bucket layouts, residual rows, the compression state's
+  bytes, latency buffer).
 
 Verdicts printed at the end (per rank): RSS flat within 5% from the end of the first window to the end; hook p50 of
 the last window at most 25% above the first (on shared cores the load of other jobs moves it both ways); the GRPO state and every container of constant size; log_history growing
@@ -120,10 +121,11 @@ def worker(job_path: str) -> None:
                     "metric_keys": len(callback.metrics),
                     "latency_buffer": len(callback._latencies_ms),
                     "comm_window_keys": len(comm._window),
-                    "bucket_layouts": len(comm._segments),
-                    "residual_rows": len(comm.residuals._rows) + len(comm.residuals._spare),
-                    "square_rows": len(comm.squares._rows) + len(comm.squares._spare),
+                    "bucket_layouts": len(comm.layouts),
+                    "residual_rows": comm.residuals.num_rows,
+                    "square_rows": comm.squares.num_rows,
                     "residual_vectors": len(comm.residuals.values),
+                    "comm_state_bytes": sum(comm.memory_bytes().values()),
                 },
                 "python_objects": len(gc.get_objects()),
             }

@@ -207,6 +207,55 @@ def _torch_hook_bytes(kind: str, state, bucket, world_size: int) -> float:
     return sum(allreduce_bytes(size * count, world_size) for count in (uncompressed, p_size, q_size))
 
 
+def torch_hook_trainer(row: dict, args, world_size: int, hook_bytes: dict, **kwargs):
+    """
+    The plain `Trainer` for a `trainer`, `fp16` or `powersgd` row: with torch's `fp16_compress_hook` or
+    `powerSGD_hook` (rank `row["rank"]`, error feedback, warm start, from iteration `POWERSGD_START`) registered on
+    the DDP model, as GRPOMixin registers its own. `hook_bytes["bytes"]` / `["seconds"]` add up what the hook sends
+    (ring model) and the time spent in it.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import Trainer
+
+    class HookedTrainer(Trainer):
+        """The plain Trainer with a torch comm hook registered on the DDP model, as GRPOMixin registers its own."""
+
+        comm_hook = comm_state = None
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.comm_hook is not None and not getattr(self, "_hooked", False):
+                assert isinstance(model, DistributedDataParallel), "no DDP wrapper: was use_cpu=True set?"
+                model.register_comm_hook(self.comm_state, self.comm_hook)
+                self._hooked = True
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def timed(hook, kind):
+        def wrapper(state, bucket):
+            hook_bytes["bytes"] += _torch_hook_bytes(kind, state, bucket, world_size)
+            start = time.perf_counter()
+            future = hook(state, bucket)
+            future.wait()  # PowerSGD on gloo: ranks must not start its collectives in different orders
+            hook_bytes["seconds"] += time.perf_counter() - start
+            return future
+
+        return wrapper
+
+    trainer = HookedTrainer(args=args, **kwargs)
+    if row["kind"] == "fp16":
+        trainer.comm_hook = timed(default_hooks.fp16_compress_hook, "fp16")
+    elif row["kind"] == "powersgd":
+        trainer.comm_state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=row["rank"],
+            start_powerSGD_iter=POWERSGD_START,
+            use_error_feedback=True,
+            warm_start=True,
+        )
+        trainer.comm_hook = timed(powerSGD_hook.powerSGD_hook, "powersgd")
+    return trainer
+
+
 def run_row(
     task: Task,
     info: dict,
@@ -218,7 +267,6 @@ def run_row(
     world_size: int,
     eval_points: int = 4,
 ) -> dict:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
     from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
@@ -248,30 +296,6 @@ def run_row(
     if task.kind == "cls":
         kwargs["compute_metrics"] = compute_accuracy
     hook_bytes = {"bytes": 0.0, "seconds": 0.0}
-
-    class HookedTrainer(Trainer):
-        """The plain Trainer with a torch comm hook registered on the DDP model, as GRPOMixin registers its own."""
-
-        comm_hook = comm_state = None
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            if self.comm_hook is not None and not getattr(self, "_hooked", False):
-                assert isinstance(model, DistributedDataParallel), "no DDP wrapper: was use_cpu=True set?"
-                model.register_comm_hook(self.comm_state, self.comm_hook)
-                self._hooked = True
-            return super().training_step(model, inputs, num_items_in_batch)
-
-    def timed(hook, kind):
-        def wrapper(state, bucket):
-            hook_bytes["bytes"] += _torch_hook_bytes(kind, state, bucket, world_size)
-            start = time.perf_counter()
-            future = hook(state, bucket)
-            future.wait()  # PowerSGD on gloo: ranks must not start its collectives in different orders
-            hook_bytes["seconds"] += time.perf_counter() - start
-            return future
-
-        return wrapper
-
     if row["kind"] == "grpo":
         extra = {"grpo_importance": False} if distributed else {}  # comm rows: only the communication differs
         extra.update(_typed(row["overrides"]))
@@ -289,18 +313,7 @@ def run_row(
         )
         trainer = Trainer(args=TrainingArguments(**common), optimizers=(optimizer, None), **kwargs)
     else:
-        trainer = HookedTrainer(args=TrainingArguments(**common), **kwargs)
-        if row["kind"] == "fp16":
-            trainer.comm_hook = timed(default_hooks.fp16_compress_hook, "fp16")
-        elif row["kind"] == "powersgd":
-            trainer.comm_state = powerSGD_hook.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=row["rank"],
-                start_powerSGD_iter=POWERSGD_START,
-                use_error_feedback=True,
-                warm_start=True,
-            )
-            trainer.comm_hook = timed(powerSGD_hook.powerSGD_hook, "powersgd")
+        trainer = torch_hook_trainer(row, TrainingArguments(**common), world_size, hook_bytes, **kwargs)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     dense_bytes = dense_allreduce_bytes(numel, world_size)
     comm_state = getattr(trainer, "grpo_comm_state", None)

@@ -16,9 +16,7 @@ dated entry of `benchmarks/LOG.md` that says what it means. `NAME` is one of `RE
 import argparse
 import dataclasses
 import json
-import math
 import re
-import statistics
 import sys
 from pathlib import Path
 

@@ -203,6 +203,11 @@ class GRPOMixin:
                 f"grpo_compression={compression!r} under FSDP2: its compressed reduce-scatter sends every entry "
                 "(top-k messages would differ in size from rank to rank). Use 'quantize' (or 'auto'), or 'none'."
             )
+        if str(self.args.grpo_bits) == "2":
+            raise ConfigError(
+                "grpo_bits='2' under FSDP2: its reduce-scatter exchanges messages of one size in one all-to-all, and "
+                "2-bit codes vary in size. Choose grpo_bits=8 (the default) or 4."
+            )
         if str(self.args.grpo_bits) == "auto":
             raise ConfigError(
                 "grpo_bits='auto' under FSDP2: FSDP hands the reduce-scatter one flat buffer per unit, so one bit width "
@@ -324,6 +329,7 @@ class GRPOMixin:
             if comm_state is not None:
                 install_compressed_reduce_scatter(model, comm_state)
         elif comm_state is not None:
+            comm_state.attach_optimizer(self.optimizer)  # gradient scales from AdamW's exp_avg_sq: no memory of ours
             comm_state.bind(self.model)
             if isinstance(model, DistributedDataParallel):  # `model` is the wrapper Accelerate built
                 model.register_comm_hook(comm_state, grpo_comm_hook)

@@ -157,7 +157,7 @@ def test_step_probe_coherence_sums_use_adams_momentum():
 # --- the FSDP2 reduce-scatter's codec and state --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8, 16, 32])
+@pytest.mark.parametrize("bits", [4, 8, 16, 32])
 @pytest.mark.parametrize("numel", [1, 127, 128, 300])
 def test_messages_decode_to_what_the_sender_computed(bits, numel):
     rows = torch.randn(3, numel, generator=torch.Generator().manual_seed(numel))
@@ -201,6 +201,8 @@ def test_state_commits_residuals_only_for_finite_steps():
 def test_state_checks_its_settings():
     with pytest.raises(ValueError, match="bits=3"):
         FSDPCommState(bits=3)
+    with pytest.raises(ValueError, match=r"bits=2: .* one size"):
+        FSDPCommState(bits=2)
     with pytest.raises(ValueError, match="error_feedback='owner'"):
         FSDPCommState(error_feedback="owner")
     saved = FSDPCommState(error_feedback="worker-bf16").state_dict()

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from testing_utils import FakeBucket, tiny_test_llama
 from torch import nn
 
-from grpo_hf.compression import GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
-from grpo_hf.compression.codec import CodecSpec, compress_with_feedback
-from grpo_hf.compression.layout import chunk_bounds, plan_segments
+from grpo_hf.compression import CodecSpec, GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
+from grpo_hf.compression.codec import SAFE_MAGNITUDE, compile_kernels
+from grpo_hf.compression.layout import bucket_layout, chunk_bounds
 from grpo_hf.compression.plan import resolve_compression, resolve_mode
 from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes, alltoall_bytes, broadcast_bytes
 
@@ -34,19 +34,30 @@ def grads(seed=0, scale=1.0):
 
 def run_step(state, params, g, layout=(("attn", "norm", "mlp"),), dtype=torch.float32):
     """One optimizer step through the hook; returns the averaged gradients by name."""
-    out = {}
+    buckets, futures = [], []
     for index, names in enumerate(layout):
         bucket = FakeBucket(
             [params[n] for n in names], [g[n] for n in names], index=index, last=index == len(layout) - 1, dtype=dtype
         )
-        future = grpo_comm_hook(state, bucket)
-        assert future.done() and future.value() is bucket.buffer()
+        futures.append(grpo_comm_hook(state, bucket))
+        buckets.append(bucket)
+        # every bucket waits for the step's last one
+        assert all(f.done() for f in futures) == (index == len(layout) - 1)
+    out = {}
+    for names, bucket, future in zip(layout, buckets, futures):
+        assert future.value() is bucket.buffer()
         out.update({n: t.clone() for n, t in zip(names, bucket.gradients())})
     return out
 
 
 def residual(state, name):
-    return state.residuals.values[name]
+    return state.residuals.values[name].float()
+
+
+def bf16_close(actual, expected):
+    """Equal up to the bf16 rounding of a residual (relative to the largest magnitude involved)."""
+    scale = float(expected.abs().max()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=0, atol=scale * 2**-8)
 
 
 @pytest.fixture
@@ -167,21 +178,40 @@ def test_chunk_bounds_split_evenly(count, world_size):
     assert max(sizes) - min(sizes) <= 1
 
 
+def _layout(entries):
+    """`bucket_layout` of `(name, numel, spec)` entries laid out one after the other."""
+    names, numels, specs = zip(*entries)
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    return bucket_layout(list(names), list(numels), starts, list(specs))
+
+
+def test_runs_view_the_buffer_and_span_small_dense_tensors():
+    spec, other = CodecSpec(1.0, 4), CodecSpec(0.1, 8)
+    layout = _layout([("a", 256, spec), ("norm", 128, None), ("b", 384, spec), ("big", 8192, None), ("c", 128, spec),
+                      ("odd", 300, spec), ("d", 256, spec), ("e", 1280, other), ("bias", 128, None), ("f", 256, other)])  # fmt: skip
+    assert [run.names for run in layout.runs] == [("a", "b"), ("c",), ("odd",), ("d",), ("e",), ("f",)]
+    first = layout.runs[0]
+    assert first.in_place and first.length == 768 and first.offsets == (0, 384)  # spans the norm
+    assert [c[0] for c in first.covered] == [0, 1, 2]
+    odd = layout.runs[2]  # does not fill whole blocks: a padded copy of its own
+    assert not odd.in_place and odd.length == 384 and odd.starts == (9088,)
+    assert layout.runs[4].names == ("e",)  # top-k runs never span dense tensors (they would steal its top-k)
+    assert [n for _, n in layout.dense] == [128, 8192, 128]
+    buffer = torch.arange(sum(n for _, n, _ in [("a", 256, 0), ("norm", 128, 0), ("b", 384, 0)]), dtype=torch.float32)
+    rows = first.rows(buffer)
+    assert rows.shape == (6, 128) and rows.data_ptr() == buffer.data_ptr()  # no copy
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
-def test_segments_are_block_aligned_and_owned_blocks_partition_them(world_size):
+def test_owned_blocks_partition_each_run(world_size):
     spec = CodecSpec(1.0, 4, block_size=128)
-    entries = [("a", 300, spec), ("b", 128, spec), ("c", 1000, CodecSpec(0.1, 8)), ("d", 5, spec)]
-    segments = plan_segments(entries)
-    assert [s.names for s in segments] == [("a", "b", "d"), ("c",)]
-    first = segments[0]
-    assert first.offsets == (0, 384, 512) and first.length == 640 and first.numel == 433
-    owned = first.owned_blocks(world_size)
-    blocks = sorted(b for rank in owned for b in rank.tolist())
-    assert blocks == list(range(first.num_blocks))  # every block owned exactly once
-    assert sum(first.owned_numel(world_size, r) for r in range(world_size)) == first.numel
+    layout = _layout([("a", 384, spec), ("b", 128, spec), ("d", 640, spec)])
+    run = layout.runs[0]
+    owned = run.owned_blocks(world_size)
+    assert sorted(b for rank in owned for b in rank.tolist()) == list(range(run.num_blocks))  # each block once
+    assert sum(run.owned_numel(world_size, r) for r in range(world_size)) == run.numel
     for rank in range(world_size):
-        slots = first.owned_slots(world_size, rank)
-        assert sum(size for _, _, size in slots) == owned[rank].numel() * 128
+        assert sum(size for _, _, size in run.owned_slots(world_size, rank)) == owned[rank].numel() * 128
 
 
 # --- the hook at world size 1 ----------------------------------------------------------------------------------
@@ -201,42 +231,24 @@ def test_warmup_steps_pass_gradients_through(params, mode):
     assert stats["grpo/comm/dense_steps"] == 2 and stats["grpo/density"] == 1.0
 
 
-def _segment_rows(names, g):
-    """The row the hook compresses for these tensors (each padded to whole blocks of 128)."""
-    return torch.cat([torch.nn.functional.pad(g[n].reshape(-1), (0, -g[n].numel() % 128)) for n in names])
-
-
-def test_allgather_mode_is_the_codec_with_exact_error_feedback(params):
-    """Without gradient scales the hook sends exactly what the codec gives for each segment's row."""
-    state = GRPOCommState(PLAN, mode="allgather", dense_warmup_steps=0, scale_gradients=False).bind(params)
-    residuals = {name: torch.zeros(_segment_rows([name], grads()).numel()) for name in ("attn", "mlp")}
+def test_allgather_mode_is_the_codec(params):
+    """Without gradient scales the hook sends, for each tensor, what the codec makes of its padded row."""
+    plan = {"attn": CodecSpec(1.0, 4), "mlp": CodecSpec(1.0, 8), "norm": None}
+    state = GRPOCommState(plan, mode="allgather", dense_warmup_steps=0, scale_gradients=False).bind(params)
+    kernels = compile_kernels(False)
+    residuals = {name: torch.zeros(-(-torch.Size(SHAPES[name]).numel() // 128), 128) for name in ("attn", "mlp")}
     for step in range(3):
         g = grads(step)
         out = run_step(state, params, g)
         assert torch.equal(out["norm"], g["norm"])  # dense tensors pass unchanged at W = 1
         for name in ("attn", "mlp"):
-            spec = state.spec_for(name)
-            _, decoded, new_residual = (
-                compress_with_feedback(_segment_rows([name], g), residuals[name], spec, indices=None)
-                if spec.density == 1.0
-                else _topk_feedback(_segment_rows([name], g), residuals[name], spec, g[name].numel())
-            )
-            assert torch.equal(out[name].reshape(-1), decoded[: g[name].numel()])
-            assert torch.equal(residual(state, name), new_residual[: g[name].numel()])
-            kept = int((decoded != 0).sum())
-            assert kept <= round(spec.density * g[name].numel()) + 1
-            residuals[name] = new_residual
-
-
-def _topk_feedback(row, old, spec, numel):
-    """The codec on a padded row whose top-k counts only the real entries (padding is never worth sending)."""
-    from grpo_hf.compression.codec import compress_rows
-    from grpo_hf.compression.spec import num_kept
-
-    acc = row + old
-    batch = compress_rows(acc.view(1, -1), spec, num_values=num_kept(numel, spec.density))
-    decoded = batch.dense()[0]
-    return None, decoded, acc - decoded
+            numel = g[name].numel()
+            row = torch.nn.functional.pad(g[name].reshape(-1), (0, residuals[name].numel() - numel)).view(-1, 128)
+            codes, absmax, new = kernels.encode(row, residuals[name].bfloat16(), None, plan[name].bits)
+            decoded = kernels.decode([codes], [absmax], None, plan[name].bits, 1)[0]
+            assert torch.equal(out[name].reshape(-1), decoded.view(-1)[:numel])
+            assert torch.equal(residual(state, name), new.float().view(-1)[:numel])
+            residuals[name] = new.float()
 
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
@@ -250,7 +262,7 @@ def test_error_feedback_conserves_gradient_mass(params, mode):
         out = run_step(state, params, g, layout=(("attn",), ("norm", "mlp")))
         assert torch.equal(out["norm"], g["norm"])
         for name in ("attn", "mlp"):
-            torch.testing.assert_close(out[name].reshape(-1) + _kept(state, name), g[name].reshape(-1) + kept[name])
+            bf16_close(out[name].reshape(-1) + _kept(state, name), g[name].reshape(-1) + kept[name])
             assert 0 < (out[name] != 0).float().mean() <= state.spec_for(name).density + 0.02
             assert residual(state, name).abs().sum() > 0
 
@@ -258,10 +270,10 @@ def test_error_feedback_conserves_gradient_mass(params, mode):
 def _kept(state, name):
     """Everything the error feedback holds back for `name`: this rank's residual plus its owner residuals."""
     mine = state.residuals.values.get(name)
-    total = torch.zeros(SHAPES[name]).reshape(-1) if mine is None else mine.clone()
+    total = torch.zeros(SHAPES[name]).reshape(-1) if mine is None else mine.float()
     owned = state.owner_residuals.values.get(name)
     if owned is not None:
-        total += owned[: total.numel()]
+        total += owned.float()[: total.numel()]
     return total
 
 
@@ -285,18 +297,20 @@ def test_half_precision_buckets(params, mode, dtype):
     g = grads()
     out = run_step(state, params, g, dtype=dtype)
     assert all(t.dtype == dtype for t in out.values())
-    assert all(r.dtype == torch.float32 for r in state.residuals.values.values())
+    assert all(r.dtype == torch.bfloat16 for r in state.residuals.values.values())
     torch.testing.assert_close(out["norm"], g["norm"].to(dtype))
     assert torch.isfinite(torch.cat([t.float().reshape(-1) for t in out.values()])).all()
 
 
-def test_residuals_commit_when_the_step_ends(params):
+def test_buckets_wait_for_the_last_one(params):
     state = GRPOCommState(PLAN, dense_warmup_steps=0).bind(params)
     g = grads()
     first = FakeBucket([params["attn"]], [g["attn"]], index=0, last=False)
-    grpo_comm_hook(state, first)
+    future = grpo_comm_hook(state, first)
+    assert not future.done() and torch.equal(first.buffer(), g["attn"].reshape(-1))  # untouched until the last
     assert state.residuals.values == {} and state.step == 0 and state.hook_calls == 1
     grpo_comm_hook(state, FakeBucket([params["norm"], params["mlp"]], [g["norm"], g["mlp"]], index=1, last=True))
+    assert future.done() and future.value() is first.buffer() and not torch.equal(first.buffer(), g["attn"].view(-1))
     assert set(state.residuals.values) == {"attn", "mlp"} and state.step == 1 and state.hook_calls == 2
 
 
@@ -314,7 +328,7 @@ def test_nonfinite_step_is_sent_dense_and_keeps_residuals_and_scales(params, mod
         g2["attn"][0, 0] = float("inf")
         run_step(state, params, g2, layout=(("attn",), ("norm", "mlp")))
     assert torch.isnan(out["mlp"][7]) and torch.equal(out["mlp"][:7], g["mlp"][:7])  # raw, dense
-    # the attn bucket went out compressed before the NaN bucket, but its residual is not committed either
+    assert torch.equal(out["attn"], g["attn"])  # the bucket before the NaN one went out raw too
     assert all(torch.equal(state.residuals.values[n], before[n]) for n in before)
     assert all(torch.equal(state.squares.values[n], squares[n]) for n in squares)
     assert caplog.text.count("NaN/Inf") == 1  # warned once
@@ -363,7 +377,7 @@ def test_state_dict_round_trip_is_exact(params, mode):
     saved = torch.load(buffer, weights_only=True)
     assert set(saved["residuals"]) == {"attn", "mlp"} and saved["step"] == 3
     assert set(saved["squares"]) == {"attn", "mlp"} and saved["scale_updates"] == 3
-    assert all(r.device.type == "cpu" and r.dtype == torch.float32 for r in saved["residuals"].values())
+    assert all(r.device.type == "cpu" and r.dtype == torch.bfloat16 for r in saved["residuals"].values())
 
     restored = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1)
     restored.load_state_dict(saved)
@@ -432,8 +446,8 @@ def test_compress_locally_sparsifies_grads_with_error_feedback(mode):
         else:
             assert not torch.equal(param.grad, raw[name])
             assert _kept(state, name).abs().sum() > 0
-            if mode == "allgather":  # exact on the first step: what was not sent waits in the residual
-                assert torch.equal(param.grad.reshape(-1) + residual(state, name), raw[name].reshape(-1))
+            if mode == "allgather":  # the first step: what was not sent waits in the residual (bf16)
+                bf16_close(param.grad.reshape(-1) + residual(state, name), raw[name].reshape(-1))
     compressed = torch.cat([p.grad.reshape(-1) for n, p in model.named_parameters() if plan[n] is not None])
     assert (compressed != 0).float().mean() <= 0.151
     stats = state.pop_stats()
@@ -443,30 +457,50 @@ def test_compress_locally_sparsifies_grads_with_error_feedback(mode):
     assert state.step == 2 and state.hook_calls == 2
 
 
-@pytest.mark.parametrize("compression, bits", [("sparse+quantize", "8"), ("quantize", "2"), ("quantize", "4")])
-def test_compress_locally_counts_allgather_bytes_exactly(compression, bits):
-    from grpo_hf.compression.codec import compress_rows
-    from grpo_hf.compression.layout import plan_segments
+def _bucket_of(model, plan):
+    """The layout `compress_locally` makes of a model's gradients (one bucket, in parameter order)."""
+    params = [(n, p) for n, p in model.named_parameters()]
+    numels = [p.numel() for _, p in params]
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    return bucket_layout([n for n, _ in params], numels, starts, [plan[n] for n, _ in params])
+
+
+@pytest.mark.parametrize("bits", ["8", "4"])
+def test_compress_locally_counts_allgather_bytes_exactly(bits):
+    from grpo_hf.compression.codec import BlockMessages
 
     model = tiny_test_llama()
-    plan = llama_plan(model, compression, density=0.2, bits=bits)
+    plan = llama_plan(model, "quantize", bits=bits)
     state = GRPOCommState(plan, mode="allgather", dense_warmup_steps=0, simulated_world_size=4, scale_gradients=False)
     backward(model)
-    params = [(n, p) for n, p in model.named_parameters()]
-    segments = plan_segments([(n, p.numel(), plan[n]) for n, p in params if plan[n] is not None])
-    grads_by_name = {n: p.grad.reshape(-1) for n, p in params}
-    messages = 0
-    for segment in segments:
-        row = torch.zeros(segment.length)
-        for view, name in zip(segment.views(row), segment.names):
-            view.copy_(grads_by_name[name])
-        messages += sum(compress_rows(row.view(1, -1), segment.spec, num_values=segment.num_values()).nbytes())
-    dense = sum(p.numel() for n, p in params if plan[n] is None)
+    layout = _bucket_of(model, plan)
+    payload = sum(BlockMessages(run.spec).fixed_nbytes(run.num_blocks) for run in layout.runs)
+    # every message: 4 bytes of absmax per block, then the codes, padded to 16 bytes
+    assert payload == sum(-(-(run.num_blocks * (4 + 128 * int(bits) // 8)) // 16) * 16 for run in layout.runs)
+    dense = sum(numel for _, numel in layout.dense)
     compress_locally(state, model)
-    numel = sum(p.numel() for p in model.parameters())
     stats = state.pop_stats()
-    assert stats["grpo/comm/bytes_sent"] == pytest.approx(3 * (16 + messages) + 2 * 3 / 4 * 4 * dense)
+    flag = 2 * 3 / 4 * 8
+    assert stats["grpo/comm/bytes_sent"] == pytest.approx(flag + 3 * payload + 2 * 3 / 4 * 4 * dense)
+    numel = sum(p.numel() for p in model.parameters())
     assert stats["grpo/comm/bytes_dense_fp32"] == pytest.approx(2 * 3 / 4 * 4 * numel)
+
+
+@pytest.mark.parametrize("compression, bits", [("sparse+quantize", "8"), ("quantize", "2")])
+def test_compress_locally_counts_data_dependent_sizes(compression, bits):
+    """2-bit and top-k messages announce their sizes: (W - 1) * (8 bytes per run + the messages) per rank."""
+    sent = {}
+    for world_size in (2, 4):
+        model = tiny_test_llama()
+        plan = llama_plan(model, compression, density=0.2, bits=bits)
+        state = GRPOCommState(plan, mode="allgather", dense_warmup_steps=0, simulated_world_size=world_size,
+                              scale_gradients=False)  # fmt: skip
+        backward(model)
+        layout = _bucket_of(model, plan)
+        compress_locally(state, model)
+        flag, dense = 2 * (world_size - 1) / world_size * 8, sum(numel for _, numel in layout.dense)
+        sent[world_size] = state.totals()["bytes_sent"] - flag - 2 * (world_size - 1) / world_size * 4 * dense
+    assert sent[4] == pytest.approx(3 * sent[2]) and sent[2] > 8 * len(layout.runs)
 
 
 def test_compress_locally_allreduce_bytes_are_flat_in_world_size():
@@ -531,3 +565,153 @@ def test_trainer_single_process_applies_sparse_updates(tmp_path):
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert logs[-1]["grpo/comm/ratio_fp32"] > 4 and logs[-1]["grpo/comm/dense_steps"] == 0
     assert logs[0]["grpo/comm/dense_steps"] == 2  # default dense warm-up
+
+
+# --- gradient scales from the optimizer, memory, the compiled codec -------------------------------------------------
+
+ALIGNED = {"w": (128, 16), "v": (256, 8), "norm": (64,)}  # whole blocks: one in-place run spanning nothing dense
+
+
+def _aligned():
+    return nn.ParameterDict({name: nn.Parameter(torch.zeros(shape)) for name, shape in ALIGNED.items()})
+
+
+def _aligned_step(state, params, seed):
+    gen = torch.Generator().manual_seed(seed)
+    g = {n: torch.randn(s, generator=gen) for n, s in ALIGNED.items()}
+    names = ["w", "v", "norm"]
+    bucket = FakeBucket([params[n] for n in names], [g[n] for n in names])
+    grpo_comm_hook(state, bucket).wait()
+    return g, dict(zip(names, [t.clone() for t in bucket.gradients()]))
+
+
+def test_scales_come_from_the_optimizer_exp_avg_sq():
+    params = _aligned()
+    plan = {"w": CodecSpec(1.0, 8), "v": CodecSpec(1.0, 8), "norm": None}
+    optimizer = torch.optim.AdamW(params.parameters(), lr=1e-3)
+    state = GRPOCommState(plan, dense_warmup_steps=1).attach_optimizer(optimizer).bind(params)
+    for step in range(3):
+        exp_avg_sq = {n: optimizer.state[p]["exp_avg_sq"].clone() for n, p in params.items() if p in optimizer.state}
+        residuals = {n: state.residuals.values[n].clone() for n in ("w", "v")} if step > 1 else None
+        g, out = _aligned_step(state, params, step)
+        for p, name in zip(params.values(), params):
+            p.grad = out[name].clone()
+        optimizer.step()
+        if step == 0:  # warm-up: dense; no EMA of our own is kept while an optimizer is attached... after its step
+            continue
+        assert state.squares.values == {} and state.memory_bytes()["squares"] == 0
+        kernels = compile_kernels(False)
+        row = torch.cat([g["w"].reshape(-1), g["v"].reshape(-1)]).view(-1, 128)
+        squares = torch.cat([exp_avg_sq["w"].reshape(-1), exp_avg_sq["v"].reshape(-1)]).view(-1, 128)
+        residual = (
+            torch.zeros(row.shape, dtype=torch.bfloat16)
+            if residuals is None
+            else torch.cat([residuals["w"], residuals["v"]]).view(-1, 128)
+        )
+        scale = kernels.scales(squares)
+        codes, absmax, new_residual = kernels.encode(row, residual, scale, 8)
+        expected = kernels.decode([codes], [absmax], scale, 8, 1)[0].view(-1)
+        assert torch.equal(torch.cat([out["w"].reshape(-1), out["v"].reshape(-1)]), expected)
+        assert torch.equal(state.residuals.values["w"], new_residual.view(-1)[:2048])
+
+
+def test_optimizers_without_exp_avg_sq_fall_back_to_the_ema():
+    params = _aligned()
+    plan = {"w": CodecSpec(1.0, 8), "v": CodecSpec(1.0, 8), "norm": None}
+    optimizer = torch.optim.SGD(params.parameters(), lr=1e-3, momentum=0.9)
+    state = GRPOCommState(plan, dense_warmup_steps=1).attach_optimizer(optimizer).bind(params)
+    for step in range(3):
+        _, out = _aligned_step(state, params, step)
+        for p, name in zip(params.values(), params):
+            p.grad = out[name].clone()
+        optimizer.step()
+    # the EMA starts with compression (an attached optimizer is expected to provide the scales during the warm-up)
+    assert set(state.squares.values) == {"w", "v"} and state.scale_updates == 2
+    assert state.memory_bytes()["squares"] == 4 * (2048 + 2048)
+
+
+def test_state_memory_per_compressed_entry():
+    """bf16 residuals (2 bytes per entry) and nothing else that grows with the model once the optimizer provides the
+    scales; the work buffers hold one bucket's scales and messages."""
+    params = _aligned()
+    plan = {"w": CodecSpec(1.0, 8), "v": CodecSpec(1.0, 8), "norm": None}
+    optimizer = torch.optim.AdamW(params.parameters(), lr=1e-3)
+    state = GRPOCommState(plan, dense_warmup_steps=1).attach_optimizer(optimizer).bind(params)
+    for step in range(3):
+        _, out = _aligned_step(state, params, step)
+        for p, name in zip(params.values(), params):
+            p.grad = out[name].clone()
+        optimizer.step()
+    memory = state.memory_bytes()
+    assert memory["residuals"] == 2 * 4096 and memory["squares"] == memory["owner_residuals"] == 0
+    assert memory["workspace"] <= 4 * 4096 + 4096 + 4 * 32 + 16
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "allgather"])
+def test_huge_gradients_are_sent_dense_like_nonfinite_ones(params, mode):
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0).bind(params)
+    run_step(state, params, grads(0))
+    before = {n: r.clone() for n, r in state.residuals.values.items()}
+    g = grads(1)
+    g["attn"][3, 3] = SAFE_MAGNITUDE
+    out = run_step(state, params, g)
+    assert torch.equal(out["attn"], g["attn"]) and torch.equal(out["mlp"], g["mlp"])
+    assert all(torch.equal(state.residuals.values[n], before[n]) for n in before)
+    assert state.totals()["nonfinite_steps"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["allreduce", "allgather"])
+def test_compiled_hook_is_the_eager_hook(mode):
+    """The hook with compiled kernels and with eager ones (world size 1): the same results up to an ulp."""
+    outputs = []
+    for compiled in (False, True):
+        params = _aligned()
+        plan = {"w": CodecSpec(1.0, 8), "v": CodecSpec(1.0, 8), "norm": None}
+        state = GRPOCommState(plan, mode=mode, dense_warmup_steps=1, compile_codec=compiled).bind(params)
+        assert state.kernels.compiled == compiled
+        outputs.append([_aligned_step(state, params, step)[1] for step in range(4)])
+    for eager, compiled in zip(*outputs):
+        for name in ALIGNED:
+            torch.testing.assert_close(compiled[name], eager[name], rtol=1e-2, atol=1e-2)
+
+
+def test_trainer_can_hand_its_optimizer_to_the_state(tmp_path):
+    """What GRPOTrainer is to call once (`state.attach_optimizer(self.optimizer)` where it binds the state): the
+    AdamW behind Accelerate's wrapper then provides the scales, and no EMA of our own is kept."""
+    from datasets import Dataset
+
+    from grpo_hf import GRPOConfig, GRPOTrainer
+
+    class Wired(GRPOTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.grpo_comm_state is not None and self.grpo_comm_state.optimizer is None:
+                self.grpo_comm_state.attach_optimizer(self.optimizer)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    ids = torch.randint(0, 128, (32, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=5, per_device_train_batch_size=4,
+                      report_to=[], save_strategy="no", disable_tqdm=True, grpo_compression="quantize",
+                      grpo_min_compress_numel=256)  # fmt: skip
+    trainer = Wired(
+        model=tiny_test_llama(), args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids})
+    )
+    trainer.train()
+    state = trainer.grpo_comm_state
+    assert state.step == 5 and state.residuals.values and state.squares.values == {}
+    assert state.memory_bytes()["squares"] == 0 and state.sources  # the exp_avg_sq were found and used
+
+
+def test_a_plan_that_compresses_nothing_is_a_plain_all_reduce():
+    """Lossless settings (every tensor dense): the bucket goes out as DDP would send it, nothing else is sent."""
+    model = tiny_test_llama()
+    plan = {name: CodecSpec(1.0, 32) for name, _ in model.named_parameters()}  # lossless: sent dense
+    state = GRPOCommState(plan, dense_warmup_steps=1)
+    for seed in range(3):
+        backward(model, seed)
+        raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+        compress_locally(state, model)
+        assert all(torch.equal(p.grad, raw[n]) for n, p in model.named_parameters())
+    totals = state.totals()
+    assert totals["ratio_fp32"] == 1.0 and totals["density"] == 1.0 and totals["dense_steps"] == 1
+    assert state.residuals.values == {}

@@ -91,7 +91,8 @@ def test_nonfinite_steps_are_skipped_and_poison_nothing(faults, setting):
             assert record["comm_totals"]["dense_steps"] == 2 + len(INJECTED) - 1  # step 1 is also a warm-up step
             compressed_steps = [s for s in range(3, 13) if s not in INJECTED]
             assert all(steps[s]["residuals"] != steps[s - 1]["residuals"] for s in compressed_steps)
-            assert all(steps[s]["squares"] != steps[s - 1]["squares"] for s in [2, *compressed_steps])
+            # the scales are AdamW's exp_avg_sq (in the optimizer digest above): the state keeps no squares of its own
+            assert all(steps[s]["squares"] == steps[0]["squares"] for s in range(13))
         if setting == "allreduce":
             assert all(steps[s]["owner_residuals"] != steps[s - 1]["owner_residuals"] for s in compressed_steps)
 
@@ -143,8 +144,9 @@ def test_two_rank_allreduce_checkpoint_resumed_by_one_process(faults, tmp_path, 
     assert "written by 2 ranks in 'allreduce' mode and is resumed by 1 in 'allgather' mode" in caplog.text
     expected = owed(states, numels)
     assert expected.keys() == trainer.grpo_comm_state.residuals.values.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(trainer.grpo_comm_state.residuals.values[name], value, rtol=0, atol=1e-7)
+    for name, value in expected.items():  # residuals are kept in bf16: the merged ones are rounded to it
+        got = trainer.grpo_comm_state.residuals.values[name]
+        torch.testing.assert_close(got.float(), value, rtol=2**-8, atol=1e-7)
     trainer.train(resume_from_checkpoint=str(checkpoint))
     assert trainer.state.global_step == 14
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

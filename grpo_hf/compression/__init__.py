@@ -1,16 +1,16 @@
-"""Compressed gradient communication: the codec, the compression plan, the DDP hook and its single-process twin.
+"""Compressed gradient communication: the DDP hook and its state, the codec, and the compression plan.
 
-A gradient's path from `backward` to the wire and back: DDP hands a bucket to [`grpo_comm_hook`] (`hook.py`), which
-groups its tensors into one segment per [`CodecSpec`] (`layout.py`, specs from [`compression_plan`], `plan.py`); each
-segment gets its residual added and is scaled by its gradient scales (`state.py`), compressed (`codec.py`: `topk.py`,
-`quantize.py`, `indices.py`) into messages (`wire.py`), exchanged and decoded in rank order (`exchange.py`); the
-averaged gradients are written back into the bucket. Every byte is counted by the formulas of `traffic.py`.
+Read it the way torch's `powerSGD_hook.py` reads: [`GRPOCommState`] (`state.py`) holds the settings, the bf16
+error-feedback residuals and the gradient scales; [`grpo_comm_hook`] (`hook.py`) takes DDP's buckets and exchanges
+them ([`compress_locally`] does the same in one process); `layout.py` cuts a bucket into runs of tensors that share a
+[`CodecSpec`]; `codec.py` holds the two fused kernels (encode, decode; compiled for CPU and CUDA from one source) and
+their messages, `sparse.py` the top-k messages; [`compression_plan`] (`plan.py`) decides each parameter's spec.
+Every byte is counted by the formulas of `traffic.py`; `reshard.py` re-splits saved state for another world size.
 """
 
-from .codec import CompressedTensor, compress, compress_with_feedback, decompress, deserialize, serialize
-from .hook import grpo_comm_hook
-from .local import compress_locally
+from .hook import compress_locally, grpo_comm_hook
 from .plan import compression_plan, resolve_compression, resolve_mode
+from .sparse import CompressedTensor, compress, compress_with_feedback, decompress
 from .spec import CodecSpec
 from .state import GRPOCommState
 
@@ -24,9 +24,7 @@ __all__ = [
     "compress_with_feedback",
     "compression_plan",
     "decompress",
-    "deserialize",
     "grpo_comm_hook",
     "resolve_compression",
     "resolve_mode",
-    "serialize",
 ]

@@ -1,494 +1,493 @@
-"""The gradient codec: top-k, block quantization and index coding of many rows at once, and its per-tensor facade.
+"""The gradient codec: block quantization with error feedback as two fused kernels, one source for CPU and CUDA.
 
-[`compress_rows`] is the one implementation: it compresses the `T` rows of a `[T, n]` fp32 matrix with one
-[`~grpo_hf.compression.spec.CodecSpec`] in a few vectorized calls (a model repeats its layers, so the tensors of a DDP
-bucket come in few sizes; tensors sent whole are concatenated into one row). The per-tensor functions below
-([`compress`], [`decompress`], [`compress_with_feedback`], [`serialize`], [`deserialize`]) treat a tensor as one row.
+A row of gradient entries is viewed as `[n, B]` blocks (`B` = `CodecSpec.block_size`). Two functions do all the
+arithmetic of the default path, each written once in plain torch and compiled by `torch.compile` (inductor: one C++
+loop on CPU, one Triton kernel on CUDA), or run eagerly where compiling is impossible:
 
-## Algorithm (per row)
+1. [`encode_blocks`] (the sender): `acc = grad + residual`; with gradient scales `x = acc / scale` (`scale` from the
+   squared-gradient estimate, see [`entry_scales`]); block absmax; codes; the new residual `acc - code * step * scale`
+   (bf16). Returns the codes, the raw absmax per block (the step is derived from it on every rank) and the residual.
+2. [`decode_blocks`] (every rank): the sum of the `W` ranks' `code * step`, in rank order from the first, divided by
+   `divide`, times the scale, written into the bucket's gradients (their dtype); optionally the EMA of the squared
+   result (the scales of optimizers without `exp_avg_sq`).
 
-1. Keep the `k = ceil(density * n)` entries of largest magnitude ([`~grpo_hf.compression.topk.topk_positions`]), or
-   every entry at density 1, or the caller's positions.
-2. Quantize the kept values in blocks ([`~grpo_hf.compression.quantize`]); decoding is one fp32 multiply.
-3. Code the positions compactly ([`~grpo_hf.compression.indices`]) and lay the message out
-   ([`~grpo_hf.compression.wire`]).
+Every rank decodes every message, its own included, with the same kernel, so all ranks hold bit-identical averages.
 
-With error feedback (`acc = grad + residual`, `residual = acc - decoded`) the identity `decoded + residual == acc`
-holds bit for bit. A tensor holding a NaN or an Inf is sent raw (dense, 32 bit) with the `nonfinite` flag and its
-residual is left unchanged.
+## Codes and messages (density 1)
 
-Example:
+| bits | code per entry                                    | step per block                 | message per block          |
+|------|---------------------------------------------------|--------------------------------|----------------------------|
+| 8    | `round(x * (1 / step))` in `[-127, 127]`, int8    | `absmax / 127`                 | 4 + 128 bytes              |
+| 4    | `round(x * (1 / step))` in `[-7, 7]`, two per byte| `absmax / 7`                   | 4 + 64 bytes               |
+| 2    | `sign(x)` where `|x| > absmax / 2`, else 0        | `absmax`                       | 4 + 16 + (non-zero) / 8    |
+| 16   | `x / 2**e` in fp16, `e` from `absmax`'s exponent  | `2**e`                         | 4 + 256 bytes              |
 
-```python
->>> import torch
->>> from grpo_hf.compression.codec import CodecSpec, compress_with_feedback
->>> grad = torch.randn(1000)
->>> residual = torch.zeros(1000)
->>> ct, decoded, new_residual = compress_with_feedback(grad, residual, CodecSpec(density=0.1, bits=4))
->>> torch.equal(decoded + new_residual, grad + residual)
-True
-```
+A message is the fp32 absmax of its blocks followed by the codes (4 bits: low nibble first; 2 bits: a bitmap of the
+non-zero codes, then one sign bit per non-zero code, set = negative, little-endian), padded to 16 bytes. Its size is
+fixed by the number of blocks, except at 2 bits, where a 16-byte header (`int32` size) comes first. Top-k messages
+(density below 1, [`~grpo_hf.compression.sparse`]) carry their sizes in their header too.
+
+The scales come from a third, small kernel ([`scales_blocks`]): computed once per step and bucket, in bf16, read by
+both.
+
+## Compiling
+
+[`compile_kernels`] chooses, once per process, compiled kernels (where a compiler works) or the eager functions; both
+compute the same function (results may differ by an ulp: compiled `sqrt` and division round like numpy, eager ones
+need not), so every rank must use the same choice ([`~grpo_hf.compression.GRPOCommState.bind`] agrees on it). Sizes
+are dynamic (`maybe_mark_dynamic` on the block dimension): each kernel variant compiles once for all row lengths.
 """
 
-from __future__ import annotations
-
-from collections.abc import Callable
+import logging
+import time
+import types
+import warnings
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from . import _cpu
-from .indices import IndexScheme, decode_indices, decode_positions, encode_positions, view_as
-from .quantize import dequantize, dequantize_blocks, pack_fields, quantize_blocks, to_blocks
-from .spec import CodecSpec, dense_bytes, num_kept, scale_bytes, value_bytes
-from .topk import topk_positions
-from .wire import (
-    FLAG_NONFINITE,
-    HEADER_NBYTES,
-    message_nbytes,
-    pack_header,
-    read_rows,
-    ternary_from_wire,
-    ternary_nbytes,
-    ternary_to_wire,
-    unpack_header,
-    write_rows,
-)
+from .spec import CodecSpec
 
 
-_INT32_MAX = 2**31 - 1
+logger = logging.getLogger(__name__)
+
+SCALE_FLOOR = 1e-3  # an entry's gradient scale is at least this fraction of the largest scale of its block
+SQUARES_FLOOR = 1e-30  # and at least sqrt(this): a block without any estimate gets one constant scale (= no scaling)
+SAFE_MAGNITUDE = 2.0**60  # gradients at or above this (or NaN/Inf) send their step dense: every value stays finite
+MESSAGE_ALIGN = 16  # bytes: messages are padded so that each one starts aligned (fp32 views, vector loads)
+_QMAX = {8: 127, 4: 7}
 
 
-@dataclass
-class RowBatch:
-    """`T` rows of `numel` entries compressed with one spec: what every rank needs to send and to decode them."""
+# ----------------------------------------------------------------------------------------------------------------
+# The kernels (plain torch; compiled or eager)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def entry_scales(squares: torch.Tensor) -> torch.Tensor:
+    """
+    Per-entry gradient scales `[n, B]` from a squared-gradient estimate `[n, B]` (the optimizer's `exp_avg_sq` or the
+    EMA of the squared averaged gradient): `sqrt(max(squares, SCALE_FLOOR**2 * peak + SQUARES_FLOOR))` in bf16,
+    `peak` the block's largest estimate. A constant factor on a block's scales leaves its codes and decoded gradients
+    unchanged (so the estimate needs no bias correction, and a block without any estimate is sent unscaled); bf16 is
+    precision enough for a scale, and every rank computes the same one.
+    """
+    squares = squares.float()
+    peak = squares.amax(dim=1, keepdim=True)
+    return torch.sqrt(torch.maximum(squares, peak * (SCALE_FLOOR * SCALE_FLOOR) + SQUARES_FLOOR)).to(torch.bfloat16)
+
+
+def scales_blocks(squares: torch.Tensor, out: torch.Tensor) -> None:
+    """The scale kernel: [`entry_scales`] of `[n, B]` squares written into `out` (`[n, B]` bf16)."""
+    out.copy_(entry_scales(squares))
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """Exact `2.0 ** exponent` in fp32 for int32 exponents in `[-126, 127]` (built from the bit pattern)."""
+    return ((exponent + 127) << 23).view(torch.float32)
+
+
+def _exponent16(absmax: torch.Tensor) -> torch.Tensor:
+    """The 16-bit shift `e` of each block: `absmax / 2**e` lies in `[2**14, 2**15)` (0 for an all-zero block)."""
+    biased = (absmax.view(torch.int32) >> 23) & 255  # absmax = m * 2**(biased - 126), m in [0.5, 1)
+    return torch.where(absmax > 0, biased - 141, 0).clamp(-126, 126)
+
+
+def _quantize(x: torch.Tensor, bits: int):
+    """Codes (as fp32 integers, or fp16 values at 16 bits), absmax `[n, 1]` and the step `[n, 1]` of `[n, B]` blocks."""
+    absmax = x.abs().amax(dim=1, keepdim=True)
+    if bits == 2:
+        return torch.where(x.abs() > absmax * 0.5, torch.sign(x), 0.0), absmax, absmax
+    if bits == 16:
+        exponent = _exponent16(absmax)
+        return (x * _pow2(-exponent)).to(torch.float16), absmax, _pow2(exponent)
+    qmax = _QMAX[bits]
+    step = absmax / qmax
+    q = torch.round(x * torch.where(step > 0, 1.0 / step, 1.0)).clamp(-qmax, qmax)
+    return q, absmax, step
+
+
+def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes as stored: int8 (8 and 2 bits), two biased nibbles per uint8 (4 bits), fp16 (16 bits)."""
+    if bits == 16:
+        return q
+    codes = q.to(torch.int8)
+    if bits == 4:
+        biased = (codes + 8).to(torch.uint8).view(q.shape[0], -1, 2)
+        return biased[..., 0] | (biased[..., 1] << 4)
+    return codes
+
+
+def _unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of [`_pack`]: `[n, B]` fp32 codes."""
+    if bits == 4:
+        low = (codes & 15).to(torch.int8) - 8
+        high = (codes >> 4).to(torch.int8) - 8
+        return torch.stack([low, high], dim=-1).view(codes.shape[0], -1).float()
+    return codes.float()
+
+
+def _step(absmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """The step of each block `[n, 1]` from its absmax `[n]`, as every rank derives it."""
+    absmax = absmax.unsqueeze(1)
+    if bits == 2:
+        return absmax
+    if bits == 16:
+        return _pow2(_exponent16(absmax))
+    return absmax / _QMAX[bits]
+
+
+def encode_blocks(grad, residual, scale, codes_out, bits: int, clip: float | None):
+    """
+    The sender's kernel on `[n, B]` blocks: `acc = grad + residual` (fp32), divided by the per-entry `scale` (see
+    [`entry_scales`]) when given and clamped to `[-clip, clip]` when `clip` is given, quantized at `bits`; the codes are
+    written into `codes_out` (`[n, B]` int8 at 8 and 2 bits, `[n, B / 2]` uint8 at 4, `[n, B]` fp16 at 16).
+
+    Returns `(absmax [n] fp32, new_residual)`: `new_residual = acc - decoded * scale` in `residual`'s dtype, or `None`
+    when `residual` is `None`. Inputs below [`SAFE_MAGNITUDE`] keep every output finite.
+    """
+    acc = grad.float()
+    if residual is not None:
+        acc = acc + residual.float()
+    x = acc
+    if scale is not None:
+        scale = scale.float()
+        x = acc / scale
+    if clip is not None:
+        x = x.clamp(-clip, clip)
+    q, absmax, step = _quantize(x, bits)
+    codes_out.copy_(_pack(q, bits))
+    new_residual = None
+    if residual is not None:
+        sent = q.float() * step
+        if scale is not None:
+            sent = sent * scale
+        new_residual = (acc - sent).to(residual.dtype)
+    return absmax.squeeze(1), new_residual
+
+
+def decode_blocks(codes, absmax, scale, ema, out, bits: int, divide: float, beta: float):
+    """
+    Every rank's kernel: `sum_r code_r * step_r` over the ranks' `[n, B]` codes and `[n]` absmax (in that order, from
+    the first), divided by `divide`, times the per-entry `scale` when given, written into `out`
+    (`[n, B]`, any float dtype: the bucket's gradients).
+
+    Returns the new EMA when `ema` (`[n, B]` fp32) is given: `beta * ema + (1 - beta) * values**2` from the fp32
+    values; else `None`.
+    """
+    total = None
+    for rank_codes, rank_absmax in zip(codes, absmax):
+        decoded = _unpack(rank_codes, bits) * _step(rank_absmax, bits)
+        total = decoded if total is None else total + decoded
+    if divide != 1:
+        total = total / divide
+    if scale is not None:
+        total = total * scale.float()
+    out.copy_(total)
+    if ema is None:
+        return None
+    return ema * beta + total * total * (1.0 - beta)
+
+
+# One entry point per bit width, so that each has its own compile cache (dynamo keeps one per code object).
+def _encode8(grad, residual, scale, codes_out, clip: float | None):
+    return encode_blocks(grad, residual, scale, codes_out, 8, clip)
+
+
+def _encode4(grad, residual, scale, codes_out, clip: float | None):
+    return encode_blocks(grad, residual, scale, codes_out, 4, clip)
+
+
+def _encode2(grad, residual, scale, codes_out, clip: float | None):
+    return encode_blocks(grad, residual, scale, codes_out, 2, clip)
+
+
+def _encode16(grad, residual, scale, codes_out, clip: float | None):
+    return encode_blocks(grad, residual, scale, codes_out, 16, clip)
+
+
+def _decode8(codes, absmax, scale, ema, out, divide: float, beta: float):
+    return decode_blocks(codes, absmax, scale, ema, out, 8, divide, beta)
+
+
+def _decode4(codes, absmax, scale, ema, out, divide: float, beta: float):
+    return decode_blocks(codes, absmax, scale, ema, out, 4, divide, beta)
+
+
+def _decode2(codes, absmax, scale, ema, out, divide: float, beta: float):
+    return decode_blocks(codes, absmax, scale, ema, out, 2, divide, beta)
+
+
+def _decode16(codes, absmax, scale, ema, out, divide: float, beta: float):
+    return decode_blocks(codes, absmax, scale, ema, out, 16, divide, beta)
+
+
+_ENCODERS = {8: _encode8, 4: _encode4, 2: _encode2, 16: _encode16}
+_SCALES = {0: scales_blocks}
+_DECODERS = {8: _decode8, 4: _decode4, 2: _decode2, 16: _decode16}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compiled or eager, chosen once per process
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Kernels:
+    """
+    The encode / decode kernels of every bit width, compiled (`compiled=True`) or eager. Compiling happens on first use
+    of each variant; [`warm_up`] runs them once on tiny inputs so that the one-off compile time is paid up front.
+    """
+
+    def __init__(self, compiled: bool):
+        self.compiled = compiled
+        self._cache: dict = {}
+
+    @staticmethod
+    def _variant(args) -> tuple:
+        """What a call specializes on besides sizes: which inputs are given, their dtypes, the scalars."""
+        out = []
+        for arg in args:
+            if isinstance(arg, tuple):
+                out.append(("tuple", len(arg), *(t.dtype for t in arg)))
+            elif isinstance(arg, torch.Tensor):
+                out.append((arg.dtype, arg.device.type))
+            else:
+                out.append(arg)
+        return tuple(out)
+
+    def _get(self, table: dict, bits: int, variant: tuple):
+        key = (id(table), bits, variant)
+        if key not in self._cache:
+            fn = table[bits]
+            if self.compiled:
+                # A code object of its own per variant: dynamo keeps one compile cache (and its recompile limit) per
+                # code object, and a bucket's kernels come in several variants.
+                code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(self._cache)}")
+                fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+                # 16 bits rounds to fp16 and back inside the kernel: inductor must not skip that rounding.
+                fn = torch.compile(fn, options={"emulate_precision_casts": True} if bits == 16 else None)
+            self._cache[key] = fn
+        return self._cache[key]
+
+    def _call(self, table, bits, args):
+        fn = self._get(table, bits, self._variant(args) if self.compiled else None)
+        if self.compiled:
+            for arg in args:
+                for tensor in arg if isinstance(arg, tuple) else (arg,):
+                    if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[0] > 1:
+                        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        try:
+            if self.compiled and bits == 16:
+                with warnings.catch_warnings():  # inductor notes the bf16 residual next to the fp16 codes
+                    warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed")
+                    return fn(*args)
+            return fn(*args)
+        except Exception as error:  # no working compiler after all: the eager function, from now on
+            if not self.compiled:
+                raise
+            _fall_back(error)
+            self.compiled = False
+            self._cache.clear()
+            return self._get(table, bits, None)(*args)
+
+    def scales(self, squares: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[`entry_scales`] of `[n, B]` squares, into `out` (a fresh bf16 tensor when `None`)."""
+        if out is None:
+            out = torch.empty(squares.shape, dtype=torch.bfloat16, device=squares.device)
+        self._call(_SCALES, 0, (squares, out))
+        return out
+
+    def encode(self, grad, residual, scale, bits: int, clip: float | None = None, codes_out=None):
+        """
+        [`encode_blocks`] of `[n, B]` rows; returns `(codes, absmax, new_residual)`, the codes written into `codes_out`
+        (see [`code_shape`]) or a fresh tensor.
+        """
+        if codes_out is None:
+            shape, dtype = code_shape(grad.shape[0], grad.shape[1], bits)
+            codes_out = torch.empty(shape, dtype=dtype, device=grad.device)
+        clip = None if clip is None else float(clip)
+        absmax, new_residual = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip))
+        return codes_out, absmax, new_residual
+
+    def decode(self, codes, absmax, scale, bits: int, divide: float, out=None, ema=None, beta: float = 0.0):
+        """
+        [`decode_blocks`] of the ranks' `codes` / `absmax` (sequences, in rank order) into `out` (a fresh fp32 tensor
+        when `None`); returns `(out, new_ema)`.
+        """
+        if out is None:
+            width = codes[0].shape[1] * (2 if bits == 4 else 1)
+            out = torch.empty(codes[0].shape[0], width, device=codes[0].device)
+        args = (tuple(codes), tuple(absmax), scale, ema, out, float(divide), float(beta))
+        return out, self._call(_DECODERS, bits, args)
+
+    def warm_up(
+        self, specs, dtype: torch.dtype, world_size: int, scaled: bool, ema: bool, device, beta: float = 0.99
+    ) -> float:
+        """Run every variant the given specs need once on tiny inputs (compiling them); returns the seconds it took."""
+        start = time.perf_counter()
+        for bits in sorted({spec.bits for spec in specs if spec.density >= 1.0 and spec.bits in _ENCODERS}):
+            block = max(spec.block_size for spec in specs if spec.bits == bits)
+            grad = torch.zeros(3, block, dtype=dtype, device=device)
+            residual = torch.zeros(3, block, dtype=torch.bfloat16, device=device)
+            scale = self.scales(torch.ones(3, block, device=device)) if scaled else None
+            codes, absmax, _ = self.encode(grad, residual, scale, bits)
+            ema_row = torch.zeros(3, block, device=device) if ema else None
+            out = torch.empty(3, block, dtype=dtype, device=device)
+            ranks = [(codes.clone(), absmax.clone()) for _ in range(world_size)]  # distinct tensors, as in a step
+            self.decode([c for c, _ in ranks], [a for _, a in ranks], scale, bits, world_size, out, ema_row, beta)
+        return time.perf_counter() - start
+
+
+def code_shape(nblocks: int, block: int, bits: int) -> tuple[tuple[int, int], torch.dtype]:
+    """Shape and dtype of the codes of `nblocks` blocks of `block` entries as the kernels write them."""
+    if bits == 4:
+        return (nblocks, block // 2), torch.uint8
+    return (nblocks, block), torch.float16 if bits == 16 else torch.int8
+
+
+_warned_fallback = False
+
+
+def _fall_back(error: Exception) -> None:
+    global _warned_fallback
+    if not _warned_fallback:
+        _warned_fallback = True
+        logger.warning(
+            "GRPO compression: torch.compile failed (%s: %s); the codec runs its eager torch functions instead "
+            "(same results up to an ulp, several times slower). Every rank must make the same choice.",
+            type(error).__name__,
+            str(error).splitlines()[0][:200] if str(error) else "",
+        )
+
+
+def compile_kernels(compiled: bool) -> Kernels:
+    """The kernels of this process: compiled when `compiled` and `torch.compile` is available, else eager."""
+    if compiled and not hasattr(torch, "compile"):
+        compiled = False
+    return Kernels(compiled)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Messages of rows of which every entry is sent (density 1)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def padded_nbytes(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of `MESSAGE_ALIGN`."""
+    return -(-nbytes // MESSAGE_ALIGN) * MESSAGE_ALIGN
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Flat bool -> uint8, 8 per byte, little-endian (the length must be a multiple of 8)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    return (mask.view(-1, 8).to(torch.uint8) << shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def _unpack_bits(payload: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of [`_pack_bits`]: the first `count` bits as bool."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=payload.device)
+    return ((payload.view(-1, 1) >> shifts) & 1).view(-1)[:count].bool()
+
+
+@dataclass(frozen=True)
+class BlockMessages:
+    """
+    How [`Kernels`] output travels for one [`CodecSpec`] of density 1: [`pack`] turns codes and absmax into a `uint8`
+    message, [`unpack`] reads them back. [`fixed_nbytes`] is the message size (`None` at 2 bits, where it depends on
+    the data).
+    """
 
     spec: CodecSpec
-    numel: int  # entries per row
-    num_values: int  # k kept per row
-    positions: torch.Tensor | None  # [T, k] sorted int64 positions; None when every entry is kept
-    decoded: torch.Tensor  # [T, k] fp32 decoded kept values
-    codes: torch.Tensor | None  # [T, value bytes] payload (None at 2 bits: the wire form comes from `decoded`)
-    scales: torch.Tensor | None  # [T, blocks] fp32
-    schemes: list[int]  # index scheme per row
-    indices: list[torch.Tensor]  # index payload per row (empty when dense)
 
     @property
-    def rows(self) -> int:
-        return self.decoded.shape[0]
+    def code_bytes(self) -> int:
+        """Bytes of one block's codes as the kernels store them."""
+        return {8: 1, 4: 0.5, 2: 1, 16: 2}[self.spec.bits] * self.spec.block_size
 
-    def nbytes(self) -> list[int]:
-        """Wire bytes of each row's message."""
-        spec, k = self.spec, self.num_values
-        values = ternary_nbytes(self.decoded).tolist() if spec.bits == 2 else [None] * self.rows
-        return [message_nbytes(spec.bits, spec.block_size, k, v, i.numel()) for v, i in zip(values, self.indices)]
+    def fixed_nbytes(self, nblocks: int) -> int | None:
+        """Padded bytes of the message of `nblocks` blocks; `None` when data-dependent (2 bits)."""
+        if self.spec.bits == 2:
+            return None
+        return padded_nbytes(4 * nblocks + int(self.code_bytes * nblocks))
 
-    def messages(self, flags: int = 0) -> list[torch.Tensor]:
-        """The rows' messages as `uint8` pieces, in order."""
-        spec = self.spec
-        return write_rows(
-            spec.bits, spec.block_size, self.codes, self.scales, self.decoded, self.schemes, self.indices, flags
-        )
-
-    def dense(self) -> torch.Tensor:
-        """`[T, numel]` fp32: the decoded values at their positions, zeros elsewhere."""
-        return scatter_rows(self.positions, self.decoded, self.numel)
-
-
-def scatter_rows(positions: torch.Tensor | None, values: torch.Tensor, numel: int) -> torch.Tensor:
-    """The `[T, numel]` fp32 matrix holding `values` at `positions` in each row (all of them when `None`)."""
-    if positions is None:
-        return values
-    dense = torch.zeros(values.shape[0], numel, dtype=torch.float32, device=values.device)
-    return dense.scatter_(1, positions, values)
-
-
-def compress_rows(
-    values: torch.Tensor, spec: CodecSpec, positions: torch.Tensor | None = None, num_values: int | None = None
-) -> RowBatch:
-    """
-    Compress each row of a finite `[T, n]` fp32 matrix with `spec`: the top `num_values` entries of each row (by
-    default `num_kept(n, spec.density)`), or the caller's sorted `positions` `[T, k]` (validated).
-    """
-    rows, numel = values.shape
-    if positions is None:
-        k = num_kept(numel, spec.density) if num_values is None else num_values
-        positions = topk_positions(values, k) if k < numel else None
-    else:
-        positions = positions.to(device=values.device, dtype=torch.int64).reshape(rows, -1)
-        k = positions.shape[1]
-    if positions is None:
-        kept, schemes = values, [int(IndexScheme.DENSE)] * rows
-        indices = [values.new_zeros(0, dtype=torch.uint8)] * rows
-    else:
-        schemes, indices = encode_positions(positions, numel)
-        kept = torch.gather(values, 1, positions)
-    codes, scales, decoded = quantize_blocks(to_blocks(kept, spec.block_size), spec.bits, with_codes=spec.bits != 2)
-    decoded = decoded.reshape(rows, -1)[:, :k]
-    if codes is not None:
-        per_row = k if spec.bits >= 16 else value_bytes(k, spec.bits)
-        codes = codes.reshape(rows, -1)[:, :per_row].contiguous().view(torch.uint8).reshape(rows, -1)
-    if scales is not None:
-        scales = scales.reshape(rows, -1)
-    return RowBatch(spec, numel, k, positions, decoded, codes, scales, schemes, indices)
-
-
-def read_batch(
-    buffer: torch.Tensor, host: np.ndarray, offset: int, rows: int, numel: int, spec: CodecSpec, num_values: int
-):
-    """
-    Read the `rows` messages of `numel`-entry rows with `num_values` values each that a [`RowBatch`] with `spec` wrote,
-    from `offset` of a `uint8` buffer (`host`: its numpy copy). Returns `(positions [T, k] or None, decoded [T, k],
-    offset after them)`.
-    """
-    k = num_values
-    decoded, schemes, payloads, offset = read_rows(buffer, host, offset, rows, k, spec.bits, spec.block_size)
-    positions = decode_positions(schemes, payloads, numel, k) if k < numel else None
-    return positions, decoded, offset
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Rows of which every entry is sent (density 1), chunk by chunk
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def chunk_slices(length: int, device: torch.device) -> list[slice]:
-    """
-    The pieces a long row is processed in: `_cpu.CHUNK` entries on CPU, where temporaries of that size stay in cache
-    and are recycled by the allocator (full-size temporaries cost more in page faults than the arithmetic), the whole
-    row elsewhere.
-    """
-    step = _cpu.CHUNK if device.type == "cpu" else max(1, length)
-    return [slice(start, min(start + step, length)) for start in range(0, length, step)]
-
-
-def encode_whole(
-    acc: torch.Tensor,
-    spec: CodecSpec,
-    own: torch.Tensor,
-    scale_of: Callable[[slice], torch.Tensor | None] | None = None,
-    flags: int = 0,
-    clip: float | None = None,
-) -> list[torch.Tensor]:
-    """
-    Compress a finite `[length]` fp32 row of which every entry is sent (`length` a multiple of the block size), with
-    error feedback, chunk by chunk: the values are divided by `scale_of(piece)` (per entry; `None` for 1) before they
-    are quantized (and clamped to `[-clip, clip]` when `clip` is given), `own` receives the decoded (divided) values,
-    and `acc` becomes what was not sent, `acc - own * scale`. Returns the message, as [`compress_rows`] would write it
-    for this row.
-    """
-    block, bits = spec.block_size, spec.bits
-    scales, codes = [], []
-    for piece in chunk_slices(acc.numel(), acc.device):
-        scale = scale_of(piece) if scale_of is not None else None
-        values = acc[piece] if scale is None else acc[piece] / scale
-        if clip is not None:  # at most `clip` of its scale per entry and step; the rest waits in the residual
-            values = values.clamp(-clip, clip)
-        code, block_scales, decoded = quantize_blocks(values.view(-1, block), bits, with_codes=bits != 2)
-        decoded = decoded.view(-1)
-        own[piece] = decoded
-        acc[piece] -= decoded if scale is None else decoded * scale
-        scales.append(block_scales)
-        codes.append(code)
-    header = torch.frombuffer(bytearray(pack_header(int(IndexScheme.DENSE), bits, block, acc.numel(), 0, flags)),
-                              dtype=torch.uint8).to(acc.device)  # fmt: skip
-    if not scales:  # an empty row (a rank that owns none of a segment's blocks): the header alone
-        return [header]
-    pieces = [header, torch.cat(scales).view(torch.uint8)]
-    if bits == 2:
-        pieces += ternary_to_wire(own.view(1, -1))
-    else:
-        pieces.append(torch.cat([c.reshape(-1) for c in codes]).view(torch.uint8))
-    return pieces
-
-
-def decode_whole_into(
-    buffer: torch.Tensor, host: np.ndarray, offset: int, total: torch.Tensor, spec: CodecSpec, add: bool = True
-) -> int:
-    """
-    Decode the message [`encode_whole`] wrote for a row of `total.numel()` entries, from `offset` of a `uint8` buffer
-    (`host`: its numpy copy), into `total` (`+=` when `add`, else `=`), chunk by chunk. Returns the offset after it.
-    """
-    length, block, bits = total.numel(), spec.block_size, spec.bits
-    scheme, got_bits, _flags, got_block, got_k, _ = unpack_header(host, offset)
-    if (scheme, got_bits, got_block, got_k) != (IndexScheme.DENSE, bits, block, length):
-        raise ValueError(
-            f"corrupt message: scheme {scheme}, {got_bits} bits, block {got_block}, {got_k} values; expected a dense "
-            f"row of {length} values at {bits} bits, block {block}. Every rank must run the same model, settings and "
-            "grpo_hf version."
-        )
-    start = offset + HEADER_NBYTES
-    nblocks = length // block
-    scales = view_as(buffer[start : start + 4 * nblocks], torch.float32)
-    start += 4 * nblocks
-    if bits == 2 and total.device.type == "cpu":
-        return start + _cpu.ternary_add_into(host[start:], scales.numpy(), total.numpy(), block, add)
-    if bits == 2:
-        decoded, used = ternary_from_wire(buffer[start:], scales, length, block)
-        total.add_(decoded) if add else total.copy_(decoded)
-        return start + used
-    per_block = block * bits // 8
-    for piece in chunk_slices(length, total.device):
-        first, last = piece.start // block, piece.stop // block
-        raw = buffer[start + first * per_block : start + last * per_block]
-        if bits == 16:
-            decoded = view_as(raw, torch.float16).view(-1, block).float() * scales[first:last, None]
-        elif total.device.type == "cpu":
-            codes = host[start + first * per_block : start + last * per_block].reshape(last - first, per_block)
-            decoded = torch.from_numpy(_cpu.dequantize_blocks(codes, scales[first:last].numpy(), bits))
+    def pack(self, codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+        """The padded message of `[n, ...]` codes and `[n]` absmax."""
+        nblocks = absmax.numel()
+        if self.spec.bits == 2:
+            nonzero = codes.view(-1) != 0
+            signs = codes.view(-1)[nonzero] < 0
+            signs = torch.nn.functional.pad(signs, (0, -signs.numel() % 8))
+            parts = [_as_bytes(absmax), _pack_bits(nonzero), _pack_bits(signs)]
+            used = MESSAGE_ALIGN + sum(p.numel() for p in parts)
+            header = torch.tensor([padded_nbytes(used), 0, 0, 0], dtype=torch.int32).view(torch.uint8)
+            parts.insert(0, header.to(absmax.device))
         else:
-            decoded = dequantize_blocks(raw.view(last - first, per_block), scales[first:last], bits, block)
-        decoded = decoded.reshape(-1)
-        total[piece].add_(decoded) if add else total[piece].copy_(decoded)
-    return start + nblocks * per_block
+            parts = [_as_bytes(absmax), _as_bytes(codes)]
+        used = sum(p.numel() for p in parts)
+        parts.append(torch.zeros(padded_nbytes(used) - used, dtype=torch.uint8, device=absmax.device))
+        message = torch.cat(parts)
+        assert self.spec.bits == 2 or message.numel() == self.fixed_nbytes(nblocks)
+        return message
+
+    def read_nbytes(self, buffer: torch.Tensor, nblocks: int) -> int:
+        """Bytes of the message at the start of `buffer` (read from its 16-byte header at 2 bits)."""
+        fixed = self.fixed_nbytes(nblocks)
+        return fixed if fixed is not None else int(buffer[:4].view(torch.int32).item())
+
+    def clear_padding(self, message: torch.Tensor, nblocks: int) -> None:
+        """Zero the padding bytes of a fixed-size message written through the views of [`unpack`]."""
+        message[4 * nblocks + int(self.code_bytes * nblocks) :].zero_()
+
+    def unpack(self, message: torch.Tensor, nblocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """
+        `(codes, absmax)` of a message of `nblocks` blocks: views into it where the layout allows (always at 8, 4
+        and 16 bits, so that the encode kernel can write a message in place through them).
+        """
+        block, bits = self.spec.block_size, self.spec.bits
+        if bits == 2:
+            message = message[MESSAGE_ALIGN:]
+        absmax = message[: 4 * nblocks].view(torch.float32)
+        body = message[4 * nblocks :]
+        if bits == 8:
+            return body[: nblocks * block].view(torch.int8).view(nblocks, block), absmax
+        if bits == 4:
+            return body[: nblocks * block // 2].view(nblocks, block // 2), absmax
+        if bits == 16:
+            return body[: 2 * nblocks * block].view(torch.float16).view(nblocks, block), absmax
+        count = nblocks * block
+        nonzero = _unpack_bits(body[: count // 8], count)
+        total = int(nonzero.sum())
+        negative = _unpack_bits(body[count // 8 : count // 8 + (total + 7) // 8], total)
+        codes = torch.zeros(count, dtype=torch.int8, device=message.device)
+        codes[nonzero] = torch.where(negative, -1, 1).to(torch.int8)
+        return codes.view(nblocks, block), absmax
 
 
-def all_finite(tensors: list[torch.Tensor]) -> bool:
+def all_safe(tensors: list[torch.Tensor]) -> bool:
     """
-    Whether every tensor is free of NaN/Inf: the one non-finite check of grpo_hf. One `aminmax` pass per tensor (NaN
-    propagates; much faster than `isfinite().all()`) and one device sync in all.
+    Whether every entry of every tensor is finite and below [`SAFE_MAGNITUDE`] in magnitude: the one check of grpo_hf
+    that decides whether a step may be compressed. One `aminmax` pass per tensor (NaN propagates; much faster than
+    `isfinite().all()`) and one device sync in all.
     """
     extremes = [torch.stack(torch.aminmax(t.detach().reshape(-1))).float() for t in tensors if t.numel()]
-    return not extremes or bool(torch.isfinite(torch.cat(extremes)).all())
-
-
-def has_nonfinite(t: torch.Tensor) -> bool:
-    """Whether `t` holds a NaN or an Inf (see [`all_finite`])."""
-    return not all_finite([t])
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Per-tensor facade
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class CompressedTensor:
-    """
-    One compressed flat tensor, as produced by [`compress`] and read by [`decompress`] / [`serialize`].
-
-    Args:
-        numel (`int`): entries of the dense tensor.
-        spec (`CodecSpec`): the spec it was compressed with (a non-finite fallback carries `CodecSpec(1.0, 32)`).
-        indices (`torch.Tensor` or `None`): encoded kept positions (`uint8`, see [`IndexScheme`]); `None` when dense.
-        values (`torch.Tensor`): `uint8` codes at 8, 4 and 2 bits (`8 // bits` per byte, low bits first), `float16`
-            at 16 bits, `float32` at 32 bits.
-        scales (`torch.Tensor` or `None`): `float32` per-block scales below 32 bits.
-        num_values (`int`, *optional*): kept values `k`; inferred from `values` when not given (required below 8 bits).
-        index_scheme (`IndexScheme`, *optional*, defaults to `IndexScheme.DENSE`): how `indices` is encoded.
-        nonfinite (`bool`, *optional*, defaults to `False`): the input held NaN/Inf and was sent dense and raw.
-    """
-
-    numel: int
-    spec: CodecSpec
-    indices: torch.Tensor | None
-    values: torch.Tensor
-    scales: torch.Tensor | None
-    num_values: int | None = None
-    index_scheme: IndexScheme = IndexScheme.DENSE
-    nonfinite: bool = False
-
-    def __post_init__(self):
-        if self.num_values is None:
-            if self.indices is None:
-                self.num_values = self.numel
-            elif self.spec.bits < 8:
-                raise ValueError(f"`num_values` is required for {self.spec.bits}-bit values (codes share bytes).")
-            else:
-                self.num_values = self.values.numel()
-        if self.indices is None:
-            self.index_scheme = IndexScheme.DENSE
-
-    def decoded_values(self) -> torch.Tensor:
-        """The `k` decoded kept values (fp32)."""
-        return dequantize(self.values, self.scales, self.spec.bits, self.num_values, self.spec.block_size)
-
-    def nbytes(self) -> int:
-        """Exact number of bytes [`serialize`] produces (header + scales + values + indices)."""
-        values = int(ternary_nbytes(self.decoded_values().view(1, -1))[0]) if self.spec.bits == 2 else None
-        index_nbytes = 0 if self.indices is None else self.indices.numel()
-        return message_nbytes(self.spec.bits, self.spec.block_size, self.num_values, values, index_nbytes)
-
-    def positions(self) -> torch.Tensor | None:
-        """The kept positions as sorted `int64`, or `None` when dense."""
-        return None if self.indices is None else decode_indices(self.index_scheme, self.indices, self.numel)
-
-
-def _flat_fp32(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).to(torch.float32)
-
-
-def _raw_dense(flat: torch.Tensor) -> CompressedTensor:
-    return CompressedTensor(flat.numel(), CodecSpec(1.0, 32), None, flat.clone(), None, nonfinite=True)
-
-
-def _ternary_codes(decoded: torch.Tensor) -> torch.Tensor:
-    """The in-memory form of 2-bit values: biased codes (1, 2, 3 for -1, 0, +1), four per byte, low bits first."""
-    biased = (torch.sign(decoded.reshape(-1)) + 2).to(torch.uint8)
-    biased = torch.nn.functional.pad(biased, (0, (-biased.numel()) % 4), value=2)  # padding decodes to code 0
-    return pack_fields(biased.view(-1, 4), 2)
-
-
-def _as_tensor(batch: RowBatch) -> CompressedTensor:
-    """Row 0 of a batch as a [`CompressedTensor`]."""
-    spec = batch.spec
-    if spec.bits == 2:
-        values = _ternary_codes(batch.decoded[0])
-    elif spec.bits in (16, 32):
-        values = view_as(batch.codes[0], torch.float16 if spec.bits == 16 else torch.float32).clone()
-    else:
-        values = batch.codes[0].clone()
-    return CompressedTensor(
-        numel=batch.numel,
-        spec=spec,
-        indices=None if batch.positions is None else batch.indices[0],
-        values=values,
-        scales=None if batch.scales is None else batch.scales[0],
-        num_values=batch.num_values,
-        index_scheme=IndexScheme(batch.schemes[0]),
-    )
-
-
-def compress(tensor: torch.Tensor, spec: CodecSpec, indices: torch.Tensor | None = None) -> CompressedTensor:
-    """
-    Compress a tensor (flattened, computed in fp32 on its device): top-k by magnitude, then quantize. A tensor with a
-    NaN or an Inf is returned dense and raw (32 bit) with `nonfinite=True`.
-
-    Args:
-        tensor (`torch.Tensor`): any float dtype and shape.
-        spec (`CodecSpec`): density, bits and block size.
-        indices (`torch.Tensor`, *optional*): sorted, unique positions to send instead of the top-k (`spec.density`
-            is then ignored).
-    """
-    return _compress(_flat_fp32(tensor), spec, indices)[0]
-
-
-def _compress(flat: torch.Tensor, spec: CodecSpec, indices: torch.Tensor | None):
-    if has_nonfinite(flat):
-        return _raw_dense(flat), None
-    positions = None if indices is None else indices.reshape(1, -1)
-    batch = compress_rows(flat.view(1, -1), spec, positions)
-    return _as_tensor(batch), batch
-
-
-def decompress(ct: CompressedTensor, out: torch.Tensor | None = None, *, accumulate: bool = False) -> torch.Tensor:
-    """
-    Decode to a dense flat fp32 tensor (zeros where nothing was kept).
-
-    Args:
-        ct (`CompressedTensor`): the compressed tensor.
-        out (`torch.Tensor`, *optional*): contiguous tensor of `ct.numel` entries to write into (returned flat).
-        accumulate (`bool`, *optional*, defaults to `False`): add into `out` instead of overwriting it.
-    """
-    decoded = ct.decoded_values()
-    positions = ct.positions()
-    dense = scatter_rows(None if positions is None else positions.view(1, -1), decoded.view(1, -1), ct.numel)[0]
-    if out is None:
-        return dense
-    if out.numel() != ct.numel or not out.is_contiguous():
-        raise ValueError(f"`out` must be a contiguous tensor of {ct.numel} entries, got shape {tuple(out.shape)}.")
-    flat = out.view(-1)
-    return flat.add_(dense) if accumulate else flat.copy_(dense)
-
-
-def compress_with_feedback(
-    grad: torch.Tensor, residual: torch.Tensor | None, spec: CodecSpec, indices: torch.Tensor | None = None
-) -> tuple[CompressedTensor, torch.Tensor, torch.Tensor]:
-    """
-    Error-feedback compression: compress `grad + residual` and keep what was not sent, so that
-    `decoded + new_residual == grad + residual` holds exactly (bit for bit, fp32).
-
-    If `grad + residual` holds a NaN or an Inf, the raw `grad` is returned dense (32 bit, `ct.nonfinite = True`,
-    `decoded` = `grad` in fp32) and the **old residual object** is returned unchanged, so that an overflow step never
-    poisons the residual.
-
-    Returns:
-        `tuple[CompressedTensor, torch.Tensor, torch.Tensor]`: `(compressed, decoded, new_residual)`, the last two
-        dense flat fp32 tensors on `grad.device`.
-    """
-    flat_grad = _flat_fp32(grad)
-    if residual is None:
-        residual = torch.zeros_like(flat_grad)
-    if residual.numel() != flat_grad.numel():
-        raise ValueError(
-            f"`residual` has {residual.numel()} entries but `grad` has {flat_grad.numel()}; key residuals by "
-            "parameter name and reset them when a parameter changes shape."
-        )
-    acc = flat_grad + residual.reshape(-1).to(torch.float32)
-    if has_nonfinite(acc):
-        return _raw_dense(flat_grad), flat_grad.clone(), residual
-    ct, batch = _compress(acc, spec, indices)
-    decoded = batch.dense()[0].clone()
-    return ct, decoded, acc - decoded
-
-
-def serialize(ct: CompressedTensor) -> torch.Tensor:
-    """Lay out a [`CompressedTensor`] as one `uint8` tensor on its device; `serialize(ct).numel() == ct.nbytes()`."""
-    if ct.numel > _INT32_MAX:
-        raise ValueError(f"Tensors above {_INT32_MAX} entries cannot be serialized; split them first.")
-    spec = ct.spec
-    decoded = ct.decoded_values().view(1, -1)
-    codes = None if spec.bits == 2 else ct.values.contiguous().view(torch.uint8).view(1, -1)
-    scales = None if ct.scales is None else ct.scales.view(1, -1)
-    index = ct.indices if ct.indices is not None else ct.values.new_zeros(0, dtype=torch.uint8)
-    flags = FLAG_NONFINITE if ct.nonfinite else 0
-    pieces = write_rows(spec.bits, spec.block_size, codes, scales, decoded, [int(ct.index_scheme)], [index], flags)
-    return torch.cat(pieces)
-
-
-def deserialize(buffer: torch.Tensor, numel: int) -> CompressedTensor:
-    """
-    Read a [`CompressedTensor`] from the start of a `uint8` buffer written by [`serialize`] (`ct.nbytes()` is the
-    number of bytes consumed, so concatenated messages are read one after another).
-
-    Args:
-        buffer (`torch.Tensor`): `uint8` tensor starting with the header.
-        numel (`int`): entries of the dense tensor (known to the receiver from the parameter layout).
-    """
-    buffer = buffer.reshape(-1)
-    scheme, bits, flags, block_size, k, index_nbytes = unpack_header(buffer[:HEADER_NBYTES].cpu().numpy())
-    start = HEADER_NBYTES + scale_bytes(k, bits, block_size)
-    scales = None if bits == 32 else view_as(buffer[HEADER_NBYTES:start], torch.float32)
-    if bits == 2:
-        decoded, used = ternary_from_wire(buffer[start:], scales, k, block_size)
-        values = _ternary_codes(decoded)
-    else:
-        used = value_bytes(k, bits)
-        values = buffer[start : start + used]
-        if bits >= 16:
-            values = view_as(values, torch.float16 if bits == 16 else torch.float32)
-    start += used
-    return CompressedTensor(
-        numel=numel,
-        spec=CodecSpec(density=k / numel if numel else 1.0, bits=bits, block_size=block_size),
-        indices=None if scheme == IndexScheme.DENSE else buffer[start : start + index_nbytes],
-        values=values,
-        scales=scales,
-        num_values=k,
-        index_scheme=IndexScheme(scheme),
-        nonfinite=bool(flags & FLAG_NONFINITE),
-    )
+    return not extremes or bool((torch.cat(extremes).abs() < SAFE_MAGNITUDE).all())
 
 
 __all__ = [
-    "CodecSpec",
-    "CompressedTensor",
-    "IndexScheme",
-    "RowBatch",
-    "all_finite",
-    "compress",
-    "compress_rows",
-    "compress_with_feedback",
-    "chunk_slices",
-    "decode_whole_into",
-    "decompress",
-    "encode_whole",
-    "dense_bytes",
-    "deserialize",
-    "has_nonfinite",
-    "num_kept",
-    "read_batch",
-    "scatter_rows",
-    "serialize",
+    "MESSAGE_ALIGN",
+    "SCALE_FLOOR",
+    "BlockMessages",
+    "Kernels",
+    "SAFE_MAGNITUDE",
+    "all_safe",
+    "code_shape",
+    "compile_kernels",
+    "decode_blocks",
+    "encode_blocks",
+    "entry_scales",
+    "scales_blocks",
+    "padded_nbytes",
 ]

@@ -75,14 +75,15 @@ reduce-scatter: the owner's shard is not finite, and so is every rank's global g
 
 import logging
 import math
+import os
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .quantize import dequantize_blocks, quantize_blocks, to_blocks
-from .spec import DEFAULT_BLOCK_SIZE, SUPPORTED_BITS
+from .codec import code_shape, compile_kernels
+from .spec import DEFAULT_BLOCK_SIZE
 
 
 logger = logging.getLogger(__name__)
@@ -95,9 +96,18 @@ _STAT_KEYS = ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "numel", "ho
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The codec behind one pair of functions: today `quantize.py`'s block quantizer; moving to another codec (e.g. the
-# fused `encode_blocks` / `decode_blocks` kernels) is an edit of `_encode`, `_decode` and this module's import.
+# Messages of the project's codec (`codec.py`: the same fused encode / decode kernels as the DDP hook)
 # ----------------------------------------------------------------------------------------------------------------
+
+FSDP_BITS = (4, 8, 16, 32)  # 2-bit codes need a variable-size message; one all-to-all needs equal sizes
+_KERNELS: list = []
+
+
+def _kernels():
+    """The codec's kernels of this process (compiled where a compiler works; every rank makes the same choice)."""
+    if not _KERNELS:
+        _KERNELS.append(compile_kernels(os.environ.get("GRPO_HF_COMPILE_CODEC", "1") != "0"))
+    return _KERNELS[0]
 
 
 def message_nbytes(numel: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
@@ -108,32 +118,42 @@ def message_nbytes(numel: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) 
     return blocks * (4 + block_size * bits // 8)
 
 
+def _blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`[n, S]` rows -> `[n * ceil(S / B), B]` blocks (zero-padded: a block never spans two rows)."""
+    n, numel = rows.shape
+    pad = -numel % block_size
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, pad))
+    return rows.reshape(-1, block_size)
+
+
 def _encode(rows: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """
-    Encode `[n, S]` finite fp32 rows into `[n, message_nbytes(S)]` uint8 messages (the fp32 scales of the blocks, then
+    Encode `[n, S]` finite fp32 rows into `[n, message_nbytes(S)]` uint8 messages (the fp32 absmax of the blocks, then
     their codes) and return them with the values the receivers decode (`[n, S]` fp32).
     """
     n, numel = rows.shape
     if bits == 32:
         return rows.contiguous().view(torch.uint8).reshape(n, 4 * numel), rows
-    blocks = to_blocks(rows, block_size)  # [n, nb, B]
-    codes, scales, decoded = quantize_blocks(blocks, bits)
-    messages = torch.cat([scales.reshape(n, -1).view(torch.uint8), codes.reshape(n, -1).view(torch.uint8)], dim=1)
+    kernels = _kernels()
+    blocks = _blocks(rows, block_size)
+    codes, absmax, _ = kernels.encode(blocks, None, None, bits)
+    decoded, _ = kernels.decode([codes], [absmax], None, bits, 1.0)
+    messages = torch.cat([absmax.reshape(n, -1).view(torch.uint8), codes.reshape(n, -1).view(torch.uint8)], dim=1)
     return messages, decoded.reshape(n, -1)[:, :numel]
 
 
 def _decode(messages: torch.Tensor, numel: int, bits: int, block_size: int) -> torch.Tensor:
-    """Inverse of [`_encode`]: `[n, message_nbytes(S)]` uint8 -> `[n, S]` fp32 (`code * scale`, one multiply each)."""
+    """Inverse of [`_encode`]: `[n, message_nbytes(S)]` uint8 -> `[n, S]` fp32 (`code * step`, one multiply each)."""
     n = messages.shape[0]
     if bits == 32:
         return messages.contiguous().view(torch.float32)
     blocks = -(-numel // block_size)
-    scales = messages[:, : 4 * blocks].contiguous().view(torch.float32)  # [n, nb]
-    codes = messages[:, 4 * blocks :].contiguous()
-    if bits == 16:
-        codes = codes.view(torch.float16)
-    codes = codes.reshape(n, blocks, -1)
-    return dequantize_blocks(codes, scales, bits, block_size).reshape(n, -1)[:, :numel]
+    absmax = messages[:, : 4 * blocks].contiguous().view(torch.float32).reshape(-1)  # [n * nb]
+    shape, dtype = code_shape(n * blocks, block_size, bits)
+    codes = messages[:, 4 * blocks :].contiguous().view(dtype).reshape(shape)
+    decoded, _ = _kernels().decode([codes], [absmax], None, bits, 1.0)
+    return decoded.reshape(n, -1)[:, :numel]
 
 
 def _poison(messages: torch.Tensor, bad_rows: torch.Tensor, numel: int, bits: int, block_size: int) -> None:
@@ -162,7 +182,7 @@ class FSDPCommState:
 
     Args:
         bits (`int`, *optional*, defaults to `8`):
-            Bits per sent gradient entry: `2` (ternary), `4`, `8` (symmetric codes, one fp32 absmax scale per block),
+            Bits per sent gradient entry: `4`, `8` (symmetric codes, one fp32 absmax per block),
             `16` (fp16 after a power-of-two shift per block) or `32` (fp32: lossless, for checks).
         error_feedback (`str`, *optional*, defaults to `"none"`):
             `"none"`, `"worker-bf16"` or `"worker-int8"` (where the quantization error of the sent chunks is kept).
@@ -203,8 +223,11 @@ class FSDPCommState:
         dense_warmup_steps: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
     ):
-        if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits={bits!r}: use one of {SUPPORTED_BITS}.")
+        if isinstance(bits, bool) or bits not in FSDP_BITS:
+            raise ValueError(
+                f"bits={bits!r}: FSDP2's compressed reduce-scatter sends {FSDP_BITS} bits per entry (its all-to-all "
+                "needs messages of one size; 2-bit codes vary); use grpo_bits=8 (the default) or 4."
+            )
         if error_feedback not in ERROR_FEEDBACK_CHOICES:
             raise ValueError(f"error_feedback={error_feedback!r}: use one of {ERROR_FEEDBACK_CHOICES}.")
         if dense_warmup_steps < 0:

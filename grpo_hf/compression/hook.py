@@ -1,10 +1,8 @@
 """`grpo_comm_hook`: the DDP communication hook that sends each bucket's gradients compressed, with error feedback.
 
-It replaces DDP's dense all-reduce (register it on the DDP model, see [`GRPOCommState`]). Per bucket: the tensors
-sent dense (`spec is None`: norms, biases, tensors below `grpo_min_compress_numel`) go through one fp32 all-reduce;
-the others are grouped into one segment per spec ([`~grpo_hf.compression.layout`]) and exchanged by
-[`~grpo_hf.compression.exchange`] in `state.mode`. During the first `dense_warmup_steps` optimizer steps, and for a
-step in which a rank sees a NaN or an Inf, the bucket is all-reduced dense in its own dtype, as DDP would.
+It replaces DDP's dense all-reduce (register it on the DDP model, see [`GRPOCommState`]); [`compress_locally`] runs the
+same steps in one process on a model's gradients. A bucket's path: this module (the exchange) -> `layout.py` (its
+runs of tensors) -> `state.py` (residuals, scales) -> `codec.py` (the kernels and messages; `sparse.py` for top-k).
 
 Example:
 
@@ -17,21 +15,35 @@ Example:
 >>> state.pop_stats()["grpo/comm/ratio_fp32"]
 ```
 
+## Algorithm, per optimizer step
+
+DDP calls the hook once per bucket, in bucket order. The hook holds every bucket until the last one (its future
+completes then; DDP waits for all of them at the end of the backward pass), then, on every rank:
+
+1. One flag all-reduce: is any gradient of any rank NaN/Inf? If so, or during the first `dense_warmup_steps` steps,
+   every bucket is all-reduced dense and raw, in its own dtype, as DDP would; nothing else changes (warm-up steps feed
+   the gradient scales' EMA when the optimizer has no `exp_avg_sq`).
+2. Otherwise, per bucket and run of tensors sharing a spec ([`~grpo_hf.compression.layout`]): the encode kernel
+   compresses `grad + residual` relative to the gradient scales; the bf16 residual is replaced by what was not sent.
+3. Exchange, by `state.mode`:
+   - `allgather`: all-gather the bucket's messages; every rank decodes the `W` messages in rank order, its own
+     included, and writes the average, times the scale, into the bucket (one decode kernel per run).
+   - `allreduce` (DeepSpeed's compressed all-reduce): the blocks each rank owns go to their owner (all-to-all); each
+     owner decodes its `W` contributions in rank order, averages them, compresses the mean again with its own
+     (owner-side) residual, and the owners' messages are all-gathered and decoded by every rank.
+4. Tensors sent dense (`spec is None`: norms, biases, tensors below `grpo_min_compress_numel`) go through one fp32
+   all-reduce per bucket.
+
 ## Bytes per rank and optimizer step (ring model, [`~grpo_hf.compression.traffic`]; `grpo/comm/bytes_sent`)
 
-- `allgather`: `(W - 1) * (16 + s_max)` for the messages (`s_max` the longest rank's, every message padded to it)
+- Every compressed step: the 8-byte flag all-reduce, `2 (W - 1) / W * 8`.
+- `allgather`: `(W - 1) * s` for the bucket's messages (`s` its padded message size; at 2 bits and with top-k, where
+  sizes depend on the data, every rank's is padded to the longest and `(W - 1) * 8` bytes per run announce the sizes)
   plus `2 (W - 1) / W * 4 n_dense` for the dense tensors. Grows with `W`: for few workers.
-- `allreduce`: `(W - 1) / W * S` for the all-to-all of the compressed blocks (`S` this rank's messages) plus
-  `(W - 1) * s_owner` for the all-gather of the owners' messages (about `S / W` each) plus the dense tensors: about
-  `2 S` whatever `W`.
+- `allreduce`: `(W - 1) / W * S` for the all-to-all of this rank's messages (`S`) plus `(W - 1) * s_owner` for the
+  all-gather of the owners' messages (about `S / W` each, padded to the longest) plus the dense tensors: about `2 S`
+  whatever `W`.
 - Warm-up and non-finite steps: `2 (W - 1) / W` times the bucket's bytes in its dtype.
-
-## Non-finite gradients
-
-A NaN or an Inf in any gradient of any rank, in any bucket, makes the whole optimizer step non-finite on every rank
-(a flag in the first collective of a compressed bucket; the all-reduced buffer itself for a dense one): the affected
-buckets are all-reduced raw, so the NaN/Inf reaches every rank's gradients, and the residuals, owner residuals and
-gradient scales staged for the step are discarded. [`~grpo_hf.GRPOTrainer`] then skips the optimizer step.
 
 The baselines `grpo/comm/bytes_dense_fp32` / `_fp16` are a plain all-reduce of every gradient at 4 / 2 bytes per
 entry; `ratio_* = baseline / bytes_sent` (higher is better).
@@ -41,70 +53,100 @@ entry; `ratio_* = baseline / bytes_sent` (higher is better).
 - Call [`GRPOCommState.bind`] with the model before the first backward, and `register_comm_hook` once per DDP
   object (a second call raises). Use one state per DDP model.
 - The plan, `mode` and `dense_warmup_steps` must be identical on every rank: the collectives' sizes derive from them.
-- Collectives run synchronously inside the hook, in the same order on every rank (torch's `powerSGD_hook`, which
-  chains collectives in future callbacks, was seen to desynchronize at `W = 4` on gloo). The price: a bucket's
-  communication does not overlap with the rest of the backward pass.
-- Memory per compressed entry and rank: the fp32 residual (twice, while a step's new one is staged) and, with
-  gradient scales, the fp32 EMA of its square (twice as well); in `allreduce` mode also the residual of the owned
-  blocks (`1 / W` of the entries, twice).
+- Collectives run synchronously, all at the last bucket, in the same order on every rank (torch's `powerSGD_hook`,
+  which chains collectives in future callbacks, was seen to desynchronize at `W = 4` on gloo). The price: the
+  communication does not overlap with the backward pass.
+- Memory per compressed entry and rank: the bf16 residual (2 bytes); with gradient scales and an optimizer without
+  `exp_avg_sq` (or none attached), the fp32 EMA of its square (4 bytes); in `allreduce` mode also the bf16 residual
+  of the owned blocks (`2 / W` bytes). Work buffers, kept from step to step, hold one bucket's bf16 scales (2 bytes per
+  entry) and messages (`bits / 8` bytes per entry); while a bucket is exchanged, the all-gather's result (`W * bits /
+  8` bytes per entry) and one run's new residual (2 bytes per entry) exist besides. Compiling the kernels costs a fixed
+  amount of host memory for torch.compile itself.
 - Sparse gradients (`nn.Embedding(sparse=True)`), FSDP and DeepSpeed are not supported.
 """
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from .codec import all_finite
-from .exchange import (
-    Collectives,
-    allgather_segments,
-    allreduce_segments,
-    dense_entries,
-    track_dense_scales,
-)
-from .layout import plan_segments
+from .codec import BlockMessages, all_safe, code_shape
+from .layout import BucketLayout, Run
+from .sparse import TopKMessages
 from .state import GRPOCommState
-from .traffic import allreduce_bytes
+from .traffic import allgather_bytes, allreduce_bytes, alltoall_bytes
 
 
-def bucket_layout(state: GRPOCommState, names: list[str | None], numels: list[int]):
-    """The segments of a bucket and the indices of its dense entries (cached per layout: DDP keeps its buckets)."""
-    key = tuple(names)
-    layout = state._segments.get(key)
-    if layout is None:
-        specs = [state.spec_for(name) for name in names]
-        entries = [(name, numel, spec) for name, numel, spec in zip(names, numels, specs) if spec is not None]
-        dense = [i for i, spec in enumerate(specs) if spec is None]
-        members = {}
-        for i, spec in enumerate(specs):
-            if spec is not None:
-                members.setdefault(spec, []).append(i)
-        layout = (plan_segments(entries), list(members.values()), dense)
-        state._segments[key] = layout
-    return layout
+_FLAG_BYTES = 8  # the step's non-finite flag (int64)
+_SIZE_BYTES = 8  # one message size (int64)
 
 
-def exchange_bucket(
-    state: GRPOCommState, comm: Collectives, grads: list[torch.Tensor], names, count_as: int, buffer=None
-) -> bool:
-    """
-    Average `grads` (flat gradient tensors of one bucket, written in place; `buffer` the flat tensor they are views
-    of, when there is one) over the ranks, compressed as the plan says. Returns `False` when the step must go dense
-    (warm-up or a NaN/Inf on some rank); nothing was written then.
-    """
-    segments, members, dense = bucket_layout(state, names, [g.numel() for g in grads])
-    if state.warming_up or not segments:
-        return False
-    seg_grads = [[grads[i] for i in indices] for indices in members]
-    exchange = allgather_segments if state.mode == "allgather" else allreduce_segments
-    # The flag covers the dense entries too: a NaN anywhere in the step must leave every residual unchanged.
-    finite = all_finite([buffer] if buffer is not None else grads)  # one pass over the bucket when it is flat
-    if not exchange(state, comm, segments, seg_grads, count_as, finite):
-        state.mark_nonfinite()
-        return False
-    dense_entries(comm, state._step, [grads[i] for i in dense], count_as)
-    return True
+class Collectives:
+    """The collectives of one process group, timed; at world size 1 every call returns its input."""
+
+    def __init__(self, state: GRPOCommState, world_size: int | None = None, rank: int | None = None):
+        self.group = state.process_group
+        self.world_size = state.world_size if world_size is None else world_size
+        self.rank = state.rank if rank is None else rank
+        self.stats = state.stats
+
+    def _timed(self, start: float) -> None:
+        self.stats.comm_ms += (time.perf_counter() - start) * 1000
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.world_size > 1:
+            start = time.perf_counter()
+            dist.all_reduce(tensor, op=op, group=self.group)
+            self._timed(start)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """
+        `[W, *tensor.shape]`: every rank's `tensor`, in rank order (equal sizes on every rank), written into `out`
+        (`W * tensor.numel()` entries) when given; `tensor` may be this rank's part of `out` (gathered in place).
+        """
+        if self.world_size == 1:
+            return tensor.unsqueeze(0) if out is None else out.view(1, *tensor.shape)
+        start = time.perf_counter()
+        if out is None:
+            out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(out, tensor.contiguous().view(-1), group=self.group)
+        self._timed(start)
+        return out.view(self.world_size, *tensor.shape)
+
+    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """`all_to_all_single` with uneven splits: `send_splits[j]` elements go to rank `j`."""
+        if self.world_size == 1:
+            return send
+        start = time.perf_counter()
+        recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        self._timed(start)
+        return recv
+
+
+@dataclass
+class _Bucket:
+    """What the step needs of a DDP bucket: its flat buffer, and per tensor its name, parameter, size and offset."""
+
+    buffer: torch.Tensor
+    names: list[str | None]
+    params: list[nn.Parameter]
+    numels: list[int]
+    starts: list[int]
+    future: torch.futures.Future | None = None
+
+
+def _offsets(buffer: torch.Tensor, grads: list[torch.Tensor]) -> list[int]:
+    """First entry of each gradient in the buffer (they are views of it, one after the other)."""
+    starts, start = [], 0
+    for grad in grads:
+        shares = grad.numel() and grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        starts.append(grad.storage_offset() - buffer.storage_offset() if shares else start)
+        start = starts[-1] + grad.numel()
+    return starts
 
 
 def grpo_comm_hook(state: GRPOCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -120,40 +162,439 @@ def grpo_comm_hook(state: GRPOCommState, bucket: dist.GradBucket) -> torch.futur
         bucket (`torch.distributed.GradBucket`): the bucket of flattened gradients DDP hands to the hook.
 
     Returns:
-        A completed `torch.futures.Future` holding `bucket.buffer()`, which now holds the averaged gradients.
+        A `torch.futures.Future` holding `bucket.buffer()`; it completes, with the averaged gradients in the buffer,
+        when the step's last bucket has been handed over.
     """
     start = time.perf_counter()
-    if not state.names:
+    if not state.names or state.kernels is None:  # (an unpickled state has no kernels: bind it again)
         raise RuntimeError("grpo_comm_hook: call `state.bind(model)` before the first backward pass.")
     buffer = bucket.buffer()
-    state.hook_calls += 1
-    names = [state.names.get(id(p)) for p in bucket.parameters()]
+    params = list(bucket.parameters())
+    names = [state.names.get(id(p)) for p in params]
     if None in names:
-        state._warn_once("unknown", "a DDP bucket holds a parameter that `bind` did not see; it is sent dense.")
-    stats = state._step
-    stats.baseline(buffer.numel(), state.world_size)
-    comm = Collectives(state)
-    grads = [g.view(-1) for g in bucket.gradients()]
-    warmup = state.warming_up
-    if not exchange_bucket(state, comm, grads, names, state.world_size, buffer):
-        comm.all_reduce(buffer).div_(state.world_size)
-        stats.bytes_sent += allreduce_bytes(buffer.numel() * buffer.element_size(), state.world_size)
-        stats.kept += buffer.numel()
-        if not all_finite([buffer]):  # the same answer on every rank: the buffer is the all-reduced one
-            state.mark_nonfinite()  # a warm-up step or a dense bucket: keep NaN/Inf out of the scales and residuals
-        elif warmup:
-            segments, members, _ = bucket_layout(state, names, [g.numel() for g in grads])
-            track_dense_scales(state, segments, [[grads[i] for i in indices] for indices in members])
-    stats.hook_ms += (time.perf_counter() - start) * 1000
-    if bucket.is_last():
-        state.commit_step(dense=warmup)
-    return _completed_future(buffer)
-
-
-def _completed_future(tensor: torch.Tensor) -> torch.futures.Future:
-    future = torch.futures.Future(devices=[tensor.device]) if tensor.device.type != "cpu" else torch.futures.Future()
-    future.set_result(tensor)
+        state.warn_once("unknown", "a DDP bucket holds a parameter that `bind` did not see; it is sent dense.")
+    numels = [p.numel() for p in params]
+    key = (tuple(names), tuple(numels))
+    starts = state.bucket_starts.get(key)
+    if starts is None:  # once per layout: where each gradient lies in the buffer
+        starts = state.bucket_starts[key] = _offsets(buffer, [g.view(-1) for g in bucket.gradients()])
+    future = torch.futures.Future(devices=[buffer.device]) if buffer.device.type != "cpu" else torch.futures.Future()
+    state.pending.append(_Bucket(buffer, names, params, numels, starts, future))
+    state.hook_calls += 1
+    if not bucket.is_last():
+        state.stats.hook_ms += (time.perf_counter() - start) * 1000
+        return future
+    buckets, state.pending = state.pending, []
+    dense, _ = _run_step(state, Collectives(state), buckets, state.world_size)
+    for held in buckets:
+        held.future.set_result(held.buffer)
+    state.stats.hook_ms += (time.perf_counter() - start) * 1000
+    state.commit_step(dense=dense)
     return future
 
 
-__all__ = ["GRPOCommState", "grpo_comm_hook"]
+def compress_locally(state: GRPOCommState, model: nn.Module) -> None:
+    """
+    The hook's compression in one process (the article's sparse updates): replace every `p.grad` by its compressed
+    and decoded value, with error feedback. Call it after the backward of the last micro-batch, before clipping and
+    `optimizer.step`. Warm-up steps and steps with NaN/Inf gradients leave the gradients untouched (the latter also
+    the residuals).
+
+    Nothing is sent, so the bytes are those one of `state.simulated_world_size` workers would send, from the sizes of
+    this process's messages (the formulas of the module docstring). In `allreduce` mode the gradients are compressed
+    twice (the worker's compression, then the owner's), as each worker's contribution would be.
+
+    Args:
+        state (`GRPOCommState`): the compression state (bound to `model` if it was not yet).
+        model (`torch.nn.Module`): the model whose gradients to compress.
+    """
+    start = time.perf_counter()
+    if not state.names or state.kernels is None:
+        state.bind(model)
+    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    numels = [p.numel() for p in params]
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    buffer = torch.cat([p.grad.reshape(-1) for p in params]) if params else torch.zeros(0)
+    names = [state.names.get(id(p)) for p in params]
+    bucket = _Bucket(buffer, names, params, numels, starts)
+    dense, compressed = _run_step(
+        state, Collectives(state, world_size=1, rank=0), [bucket], state.simulated_world_size
+    )
+    if compressed:
+        torch._foreach_copy_([p.grad.view(-1) for p in params], list(torch.split(buffer, numels)))
+    state.hook_calls += 1
+    state.stats.hook_ms += (time.perf_counter() - start) * 1000
+    state.commit_step(dense=dense)
+
+
+def _run_step(state: GRPOCommState, comm: Collectives, buckets: list[_Bucket], count_as: int) -> tuple[bool, bool]:
+    """
+    One optimizer step over its buckets (see the module docstring); `count_as`: the world size bytes count for.
+    Returns `(dense, compressed)`: whether the step counts as dense (warm-up, or a NaN/Inf on some rank) and whether
+    any gradient went through the codec.
+    """
+    stats = state.stats
+    layouts = [state.layout(b.names, b.numels, b.starts) for b in buckets]
+    plain = state.warming_up or not any(layout.runs for layout in layouts)  # nothing to compress: as DDP does
+    unsafe = False
+    if not plain:
+        flag = torch.tensor([int(not all_safe([b.buffer for b in buckets]))], device=buckets[0].buffer.device)
+        unsafe = bool(comm.all_reduce(flag, op=dist.ReduceOp.MAX).item())
+        stats.bytes_sent += allreduce_bytes(_FLAG_BYTES, count_as)
+    for bucket, layout in zip(buckets, layouts):
+        stats.baseline(bucket.buffer.numel(), count_as)
+        if plain or unsafe:
+            comm.all_reduce(bucket.buffer).div_(comm.world_size)
+            stats.bytes_sent += allreduce_bytes(bucket.buffer.numel() * bucket.buffer.element_size(), count_as)
+            stats.kept += bucket.buffer.numel()
+            continue
+        exchange = _allgather if state.mode == "allgather" else _allreduce
+        exchange(state, comm, layout, bucket, count_as)
+    if plain:
+        if not all_safe([b.buffer for b in buckets]):  # the same answer on every rank: the buffers are averaged
+            unsafe = True
+        elif state.warming_up:
+            _track_dense_scales(state, buckets)
+    if unsafe:
+        state.mark_nonfinite()
+    return state.warming_up or unsafe, not (plain or unsafe)
+
+
+class _DenseTensors:
+    """The tensors of a bucket sent dense: read before the decode (which may write over them), written after it."""
+
+    def __init__(self, comm: Collectives, stats, buffer: torch.Tensor, dense: tuple, count_as: int):
+        self.pieces = [buffer[start : start + numel] for start, numel in dense]
+        self.vector = torch.cat([p.float() for p in self.pieces]) if self.pieces else None
+        if self.vector is not None:
+            comm.all_reduce(self.vector).div_(comm.world_size)
+            stats.dense(self.vector.numel(), count_as)
+
+    def write(self) -> None:
+        if self.vector is not None:
+            torch._foreach_copy_(self.pieces, list(torch.split(self.vector, [p.numel() for p in self.pieces])))
+
+
+def _track_dense_scales(state: GRPOCommState, buckets: list[_Bucket]) -> None:
+    """
+    Warm-up steps: the scales' EMA takes in the (already averaged) dense gradients, in place. Not while an optimizer
+    is attached: its `exp_avg_sq` will be the scales (should it have none, the EMA starts with compression).
+    """
+    if not state.scale_gradients or state.optimizer is not None:
+        return
+    beta = state.scale_beta
+    for bucket in buckets:
+        for run in state.layout(bucket.names, bucket.numels, bucket.starts).runs:
+            ema = state.squares.row(run.key, run.slots, run.length, bucket.buffer.device)
+            averaged = run.rows(bucket.buffer).view(-1)
+            averaged = averaged if averaged.dtype == torch.float32 else averaged.float()
+            ema.mul_(beta).addcmul_(averaged, averaged, value=1.0 - beta)
+            state.ema_updated = True
+
+
+def _params(run: Run, bucket: _Bucket) -> list[nn.Parameter]:
+    """The parameters of every tensor in the run's row (the dense ones it spans included)."""
+    return [bucket.params[index] for index, _, _ in run.covered]
+
+
+_MAX_SLICES = 8  # owned blocks in more ranges than this are gathered with an index instead of slices
+
+
+def _take(rows: torch.Tensor, owned: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows of `owned` (`(ranges, index)`), one after the other (a view when there is one range and no `out`)."""
+    ranges, index = owned
+    if len(ranges) > _MAX_SLICES:
+        return torch.index_select(rows, 0, index, out=out) if out is not None else rows.index_select(0, index)
+    if out is None and len(ranges) == 1:
+        return rows[ranges[0][0] : ranges[0][1]]
+    pieces = [rows[start:end] for start, end in ranges]
+    if out is None:
+        return torch.cat(pieces) if pieces else rows[:0]
+    return torch.cat(pieces, out=out) if pieces else out
+
+
+def _put(rows: torch.Tensor, owned: tuple, values: torch.Tensor) -> None:
+    """Inverse of [`_take`]: write `values` into the rows of `owned`."""
+    ranges, index = owned
+    if len(ranges) > _MAX_SLICES:
+        rows.index_copy_(0, index, values)
+        return
+    offset = 0
+    for start, end in ranges:
+        rows[start:end].copy_(values[offset : offset + end - start])
+        offset += end - start
+
+
+def _count(owned: tuple) -> int:
+    return owned[1].numel()
+
+
+def _split(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for size in sizes:
+        out.append(buffer[start : start + size])
+        start += size
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Encoding and decoding one run (or the blocks of it one rank owns)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _message_size(spec, nblocks: int) -> int | None:
+    """Bytes of the message of `nblocks` blocks; `None` when data-dependent (2 bits, top-k)."""
+    return None if spec.density < 1.0 else BlockMessages(spec).fixed_nbytes(nblocks)
+
+
+def _walk(buffer: torch.Tensor, runs: list[tuple]) -> list[torch.Tensor]:
+    """Cut a rank's messages (one per `(spec, blocks)` in `runs`, in order; none for no blocks) out of `buffer`."""
+    out, offset = [], 0
+    for spec, nblocks in runs:
+        if nblocks == 0:
+            size = 0
+        elif spec.density < 1.0:
+            size = TopKMessages(spec).read_nbytes(buffer[offset:])
+        else:
+            size = BlockMessages(spec).read_nbytes(buffer[offset:], nblocks)
+        out.append(buffer[offset : offset + size])
+        offset += size
+    return out
+
+
+def _encode(state: GRPOCommState, spec, rows, residual, scale, k: int, message=None):
+    """
+    Compress `[n, B]` rows with error feedback (see `encode_blocks`; top-k below density 1). Returns `(message,
+    new_residual)`; a fixed-size message is written into `message` when given.
+    """
+    clip = state.scale_clip if scale is not None else None
+    if spec.density < 1.0:
+        encoded, _, new_residual = TopKMessages(spec).encode(state.kernels, rows, residual, scale, clip, k)
+        return encoded, new_residual
+    writer = BlockMessages(spec)
+    if message is None:
+        codes, absmax, new_residual = state.kernels.encode(rows, residual, scale, spec.bits, clip)
+        return writer.pack(codes, absmax), new_residual
+    codes_view, absmax_view = writer.unpack(message, rows.shape[0])
+    _, absmax, new_residual = state.kernels.encode(rows, residual, scale, spec.bits, clip, codes_out=codes_view)
+    absmax_view.copy_(absmax)
+    writer.clear_padding(message, rows.shape[0])
+    return message, new_residual
+
+
+def _decode(state: GRPOCommState, spec, messages, nblocks: int, scale, divide, out=None, ema=None):
+    """
+    The messages' decoded rows summed in order, divided by `divide`, times the scales, written into `out` (`[n, B]`;
+    a fresh fp32 tensor when `None`). Returns `(out, new_ema)`.
+    """
+    if spec.density < 1.0:
+        values = TopKMessages(spec).decode(state.kernels, messages, (nblocks, spec.block_size), scale, divide)
+        new_ema = None if ema is None else ema * state.scale_beta + values * values * (1.0 - state.scale_beta)
+        if out is None:
+            return values, new_ema
+        out.copy_(values)
+        return out, new_ema
+    reader = BlockMessages(spec)
+    codes, absmax = zip(*(reader.unpack(message, nblocks) for message in messages))
+    return state.kernels.decode(codes, absmax, scale, spec.bits, divide, out, ema, state.scale_beta)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The two exchanges
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _allgather(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bucket: _Bucket, count_as: int):
+    """Every rank's messages to every rank; each rank decodes them all in rank order, into the bucket."""
+    stats, world_size, device = state.stats, comm.world_size, bucket.buffer.device
+    fixed = [_message_size(run.spec, run.num_blocks) for run in layout.runs]
+    payload = None
+    if all(size is not None for size in fixed):  # sizes known: encode straight into this rank's part of the gather
+        total = sum(fixed)
+        gathered = state.buffer("gathered", world_size * total, device, torch.uint8)
+        payload = gathered[comm.rank * total : (comm.rank + 1) * total]
+        slots = _split(payload, fixed)
+    messages, scales, offset = [], [], 0
+    for index, run in enumerate(layout.runs):
+        rows = run.rows(bucket.buffer)
+        scale, ema = state.scales_for(run, _params(run, bucket), device, offset)
+        offset += run.length
+        residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
+        message, new_residual = _encode(state, run.spec, rows, residual, scale, run.num_values(),
+                                        None if payload is None else slots[index])  # fmt: skip
+        state.residuals.replace(run.key, run.slots, new_residual)
+        messages.append(message)
+        scales.append((scale, ema))
+        stats.kept += min(run.num_values(), run.numel)
+    dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
+    if payload is not None:
+        gathered = comm.all_gather(payload, gathered)  # in place: the input is this rank's part of the output
+        stats.bytes_sent += allgather_bytes(payload.numel(), count_as)
+        per_rank = [_split(gathered[r], fixed) for r in range(world_size)]
+    else:  # sizes depend on the data: announce each rank's total, pad to the longest, read the messages' headers
+        payload = torch.cat(messages)
+        totals = comm.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device)).view(-1).tolist()
+        stats.bytes_sent += allgather_bytes(_SIZE_BYTES, count_as)
+        longest = max(totals)
+        gathered = comm.all_gather(torch.nn.functional.pad(payload, (0, longest - payload.numel())))
+        stats.bytes_sent += allgather_bytes(longest, count_as)
+        runs = [(run.spec, run.num_blocks) for run in layout.runs]
+        per_rank = [_walk(gathered[r], runs) for r in range(world_size)]
+    for index, (run, (scale, ema)) in enumerate(zip(layout.runs, scales)):
+        out = run.rows(bucket.buffer) if run.in_place else None
+        values, new_ema = _decode(state, run.spec, [per_rank[r][index] for r in range(world_size)], run.num_blocks,
+                                  scale, world_size, out, ema)  # fmt: skip
+        if out is None:
+            run.write(bucket.buffer, values)
+        if new_ema is not None:
+            state.squares.replace(run.key, run.slots, new_ema)
+            state.ema_updated = True
+    dense.write()
+
+
+def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bucket: _Bucket, count_as: int):
+    """Owners average and re-compress the blocks they own (with their own residual); their messages are gathered."""
+    stats, world_size, rank, device = state.stats, comm.world_size, comm.rank, bucket.buffer.device
+    block_rows = [  # per run and rank: its blocks as [start, end) ranges and as an index
+        [
+            (ranges, index.to(device))
+            for ranges, index in zip(run.owned_ranges(world_size), run.owned_blocks(world_size))
+        ]
+        for run in layout.runs
+    ]
+    fixed = [
+        [_message_size(run.spec, _count(owned[r])) for run, owned in zip(layout.runs, block_rows)]
+        for r in range(world_size)
+    ]
+    known = all(size is not None for sizes in fixed for size in sizes)
+    empty = torch.zeros(0, dtype=torch.uint8, device=device)
+    to_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    if known:  # sizes known: every message is written in place into one send buffer
+        send_sizes = [sum(sizes) for sizes in fixed]
+        send = state.buffer("send", sum(send_sizes), device, torch.uint8)
+        to_rank = [_split(piece, sizes) for piece, sizes in zip(_split(send, send_sizes), fixed)]
+    scales, offset = [], 0
+    for index, (run, owned) in enumerate(zip(layout.runs, block_rows)):
+        rows = run.rows(bucket.buffer)
+        scale, ema = state.scales_for(run, _params(run, bucket), device, offset)
+        offset += run.length
+        residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
+        if run.spec.density >= 1.0:  # one kernel call for the whole run, then each owner's blocks
+            clip = state.scale_clip if scale is not None else None
+            codes, absmax, new_residual = state.kernels.encode(rows, residual, scale, run.spec.bits, clip)
+            writer = BlockMessages(run.spec)
+            for owner, ranges in enumerate(owned):
+                count = _count(ranges)
+                if known:
+                    if count:
+                        codes_view, absmax_view = writer.unpack(to_rank[owner][index], count)
+                        _take(codes, ranges, out=codes_view)
+                        _take(absmax, ranges, out=absmax_view)
+                        writer.clear_padding(to_rank[owner][index], count)
+                else:
+                    message = writer.pack(_take(codes, ranges), _take(absmax, ranges))
+                    to_rank[owner].append(message if count else empty)
+            stats.kept += min(run.num_values(), run.numel)
+        else:  # top-k within each owner's blocks
+            new_residual = residual.clone()
+            for owner, ranges in enumerate(owned):
+                count = _count(ranges)
+                if not count:
+                    to_rank[owner].append(empty)
+                    continue
+                k = run.num_values(count * run.spec.block_size, run.owned_numel(world_size, owner))
+                part = None if scale is None else _take(scale, ranges)
+                message, kept = _encode(state, run.spec, _take(rows, ranges), _take(residual, ranges), part, k)
+                _put(new_residual, ranges, kept)
+                to_rank[owner].append(message)
+                stats.kept += min(k, run.owned_numel(world_size, owner))
+        state.residuals.replace(run.key, run.slots, new_residual)
+        scales.append((scale, ema))
+    dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
+
+    # All-to-all: each owner receives every rank's messages for its blocks.
+    if known:
+        send_splits, recv_totals = send_sizes, [send_sizes[rank]] * world_size
+        stats.bytes_sent += alltoall_bytes(send.numel(), count_as)
+    else:  # sizes depend on the data: announce them (every rank learns every rank's total, to count the same bytes)
+        sends = [torch.cat(parts) if parts else empty for parts in to_rank]
+        send, send_splits = torch.cat(sends), [s.numel() for s in sends]
+        meta = torch.tensor(send_splits, dtype=torch.int64, device=device)
+        recv_totals = comm.all_to_all(meta, [1] * world_size, [1] * world_size).tolist()
+        totals = comm.all_gather(meta.sum().view(1)).view(-1).tolist()
+        stats.bytes_sent += alltoall_bytes(_SIZE_BYTES * world_size, count_as) + allgather_bytes(_SIZE_BYTES, count_as)
+        stats.bytes_sent += alltoall_bytes(sum(totals) / world_size, count_as)
+    received = comm.all_to_all(send, send_splits, recv_totals)
+    mine_runs = [(run.spec, _count(owned[rank])) for run, owned in zip(layout.runs, block_rows)]
+    contributions = [_split(c, fixed[rank]) if known else _walk(c, mine_runs) for c in _split(received, recv_totals)]
+
+    # Owner: average the W contributions to the blocks it owns, add its residual, compress the mean again.
+    out_messages = []
+    if known:  # written in place into the payload of the all-gather, padded to the longest owner's
+        longest = max(sum(sizes) for sizes in fixed)
+        payload = state.buffer("owned", longest, device, torch.uint8)
+        payload[sum(fixed[rank]) :].zero_()
+        slots = _split(payload, fixed[rank])
+    for index, (run, owned, (scale, _)) in enumerate(zip(layout.runs, block_rows, scales)):
+        nblocks = _count(owned[rank])
+        if nblocks == 0:
+            out_messages.append(empty)
+            continue
+        mine = None if scale is None else _take(scale, owned[rank])
+        mean, _ = _decode(state, run.spec, [contributions[s][index] for s in range(world_size)], nblocks, mine,
+                          world_size)  # fmt: skip
+        key, owner_slots = (run.key, world_size, rank), run.owned_slots(world_size, rank)
+        residual = state.owner_residuals.row(key, owner_slots, nblocks * run.spec.block_size, device).view(mean.shape)
+        k = run.num_values(nblocks * run.spec.block_size, run.owned_numel(world_size, rank))
+        message, new_residual = _encode(state, run.spec, mean, residual, mine, k, slots[index] if known else None)
+        state.owner_residuals.replace(key, owner_slots, new_residual)
+        out_messages.append(message)
+
+    # All-gather of the owners' messages (padded to the longest), decoded in owner order on every rank.
+    if not known:
+        payload = torch.cat(out_messages)
+        totals = comm.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device)).view(-1).tolist()
+        stats.bytes_sent += allgather_bytes(_SIZE_BYTES, count_as)
+        longest = max(totals)
+        payload = torch.nn.functional.pad(payload, (0, longest - payload.numel()))
+    gathered = comm.all_gather(payload)
+    stats.bytes_sent += (
+        allgather_bytes(longest, count_as) if world_size > 1 else allgather_bytes(longest / count_as, count_as)
+    )
+    per_owner = [
+        _split(gathered[r], fixed[r])
+        if known
+        else _walk(gathered[r], [(run.spec, _count(owned[r])) for run, owned in zip(layout.runs, block_rows)])
+        for r in range(world_size)
+    ]
+    for index, (run, owned, (scale, ema)) in enumerate(zip(layout.runs, block_rows, scales)):
+        if run.spec.density >= 1.0:  # the owners' codes back in block order, then one decode into the bucket
+            shape, dtype = code_shape(run.num_blocks, run.spec.block_size, run.spec.bits)
+            codes, absmax = torch.empty(shape, dtype=dtype, device=device), torch.empty(run.num_blocks, device=device)
+            reader = BlockMessages(run.spec)
+            for owner, ranges in enumerate(owned):
+                if _count(ranges):
+                    owner_codes, owner_absmax = reader.unpack(per_owner[owner][index], _count(ranges))
+                    _put(codes, ranges, owner_codes)
+                    _put(absmax, ranges, owner_absmax)
+            out = run.rows(bucket.buffer) if run.in_place else None
+            values, new_ema = state.kernels.decode([codes], [absmax], scale, run.spec.bits, 1, out, ema,
+                                                   state.scale_beta)  # fmt: skip
+        else:
+            values = torch.zeros(run.num_blocks, run.spec.block_size, device=device)
+            for owner, ranges in enumerate(owned):
+                if _count(ranges):
+                    part = None if scale is None else _take(scale, ranges)
+                    decoded, _ = _decode(state, run.spec, [per_owner[owner][index]], _count(ranges), part, 1)
+                    _put(values, ranges, decoded)
+            new_ema = None if ema is None else ema * state.scale_beta + values * values * (1 - state.scale_beta)
+            out = None
+        if new_ema is not None:
+            state.squares.replace(run.key, run.slots, new_ema)
+            state.ema_updated = True
+        if out is None:
+            run.write(bucket.buffer, values.to(bucket.buffer.dtype))
+    dense.write()
+
+
+__all__ = ["GRPOCommState", "compress_locally", "grpo_comm_hook"]

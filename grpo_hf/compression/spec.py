@@ -97,19 +97,6 @@ def dense_bytes(numel: int, bits: int = 32) -> int:
     return (numel * bits + 7) // 8
 
 
-def value_bytes(num_values: int, bits: int) -> int:
-    """
-    Bytes of the values of a message at 4 to 32 bits (2-bit messages have a data-dependent size, see
-    [`~grpo_hf.compression.wire.ternary_nbytes`]).
-    """
-    return dense_bytes(num_values, bits)
-
-
-def scale_bytes(num_values: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Bytes of the fp32 scales of `num_values` values: one per block below 32 bits, none at 32."""
-    return 0 if bits == 32 else 4 * num_blocks(num_values, block_size)
-
-
 __all__ = [
     "BITS_CHOICES",
     "COMM_MODE_CHOICES",
@@ -124,6 +111,4 @@ __all__ = [
     "dense_bytes",
     "num_blocks",
     "num_kept",
-    "scale_bytes",
-    "value_bytes",
 ]

@@ -1,22 +1,24 @@
 """`GRPOCommState`: the settings, error-feedback residuals, gradient scales and traffic statistics of the compression."""
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .codec import chunk_slices
-from .layout import Segment
+from .codec import Kernels, compile_kernels
+from .layout import BucketLayout, Run, bucket_layout
 from .spec import MODES, CodecSpec
-from .store import RowScales, RowStore, segment_slots
 from .traffic import allreduce_bytes
 
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 2
+_PER_TENSOR_SCALES = 64  # runs of at most this many tensors compute their scales tensor by tensor (no gather)
 DEFAULT_SCALE_BETA = 0.99
+RESIDUAL_DTYPE = torch.bfloat16
 
 
 class StepStats:
@@ -42,6 +44,97 @@ class StepStats:
 
     def as_dict(self) -> dict:
         return {key: getattr(self, key) for key in self.KEYS}
+
+
+class RowStore:
+    """
+    Named vectors (one per tensor, keyed by parameter name) kept as slices of one flat row per run, in one dtype.
+
+    The hook reads a run's row (assembled from the vectors the first time a layout is seen: zeros for tensors it has
+    not seen) and [`replace`]s it with the kernel's new row; nothing is staged. [`values`] maps each name to its vector
+    (a view of the row that holds it).
+    """
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self._rows: dict[tuple, tuple[torch.Tensor, list]] = {}  # run key -> (row, its slots)
+        self._holder: dict[str, tuple] = {}  # name -> key of the row that holds its vector
+        self._loose: dict[str, torch.Tensor] = {}  # vectors not (yet) in a row: loaded from a checkpoint
+        self._values: dict[str, torch.Tensor] | None = None  # built on demand
+
+    @property
+    def values(self) -> dict[str, torch.Tensor]:
+        """Name -> vector (flat, this store's dtype; a view of the row that holds it)."""
+        if self._values is None:
+            values = dict(self._loose)
+            for key, (row, slots) in self._rows.items():
+                for name, offset, size in slots:
+                    if self._holder.get(name) == key:
+                        values[name] = row[offset : offset + size]
+            self._values = values
+        return self._values
+
+    def row(self, key: tuple, slots: list[tuple[str, int, int]], length: int, device) -> torch.Tensor:
+        """The `[length]` row of `slots` (`(name, offset, size)`), assembled from the vectors when needed."""
+        held = self._rows.get(key)
+        if held is not None and held[0].device == device and held[1] is slots:
+            return held[0]
+        if held is not None and held[0].device == device and all(self._holder.get(n) == key for n, _, _ in slots):
+            self._rows[key] = (held[0], slots)
+            return held[0]
+        values = self.values
+        row = torch.zeros(length, dtype=self.dtype, device=device)
+        for name, offset, size in slots:
+            value = values.get(name)
+            if value is not None:
+                row[offset : offset + size] = value.to(device).reshape(-1)[:size]
+        self.replace(key, slots, row)
+        return row
+
+    def replace(self, key: tuple, slots: list[tuple[str, int, int]], row: torch.Tensor) -> None:
+        """Make `row` (this store's dtype, `[length]` or `[blocks, B]`) the row of `key` (`slots` as in [`row`])."""
+        row = row.reshape(-1)
+        held = self._rows.get(key)
+        self._rows[key] = (row, slots)
+        self._values = None
+        if held is not None and held[1] is slots:  # the same layout as last step: nothing moves
+            return
+        for name, _, _ in slots:
+            self._loose.pop(name, None)
+            old = self._holder.get(name)
+            self._holder[name] = key
+            if old is not None and old != key:
+                self._drop_if_unused(old)
+
+    def _drop_if_unused(self, key: tuple) -> None:
+        if key in self._rows and key not in self._holder.values():
+            del self._rows[key]
+
+    def drop(self, names) -> None:
+        """Forget the vectors of `names` (and the rows that no longer hold any)."""
+        for name in names:
+            self._loose.pop(name, None)
+            key = self._holder.pop(name, None)
+            if key is not None:
+                self._drop_if_unused(key)
+        self._values = None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows held (one per run layout seen and still in use)."""
+        return len(self._rows)
+
+    def nbytes(self) -> int:
+        """Bytes of the rows and vectors held."""
+        tensors = [row for row, _ in self._rows.values()] + list(self._loose.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: value.detach().to("cpu", copy=True) for name, value in self.values.items()}
+
+    def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
+        self._loose = {name: value.reshape(-1).to(self.dtype, copy=True) for name, value in values.items()}
+        self._rows, self._holder, self._values = {}, {}, None
 
 
 def _empty_window() -> dict:
@@ -76,7 +169,9 @@ class GRPOCommState:
     ```python
     >>> from grpo_hf.compression import GRPOCommState, compression_plan, grpo_comm_hook
 
-    >>> state = GRPOCommState(compression_plan(model)).bind(model)  # GRPOConfig's defaults
+    >>> state = GRPOCommState(compression_plan(model))  # GRPOConfig's defaults
+    >>> state.attach_optimizer(optimizer)  # AdamW's `exp_avg_sq` become the gradient scales (optional)
+    >>> state.bind(model)  # names, world size, the codec's kernels compiled
     >>> ddp_model.register_comm_hook(state, grpo_comm_hook)
     ```
 
@@ -89,13 +184,15 @@ class GRPOCommState:
             (compressed reduce-scatter with error feedback on the owners, then an all-gather: flat in `W`).
         dense_warmup_steps (`int`, *optional*, defaults to `2`):
             Optimizer steps sent dense before compression starts. DDP rebuilds its buckets after the first step; the
-            dense steps also give the gradient scales a first estimate.
+            dense steps also give the gradient scales a first estimate (Adam's second moments exist after one step).
         scale_gradients (`bool`, *optional*, defaults to `True`):
-            Compress each entry relative to its own gradient scale (`sqrt` of an EMA of the squared averaged gradient,
-            the same on every rank) rather than to its block's largest magnitude alone, so that small coordinates
-            keep their precision, as Adam sees them.
+            Compress each entry relative to its own gradient scale, the same on every rank, rather than to its
+            block's largest magnitude alone, so that small coordinates keep their precision, as Adam sees them. The
+            scale is `sqrt` of the attached optimizer's `exp_avg_sq` where it has one ([`attach_optimizer`]), else of
+            an EMA of the squared averaged gradient kept here (fed by the dense warm-up steps when no optimizer is
+            attached).
         scale_beta (`float`, *optional*, defaults to `0.99`):
-            EMA factor of the squared gradients behind the scales.
+            EMA factor of the squared gradients behind the scales when the optimizer has no `exp_avg_sq`.
         scale_clip (`float`, *optional*):
             With gradient scales: an entry sends at most this many of its scales per step (the rest waits in the
             residual), so that an entry whose scale is small (a rare token's embedding row) cannot dominate the scale
@@ -104,6 +201,11 @@ class GRPOCommState:
             World size used by [`~grpo_hf.compression.compress_locally`] to count the bytes one worker would send.
         process_group (`torch.distributed.ProcessGroup`, *optional*):
             Group to communicate in; the default group when `None`.
+        compile_codec (`bool`, *optional*):
+            Run the codec's kernels compiled by `torch.compile` (`True`) or eagerly (`False`). `None` (default):
+            compiled when `bind` finds more than one rank, unless the environment variable `GRPO_HF_COMPILE_CODEC=0`
+            is set. Without a working compiler the eager functions run (logged once); under `torch.distributed` the
+            ranks agree on one choice.
     """
 
     __slots__ = (
@@ -117,10 +219,14 @@ class GRPOCommState:
         # --- seldom tuned ---
         "simulated_world_size",
         "process_group",
-        # --- bound by bind() ---
+        "compile_codec",
+        # --- bound by bind() / attach_optimizer() ---
         "names",
         "world_size",
         "rank",
+        "kernels",
+        "compile_seconds",
+        "optimizer",
         # --- internal state (checkpointed) ---
         "residuals",
         "owner_residuals",
@@ -128,10 +234,14 @@ class GRPOCommState:
         "step",
         "scale_updates",
         # --- per step ---
-        "_nonfinite",
-        "_step",
-        "_segments",
-        "_buffers",
+        "pending",
+        "stats",
+        "nonfinite",
+        "ema_updated",
+        "layouts",
+        "bucket_starts",
+        "sources",
+        "workspace",
         # --- statistics ---
         "hook_calls",
         "_window",
@@ -149,6 +259,7 @@ class GRPOCommState:
         scale_clip: float | None = None,
         simulated_world_size: int = 2,
         process_group: dist.ProcessGroup | None = None,
+        compile_codec: bool | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: use one of {MODES} (`compression_plan` resolves 'auto').")
@@ -163,27 +274,35 @@ class GRPOCommState:
             raise ValueError(
                 f"plan[{bad[0]!r}] is not a CodecSpec or None; build the plan with grpo_hf.compression.compression_plan."
             )
+        if scale_clip is not None and not scale_clip > 0:
+            raise ValueError(f"scale_clip={scale_clip}: use a positive number of scales (e.g. 4) or None.")
         self.plan = dict(plan)
         self.mode = mode
         self.dense_warmup_steps = int(dense_warmup_steps)
         self.scale_gradients = bool(scale_gradients)
         self.scale_beta = float(scale_beta)
-        if scale_clip is not None and not scale_clip > 0:
-            raise ValueError(f"scale_clip={scale_clip}: use a positive number of scales (e.g. 4) or None.")
         self.scale_clip = None if scale_clip is None else float(scale_clip)
         self.simulated_world_size = int(simulated_world_size)
         self.process_group = process_group
+        self.compile_codec = compile_codec
         self.names: dict[int, str] = {}
         self.world_size, self.rank = 1, 0
-        self.residuals = RowStore()  # this rank's error feedback, per parameter
-        self.owner_residuals = RowStore()  # all-reduce mode: the error feedback of the chunks this rank owns
-        self.squares = RowStore()  # EMA of the squared averaged gradient, per parameter (same on every rank)
+        self.kernels: Kernels | None = None
+        self.compile_seconds = 0.0
+        self.optimizer = None
+        self.residuals = RowStore(RESIDUAL_DTYPE)  # this rank's error feedback, per parameter
+        self.owner_residuals = RowStore(RESIDUAL_DTYPE)  # all-reduce mode: the error feedback of the owned chunks
+        self.squares = RowStore(torch.float32)  # EMA of the squared averaged gradient (optimizers without exp_avg_sq)
         self.step = 0
         self.scale_updates = 0
-        self._nonfinite = False
-        self._step = StepStats()
-        self._segments: dict[tuple, list] = {}  # bucket layout (names) -> its segments
-        self._buffers: dict[tuple, torch.Tensor] = {}  # work buffers of the exchange, kept from step to step
+        self.pending: list = []  # the current step's buckets, waiting for the last one (see grpo_comm_hook)
+        self.stats = StepStats()  # traffic of the current step
+        self.nonfinite = False
+        self.ema_updated = False
+        self.layouts: dict[tuple, BucketLayout] = {}  # bucket (names, sizes, offsets) -> its layout
+        self.bucket_starts: dict[tuple, list[int]] = {}  # bucket (names, sizes) -> each gradient's offset in it
+        self.sources: dict[tuple, tuple] = {}  # parameters -> their optimizer's exp_avg_sq (see optimizer_squares)
+        self.workspace: dict[tuple, torch.Tensor] = {}  # reusable work buffers (at most one bucket's size each)
         self.hook_calls = 0
         self._window = _empty_window()  # sums over the steps since the last pop_stats (constant size)
         self._totals = {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "dense_steps": 0, "nonfinite_steps": 0}
@@ -196,8 +315,10 @@ class GRPOCommState:
     # --- setup ---
     def bind(self, model: nn.Module) -> "GRPOCommState":
         """
-        Map the model's trainable parameters (by `id`) to their names and read the world size and rank from
-        `torch.distributed` (1 / 0 when it is not initialized). Pass the unwrapped model (a DDP wrapper is unwrapped).
+        Map the model's trainable parameters (by `id`) to their names, read the world size and rank from
+        `torch.distributed` (1 / 0 when it is not initialized) and make the codec's kernels ready: compiled (the
+        one-off compile time is logged; later runs reuse inductor's cache) or eager, the same choice on every rank (an
+        all-reduce when there are several). Pass the unwrapped model (a DDP wrapper is unwrapped).
         """
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
@@ -214,67 +335,158 @@ class GRPOCommState:
                 f"{len(missing)} trainable parameters have no compression setting and are sent dense (e.g. "
                 f"{missing[0]}). Build the plan with grpo_hf.compression.compression_plan on the same model.",
             )
-        numels = {name: p.numel() for name, p in model.named_parameters() if p.requires_grad}
-        compressed = [n for n in numels if self.spec_for(n) is not None]
+        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        compressed = [n for n in params if self.spec_for(n) is not None]
+        self._make_kernels(params, compressed)
         logger.info(
             "GRPO gradient compression: mode=%s, world size %d, %d of %d trainable tensors (%d of %d entries) "
-            "compressed, dense warm-up %d steps, gradient scales %s.",
+            "compressed, dense warm-up %d steps, gradient scales %s, codec %s.",
             self.mode,
             self.world_size,
             len(compressed),
-            len(numels),
-            sum(numels[n] for n in compressed),
-            sum(numels.values()),
+            len(params),
+            sum(params[n].numel() for n in compressed),
+            sum(p.numel() for p in params.values()),
             self.dense_warmup_steps,
             "on" if self.scale_gradients else "off",
+            "compiled" if self.kernels.compiled else "eager",
         )
+        return self
+
+    def _make_kernels(self, params: dict, compressed: list[str]) -> None:
+        if self.kernels is not None:
+            return
+        wanted = self.compile_codec
+        if wanted is None:  # auto: compiled under torch.distributed, unless the environment says otherwise
+            wanted = self.world_size > 1 and os.environ.get("GRPO_HF_COMPILE_CODEC", "1") != "0"
+        kernels = compile_kernels(bool(wanted))
+        if kernels.compiled and compressed:
+            first = params[compressed[0]]
+            specs = {self.plan[n] for n in compressed}
+            try:
+                self.compile_seconds = kernels.warm_up(
+                    specs,
+                    first.dtype,
+                    self.world_size,
+                    self.scale_gradients,
+                    self.optimizer is None,
+                    first.device,
+                    self.scale_beta,
+                )
+            except Exception:  # `Kernels` has already fallen back to eager (and said so)
+                pass
+            if kernels.compiled:
+                logger.info("GRPO compression: codec kernels compiled in %.1f s (one-off).", self.compile_seconds)
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([int(kernels.compiled)], dtype=torch.int64)
+            if dist.get_backend(self.process_group) == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
+            if kernels.compiled and not bool(flag.item()):
+                kernels = compile_kernels(False)
+                self._warn_once(
+                    "eager", "GRPO compression: another rank cannot compile the codec; all run it eagerly."
+                )
+        self.kernels = kernels
+
+    def attach_optimizer(self, optimizer) -> "GRPOCommState":
+        """
+        Read the gradient scales from `optimizer`'s second moments (`optimizer.state[p]["exp_avg_sq"]`, as Adam and
+        AdamW keep them) rather than from an EMA of our own, which then costs no memory. The optimizer's state is the
+        same on every rank under DDP, and a constant factor on a tensor's scales leaves its codes unchanged, so it needs
+        no bias correction. Tensors whose optimizer state has no `exp_avg_sq` (SGD, Lion, 8-bit optimizers, the steps
+        before the optimizer's first) fall back to the EMA. The state is looked up at every step, so loading the
+        optimizer's state dict later is fine. Call it once, with the optimizer (or Accelerate's wrapper) that steps.
+        """
+        self.optimizer = optimizer
         return self
 
     @property
     def warming_up(self) -> bool:
         return self.step < self.dense_warmup_steps
 
+    def layout(self, names: list[str | None], numels: list[int], starts: list[int]) -> BucketLayout:
+        """The runs and dense tensors of a bucket (cached per layout: DDP keeps its buckets)."""
+        key = (tuple(names), tuple(numels), tuple(starts))
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = self.layouts[key] = bucket_layout(names, numels, starts, [self.spec_for(n) for n in names])
+        return layout
+
+    def buffer(self, kind, length: int, device, dtype=torch.float32) -> torch.Tensor:
+        """A `[length]` work buffer of `kind` kept from step to step (fresh multi-megabyte ones cost page faults)."""
+        key = (kind, device, dtype)
+        held = self.workspace.get(key)
+        if held is None or held.numel() < length:
+            held = self.workspace[key] = torch.empty(length, dtype=dtype, device=device)
+        return held[:length]
+
     # --- gradient scales ---
-    def scales_of(self, segment: Segment, device) -> "RowScales | None":
+    def optimizer_squares(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
         """
-        The per-entry scales a segment is compressed relative to (see [`RowScales`]), or `None` when scaling is off or
-        has no estimate yet.
+        The optimizer's `exp_avg_sq` of each parameter (flat views), or `None` unless every one of them has one.
+        Remembered per list of parameters while the optimizer keeps its state objects (Adam updates them in place;
+        loading a state dict replaces them, which is noticed).
         """
-        if not self.scale_gradients or self.scale_updates == 0:
+        if self.optimizer is None or not self.scale_gradients or not params:
             return None
-        key = ("squares", *segment.key)
-        squares = self.squares.row(key, segment_slots(segment), segment.length, device)
-        return RowScales.from_squares(
-            squares, self.squares.row_sum(key), self.scale_beta, self.scale_updates, self.scale_clip
-        )
+        state = self.optimizer.state
+        key = (id(params[0]), id(params[-1]), len(params))
+        cached = self.sources.get(key)
+        if cached is not None and cached[0] is state:
+            first, last = state.get(params[0]), state.get(params[-1])
+            if first and last and first.get("exp_avg_sq") is cached[1] and last.get("exp_avg_sq") is cached[2]:
+                return cached[3]
+        found = []
+        for param in params:
+            squares = state[param].get("exp_avg_sq") if param in state else None
+            if not isinstance(squares, torch.Tensor) or squares.numel() != param.numel():
+                return None
+            found.append(squares)
+        self.sources[key] = (state, found[0], found[-1], [squares.view(-1) for squares in found])
+        return self.sources[key][3]
 
-    def track_scale(self, segment: Segment, averaged: torch.Tensor) -> None:
-        """Stage the EMA of the squared averaged gradient of a segment (`[length]` fp32) for this step."""
+    def scales_for(self, run: Run, params: list[nn.Parameter], device, offset: int = 0):
+        """
+        The run's gradient scales for this step and where they come from, as `(scale, ema)` `[blocks, B]` rows:
+        `scale` the bf16 per-entry scales ([`~grpo_hf.compression.codec.entry_scales`]; `None`: no scaling this step),
+        `ema` this state's EMA row to update (`None` when the optimizer provides the estimate or scaling is off).
+        `params` are the parameters of `run.covered`. The scales are written into the work buffer `"scales"` at
+        `offset` (several runs of a bucket hold theirs at once).
+        """
         if not self.scale_gradients:
-            return
-        key, slots = ("squares", *segment.key), segment_slots(segment)
-        old = self.squares.row(key, slots, segment.length, averaged.device)
-        new = self.squares.scratch(key, segment.length, averaged.device)
-        total = 0.0
-        for piece in chunk_slices(segment.length, averaged.device):
-            # Three plain fp32 operations (no fused multiply-add), so that every path rounds the same way.
-            torch.mul(averaged[piece], averaged[piece], out=new[piece])
-            new[piece].mul_(1.0 - self.scale_beta).add_(old[piece] * self.scale_beta)
-            total += float(new[piece].sum())  # = row_sum(new), while the piece is in cache
-        self.squares.stage(key, slots, new, total)
-
-    def buffer(self, kind, key: tuple, length: int, device) -> torch.Tensor:
-        """A `[length]` fp32 work buffer kept from step to step (a fresh multi-megabyte one costs page faults)."""
-        name = (kind, key)
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() != length or buffer.device != device:
-            buffer = self._buffers[name] = torch.empty(length, dtype=torch.float32, device=device)
-        return buffer
+            return None, None
+        block = run.spec.block_size
+        scale = self.buffer("scales", offset + run.length, device, torch.bfloat16)[offset:].view(-1, block)
+        sources = self.optimizer_squares(params)
+        if sources is not None:
+            if run.names[0] in self.squares.values:
+                self.squares.drop(run.names)  # the optimizer has taken over: the EMA's memory goes
+            if run.in_place and len(sources) <= _PER_TENSOR_SCALES:  # straight from each exp_avg_sq
+                sent = set(run.positions)
+                for (index, start, numel), source in zip(run.covered, sources):
+                    rows = scale[start // block : (start + numel) // block]
+                    if index in sent:
+                        self.kernels.scales(source.view(-1, block), out=rows)
+                    else:  # a dense tensor the run spans: its codes are not used
+                        rows.fill_(1.0)
+                return scale, None
+            row = self.buffer("squares", run.length, device, sources[0].dtype)
+            if run.in_place:  # many small tensors: one concatenation, one kernel call
+                torch.cat(sources, out=row)
+            else:
+                row.zero_()
+                row[: sources[0].numel()] = sources[0]
+            return self.kernels.scales(row.view(-1, block), out=scale), None
+        ema = self.squares.row(run.key, run.slots, run.length, device).view(-1, block)
+        if self.scale_updates == 0:
+            return None, ema
+        return self.kernels.scales(ema, out=scale), ema
 
     # --- steps ---
     def mark_nonfinite(self) -> None:
-        """Flag the current optimizer step as not finite: `commit_step` then discards what it staged."""
-        self._nonfinite = True
+        """Flag the current optimizer step as not finite (it was sent dense and raw; nothing was updated)."""
+        self.nonfinite = True
         self._warn_once(
             "nonfinite",
             f"GRPO compression: NaN/Inf gradients at optimizer step {self.step}; the step was sent dense and the "
@@ -283,16 +495,14 @@ class GRPOCommState:
         )
 
     def commit_step(self, dense: bool) -> None:
-        """Close an optimizer step: commit the staged residuals and scales (unless it was not finite) and its stats."""
-        nonfinite = self._nonfinite
-        if not nonfinite and self.squares.staged:
+        """Close an optimizer step: count its EMA update and its statistics."""
+        nonfinite = self.nonfinite
+        if not nonfinite and self.ema_updated:
             self.scale_updates += 1
-        for store in (self.residuals, self.owner_residuals, self.squares):
-            store.discard() if nonfinite else store.commit()
-        self._nonfinite = False
-        record = self._step.as_dict()
+        self.nonfinite = self.ema_updated = False
+        record = self.stats.as_dict()
         record["dense"] = dense or nonfinite
-        self._step = StepStats()
+        self.stats = StepStats()
         self.step += 1
         for key in StepStats.KEYS:
             self._window[key] += record[key]
@@ -302,6 +512,10 @@ class GRPOCommState:
         self._totals["steps"] += 1
         self._totals["dense_steps"] += int(record["dense"])
         self._totals["nonfinite_steps"] += int(nonfinite)
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Log `message` as a warning the first time `key` is seen."""
+        self._warn_once(key, message)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -326,9 +540,9 @@ class GRPOCommState:
 
     def totals(self) -> dict[str, float]:
         """
-        Running totals of the whole run (checkpointed): `steps`, `dense_steps`, `nonfinite_steps`, `bytes_sent`, `bytes_dense_fp32`,
-        `bytes_dense_fp16`, `ratio_fp32`, `ratio_fp16`, `density`, `hook_ms` (time in the hook), `comm_ms` (the part
-        of it spent inside collectives, waiting for other ranks included), `kept`, `numel`.
+        Running totals of the whole run (checkpointed): `steps`, `dense_steps`, `nonfinite_steps`, `bytes_sent`,
+        `bytes_dense_fp32`, `bytes_dense_fp16`, `ratio_fp32`, `ratio_fp16`, `density`, `hook_ms` (time in the hook),
+        `comm_ms` (the part of it spent inside collectives, waiting for other ranks included), `kept`, `numel`.
         """
         totals = dict(self._totals)
         totals.update(_metrics(totals, max(1, totals["steps"]), totals["dense_steps"], prefix=False))
@@ -336,9 +550,21 @@ class GRPOCommState:
             totals[key] = self._totals[key]
         return totals
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this state holds: `residuals`, `owner_residuals`, `squares` (the EMA) and `workspace`."""
+        return {
+            "residuals": self.residuals.nbytes(),
+            "owner_residuals": self.owner_residuals.nbytes(),
+            "squares": self.squares.nbytes(),
+            "workspace": sum(t.numel() * t.element_size() for t in self.workspace.values()),
+        }
+
     # --- checkpointing ---
     def state_dict(self) -> dict:
-        """This rank's residuals and the gradient scales (cpu fp32, keyed by parameter name), counters and totals."""
+        """
+        This rank's residuals (bf16) and the EMA of the squared gradients (fp32; empty where the optimizer provides the
+        scales), keyed by parameter name, on cpu; counters and totals.
+        """
         return {
             "version": STATE_VERSION,
             "mode": self.mode,
@@ -377,8 +603,9 @@ class GRPOCommState:
         self.residuals.load_state_dict(state_dict["residuals"])
         self.owner_residuals.load_state_dict(state_dict.get("owner_residuals", {}))
         self.squares.load_state_dict(state_dict.get("squares", {}))
-        self._nonfinite = False
-        self._step = StepStats()
+        self.nonfinite = self.ema_updated = False
+        self.pending = []
+        self.stats = StepStats()
         self._window = _empty_window()
         totals = state_dict.get("totals", {})
         for key in self._totals:
@@ -386,14 +613,18 @@ class GRPOCommState:
                 self._totals[key] = type(self._totals[key])(totals[key])
 
     def __getstate__(self):
-        """Pickle without the process group (it cannot be pickled), as torch's `PowerSGDState` does."""
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("process_group", "_buffers")}
+        """
+        Pickle without the process group, the optimizer and the kernels, as torch's `PowerSGDState` does (bind the
+        copy again, and attach its optimizer, before using it).
+        """
+        dropped = ("process_group", "workspace", "kernels", "optimizer", "pending", "bucket_starts", "sources")
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in dropped}
 
     def __setstate__(self, state):
         for slot, value in state.items():
             setattr(self, slot, value)
-        self.process_group = None
-        self._buffers = {}
+        self.process_group = self.kernels = self.optimizer = None
+        self.workspace, self.pending, self.bucket_starts, self.sources = {}, [], {}, {}
 
     def __repr__(self) -> str:
         compressed = sum(1 for spec in self.plan.values() if spec is not None)
@@ -404,4 +635,4 @@ class GRPOCommState:
         )
 
 
-__all__ = ["DEFAULT_SCALE_BETA", "GRPOCommState", "StepStats"]
+__all__ = ["DEFAULT_SCALE_BETA", "RESIDUAL_DTYPE", "GRPOCommState", "RowStore", "StepStats"]

@@ -1,0 +1,255 @@
+"""What a step costs: the plain Trainer, GRPOTrainer's defaults, torch's fp16 and PowerSGD hooks, on the same DDP runs.
+
+    python benchmarks/bench_step_cost.py --output_dir runs/step_cost                      # tiny Llama and SmolLM2-135M
+    python benchmarks/bench_step_cost.py --models tiny-llama --steps 6 --output_dir /tmp/x  # a quick check
+
+Every row trains the same model on the same data under 2-process gloo DDP (`torchrun`, one thread per process), one
+launch per row, so that each row's peak memory is its own:
+
+- `trainer`: the plain `Trainer` (DDP's fp32 all-reduce);
+- `grpo`: `GRPOTrainer` with its defaults (8-bit codes with error feedback and gradient scales, all-gather at W=2);
+- `grpo-adam`: the same, its compression state reading the gradient scales from AdamW's `exp_avg_sq`
+  (`state.attach_optimizer`; the same row as `grpo` once GRPOTrainer attaches its optimizer itself);
+- `grpo-none`: GRPOTrainer with compression off (`grpo_compression="none"`): what GRPOTrainer costs besides its codec;
+- `fp16`, `powersgd-r4`: the plain Trainer with torch's `fp16_compress_hook` / `powerSGD_hook` (rank 4), registered
+  as `benchmarks/suite.py` registers them.
+
+Models: `tiny-llama` (a 10.8M Llama, hidden 352, 4 layers, vocab 8192, trained from scratch on the stdlib corpus,
+batch 16 x 128 tokens) and `smollm2` (SmolLM2-135M, every parameter trained, the suite's `smollm2-full` task).
+
+Per row: the median wall time of an optimizer step (after the dense warm-up of GRPO and PowerSGD's start iteration),
+the peak RSS of each process (`ru_maxrss`, the larger of the two), the bytes one rank sends per step (ring model:
+DDP's all-reduce, the hook's own count), and the step time **projected** on a real link: measured step + bytes / link
+speed, at 1, 10 and 100 Gbit/s (loopback transfers are nearly free, so the measured step is almost all compute; the
+projection ignores any overlap of communication with the backward pass). Ratios are to `trainer` of the same model.
+The table is printed and written to `<output_dir>/step_cost.md`, the figures to `<output_dir>/step_cost.json`.
+"""
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from suite import POWERSGD_START, parse_row, torch_hook_trainer  # noqa: E402
+from tasks import TASKS, Task, build_model, prepare  # noqa: E402
+
+
+MODELS = {
+    "tiny-llama": Task(
+        "cost-tiny-llama", "lm", "tiny-llama", False, max_steps=40, batch_size=16, seq_len=128, learning_rate=1e-3,
+        warmup_steps=2, shape={"hidden_size": 352, "layers": 4, "heads": 4, "vocab_size": 8192},
+    ),
+    "smollm2": TASKS["smollm2-full"],
+}  # fmt: skip
+ROWS = ("trainer", "grpo", "grpo-adam", "grpo-none", "fp16", "powersgd-r4")
+LINKS_GBIT = (1, 10, 100)
+GRPO_WARMUP = 3  # GRPOConfig's 2 dense steps, then the first compressed one (it compiles the codec if needed)
+
+
+@dataclass
+class CostArguments:
+    output_dir: str = field(metadata={"help": "Where step_cost.json / step_cost.md (and the tokenized data) go."})
+    models: str = field(default="tiny-llama,smollm2", metadata={"help": f"Comma-separated: {', '.join(MODELS)}."})
+    rows: str = field(default=",".join(ROWS), metadata={"help": f"Comma-separated rows: {', '.join(ROWS)}."})
+    steps: int = field(default=20, metadata={"help": "Timed optimizer steps per row (after the untimed ones)."})
+    timeout: int = field(default=3600, metadata={"help": "Seconds before a row's launch is killed."})
+
+
+def _skipped(row: str) -> int:
+    """Untimed steps of a row: its dense warm-up (GRPO), PowerSGD's start iteration, one step otherwise."""
+    if row.startswith("grpo"):
+        return GRPO_WARMUP
+    if row.startswith("powersgd"):
+        return POWERSGD_START + 1
+    return 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Worker: one row under torchrun
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def worker(job_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from datasets import load_from_disk
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import TrainerCallback, TrainingArguments
+
+    from grpo_hf import GRPOConfig, GRPOTrainer
+    from grpo_hf.compression.traffic import dense_allreduce_bytes
+
+    job = json.loads(Path(job_path).read_text())
+    task, row, world_size = MODELS[job["model"]], job["row"], int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # Accelerate takes it over
+    model = build_model(task, job["info"], seed=0)
+    total_steps = _skipped(row) + job["steps"]
+    common = dict(
+        output_dir=os.path.join(job["output_dir"], "tmp", row),
+        **{**task.training_arguments(world_size), "max_steps": total_steps},
+        use_cpu=True,  # gloo DDP on CPU (without it the ranks train alone)
+        logging_steps=total_steps,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    kwargs = dict(model=model, train_dataset=load_from_disk(job["info"]["train_path"]))
+    hook_bytes = {"bytes": 0.0, "seconds": 0.0}
+    if row.startswith("grpo"):
+
+        class AdamScales(GRPOTrainer):
+            """The line GRPOTrainer is to gain: hand the optimizer to the compression state where it binds it."""
+
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                if self.grpo_comm_state is not None and self.grpo_comm_state.optimizer is None:
+                    self.grpo_comm_state.attach_optimizer(self.optimizer)
+                return super().training_step(model, inputs, num_items_in_batch)
+
+        trainer_class = AdamScales if row == "grpo-adam" else GRPOTrainer
+        extra = {"grpo_compression": "none"} if row == "grpo-none" else {}
+        trainer = trainer_class(args=GRPOConfig(**common, **extra), **kwargs)
+    else:
+        trainer = torch_hook_trainer(parse_row("comm", row) if row != "trainer" else {"kind": "trainer"},
+                                     TrainingArguments(**common), world_size, hook_bytes, **kwargs)  # fmt: skip
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    comm_state = getattr(trainer, "grpo_comm_state", None)
+    steps = []
+
+    dense = row in ("trainer", "grpo-none")  # DDP's own fp32 all-reduce
+
+    def sent() -> float:
+        if comm_state is not None:
+            return comm_state.totals()["bytes_sent"]
+        if not dense:
+            return hook_bytes["bytes"]
+        return dense_allreduce_bytes(numel, world_size) * len(steps)
+
+    class StepRecorder(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.start, self.before = time.perf_counter(), sent()
+
+        def on_step_end(self, args, state, control, **kw):
+            steps.append({"step_s": time.perf_counter() - self.start, "bytes": sent() - self.before})
+
+    trainer.add_callback(StepRecorder())
+    trainer.train()
+    assert isinstance(trainer.model_wrapped, DistributedDataParallel), "the run did not use DDP"
+    if dense:  # the plain all-reduce: every step sends the dense fp32 gradients
+        for step in steps:
+            step["bytes"] = dense_allreduce_bytes(numel, world_size)
+    peak = [None] * world_size
+    dist.all_gather_object(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # KiB -> MiB (Linux)
+    if dist.get_rank() == 0:
+        timed = steps[_skipped(row) :]
+        result = {
+            "model": job["model"],
+            "row": row,
+            "world_size": world_size,
+            "trainable_params": numel,
+            "steps": len(timed),
+            "median_step_s": statistics.median(s["step_s"] for s in timed),
+            "bytes_per_step": statistics.median(s["bytes"] for s in timed),
+            "peak_rss_mib_by_rank": peak,
+            "per_step": steps,
+        }
+        if comm_state is not None:
+            result["grpo_codec"] = "compiled" if comm_state.kernels.compiled else "eager"
+            result["grpo_totals"] = comm_state.totals()
+            result["grpo_memory_bytes"] = comm_state.memory_bytes()
+            result["grpo_compile_s"] = comm_state.compile_seconds
+        Path(job["result_path"]).write_text(json.dumps(result, indent=1))
+    trainer.accelerator.free_memory()  # then destroy the group: gloo runs otherwise abort at exit now and then
+    del trainer
+    import gc
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launcher and table
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def run_rows(args: CostArguments) -> list[dict]:
+    from grpo_hf.test_utils import run_torchrun
+
+    out = Path(args.output_dir)
+    results = []
+    for model in args.models.split(","):
+        if model not in MODELS:
+            raise SystemExit(f"unknown model {model!r}: use {', '.join(MODELS)}.")
+        info = prepare(MODELS[model], out / "data", world_size=2)
+        for row in args.rows.split(","):
+            if row not in ROWS:
+                raise SystemExit(f"unknown row {row!r}: use {', '.join(ROWS)}.")
+            job_path, result_path = out / f"{model}-{row}.job.json", out / f"{model}-{row}.json"
+            job = {"model": model, "row": row, "steps": args.steps, "info": info, "output_dir": str(out),
+                   "result_path": str(result_path)}  # fmt: skip
+            job_path.write_text(json.dumps(job))
+            run = run_torchrun(HERE / "bench_step_cost.py", nproc=2, timeout=args.timeout,
+                               env={"GRPO_COST_JOB": str(job_path)}, log_path=job_path.with_suffix(".log"))  # fmt: skip
+            if run.returncode != 0 or not result_path.exists():
+                raise SystemExit(
+                    f"{model} / {row} failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+                )
+            results.append(json.loads(result_path.read_text()))
+            print(f"{model:<10} {row:<12} {results[-1]['median_step_s']:.3f} s/step", flush=True)
+    return results
+
+
+def table(results: list[dict]) -> str:
+    """The markdown table of the rows, with ratios to the plain Trainer of the same model."""
+    header = ["model", "row", "params", "step s", "× trainer", "peak RSS MiB", "× trainer", "MB sent/step"]
+    header += [f"projected s @ {g} Gbit/s" for g in LINKS_GBIT]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    plain = {r["model"]: r for r in results if r["row"] == "trainer"}
+    for r in results:
+        base = plain.get(r["model"])
+        rss = max(r["peak_rss_mib_by_rank"])
+        step_ratio = f"{r['median_step_s'] / base['median_step_s']:.2f}" if base else "-"
+        rss_ratio = f"{rss / max(base['peak_rss_mib_by_rank']):.2f}" if base else "-"
+        projected = [f"{r['median_step_s'] + r['bytes_per_step'] * 8 / (g * 1e9):.3f}" for g in LINKS_GBIT]
+        cells = [r["model"], r["row"], f"{r['trainable_params'] / 1e6:.1f}M", f"{r['median_step_s']:.3f}",
+                 step_ratio, f"{rss:.0f}", rss_ratio, f"{r['bytes_per_step'] / 1e6:.2f}", *projected]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(CostArguments).parse_args_into_dataclasses()
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_rows(args)
+    load = os.getloadavg()
+    note = (
+        f"2-process gloo DDP, one thread per process, median of {args.steps} timed steps per row; projected = measured "
+        f"step + bytes sent / link speed (a projection, not a measurement); load average at the end {load[0]:.2f} "
+        f"{load[1]:.2f} {load[2]:.2f}"
+    )
+    text = f"{note}\n\n{table(results)}\n"
+    print("\n" + text)
+    (out / "step_cost.md").write_text(text)
+    summary = {"note": note, "links_gbit": list(LINKS_GBIT), "load_average": list(load), "rows": results}
+    (out / "step_cost.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    if os.environ.get("GRPO_COST_JOB"):
+        worker(os.environ["GRPO_COST_JOB"])
+    else:
+        main()
