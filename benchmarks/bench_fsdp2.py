@@ -401,7 +401,9 @@ def main() -> None:
         f"`{command}` ({time.time() - start:.0f} s, {time.strftime('%Y-%m-%d')}, load {os.getloadavg()[0]:.1f})\n\n"
     )
     report += markdown(summary)
-    (out / "results.json").write_text(json.dumps({"summary": summary, "command": command}, indent=1))
+    (out / "results.json").write_text(
+        json.dumps({"summary": summary, "command": command, "date": time.strftime("%Y-%m-%d")}, indent=1)
+    )
     (out / "report.md").write_text(report + "\n")
     print(report)
 

@@ -61,6 +61,9 @@ class SpeedArguments:
     device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (W=1 only on CUDA)."})
     world_sizes: str = field(default="1,2", metadata={"help": "Comma-separated world sizes (2: torchrun, gloo)."})
     large: bool = field(default=False, metadata={"help": "Also SmolLM2-135M's full parameter set (about 4 GB RAM)."})
+    output: str | None = field(
+        default=None, metadata={"help": "Also write the rows, the command, the date and the load as JSON here."}
+    )
 
 
 def llama_model(args):
@@ -273,6 +276,18 @@ def main():
             f"{1e3 * comm:.1f} | {1e3 * (seconds - comm) / (numel / 1e6):.2f} | {1e3 * cpu / (numel / 1e6):.2f} |"
         )
     print("\n".join(lines))
+    if args.output:
+        keys = ("model", "tensors", "compressed", "entries", "path", "mode", "seconds", "comm_seconds", "cpu_seconds")
+        result = {
+            "command": "python benchmarks/bench_hook_speed.py " + " ".join(sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d"),
+            "settings": lines[0],
+            "load_average": list(load),
+            "compile_seconds": compile_s,
+            "rows": [dict(zip(keys, row[:9])) for row in measured],
+        }
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,8 @@ Every row trains the same model on the same data under 2-process gloo DDP (`torc
 launch per row, so that each row's peak memory is its own:
 
 - `trainer`: the plain `Trainer` (DDP's fp32 all-reduce);
-- `grpo`: `GRPOTrainer` with its defaults (8-bit codes with error feedback and gradient scales, all-gather at W=2);
-- `grpo-adam`: the same, its compression state reading the gradient scales from AdamW's `exp_avg_sq`
-  (`state.attach_optimizer`; the same row as `grpo` once GRPOTrainer attaches its optimizer itself);
+- `grpo`: `GRPOTrainer` with its defaults (8-bit codes with error feedback, gradient scales read from AdamW's
+  `exp_avg_sq`, all-gather at W=2);
 - `grpo-none`: GRPOTrainer with compression off (`grpo_compression="none"`): what GRPOTrainer costs besides its codec;
 - `fp16`, `powersgd-r4`: the plain Trainer with torch's `fp16_compress_hook` / `powerSGD_hook` (rank 4), registered
   as `benchmarks/suite.py` registers them.
@@ -49,7 +48,7 @@ MODELS = {
     ),
     "smollm2": TASKS["smollm2-full"],
 }  # fmt: skip
-ROWS = ("trainer", "grpo", "grpo-adam", "grpo-none", "fp16", "powersgd-r4")
+ROWS = ("trainer", "grpo", "grpo-none", "fp16", "powersgd-r4")
 LINKS_GBIT = (1, 10, 100)
 GRPO_WARMUP = 3  # GRPOConfig's 2 dense steps, then the first compressed one (it compiles the codec if needed)
 
@@ -107,18 +106,8 @@ def worker(job_path: str) -> None:
     kwargs = dict(model=model, train_dataset=load_from_disk(job["info"]["train_path"]))
     hook_bytes = {"bytes": 0.0, "seconds": 0.0}
     if row.startswith("grpo"):
-
-        class AdamScales(GRPOTrainer):
-            """The line GRPOTrainer is to gain: hand the optimizer to the compression state where it binds it."""
-
-            def training_step(self, model, inputs, num_items_in_batch=None):
-                if self.grpo_comm_state is not None and self.grpo_comm_state.optimizer is None:
-                    self.grpo_comm_state.attach_optimizer(self.optimizer)
-                return super().training_step(model, inputs, num_items_in_batch)
-
-        trainer_class = AdamScales if row == "grpo-adam" else GRPOTrainer
         extra = {"grpo_compression": "none"} if row == "grpo-none" else {}
-        trainer = trainer_class(args=GRPOConfig(**common, **extra), **kwargs)
+        trainer = GRPOTrainer(args=GRPOConfig(**common, **extra), **kwargs)
     else:
         trainer = torch_hook_trainer(parse_row("comm", row) if row != "trainer" else {"kind": "trainer"},
                                      TrainingArguments(**common), world_size, hook_bytes, **kwargs)  # fmt: skip
@@ -244,7 +233,8 @@ def main():
     text = f"{note}\n\n{table(results)}\n"
     print("\n" + text)
     (out / "step_cost.md").write_text(text)
-    summary = {"note": note, "links_gbit": list(LINKS_GBIT), "load_average": list(load), "rows": results}
+    summary = {"command": "python benchmarks/bench_step_cost.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+               "note": note, "links_gbit": list(LINKS_GBIT), "load_average": list(load), "rows": results}  # fmt: skip
     (out / "step_cost.json").write_text(json.dumps(summary, indent=1))
 
 

@@ -42,6 +42,7 @@ COMM_ROWS = {
     "q4s": {"grpo_compression": "quantize", "grpo_bits": "4", "grpo_scale_gradients": True, **_ALLGATHER},
     "q4": {"grpo_compression": "quantize", "grpo_bits": "4", "grpo_scale_gradients": False, **_ALLGATHER},
     "q8s": {"grpo_compression": "quantize", "grpo_bits": "8", "grpo_scale_gradients": True, **_ALLGATHER},
+    "q8": {"grpo_compression": "quantize", "grpo_bits": "8", "grpo_scale_gradients": False, **_ALLGATHER},
     "q2s": {"grpo_compression": "quantize", "grpo_bits": "2", "grpo_scale_gradients": True, **_ALLGATHER},
     "q2": {"grpo_compression": "quantize", "grpo_bits": "2", "grpo_scale_gradients": False, **_ALLGATHER},  # 0.1's
     "q4s-m1k": {"grpo_compression": "quantize", "grpo_bits": "4", "grpo_min_compress_numel": 1024, **_ALLGATHER},
@@ -54,7 +55,7 @@ COMM_ROWS = {
         "grpo_scale_gradients": False,
     },
 }
-DEFAULT_COMM_ROWS = "dense,q8s,q4s,q4,q2s,q2,q4s-ar,q2s-ar"  # q8s: GRPOConfig's defaults at W=2
+DEFAULT_COMM_ROWS = "dense,q8s,q8,q4s,q4,fp16"  # q8s: GRPOConfig's defaults at W=2
 _STATIC = {"grpo_importance": False}
 LR_ROWS = {  # GRPOTrainer settings measured in the lr suite (one process: no compression)
     "grpo": {},  # GRPOConfig's defaults

@@ -16,7 +16,9 @@ dated entry of `benchmarks/LOG.md` that says what it means. `NAME` is one of `RE
 import argparse
 import dataclasses
 import json
+import math
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -85,7 +87,118 @@ def errors() -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"settings": settings, "conformance": conformance, "errors": errors}
+SUITE_ROWS = {  # what each row of the comm suite is, for the tables
+    "dense": "dense fp32 all-reduce (DDP's own)",
+    "fp16": "torch's `fp16_compress_hook`",
+    "q8s": "8-bit codes, scaled by AdamW's `exp_avg_sq`",
+    "q8": "8-bit codes, block absmax only",
+    "q4s": "4-bit codes, scaled",
+    "q4": "4-bit codes, block absmax only",
+}
+
+
+def _suite(name: str = "suite_comm") -> tuple[dict, dict]:
+    """The per-task summary of `benchmarks/suite.py comm` from its result files, and their meta (command, date)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import suite
+
+    folder = RESULTS / name
+    results: dict = {}
+    for task_dir in sorted(p for p in folder.iterdir() if p.is_dir()):
+        for path in sorted(task_dir.glob("[!_]*-seed*.json")):
+            record = _read(path)
+            results.setdefault(task_dir.name, {}).setdefault(record["row"], {})[record["seed"]] = record
+    return suite.summarize("comm", results, "dense"), _read(folder / "meta.json")
+
+
+def suite_summary() -> str:
+    """One line per setting: its quality across the suite's tasks and the bytes it sends (README)."""
+    summary, meta = _suite()
+    lines = [
+        "| setting | what it sends | ppl / dense: geomean over tasks | worst task | worst seed | bytes vs fp32 (steady) |",
+        "|---|---|---:|---|---:|---:|",
+    ]
+    for row, what in SUITE_ROWS.items():
+        per_task = {task: rows[row] for task, rows in summary.items() if row in rows}
+        if not per_task:
+            continue
+        geomean = math.exp(statistics.fmean(math.log(e["geomean"]) for e in per_task.values()))
+        worst_task = max(per_task, key=lambda t: per_task[t]["geomean"])
+        worst_seed = max(e["worst"] for e in per_task.values())
+        steady = [e.get("steady_bytes_ratio") or e["bytes_ratio"] for e in per_task.values()]
+        seeds = min(len(e["seeds"]) for e in per_task.values())
+        label = f"**`{row}`** (default)" if row == meta.get("default") else f"`{row}`"
+        lines.append(
+            f"| {label} | {what} | {geomean:.3f} ({len(per_task)} tasks, ≥ {seeds} seeds) | "
+            f"{worst_task} {per_task[worst_task]['geomean']:.3f} | {worst_seed:.3f} | "
+            f"{min(steady):.1f}–{max(steady):.1f}× |"
+        )
+    lines += [
+        "",
+        f"`{meta['command']}` ({meta['date']}, {meta['machine']}); per task: [compression](docs/compression.md).",
+    ]
+    return "\n".join(lines)
+
+
+def suite_tasks() -> str:
+    """The full per-task, per-row table of the comm suite (docs/compression.md)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import suite
+
+    summary, meta = _suite()
+    return suite.markdown("comm", summary, "dense") + f"\n\n`{meta['command']}` ({meta['date']}, {meta['machine']})."
+
+
+def hook_speed() -> str:
+    """`benchmarks/bench_hook_speed.py`: milliseconds per million gradient entries, GRPO's hook and torch's."""
+    result = _read(RESULTS / "hook_speed.json")
+    lines = [
+        "| model | entries | path | mode | ms/step | in collectives | wall ms per M entries (outside collectives) "
+        "| CPU ms per M entries |",
+        "|---|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        millions = r["entries"] / 1e6
+        lines.append(
+            f"| {r['model']} | {millions:.2f}M | {r['path']} | {r['mode']} | {1e3 * r['seconds']:.1f} | "
+            f"{1e3 * r['comm_seconds']:.1f} | {1e3 * (r['seconds'] - r['comm_seconds']) / millions:.2f} | "
+            f"{1e3 * r['cpu_seconds'] / millions:.2f} |"
+        )
+    load = " ".join(f"{x:.2f}" for x in result["load_average"])
+    lines += ["", f"`{result['command']}` ({result['date']}; {result['settings']}; load average at the end {load})."]
+    return "\n".join(lines)
+
+
+def step_cost() -> str:
+    """`benchmarks/bench_step_cost.py`: step time, peak memory and bytes, measured side by side; projected links."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_step_cost import table
+
+    result = _read(RESULTS / "step_cost.json")
+    return f"{table(result['rows'])}\n\n`{result['command']}` ({result['date']}; {result['note']})."
+
+
+def fsdp2() -> str:
+    """`benchmarks/bench_fsdp2.py`: FSDP2's compressed reduce-scatter, quality against uncompressed FSDP2, bytes, memory."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_fsdp2 import markdown
+
+    result = _read(RESULTS / "fsdp2" / "results.json")
+    summary = {row: {**e, "ppl_ratio": {int(k): v for k, v in e.get("ppl_ratio", {}).items()}}
+               for row, e in result["summary"].items()}  # fmt: skip
+    return f"{markdown(summary)}\n\n`{result['command']}` ({result['date']})."
+
+
+RENDERERS = {
+    "settings": settings,
+    "conformance": conformance,
+    "errors": errors,
+    "suite-summary": suite_summary,
+    "suite-tasks": suite_tasks,
+    "hook-speed": hook_speed,
+    "step-cost": step_cost,
+    "fsdp2": fsdp2,
+}
 
 
 # --- files ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""The documentation cannot go stale: generated tables match their result files and `GRPOConfig`, links resolve, the
+README stays short, and no measured figure hides in a docstring or help text of the package."""
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_hf import GRPOConfig
+from grpo_hf.config import grpo_field_names
+
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import tables  # noqa: E402
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_every_generated_table_is_up_to_date(capsys):
+    assert tables.main(["--check"]) == 0, capsys.readouterr().out
+
+
+def test_every_renderer_is_used_and_every_block_is_known():
+    used = {m.group("name") for path in DOCS for m in tables.BLOCK.finditer(path.read_text())}
+    assert used == set(tables.RENDERERS)
+
+
+def test_the_settings_table_is_grpo_config():
+    text = (ROOT / "docs" / "settings.md").read_text()
+    rows = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"^\| `(\w+)` \| (.*?) \| (.*) \|$", text, re.M)}
+    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    assert list(rows) == grpo_field_names()  # every field GRPOConfig adds, in order, and nothing else
+    for name, (default, help_text) in rows.items():
+        assert default == tables._fmt_default(fields[name].default), name
+        assert help_text.startswith(fields[name].metadata["help"].replace("%%", "%").replace("|", "\\|")), name
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_relative_links_resolve(path):
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+        if "://" in target:
+            continue
+        assert (path.parent / target).exists(), f"{path.name} links to a missing {target}"
+
+
+def test_readme_is_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def test_no_measured_figure_in_the_package_source():
+    # A copied measurement: a ratio (3.7x, 1.005×), a time per unit (17 ms per M), a percentage of a result.
+    pattern = re.compile(r"\b\d+(\.\d+)?\s?[x×](?![\w\d])|\d\s?ms (per|/)|\b\d+(\.\d+)?%% (worse|better|fewer|less|more)")
+    found = []
+    for path in sorted((ROOT / "grpo_hf").rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line) and "f\"" not in line:
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
