@@ -173,7 +173,7 @@ def worker(job_path: str) -> None:
 
 
 def run_rows(args: CostArguments) -> list[dict]:
-    from grpo_hf.test_utils import run_torchrun
+    from testing_utils import run_torchrun
 
     out = Path(args.output_dir)
     results = []
