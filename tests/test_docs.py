@@ -53,10 +53,12 @@ def test_readme_is_short():
 
 def test_no_measured_figure_in_the_package_source():
     # A copied measurement: a ratio (3.7x, 1.005×), a time per unit (17 ms per M), a percentage of a result.
-    pattern = re.compile(r"\b\d+(\.\d+)?\s?[x×](?![\w\d])|\d\s?ms (per|/)|\b\d+(\.\d+)?%% (worse|better|fewer|less|more)")
+    pattern = re.compile(
+        r"\b\d+(\.\d+)?\s?[x×](?![\w\d])|\d\s?ms (per|/)|\b\d+(\.\d+)?%% (worse|better|fewer|less|more)"
+    )
     found = []
     for path in sorted((ROOT / "grpo_hf").rglob("*.py")):
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            if pattern.search(line) and "f\"" not in line:
+            if pattern.search(line) and 'f"' not in line:
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
