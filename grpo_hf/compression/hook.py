@@ -362,24 +362,32 @@ def _walk(buffer: torch.Tensor, runs: list[tuple]) -> list[torch.Tensor]:
     return out
 
 
-def _encode(state: GRPOCommState, spec, rows, residual, scale, k: int, message=None):
+def _encode(state: GRPOCommState, spec, rows, residual, scale, k: int, message=None, in_place: bool = False):
     """
     Compress `[n, B]` rows with error feedback (see `encode_blocks`; top-k below density 1). Returns `(message,
-    new_residual)`; a fixed-size message is written into `message` when given.
+    new_residual)`; a fixed-size message is written into `message` when given, and with `in_place` the new residual
+    into `residual` (a row the store keeps: no allocation per step, which would fragment the heap of a long run).
     """
     clip = state.scale_clip if scale is not None else None
     if spec.density < 1.0:
         encoded, _, new_residual = TopKMessages(spec).encode(state.kernels, rows, residual, scale, clip, k)
-        return encoded, new_residual
-    writer = BlockMessages(spec)
-    if message is None:
-        codes, absmax, new_residual = state.kernels.encode(rows, residual, scale, spec.bits, clip)
-        return writer.pack(codes, absmax), new_residual
-    codes_view, absmax_view = writer.unpack(message, rows.shape[0])
-    _, absmax, new_residual = state.kernels.encode(rows, residual, scale, spec.bits, clip, codes_out=codes_view)
-    absmax_view.copy_(absmax)
-    writer.clear_padding(message, rows.shape[0])
-    return message, new_residual
+    else:
+        writer = BlockMessages(spec)
+        if message is None:
+            codes, absmax, new_residual = state.kernels.encode(rows, residual, scale, spec.bits, clip)
+            encoded = writer.pack(codes, absmax)
+        else:
+            codes_view, absmax_view = writer.unpack(message, rows.shape[0])
+            _, absmax, new_residual = state.kernels.encode(
+                rows, residual, scale, spec.bits, clip, codes_out=codes_view
+            )
+            absmax_view.copy_(absmax)
+            writer.clear_padding(message, rows.shape[0])
+            encoded = message
+    if in_place and new_residual is not None:  # the kernel's output is freed at once: only short-lived allocations
+        residual.copy_(new_residual)
+        new_residual = residual
+    return encoded, new_residual
 
 
 def _decode(state: GRPOCommState, spec, messages, nblocks: int, scale, divide, out=None, ema=None):
@@ -421,7 +429,7 @@ def _allgather(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         offset += run.length
         residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
         message, new_residual = _encode(state, run.spec, rows, residual, scale, run.num_values(),
-                                        None if payload is None else slots[index])  # fmt: skip
+                                        None if payload is None else slots[index], in_place=True)  # fmt: skip
         state.residuals.replace(run.key, run.slots, new_residual)
         messages.append(message)
         scales.append((scale, ema))
@@ -482,6 +490,8 @@ def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         if run.spec.density >= 1.0:  # one kernel call for the whole run, then each owner's blocks
             clip = state.scale_clip if scale is not None else None
             codes, absmax, new_residual = state.kernels.encode(rows, residual, scale, run.spec.bits, clip)
+            residual.copy_(new_residual)  # kept in place (see `_encode`)
+            new_residual = residual
             writer = BlockMessages(run.spec)
             for owner, ranges in enumerate(owned):
                 count = _count(ranges)
@@ -495,8 +505,8 @@ def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
                     message = writer.pack(_take(codes, ranges), _take(absmax, ranges))
                     to_rank[owner].append(message if count else empty)
             stats.kept += min(run.num_values(), run.numel)
-        else:  # top-k within each owner's blocks
-            new_residual = residual.clone()
+        else:  # top-k within each owner's blocks (disjoint: each is read before it is written)
+            new_residual = residual
             for owner, ranges in enumerate(owned):
                 count = _count(ranges)
                 if not count:
@@ -546,7 +556,8 @@ def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         key, owner_slots = (run.key, world_size, rank), run.owned_slots(world_size, rank)
         residual = state.owner_residuals.row(key, owner_slots, nblocks * run.spec.block_size, device).view(mean.shape)
         k = run.num_values(nblocks * run.spec.block_size, run.owned_numel(world_size, rank))
-        message, new_residual = _encode(state, run.spec, mean, residual, mine, k, slots[index] if known else None)
+        message, new_residual = _encode(state, run.spec, mean, residual, mine, k, slots[index] if known else None,
+                                        in_place=True)  # fmt: skip
         state.owner_residuals.replace(key, owner_slots, new_residual)
         out_messages.append(message)
 
