@@ -189,6 +189,23 @@ def fsdp2() -> str:
     return f"{markdown(summary)}\n\n`{result['command']}` ({result['date']})."
 
 
+def fsdp2_summary() -> str:
+    """The FSDP2 rows in brief (README): quality against uncompressed FSDP2, bytes and peak memory per rank."""
+    result = _read(RESULTS / "fsdp2" / "results.json")
+    lines = [
+        "| row | seeds | ppl / fsdp2: geomean (worst seed) | gradient bytes / rank / step (steady) | peak RSS / rank |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row, e in result["summary"].items():
+        quality = f"{e['geomean']:.4f} ({e['worst']:.4f})" if "geomean" in e else "–"
+        lines.append(
+            f"| `{row}` | {len(e['seeds'])} | {quality} | {e['steady_grad_bytes_per_step'] / 1e3:,.0f} kB | "
+            f"{e['peak_rss_mb']:.0f} MB |"
+        )
+    lines += ["", f"`{result['command']}` ({result['date']}; every column: [benchmarks](docs/benchmarks.md))."]
+    return "\n".join(lines)
+
+
 RENDERERS = {
     "settings": settings,
     "conformance": conformance,
@@ -198,6 +215,7 @@ RENDERERS = {
     "hook-speed": hook_speed,
     "step-cost": step_cost,
     "fsdp2": fsdp2,
+    "fsdp2-summary": fsdp2_summary,
 }
 
 
@@ -209,7 +227,11 @@ def regenerate(text: str, source: Path) -> str:
         name = match.group("name")
         if name not in RENDERERS:
             raise SystemExit(f"{source}: unknown generated block {name!r}; known: {sorted(RENDERERS)}")
-        return f"{match.group(1)}{RENDERERS[name]()}\n{match.group(4)}"
+        try:
+            body = RENDERERS[name]()
+        except FileNotFoundError as missing:  # a benchmark not run yet on this checkout: say so in the block
+            body = f"*Not measured yet: `{Path(missing.filename).relative_to(ROOT)}` is missing; run its benchmark.*"
+        return f"{match.group(1)}{body}\n{match.group(4)}"
 
     return BLOCK.sub(replace, text)
 
