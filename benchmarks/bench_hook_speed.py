@@ -3,7 +3,7 @@
     python benchmarks/bench_hook_speed.py                        # W=1 and W=2 (torchrun, gloo), tiny Llama and LoRA
     python benchmarks/bench_hook_speed.py --bits 2 --large       # also SmolLM2-135M's full parameter set (135M)
     python benchmarks/bench_hook_speed.py --device cuda          # the compiled kernels on CUDA (Triton), W=1
-    python benchmarks/bench_hook_speed.py --scales ema           # scales from our EMA (optimizers without exp_avg_sq)
+    python benchmarks/bench_hook_speed.py --scales adam          # with gradient scales read from AdamW's exp_avg_sq
 
 Models: a tiny Llama (hidden 256, 4 layers, vocab 8192: 6.3M parameters in 38 tensors, 29 compressed); the LoRA r=8
 adapters of SmolLM2-135M (2.4M parameters in 420 tensors: the many-small-tensors case); with `--large`, SmolLM2-135M's
@@ -17,8 +17,9 @@ full parameter set (134.5M in 272 tensors: the large-tensor case). Each step is 
   other rank; on loopback the transfer itself is nearly free). For torch's hooks the collectives are timed by wrapping
   `torch.distributed.all_reduce` (made synchronous for the measurement).
 
-The codec's kernels are compiled (`--compile false`: eager); the one-off compile time is printed. Gradient scales come
-from an Adam-like `exp_avg_sq` (what `GRPOTrainer` reads from AdamW) unless `--scales ema` or `--scales off`.
+The codec's kernels are compiled (`--compile false`: eager); the one-off compile time is printed. Without gradient
+scales by default, as `GRPOConfig`; `--scales adam` reads them from an Adam-like `exp_avg_sq` (what `GRPOTrainer`
+reads from AdamW), `--scales ema` from the state's own EMA.
 
 Prints one markdown table: median milliseconds per step, and per million gradient entries: `codec` (wall time
 outside collectives) and `CPU` (CPU time of the hook's thread, collectives included: the work itself, which the load
@@ -50,7 +51,7 @@ class SpeedArguments:
     density: float = field(default=1.0, metadata={"help": "Top-k kept fraction of every compressed tensor."})
     bits: int = field(default=8, metadata={"help": "Bits per sent value (8 is GRPOConfig's default; 2 is ternary)."})
     scales: str = field(
-        default="adam",
+        default="off",
         metadata={"help": "Gradient scales from: adam (an optimizer's exp_avg_sq), ema (our EMA), off.",
                   "choices": ["adam", "ema", "off"]},
     )  # fmt: skip

@@ -7,8 +7,7 @@ Every row trains the same model on the same data under 2-process gloo DDP (`torc
 launch per row, so that each row's peak memory is its own:
 
 - `trainer`: the plain `Trainer` (DDP's fp32 all-reduce);
-- `grpo`: `GRPOTrainer` with its defaults (8-bit codes with error feedback, gradient scales read from AdamW's
-  `exp_avg_sq`, all-gather at W=2);
+- `grpo`: `GRPOTrainer` with its defaults (8-bit codes with error feedback, block absmax, all-gather at W=2);
 - `grpo-none`: GRPOTrainer with compression off (`grpo_compression="none"`): what GRPOTrainer costs besides its codec;
 - `fp16`, `powersgd-r4`: the plain Trainer with torch's `fp16_compress_hook` / `powerSGD_hook` (rank 4), registered
   as `benchmarks/suite.py` registers them.

@@ -16,7 +16,7 @@ from .compression.spec import (
     DEFAULT_DENSITY,
     DEFAULT_MODE,
 )
-from .compression.state import DEFAULT_SCALE_BETA
+from .compression.state import DEFAULT_SCALE_BETA, DEFAULT_SCALE_GRADIENTS
 from .cost import CostSettings
 from .engines import check_backends
 from .errors import ConfigError
@@ -91,10 +91,11 @@ class GRPOConfig(TrainingArguments):
             `"allgather"` (every rank's message to every rank: per-rank bytes grow as `W - 1`), `"allreduce"`
             (compressed reduce-scatter with error feedback on the owners of each chunk, then an all-gather: per-rank
             bytes flat in `W`), or `"auto"`: `"allgather"` at 2 workers, `"allreduce"` above.
-        grpo_scale_gradients (`bool`, *optional*, defaults to `True`):
-            Compress each gradient entry relative to its own scale (`sqrt` of an EMA of its squared averaged value,
-            identical on every rank) instead of its block's largest magnitude alone, so that small coordinates keep
-            their precision, as Adam sees them.
+        grpo_scale_gradients (`bool`, *optional*, defaults to `False`):
+            Compress each gradient entry relative to its own scale (`sqrt` of AdamW's `exp_avg_sq`, or of an EMA of its
+            squared averaged value, identical on every rank) instead of its block's largest magnitude alone, so that
+            small coordinates keep their precision, as Adam sees them. Off by default: on the benchmark suite the
+            8-bit codes kept dense quality without scales and lost it with them (`docs/compression.md`).
         grpo_scale_beta (`float`, *optional*, defaults to `0.99`):
             EMA factor of the squared gradients behind those scales.
         grpo_dense_warmup_steps (`int`, *optional*, defaults to `2`):
@@ -202,10 +203,10 @@ class GRPOConfig(TrainingArguments):
         },
     )
     grpo_scale_gradients: bool = field(
-        default=True,
+        default=DEFAULT_SCALE_GRADIENTS,
         metadata={
-            "help": "Compress each gradient entry relative to its own running scale (same on every rank), so that "
-            "small coordinates keep their precision as Adam sees them."
+            "help": "Compress each gradient entry relative to its own running scale (AdamW's exp_avg_sq, the same on "
+            "every rank), so that small coordinates keep their precision as Adam sees them; off: block absmax only."
         },
     )
     grpo_scale_beta: float = field(

@@ -219,7 +219,7 @@ def test_owned_blocks_partition_each_run(world_size):
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_warmup_steps_pass_gradients_through(params, mode):
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=2).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=2, scale_gradients=True).bind(params)
     for step in range(2):
         g = grads(step)
         out = run_step(state, params, g)
@@ -254,7 +254,7 @@ def test_allgather_mode_is_the_codec(params):
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_error_feedback_conserves_gradient_mass(params, mode):
     """What was averaged plus what every residual keeps is what came in (up to fp32 rounding of the scales)."""
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1, scale_gradients=True).bind(params)
     run_step(state, params, grads(0), layout=(("attn",), ("norm", "mlp")))  # warm-up: the scales' first estimate
     for step in range(1, 4):
         kept = {n: _kept(state, n) for n in ("attn", "mlp")}
@@ -280,7 +280,7 @@ def _kept(state, name):
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_gradient_scales_follow_the_averaged_gradients(params, mode):
     beta = 0.9
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1, scale_beta=beta).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1, scale_beta=beta, scale_gradients=True).bind(params)
     g0, g1 = grads(0), grads(1)
     run_step(state, params, g0)
     torch.testing.assert_close(state.squares.values["attn"], (1 - beta) * g0["attn"].reshape(-1) ** 2)
@@ -293,7 +293,7 @@ def test_gradient_scales_follow_the_averaged_gradients(params, mode):
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_buckets(params, mode, dtype):
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0, scale_gradients=True).bind(params)
     g = grads()
     out = run_step(state, params, g, dtype=dtype)
     assert all(t.dtype == dtype for t in out.values())
@@ -303,7 +303,7 @@ def test_half_precision_buckets(params, mode, dtype):
 
 
 def test_buckets_wait_for_the_last_one(params):
-    state = GRPOCommState(PLAN, dense_warmup_steps=0).bind(params)
+    state = GRPOCommState(PLAN, dense_warmup_steps=0, scale_gradients=True).bind(params)
     g = grads()
     first = FakeBucket([params["attn"]], [g["attn"]], index=0, last=False)
     future = grpo_comm_hook(state, first)
@@ -316,7 +316,7 @@ def test_buckets_wait_for_the_last_one(params):
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_nonfinite_step_is_sent_dense_and_keeps_residuals_and_scales(params, mode, caplog):
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0, scale_gradients=True).bind(params)
     run_step(state, params, grads(0), layout=(("attn",), ("norm", "mlp")))
     before = {n: r.clone() for n, r in state.residuals.values.items()}
     squares = {n: r.clone() for n, r in state.squares.values.items()}
@@ -368,7 +368,7 @@ def test_pop_stats_window_and_totals(params):
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_state_dict_round_trip_is_exact(params, mode):
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1, scale_gradients=True).bind(params)
     for step in range(3):
         run_step(state, params, grads(step))
     buffer = io.BytesIO()
@@ -379,7 +379,7 @@ def test_state_dict_round_trip_is_exact(params, mode):
     assert set(saved["squares"]) == {"attn", "mlp"} and saved["scale_updates"] == 3
     assert all(r.device.type == "cpu" and r.dtype == torch.bfloat16 for r in saved["residuals"].values())
 
-    restored = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1)
+    restored = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1, scale_gradients=True)
     restored.load_state_dict(saved)
     restored.bind(params)
     assert restored.totals() == state.totals()
@@ -589,7 +589,7 @@ def test_scales_come_from_the_optimizer_exp_avg_sq():
     params = _aligned()
     plan = {"w": CodecSpec(1.0, 8), "v": CodecSpec(1.0, 8), "norm": None}
     optimizer = torch.optim.AdamW(params.parameters(), lr=1e-3)
-    state = GRPOCommState(plan, dense_warmup_steps=1).attach_optimizer(optimizer).bind(params)
+    state = GRPOCommState(plan, dense_warmup_steps=1, scale_gradients=True).attach_optimizer(optimizer).bind(params)
     for step in range(3):
         exp_avg_sq = {n: optimizer.state[p]["exp_avg_sq"].clone() for n, p in params.items() if p in optimizer.state}
         residuals = {n: state.residuals.values[n].clone() for n in ("w", "v")} if step > 1 else None
@@ -619,7 +619,7 @@ def test_optimizers_without_exp_avg_sq_fall_back_to_the_ema():
     params = _aligned()
     plan = {"w": CodecSpec(1.0, 8), "v": CodecSpec(1.0, 8), "norm": None}
     optimizer = torch.optim.SGD(params.parameters(), lr=1e-3, momentum=0.9)
-    state = GRPOCommState(plan, dense_warmup_steps=1).attach_optimizer(optimizer).bind(params)
+    state = GRPOCommState(plan, dense_warmup_steps=1, scale_gradients=True).attach_optimizer(optimizer).bind(params)
     for step in range(3):
         _, out = _aligned_step(state, params, step)
         for p, name in zip(params.values(), params):
@@ -636,7 +636,7 @@ def test_state_memory_per_compressed_entry():
     params = _aligned()
     plan = {"w": CodecSpec(1.0, 8), "v": CodecSpec(1.0, 8), "norm": None}
     optimizer = torch.optim.AdamW(params.parameters(), lr=1e-3)
-    state = GRPOCommState(plan, dense_warmup_steps=1).attach_optimizer(optimizer).bind(params)
+    state = GRPOCommState(plan, dense_warmup_steps=1, scale_gradients=True).attach_optimizer(optimizer).bind(params)
     for step in range(3):
         _, out = _aligned_step(state, params, step)
         for p, name in zip(params.values(), params):
@@ -649,7 +649,7 @@ def test_state_memory_per_compressed_entry():
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_huge_gradients_are_sent_dense_like_nonfinite_ones(params, mode):
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0, scale_gradients=True).bind(params)
     run_step(state, params, grads(0))
     before = {n: r.clone() for n, r in state.residuals.values.items()}
     g = grads(1)
@@ -692,7 +692,7 @@ def test_trainer_can_hand_its_optimizer_to_the_state(tmp_path):
     ids = torch.randint(0, 128, (32, 12), generator=torch.Generator().manual_seed(0)).tolist()
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=5, per_device_train_batch_size=4,
                       report_to=[], save_strategy="no", disable_tqdm=True, grpo_compression="quantize",
-                      grpo_min_compress_numel=256)  # fmt: skip
+                      grpo_min_compress_numel=256, grpo_scale_gradients=True)  # fmt: skip
     trainer = Wired(
         model=tiny_test_llama(), args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids})
     )
