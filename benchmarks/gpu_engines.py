@@ -13,6 +13,7 @@ the straight one), then the figures as one JSON line. Exit status 1 when a check
 (DeepSpeed's CPU accelerator); the FSDP2 modes need CUDA (Accelerate turns FSDP off on CPU).
 """
 
+import argparse
 import json
 import os
 import sys
@@ -159,10 +160,12 @@ def run(mode: str, out_dir: str) -> dict:
 def main() -> None:
     import torch.distributed as dist
 
-    mode, out_dir = sys.argv[1], sys.argv[2]
-    if mode not in ("fsdp2", "fsdp2-accelerate", "zero2"):
-        sys.exit(f"unknown mode {mode!r}: fsdp2, fsdp2-accelerate or zero2")
-    figures = run(mode, out_dir)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["fsdp2", "fsdp2-accelerate", "zero2"], help="The engine and how it is set.")
+    parser.add_argument("out_dir", help="Checkpoints and the trainers' output folders go here.")
+    args = parser.parse_args()
+    mode = args.mode
+    figures = run(mode, args.out_dir)
     if dist.get_rank() == 0:
         for name, ok, detail in CHECKS:
             print(f"{'PASS' if ok else 'FAIL'} {mode}: {name}" + (f" ({detail})" if detail and not ok else ""))
