@@ -168,7 +168,7 @@ class RecipeParser(HfArgumentParser):
 
     def parse_recipe_args(self, args: list[str] | None = None, where: str = "recipe") -> tuple:
         """
-        Parse command-line overrides (`["--max_steps", "10", "--no_grpo_scale_gradients", ...]`) over the defaults
+        Parse command-line overrides (`["--max_steps", "10", "--grpo_scale_gradients", ...]`) over the defaults
         once.
 
         Returns:
