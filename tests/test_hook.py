@@ -615,16 +615,22 @@ def test_scales_come_from_the_optimizer_exp_avg_sq():
         assert torch.equal(state.residuals.values["w"], new_residual.view(-1)[:2048])
 
 
-def test_optimizers_without_exp_avg_sq_fall_back_to_the_ema():
+def _three_steps_with(optimizer_class, **kwargs) -> GRPOCommState:
+    """Three hook steps (one dense) on `_aligned` parameters, with scales, the optimizer attached and stepping."""
     params = _aligned()
     plan = {"w": CodecSpec(1.0, 8), "v": CodecSpec(1.0, 8), "norm": None}
-    optimizer = torch.optim.SGD(params.parameters(), lr=1e-3, momentum=0.9)
+    optimizer = optimizer_class(params.parameters(), lr=1e-3, **kwargs)
     state = GRPOCommState(plan, dense_warmup_steps=1, scale_gradients=True).attach_optimizer(optimizer).bind(params)
     for step in range(3):
         _, out = _aligned_step(state, params, step)
         for p, name in zip(params.values(), params):
             p.grad = out[name].clone()
         optimizer.step()
+    return state
+
+
+def test_optimizers_without_exp_avg_sq_fall_back_to_the_ema():
+    state = _three_steps_with(torch.optim.SGD, momentum=0.9)
     # the EMA starts with compression (an attached optimizer is expected to provide the scales during the warm-up)
     assert set(state.squares.values) == {"w", "v"} and state.scale_updates == 2
     assert state.memory_bytes()["squares"] == 4 * (2048 + 2048)
@@ -633,15 +639,7 @@ def test_optimizers_without_exp_avg_sq_fall_back_to_the_ema():
 def test_state_memory_per_compressed_entry():
     """bf16 residuals (2 bytes per entry) and nothing else that grows with the model once the optimizer provides the
     scales; the work buffers hold one bucket's scales and messages."""
-    params = _aligned()
-    plan = {"w": CodecSpec(1.0, 8), "v": CodecSpec(1.0, 8), "norm": None}
-    optimizer = torch.optim.AdamW(params.parameters(), lr=1e-3)
-    state = GRPOCommState(plan, dense_warmup_steps=1, scale_gradients=True).attach_optimizer(optimizer).bind(params)
-    for step in range(3):
-        _, out = _aligned_step(state, params, step)
-        for p, name in zip(params.values(), params):
-            p.grad = out[name].clone()
-        optimizer.step()
+    state = _three_steps_with(torch.optim.AdamW)
     memory = state.memory_bytes()
     assert memory["residuals"] == 2 * 4096 and memory["squares"] == memory["owner_residuals"] == 0
     assert memory["workspace"] <= 4 * 4096 + 4096 + 4 * 32 + 16
