@@ -277,6 +277,28 @@ def test_compiled_default_kernels_are_the_eager_ones():
     )
 
 
+def test_warm_up_compiles_what_the_hook_runs():
+    """
+    The kernels `warm_up` compiles at bind (autograd on) are the ones a DDP hook runs (autograd off, views of a bucket
+    at an offset, other sizes): no compile is left for the first compressed step.
+    """
+    from torch._dynamo.utils import counters
+
+    kernels = compile_kernels(True)
+    kernels.warm_up([CodecSpec(bits=8, block_size=128)], torch.float32, world_size=2, scaled=False, ema=False,
+                    device="cpu")  # fmt: skip
+    compiled = counters["stats"]["unique_graphs"]
+    bucket = _randn(40 * 128)
+    residual = torch.zeros(40, 128, dtype=torch.bfloat16)
+    gathered = torch.empty(2, 41, 128, dtype=torch.int8)
+    with torch.no_grad():  # as in a DDP communication hook
+        rows = bucket[2 * 128 : 39 * 128].view(37, 128)
+        _, absmax, new_residual = kernels.encode(rows, residual[:37], None, 8, codes_out=gathered[1, 2:39])
+        kernels.decode([gathered[0, 2:39], gathered[1, 2:39]], [absmax, absmax.clone()], None, 8, 2, rows, beta=0.99)
+    assert counters["stats"]["unique_graphs"] == compiled
+    assert new_residual.shape == (37, 128)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bits, dtype, scaled", [(4, torch.float32, True), (2, torch.float32, True),
                                                  (16, torch.float32, True), (8, torch.bfloat16, False)])  # fmt: skip

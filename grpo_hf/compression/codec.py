@@ -276,11 +276,14 @@ class Kernels:
                     if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[0] > 1:
                         torch._dynamo.maybe_mark_dynamic(tensor, 0)
         try:
-            if self.compiled and bits == 16:
-                with warnings.catch_warnings():  # inductor notes the bf16 residual next to the fp16 codes
-                    warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed")
-                    return fn(*args)
-            return fn(*args)
+            # Always without autograd: dynamo guards on the grad mode, and the hook runs without it while `warm_up`
+            # (at bind) and `compress_locally` run with it; one mode keeps the warmed-up kernels the ones that run.
+            with torch.no_grad():
+                if self.compiled and bits == 16:
+                    with warnings.catch_warnings():  # inductor notes the bf16 residual next to the fp16 codes
+                        warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed")
+                        return fn(*args)
+                return fn(*args)
         except Exception as error:  # no working compiler after all: the eager function, from now on
             if not self.compiled:
                 raise
