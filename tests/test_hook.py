@@ -713,3 +713,30 @@ def test_a_plan_that_compresses_nothing_is_a_plain_all_reduce():
     totals = state.totals()
     assert totals["ratio_fp32"] == 1.0 and totals["density"] == 1.0 and totals["dense_steps"] == 1
     assert state.residuals.values == {}
+
+
+@pytest.mark.parametrize(
+    "dtype, width, skew",
+    [(torch.int8, 128, 0), (torch.uint8, 64, 0), (torch.bfloat16, 128, 0), (torch.float32, 128, 0),
+     (torch.int8, 128, 1), (torch.uint8, 12, 0)],
+)  # fmt: skip
+def test_owned_rows_are_taken_and_put_back_exactly(dtype, width, skew):
+    """
+    `_take` / `_put` of many owned ranges (the allreduce mode's index path, words of 8 bytes where the rows allow) move
+    exactly the rows `index_select` / `index_copy_` move, misaligned views (`skew`) and odd widths included.
+    """
+    from grpo_hf.compression.hook import _MAX_SLICES, _put, _take
+
+    generator = torch.Generator().manual_seed(0)
+    storage = torch.randint(0, 100, (40 * width + skew,), generator=generator).to(dtype)
+    rows = storage[skew:].view(40, width)
+    blocks = list(range(0, 40, 3))
+    owned = ([(b, b + 1) for b in blocks], torch.tensor(blocks))
+    assert len(owned[0]) > _MAX_SLICES
+    taken = _take(rows, owned)
+    assert torch.equal(taken, rows.index_select(0, owned[1]))
+    out = torch.empty_like(taken)
+    assert _take(rows, owned, out=out) is out and torch.equal(out, taken)
+    target = torch.zeros_like(rows)
+    _put(target, owned, taken)
+    assert torch.equal(target, torch.zeros_like(rows).index_copy_(0, owned[1], taken))

@@ -300,11 +300,29 @@ def _params(run: Run, bucket: _Bucket) -> list[nn.Parameter]:
 _MAX_SLICES = 8  # owned blocks in more ranges than this are gathered with an index instead of slices
 
 
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """
+    `[n, m]` rows of narrow entries (codes, bf16) seen as int64 words when their bytes allow: the same memory, and
+    `index_select` / `index_copy_` move 8 bytes per element instead of 1 or 2 (several times faster on CPU).
+    """
+    nbytes = rows.shape[-1] * rows.element_size() if rows.dim() == 2 else 0
+    if rows.element_size() < 8 and nbytes % 8 == 0 and nbytes and rows.is_contiguous() and rows.data_ptr() % 8 == 0:
+        return rows.view(torch.int64)
+    return rows
+
+
 def _take(rows: torch.Tensor, owned: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
     """The rows of `owned` (`(ranges, index)`), one after the other (a view when there is one range and no `out`)."""
     ranges, index = owned
     if len(ranges) > _MAX_SLICES:
-        return torch.index_select(rows, 0, index, out=out) if out is not None else rows.index_select(0, index)
+        wide = _wide(rows)
+        if out is None:
+            return wide.index_select(0, index).view(rows.dtype)
+        wide_out = _wide(out)
+        if wide_out.dtype != wide.dtype:  # only one of the two could be seen as words
+            wide, wide_out = rows, out
+        torch.index_select(wide, 0, index, out=wide_out)
+        return out
     if out is None and len(ranges) == 1:
         return rows[ranges[0][0] : ranges[0][1]]
     pieces = [rows[start:end] for start, end in ranges]
@@ -317,7 +335,10 @@ def _put(rows: torch.Tensor, owned: tuple, values: torch.Tensor) -> None:
     """Inverse of [`_take`]: write `values` into the rows of `owned`."""
     ranges, index = owned
     if len(ranges) > _MAX_SLICES:
-        rows.index_copy_(0, index, values)
+        wide, wide_values = _wide(rows), _wide(values.contiguous())
+        if wide_values.dtype != wide.dtype:  # only one of the two could be seen as words
+            wide, wide_values = rows, values
+        wide.index_copy_(0, index, wide_values)
         return
     offset = 0
     for start, end in ranges:
