@@ -265,7 +265,7 @@ class _DenseTensors:
 
     def __init__(self, comm: Collectives, stats, buffer: torch.Tensor, dense: tuple, count_as: int):
         self.pieces = [buffer[start : start + numel] for start, numel in dense]
-        self.vector = torch.cat([p.float() for p in self.pieces]) if self.pieces else None
+        self.vector = torch.cat(self.pieces).float() if self.pieces else None  # (a copy: the pieces are views)
         if self.vector is not None:
             comm.all_reduce(self.vector).div_(comm.world_size)
             stats.dense(self.vector.numel(), count_as)
