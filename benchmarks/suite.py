@@ -45,9 +45,25 @@ COMM_ROWS = {
     "q8": {"grpo_compression": "quantize", "grpo_bits": "8", "grpo_scale_gradients": False, **_ALLGATHER},
     "q2s": {"grpo_compression": "quantize", "grpo_bits": "2", "grpo_scale_gradients": True, **_ALLGATHER},
     "q2": {"grpo_compression": "quantize", "grpo_bits": "2", "grpo_scale_gradients": False, **_ALLGATHER},  # 0.1's
-    "q4s-m1k": {"grpo_compression": "quantize", "grpo_bits": "4", "grpo_min_compress_numel": 1024, **_ALLGATHER},
-    "q4s-ar": {"grpo_compression": "quantize", "grpo_bits": "4", "grpo_comm_mode": "allreduce"},
-    "q2s-ar": {"grpo_compression": "quantize", "grpo_bits": "2", "grpo_comm_mode": "allreduce"},
+    "q4s-m1k": {
+        "grpo_compression": "quantize",
+        "grpo_bits": "4",
+        "grpo_scale_gradients": True,
+        "grpo_min_compress_numel": 1024,
+        **_ALLGATHER,
+    },
+    "q4s-ar": {
+        "grpo_compression": "quantize",
+        "grpo_bits": "4",
+        "grpo_scale_gradients": True,
+        "grpo_comm_mode": "allreduce",
+    },
+    "q2s-ar": {
+        "grpo_compression": "quantize",
+        "grpo_bits": "2",
+        "grpo_scale_gradients": True,
+        "grpo_comm_mode": "allreduce",
+    },
     "article": {  # top 15% + 4/8 bits by module type, as the article describes it
         "grpo_compression": "sparse+quantize",
         "grpo_density": 0.15,
@@ -55,7 +71,7 @@ COMM_ROWS = {
         "grpo_scale_gradients": False,
     },
 }
-DEFAULT_COMM_ROWS = "dense,q8s,q8,q4s,q4,fp16"  # q8s: GRPOConfig's defaults at W=2
+DEFAULT_COMM_ROWS = "dense,q8s,q8,q4s,q4,fp16"  # q8: GRPOConfig's defaults at W=2
 _STATIC = {"grpo_importance": False}
 LR_ROWS = {  # GRPOTrainer settings measured in the lr suite (one process: no compression)
     "grpo": {},  # GRPOConfig's defaults

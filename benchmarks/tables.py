@@ -92,8 +92,9 @@ SUITE_ROWS = {  # what each row of the comm suite is, for the tables
     "fp16": "torch's `fp16_compress_hook`",
     "q8s": "8-bit codes, scaled by AdamW's `exp_avg_sq`",
     "q8": "8-bit codes, block absmax only",
-    "q4s": "4-bit codes, scaled",
+    "q4s": "4-bit codes, scaled by AdamW's `exp_avg_sq`",
     "q4": "4-bit codes, block absmax only",
+    "powersgd-r4": "torch's `powerSGD_hook`, rank 4",
 }
 
 
