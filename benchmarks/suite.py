@@ -37,6 +37,7 @@ from tasks import TASKS, Task, build_model, compute_accuracy, prepare  # noqa: E
 
 
 _ALLGATHER = {"grpo_comm_mode": "allgather"}
+_SCALED = {"grpo_scale_gradients": True}
 COMM_ROWS = {
     "dense": {"grpo_compression": "none"},
     "q4s": {"grpo_compression": "quantize", "grpo_bits": "4", "grpo_scale_gradients": True, **_ALLGATHER},
@@ -48,22 +49,12 @@ COMM_ROWS = {
     "q4s-m1k": {
         "grpo_compression": "quantize",
         "grpo_bits": "4",
-        "grpo_scale_gradients": True,
         "grpo_min_compress_numel": 1024,
+        **_SCALED,
         **_ALLGATHER,
     },
-    "q4s-ar": {
-        "grpo_compression": "quantize",
-        "grpo_bits": "4",
-        "grpo_scale_gradients": True,
-        "grpo_comm_mode": "allreduce",
-    },
-    "q2s-ar": {
-        "grpo_compression": "quantize",
-        "grpo_bits": "2",
-        "grpo_scale_gradients": True,
-        "grpo_comm_mode": "allreduce",
-    },
+    "q4s-ar": {"grpo_compression": "quantize", "grpo_bits": "4", **_SCALED, "grpo_comm_mode": "allreduce"},
+    "q2s-ar": {"grpo_compression": "quantize", "grpo_bits": "2", **_SCALED, "grpo_comm_mode": "allreduce"},
     "article": {  # top 15% + 4/8 bits by module type, as the article describes it
         "grpo_compression": "sparse+quantize",
         "grpo_density": 0.15,
