@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_hf.compression import CodecSpec, compress, compress_with_feedback, decompress
+from grpo_hf.compression import CodecSpec, codec, compress, compress_with_feedback, decompress
 from grpo_hf.compression.codec import (
     SAFE_MAGNITUDE,
     SCALE_FLOOR,
@@ -293,10 +293,27 @@ def test_warm_up_compiles_what_the_hook_runs():
     gathered = torch.empty(2, 41, 128, dtype=torch.int8)
     with torch.no_grad():  # as in a DDP communication hook
         rows = bucket[2 * 128 : 39 * 128].view(37, 128)
-        _, absmax, new_residual = kernels.encode(rows, residual[:37], None, 8, codes_out=gathered[1, 2:39])
+        _, absmax, new_residual = kernels.encode(rows, residual[:37], None, 8, codes_out=gathered[1, 2:39],
+                                                 in_place=True)  # fmt: skip
         kernels.decode([gathered[0, 2:39], gathered[1, 2:39]], [absmax, absmax.clone()], None, 8, 2, rows, beta=0.99)
     assert counters["stats"]["unique_graphs"] == compiled
-    assert new_residual.shape == (37, 128)
+    assert new_residual.data_ptr() == residual.data_ptr() and residual[:37].any()
+
+
+def test_in_place_encode_is_the_plain_one_in_chunks(monkeypatch):
+    """
+    `encode(..., in_place=True)` writes the new residual into the residual a few blocks per call (here 3 of 128
+    entries, so the last call has one block): the same codes, absmax and residual as one call of `encode_blocks`.
+    """
+    monkeypatch.setattr(codec, "ENCODE_CHUNK", 3 * 128)
+    grad, residual = _randn(10, 128), (_randn(10, 128) * 0.01).to(torch.bfloat16)
+    scale = entry_scales(_randn(10, 128) ** 2)
+    codes_ref = torch.empty(10, 128, dtype=torch.int8)
+    absmax_ref, residual_ref = encode_blocks(grad, residual, scale, codes_ref, 8, 4.0)
+    kept = residual.clone()
+    codes, absmax, new_residual = compile_kernels(False).encode(grad, kept, scale, 8, 4.0, in_place=True)
+    assert new_residual is kept and torch.equal(kept, residual_ref)
+    assert torch.equal(codes, codes_ref) and torch.equal(absmax, absmax_ref)
 
 
 @pytest.mark.slow

@@ -56,6 +56,7 @@ SQUARES_FLOOR = 1e-30  # and at least sqrt(this): a block without any estimate g
 SAFE_MAGNITUDE = 2.0**60  # gradients at or above this (or NaN/Inf) send their step dense: every value stays finite
 MESSAGE_ALIGN = 16  # bytes: messages are padded so that each one starts aligned (fp32 views, vector loads)
 _QMAX = {8: 127, 4: 7}
+ENCODE_CHUNK = 1 << 20  # entries per call of the in-place encode (its scratch: 2 MiB of bf16 residual)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -136,14 +137,15 @@ def _step(absmax: torch.Tensor, bits: int) -> torch.Tensor:
     return absmax / _QMAX[bits]
 
 
-def encode_blocks(grad, residual, scale, codes_out, bits: int, clip: float | None):
+def encode_blocks(grad, residual, scale, codes_out, bits: int, clip: float | None, residual_out=None):
     """
     The sender's kernel on `[n, B]` blocks: `acc = grad + residual` (fp32), divided by the per-entry `scale` (see
     [`entry_scales`]) when given and clamped to `[-clip, clip]` when `clip` is given, quantized at `bits`; the codes are
     written into `codes_out` (`[n, B]` int8 at 8 and 2 bits, `[n, B / 2]` uint8 at 4, `[n, B]` fp16 at 16).
 
     Returns `(absmax [n] fp32, new_residual)`: `new_residual = acc - decoded * scale` in `residual`'s dtype, or `None`
-    when `residual` is `None`. Inputs below [`SAFE_MAGNITUDE`] keep every output finite.
+    when `residual` is `None` or when `residual_out` is given (it is written there: a fresh multi-megabyte output
+    costs more in page faults than the kernel's arithmetic). Inputs below [`SAFE_MAGNITUDE`] keep every output finite.
     """
     acc = grad.float()
     if residual is not None:
@@ -162,6 +164,9 @@ def encode_blocks(grad, residual, scale, codes_out, bits: int, clip: float | Non
         if scale is not None:
             sent = sent * scale
         new_residual = (acc - sent).to(residual.dtype)
+        if residual_out is not None:
+            residual_out.copy_(new_residual)
+            new_residual = None
     return absmax.squeeze(1), new_residual
 
 
@@ -189,20 +194,20 @@ def decode_blocks(codes, absmax, scale, ema, out, bits: int, divide: float, beta
 
 
 # One entry point per bit width, so that each has its own compile cache (dynamo keeps one per code object).
-def _encode8(grad, residual, scale, codes_out, clip: float | None):
-    return encode_blocks(grad, residual, scale, codes_out, 8, clip)
+def _encode8(grad, residual, scale, codes_out, clip: float | None, residual_out=None):
+    return encode_blocks(grad, residual, scale, codes_out, 8, clip, residual_out)
 
 
-def _encode4(grad, residual, scale, codes_out, clip: float | None):
-    return encode_blocks(grad, residual, scale, codes_out, 4, clip)
+def _encode4(grad, residual, scale, codes_out, clip: float | None, residual_out=None):
+    return encode_blocks(grad, residual, scale, codes_out, 4, clip, residual_out)
 
 
-def _encode2(grad, residual, scale, codes_out, clip: float | None):
-    return encode_blocks(grad, residual, scale, codes_out, 2, clip)
+def _encode2(grad, residual, scale, codes_out, clip: float | None, residual_out=None):
+    return encode_blocks(grad, residual, scale, codes_out, 2, clip, residual_out)
 
 
-def _encode16(grad, residual, scale, codes_out, clip: float | None):
-    return encode_blocks(grad, residual, scale, codes_out, 16, clip)
+def _encode16(grad, residual, scale, codes_out, clip: float | None, residual_out=None):
+    return encode_blocks(grad, residual, scale, codes_out, 16, clip, residual_out)
 
 
 def _decode8(codes, absmax, scale, ema, out, divide: float, beta: float):
@@ -240,6 +245,7 @@ class Kernels:
     def __init__(self, compiled: bool):
         self.compiled = compiled
         self._cache: dict = {}
+        self._scratch: dict = {}  # (dtype, device) -> the in-place encode's scratch rows
 
     @staticmethod
     def _variant(args) -> tuple:
@@ -299,17 +305,34 @@ class Kernels:
         self._call(_SCALES, 0, (squares, out))
         return out
 
-    def encode(self, grad, residual, scale, bits: int, clip: float | None = None, codes_out=None):
+    def encode(self, grad, residual, scale, bits: int, clip: float | None = None, codes_out=None, in_place=False):
         """
         [`encode_blocks`] of `[n, B]` rows; returns `(codes, absmax, new_residual)`, the codes written into `codes_out`
-        (see [`code_shape`]) or a fresh tensor.
+        (see [`code_shape`]) or a fresh tensor. With `in_place`, the new residual is written into `residual` (and
+        returned): [`ENCODE_CHUNK`] entries per kernel call, through a scratch that stays in cache.
         """
         if codes_out is None:
             shape, dtype = code_shape(grad.shape[0], grad.shape[1], bits)
             codes_out = torch.empty(shape, dtype=dtype, device=grad.device)
         clip = None if clip is None else float(clip)
-        absmax, new_residual = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip))
-        return codes_out, absmax, new_residual
+        if not in_place or residual is None:
+            absmax, new_residual = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip, None))
+            return codes_out, absmax, new_residual
+        nblocks, block = grad.shape
+        rows = max(1, min(nblocks, ENCODE_CHUNK // block))
+        key = (residual.dtype, residual.device)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() < rows * block:
+            scratch = self._scratch[key] = torch.empty(rows * block, dtype=residual.dtype, device=residual.device)
+        absmax = torch.empty(nblocks, dtype=torch.float32, device=grad.device)
+        for start in range(0, nblocks, rows):
+            end = min(start + rows, nblocks)
+            part = scratch[: (end - start) * block].view(end - start, block)
+            args = (grad[start:end], residual[start:end], None if scale is None else scale[start:end],
+                    codes_out[start:end], clip, part)  # fmt: skip
+            absmax[start:end], _ = self._call(_ENCODERS, bits, args)
+            residual[start:end].copy_(part)
+        return codes_out, absmax, residual
 
     def decode(self, codes, absmax, scale, bits: int, divide: float, out=None, ema=None, beta: float = 0.0):
         """
@@ -332,7 +355,7 @@ class Kernels:
             grad = torch.zeros(3, block, dtype=dtype, device=device)
             residual = torch.zeros(3, block, dtype=torch.bfloat16, device=device)
             scale = self.scales(torch.ones(3, block, device=device)) if scaled else None
-            codes, absmax, _ = self.encode(grad, residual, scale, bits)
+            codes, absmax, _ = self.encode(grad, residual, scale, bits, in_place=True)
             ema_row = torch.zeros(3, block, device=device) if ema else None
             out = torch.empty(3, block, dtype=dtype, device=device)
             ranks = [(codes.clone(), absmax.clone()) for _ in range(world_size)]  # distinct tensors, as in a step
@@ -480,6 +503,7 @@ def all_safe(tensors: list[torch.Tensor]) -> bool:
 
 
 __all__ = [
+    "ENCODE_CHUNK",
     "MESSAGE_ALIGN",
     "SCALE_FLOOR",
     "BlockMessages",

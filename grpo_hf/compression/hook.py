@@ -26,8 +26,9 @@ completes then; DDP waits for all of them at the end of the backward pass), then
 2. Otherwise, per bucket and run of tensors sharing a spec ([`~grpo_hf.compression.layout`]): the encode kernel
    compresses `grad + residual` relative to the gradient scales; the bf16 residual is replaced by what was not sent.
 3. Exchange, by `state.mode`:
-   - `allgather`: all-gather the bucket's messages; every rank decodes the `W` messages in rank order, its own
-     included, and writes the average, times the scale, into the bucket (one decode kernel per run).
+   - `allgather`: all-gather the bucket's messages (on gloo as a send and a receive per pair of ranks: the bytes of a
+     ring all-gather, in a third of gloo's all-gather time on loopback); every rank decodes the `W` messages in rank
+     order, its own included, and writes the average, times the scale, into the bucket (one decode kernel per run).
    - `allreduce` (DeepSpeed's compressed all-reduce): the blocks each rank owns go to their owner (all-to-all); each
      owner decodes its `W` contributions in rank order, averages them, compresses the mean again with its own
      (owner-side) residual, and the owners' messages are all-gathered and decoded by every rank.
@@ -60,8 +61,9 @@ entry; `ratio_* = baseline / bytes_sent` (higher is better).
   `exp_avg_sq` (or none attached), the fp32 EMA of its square (4 bytes); in `allreduce` mode also the bf16 residual
   of the owned blocks (`2 / W` bytes). Work buffers, kept from step to step, hold one bucket's bf16 scales (2 bytes per
   entry) and messages (`bits / 8` bytes per entry); while a bucket is exchanged, the all-gather's result (`W * bits /
-  8` bytes per entry) and one run's new residual (2 bytes per entry) exist besides. Compiling the kernels costs a fixed
-  amount of host memory for torch.compile itself.
+  8` bytes per entry) exists besides; new residuals pass through a scratch of
+  [`~grpo_hf.compression.codec.ENCODE_CHUNK`] entries. Compiling the kernels costs a fixed amount of host memory for
+  torch.compile itself.
 - Sparse gradients (`nn.Embedding(sparse=True)`), FSDP and DeepSpeed are not supported.
 """
 
@@ -91,6 +93,8 @@ class Collectives:
         self.world_size = state.world_size if world_size is None else world_size
         self.rank = state.rank if rank is None else rank
         self.stats = state.stats
+        # gloo's all-gather moves large tensors at a third of the speed of its send/recv (measured on loopback)
+        self.point_to_point = self.world_size > 1 and dist.get_backend(self.group) == "gloo"
 
     def _timed(self, start: float) -> None:
         self.stats.comm_ms += (time.perf_counter() - start) * 1000
@@ -112,7 +116,20 @@ class Collectives:
         start = time.perf_counter()
         if out is None:
             out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(out, tensor.contiguous().view(-1), group=self.group)
+        mine = tensor.contiguous().view(-1)
+        if self.point_to_point:  # every rank sends its part to every other one: the bytes of a ring all-gather
+            parts = out.view(self.world_size, -1)
+            if mine.data_ptr() != parts[self.rank].data_ptr():
+                parts[self.rank].copy_(mine)
+            works = []
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    works.append(dist.isend(mine, group=self.group, group_dst=peer))
+                    works.append(dist.irecv(parts[peer], group=self.group, group_src=peer))
+            for work in works:
+                work.wait()
+        else:
+            dist.all_gather_into_tensor(out, mine, group=self.group)
         self._timed(start)
         return out.view(self.world_size, *tensor.shape)
 
@@ -392,23 +409,21 @@ def _encode(state: GRPOCommState, spec, rows, residual, scale, k: int, message=N
     clip = state.scale_clip if scale is not None else None
     if spec.density < 1.0:
         encoded, _, new_residual = TopKMessages(spec).encode(state.kernels, rows, residual, scale, clip, k)
-    else:
-        writer = BlockMessages(spec)
-        if message is None:
-            codes, absmax, new_residual = state.kernels.encode(rows, residual, scale, spec.bits, clip)
-            encoded = writer.pack(codes, absmax)
-        else:
-            codes_view, absmax_view = writer.unpack(message, rows.shape[0])
-            _, absmax, new_residual = state.kernels.encode(
-                rows, residual, scale, spec.bits, clip, codes_out=codes_view
-            )
-            absmax_view.copy_(absmax)
-            writer.clear_padding(message, rows.shape[0])
-            encoded = message
-    if in_place and new_residual is not None:  # the kernel's output is freed at once: only short-lived allocations
-        residual.copy_(new_residual)
-        new_residual = residual
-    return encoded, new_residual
+        if in_place and new_residual is not None:  # the top-k output is freed at once: only short-lived allocations
+            residual.copy_(new_residual)
+            new_residual = residual
+        return encoded, new_residual
+    writer = BlockMessages(spec)
+    if message is None:
+        codes, absmax, new_residual = state.kernels.encode(rows, residual, scale, spec.bits, clip, in_place=in_place)
+        return writer.pack(codes, absmax), new_residual
+    codes_view, absmax_view = writer.unpack(message, rows.shape[0])
+    _, absmax, new_residual = state.kernels.encode(
+        rows, residual, scale, spec.bits, clip, codes_out=codes_view, in_place=in_place
+    )
+    absmax_view.copy_(absmax)
+    writer.clear_padding(message, rows.shape[0])
+    return message, new_residual
 
 
 def _decode(state: GRPOCommState, spec, messages, nblocks: int, scale, divide, out=None, ema=None):
@@ -510,9 +525,8 @@ def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
         if run.spec.density >= 1.0:  # one kernel call for the whole run, then each owner's blocks
             clip = state.scale_clip if scale is not None else None
-            codes, absmax, new_residual = state.kernels.encode(rows, residual, scale, run.spec.bits, clip)
-            residual.copy_(new_residual)  # kept in place (see `_encode`)
-            new_residual = residual
+            codes, absmax, new_residual = state.kernels.encode(rows, residual, scale, run.spec.bits, clip,
+                                                               in_place=True)  # fmt: skip
             writer = BlockMessages(run.spec)
             for owner, ranges in enumerate(owned):
                 count = _count(ranges)
