@@ -4,7 +4,9 @@
     python benchmarks/bench_step_cost.py --models tiny-llama --steps 6 --output_dir /tmp/x  # a quick check
 
 Every row trains the same model on the same data under 2-process gloo DDP (`torchrun`, one thread per process), one
-launch per row, so that each row's peak memory is its own:
+launch per row and repeat, so that each row's peak memory is its own. The launches go in rounds over the rows
+(`--repeats`, 2 by default: trainer, grpo, ..., then trainer, grpo, ... again), so that a slow spell of a shared machine
+falls on every row rather than on one:
 
 - `trainer`: the plain `Trainer` (DDP's fp32 all-reduce);
 - `grpo`: `GRPOTrainer` with its defaults (8-bit codes with error feedback, block absmax, all-gather at W=2);
@@ -15,8 +17,9 @@ launch per row, so that each row's peak memory is its own:
 Models: `tiny-llama` (a 10.8M Llama, hidden 352, 4 layers, vocab 8192, trained from scratch on the stdlib corpus,
 batch 16 x 128 tokens) and `smollm2` (SmolLM2-135M, every parameter trained, the suite's `smollm2-full` task).
 
-Per row: the median wall time of an optimizer step (after the dense warm-up of GRPO and PowerSGD's start iteration),
-the peak RSS of each process (`ru_maxrss`, the larger of the two), the bytes one rank sends per step (ring model:
+Per row: the median wall time of an optimizer step over the timed steps of all its launches (after the dense warm-up
+of GRPO and PowerSGD's start iteration; each launch's own median is kept too), the peak RSS of each process
+(`ru_maxrss`, the largest over ranks and launches), the bytes one rank sends per step (ring model:
 DDP's all-reduce, the hook's own count), and the step time **projected** on a real link: measured step + bytes / link
 speed, at 1, 10 and 100 Gbit/s (loopback transfers are nearly free, so the measured step is almost all compute; the
 projection ignores any overlap of communication with the backward pass). Ratios are to `trainer` of the same model.
@@ -57,7 +60,10 @@ class CostArguments:
     output_dir: str = field(metadata={"help": "Where step_cost.json / step_cost.md (and the tokenized data) go."})
     models: str = field(default="tiny-llama,smollm2", metadata={"help": f"Comma-separated: {', '.join(MODELS)}."})
     rows: str = field(default=",".join(ROWS), metadata={"help": f"Comma-separated rows: {', '.join(ROWS)}."})
-    steps: int = field(default=20, metadata={"help": "Timed optimizer steps per row (after the untimed ones)."})
+    steps: int = field(default=20, metadata={"help": "Timed optimizer steps per launch (after the untimed ones)."})
+    repeats: int = field(
+        default=2, metadata={"help": "Launches per row, in rounds over the rows; their timed steps are pooled."}
+    )
     timeout: int = field(default=3600, metadata={"help": "Seconds before a row's launch is killed."})
 
 
@@ -174,33 +180,57 @@ def worker(job_path: str) -> None:
 def run_rows(args: CostArguments) -> list[dict]:
     from testing_utils import run_torchrun
 
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: use 1 or more.")
     out = Path(args.output_dir)
+    rows = args.rows.split(",")
+    unknown = [row for row in rows if row not in ROWS]
+    if unknown:
+        raise SystemExit(f"unknown row {unknown[0]!r}: use {', '.join(ROWS)}.")
     results = []
     for model in args.models.split(","):
         if model not in MODELS:
             raise SystemExit(f"unknown model {model!r}: use {', '.join(MODELS)}.")
         info = prepare(MODELS[model], out / "data", world_size=2)
-        for row in args.rows.split(","):
-            if row not in ROWS:
-                raise SystemExit(f"unknown row {row!r}: use {', '.join(ROWS)}.")
-            job_path, result_path = out / f"{model}-{row}.job.json", out / f"{model}-{row}.json"
-            job = {"model": model, "row": row, "steps": args.steps, "info": info, "output_dir": str(out),
-                   "result_path": str(result_path)}  # fmt: skip
-            job_path.write_text(json.dumps(job))
-            run = run_torchrun(HERE / "bench_step_cost.py", nproc=2, timeout=args.timeout,
-                               env={"GRPO_COST_JOB": str(job_path)}, log_path=job_path.with_suffix(".log"))  # fmt: skip
-            if run.returncode != 0 or not result_path.exists():
-                raise SystemExit(
-                    f"{model} / {row} failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-                )
-            results.append(json.loads(result_path.read_text()))
-            print(f"{model:<10} {row:<12} {results[-1]['median_step_s']:.3f} s/step", flush=True)
+        launches = {row: [] for row in rows}
+        for repeat in range(args.repeats):
+            for row in rows:
+                name = f"{model}-{row}-{repeat}"
+                job_path, result_path = out / f"{name}.job.json", out / f"{name}.json"
+                job = {"model": model, "row": row, "steps": args.steps, "info": info, "output_dir": str(out),
+                       "result_path": str(result_path)}  # fmt: skip
+                job_path.write_text(json.dumps(job))
+                run = run_torchrun(HERE / "bench_step_cost.py", nproc=2, timeout=args.timeout,
+                                   env={"GRPO_COST_JOB": str(job_path)}, log_path=job_path.with_suffix(".log"))  # fmt: skip
+                if run.returncode != 0 or not result_path.exists():
+                    raise SystemExit(f"{name} failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+                launches[row].append(json.loads(result_path.read_text()))
+                print(f"{model:<10} {row:<12} {launches[row][-1]['median_step_s']:.3f} s/step", flush=True)
+        results += [pooled(launches[row]) for row in rows]
     return results
+
+
+def pooled(launches: list[dict]) -> dict:
+    """One row from its launches: timed steps pooled for the median, the largest peak RSS of each rank."""
+    timed = [s for launch in launches for s in launch["per_step"][_skipped(launch["row"]) :]]
+    return {
+        **launches[0],
+        "launches": len(launches),
+        "median_step_s": statistics.median(s["step_s"] for s in timed),
+        "median_step_s_by_launch": [launch["median_step_s"] for launch in launches],
+        "bytes_per_step": statistics.median(s["bytes"] for s in timed),
+        "peak_rss_mib_by_rank": [
+            max(ranks) for ranks in zip(*(launch["peak_rss_mib_by_rank"] for launch in launches))
+        ],
+        "peak_rss_mib_by_launch": [max(launch["peak_rss_mib_by_rank"]) for launch in launches],
+        "per_step": [launch["per_step"] for launch in launches],
+    }
 
 
 def table(results: list[dict]) -> str:
     """The markdown table of the rows, with ratios to the plain Trainer of the same model."""
-    header = ["model", "row", "params", "step s", "× trainer", "peak RSS MiB", "× trainer", "MB sent/step"]
+    header = ["model", "row", "params", "step s", "launches' step s", "× trainer", "peak RSS MiB", "× trainer",
+              "MB sent/step"]  # fmt: skip
     header += [f"projected s @ {g} Gbit/s" for g in LINKS_GBIT]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     plain = {r["model"]: r for r in results if r["row"] == "trainer"}
@@ -210,7 +240,8 @@ def table(results: list[dict]) -> str:
         step_ratio = f"{r['median_step_s'] / base['median_step_s']:.2f}" if base else "-"
         rss_ratio = f"{rss / max(base['peak_rss_mib_by_rank']):.2f}" if base else "-"
         projected = [f"{r['median_step_s'] + r['bytes_per_step'] * 8 / (g * 1e9):.3f}" for g in LINKS_GBIT]
-        cells = [r["model"], r["row"], f"{r['trainable_params'] / 1e6:.1f}M", f"{r['median_step_s']:.3f}",
+        by_launch = ", ".join(f"{s:.2f}" for s in r.get("median_step_s_by_launch", [r["median_step_s"]]))
+        cells = [r["model"], r["row"], f"{r['trainable_params'] / 1e6:.1f}M", f"{r['median_step_s']:.3f}", by_launch,
                  step_ratio, f"{rss:.0f}", rss_ratio, f"{r['bytes_per_step'] / 1e6:.2f}", *projected]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -225,7 +256,8 @@ def main():
     results = run_rows(args)
     load = os.getloadavg()
     note = (
-        f"2-process gloo DDP, one thread per process, median of {args.steps} timed steps per row; projected = measured "
+        f"2-process gloo DDP, one thread per process, {args.repeats} launches per row in rounds, median of their "
+        f"{args.steps * args.repeats} timed steps; projected = measured "
         f"step + bytes sent / link speed (a projection, not a measurement); load average at the end {load[0]:.2f} "
         f"{load[1]:.2f} {load[2]:.2f}"
     )

@@ -29,7 +29,7 @@ def test_bench_step_cost_smoke_run(tmp_path):
     """Two rows of the tiny Llama under 2-process DDP: both finish, GRPO sends fewer bytes, the table renders."""
     done = subprocess.run(
         [sys.executable, "benchmarks/bench_step_cost.py", "--models", "tiny-llama", "--rows", "trainer,grpo",
-         "--steps", "2", "--output_dir", str(tmp_path)],
+         "--steps", "2", "--repeats", "1", "--output_dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
