@@ -14,7 +14,8 @@ full parameter set (134.5M in 272 tensors: the large-tensor case). Each step is 
 - `W=2`: two processes under torchrun (gloo, one thread each): the real hook, in both modes, and on the same buckets
   torch's `fp16_compress_hook` and `powerSGD_hook` (rank 4, error feedback, warm start; timed after its start
   iteration). `codec` is the hook's time minus the time spent inside collectives (which includes waiting for the
-  other rank; on loopback the transfer itself is nearly free). For torch's hooks the collectives are timed by wrapping
+  other rank, and on loopback gloo's copies through the kernel's TCP stack). The hook runs under `torch.no_grad()`,
+  as DDP runs it. For torch's hooks the collectives are timed by wrapping
   `torch.distributed.all_reduce` (made synchronous for the measurement).
 
 The codec's kernels are compiled (`--compile false`: eager); the one-off compile time is printed. Without gradient
@@ -143,9 +144,10 @@ def measure(model, plan, args, mode: str, hook: bool, device) -> tuple[float, fl
             torch.distributed.barrier()
         start, start_cpu = time.perf_counter(), time.thread_time()
         if hook:
-            grpo_comm_hook(state, bucket).wait()
+            with torch.no_grad():  # as DDP calls its communication hooks
+                grpo_comm_hook(state, bucket).wait()
         else:
-            compress_locally(state, model)
+            compress_locally(state, model)  # as a training loop calls it: after backward, autograd on
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step >= 2:
@@ -191,7 +193,8 @@ def measure_torch_hook(model, kind: str, args) -> tuple[float, float, float]:
             in_comm[0] = 0.0
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.thread_time()
-            hook(state, bucket).wait()
+            with torch.no_grad():
+                hook(state, bucket).wait()
             if step >= warm:
                 times.append(time.perf_counter() - start)
                 cpu.append(time.thread_time() - start_cpu)
