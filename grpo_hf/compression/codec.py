@@ -324,6 +324,11 @@ class Kernels:
         scratch = self._scratch.get(key)
         if scratch is None or scratch.numel() < rows * block:
             scratch = self._scratch[key] = torch.empty(rows * block, dtype=residual.dtype, device=residual.device)
+        if rows == nblocks:  # one call (most runs): no slices, which cost more than the kernel on small runs
+            part = scratch[: nblocks * block].view(nblocks, block)
+            absmax, _ = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip, part))
+            residual.copy_(part)
+            return codes_out, absmax, residual
         absmax = torch.empty(nblocks, dtype=torch.float32, device=grad.device)
         for start in range(0, nblocks, rows):
             end = min(start + rows, nblocks)
