@@ -160,10 +160,12 @@ def test_lora_adapters_are_compressed(trainer_run):
 
 def _check_hook_results(results: list[dict]) -> None:
     world_size = results[0]["hook"]["world_size"]
-    for result in results:
+    for rank, result in enumerate(results):  # (in rank order)
         hook = result["hook"]
+        # every all-gather went as gloo send/recv pairs: this rank sent to every other one
+        assert hook["send_peers"] == [r for r in range(world_size) if r != rank]
         for key, record in hook.items():
-            if key == "world_size":
+            if key in ("world_size", "send_peers"):
                 continue
             assert record["hook_calls"] > 0 and record["steps"] == 6, key
             assert record["identical"], key

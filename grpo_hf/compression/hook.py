@@ -27,8 +27,8 @@ completes then; DDP waits for all of them at the end of the backward pass), then
    compresses `grad + residual` relative to the gradient scales; the bf16 residual is replaced by what was not sent.
 3. Exchange, by `state.mode`:
    - `allgather`: all-gather the bucket's messages (on gloo as a send and a receive per pair of ranks: the bytes of a
-     ring all-gather, in a third of gloo's all-gather time on loopback); every rank decodes the `W` messages in rank
-     order, its own included, and writes the average, times the scale, into the bucket (one decode kernel per run).
+     ring all-gather, faster than gloo's own all-gather); every rank decodes the `W` messages in rank order, its own
+     included, and writes the average, times the scale, into the bucket (one decode kernel per run).
    - `allreduce` (DeepSpeed's compressed all-reduce): the blocks each rank owns go to their owner (all-to-all); each
      owner decodes its `W` contributions in rank order, averages them, compresses the mean again with its own
      (owner-side) residual, and the owners' messages are all-gathered and decoded by every rank.
@@ -93,7 +93,7 @@ class Collectives:
         self.world_size = state.world_size if world_size is None else world_size
         self.rank = state.rank if rank is None else rank
         self.stats = state.stats
-        # gloo's all-gather moves large tensors at a third of the speed of its send/recv (measured on loopback)
+        # gloo's all-gather moves large tensors several times slower than its send/recv (benchmarks/LOG.md)
         self.point_to_point = self.world_size > 1 and dist.get_backend(self.group) == "gloo"
 
     def _timed(self, start: float) -> None:

@@ -186,6 +186,13 @@ def run_ddp(mode, dtype=torch.bfloat16, steps=6):
 def run_all() -> dict:
     """Every scenario in both modes; needs an initialized gloo process group."""
     results = {"world_size": dist.get_world_size()}
+    isend, sent = dist.isend, []
+
+    def counted_isend(*args, **kwargs):  # gloo's all-gathers go as send/recv pairs (see hook.Collectives)
+        sent.append(kwargs.get("group_dst"))
+        return isend(*args, **kwargs)
+
+    dist.isend = counted_isend
     for mode in ("allreduce", "allgather"):
         for density, bits in ((0.1, 4), (0.3, 8), (0.2, 16), (0.15, 32), (1.0, 4), (1.0, 2), (0.2, 2)):
             results[f"fake/{mode}/{density}/{bits}"] = run_fake(mode, density, bits)
@@ -194,6 +201,8 @@ def run_all() -> dict:
         results[f"fake_adam/{mode}"] = run_fake(mode, 1.0, 8, adam=True)
         results[f"nonfinite/{mode}"] = run_fake(mode, 0.15, 4, inject_step=3)
         results[f"ddp_bf16/{mode}"] = run_ddp(mode)
+    dist.isend = isend
+    results["send_peers"] = sorted(set(sent))
     return results
 
 
