@@ -117,7 +117,7 @@ class Collectives:
         if out is None:
             out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         mine = tensor.contiguous().view(-1)
-        if self.point_to_point:  # every rank sends its part to every other one: the bytes of a ring all-gather
+        if self.point_to_point and mine.device.type == "cpu":  # each rank's part to every other: a ring's bytes
             parts = out.view(self.world_size, -1)
             if mine.data_ptr() != parts[self.rank].data_ptr():
                 parts[self.rank].copy_(mine)
