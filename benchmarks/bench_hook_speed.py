@@ -7,7 +7,8 @@
 
 Models: a tiny Llama (hidden 256, 4 layers, vocab 8192: 6.3M parameters in 38 tensors, 29 compressed); the LoRA r=8
 adapters of SmolLM2-135M (2.4M parameters in 420 tensors: the many-small-tensors case); with `--large`, SmolLM2-135M's
-full parameter set (134.5M in 272 tensors: the large-tensor case). Each step is one bucket holding every gradient.
+full parameter set (134.5M in 272 tensors: the large-tensor case). Each step is one bucket holding every gradient, or
+with `--bucket_mb 25` DDP's buckets (25 MiB, the first one 1 MiB), handed to the hook one after the other.
 
 - `W=1`: `compress_locally` and the hook in one process: the sender's work (error feedback, scales, codes, message)
   and the decode of its own message; collectives are no-ops.
@@ -59,6 +60,11 @@ class SpeedArguments:
     compile: bool = field(default=True, metadata={"help": "Compile the codec's kernels (false: eager)."})
     baselines: bool = field(default=True, metadata={"help": "Also time torch's fp16 and PowerSGD r4 hooks (W>1)."})
     steps: int = field(default=10, metadata={"help": "Timed steps per measurement (after 2 untimed ones)."})
+    bucket_mb: float = field(
+        default=0.0,
+        metadata={"help": "Split each step's gradients into DDP-like buckets of this many MiB (the first one 1 MiB, "
+                          "as DDP's); 0: one bucket holding every gradient."},
+    )  # fmt: skip
     threads: int = field(default=1, metadata={"help": "torch intra-op threads (W=1)."})
     device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (W=1 only on CUDA)."})
     world_sizes: str = field(default="1,2", metadata={"help": "Comma-separated world sizes (2: torchrun, gloo)."})
@@ -116,6 +122,24 @@ def _grads(params, rank, device):
     return [torch.randn(p.shape, generator=generator).mul_(1e-3).to(device) for p in params]
 
 
+def buckets(params, grads, bucket_mb: float) -> list[FakeBucket]:
+    """
+    The gradients of `params` (in DDP's order: the model's reversed), in buckets of `bucket_mb` MiB as DDP fills them
+    (the first one capped at 1 MiB); one bucket when `bucket_mb` is 0.
+    """
+    groups, size, cap = [[]], 0, 1 << 20
+    for param, grad in zip(params, grads):
+        if bucket_mb and groups[-1] and size + grad.numel() * grad.element_size() > cap:
+            groups.append([])
+            size, cap = 0, bucket_mb * (1 << 20)
+        groups[-1].append((param, grad))
+        size += grad.numel() * grad.element_size()
+    return [
+        FakeBucket([p for p, _ in group], [g for _, g in group], index=i, last=i == len(groups) - 1)
+        for i, group in enumerate(groups)
+    ]
+
+
 def measure(model, plan, args, mode: str, hook: bool, device) -> tuple[float, float, float, float]:
     """
     Median seconds per step in the hook (or `compress_locally`), in its collectives, and of CPU time (this thread) in
@@ -135,17 +159,18 @@ def measure(model, plan, args, mode: str, hook: bool, device) -> tuple[float, fl
         for p, g in zip(params, grads):
             p.grad = g.clone()
         before = state.totals()["comm_ms"]
-        if hook:  # one bucket, in DDP's (reverse) order, built before the clock starts
+        if hook:  # DDP's buckets, built before the clock starts
             ordered = list(reversed(params))
-            bucket = FakeBucket(ordered, [p.grad for p in ordered], index=0, last=True)
+            step_buckets = buckets(ordered, [p.grad for p in ordered], args.bucket_mb)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if state.world_size > 1:  # the ranks start together, as they leave a DDP backward pass together
             torch.distributed.barrier()
         start, start_cpu = time.perf_counter(), time.thread_time()
         if hook:
-            with torch.no_grad():  # as DDP calls its communication hooks
-                grpo_comm_hook(state, bucket).wait()
+            with torch.no_grad():  # as DDP calls its communication hooks: bucket after bucket, then waits
+                futures = [grpo_comm_hook(state, bucket) for bucket in step_buckets]
+                torch.futures.wait_all(futures)
         else:
             compress_locally(state, model)  # as a training loop calls it: after backward, autograd on
         if device.type == "cuda":
@@ -189,12 +214,12 @@ def measure_torch_hook(model, kind: str, args) -> tuple[float, float, float]:
     dist.all_reduce = timed_all_reduce
     try:
         for step in range(args.steps + warm):
-            bucket = FakeBucket(params, [g.clone() for g in grads], index=0, last=True)
+            step_buckets = buckets(params, [g.clone() for g in grads], args.bucket_mb)
             in_comm[0] = 0.0
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.thread_time()
             with torch.no_grad():
-                hook(state, bucket).wait()
+                torch.futures.wait_all([hook(state, bucket) for bucket in step_buckets])
             if step >= warm:
                 times.append(time.perf_counter() - start)
                 cpu.append(time.thread_time() - start_cpu)
@@ -266,7 +291,8 @@ def main():
     load = os.getloadavg()
     lines = [
         f"density {args.density}, {args.bits} bits, scales {args.scales}, codec "
-        f"{'compiled' if args.compile else 'eager'} (first compile {compile_s:.1f} s), {args.device}, median of "
+        f"{'compiled' if args.compile else 'eager'} (first compile {compile_s:.1f} s), {args.device}, "
+        f"{f'{args.bucket_mb:g} MiB buckets' if args.bucket_mb else 'one bucket'}, median of "
         f"{args.steps} steps; W=1 with {args.threads} thread(s), W>1 one thread per rank; load average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end",
         "",

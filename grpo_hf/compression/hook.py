@@ -28,7 +28,8 @@ completes then; DDP waits for all of them at the end of the backward pass), then
 3. Exchange, by `state.mode`:
    - `allgather`: all-gather the bucket's messages (on gloo as a send and a receive per pair of ranks: the bytes of a
      ring all-gather, faster than gloo's own all-gather); every rank decodes the `W` messages in rank order, its own
-     included, and writes the average, times the scale, into the bucket (one decode kernel per run).
+     included, and writes the average, times the scale, into the bucket (one decode kernel per run). Two buckets
+     are under way at once: while one bucket's messages travel, the next is encoded and the previous decoded.
    - `allreduce` (DeepSpeed's compressed all-reduce): the blocks each rank owns go to their owner (all-to-all); each
      owner decodes its `W` contributions in rank order, averages them, compresses the mean again with its own
      (owner-side) residual, and the owners' messages are all-gathered and decoded by every rank.
@@ -54,20 +55,23 @@ entry; `ratio_* = baseline / bytes_sent` (higher is better).
 - Call [`GRPOCommState.bind`] with the model before the first backward, and `register_comm_hook` once per DDP
   object (a second call raises). Use one state per DDP model.
 - The plan, `mode` and `dense_warmup_steps` must be identical on every rank: the collectives' sizes derive from them.
-- Collectives run synchronously, all at the last bucket, in the same order on every rank (torch's `powerSGD_hook`,
-  which chains collectives in future callbacks, was seen to desynchronize at `W = 4` on gloo). The price: the
-  communication does not overlap with the backward pass.
+- Collectives start at the last bucket, from the hook's own thread, in the same order on every rank (torch's
+  `powerSGD_hook`, which chains collectives in future callbacks, was seen to desynchronize at `W = 4` on gloo). The
+  price: the communication does not overlap with the backward pass, only with the encoding and decoding of other
+  buckets.
 - Memory per compressed entry and rank: the bf16 residual (2 bytes); with gradient scales and an optimizer without
   `exp_avg_sq` (or none attached), the fp32 EMA of its square (4 bytes); in `allreduce` mode also the bf16 residual
   of the owned blocks (`2 / W` bytes). Work buffers, kept from step to step, hold one bucket's bf16 scales (2 bytes per
   entry) and messages (`bits / 8` bytes per entry); while a bucket is exchanged, the all-gather's result (`W * bits /
-  8` bytes per entry) exists besides; new residuals pass through a scratch of
+  8` bytes per entry, for the two buckets under way at once) exists besides; new residuals pass through a scratch of
   [`~grpo_hf.compression.codec.ENCODE_CHUNK`] entries. Compiling the kernels costs a fixed amount of host memory for
   torch.compile itself.
 - Sparse gradients (`nn.Embedding(sparse=True)`), FSDP and DeepSpeed are not supported.
 """
 
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +87,9 @@ from .traffic import allgather_bytes, allreduce_bytes, alltoall_bytes
 
 _FLAG_BYTES = 8  # the step's non-finite flag (int64)
 _SIZE_BYTES = 8  # one message size (int64)
+# Buckets whose all-gather may be under way at once (`allgather` mode): while one bucket's messages travel, the next
+# bucket is encoded and the previous one decoded. Each holds its own work buffers until it is decoded.
+_IN_FLIGHT = 2
 
 
 class Collectives:
@@ -100,19 +107,28 @@ class Collectives:
         self.stats.comm_ms += (time.perf_counter() - start) * 1000
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.world_size > 1:
-            start = time.perf_counter()
-            dist.all_reduce(tensor, op=op, group=self.group)
-            self._timed(start)
-        return tensor
+        return self.start_all_reduce(tensor, op).wait()
+
+    def start_all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> "Started":
+        """An in-place all-reduce of `tensor`, under way; `wait()` returns `tensor`."""
+        if self.world_size == 1:
+            return Started(self, [], tensor)
+        start = time.perf_counter()
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        self._timed(start)
+        return Started(self, [work], tensor)
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """
         `[W, *tensor.shape]`: every rank's `tensor`, in rank order (equal sizes on every rank), written into `out`
         (`W * tensor.numel()` entries) when given; `tensor` may be this rank's part of `out` (gathered in place).
         """
+        return self.start_all_gather(tensor, out).wait()
+
+    def start_all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None, tag: int = 0) -> "Started":
+        """[`all_gather`], under way; `wait()` returns its result. `tag` tells apart send/recv pairs under way at once."""
         if self.world_size == 1:
-            return tensor.unsqueeze(0) if out is None else out.view(1, *tensor.shape)
+            return Started(self, [], tensor.unsqueeze(0) if out is None else out.view(1, *tensor.shape))
         start = time.perf_counter()
         if out is None:
             out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
@@ -124,14 +140,12 @@ class Collectives:
             works = []
             for peer in range(self.world_size):
                 if peer != self.rank:
-                    works.append(dist.isend(mine, group=self.group, group_dst=peer))
-                    works.append(dist.irecv(parts[peer], group=self.group, group_src=peer))
-            for work in works:
-                work.wait()
+                    works.append(dist.isend(mine, group=self.group, group_dst=peer, tag=tag))
+                    works.append(dist.irecv(parts[peer], group=self.group, group_src=peer, tag=tag))
         else:
-            dist.all_gather_into_tensor(out, mine, group=self.group)
+            works = [dist.all_gather_into_tensor(out, mine, group=self.group, async_op=True)]
         self._timed(start)
-        return out.view(self.world_size, *tensor.shape)
+        return Started(self, works, out.view(self.world_size, *tensor.shape))
 
     def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """`all_to_all_single` with uneven splits: `send_splits[j]` elements go to rank `j`."""
@@ -142,6 +156,22 @@ class Collectives:
         dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
         self._timed(start)
         return recv
+
+
+class Started:
+    """A collective under way: [`wait`] returns its result; the time spent waiting counts as communication."""
+
+    def __init__(self, collectives: Collectives, works: list, result: torch.Tensor):
+        self.collectives, self.works, self.result = collectives, works, result
+
+    def wait(self) -> torch.Tensor:
+        if self.works:
+            start = time.perf_counter()
+            for work in self.works:
+                work.wait()
+            self.works = []
+            self.collectives._timed(start)
+        return self.result
 
 
 @dataclass
@@ -258,15 +288,22 @@ def _run_step(state: GRPOCommState, comm: Collectives, buckets: list[_Bucket], c
         flag = torch.tensor([int(not all_safe([b.buffer for b in buckets]))], device=buckets[0].buffer.device)
         unsafe = bool(comm.all_reduce(flag, op=dist.ReduceOp.MAX).item())
         stats.bytes_sent += allreduce_bytes(_FLAG_BYTES, count_as)
-    for bucket, layout in zip(buckets, layouts):
+    under_way = deque()  # the finishing steps of the buckets whose all-gather is under way, oldest first
+    for index, (bucket, layout) in enumerate(zip(buckets, layouts)):
         stats.baseline(bucket.buffer.numel(), count_as)
         if plain or unsafe:
             comm.all_reduce(bucket.buffer).div_(comm.world_size)
             stats.bytes_sent += allreduce_bytes(bucket.buffer.numel() * bucket.buffer.element_size(), count_as)
             stats.kept += bucket.buffer.numel()
             continue
-        exchange = _allgather if state.mode == "allgather" else _allreduce
-        exchange(state, comm, layout, bucket, count_as)
+        if state.mode == "allreduce":
+            _allreduce(state, comm, layout, bucket, count_as)
+            continue
+        under_way.append(_allgather(state, comm, layout, bucket, count_as, slot=index % _IN_FLIGHT))
+        if len(under_way) == _IN_FLIGHT:  # its slot is the next bucket's
+            under_way.popleft()()
+    while under_way:
+        under_way.popleft()()
     if plain:
         if not all_safe([b.buffer for b in buckets]):  # the same answer on every rank: the buffers are averaged
             unsafe = True
@@ -283,12 +320,14 @@ class _DenseTensors:
     def __init__(self, comm: Collectives, stats, buffer: torch.Tensor, dense: tuple, count_as: int):
         self.pieces = [buffer[start : start + numel] for start, numel in dense]
         self.vector = torch.cat(self.pieces).float() if self.pieces else None  # (a copy: the pieces are views)
+        self.world_size = comm.world_size
         if self.vector is not None:
-            comm.all_reduce(self.vector).div_(comm.world_size)
+            self.reduced = comm.start_all_reduce(self.vector)
             stats.dense(self.vector.numel(), count_as)
 
     def write(self) -> None:
         if self.vector is not None:
+            self.reduced.wait().div_(self.world_size)
             torch._foreach_copy_(self.pieces, list(torch.split(self.vector, [p.numel() for p in self.pieces])))
 
 
@@ -448,20 +487,26 @@ def _decode(state: GRPOCommState, spec, messages, nblocks: int, scale, divide, o
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _allgather(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bucket: _Bucket, count_as: int):
-    """Every rank's messages to every rank; each rank decodes them all in rank order, into the bucket."""
+def _allgather(
+    state: GRPOCommState, comm: Collectives, layout: BucketLayout, bucket: _Bucket, count_as: int, slot: int = 0
+) -> Callable[[], None]:
+    """
+    Every rank's messages to every rank; each rank decodes them all in rank order, into the bucket. Encodes the bucket
+    and starts its all-gather (into work buffers of its own `slot`, one per bucket under way); returns the function
+    that waits for it and decodes.
+    """
     stats, world_size, device = state.stats, comm.world_size, bucket.buffer.device
     fixed = [_message_size(run.spec, run.num_blocks) for run in layout.runs]
-    payload = None
-    if all(size is not None for size in fixed):  # sizes known: encode straight into this rank's part of the gather
+    payload, fixed_sizes = None, all(size is not None for size in fixed)
+    if fixed_sizes:  # sizes known: encode straight into this rank's part of the gather
         total = sum(fixed)
-        gathered = state.buffer("gathered", world_size * total, device, torch.uint8)
+        gathered = state.buffer(("gathered", slot), world_size * total, device, torch.uint8)
         payload = gathered[comm.rank * total : (comm.rank + 1) * total]
         slots = _split(payload, fixed)
     messages, scales, offset = [], [], 0
     for index, run in enumerate(layout.runs):
         rows = run.rows(bucket.buffer)
-        scale, ema = state.scales_for(run, _params(run, bucket), device, offset)
+        scale, ema = state.scales_for(run, _params(run, bucket), device, offset, slot)
         offset += run.length
         residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
         message, new_residual = _encode(state, run.spec, rows, residual, scale, run.num_values(),
@@ -471,29 +516,36 @@ def _allgather(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         scales.append((scale, ema))
         stats.kept += min(run.num_values(), run.numel)
     dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
-    if payload is not None:
-        gathered = comm.all_gather(payload, gathered)  # in place: the input is this rank's part of the output
+    if fixed_sizes:  # in place: the input is this rank's part of the output
+        exchange = comm.start_all_gather(payload, gathered, tag=slot)
         stats.bytes_sent += allgather_bytes(payload.numel(), count_as)
-        per_rank = [_split(gathered[r], fixed) for r in range(world_size)]
     else:  # sizes depend on the data: announce each rank's total, pad to the longest, read the messages' headers
         payload = torch.cat(messages)
         totals = comm.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device)).view(-1).tolist()
         stats.bytes_sent += allgather_bytes(_SIZE_BYTES, count_as)
         longest = max(totals)
-        gathered = comm.all_gather(torch.nn.functional.pad(payload, (0, longest - payload.numel())))
+        exchange = comm.start_all_gather(torch.nn.functional.pad(payload, (0, longest - payload.numel())), tag=slot)
         stats.bytes_sent += allgather_bytes(longest, count_as)
-        runs = [(run.spec, run.num_blocks) for run in layout.runs]
-        per_rank = [_walk(gathered[r], runs) for r in range(world_size)]
-    for index, (run, (scale, ema)) in enumerate(zip(layout.runs, scales)):
-        out = run.rows(bucket.buffer) if run.in_place else None
-        values, new_ema = _decode(state, run.spec, [per_rank[r][index] for r in range(world_size)], run.num_blocks,
-                                  scale, world_size, out, ema)  # fmt: skip
-        if out is None:
-            run.write(bucket.buffer, values)
-        if new_ema is not None:
-            state.squares.replace(run.key, run.slots, new_ema)
-            state.ema_updated = True
-    dense.write()
+
+    def finish() -> None:
+        gathered = exchange.wait()
+        if fixed_sizes:
+            per_rank = [_split(gathered[r], fixed) for r in range(world_size)]
+        else:
+            runs = [(run.spec, run.num_blocks) for run in layout.runs]
+            per_rank = [_walk(gathered[r], runs) for r in range(world_size)]
+        for index, (run, (scale, ema)) in enumerate(zip(layout.runs, scales)):
+            out = run.rows(bucket.buffer) if run.in_place else None
+            values, new_ema = _decode(state, run.spec, [per_rank[r][index] for r in range(world_size)],
+                                      run.num_blocks, scale, world_size, out, ema)  # fmt: skip
+            if out is None:
+                run.write(bucket.buffer, values)
+            if new_ema is not None:
+                state.squares.replace(run.key, run.slots, new_ema)
+                state.ema_updated = True
+        dense.write()
+
+    return finish
 
 
 def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bucket: _Bucket, count_as: int):
