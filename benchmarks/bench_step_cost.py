@@ -23,13 +23,20 @@ of GRPO and PowerSGD's start iteration; each launch's own median is kept too), t
 DDP's all-reduce, the hook's own count), and the step time **projected** on a real link: measured step + bytes / link
 speed, at 1, 10 and 100 Gbit/s (loopback transfers are nearly free, so the measured step is almost all compute; the
 projection ignores any overlap of communication with the backward pass). Ratios are to `trainer` of the same model.
-The table is printed and written to `<output_dir>/step_cost.md`, the figures to `<output_dir>/step_cost.json`.
+
+A second table sets GRPO's projected step against the plain Trainer's and the fp16 hook's: the difference of the
+medians, with a 95% interval from a two-level bootstrap (launches drawn with replacement, then each drawn launch's
+timed steps), so that "beats" and "loses" are only said when the interval excludes zero. Both tables are printed and
+written to `<output_dir>/step_cost.md`, the figures to `<output_dir>/step_cost.json`. `--resume` keeps each launch
+whose result exists for the same job and commit, so that a long run can be done in pieces.
 """
 
 import json
 import os
+import random
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -52,6 +59,7 @@ MODELS = {
 }  # fmt: skip
 ROWS = ("trainer", "grpo", "grpo-none", "fp16", "powersgd-r4")
 LINKS_GBIT = (1, 10, 100)
+BOOTSTRAP_DRAWS = 2000
 GRPO_WARMUP = 3  # GRPOConfig's 2 dense steps, then the first compressed one (it compiles the codec if needed)
 
 
@@ -65,6 +73,9 @@ class CostArguments:
         default=2, metadata={"help": "Launches per row, in rounds over the rows; their timed steps are pooled."}
     )
     timeout: int = field(default=3600, metadata={"help": "Seconds before a row's launch is killed."})
+    resume: bool = field(
+        default=False, metadata={"help": "Keep each launch whose result exists for the same job at the same commit."}
+    )
 
 
 def _skipped(row: str) -> int:
@@ -147,6 +158,7 @@ def worker(job_path: str) -> None:
     if dist.get_rank() == 0:
         timed = steps[_skipped(row) :]
         result = {
+            "job": job,
             "model": job["model"],
             "row": row,
             "world_size": world_size,
@@ -187,7 +199,7 @@ def run_rows(args: CostArguments) -> list[dict]:
     unknown = [row for row in rows if row not in ROWS]
     if unknown:
         raise SystemExit(f"unknown row {unknown[0]!r}: use {', '.join(ROWS)}.")
-    results = []
+    results, commit = [], _commit()
     for model in args.models.split(","):
         if model not in MODELS:
             raise SystemExit(f"unknown model {model!r}: use {', '.join(MODELS)}.")
@@ -198,7 +210,14 @@ def run_rows(args: CostArguments) -> list[dict]:
                 name = f"{model}-{row}-{repeat}"
                 job_path, result_path = out / f"{name}.job.json", out / f"{name}.json"
                 job = {"model": model, "row": row, "steps": args.steps, "info": info, "output_dir": str(out),
-                       "result_path": str(result_path)}  # fmt: skip
+                       "result_path": str(result_path), "commit": commit}  # fmt: skip
+                if args.resume and result_path.exists():
+                    kept = json.loads(result_path.read_text())
+                    if kept.get("job") == job and commit is not None:
+                        launches[row].append(kept)
+                        print(f"{model:<10} {row:<12} {kept['median_step_s']:.3f} s/step (kept)", flush=True)
+                        continue
+                result_path.unlink(missing_ok=True)
                 job_path.write_text(json.dumps(job))
                 run = run_torchrun(HERE / "bench_step_cost.py", nproc=2, timeout=args.timeout,
                                    env={"GRPO_COST_JOB": str(job_path)}, log_path=job_path.with_suffix(".log"))  # fmt: skip
@@ -208,6 +227,17 @@ def run_rows(args: CostArguments) -> list[dict]:
                 print(f"{model:<10} {row:<12} {launches[row][-1]['median_step_s']:.3f} s/step", flush=True)
         results += [pooled(launches[row]) for row in rows]
     return results
+
+
+def _commit() -> str | None:
+    """The repository's commit, with `+` when the tree has changes (`--resume` then keeps nothing); `None` outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                               capture_output=True, text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def pooled(launches: list[dict]) -> dict:
@@ -247,6 +277,51 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _timed_steps(row: dict) -> list[list[float]]:
+    """A pooled row's timed step times, one list per launch."""
+    return [[s["step_s"] for s in steps[_skipped(row["row"]) :]] for steps in row["per_step"]]
+
+
+def _resampled_medians(row: dict, rng: random.Random, draws: int) -> list[float]:
+    """Medians of the row's step times over `draws` two-level bootstrap samples: launches, then steps in each."""
+    launches, medians = _timed_steps(row), []
+    for _ in range(draws):
+        sample = []
+        for steps in rng.choices(launches, k=len(launches)):
+            sample += rng.choices(steps, k=len(steps))
+        medians.append(statistics.median(sample))
+    return medians
+
+
+def comparisons(results: list[dict], baselines=("trainer", "fp16"), draws: int = BOOTSTRAP_DRAWS) -> str:
+    """
+    The markdown table of GRPO's projected step minus each baseline's (ms, on the measured step and at each link
+    speed), with 95% bootstrap intervals and what they say: `beats` (the interval is below zero), `loses` (above) or
+    `tie`. Seeded: the same results give the same table.
+    """
+    header = ["model", "GRPO against", "measured step"] + [f"@ {g} Gbit/s" for g in LINKS_GBIT]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    by_key = {(r["model"], r["row"]): r for r in results}
+    for model in dict.fromkeys(r["model"] for r in results):
+        grpo = by_key.get((model, "grpo"))
+        for name in baselines:
+            base = by_key.get((model, name))
+            if grpo is None or base is None or "per_step" not in grpo or "per_step" not in base:
+                continue
+            rng = random.Random(0)
+            ours, theirs = _resampled_medians(grpo, rng, draws), _resampled_medians(base, rng, draws)
+            cells = [model, name]
+            for gbit in (None, *LINKS_GBIT):
+                extra = 0.0 if gbit is None else (grpo["bytes_per_step"] - base["bytes_per_step"]) * 8 / (gbit * 1e9)
+                point = grpo["median_step_s"] - base["median_step_s"] + extra
+                spread = sorted(a - b + extra for a, b in zip(ours, theirs))
+                low, high = spread[int(0.025 * draws)], spread[int(0.975 * draws) - 1]
+                verdict = "beats" if high < 0 else "loses" if low > 0 else "tie"
+                cells.append(f"{1e3 * point:+.0f} ms [{1e3 * low:+.0f}, {1e3 * high:+.0f}] {verdict}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     from transformers import HfArgumentParser
 
@@ -261,7 +336,7 @@ def main():
         f"step + bytes sent / link speed (a projection, not a measurement); load average at the end {load[0]:.2f} "
         f"{load[1]:.2f} {load[2]:.2f}"
     )
-    text = f"{note}\n\n{table(results)}\n"
+    text = f"{note}\n\n{table(results)}\n\nGRPO's step minus the baseline's (95% bootstrap interval)\n\n{comparisons(results)}\n"
     print("\n" + text)
     (out / "step_cost.md").write_text(text)
     summary = {"command": "python benchmarks/bench_step_cost.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),

@@ -40,3 +40,54 @@ def test_bench_step_cost_smoke_run(tmp_path):
     assert 0 < rows["grpo"]["bytes_per_step"] < rows["trainer"]["bytes_per_step"]
     assert rows["grpo"]["grpo_totals"]["steps"] > rows["grpo"]["grpo_totals"]["dense_steps"]  # the codec ran
     assert "| tiny-llama | grpo |" in (tmp_path / "step_cost.md").read_text()
+
+
+def _cost_row(model: str, row: str, launches: list[list[float]], bytes_per_step: float) -> dict:
+    """A pooled `bench_step_cost.py` row from step times per launch (the first, untimed steps included)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_step_cost import _skipped
+
+    per_step = [[{"step_s": 9.9, "bytes": 0.0}] * _skipped(row) + [{"step_s": s, "bytes": 0.0} for s in steps]
+                for steps in launches]  # fmt: skip
+    timed = [s for steps in launches for s in steps]
+    return {"model": model, "row": row, "median_step_s": sorted(timed)[len(timed) // 2],
+            "bytes_per_step": bytes_per_step, "per_step": per_step}  # fmt: skip
+
+
+def test_step_cost_comparisons_say_beats_only_outside_the_noise():
+    """GRPO's projected step against a baseline: `loses` / `beats` when the interval excludes zero, else `tie`."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_step_cost import comparisons
+
+    steady = [[1.00, 1.01, 0.99, 1.00, 1.02, 0.98] * 3] * 3
+    slower = [[s + 0.1 for s in launch] for launch in steady]
+    noisy = [[1.00, 1.30, 0.75, 1.10, 0.90, 1.20] * 3, [0.8, 1.25, 1.05, 0.95, 1.15, 0.85] * 3]
+    results = [
+        _cost_row("m", "trainer", steady, 1e9),  # 8 s per step at 1 Gbit/s, 0.8 at 10, 0.08 at 100
+        _cost_row("m", "grpo", slower, 1e8),  # 100 ms slower, a tenth of the bytes
+        _cost_row("m", "fp16", noisy, 1e8),
+    ]
+    lines = comparisons(results, draws=400).splitlines()
+    trainer = next(line for line in lines if "| trainer |" in line).split(" | ")
+    fp16 = next(line for line in lines if "| fp16 |" in line).split(" | ")
+    assert trainer[2].startswith("+100 ms") and trainer[2].endswith("loses")  # the measured step
+    assert trainer[3].endswith("beats") and trainer[4].endswith("beats")  # 1 and 10 Gbit/s: 7.2 s and 0.72 s saved
+    assert trainer[5].rstrip(" |").endswith("loses")  # 100 Gbit/s: 72 ms saved, 100 ms lost
+    assert fp16[2].endswith("tie")  # same bytes, step times spread far wider than the difference
+    assert comparisons(results, draws=400) == comparisons(results, draws=400)  # seeded
+
+
+def test_hook_speed_buckets_are_ddps():
+    """`bench_hook_speed.py --bucket_mb`: the first bucket is capped at 1 MiB, then `bucket_mb`; 0 is one bucket."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+    from bench_hook_speed import buckets
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (200_000, 100_000, 300_000, 700_000, 50_000)]
+    grads = [torch.full((p.numel(),), float(i)) for i, p in enumerate(params)]
+    split = buckets(params, grads, bucket_mb=4)  # 4 MiB = 1,048,576 fp32 entries
+    assert [[p.numel() for p in b.parameters()] for b in split] == [[200_000], [100_000, 300_000], [700_000, 50_000]]
+    assert [b.is_last() for b in split] == [False, False, True] and [b.index() for b in split] == [0, 1, 2]
+    assert torch.equal(split[1].buffer(), torch.cat(grads[1:3]))
+    assert len(buckets(params, grads, bucket_mb=0)) == 1
