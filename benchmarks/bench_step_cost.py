@@ -244,7 +244,7 @@ def pooled(launches: list[dict]) -> dict:
     """One row from its launches: timed steps pooled for the median, the largest peak RSS of each rank."""
     timed = [s for launch in launches for s in launch["per_step"][_skipped(launch["row"]) :]]
     return {
-        **launches[0],
+        **{key: value for key, value in launches[0].items() if key != "job"},  # (its paths are this machine's)
         "launches": len(launches),
         "median_step_s": statistics.median(s["step_s"] for s in timed),
         "median_step_s_by_launch": [launch["median_step_s"] for launch in launches],

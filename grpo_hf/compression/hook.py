@@ -61,9 +61,9 @@ entry; `ratio_* = baseline / bytes_sent` (higher is better).
   buckets.
 - Memory per compressed entry and rank: the bf16 residual (2 bytes); with gradient scales and an optimizer without
   `exp_avg_sq` (or none attached), the fp32 EMA of its square (4 bytes); in `allreduce` mode also the bf16 residual
-  of the owned blocks (`2 / W` bytes). Work buffers, kept from step to step, hold one bucket's bf16 scales (2 bytes per
-  entry) and messages (`bits / 8` bytes per entry); while a bucket is exchanged, the all-gather's result (`W * bits /
-  8` bytes per entry, for the two buckets under way at once) exists besides; new residuals pass through a scratch of
+  of the owned blocks (`2 / W` bytes). Work buffers, kept from step to step, hold for each bucket under way (two at
+  once in `allgather` mode) its bf16 scales (2 bytes per entry, with gradient scales) and every rank's messages
+  (`W * bits / 8` bytes per entry); new residuals pass through a scratch of
   [`~grpo_hf.compression.codec.ENCODE_CHUNK`] entries. Compiling the kernels costs a fixed amount of host memory for
   torch.compile itself.
 - Sparse gradients (`nn.Embedding(sparse=True)`), FSDP and DeepSpeed are not supported.
@@ -118,12 +118,12 @@ class Collectives:
         self._timed(start)
         return Started(self, [work], tensor)
 
-    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None, tag: int = 0) -> torch.Tensor:
         """
         `[W, *tensor.shape]`: every rank's `tensor`, in rank order (equal sizes on every rank), written into `out`
         (`W * tensor.numel()` entries) when given; `tensor` may be this rank's part of `out` (gathered in place).
         """
-        return self.start_all_gather(tensor, out).wait()
+        return self.start_all_gather(tensor, out, tag).wait()
 
     def start_all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None, tag: int = 0) -> "Started":
         """[`all_gather`], under way; `wait()` returns its result. `tag` tells apart send/recv pairs under way at once."""
@@ -521,7 +521,8 @@ def _allgather(
         stats.bytes_sent += allgather_bytes(payload.numel(), count_as)
     else:  # sizes depend on the data: announce each rank's total, pad to the longest, read the messages' headers
         payload = torch.cat(messages)
-        totals = comm.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device)).view(-1).tolist()
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        totals = comm.all_gather(size, tag=slot).view(-1).tolist()  # (the other slot's tag may be under way)
         stats.bytes_sent += allgather_bytes(_SIZE_BYTES, count_as)
         longest = max(totals)
         exchange = comm.start_all_gather(torch.nn.functional.pad(payload, (0, longest - payload.numel())), tag=slot)
