@@ -299,8 +299,8 @@ def _run_step(state: GRPOCommState, comm: Collectives, buckets: list[_Bucket], c
         if state.mode == "allreduce":
             _allreduce(state, comm, layout, bucket, count_as)
             continue
-        under_way.append(_allgather(state, comm, layout, bucket, count_as, slot=index % _IN_FLIGHT))
-        if len(under_way) == _IN_FLIGHT:  # its slot is the next bucket's
+        under_way.append(_allgather(state, comm, layout, bucket, count_as, lane=index % _IN_FLIGHT))
+        if len(under_way) == _IN_FLIGHT:  # its lane is the next bucket's
             under_way.popleft()()
     while under_way:
         under_way.popleft()()
@@ -488,11 +488,11 @@ def _decode(state: GRPOCommState, spec, messages, nblocks: int, scale, divide, o
 
 
 def _allgather(
-    state: GRPOCommState, comm: Collectives, layout: BucketLayout, bucket: _Bucket, count_as: int, slot: int = 0
+    state: GRPOCommState, comm: Collectives, layout: BucketLayout, bucket: _Bucket, count_as: int, lane: int = 0
 ) -> Callable[[], None]:
     """
     Every rank's messages to every rank; each rank decodes them all in rank order, into the bucket. Encodes the bucket
-    and starts its all-gather (into work buffers of its own `slot`, one per bucket under way); returns the function
+    and starts its all-gather (into the work buffers of its `lane`, one per bucket under way); returns the function
     that waits for it and decodes.
     """
     stats, world_size, device = state.stats, comm.world_size, bucket.buffer.device
@@ -500,13 +500,13 @@ def _allgather(
     payload, fixed_sizes = None, all(size is not None for size in fixed)
     if fixed_sizes:  # sizes known: encode straight into this rank's part of the gather
         total = sum(fixed)
-        gathered = state.buffer(("gathered", slot), world_size * total, device, torch.uint8)
+        gathered = state.buffer(("gathered", lane), world_size * total, device, torch.uint8)
         payload = gathered[comm.rank * total : (comm.rank + 1) * total]
         slots = _split(payload, fixed)
     messages, scales, offset = [], [], 0
     for index, run in enumerate(layout.runs):
         rows = run.rows(bucket.buffer)
-        scale, ema = state.scales_for(run, _params(run, bucket), device, offset, slot)
+        scale, ema = state.scales_for(run, _params(run, bucket), device, offset, lane)
         offset += run.length
         residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
         message, new_residual = _encode(state, run.spec, rows, residual, scale, run.num_values(),
@@ -517,15 +517,15 @@ def _allgather(
         stats.kept += min(run.num_values(), run.numel)
     dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
     if fixed_sizes:  # in place: the input is this rank's part of the output
-        exchange = comm.start_all_gather(payload, gathered, tag=slot)
+        exchange = comm.start_all_gather(payload, gathered, tag=lane)
         stats.bytes_sent += allgather_bytes(payload.numel(), count_as)
     else:  # sizes depend on the data: announce each rank's total, pad to the longest, read the messages' headers
         payload = torch.cat(messages)
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-        totals = comm.all_gather(size, tag=slot).view(-1).tolist()  # (the other slot's tag may be under way)
+        totals = comm.all_gather(size, tag=lane).view(-1).tolist()  # (the other lane's tag may be under way)
         stats.bytes_sent += allgather_bytes(_SIZE_BYTES, count_as)
         longest = max(totals)
-        exchange = comm.start_all_gather(torch.nn.functional.pad(payload, (0, longest - payload.numel())), tag=slot)
+        exchange = comm.start_all_gather(torch.nn.functional.pad(payload, (0, longest - payload.numel())), tag=lane)
         stats.bytes_sent += allgather_bytes(longest, count_as)
 
     def finish() -> None:

@@ -447,18 +447,18 @@ class GRPOCommState:
         self.sources[key] = (state, found[0], found[-1], [squares.view(-1) for squares in found])
         return self.sources[key][3]
 
-    def scales_for(self, run: Run, params: list[nn.Parameter], device, offset: int = 0, slot: int = 0):
+    def scales_for(self, run: Run, params: list[nn.Parameter], device, offset: int = 0, lane: int = 0):
         """
         The run's gradient scales for this step and where they come from, as `(scale, ema)` `[blocks, B]` rows:
         `scale` the bf16 per-entry scales ([`~grpo_hf.compression.codec.entry_scales`]; `None`: no scaling this step),
         `ema` this state's EMA row to update (`None` when the optimizer provides the estimate or scaling is off).
         `params` are the parameters of `run.covered`. The scales are written into the work buffer `"scales"` of
-        `slot` (one per bucket under way) at `offset` (several runs of a bucket hold theirs at once).
+        `lane` (one per bucket under way) at `offset` (several runs of a bucket hold theirs at once).
         """
         if not self.scale_gradients:
             return None, None
         block = run.spec.block_size
-        scale = self.buffer(("scales", slot), offset + run.length, device, torch.bfloat16)[offset:].view(-1, block)
+        scale = self.buffer(("scales", lane), offset + run.length, device, torch.bfloat16)[offset:].view(-1, block)
         sources = self.optimizer_squares(params)
         if sources is not None:
             if run.names[0] in self.squares.values:
