@@ -213,7 +213,7 @@ def run_rows(args: CostArguments) -> list[dict]:
                        "result_path": str(result_path), "commit": commit}  # fmt: skip
                 if args.resume and result_path.exists():
                     kept = json.loads(result_path.read_text())
-                    if kept.get("job") == job and commit is not None:
+                    if kept.get("job") == job and commit is not None and not commit.endswith("+"):
                         launches[row].append(kept)
                         print(f"{model:<10} {row:<12} {kept['median_step_s']:.3f} s/step (kept)", flush=True)
                         continue
@@ -310,16 +310,22 @@ def comparisons(results: list[dict], baselines=("trainer", "fp16"), draws: int =
                 continue
             rng = random.Random(0)
             ours, theirs = _resampled_medians(grpo, rng, draws), _resampled_medians(base, rng, draws)
+            spread = sorted(a - b for a, b in zip(ours, theirs))  # the measured steps; a link adds a constant
             cells = [model, name]
             for gbit in (None, *LINKS_GBIT):
                 extra = 0.0 if gbit is None else (grpo["bytes_per_step"] - base["bytes_per_step"]) * 8 / (gbit * 1e9)
                 point = grpo["median_step_s"] - base["median_step_s"] + extra
-                spread = sorted(a - b + extra for a, b in zip(ours, theirs))
-                low, high = spread[int(0.025 * draws)], spread[int(0.975 * draws) - 1]
+                low, high = spread[int(0.025 * draws)] + extra, spread[int(0.975 * draws) - 1] + extra
                 verdict = "beats" if high < 0 else "loses" if low > 0 else "tie"
                 cells.append(f"{1e3 * point:+.0f} ms [{1e3 * low:+.0f}, {1e3 * high:+.0f}] {verdict}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def report(results: list[dict]) -> str:
+    """Both tables: the rows ([`table`]), then GRPO against the baselines ([`comparisons`])."""
+    caption = "GRPO's step minus the baseline's, with a 95% bootstrap interval (launches, then steps):"
+    return f"{table(results)}\n\n{caption}\n\n{comparisons(results)}"
 
 
 def main():
@@ -336,7 +342,7 @@ def main():
         f"step + bytes sent / link speed (a projection, not a measurement); load average at the end {load[0]:.2f} "
         f"{load[1]:.2f} {load[2]:.2f}"
     )
-    text = f"{note}\n\n{table(results)}\n\nGRPO's step minus the baseline's (95% bootstrap interval)\n\n{comparisons(results)}\n"
+    text = f"{note}\n\n{report(results)}\n"
     print("\n" + text)
     (out / "step_cost.md").write_text(text)
     summary = {"command": "python benchmarks/bench_step_cost.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),

@@ -173,13 +173,10 @@ def hook_speed() -> str:
 def step_cost() -> str:
     """`benchmarks/bench_step_cost.py`: step time, peak memory and bytes, measured side by side; projected links."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_step_cost import comparisons, table
+    from bench_step_cost import report
 
     result = _read(RESULTS / "step_cost.json")
-    return (
-        f"{table(result['rows'])}\n\nGRPO's step minus the baseline's, with a 95% bootstrap interval (launches, then "
-        f"steps):\n\n{comparisons(result['rows'])}\n\n`{result['command']}` ({result['date']}; {result['note']})."
-    )
+    return f"{report(result['rows'])}\n\n`{result['command']}` ({result['date']}; {result['note']})."
 
 
 def fsdp2() -> str:
