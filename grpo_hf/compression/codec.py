@@ -22,6 +22,13 @@ Every rank decodes every message, its own included, with the same kernel, so all
 | 2    | `sign(x)` where `|x| > absmax / 2`, else 0        | `absmax`                       | 4 + 16 + (non-zero) / 8    |
 | 16   | `x / 2**e` in fp16, `e` from `absmax`'s exponent  | `2**e`                         | 4 + 256 bytes              |
 
+A block whose step would lie below [`STEP_FLOOR`] (the smallest normal fp32; at 8 bits an absmax below
+`127 * STEP_FLOOR`, about 1.5e-36) is sent as zeros with absmax 0 and keeps its entries in the residual, exactly:
+`1 / step` would overflow to inf there and make NaN codes. Error feedback produces such blocks by itself: a block that
+had one gradient and then none (the input-embedding row of a token absent from the next batches, an expert that is not
+routed) shrinks its residual by up to `2 * 127` per step at 8 bits. Finite input below [`SAFE_MAGNITUDE`] therefore
+always gives finite codes, absmax and residual.
+
 A message is the fp32 absmax of its blocks followed by the codes (4 bits: low nibble first; 2 bits: a bitmap of the
 non-zero codes, then one sign bit per non-zero code, set = negative, little-endian), padded to 16 bytes. Its size is
 fixed by the number of blocks, except at 2 bits, where a 16-byte header (`int32` size) comes first. Top-k messages
@@ -54,6 +61,7 @@ logger = logging.getLogger(__name__)
 SCALE_FLOOR = 1e-3  # an entry's gradient scale is at least this fraction of the largest scale of its block
 SQUARES_FLOOR = 1e-30  # and at least sqrt(this): a block without any estimate gets one constant scale (= no scaling)
 SAFE_MAGNITUDE = 2.0**60  # gradients at or above this (or NaN/Inf) send their step dense: every value stays finite
+STEP_FLOOR = torch.finfo(torch.float32).tiny  # the smallest normal fp32: a block's step is this or more, or 0
 MESSAGE_ALIGN = 16  # bytes: messages are padded so that each one starts aligned (fp32 views, vector loads)
 _QMAX = {8: 127, 4: 7}
 ENCODE_CHUNK = 1 << 20  # entries per call of the in-place encode (its scratch: 2 MiB of bf16 residual)
@@ -96,14 +104,18 @@ def _exponent16(absmax: torch.Tensor) -> torch.Tensor:
 def _quantize(x: torch.Tensor, bits: int):
     """Codes (as fp32 integers, or fp16 values at 16 bits), absmax `[n, 1]` and the step `[n, 1]` of `[n, B]` blocks."""
     absmax = x.abs().amax(dim=1, keepdim=True)
-    if bits == 2:
-        return torch.where(x.abs() > absmax * 0.5, torch.sign(x), 0.0), absmax, absmax
-    if bits == 16:
+    if bits == 16:  # the step 2**e is normal for every absmax (e is clamped to [-126, 126])
         exponent = _exponent16(absmax)
         return (x * _pow2(-exponent)).to(torch.float16), absmax, _pow2(exponent)
-    qmax = _QMAX[bits]
+    # A block whose step would be subnormal (or zero) is sent as zeros, with absmax 0: its `1 / step` would overflow
+    # to inf and `0 * inf` is NaN. Its entries (all below qmax * STEP_FLOOR) stay in the residual, exactly.
+    qmax = _QMAX.get(bits, 1)
+    sent = absmax >= qmax * STEP_FLOOR
+    absmax = torch.where(sent, absmax, 0.0)
+    if bits == 2:
+        return torch.where(sent & (x.abs() > absmax * 0.5), torch.sign(x), 0.0), absmax, absmax
     step = absmax / qmax
-    q = torch.round(x * torch.where(step > 0, 1.0 / step, 1.0)).clamp(-qmax, qmax)
+    q = torch.round(x * torch.where(sent, 1.0 / step, 0.0)).clamp(-qmax, qmax)
     return q, absmax, step
 
 
@@ -514,6 +526,7 @@ __all__ = [
     "BlockMessages",
     "Kernels",
     "SAFE_MAGNITUDE",
+    "STEP_FLOOR",
     "all_safe",
     "code_shape",
     "compile_kernels",
