@@ -36,7 +36,6 @@ import os
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from revision import commit  # noqa: E402
 from suite import POWERSGD_START, parse_row, torch_hook_trainer  # noqa: E402
 from tasks import TASKS, Task, build_model, prepare  # noqa: E402
 
@@ -199,7 +199,7 @@ def run_rows(args: CostArguments) -> list[dict]:
     unknown = [row for row in rows if row not in ROWS]
     if unknown:
         raise SystemExit(f"unknown row {unknown[0]!r}: use {', '.join(ROWS)}.")
-    results, commit = [], _commit()
+    results, revision = [], commit()
     for model in args.models.split(","):
         if model not in MODELS:
             raise SystemExit(f"unknown model {model!r}: use {', '.join(MODELS)}.")
@@ -210,10 +210,10 @@ def run_rows(args: CostArguments) -> list[dict]:
                 name = f"{model}-{row}-{repeat}"
                 job_path, result_path = out / f"{name}.job.json", out / f"{name}.json"
                 job = {"model": model, "row": row, "steps": args.steps, "info": info, "output_dir": str(out),
-                       "result_path": str(result_path), "commit": commit}  # fmt: skip
+                       "result_path": str(result_path), "commit": revision}  # fmt: skip
                 if args.resume and result_path.exists():
                     kept = json.loads(result_path.read_text())
-                    if kept.get("job") == job and commit is not None and not commit.endswith("+"):
+                    if kept.get("job") == job and revision is not None and not revision.endswith("+"):
                         launches[row].append(kept)
                         print(f"{model:<10} {row:<12} {kept['median_step_s']:.3f} s/step (kept)", flush=True)
                         continue
@@ -227,17 +227,6 @@ def run_rows(args: CostArguments) -> list[dict]:
                 print(f"{model:<10} {row:<12} {launches[row][-1]['median_step_s']:.3f} s/step", flush=True)
         results += [pooled(launches[row]) for row in rows]
     return results
-
-
-def _commit() -> str | None:
-    """The repository's commit, with `+` when the tree has changes (`--resume` then keeps nothing); `None` outside git."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
-                               capture_output=True, text=True, check=True)  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def pooled(launches: list[dict]) -> dict:

@@ -1,12 +1,13 @@
-"""The benchmark suite: every setting that becomes a default is measured on five tasks and several seeds.
+"""The benchmark suite: every setting that becomes a default is measured on seven tasks and several seeds.
 
     python benchmarks/suite.py comm --output_dir runs/suite_comm          # compression under 2-process DDP (gloo)
     python benchmarks/suite.py comm --quick                               # 2 seeds, the from-scratch tasks
     python benchmarks/suite.py lr --output_dir runs/suite_lr              # per-group learning rates, one process
     python benchmarks/suite.py comm --tasks llama-scratch --rows dense,q4s --seeds 0 --output_dir /tmp/x
 
-Tasks: see `benchmarks/tasks.py` (two tiny models trained from scratch, LoRA and full fine-tunes of SmolLM2-135M, a
-LoRA classification fine-tune of MiniLM). Rows are compared with a baseline on the same seeds: `dense` (GRPOTrainer
+Tasks: see `benchmarks/tasks.py` (three tiny models trained from scratch, one with untied embeddings; LoRA and full
+fine-tunes of SmolLM2-135M; a LoRA classification fine-tune of MiniLM; a 120-step full fine-tune of a pre-trained tiny
+Llama with untied embeddings). Rows are compared with a baseline on the same seeds: `dense` (GRPOTrainer
 with compression off) in the `comm` suite, `trainer` (the plain Trainer at the task's learning rate) in the `lr`
 suite. Per task and row: the metric's ratio to the baseline per seed (perplexity; accuracy is a difference in
 points), their geometric mean, the worst seed and a 95% t-interval over seeds; bytes per rank against dense fp32 over
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests"))  # the test helpers (testing_utils), kept out of the wheel
 
+from revision import commit  # noqa: E402
 from tasks import TASKS, Task, build_model, compute_accuracy, prepare  # noqa: E402
 
 
@@ -380,6 +382,8 @@ def run_row(
     if comm_state is not None:
         result["grpo_totals"] = comm_state.totals()
         result["grpo_mode"] = comm_state.mode
+    if row["kind"] == "grpo":
+        result["skipped_steps"] = trainer.grpo_callback.nonfinite_steps  # optimizer steps skipped as NaN/Inf
     trainer.accelerator.free_memory()
     del trainer, model
     gc.collect()
@@ -413,6 +417,7 @@ def worker(job_path: str) -> None:
                 gathered = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, sum(s["bytes"] for s in result["per_step"]))
                 result["bytes_by_rank"] = gathered
+            result["commit"] = job.get("commit")
             if rank == 0:
                 tmp = out.with_suffix(".tmp")
                 tmp.write_text(json.dumps(result, indent=1))
@@ -517,6 +522,9 @@ def summarize(suite: str, results: dict[str, dict[str, dict[int, dict]]], baseli
                 statistics.fmean(x["step_s"] for x in by_seed[s]["per_step"][warm:] or by_seed[s]["per_step"])
                 for s in seeds
             )
+            skipped = [by_seed[s].get("skipped_steps") for s in seeds]
+            if all(k is not None for k in skipped):
+                entry["skipped_steps"] = dict(zip(seeds, skipped))
             if suite == "lr":
                 reach = [first_step_reaching(by_seed[s]["eval_history"], base[s]["eval_loss"]) for s in seeds]
                 entry["steps_to_baseline"] = dict(zip(seeds, reach))
@@ -530,8 +538,8 @@ def markdown(suite: str, summary: dict, baseline: str) -> str:
     header = f"| task | row | seeds | {metric}: geomean | worst seed | 95% CI | per seed |"
     align = "|---|---|---:|---:|---:|---|---|"
     if suite == "comm":
-        header += " bytes vs fp32 (run) | (steady) | step s |"
-        align += "---:|---:|---:|"
+        header += " bytes vs fp32 (run) | (steady) | step s | skipped steps |"
+        align += "---:|---:|---:|---:|"
     else:
         header += " steps to baseline |"
         align += "---|"
@@ -545,7 +553,9 @@ def markdown(suite: str, summary: dict, baseline: str) -> str:
             cells = [task, name, str(len(e["seeds"])), f"{e['geomean']:.3f}", f"{e['worst']:.3f}", ci, per_seed]
             if suite == "comm":
                 steady = e.get("steady_bytes_ratio")
-                cells += [f"{e['bytes_ratio']:.1f}x", f"{steady:.1f}x" if steady else "-", f"{e['step_s']:.2f}"]
+                skipped = e.get("skipped_steps")
+                cells += [f"{e['bytes_ratio']:.1f}x", f"{steady:.1f}x" if steady else "-", f"{e['step_s']:.2f}",
+                          "-" if skipped is None else str(sum(skipped.values()))]  # fmt: skip
             else:
                 reach = e["steps_to_baseline"]
                 cells.append(" ".join("-" if reach[s] is None else str(reach[s]) for s in e["seeds"]))
@@ -609,7 +619,7 @@ def main() -> None:
         args.row_list.insert(0, baseline)
     world_size = args.world_size if args.suite == "comm" else 1
     out.mkdir(parents=True, exist_ok=True)
-    start = time.time()
+    start, revision = time.time(), commit()
     for name in tasks:
         task = TASKS[name]
         rows = [r for r in args.row_list if not (r.startswith("loraplus") and not task.lora)]
@@ -624,7 +634,7 @@ def main() -> None:
             job = {"suite": args.suite, "task": name, "info": info, "rows": rows, "seeds": [seed],
                    "results_dir": str(results_dir), "output_dir": str(out), "world_size": world_size,
                    "task_overrides": {"max_steps": args.max_steps} if args.max_steps else {},
-                   "eval_points": args.eval_points}  # fmt: skip
+                   "eval_points": args.eval_points, "commit": revision}  # fmt: skip
             launch(job, results_dir / f"_job-seed{seed}.json", args.timeout)
     results = {}
     for name in tasks:

@@ -7,6 +7,16 @@
 | `smollm2-lora` | SmolLM2-135M-Instruct (pretrained, offline) | LoRA r=8 | stdlib source, 128 tokens | perplexity |
 | `smollm2-full` | SmolLM2-135M-Instruct | every parameter (134.5M) | stdlib docstrings (prose), 64 tokens | perplexity |
 | `minilm-cls` | all-MiniLM-L6-v2 (pretrained encoder, offline) | LoRA r=8 + head | BBC News, 5 classes | accuracy, loss |
+| `llama-untied` | Llama 1.1M (hidden 64, 2 layers, **untied** embeddings, vocabulary 8192), from scratch, 300 steps | all | stdlib source, 64 tokens | perplexity |
+| `llama-finetune` | Llama 2.6M (hidden 128, 4 layers, **untied**), pre-trained on stdlib source, fine-tuned 120 steps | all | stdlib docstrings (prose), 128 tokens | perplexity |
+
+The last two see what the first five cannot. `llama-untied` has the layout of most Llama, Mistral and Qwen models above
+1B (input embeddings not tied to the output layer), and a vocabulary 8 times a batch's 1,024 tokens: most input
+embedding rows get no gradient in a step, so their error-feedback residuals decay for many steps in a row (where the
+codec once underflowed). `llama-finetune` is a fine-tune long enough for error feedback to matter (120 optimizer
+steps; SmolLM2-135M for as many steps would take about eight minutes per run and row on this machine's two cores, too
+long for every row and seed): the pre-trained model is built once, in the launching process, by a plain `Trainer`
+(`pretrain_*` fields), and every row and seed fine-tunes that same model on another corpus.
 
 Every task is built the same way for every row and seed: the same initialization for a seed (LoRA adapters and new
 heads included), the same data order, the same steps. `prepare` builds and saves the tokenized data once (in the
@@ -36,8 +46,11 @@ class Task:
     warmup_steps: int
     weight_decay: float = 0.0
     corpus: str = "source"
-    shape: dict = field(default_factory=dict)  # hidden_size, layers, heads, vocab_size of the tiny models
+    shape: dict = field(default_factory=dict)  # hidden_size, layers, heads, vocab_size (, tie) of the tiny models
     eval_size: int = 32768  # held-out tokens (lm) or examples (cls, all of the held-out split)
+    pretrain_steps: int = 0  # > 0: the tiny model is first pre-trained (seed 0, one process) on `pretrain_corpus`
+    pretrain_corpus: str = "source"
+    pretrain_learning_rate: float = 2e-3
 
     def training_arguments(self, world_size: int) -> dict:
         """The `TrainingArguments` values every row of this task shares (the per-rank batch for `world_size`)."""
@@ -78,6 +91,17 @@ TASKS = {
         Task(
             "minilm-cls", "cls", "minilm", True, max_steps=60, batch_size=16, seq_len=128,
             learning_rate=1e-3, warmup_steps=6, eval_size=0,
+        ),
+        Task(
+            "llama-untied", "lm", "tiny-llama", False, max_steps=300, batch_size=16, seq_len=64,
+            learning_rate=3e-3, warmup_steps=20,
+            shape={"hidden_size": 64, "layers": 2, "heads": 4, "vocab_size": 8192, "tie": False},
+        ),
+        Task(
+            "llama-finetune", "lm", "tiny-llama", False, max_steps=120, batch_size=16, seq_len=128,
+            learning_rate=5e-4, warmup_steps=10, corpus="docstrings",
+            shape={"hidden_size": 128, "layers": 4, "heads": 4, "vocab_size": 4096, "tie": False},
+            pretrain_steps=400,
         ),
     )
 }  # fmt: skip
@@ -121,8 +145,35 @@ def prepare(task: Task, data_dir: Path, world_size: int) -> dict:
         "pad_token_id": tokenizer.pad_token_id,
         "data": meta,
     }
+    if task.pretrain_steps:
+        info["pretrained_path"] = pretrain(task, tokenizer, info, folder / "pretrained")
     info_path.write_text(json.dumps(info, indent=1))
     return info
+
+
+def pretrain(task: Task, tokenizer, info: dict, folder: Path) -> str:
+    """
+    Pre-train the task's tiny model (seed 0) on `task.pretrain_corpus` with a plain `Trainer` in this process, once;
+    the model is saved to `folder`, which every row and seed fine-tunes from.
+    """
+    from transformers import Trainer, TrainingArguments
+
+    from grpo_hf.harness.data import build_lm_datasets
+
+    tokens = task.pretrain_steps * task.batch_size * task.seq_len + task.seq_len
+    train, _, _ = build_lm_datasets(tokenizer, seq_len=task.seq_len, kind=task.pretrain_corpus, max_train_tokens=tokens,
+                                    max_eval_tokens=task.seq_len)  # fmt: skip
+    model = build_model(Task(**{**task.__dict__, "pretrain_steps": 0}), info, seed=0)
+    args = TrainingArguments(
+        output_dir=str(folder.parent / "pretrain-tmp"), max_steps=task.pretrain_steps,
+        learning_rate=task.pretrain_learning_rate, lr_scheduler_type="cosine", warmup_steps=task.pretrain_steps // 20,
+        per_device_train_batch_size=task.batch_size, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+        disable_tqdm=True, logging_steps=max(1, task.pretrain_steps // 4),
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=train)
+    trainer.train()
+    model.save_pretrained(str(folder))
+    return str(folder)
 
 
 def build_tokenizer(task: Task):
@@ -181,8 +232,13 @@ def build_model(task: Task, info: dict, seed: int):
 
     from grpo_hf.harness import models, offline_models
 
+    if task.pretrain_steps:  # the same pre-trained model for every row and seed
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(info["pretrained_path"]).train()
     if task.model in ("tiny-llama", "tiny-gpt2"):
         builder = models.tiny_llama if task.model == "tiny-llama" else models.tiny_gpt2
+        untied = {"tie_word_embeddings": False} if task.shape.get("tie") is False else {}
         return builder(
             info["vocab_size"],
             hidden_size=task.shape["hidden_size"],
@@ -192,6 +248,7 @@ def build_model(task: Task, info: dict, seed: int):
             seed=seed,
             eos_token_id=info["eos_token_id"],
             pad_token_id=info["pad_token_id"],
+            **untied,
         )
     if task.model == "smollm2":
         model = offline_models.load_smollm2()[0]
