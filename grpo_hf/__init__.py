@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .compression import GRPOCommState, grpo_comm_hook
     from .config import GRPOConfig
     from .cost.callback import CostCallback
-    from .errors import CheckpointError, ConfigError, GroupConfigError, GRPOInputError, OutputDirError
+    from .errors import CheckpointError, ConfigError, GroupConfigError, GRPOError, GRPOInputError, OutputDirError
     from .files import atomic_write
     from .grouping import GroupRule, GroupSpec, assign_groups, load_group_spec
     from .importance import ImportanceState, normalised_multipliers
@@ -35,6 +35,7 @@ _EXPORTS = {
     "GRPOCallback": "callbacks",
     "GRPOCommState": "compression",
     "GRPOConfig": "config",
+    "GRPOError": "errors",
     "GRPOInputError": "errors",
     "GRPOMixin": "trainer",
     "GRPOTrainer": "trainer",
@@ -56,6 +57,7 @@ __all__ = [
     "GRPOCallback",
     "GRPOCommState",
     "GRPOConfig",
+    "GRPOError",
     "GRPOInputError",
     "GRPOMixin",
     "GRPOTrainer",

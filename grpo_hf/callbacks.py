@@ -25,6 +25,7 @@ from .engines import (
     shard_groups,
     sum_over_shards,
 )
+from .errors import GRPOError
 from .grouping import ParameterGroup
 from .importance import ImportanceState
 
@@ -50,7 +51,10 @@ class GRPOCallback(TrainerCallback):
        as they are, the gradients are dropped so that `optimizer.step` changes no parameter and no optimizer state
        (with an fp16 `GradScaler`, the scaler skips the step itself), the skip is logged (a warning and
        `grpo/nonfinite_steps`), and training goes on; the compression hook has already left its residuals and scales
-       unchanged. Otherwise: [`~grpo_hf.importance.ImportanceState.update`] -> multipliers; each optimizer param group
+       unchanged. Two cases stop the run instead, with a [`~grpo_hf.errors.GRPOError`] that names the step, the
+       groups and parameters holding NaN/Inf, and whether they were so before or after the codec: the
+       `max_consecutive_skips`-th skipped step in a row (a run that cannot progress), and a NaN/Inf after a step whose
+       finite input went through the codec (a bug: the codec never makes NaN from finite input). Otherwise: [`~grpo_hf.importance.ImportanceState.update`] -> multipliers; each optimizer param group
        tagged `grpo_group` gets `lr = scheduler_lr * ratio_g * m_g` (`ratio_g` the group's fixed LR ratio, `m_g` its
        importance multiplier, 1 when importance scaling is off).
     2. `on_optimizer_step`: the scheduler's learning rates are put back, so multipliers never compound, whatever the
@@ -67,6 +71,8 @@ class GRPOCallback(TrainerCallback):
             [`~grpo_hf.grouping.lr_ratios`]), applied whether or not the multipliers are.
         drop_nonfinite_gradients (`bool`, *optional*, defaults to `True`): drop the gradients of a non-finite step
             so that the optimizer skips it; `GRPOMixin` turns it off when an fp16 `GradScaler` skips such steps.
+        max_consecutive_skips (`int`, *optional*, defaults to `8`): stop the run when this many optimizer steps in a
+            row were skipped as non-finite (`0`: never stop).
 
     Groups and importance state given here or later with [`~GRPOCallback.bind`] (`GRPOMixin` binds them to the model
     it trains). Set `resume_from` to a checkpoint folder before training to restore the GRPO state saved there at
@@ -87,13 +93,16 @@ class GRPOCallback(TrainerCallback):
         apply_multipliers: bool = True,
         lr_ratios: dict[str, float] | None = None,
         drop_nonfinite_gradients: bool = True,
+        max_consecutive_skips: int = 8,
     ):
         self.drop_nonfinite_gradients = drop_nonfinite_gradients
+        self.max_consecutive_skips = max_consecutive_skips
         self.cost_callback = None  # set by GRPOMixin: its counted figures are checkpointed with the GRPO state
         self.resume_from: str | None = None
         self.metrics: dict[str, list[float]] = {}  # key -> [sum, count] over the logging window
         self._scheduler_lrs: list[float] | None = None
         self._backward_end: float | None = None
+        self._nonfinite_params: list[tuple[str, str]] | None = None  # see mark_backward_end
         self._latencies_ms: deque[float] = deque(maxlen=100)
         self._warned: set[str] = set()
         self.probe: OptimizerStepProbe | None = None
@@ -117,6 +126,7 @@ class GRPOCallback(TrainerCallback):
         self.lr_ratios = dict(lr_ratios or {})
         self.comm_state = comm_state
         self.nonfinite_steps = 0
+        self.consecutive_skips = 0
         self.metrics.clear()
         self._latencies_ms.clear()
         self._shard_keys: list[list[tuple]] | None = None  # per group and parameter: its shard process groups
@@ -171,8 +181,22 @@ class GRPOCallback(TrainerCallback):
 
     # --- per step ---
     def mark_backward_end(self) -> None:
-        """Called by the trainer after the backward of the last micro-batch (communication included)."""
+        """
+        Called by the trainer after the backward of the last micro-batch (communication included), before clipping.
+        After a skipped step, notes which parameters hold NaN/Inf now: clipping by a NaN norm spreads it to every
+        gradient, so a later report could not name them.
+        """
         self._backward_end = time.perf_counter()
+        self._nonfinite_params = self._find_nonfinite_params() if self.consecutive_skips else None
+
+    def _find_nonfinite_params(self) -> list[tuple[str, str]]:
+        """`(group, parameter)` names of the gradients holding a NaN or an Inf (this rank's shards under FSDP2)."""
+        return [
+            (group.name, name)
+            for group in self.groups
+            for name, param in zip(group.param_names, group.params)
+            if param.grad is not None and not bool(torch.isfinite(local_tensor(param.grad)).all())
+        ]
 
     def group_grad_norms(self) -> torch.Tensor:
         """L2 norm of each group's gradient (float64; 0 for a group without gradients this step)."""
@@ -245,6 +269,7 @@ class GRPOCallback(TrainerCallback):
         if not finite:
             self._skip_nonfinite_step(state, norms)
             return
+        self.consecutive_skips = 0
         coherence = None
         if self.importance.kind == "coherence":
             if optimizer is None:
@@ -283,7 +308,12 @@ class GRPOCallback(TrainerCallback):
 
     def _skip_nonfinite_step(self, state, norms: torch.Tensor) -> None:
         self.nonfinite_steps += 1
+        self.consecutive_skips += 1
         bad = [name for name, norm in zip(self.importance.names, norms.tolist()) if not math.isfinite(norm)]
+        sent = getattr(self.comm_state, "last_step", None)  # the DDP hook's and compress_locally's state only
+        codec_made_it = sent == "compressed"
+        if codec_made_it or 0 < self.max_consecutive_skips <= self.consecutive_skips:
+            raise GRPOError(self._nonfinite_report(state, bad, sent))
         if self.drop_nonfinite_gradients:
             for group in self.groups:
                 for param in group.params:
@@ -294,6 +324,38 @@ class GRPOCallback(TrainerCallback):
                 f"{', '.join(bad)}): the step is skipped (no parameter, optimizer state, importance score or "
                 f"compression residual changes); {self.nonfinite_steps} step(s) skipped so far."
             )
+
+    def _nonfinite_report(self, state, bad_groups: list[str], sent: str | None) -> str:
+        """Why the run stops: the step, the groups and parameters holding NaN/Inf, before or after the codec."""
+        step = state.global_step + 1 if state else "?"
+        found = self._nonfinite_params  # before clipping, when noted (see mark_backward_end)
+        if not found:
+            found = self._find_nonfinite_params()
+        if found:
+            bad_groups = list(dict.fromkeys(group for group, _ in found))
+        params = [name for _, name in found]
+        shown = ", ".join(params[:8]) + (f" and {len(params) - 8} more" if len(params) > 8 else "")
+        where = f"groups {', '.join(bad_groups)}" + (f"; parameters {shown}" if params else "")
+        if sent == "compressed":
+            return (
+                f"GRPO: the compression codec made NaN/Inf gradients from finite ones at optimizer step {step} "
+                f"({where}). This is a bug of grpo_hf, not of your run: please report it with your GRPOConfig's "
+                "grpo_* fields. grpo_compression='none' trains without the codec meanwhile."
+            )
+        if sent == "nonfinite":
+            origin = (
+                "They were NaN/Inf (or of magnitude 2**60 or more) before the codec, as the backward pass made them on "
+                "at least one rank, and were sent uncompressed"
+            )
+        elif sent == "dense":
+            origin = "They were NaN/Inf before the codec (a dense warm-up step: no compression)"
+        else:
+            origin = "They were NaN/Inf as the backward pass and gradient synchronization made them (no GRPO codec)"
+        return (
+            f"GRPO: {self.consecutive_skips} optimizer steps in a row had NaN/Inf gradients and were skipped, up to "
+            f"step {step} ({where}): the run cannot progress. {origin}. Lower the learning rate, check the data and "
+            "the loss, or use bf16 instead of fp16; grpo_max_consecutive_skips=0 skips such steps without stopping."
+        )
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if optimizer is not None and self._scheduler_lrs is not None:
@@ -382,6 +444,7 @@ class GRPOCallback(TrainerCallback):
             "world_size": world_size,
             "rank": rank,
             "nonfinite_steps": self.nonfinite_steps,
+            "consecutive_skips": self.consecutive_skips,
             "importance": self.importance.state_dict(),
             "comm": self.comm_state.state_dict() if self.comm_state is not None else None,
             "cost": self.cost_callback.counted_state() if self.cost_callback is not None else None,
@@ -415,6 +478,7 @@ class GRPOCallback(TrainerCallback):
         if saved is None:
             return False
         self.nonfinite_steps = int(saved.get("nonfinite_steps", 0))
+        self.consecutive_skips = int(saved.get("consecutive_skips", 0))
         if self.cost_callback is not None and saved.get("cost") is not None:
             self.cost_callback.resume_counts(saved["cost"])
         return True

@@ -108,6 +108,10 @@ class GRPOConfig(TrainingArguments):
         grpo_min_compress_numel (`int`, *optional*, defaults to `4096`):
             Tensors with fewer elements (norms, biases) are always sent dense (DDP; FSDP2 compresses every gradient
             of a unit alike).
+        grpo_max_consecutive_skips (`int`, *optional*, defaults to `8`):
+            An optimizer step with NaN/Inf gradients is skipped (a transient overflow does not end a run), but this
+            many skipped in a row stop it with a [`~grpo_hf.errors.GRPOError`] naming the step, groups and
+            parameters; `0` never stops. Not applied under an fp16 `GradScaler`, which skips and rescales itself.
 
     Parameters that control cost accounting: see [`~grpo_hf.cost.CostSettings`] (`cost_*` prices, power, link
     speed, workers, peak TFLOP/s and grid carbon intensity), plus two settings of the comparison runner
@@ -235,6 +239,13 @@ class GRPOConfig(TrainingArguments):
         default=DEFAULT_MIN_NUMEL,
         metadata={"help": "Tensors with fewer elements (norms, biases) are always sent dense."},
     )
+    grpo_max_consecutive_skips: int = field(
+        default=8,
+        metadata={
+            "help": "Stop the run with an error after this many optimizer steps in a row skipped for NaN/Inf "
+            "gradients (0: skip them and never stop)."
+        },
+    )
     # --- cost accounting (see grpo_hf.cost.CostSettings) ---
     cost_gpu_hour_usd: float = field(
         default=2.0, metadata={"help": "Price of one device-hour in USD (machine-hour on CPU)."}
@@ -318,7 +329,12 @@ def _check_types(args) -> None:
         value = getattr(args, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             raise ConfigError(f"{name}={value!r}: use a number.")
-    for name in ("grpo_lr_scale_warmup_steps", "grpo_dense_warmup_steps", "grpo_min_compress_numel"):
+    for name in (
+        "grpo_lr_scale_warmup_steps",
+        "grpo_dense_warmup_steps",
+        "grpo_min_compress_numel",
+        "grpo_max_consecutive_skips",
+    ):
         value = getattr(args, name)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{name}={value!r}: use a whole number.")
@@ -378,6 +394,8 @@ def validate_grpo_fields(args) -> None:
         )
     if args.grpo_min_compress_numel < 0:
         raise ConfigError(f"grpo_min_compress_numel={args.grpo_min_compress_numel}: use 0 or more.")
+    if args.grpo_max_consecutive_skips < 0:
+        raise ConfigError(f"grpo_max_consecutive_skips={args.grpo_max_consecutive_skips}: use 0 (never stop) or more.")
     if args.cost_noise_rounds < 0:
         raise ConfigError(f"cost_noise_rounds={args.cost_noise_rounds}: use 0 (no noise measurement) or more, e.g. 2.")
     if args.cost_noise_window_steps < 3:

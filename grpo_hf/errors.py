@@ -17,7 +17,8 @@ upload ([`HubError`]) prints the same one line with exit status 1.
 | [`RecipeNotFoundError`] | a recipe file that does not exist (also a `FileNotFoundError`) | the path |
 | [`PublishInputError`] | a folder `grpo-hf publish` cannot publish, a malformed repository id | the folder, the id |
 
-Not input errors: [`HubError`] (no token, a refused token, an unreachable Hub) and [`EnergyMeterUnavailable`] (an
+Not input errors: [`GRPOError`] (a run that cannot go on, e.g. steps with NaN/Inf gradients many times in a
+row), [`HubError`] (no token, a refused token, an unreachable Hub) and [`EnergyMeterUnavailable`] (an
 energy meter cannot measure on this machine; [`~grpo_hf.cost.make_energy_meter`] falls back to the next one).
 """
 
@@ -66,6 +67,14 @@ class PublishInputError(HubError, GRPOInputError):
     """
 
 
+class GRPOError(RuntimeError):
+    """
+    A run cannot go on (not an input error): e.g. many optimizer steps in a row with NaN/Inf gradients, or a NaN made
+    by the compression codec from finite gradients. The message names the step, the groups and parameters, and what to
+    do.
+    """
+
+
 class EnergyMeterUnavailable(RuntimeError):
     """Raised by an energy meter's constructor when it cannot measure on this machine; the message says why."""
 
@@ -74,6 +83,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "EnergyMeterUnavailable",
+    "GRPOError",
     "GRPOInputError",
     "GroupConfigError",
     "HubError",

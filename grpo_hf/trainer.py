@@ -101,8 +101,10 @@ class GRPOMixin:
         ensure_grpo_args(self.args)
         self.grpo_engine = detect_engine(self)  # "single", "ddp", "fsdp2" or "deepspeed"
         self._grpo_probe = None  # DeepSpeed: step hooks on the optimizer ZeRO wraps
+        scaled = self.accelerator.scaler is not None  # an fp16 GradScaler skips such steps (and rescales) itself
         self.grpo_callback = GRPOCallback(
-            drop_nonfinite_gradients=self.accelerator.scaler is None,  # an fp16 GradScaler skips such steps itself
+            drop_nonfinite_gradients=not scaled,
+            max_consecutive_skips=0 if scaled else self.args.grpo_max_consecutive_skips,
         )
         self.grpo_callback.cost_callback = self.cost_callback
         self.add_callback(self.grpo_callback)

@@ -232,11 +232,11 @@ def grpo_comm_hook(state: GRPOCommState, bucket: dist.GradBucket) -> torch.futur
         state.stats.hook_ms += (time.perf_counter() - start) * 1000
         return future
     buckets, state.pending = state.pending, []
-    dense, _ = _run_step(state, Collectives(state), buckets, state.world_size)
+    dense, compressed = _run_step(state, Collectives(state), buckets, state.world_size)
     for held in buckets:
         held.future.set_result(held.buffer)
     state.stats.hook_ms += (time.perf_counter() - start) * 1000
-    state.commit_step(dense=dense)
+    state.commit_step(dense=dense, compressed=compressed)
     return future
 
 
@@ -271,7 +271,7 @@ def compress_locally(state: GRPOCommState, model: nn.Module) -> None:
         torch._foreach_copy_([p.grad.view(-1) for p in params], list(torch.split(buffer, numels)))
     state.hook_calls += 1
     state.stats.hook_ms += (time.perf_counter() - start) * 1000
-    state.commit_step(dense=dense)
+    state.commit_step(dense=dense, compressed=compressed)
 
 
 def _run_step(state: GRPOCommState, comm: Collectives, buckets: list[_Bucket], count_as: int) -> tuple[bool, bool]:

@@ -239,6 +239,7 @@ class GRPOCommState:
         "stats",
         "nonfinite",
         "ema_updated",
+        "last_step",
         "layouts",
         "bucket_starts",
         "sources",
@@ -300,6 +301,7 @@ class GRPOCommState:
         self.stats = StepStats()  # traffic of the current step
         self.nonfinite = False
         self.ema_updated = False
+        self.last_step = "none"  # how the last closed step was sent: see commit_step
         self.layouts: dict[tuple, BucketLayout] = {}  # bucket (names, sizes, offsets) -> its layout
         self.bucket_starts: dict[tuple, list[int]] = {}  # bucket (names, sizes) -> each gradient's offset in it
         self.sources: dict[tuple, tuple] = {}  # parameters -> their optimizer's exp_avg_sq (see optimizer_squares)
@@ -495,9 +497,14 @@ class GRPOCommState:
             "later ones are counted in the totals' nonfinite_steps).",
         )
 
-    def commit_step(self, dense: bool) -> None:
-        """Close an optimizer step: count its EMA update and its statistics."""
+    def commit_step(self, dense: bool, compressed: bool = False) -> None:
+        """
+        Close an optimizer step: count its EMA update and its statistics. `last_step` then says how it was sent:
+        `"nonfinite"` (a NaN/Inf, or a magnitude of `SAFE_MAGNITUDE` or more, in some rank's gradients: sent dense and
+        raw), `"compressed"` (finite input went through the codec) or `"dense"` (warm-up, or nothing to compress).
+        """
         nonfinite = self.nonfinite
+        self.last_step = "nonfinite" if nonfinite else "compressed" if compressed else "dense"
         if not nonfinite and self.ema_updated:
             self.scale_updates += 1
         self.nonfinite = self.ema_updated = False
@@ -605,6 +612,7 @@ class GRPOCommState:
         self.owner_residuals.load_state_dict(state_dict.get("owner_residuals", {}))
         self.squares.load_state_dict(state_dict.get("squares", {}))
         self.nonfinite = self.ema_updated = False
+        self.last_step = "none"
         self.pending = []
         self.stats = StepStats()
         self._window = _empty_window()
