@@ -2,8 +2,10 @@
 
 import math
 
+import hypothesis
 import pytest
 import torch
+from testing_utils import check_codec_properties, codec_cases
 
 from grpo_hf.compression import CodecSpec, codec, compress, compress_with_feedback, decompress
 from grpo_hf.compression.codec import (
@@ -206,6 +208,96 @@ def test_extreme_inputs_stay_finite(bits):
     decoded = _decode([codes], [absmax], bits, squares=squares)
     assert torch.isfinite(absmax).all() and torch.isfinite(decoded).all()
     assert torch.isfinite(new_residual.float()).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every magnitude (hypothesis): zeros, -0, subnormals, 1e-45 ... 1e30, one large entry among tiny ones
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled_kernels():
+    return compile_kernels(True)  # one instance: each compiles its variants once (dynamic in the number of blocks)
+
+
+def _check_magnitudes(kernels, case, bits):
+    grad, residual, squares = case
+    acc = grad.double() + residual.double()
+    # The hook sends a step holding SAFE_MAGNITUDE or more dense; below it, with or without scales, the contract holds
+    hypothesis.assume(squares is None or float(acc.abs().max()) < SAFE_MAGNITUDE)
+    check_codec_properties(kernels, grad, residual, squares, bits)
+
+
+@pytest.mark.parametrize("bits", BLOCK_BITS)
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(case=codec_cases())
+def test_eager_kernels_hold_their_contract_at_every_magnitude(bits, case):
+    _check_magnitudes(EAGER, case, bits)
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+@hypothesis.settings(
+    max_examples=25, deadline=None, suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture]
+)
+@hypothesis.given(case=codec_cases())
+def test_compiled_kernels_hold_their_contract_at_every_magnitude(compiled_kernels, bits, case):
+    _check_magnitudes(compiled_kernels, case, bits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
+@pytest.mark.parametrize("bits", BLOCK_BITS)
+@hypothesis.settings(
+    max_examples=300, deadline=None, suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture]
+)
+@hypothesis.given(case=codec_cases(max_blocks=12))
+def test_kernels_hold_their_contract_at_every_magnitude_many_examples(compiled_kernels, compiled, bits, case):
+    _check_magnitudes(compiled_kernels if compiled else EAGER, case, bits)
+
+
+@pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
+@pytest.mark.parametrize("bits", BLOCK_BITS)
+def test_one_gradient_then_zeros_for_200_steps(compiled_kernels, compiled, bits):
+    """
+    A block that gets one gradient and then none (an untied embedding row, an expert not routed): its residual decays
+    step after step into the subnormal range and must stay finite there, go to zero, and have sent the whole gradient.
+    """
+    kernels = compiled_kernels if compiled else EAGER
+    grad = torch.zeros(2, 128)
+    grad[0] = _randn(128) * 1e-2
+    grad[0, ::3] = 0.0  # zeros beside the decaying entries: 0 * (1 / subnormal step) was NaN
+    residual = torch.zeros(2, 128, dtype=torch.bfloat16)
+    sent = torch.zeros(2, 128, dtype=torch.float64)
+    for step in range(201):
+        codes, absmax, residual = kernels.encode(grad if step == 0 else torch.zeros_like(grad), residual, None, bits,
+                                                 in_place=True)  # fmt: skip
+        decoded, _ = kernels.decode([codes], [absmax], None, bits, 1)
+        assert torch.isfinite(decoded).all() and torch.isfinite(residual.float()).all(), f"step {step}"
+        sent += decoded.double()
+    assert float(residual.float().abs().max()) < 1e-30
+    torch.testing.assert_close(sent, grad.double(), rtol=0, atol=float(grad.abs().max()) * 2**-7)
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_fsdp2_messages_of_tiny_rows_stay_finite(bits):
+    """FSDP2's reduce-scatter encodes `rows + residual` with the same kernels: tiny blocks beside zeros decode finite."""
+    from grpo_hf.compression.fsdp import _decode as fsdp_decode
+    from grpo_hf.compression.fsdp import _encode as fsdp_encode
+
+    rows = torch.zeros(2, 300)
+    rows[0, 1::2] = 1e-38
+    rows[1, :5] = torch.tensor([1e-40, 0.0, -1e-39, 3.0, 1e-37])
+    messages, decoded = fsdp_encode(rows, bits, 128)
+    assert torch.isfinite(decoded).all() and torch.isfinite(rows - decoded).all()
+    assert torch.equal(fsdp_decode(messages, 300, bits, 128), decoded)
+
+
+def test_a_block_whose_step_is_subnormal_is_sent_as_zeros():
+    grad = torch.zeros(1, 128)
+    grad[0, 1] = 1e-37  # absmax / 127 is subnormal; grad[0, 0] = 0 made 0 * inf = NaN
+    codes, absmax, residual = EAGER.encode(grad, torch.zeros(1, 128, dtype=torch.bfloat16), None, 8)
+    assert not codes.any() and float(absmax) == 0.0
+    assert torch.equal(residual.float(), grad.bfloat16().float())  # kept, exactly
 
 
 def test_bf16_residuals_transmit_the_mass_of_fp32_ones():

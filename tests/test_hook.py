@@ -520,6 +520,36 @@ def test_compress_locally_allreduce_bytes_are_flat_in_world_size():
     assert gathered.totals()["bytes_sent"] > 10 * sent[64]
 
 
+@pytest.mark.parametrize("mode", ["allgather", "allreduce"])
+@pytest.mark.parametrize(
+    "compression, bits", [("quantize", "8"), ("quantize", "4"), ("quantize", "2"), ("sparse+quantize", "8")]
+)
+def test_an_embedding_row_with_one_gradient_decays_without_a_nan(mode, compression, bits):
+    """
+    An untied input embedding: a token seen once, then never again. Its row keeps only its residual, which decays
+    into the subnormal range within some 15 steps at 8 bits; every path that quantizes (both exchange modes, the
+    owners' re-encode of `allreduce` included, top-k) must keep it finite for 200 steps, and no step may count as
+    non-finite.
+    """
+    embedding = nn.Embedding(512, 128)
+    plan = compression_plan(embedding, compression=compression, bits=bits, min_numel=256)
+    state = GRPOCommState(plan, mode=mode, dense_warmup_steps=0)
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randn(3, 128, generator=generator)
+    weights[:, ::3] = 0.0  # zeros beside the decaying entries of a block: 0 * (1 / subnormal step) was NaN
+    for step in range(200):
+        embedding.zero_grad()
+        tokens = torch.tensor([7, 8, 9]) if step == 0 else torch.randint(100, 512, (3,), generator=generator)
+        (embedding(tokens) * weights).sum().backward()
+        compress_locally(state, embedding)
+        assert torch.isfinite(embedding.weight.grad).all(), f"step {step}"
+    assert state.totals()["nonfinite_steps"] == 0 and state.totals()["dense_steps"] == 0
+    for stored in (*state.residuals.values.values(), *state.owner_residuals.values.values()):
+        assert torch.isfinite(stored.float()).all()
+    rows = state.residuals.values["weight"].float().view(512, 128)[7:10]
+    assert float(rows.abs().max()) < 1e-30  # what the rows had was sent; the rest went to zero
+
+
 def test_compress_locally_leaves_nonfinite_grads_alone(caplog):
     model = tiny_test_llama()
     state = GRPOCommState(llama_plan(model), dense_warmup_steps=0)

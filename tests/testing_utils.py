@@ -277,11 +277,95 @@ def run_launcher(
     return TorchrunResult(returncode, stdout, stderr)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# The codec's properties over every magnitude (hypothesis; tests/test_codec.py on the CPU, tests/test_gpu.py on CUDA)
+# --------------------------------------------------------------------------------------------------------------
+
+# Powers of ten the property tests draw block magnitudes from: zeros and subnormals up to 1e30.
+CODEC_EXPONENTS = (-45, -44, -42, -40, -39, -38, -37, -36, -35, -30, -20, -10, -5, -3, -1, 0, 1, 3, 10, 20, 30)
+
+
+def codec_cases(max_blocks: int = 6, block: int = 128):
+    """
+    A hypothesis strategy of `(grad, residual, squares)` CPU tensors of `[n, block]` rows for the encode kernel: each
+    block of the gradient and of the bf16 residual has its own magnitude (`10**e`, `e` from [`CODEC_EXPONENTS`],
+    or exactly zero), a share of exact zeros (`+0.0` and `-0.0`), and maybe one large entry among the tiny ones;
+    `squares` (gradient-scale estimates) is `None` or drawn the same way (non-negative).
+    """
+    from hypothesis import strategies as st
+
+    def tensor_of(draw, rows: int, seed: int, nonnegative: bool = False) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        out = torch.empty(rows, block, dtype=torch.float64)
+        for row in range(rows):
+            magnitude = draw(st.sampled_from((0.0, *(10.0**e for e in CODEC_EXPONENTS))))
+            values = (torch.rand(block, generator=generator, dtype=torch.float64) * 2 - 1) * magnitude
+            zeros = draw(st.sampled_from((0.0, 0.5, 0.95)))
+            values[torch.rand(block, generator=generator) < zeros] = 0.0
+            values[torch.rand(block, generator=generator) < 0.05] = -0.0
+            if draw(st.booleans()):  # one large entry among tiny ones
+                values[draw(st.integers(0, block - 1))] = 10.0 ** draw(st.sampled_from(CODEC_EXPONENTS))
+            out[row] = values.abs() if nonnegative else values
+        return out.float()
+
+    @st.composite
+    def cases(draw):
+        rows = draw(st.integers(1, max_blocks))
+        seed = draw(st.integers(0, 2**31 - 1))
+        grad = tensor_of(draw, rows, seed)
+        residual = tensor_of(draw, rows, seed + 1).bfloat16() if draw(st.booleans()) else torch.zeros(rows, block)
+        squares = tensor_of(draw, rows, seed + 2, nonnegative=True) if draw(st.booleans()) else None
+        return grad, residual.bfloat16(), squares
+
+    return cases()
+
+
+def check_codec_properties(kernels, grad, residual, squares, bits: int, device="cpu") -> None:
+    """
+    The encode and decode kernels' contract on one input (finite, below `SAFE_MAGNITUDE`), on `device`:
+
+    - every output is finite: codes, absmax, the new residual, the decoded values;
+    - codes in range (8 bits: `[-127, 127]`; 4: `[-7, 7]`; 2: `{-1, 0, 1}`);
+    - error feedback loses nothing but the residual's rounding: `|acc - decoded - residual|` within bf16's rounding
+      of the residual (and fp32's of the sum), `acc = grad + residual`;
+    - at 8 and 4 bits each decoded entry lies within half a step of `acc` (in units of its scale), where the step is
+      the block's `absmax / qmax`, or within `qmax * STEP_FLOOR` for a block sent as zeros (its step is subnormal).
+    """
+    from grpo_hf.compression.codec import _QMAX, STEP_FLOOR, _unpack
+
+    grad, residual = grad.to(device), residual.to(device)
+    scale = None if squares is None else kernels.scales(squares.to(device))
+    acc = grad.double() + residual.double()
+    codes, absmax, new_residual = kernels.encode(grad, residual.clone(), scale, bits)
+    decoded, _ = kernels.decode([codes], [absmax], scale, bits, 1)
+    for name, value in (("absmax", absmax), ("residual", new_residual), ("decoded", decoded)):
+        assert torch.isfinite(value.float()).all(), f"{bits} bits: non-finite {name}"
+    if bits in _QMAX:
+        unpacked = _unpack(codes, bits)
+        assert unpacked.abs().max() <= _QMAX[bits], f"{bits} bits: a code out of range"
+    elif bits == 2:
+        assert set(codes.unique().tolist()) <= {-1, 0, 1}
+    decoded, new_residual = decoded.double(), new_residual.double()
+    lost = (acc - decoded - new_residual).abs()
+    rounding = (acc - decoded).abs() * 2.0**-8 + (acc.abs() + decoded.abs()) * 2.0**-22 + 2.0**-132
+    assert (lost <= rounding).all(), f"{bits} bits: error feedback lost {float(lost.max()):.3g}"
+    if bits in _QMAX:  # in gradient units: half a step times the entry's scale, plus fp32's rounding of the values
+        scale64 = torch.ones_like(acc) if scale is None else scale.double()
+        step = (acc / scale64).abs().amax(dim=1, keepdim=True) / _QMAX[bits]
+        half_step = torch.maximum(step * (0.5 + 2.0**-20), torch.full_like(step, _QMAX[bits] * STEP_FLOOR))
+        rounding = (acc.abs() + decoded.abs()) * 2.0**-22 + 2.0**-148  # (subnormal outputs round to 2**-149)
+        error = (acc - decoded).abs()
+        assert (error <= half_step * scale64 + rounding).all(), f"{bits} bits: an entry decoded beyond half a step"
+
+
 __all__ = [
+    "CODEC_EXPONENTS",
     "ROOT",
     "TESTS",
     "WORKER_ENV",
     "FakeBucket",
+    "check_codec_properties",
+    "codec_cases",
     "TorchrunResult",
     "free_port",
     "run_accelerate_launch",
