@@ -7,11 +7,13 @@ where the format itself must agree bit for bit (messages of given codes, top-k p
 repeat itself exactly (the decode every rank runs).
 """
 
+import hypothesis
 import pytest
 import torch
+from testing_utils import check_codec_properties, codec_cases
 
 from grpo_hf.compression import CodecSpec
-from grpo_hf.compression.codec import BlockMessages, compile_kernels
+from grpo_hf.compression.codec import SAFE_MAGNITUDE, BlockMessages, compile_kernels
 from grpo_hf.compression.sparse import TopKMessages, topk_positions
 
 
@@ -21,11 +23,40 @@ pytestmark = [
 ]
 CUDA = torch.device("cuda")
 EAGER = compile_kernels(False)
+CUDA_COMPILED = compile_kernels(True)  # one instance for the property tests: each variant compiles once
 
 
 def values(rows=300, block=128, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(rows, block, generator=generator) * torch.logspace(-3, 3, block)
+
+
+@pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
+@pytest.mark.parametrize("bits", [8, 4, 2, 16])
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(case=codec_cases())
+def test_cuda_kernels_hold_their_contract_at_every_magnitude(compiled, bits, case):
+    """The CPU's property tests (tests/test_codec.py) on CUDA: finite outputs, codes in range, error feedback."""
+    grad, residual, squares = case
+    acc = grad.double() + residual.double()
+    hypothesis.assume(squares is None or float(acc.abs().max()) < SAFE_MAGNITUDE)
+    check_codec_properties(CUDA_COMPILED if compiled else EAGER, grad, residual, squares, bits, device=CUDA)
+
+
+@pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
+@pytest.mark.parametrize("bits", [8, 4, 2, 16])
+def test_cuda_one_gradient_then_zeros_for_200_steps(compiled, bits):
+    """tests/test_codec.py's decaying block on CUDA: the residual stays finite through the subnormal range."""
+    kernels = CUDA_COMPILED if compiled else EAGER
+    grad = values(rows=2, seed=1).to(CUDA) * 1e-5
+    grad[:, ::3] = 0.0
+    residual = torch.zeros(2, 128, dtype=torch.bfloat16, device=CUDA)
+    for step in range(201):
+        codes, absmax, residual = kernels.encode(grad if step == 0 else torch.zeros_like(grad), residual, None, bits,
+                                                 in_place=True)  # fmt: skip
+        decoded, _ = kernels.decode([codes], [absmax], None, bits, 1)
+        assert torch.isfinite(decoded).all() and torch.isfinite(residual.float()).all(), f"step {step}"
+    assert float(residual.float().abs().max()) < 1e-30
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2, 16])
