@@ -214,3 +214,23 @@ def test_model_init_and_hyperparameter_search_train_the_models_they_build(tmp_pa
             assert record["all_moved"] and record["identical"]
     assert results[0]["trainings"] == results[1]["trainings"]  # the ranks agree on every trial's setting
     assert results[0]["best_objective"] > 0
+
+
+# --- untied input embeddings: a long run with the defaults ---------------------------------------------------------
+
+
+def test_untied_embeddings_train_with_the_defaults_without_a_skipped_step(tmp_path):
+    """
+    Untied input embeddings (Llama-2/3-8B, Mistral, Qwen2.5-7B): rows absent from a batch keep only their decaying
+    residual. 80 steps with GRPOTrainer's defaults skip no step and stay within 3% of the dense run's perplexity.
+    """
+    results = torchrun("untied_llama.py", tmp_path, 2, "80", timeout=400)
+    for result in results:
+        for name in ("dense", "default"):
+            record = result[name]
+            assert record["is_ddp"] and record["global_step"] == 80 and record["identical"], name
+            assert record["skipped_steps"] == 0, name
+        assert result["dense"]["compression"] == "none" and result["dense"]["hook_calls"] == 0
+        assert result["default"]["compression"] == "quantize" and result["default"]["compressed_steps"] == 78
+        assert result["ppl_ratio"] < 1.03
+    assert results[0]["ppl_ratio"] == results[1]["ppl_ratio"]
