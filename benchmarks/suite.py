@@ -42,6 +42,7 @@ _ALLGATHER = {"grpo_comm_mode": "allgather"}
 _SCALED = {"grpo_scale_gradients": True}
 COMM_ROWS = {
     "dense": {"grpo_compression": "none"},
+    "defaults": {},  # GRPOConfig's defaults as they are (the mode follows the world size)
     "q4s": {"grpo_compression": "quantize", "grpo_bits": "4", "grpo_scale_gradients": True, **_ALLGATHER},
     "q4": {"grpo_compression": "quantize", "grpo_bits": "4", "grpo_scale_gradients": False, **_ALLGATHER},
     "q8s": {"grpo_compression": "quantize", "grpo_bits": "8", "grpo_scale_gradients": True, **_ALLGATHER},
