@@ -49,6 +49,11 @@ def _read_json(value, name: str):
     """A dict, or the content of the JSON file `value` names; `ConfigError` naming `name` when it cannot be read."""
     if value is None or isinstance(value, dict):
         return value or {}
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(
+            f"{name}={value!r}: give a mapping (a dict, or a YAML mapping in a recipe) or the path of a JSON file, "
+            f"not a {type(value).__name__}."
+        )
     try:
         with open(value, encoding="utf-8") as handle:
             content = json.load(handle)
@@ -58,15 +63,47 @@ def _read_json(value, name: str):
         raise ConfigError(
             f"{name}={value!r}: invalid JSON at line {err.lineno}, column {err.colno} ({err.msg})."
         ) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{name}={value!r}: not a UTF-8 text file; give a JSON file.") from None
     if not isinstance(content, dict):
         raise ConfigError(f"{name}={value!r}: expected a JSON object, got {type(content).__name__}.")
     return content
 
 
 def fsdp_version(fsdp_config) -> int:
-    """The FSDP version of a Trainer `fsdp_config` (dict or JSON path; `version` or `fsdp_version`; default 2)."""
+    """
+    The FSDP version of a Trainer `fsdp_config` (dict or JSON path; `version` or `fsdp_version`; default 2).
+
+    Raises:
+        [`~grpo_hf.errors.ConfigError`]: the version is not a whole number (`"fsdp2"`, `2.5`, `[2]`), naming it.
+    """
     config = _read_json(fsdp_config, "fsdp_config")
-    return int(config.get("version", config.get("fsdp_version", 2)))
+    key = "version" if "version" in config else "fsdp_version"
+    version = config.get(key, 2)
+    if isinstance(version, str) and version.strip().isdigit():
+        version = int(version)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ConfigError(
+            f"fsdp_config={{{key!r}: {version!r}}}: the FSDP version is a number; GRPOTrainer runs on FSDP2, so give "
+            f"{{{key!r}: 2}} (or leave it out: 2 is transformers' default)."
+        )
+    return version
+
+
+def launched_fsdp_version(environ=None) -> str | None:
+    """
+    The FSDP version `accelerate launch` asked for (`"1"`, `"2"`), or `None` when this process was not launched with
+    FSDP.
+
+    `accelerate launch --use_fsdp` sets `ACCELERATE_USE_FSDP=true` *and* `FSDP_VERSION` for the processes it starts;
+    building an `Accelerator` with an FSDP plugin (what the Trainer does for its `fsdp` argument) sets only
+    `ACCELERATE_USE_FSDP`, for the rest of the process. That variable alone is therefore what an earlier trainer left
+    behind, not a launch setting, and says nothing about the trainer being built now.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or "FSDP_VERSION" not in environ:
+        return None
+    return environ["FSDP_VERSION"]
 
 
 def refuse_fsdp1(where: str) -> None:
@@ -114,6 +151,10 @@ def check_backends(fsdp=None, fsdp_config=None, deepspeed=None, environ=None) ->
     `accelerate launch` FSDP config), and a DeepSpeed config (the Trainer's `deepspeed`, or `accelerate launch`'s
     `deepspeed_config_file`) that [`check_deepspeed_config`] refuses. Accepts FSDP2 and DeepSpeed ZeRO 1/2/3.
 
+    Judged from these arguments and from what the launcher set ([`launched_fsdp_version`], and
+    `ACCELERATE_DEEPSPEED_CONFIG_FILE`, which only `accelerate launch` sets): never from the variables an earlier
+    trainer of the same process left in `os.environ`, so that one refused config does not refuse every later one.
+
     Raises:
         [`~grpo_hf.errors.ConfigError`]: naming the field or the launcher setting, and what to change.
     """
@@ -123,8 +164,8 @@ def check_backends(fsdp=None, fsdp_config=None, deepspeed=None, environ=None) ->
             raise ConfigError("fsdp and deepspeed are both set: choose one engine.")
         if fsdp_version(fsdp_config) != 2:
             refuse_fsdp1(f"fsdp={fsdp!r}, fsdp_config={fsdp_config!r}")
-    elif environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and environ.get("FSDP_VERSION", "1") != "2":
-        refuse_fsdp1(f"accelerate launch with FSDP version {environ.get('FSDP_VERSION', '1')}")
+    elif launched_fsdp_version(environ) not in (None, "2"):
+        refuse_fsdp1(f"accelerate launch with FSDP version {launched_fsdp_version(environ)}")
     if _enabled(deepspeed):
         check_deepspeed_config(_read_json(deepspeed, "deepspeed"), f"deepspeed={deepspeed!r}")
     elif environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
@@ -349,6 +390,7 @@ __all__ = [
     "follow_parameters",
     "fsdp_version",
     "has_fsdp2_units",
+    "launched_fsdp_version",
     "local_tensor",
     "ordered_sum",
     "process_rank",

@@ -3,10 +3,13 @@
 The multi-process runs (FSDP2 with gloo, DeepSpeed ZeRO 1/2/3 on CPU) are in `tests/test_engines_distributed.py`.
 """
 
+import inspect
 import logging
+import os
 
 import pytest
 import torch
+from testing_utils import tiny_test_llama
 from torch import nn
 
 from grpo_hf import ConfigError
@@ -28,6 +31,7 @@ from grpo_hf.engines import (
     check_deepspeed_config,
     follow_parameters,
     fsdp_version,
+    launched_fsdp_version,
     shard_groups,
     sum_over_shards,
 )
@@ -52,11 +56,64 @@ def test_check_backends_reads_the_launcher_environment(tmp_path):
     check_backends(environ={})  # no engine
     check_backends(fsdp=True, environ={})  # FSDP2 is the Trainer's default
     with pytest.raises(ConfigError, match="accelerate launch with FSDP version 1"):
-        check_backends(environ={"ACCELERATE_USE_FSDP": "true"})  # Accelerate's default FSDP version is 1
+        check_backends(environ={"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"})  # what `accelerate launch` sets
     check_backends(environ={"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
+    # What an earlier trainer's Accelerator leaves in os.environ (accelerate sets no FSDP_VERSION): not a launch.
+    check_backends(environ={"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "False"})
     check_backends(environ={"ACCELERATE_USE_DEEPSPEED": "true"})  # a ZeRO config built from the launcher's options
     with pytest.raises(ConfigError, match="choose one engine"):
         check_backends(fsdp=True, deepspeed={"zero_optimization": {"stage": 2}}, environ={})
+
+
+def test_launched_fsdp_version_is_what_accelerate_launch_sets():
+    from accelerate.utils import launch
+
+    source = inspect.getsource(launch.prepare_multi_gpu_env)  # the launcher sets both, always together
+    assert 'current_env["ACCELERATE_USE_FSDP"] = "true"' in source and 'current_env["FSDP_VERSION"]' in source
+    assert launched_fsdp_version({}) is None
+    assert launched_fsdp_version({"ACCELERATE_USE_FSDP": "true"}) is None  # a leftover of an earlier trainer
+    assert launched_fsdp_version({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}) == "2"
+    assert launched_fsdp_version({"ACCELERATE_USE_FSDP": "false", "FSDP_VERSION": "1"}) is None
+
+
+def test_fsdp_version_must_be_a_number_and_configs_a_mapping_or_a_path():
+    assert fsdp_version({"version": "2"}) == 2
+    with pytest.raises(ConfigError, match=r"fsdp_config=\{'version': 'fsdp2'\}: the FSDP version is a number"):
+        fsdp_version({"version": "fsdp2"})
+    with pytest.raises(ConfigError, match=r"fsdp_config=\{'fsdp_version': \[2\]\}"):
+        fsdp_version({"fsdp_version": [2]})
+    with pytest.raises(ConfigError, match="fsdp_config=5: give a mapping"):
+        fsdp_version(5)
+    with pytest.raises(ConfigError, match=r"deepspeed=\['zero2'\]: give a mapping"):
+        check_backends(deepspeed=["zero2"], environ={})
+
+
+def test_a_refused_engine_does_not_refuse_later_trainers_of_the_process(tmp_path, monkeypatch, caplog):
+    """The Accelerator of a refused FSDP trainer leaves ACCELERATE_USE_FSDP=true in os.environ for the rest of the
+    process; a later plain GRPOConfig and GRPOTrainer are judged from their own arguments and train."""
+    from accelerate.state import AcceleratorState, PartialState
+    from datasets import Dataset
+
+    from grpo_hf import GRPOConfig, GRPOTrainer
+
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"):  # put back at teardown
+        monkeypatch.setenv(name, "false")
+        monkeypatch.delenv(name)
+    rows = Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 8, "labels": [[1, 2, 3, 4]] * 8})
+    fields = dict(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=2, disable_tqdm=True)
+    with pytest.raises(ConfigError, match="not FSDP1"):
+        GRPOConfig(fsdp="full_shard", fsdp_config={"version": 1}, **fields)
+    try:
+        with pytest.raises(ValueError, match="only works in distributed training"):  # the Trainer's refusal
+            GRPOTrainer(model=tiny_test_llama(), args=GRPOConfig(fsdp=True, **fields), train_dataset=rows)
+        assert os.environ["ACCELERATE_USE_FSDP"] == "true"  # what the refused trainer's Accelerator left behind
+        trainer = GRPOTrainer(model=tiny_test_llama(), args=GRPOConfig(**fields), train_dataset=rows)
+        assert trainer.grpo_engine == "single"
+        trainer.train()
+        assert trainer.state.global_step == 2
+    finally:
+        AcceleratorState._reset_state(True)
+        PartialState._reset_state()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
