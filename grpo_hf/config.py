@@ -1,7 +1,9 @@
 """`GRPOConfig`: the Trainer's `TrainingArguments` plus every grpo_hf setting (`grpo_*`, `cost_*`)."""
 
 import dataclasses
+import functools
 import json
+import typing
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -320,24 +322,38 @@ def ensure_grpo_args(args: TrainingArguments) -> TrainingArguments:
     return args
 
 
+@functools.cache
+def _field_kinds() -> dict[str, tuple[type | None, bool]]:
+    """
+    Per field `GRPOConfig` adds: `bool`, `int` or `float` when that is its one type (else `None`: checked by
+    [`validate_grpo_fields`]), and whether `None` is allowed.
+    """
+    hints = typing.get_type_hints(GRPOConfig)
+    kinds = {}
+    for name in grpo_field_names():
+        args = set(typing.get_args(hints[name])) or {hints[name]}
+        scalar = next((kind for kind in (bool, int, float) if kind in args), None)
+        kinds[name] = (scalar if args - {type(None)} == {scalar} else None), type(None) in args
+    return kinds
+
+
 def _check_types(args) -> None:
-    for name in ("grpo_groups_strict", "grpo_importance", "grpo_scale_gradients", "overwrite_output_dir"):
-        value = getattr(args, name, False)
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name}={value!r}: use true or false.")
-    for name in ("grpo_lr_scale_min", "grpo_lr_scale_max", "grpo_lr_scale_ema", "grpo_density", "grpo_scale_beta"):
-        value = getattr(args, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise ConfigError(f"{name}={value!r}: use a number.")
-    for name in (
-        "grpo_lr_scale_warmup_steps",
-        "grpo_dense_warmup_steps",
-        "grpo_min_compress_numel",
-        "grpo_max_consecutive_skips",
-    ):
-        value = getattr(args, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name}={value!r}: use a whole number.")
+    """
+    The type of every boolean and numeric field `GRPOConfig` adds, by name, whatever built the object (Python, a JSON
+    or YAML config, the command line): a quoted number (`grpo_scale_clip="4"`), a list or a bool where a number
+    belongs is refused here, instead of failing later without the field's name.
+    """
+    for name, (kind, optional) in _field_kinds().items():
+        value = getattr(args, name, None)
+        if kind is None or (value is None and optional):
+            continue
+        quoted = " (a quoted string: write the value without quotes)" if isinstance(value, str) else ""
+        if kind is bool and not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r}: use true or false{quoted}.")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{name}={value!r}: use a whole number{quoted}.")
+        if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value):
+            raise ConfigError(f"{name}={value!r}: use a number{quoted}.")
 
 
 def validate_grpo_fields(args) -> None:

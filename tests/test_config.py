@@ -103,6 +103,12 @@ def test_disabled_backend_values_pass(grpo_config):
         ("grpo_lr_scale_min", float("nan"), r"grpo_lr_scale_min=nan: use a number"),
         ("cost_pue", 0.5, r"cost_pue"),
         ("overwrite_output_dir", "no", r"overwrite_output_dir='no'"),
+        # a JSON or YAML config that quotes a number, or gives a list: named, before any other check
+        ("grpo_scale_clip", "4", r"grpo_scale_clip='4': use a number \(a quoted string"),
+        ("cost_link_gbps", "10", r"cost_link_gbps='10': use a number"),
+        ("cost_num_workers", 2.5, r"cost_num_workers=2.5: use a whole number"),
+        ("cost_device_power_watts", [300], r"cost_device_power_watts=\[300\]: use a number"),
+        ("cost_noise_rounds", None, r"cost_noise_rounds=None: use a whole number"),
     ],
 )
 def test_bad_fields_name_the_field(grpo_config, field, value, message):
@@ -129,3 +135,8 @@ def test_validate_grpo_fields_works_on_any_namespace():
     validate_grpo_fields(argparse.Namespace(**grpo_defaults()))
     with pytest.raises(ConfigError, match="grpo_density=0"):
         validate_grpo_fields(argparse.Namespace(**{**grpo_defaults(), "grpo_density": 0.0}))
+
+
+def test_numbers_that_may_be_none_take_none_and_numbers(grpo_config):
+    config = grpo_config(grpo_scale_clip=4, cost_num_workers=None, cost_device_power_watts=300)
+    assert (config.grpo_scale_clip, config.cost_num_workers, config.cost_device_power_watts) == (4, None, 300)
