@@ -343,9 +343,16 @@ def check_lr_ratios(ratios: dict | None, where: str = "grpo_lr_ratios") -> dict[
 def lr_ratios(groups: list[ParameterGroup], ratios: dict[str, float] | None = None) -> dict[str, float]:
     """
     The fixed LR factor of each group: its rule's `lr_ratio` when set, else the first pattern of `ratios` that
-    matches the group's name (`fnmatch`, e.g. `"*lora_B"` matches `attn_qk.lora_B`), else 1.
+    matches the group's name (`fnmatch`, e.g. `"*lora_B"` matches `attn_qk.lora_B`), else 1. A pattern that matches
+    no group (a typo such as `"embedings"`) is logged as a warning, as a group rule that matches nothing is.
     """
     ratios = check_lr_ratios(ratios)
+    unmatched = [p for p in ratios if not any(fnmatch.fnmatchcase(group.name, p) for group in groups)]
+    if unmatched:
+        logger.warning(
+            f"grpo_lr_ratios: pattern(s) {unmatched} match no group, so their ratios change nothing; the groups are "
+            f"{[group.name for group in groups]}. Check the patterns against `grpo-hf groups <model>`."
+        )
     out = {}
     for group in groups:
         if group.rule.lr_ratio is not None:

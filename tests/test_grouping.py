@@ -1,4 +1,5 @@
 import json
+import logging
 
 import pytest
 import torch
@@ -225,6 +226,16 @@ def test_lr_ratios_come_from_rules_then_patterns(llama):
     assert lr_ratios(groups) == {"qk": 2.0, "default": 1.0}
     rows = {r["group"]: r for r in group_table(groups, None, {"default": 0.5})}
     assert rows["default"]["lr_ratio"] == 0.5 and rows["qk"]["lr_ratio"] == 2.0
+
+
+def test_a_ratio_pattern_that_matches_no_group_warns(llama, caplog):
+    from grpo_hf.grouping import lr_ratios
+
+    groups = assign_groups(llama(), load_group_spec("semantic"))
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.grouping"):
+        assert lr_ratios(groups, {"embeddings": 0.5}) == lr_ratios(groups, {"embedings": 0.5, "embeddings": 0.5})
+    assert "grpo_lr_ratios: pattern(s) ['embedings'] match no group" in caplog.text
+    assert caplog.text.count("match no group") == 1 and "'embeddings'" in caplog.text  # the groups are listed
 
 
 @pytest.mark.parametrize("ratio", [0, -1, "2", True, float("inf")])
