@@ -182,7 +182,33 @@ def resolve_resume_checkpoint(output_dir: str, resume_from_checkpoint: str | boo
             f"folder (e.g. {os.path.join(output_dir, 'checkpoint-500')}), or 'last' for the newest complete one of "
             "output_dir."
         )
+    check_trainer_state(resume_from_checkpoint)
     return os.fspath(resume_from_checkpoint)
+
+
+def check_trainer_state(folder: str) -> None:
+    """
+    Read the Trainer's `trainer_state.json` of a checkpoint folder, when there is one (the Trainer resumes a folder
+    without it from the weights alone), so that a corrupt one fails before any work, naming the file.
+
+    Raises:
+        [`~grpo_hf.errors.CheckpointError`]: the file is not a JSON object (a `ValueError`, as the Trainer's own
+            `JSONDecodeError` would be).
+    """
+    path = os.path.join(folder, TRAINER_STATE_FILE)
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as handle:
+            content = json.load(handle)
+        problem = None if isinstance(content, dict) else f"a JSON {type(content).__name__}, not an object"
+    except (OSError, ValueError) as err:  # ValueError: invalid JSON, or not UTF-8
+        problem = f"{type(err).__name__}: {str(err)[:200]}"
+    if problem is not None:
+        raise CheckpointError(
+            f"cannot read the Trainer state {path} ({problem}): the checkpoint is corrupt. Resume from an earlier "
+            "checkpoint, or give resume_from_checkpoint='last' (it skips checkpoints that are not complete)."
+        )
 
 
 def states_to_resume(folder: str, rank: int, world_size: int, mode: str | None) -> list[dict] | None:
@@ -317,6 +343,7 @@ __all__ = [
     "STATE_FILE",
     "STATE_VERSION",
     "check_grpo_state_files",
+    "check_trainer_state",
     "incomplete_checkpoints",
     "last_complete_checkpoint",
     "missing_parts",

@@ -222,6 +222,17 @@ def test_checkpoint_errors_keep_the_trainer_words(tmp_path):
         trainer_for(empty).train(resume_from_checkpoint=str(tmp_path / "bogus"))
 
 
+@pytest.mark.parametrize("content", [b'{"global_step": 2', b"[]", b"\xff\xfe"])
+def test_a_corrupt_trainer_state_is_named_before_any_work(tmp_path, content):
+    out = tmp_path / "out"
+    trainer_for(out).train()
+    (out / "checkpoint-2" / "trainer_state.json").write_bytes(content)
+    resumed = trainer_for(out, max_steps=3)
+    with pytest.raises(CheckpointError, match=r"cannot read the Trainer state .*checkpoint-2/trainer_state\.json"):
+        resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resumed.state.global_step == 0
+
+
 @pytest.mark.parametrize("content", [b"not a torch file at all", bytes(range(256)) * 4, b""])
 def test_a_state_file_that_is_not_a_torch_file_is_named(tmp_path, content):
     out = tmp_path / "out"
