@@ -276,6 +276,70 @@ CASES = {
 }
 
 
+def saved_run(folder: str = "run", **records: str) -> Path:
+    """A folder as `grpo-hf train` leaves it (a saved adapter, its card, `training_args.bin`), plus `records`."""
+    run = Path(folder)
+    write(run / "adapter_config.json", json.dumps({"base_model_name_or_path": "base", "task_type": "CAUSAL_LM"}))
+    write(run / "adapter_model.safetensors", b"weights")
+    write(run / "training_args.bin", b"args")
+    write(run / "README.md", "---\ntags:\n- grpo_hf\n---\nThe card `grpo-hf train` wrote.\n")
+    for name, text in records.items():
+        write(run / name.replace("__", "."), text)
+    return run
+
+
+def publish(*extra: str, **records: str) -> Callable[[Path], list[str]]:
+    def arrange(tmp):
+        saved_run(**records)
+        return ["publish", "run", "--repo_id", "me/adapter", "--dry_run", *extra]
+
+    return arrange
+
+
+PUBLISH_CASES = {
+    # The upload folder never is, holds or lies inside what it is made from (it would be deleted or written into).
+    "publish-upload-dir-is-the-run": Case(
+        publish("--upload_dir", "run"), PublishInputError, ("--upload_dir run is the folder being published",)
+    ),
+    "publish-upload-dir-holds-the-run": Case(
+        publish("--upload_dir", "."), PublishInputError, ("--upload_dir . holds the folder being published",)
+    ),
+    "publish-upload-dir-inside-the-run": Case(
+        publish("--upload_dir", "run/upload"),
+        PublishInputError,
+        ("run/upload lies inside the folder being published",),
+    ),
+    "publish-upload-dir-another-run": Case(
+        then(lambda tmp: saved_run("other"), publish("--upload_dir", "other")),
+        PublishInputError,
+        ("other exists and was not written by grpo-hf publish",),
+    ),
+    "publish-upload-dir-is-a-file": Case(
+        then(lambda tmp: write("notes.txt", "mine"), publish("--upload_dir", "notes.txt")),
+        PublishInputError,
+        ("--upload_dir notes.txt is a file",),
+    ),
+    # Records and saved files that do not parse, or do not hold what the card reads.
+    "publish-adapter-config-corrupt": Case(
+        publish(adapter_config__json="{not json"),
+        PublishInputError,
+        ("run/adapter_config.json: not readable as JSON", "save it again"),
+    ),
+    "publish-results-a-list": Case(
+        publish(results__json="[1, 2]"), PublishInputError, ("run/results.json: a JSON list, not an object",)
+    ),
+    "publish-run-summary-without-runs": Case(
+        publish(grpo_run__json='{"recipe": {}}'), PublishInputError, ("run/grpo_run.json: no 'runs' list",)
+    ),
+    "publish-results-plot-outside-the-folder": Case(
+        publish(results__json=json.dumps({"runs": [{"name": "grpo"}], "files": {"loss": "../loss.png"}})),
+        PublishInputError,
+        ("run/results.json: 'files' must name files of the run folder",),
+    ),
+}
+CASES.update(PUBLISH_CASES)
+
+
 def snapshot(folder: Path) -> dict[str, str]:
     """Every file and folder below `folder`, with a hash of the file's bytes and its modification time."""
     found = {}

@@ -5,7 +5,9 @@ import io
 import json
 import logging
 import math
+import os
 import secrets
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -306,6 +308,40 @@ def test_publish_refuses_bad_input_clearly(pushed, tmp_path):
     assert (prepare_upload_folder(pushed.out, REPO, upload_dir=empty) / "README.md").is_file()
     with pytest.raises(HubError, match="hub_token"):
         check_push_settings(SimpleNamespace(hub_token="x", push_to_hub=False))
+
+
+def _tree(folder: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (`None`) below `folder`."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def test_a_dry_run_writes_nothing_outside_the_upload_folder(pushed, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(pushed.out, run, ignore=shutil.ignore_patterns("hub_upload"))
+    before = _tree(tmp_path)
+    assert main(["publish", str(run), "--repo_id", REPO, "--dry_run"]) == 0
+    folder = run / "hub_upload" / "grpo"
+    after = {k: v for k, v in _tree(tmp_path).items() if not (tmp_path / k).is_relative_to(folder)}
+    assert after == {**before, "run/hub_upload": None}  # only the upload folder (and the folder that holds it)
+    assert {"README.md", "adapter_config.json", "adapter_model.safetensors", "results.json"} <= set(os.listdir(folder))
+
+
+def test_only_a_previous_upload_folder_is_replaced(pushed, tmp_path):
+    upload = tmp_path / "upload"
+    prepare_upload_folder(pushed.out, REPO, upload_dir=upload)
+    (upload / "stale.png").write_bytes(b"an old plot")
+    before = _tree(pushed.out)
+    prepare_upload_folder(pushed.out, REPO, upload_dir=upload)  # a previous upload folder: replaced
+    assert not (upload / "stale.png").exists() and (upload / "README.md").is_file()
+    assert _tree(pushed.out) == before  # the run it is made from is untouched
+    (upload / "notes.txt").write_text("mine")  # now it holds a file publish does not write: kept
+    with pytest.raises(HubError, match="was not written by grpo-hf publish"):
+        prepare_upload_folder(pushed.out, REPO, upload_dir=upload)
+    assert (upload / "notes.txt").read_text() == "mine"
+    for clash in (pushed.out, pushed.out.parent, pushed.out / "checkpoint-3"):  # the run, a folder above, one inside
+        with pytest.raises(HubError, match="the folder being published"):
+            publish(pushed.out, REPO, dry_run=True, upload_dir=clash)
+    assert _tree(pushed.out) == before
 
 
 def test_push_to_hub_through_grpo_trainer_writes_the_same_card(pushed, tmp_path, monkeypatch):

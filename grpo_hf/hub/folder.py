@@ -44,16 +44,62 @@ def _holds_model(folder: Path) -> bool:
     return any((folder / name).is_file() for name in SAVED_MODEL_FILES)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+# The parts of a record (`results.json`, `grpo_run.json`) the card reads, and the JSON type each must have.
+_RECORD_PARTS = {"recipe": dict, "data": dict, "environment": dict, "ratios": dict, "files": dict, "command": str}
+
+
+def _read_json(path: Path, fix: str = "fix or remove it") -> dict[str, Any]:
+    """The JSON object in `path`; a [`PublishInputError`] naming the file and `fix` when it is not one."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise PublishInputError(f"{path}: not readable as JSON ({err}); fix or remove it.") from None
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # ValueError: invalid JSON, or not UTF-8
+        raise PublishInputError(f"{path}: not readable as JSON ({err}); {fix}.") from None
+    if not isinstance(content, dict):
+        raise PublishInputError(f"{path}: a JSON {type(content).__name__}, not an object; {fix}.")
+    return content
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    """
+    A run record (`results.json`, `grpo_run.json`): a JSON object whose `runs` is a list of runs, each with a `name`,
+    and whose other parts have the types the card reads.
+    """
+    fix = (
+        "it was not written by grpo_hf, or was edited: restore it, or delete it to publish the model with a card "
+        "built from what the folder still holds"
+    )
+    record = _read_json(path, fix)
+    runs = record.get("runs")
+    if not isinstance(runs, list) or not runs or not all(isinstance(r, dict) for r in runs):
+        raise PublishInputError(f"{path}: no 'runs' list (one object per trained run); {fix}.")
+    for index, run in enumerate(runs):
+        if not isinstance(run.get("name"), str):
+            raise PublishInputError(f"{path}: run {index} of 'runs' has no 'name' string; {fix}.")
+    files = record.get("files")
+    if isinstance(files, dict) and not all(isinstance(n, str) and n and Path(n).name == n for n in files.values()):
+        raise PublishInputError(f"{path}: 'files' must name files of the run folder (plain file names); {fix}.")
+    for part, kind in _RECORD_PARTS.items():
+        if record.get(part) is not None and not isinstance(record[part], kind):
+            wanted = "an object" if kind is dict else "a string"
+            raise PublishInputError(f"{path}: {part!r} is a JSON {type(record[part]).__name__}, not {wanted}; {fix}.")
+    return record
+
+
+def _check_saved_model(folder: Path) -> None:
+    """The saved model's or adapter's own JSON files are objects (a damaged one would fail the card or the Hub)."""
+    for name in SAVED_MODEL_FILES:
+        if (folder / name).is_file():
+            _read_json(folder / name, "the saved model is damaged: save it again with `trainer.save_model(DIR)`")
 
 
 def _last_eval(trainer_state: dict[str, Any]) -> dict[str, Any]:
     """The eval figures of the last `eval_loss` entry of a `trainer_state.json`'s `log_history`, as a run's row."""
-    evals = [entry for entry in trainer_state.get("log_history", []) if "eval_loss" in entry]
+    history = trainer_state.get("log_history")
+    evals = [
+        entry
+        for entry in (history if isinstance(history, list) else [])
+        if isinstance(entry, dict) and isinstance(entry.get("eval_loss"), (int, float))
+    ]
     if not evals:
         return {}
     loss = evals[-1]["eval_loss"]
@@ -73,7 +119,7 @@ def results_from_folder(folder: str | Path) -> tuple[dict[str, Any], dict[str, A
     summary_path, state_path = folder / RUN_SUMMARY_FILE, folder / TRAINER_STATE_FILE
     state = _read_json(state_path) if state_path.is_file() else {}
     if summary_path.is_file():
-        results = _read_json(summary_path)
+        results = _read_record(summary_path)
         row = results["runs"][0]
     else:
         row = {"name": "model", "label": None, "steps": state.get("global_step")}
@@ -121,8 +167,9 @@ def load_run(output_dir: str | Path, run: str | None = None) -> tuple[dict, dict
             )
         if run is not None:
             raise PublishInputError(f"{output_dir}: --run {run!r} names a run of a comparison; this folder has none.")
+        _check_saved_model(output_dir)
         return (*results_from_folder(output_dir), output_dir)
-    results = _read_json(results_path)
+    results = _read_record(results_path)
     runs = {r["name"]: r for r in results.get("runs", [])}
     if len(runs) == 1 and run in (None, *runs):
         row, folder = next(iter(runs.values())), output_dir
@@ -136,6 +183,7 @@ def load_run(output_dir: str | Path, run: str | None = None) -> tuple[dict, dict
             f"{folder}: no saved adapter or model ({' or '.join(SAVED_MODEL_FILES)}). `grpo-hf train` saves it; "
             "`grpo-hf compare` saves each run's model since grpo_hf 0.1.0.dev0: rerun the recipe."
         )
+    _check_saved_model(folder)
     return results, row, folder
 
 

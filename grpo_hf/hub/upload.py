@@ -26,7 +26,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard
 
-from ..errors import HubError, PublishInputError
+from ..errors import PublishInputError
 from ..harness.table import markdown_table
 from ..hub_guards import hub_errors, refuse_token_in, require_token
 from ..model_card import HUB_ID_PATTERN, RUN_SUMMARY_FILE, build_model_card
@@ -66,9 +66,68 @@ def _check_repo_id(repo_id: str) -> None:
         raise PublishInputError(f"repo_id={repo_id!r}: give the Hub repository as USER/NAME (or ORGANIZATION/NAME).")
 
 
-def _own_upload_folder(folder: Path) -> bool:
+# What `prepare_upload_folder` writes besides the model and tokenizer files: the card, its record, the report's plots.
+RECORD_PATTERNS = ("README.md", RESULTS_FILE, RUN_SUMMARY_FILE, "*.png")
+
+
+def _previous_upload_folder(folder: Path) -> bool:
+    """
+    Whether `folder` is an upload folder written here before: only files this module writes (no sub-folder, no
+    `training_args.bin`, no `report.md`, no checkpoint), among them a card tagged `grpo_hf`. A run's own output
+    folder holds such a card too (`grpo-hf train` writes one), so the card alone does not tell.
+    """
+    entries = list(folder.iterdir())
+    if not all(
+        p.is_file() and _matches(p.name, MODEL_PATTERNS + TOKENIZER_PATTERNS + RECORD_PATTERNS) for p in entries
+    ):
+        return False
     card = folder / "README.md"
-    return card.is_file() and "grpo_hf" in (ModelCard.load(card).data.tags or [])
+    try:
+        return card.is_file() and "grpo_hf" in (ModelCard.load(card).data.tags or [])
+    except (ValueError, UnicodeDecodeError):  # a card whose metadata block does not parse is not ours
+        return False
+
+
+def _upload_target(output_dir: str | Path, row: dict, upload_dir: str | Path | None) -> Path:
+    return Path(upload_dir) if upload_dir else Path(output_dir) / UPLOAD_DIR / row["name"]
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_upload_dir(target: Path, output_dir: Path, model_folder: Path) -> None:
+    """
+    Refuse an upload folder that would write into, or remove, what it is made from: it may not be, contain, or lie
+    inside the folder published (`output_dir`) or its model folder (for a comparison, `<output_dir>/<run>`), apart
+    from the publish folder `<output_dir>/hub_upload/` of the default. A folder that exists and is not empty is
+    replaced only when it is a previous upload folder ([`_previous_upload_folder`]).
+
+    Raises:
+        [`~grpo_hf.errors.PublishInputError`]: naming the upload folder, the folder it clashes with, and what to give.
+    """
+    resolved = target.resolve()
+    own = (output_dir / UPLOAD_DIR).resolve()
+    for source in dict.fromkeys((output_dir.resolve(), model_folder.resolve())):
+        if resolved == source:
+            clash = "is the folder being published"
+        elif _inside(source, resolved):
+            clash = "holds the folder being published"
+        elif _inside(resolved, source) and not _inside(resolved, own):
+            clash = "lies inside the folder being published"
+        else:
+            continue
+        raise PublishInputError(
+            f"--upload_dir {target} {clash} ({source}): publishing would write into or delete the saved model. Give "
+            f"a folder outside it, or leave --upload_dir out (the default is {output_dir / UPLOAD_DIR}/<run>)."
+        )
+    if target.exists() and not target.is_dir():
+        raise PublishInputError(f"--upload_dir {target} is a file, not a folder: give a new or empty folder.")
+    if target.is_dir() and any(target.iterdir()) and not _previous_upload_folder(target):
+        raise PublishInputError(
+            f"{target} exists and was not written by grpo-hf publish (it holds other files): nothing was changed. "
+            "Give a new or empty folder with --upload_dir, or remove it yourself."
+        )
 
 
 def prepare_upload_folder(
@@ -93,8 +152,9 @@ def prepare_upload_folder(
         run (`str`, *optional*):
             The run of a comparison to publish (`"grpo"` by default, or `"trainer"`).
         upload_dir (`str` or `Path`, *optional*):
-            Where to write it; defaults to `<output_dir>/hub_upload/<run>`. A folder that exists and is not empty is
-            replaced only when it holds a card written here.
+            Where to write it; defaults to `<output_dir>/hub_upload/<run>`. It may not be, hold or lie inside the
+            folder published or its model folder (see [`check_upload_dir`]); a folder that exists and is not empty is
+            replaced only when it is a previous upload folder.
         base_model (`str`, *optional*):
             Hub id of the base model, when [`~grpo_hf.model_card.resolve_base_model`] cannot tell it.
 
@@ -103,12 +163,11 @@ def prepare_upload_folder(
     """
     _check_repo_id(repo_id)
     results, row, model_folder = load_run(output_dir, run)
-    target = Path(upload_dir) if upload_dir else Path(output_dir) / UPLOAD_DIR / row["name"]
-    if target.exists() and any(target.iterdir()):
-        if not _own_upload_folder(target):
-            raise HubError(f"{target} exists and was not written by grpo-hf publish: remove it or pass --upload_dir.")
-        shutil.rmtree(target)
-    target.mkdir(parents=True, exist_ok=True)
+    target = _upload_target(output_dir, row, upload_dir)
+    check_upload_dir(target, Path(output_dir), model_folder)
+    if target.is_dir():
+        shutil.rmtree(target)  # a previous upload folder (checked above): replaced, so that no stale file is uploaded
+    target.mkdir(parents=True)
     for path in sorted(model_folder.iterdir()):
         if path.is_file() and _matches(path.name, MODEL_PATTERNS + TOKENIZER_PATTERNS):
             shutil.copy2(path, target / path.name)
@@ -155,14 +214,16 @@ def publish(
         `Path`: the folder uploaded (or that would be).
 
     Raises:
-        [`~grpo_hf.errors.PublishInputError`]: a malformed `repo_id`, or a folder without a saved model (checked
-            first). [`~grpo_hf.errors.HubError`]: no token, a token in a file, or the Hub refused or could not be
+        [`~grpo_hf.errors.PublishInputError`]: a malformed `repo_id`, a folder without a saved model or with a
+            damaged record, or an upload folder that clashes with it (checked first, before anything is written).
+            [`~grpo_hf.errors.HubError`]: no token, a token in a file, or the Hub refused or could not be
             reached (the folder is kept for a retry).
     """
     from huggingface_hub import get_token
 
     _check_repo_id(repo_id)
-    load_run(output_dir, run)  # what is given is checked before the environment (the token)
+    _, row, model_folder = load_run(output_dir, run)  # what is given is checked before the environment (the token)
+    check_upload_dir(_upload_target(output_dir, row, upload_dir), Path(output_dir), model_folder)
     if not dry_run:
         require_token()
     folder = prepare_upload_folder(output_dir, repo_id, run, upload_dir, base_model)
@@ -199,4 +260,13 @@ def describe_upload(folder: str | Path, repo_id: str, dry_run: bool = False) -> 
     return "\n".join(lines + [f"  {p.name}  ({p.stat().st_size:,} bytes)" for p in files])
 
 
-__all__ = ["MODEL_PATTERNS", "TOKENIZER_PATTERNS", "UPLOAD_DIR", "describe_upload", "prepare_upload_folder", "publish"]
+__all__ = [
+    "MODEL_PATTERNS",
+    "RECORD_PATTERNS",
+    "TOKENIZER_PATTERNS",
+    "UPLOAD_DIR",
+    "check_upload_dir",
+    "describe_upload",
+    "prepare_upload_folder",
+    "publish",
+]
