@@ -64,6 +64,18 @@ def test_a_template_that_is_not_prefix_consistent_is_refused():
         assistant_spans(tok, CONVERSATION)
 
 
+@pytest.mark.parametrize("completion_only", [True, False])
+def test_a_template_that_refuses_a_conversation_is_one_recipe_error(completion_only):
+    tok = train_bpe_tokenizer(["abc def"] * 50, vocab_size=300)
+    tok.chat_template = (  # as many templates do: roles must alternate user / assistant after an optional system turn
+        "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+        "{{ raise_exception('a system turn must come first') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    turns = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}, CONVERSATION[2]]
+    with pytest.raises(RecipeError, match=r"r.yaml: the tokenizer's chat template refused .*\['user', 'system', "):
+        tokenize_messages(tok, turns, completion_only=completion_only, where="r.yaml")
+
+
 def test_prompt_completion_and_text_labels(tokenizer):
     row = tokenize_prompt_completion(tokenizer, "Q: 2+2? A:", " 4", completion_only=True)
     assert trained_text(tokenizer, row) == " 4<|endoftext|>"

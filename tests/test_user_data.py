@@ -197,6 +197,56 @@ def test_row_contents_are_checked(tmp_path):
         data_args(dataset_name=str(numbers))
 
 
+def test_every_row_is_checked_streamed_and_named(tmp_path, monkeypatch):
+    import grpo_hf.harness.user_data
+
+    rows = [{"text": f"row {i}"} for i in range(100)]
+    rows[70]["text"] = None  # beyond the first 64 rows (all that were looked at before)
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    with pytest.raises(RecipeError, match=r"row 70 of column 'text' is empty \(null\), not a string \(dataset_split="):
+        data_args(dataset_name=str(path))
+    monkeypatch.setattr(grpo_hf.harness.user_data, "CHECK_BATCH_ROWS", 8)  # rows read 8 at a time: the same row
+    with pytest.raises(RecipeError, match="row 70 of column 'text'"):
+        data_args(dataset_name=str(path))
+
+
+@pytest.mark.parametrize(
+    "turn, message",
+    [
+        (
+            {"role": "assistant", "content": None},
+            r"row 3 of column 'messages' has a turn 1 \(assistant\) whose content is empty",
+        ),
+        ({"role": "assistant", "content": 7}, r"whose content is int '7', not a string"),
+        ({"role": None, "content": "a"}, r"row 3 of column 'messages' has a turn 1 whose role is empty \(null\)"),
+        ({"role": "", "content": "a"}, r"whose role is str '', not a name"),
+    ],
+)
+def test_chat_values_are_checked_not_only_their_keys(tmp_path, turn, message):
+    rows = [chat(i) for i in range(12)]
+    rows[3]["messages"][1] = turn
+    with pytest.raises(RecipeError, match=message):
+        data_args(dataset_name=str(write_jsonl(tmp_path / "c.jsonl", rows)))
+
+
+def classification(tmp_path, labels):
+    rows = [{"text": f"text {i}", "label": label} for i, label in enumerate(labels)]
+    return dict(task="sequence_classification", model_name_or_path="tiny-bert", lora_target_modules=["query"],
+                dataset_name=str(write_jsonl(tmp_path / "k.jsonl", rows)))  # fmt: skip
+
+
+def test_classification_needs_two_classes_and_labels_of_one_kind(tmp_path):
+    with pytest.raises(RecipeError, match=r"column 'label' holds one class \('sports'\) in the train split"):
+        data_args(**classification(tmp_path, ["sports"] * 20))
+    with pytest.raises(RecipeError, match=r"row 4 of column 'label' holds empty \(null\)"):
+        data_args(**classification(tmp_path, [0, 1, 0, 1, None] * 4))
+    with pytest.raises(RecipeError, match=r"row 0 of column 'label' holds float '0.0'"):  # Arrow made them floats
+        data_args(**classification(tmp_path, [0, 1, 0, 1, 0.5] * 4))
+    with pytest.raises(RecipeError, match="holds the negative class id -1"):
+        data_args(**classification(tmp_path, [0, 1, -1, 1] * 5))
+    assert check_data_arguments(data_args(**classification(tmp_path, ["a", "b"] * 10))) == "classification"
+
+
 def test_settings_that_do_not_fit_the_data(tmp_path):
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": f"row {i}"} for i in range(10)])
     with pytest.raises(RecipeError, match="completion_only_loss=True, but the data is plain text"):

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ..errors import RecipeError
@@ -93,8 +94,28 @@ def _mask_outside(offsets: list[tuple[int, int]], ids: list[int], spans: list[tu
     return labels
 
 
+@contextlib.contextmanager
+def _template_refusals(messages: list[dict], where: str):
+    """A chat template's own refusal of a conversation (`raise_exception` in its Jinja code) as a `RecipeError`."""
+    from jinja2 import TemplateError
+
+    try:
+        yield
+    except TemplateError as err:
+        raise RecipeError(
+            f"{where}: the tokenizer's chat template refused a conversation with the roles "
+            f"{[m.get('role') for m in messages]} ({type(err).__name__}: {err}). Give the turns in the order and roles "
+            "the template accepts, or set tokenizer_name_or_path to a tokenizer whose template does."
+        ) from None
+
+
 def tokenize_messages(tokenizer, messages: list[dict], completion_only: bool, where: str = "recipe"):
     """One conversation as `input_ids`, `attention_mask`, `labels` (assistant turns only if `completion_only`)."""
+    with _template_refusals(messages, where):
+        return _tokenize_messages(tokenizer, messages, completion_only, where)
+
+
+def _tokenize_messages(tokenizer, messages: list[dict], completion_only: bool, where: str):
     if not completion_only:
         text = tokenizer.apply_chat_template(messages, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -216,53 +216,109 @@ def detect_format(columns: list[str], data_args, where: str = "recipe") -> str:
     )
 
 
-def _check_rows(dataset, kind: str, data_args, where: str) -> None:
-    """Look at the first rows: the value types a format needs (strings, lists of role/content turns, labels)."""
-    sample = dataset.select(range(min(len(dataset), 64)))
+# Rows read at a time when every row is checked: the data is streamed from its Arrow file, never held whole.
+CHECK_BATCH_ROWS = 1024
+_TURNS = "a list of {'role': ..., 'content': ...} turns"
+
+
+def _rows(dataset, columns: list[str]):
+    """`(index, values)` of every row of `dataset`, only `columns`, read `CHECK_BATCH_ROWS` rows at a time."""
+    index = 0
+    for batch in dataset.select_columns(columns).iter(batch_size=CHECK_BATCH_ROWS):
+        for values in zip(*(batch[column] for column in columns)):
+            yield index, dict(zip(columns, values))
+            index += 1
+
+
+def _describe(value) -> str:
+    return "empty (null)" if value is None else f"{type(value).__name__} {str(value)[:60]!r}"
+
+
+def _turns_problem(turns, completion_only: bool) -> str | None:
+    """What is wrong with one conversation of a `messages` column, or `None`."""
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) for t in turns):
+        return f"is not {_TURNS}"
+    for number, turn in enumerate(turns):
+        if not {"role", "content"} <= set(turn):
+            return f"is not {_TURNS} (turn {number} has the keys {sorted(turn)})"
+        role, content = turn["role"], turn["content"]
+        if not isinstance(role, str) or not role:
+            return f"has a turn {number} whose role is {_describe(role)}, not a name such as 'user' or 'assistant'"
+        if not isinstance(content, str):
+            return f"has a turn {number} ({role}) whose content is {_describe(content)}, not a string"
+    if completion_only and not any(turn["role"] == "assistant" for turn in turns):
+        return "has no assistant turn, so completion-only loss has nothing to train on"
+    return None
+
+
+def _check_rows(dataset, kind: str, data_args, where: str, split_field: str) -> None:
+    """
+    Check every row of one split (streamed): the value types a format needs (strings; lists of turns whose role and
+    content are strings; labels that are class names or ids), and at least two classes in a classification train
+    split. `split_field` (`"dataset_split"` or `"dataset_eval_split"`) names the split in the errors.
+    """
+    split = f"{split_field}={getattr(data_args, split_field)!r}"
+    counted = "rows count from 0"
+    if kind == "messages":
+        field = data_args.dataset_messages_field
+        completion_only = data_args.completion_only_loss is not False
+        for index, row in _rows(dataset, [field]):
+            problem = _turns_problem(row[field], completion_only)
+            if problem is not None:
+                fix = (
+                    "Add the assistant replies, or set completion_only_loss: false."
+                    if problem.startswith("has no assistant")
+                    else "Fix the data, or set dataset_format to the format it has."
+                )
+                raise RecipeError(f"{where}: row {index} of column {field!r} {problem} ({split}, {counted}). {fix}")
+        return
     fields = {
         "text": [data_args.dataset_text_field],
         "prompt_completion": ["prompt", "completion"],
-        "classification": [data_args.dataset_text_field],
-    }.get(kind, [])
-    for field in fields:
-        for index, value in enumerate(sample[field]):
-            if not isinstance(value, str):
+        "classification": [data_args.dataset_text_field, data_args.dataset_label_field],
+    }[kind]
+    label = data_args.dataset_label_field if kind == "classification" else None
+    classes: set = set()
+    for index, row in _rows(dataset, fields):
+        for field, value in row.items():
+            if field == label:
+                if value is None or isinstance(value, bool) or not isinstance(value, (str, int)):
+                    raise RecipeError(
+                        f"{where}: row {index} of column {field!r} holds {_describe(value)} ({split}, {counted}): "
+                        "labels must be strings (class names) or integers from 0 (class ids) on every row."
+                    )
+                classes.add(value)
+            elif not isinstance(value, str):
                 raise RecipeError(
-                    f"{where}: row {index} of column {field!r} is {type(value).__name__} {str(value)[:60]!r}, not a "
-                    "string. Fix the data, or point the field at a text column."
+                    f"{where}: row {index} of column {field!r} is {_describe(value)}, not a string ({split}, "
+                    f"{counted}). Fix the data, or point the field at a text column."
                 )
-    if kind == "messages":
-        for index, turns in enumerate(sample[data_args.dataset_messages_field]):
-            ok = (
-                isinstance(turns, list)
-                and turns
-                and all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in turns)
-            )
-            if not ok:
-                raise RecipeError(
-                    f"{where}: row {index} of column {data_args.dataset_messages_field!r} is not a list of "
-                    "{'role': ..., 'content': ...} turns. Fix the data, or set dataset_format to the format it has."
-                )
-            if data_args.completion_only_loss is not False and not any(t["role"] == "assistant" for t in turns):
-                raise RecipeError(
-                    f"{where}: row {index} of column {data_args.dataset_messages_field!r} has no assistant turn, so "
-                    "completion-only loss has nothing to train on. Add the assistant replies, or set "
-                    "completion_only_loss: false."
-                )
-    if kind == "classification":
-        labels = sample[data_args.dataset_label_field]
-        bad = [v for v in labels if v is None or isinstance(v, (bool, float, list, dict))]
-        if bad:
-            raise RecipeError(
-                f"{where}: column {data_args.dataset_label_field!r} holds {bad[0]!r}: labels must be strings (class "
-                "names) or integers (class ids) on every row."
-            )
+    if label is None:
+        return
+    kinds = {type(value) for value in classes}
+    if len(kinds) > 1:
+        raise RecipeError(
+            f"{where}: column {label!r} mixes class names and class ids ({sorted(map(repr, classes))[:4]} ...) "
+            f"({split}): use one or the other."
+        )
+    negative = [value for value in classes if isinstance(value, int) and value < 0]
+    if negative:
+        raise RecipeError(
+            f"{where}: column {label!r} holds the negative class id {min(negative)} ({split}): use ids from 0."
+        )
+    if split_field == "dataset_split" and len(classes) < 2:
+        raise RecipeError(
+            f"{where}: column {label!r} holds one class ({next(iter(classes))!r}) in the train split ({split}): "
+            "classification needs at least two classes (with one, the model would get a single-output regression "
+            "head). Add rows of the other classes, or check dataset_label_field."
+        )
 
 
 def check_data_arguments(data_args, where: str = "recipe") -> str | None:
     """
-    Check a recipe's data before any model is loaded: the data loads, the splits and columns exist, the first rows
-    have the right types, and the settings fit the format.
+    Check a recipe's data before any model is loaded: the data loads, the splits and columns exist, every row (read
+    in batches) has the right types, a classification train split has at least two classes, and the settings fit the
+    format. Errors name the row.
 
     Returns:
         `str` or `None`: the data's format (`"messages"`, `"prompt_completion"`, `"text"` or `"classification"`), or
@@ -321,7 +377,7 @@ def _load_and_check(data_args, where: str):
                 f"{where}: the eval split {data_args.dataset_eval_split!r} lacks the column(s) "
                 f"{sorted(set(needed_columns(kind, data_args)) - set(dataset.column_names))} the train split has."
             )
-        _check_rows(dataset, kind, data_args, where)
+        _check_rows(dataset, kind, data_args, where, split)
     return kind, dataset_dict
 
 
@@ -383,6 +439,7 @@ def load_train_eval(data_args, where: str = "recipe") -> tuple[Any, Any, dict[st
 
 
 __all__ = [
+    "CHECK_BATCH_ROWS",
     "DATA_EXTENSIONS",
     "SPLIT_SEED",
     "check_data_arguments",
