@@ -56,6 +56,49 @@ def test_wrong_types_name_the_field_and_where_the_value_came_from():
         parse_recipe({}, ["--max_steps"])
 
 
+TINY = {"model_name_or_path": "tiny-llama", "lora_r": 0}
+
+
+@pytest.mark.parametrize(
+    "values, argv, message",
+    [
+        ({"seed": [0, 1, 2]}, [], r"^r.yaml: seed=\[0, 1, 2\]: a list where a whole number belongs"),
+        ({"learning_rate": {"lr": 1}}, [], r"^r.yaml: learning_rate=\{'lr': 1\}: a mapping where a number belongs"),
+        ({"max_steps": 2.5}, [], r"^r.yaml: max_steps=2.5: a float where a whole number belongs"),
+        ({"max_steps": True}, [], r"^r.yaml: max_steps=True: a bool where a whole number belongs"),
+        ({"grpo_importance": 1}, [], r"^r.yaml: grpo_importance=1: an int where true or false belongs"),
+        ({"learning_rate": None}, [], r"^r.yaml: learning_rate=None: no value \(null\), and learning_rate needs one"),
+        ({}, ["--max_steps", "None"], r"^command line: max_steps=None: no value \(null\)"),
+        ({"lora_target_modules": [["q_proj"]]}, [], r"lora_target_modules=\[\['q_proj'\]\]: a list where a list of"),
+        ({"grpo_lr_ratios": [2]}, [], r"^r.yaml: grpo_lr_ratios=\[2\]: a list where a mapping or a string belongs"),
+    ],
+)
+def test_yaml_values_are_checked_by_the_type_of_their_field(values, argv, message):
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe({**TINY, **values}, argv, where="r.yaml")
+
+
+def test_yaml_values_of_another_type_that_mean_the_same_are_taken():
+    model_args, data_args, args = parse_recipe(
+        {**TINY, "learning_rate": 1, "grpo_bits": 4, "dataset_split": 2021, "lora_target_modules": "q_proj",
+         "grpo_lr_ratios": {"*lora_B": 4}, "fsdp_config": {"version": 2}, "max_train_tokens": None},
+        where="r.yaml",
+    )  # fmt: skip
+    assert args.learning_rate == 1.0 and isinstance(args.learning_rate, float)
+    assert args.grpo_bits == "4" and data_args.dataset_split == "2021"  # a YAML number where text belongs
+    assert model_args.lora_target_modules == ["q_proj"] and args.grpo_lr_ratios == {"*lora_B": 4}
+    assert data_args.max_train_tokens is None
+
+
+def test_runs_that_would_train_nothing_or_need_a_launcher_are_refused():
+    with pytest.raises(RecipeError, match=r"^r.yaml: max_steps=0 and num_train_epochs=0.0 train nothing"):
+        parse_recipe({**TINY, "max_steps": 0, "num_train_epochs": 0}, where="r.yaml")
+    parse_recipe({**TINY, "max_steps": 0})  # the Trainer then trains num_train_epochs (3) epochs
+    parse_recipe({**TINY, "max_steps": 5, "num_train_epochs": 0})  # max_steps wins over epochs
+    with pytest.raises(RecipeError, match=r"^r.yaml: fsdp is set, and this is one process.*torchrun"):
+        parse_recipe({**TINY, "fsdp": True, "use_cpu": True}, where="r.yaml")
+
+
 def test_unknown_fields_abbreviations_and_stray_values_are_errors():
     with pytest.raises(
         RecipeError, match=r"^r.yaml: unknown field\(s\) 'lerning_rate' \(did you mean 'learning_rate'"

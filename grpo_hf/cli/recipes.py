@@ -312,7 +312,7 @@ def parse_recipe_command(register: Callable, argv: list[str]) -> argparse.Namesp
         raise RecipeError(
             f"give the recipe file right after the command: grpo-hf {command} RECIPE [--field value ...]"
         )
-    args.model_args, args.data_args, args.training_args = parser.dataclasses_from(args, where)
+    args.model_args, args.data_args, args.training_args = parser.dataclasses_from(args, where, tail)
     return args
 
 

@@ -23,7 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import enum
+import functools
 import os
+import types
+import typing
 from typing import Any
 
 from transformers import HfArgumentParser
@@ -94,6 +98,8 @@ class RecipeParser(HfArgumentParser):
         self.optional_fields = {
             f.name for dtype in dataclass_types for f in dataclasses.fields(dtype) if f.init and f.default is None
         }
+        # The fields a recipe file gave (see `set_recipe_defaults`): their values are checked by type.
+        self.recipe_fields: set[str] = set()
         kwargs.setdefault("allow_abbrev", False)
         kwargs.setdefault("exit_on_error", False)
         super().__init__(dataclass_types, **kwargs)
@@ -132,6 +138,7 @@ class RecipeParser(HfArgumentParser):
         unknown = sorted(set(values) - set(self.field_names))
         if unknown:
             raise RecipeError(self.unknown_fields_message(unknown, where))
+        self.recipe_fields = set(values)
         self.set_defaults(**values)
 
     def check_unknown(self, unknown: list[str]) -> None:
@@ -143,20 +150,32 @@ class RecipeParser(HfArgumentParser):
             raise RecipeError(self.unknown_fields_message(options, "command line"))
         raise RecipeError(f"command line: unexpected value(s) {unknown}; give overrides as `--field value`.")
 
-    def dataclasses_from(self, namespace: argparse.Namespace, where: str = "recipe") -> tuple:
+    def dataclasses_from(self, namespace: argparse.Namespace, where: str = "recipe", argv: list[str] | None = None):
         """
         Build one instance of each dataclass from a parsed namespace (its fields are removed from `namespace`, the
-        sub-command's own options stay).
+        sub-command's own options stay). Every value the recipe file or the command line gave is checked against its
+        field's type first ([`check_value`]: a YAML list or mapping where one number belongs, `null` for a field that
+        needs a value), then the recipe as a whole ([`check_recipe`], [`check_training_arguments`]).
+
+        Args:
+            namespace (`argparse.Namespace`): what the parser gave.
+            where (`str`, *optional*): the recipe file, named in the errors of its values.
+            argv (`list[str]`, *optional*): the command line parsed, so that an error names it for its own values.
 
         Raises:
-            [`RecipeError`]: a value a dataclass rejects (its message says how to fix it).
+            [`RecipeError`]: a value of the wrong type, or one a dataclass rejects (its message says how to fix it).
         """
+        given = {arg.removeprefix("--").split("=")[0] for arg in argv or [] if arg.startswith("--")}
         outputs = []
         for dtype in self.dataclass_types:
             names = [f.name for f in dataclasses.fields(dtype) if f.init]
             inputs = {name: getattr(namespace, name) for name in names if hasattr(namespace, name)}
             for name in inputs:
                 delattr(namespace, name)
+            for field in dataclasses.fields(dtype):
+                if field.name in inputs and field.name in given | self.recipe_fields:
+                    origin = "command line" if field.name in given else where
+                    inputs[field.name] = check_value(dtype, field, inputs[field.name], origin)
             try:
                 outputs.append(dtype(**inputs))
             except (TypeError, ValueError) as err:
@@ -164,6 +183,8 @@ class RecipeParser(HfArgumentParser):
         by_type = {type(output): output for output in outputs}
         if ModelArguments in by_type and DataArguments in by_type:
             check_recipe(by_type[ModelArguments], by_type[DataArguments], where)
+        if GRPOConfig in by_type:
+            check_training_arguments(by_type[GRPOConfig], where)
         return tuple(outputs)
 
     def parse_recipe_args(self, args: list[str] | None = None, where: str = "recipe") -> tuple:
@@ -184,7 +205,150 @@ class RecipeParser(HfArgumentParser):
         except argparse.ArgumentError as err:
             raise recipe_error_from(err, args, where) from None
         self.check_unknown(unknown)
-        return self.dataclasses_from(namespace, where)
+        return self.dataclasses_from(namespace, where, args)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Values, by field type
+# --------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _type_hints(dtype: type) -> dict[str, Any]:
+    return typing.get_type_hints(dtype)
+
+
+def _options(dtype: type, field: dataclasses.Field) -> tuple:
+    """The types a field's annotation admits (the members of a union), plus `bool` for a flag whose bare option is
+    `True` (the Trainer's `fsdp`: `fsdp=True` turns it on)."""
+    hint = _type_hints(dtype)[field.name]
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return (*options, bool) if field.metadata.get("const") is True else options
+
+
+def _describe_type(option) -> str:
+    origin = typing.get_origin(option)
+    if option is bool:
+        return "true or false"
+    if option is int:
+        return "a whole number"
+    if option is float:
+        return "a number"
+    if option is str:
+        return "a string"
+    if origin is list:
+        (element,) = typing.get_args(option) or (Any,)
+        return f"a list of {_describe_type(element).removeprefix('a ').removeprefix('an ')}s"
+    if option is dict or origin is dict:
+        return "a mapping"
+    if origin is typing.Literal:
+        return f"one of {list(typing.get_args(option))}"
+    if isinstance(option, type) and issubclass(option, enum.Enum):
+        return f"one of {[member.value for member in option]}"
+    return getattr(option, "__name__", str(option))
+
+
+_NO_MATCH = object()
+
+
+def _match(value, option):
+    """`value` as `option` (an int as a float, the elements of a list checked), or `_NO_MATCH`."""
+    origin = typing.get_origin(option)
+    if option is Any:
+        return value
+    if option is type(None):
+        return value if value is None else _NO_MATCH
+    if option is bool:
+        return value if isinstance(value, bool) else _NO_MATCH
+    if option is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _NO_MATCH
+    if option is float:
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else _NO_MATCH
+    if option is str:
+        return value if isinstance(value, str) else _NO_MATCH
+    if isinstance(option, type) and issubclass(option, enum.Enum):  # the dataclass converts (and checks) a name
+        return value if isinstance(value, (option, str)) else _NO_MATCH
+    if origin is typing.Literal:
+        return value if value in typing.get_args(option) else _NO_MATCH
+    if option is dict or origin is dict:
+        return value if isinstance(value, dict) else _NO_MATCH
+    if origin is list:  # one value alone is a list of one, as `--lora_target_modules q_proj` gives
+        (element,) = typing.get_args(option) or (Any,)
+        items = [_match_or_text(item, (element,)) for item in (value if isinstance(value, list) else [value])]
+        return _NO_MATCH if any(item is _NO_MATCH for item in items) else items
+    if isinstance(option, type):
+        return value if isinstance(value, option) else _NO_MATCH
+    return value  # an annotation this check does not know: the dataclass decides
+
+
+def _match_or_text(value, options: tuple):
+    """The first option `value` matches; else, for a field that takes text, a YAML number as the text it was written
+    as (`grpo_bits: 4` is `"4"`, as on the command line); else `_NO_MATCH`."""
+    for option in options:
+        matched = _match(value, option)
+        if matched is not _NO_MATCH:
+            return matched
+    if str in options and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return _NO_MATCH
+
+
+def check_value(dtype: type, field: dataclasses.Field, value, where: str = "recipe"):
+    """
+    A recipe value checked against its field's annotation, by name, whatever gave it (a YAML file, where values keep
+    the type YAML reads, or the command line): returned as the field takes it (an integer as a float for a float
+    field, a YAML number as text for a text field); the field's default passes as is.
+
+    Raises:
+        [`RecipeError`]: a list where one value belongs (`seed: [0, 1, 2]`), a mapping, text or `true` where a number
+            belongs, `null` for a field that needs a value; naming `where`, the field, the value and what it takes.
+    """
+    default = field.default
+    if default is not dataclasses.MISSING and type(value) is type(default) and value == default:
+        return value
+    options = _options(dtype, field)
+    matched = _match_or_text(value, options)
+    if matched is not _NO_MATCH:
+        return matched
+    wanted = " or ".join(dict.fromkeys(_describe_type(o) for o in options if o is not type(None)))
+    if value is None:
+        problem = f"no value (null), and {field.name} needs one"
+    elif isinstance(value, list):
+        problem = f"a list where {wanted} belongs (one value per field)"
+    elif isinstance(value, dict):
+        problem = f"a mapping where {wanted} belongs"
+    elif isinstance(value, str):
+        problem = f"text where {wanted} belongs"
+    else:
+        kind = type(value).__name__
+        problem = f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} where {wanted} belongs"
+    raise RecipeError(f"{where}: {field.name}={value!r}: {problem}. Give {wanted}.")
+
+
+def check_training_arguments(args: GRPOConfig, where: str = "recipe") -> None:
+    """
+    What a recipe's training arguments would do that no one wants, checked before any model is loaded (guards for a
+    person at the command line; the library follows the Trainer): a run of zero optimizer steps, and `fsdp` on one
+    process, which the Trainer refuses only once the model is loaded.
+
+    Raises:
+        [`RecipeError`]: naming the fields and the fix.
+    """
+    if args.max_steps <= 0 and args.num_train_epochs <= 0:  # the Trainer's rule: max_steps > 0 wins over epochs
+        raise RecipeError(
+            f"{where}: max_steps={args.max_steps} and num_train_epochs={args.num_train_epochs} train nothing (zero "
+            "optimizer steps). Set max_steps to the number of optimizer steps (e.g. 100) or num_train_epochs to a "
+            "positive number of passes over the data."
+        )
+    if args.fsdp and not (args.fsdp_config or {}).get("xla", False):
+        from transformers.training_args import ParallelMode
+
+        if args.parallel_mode != ParallelMode.DISTRIBUTED:  # the Trainer's own condition ("only works in ...")
+            raise RecipeError(
+                f"{where}: fsdp is set, and this is one process: FSDP shards the model over several (the Trainer "
+                "refuses it alone). Launch the command with `torchrun --nproc_per_node N -m grpo_hf.cli ...` or "
+                "`accelerate launch -m grpo_hf.cli ...`, or remove fsdp (and fsdp_config) to train on one process."
+            )
 
 
 def recipe_error_from(err: argparse.ArgumentError, args: list[str], where: str) -> RecipeError:
@@ -320,6 +484,8 @@ __all__ = [
     "builtin_recipe",
     "check_local_paths",
     "check_recipe",
+    "check_training_arguments",
+    "check_value",
     "load_recipe",
     "parse_overrides",
     "parse_recipe",
