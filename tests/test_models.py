@@ -310,3 +310,22 @@ def test_real_smollm2_gguf_round_trips_through_the_cache(tmp_path):
     assert 1 < perplexity < 100
     assert cached.lm_head.weight is cached.model.embed_tokens.weight
     assert not getattr(cached, "is_quantized", False) and cached.config.pad_token_id == 0
+
+
+def test_lora_targets_that_name_no_module_are_refused_before_peft(caplog):
+    import logging
+
+    from grpo_hf.errors import RecipeError
+    from grpo_hf.harness.build import check_lora_targets
+
+    model = tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, heads=4, seq_len=16, seed=0)
+    check_lora_targets(model, ["q_proj", "v_proj"])
+    check_lora_targets(model, ["all-linear"])
+    check_lora_targets(model, ["self_attn.q_proj"])  # PEFT matches the end of a name after a dot
+    with pytest.raises(
+        RecipeError, match=r"lora_target_modules=\['qproj'\]: \['qproj'\] name\(s\) no module .*'q_proj'"
+    ):
+        check_lora_targets(model, ["qproj"])
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.harness.build"):
+        check_lora_targets(model, ["q_proj", "vproj"])
+    assert "['vproj'] name(s) no module" in caplog.text and "the other targets are adapted" in caplog.text

@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..errors import RecipeError
 from .arguments import DTYPES, DataArguments, ModelArguments
+
+
+logger = logging.getLogger(__name__)
 
 
 def _is_tiny(model_args: ModelArguments) -> bool:
@@ -172,6 +177,7 @@ def build_model(
         from peft import LoraConfig, get_peft_model
 
         targets = model_args.lora_target_modules
+        check_lora_targets(model, targets)
         config = LoraConfig(
             r=model_args.lora_r,
             lora_alpha=model_args.lora_alpha,
@@ -184,6 +190,35 @@ def build_model(
             model = get_peft_model(model, config)
     model.train()
     return model, tokenizer
+
+
+# Layer types a LoRA adapter can wrap (PEFT's LoRA layers), by class name: the names a recipe's targets can take.
+_ADAPTABLE = ("Linear", "Embedding", "Conv1D", "Conv1d", "Conv2d", "Conv3d")
+
+
+def check_lora_targets(model, targets: list[str]) -> None:
+    """
+    Check `lora_target_modules` against the model's module names as PEFT matches them (a name, or the end of one
+    after a dot), before PEFT wraps the model: a target that names no module is a typo (`qproj`).
+
+    Raises:
+        [`~grpo_hf.errors.RecipeError`]: no target names a module (PEFT would refuse the model), with the names the
+            model's adaptable layers have. One target of several that names nothing is logged as a warning.
+    """
+    if list(targets) == ["all-linear"]:
+        return
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if not unmatched:
+        return
+    layers = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ in _ADAPTABLE})
+    message = (
+        f"lora_target_modules={list(targets)}: {unmatched} name(s) no module of this {type(model).__name__}; its "
+        f"adaptable layers are named {layers} (or give ['all-linear'] for every linear layer)"
+    )
+    if len(unmatched) == len(targets):
+        raise RecipeError(message + ".")
+    logger.warning(message + "; the other targets are adapted.")
 
 
 def build_datasets(tokenizer, data_args: DataArguments):
@@ -272,4 +307,4 @@ def prepare(
     )
 
 
-__all__ = ["Prepared", "build_datasets", "build_model", "build_tokenizer", "prepare"]
+__all__ = ["Prepared", "build_datasets", "build_model", "build_tokenizer", "check_lora_targets", "prepare"]
