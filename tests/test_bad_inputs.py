@@ -10,6 +10,7 @@ test_checkpoints.py; this file checks them end to end.
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -340,6 +341,90 @@ PUBLISH_CASES = {
 CASES.update(PUBLISH_CASES)
 
 
+def jsonl(rows: list[dict]) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def with_data(name: str, rows: list[dict], *extra: str, recipe: str = TINY) -> Callable[[Path], list[str]]:
+    def arrange(tmp):
+        write(name, jsonl(rows))
+        return train("--dataset_name", name, *extra, recipe=recipe)(tmp)
+
+    return arrange
+
+
+TEXTS = [{"text": f"row {i}"} for i in range(100)]
+CHATS = [
+    {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(20)
+]
+CLASSIFY = "model_name_or_path: tiny-bert\ntask: sequence_classification\nlora_r: 0\nmax_steps: 2\nreport_to: none\n"
+VALUE_CASES = {
+    # Your data, checked whole: every row, the values as well as the keys, two classes at least; the row is named.
+    "data-text-null-in-row-70": Case(
+        with_data("t.jsonl", TEXTS[:70] + [{"text": None}] + TEXTS[71:]),
+        RecipeError,
+        ("r.yaml", "row 70 of column 'text' is empty (null)", "dataset_split='train'"),
+    ),
+    "data-chat-content-null": Case(
+        with_data(
+            "c.jsonl",
+            CHATS[:5] + [{"messages": [CHATS[0]["messages"][0], {"role": "assistant", "content": None}]}] + CHATS[6:],
+        ),
+        RecipeError,
+        ("row 5 of column 'messages'", "turn 1 (assistant) whose content is empty (null)"),
+    ),
+    "data-one-class": Case(
+        with_data("k.jsonl", [{"text": f"t{i}", "label": "sports"} for i in range(20)], recipe=CLASSIFY),
+        RecipeError,
+        ("column 'label' holds one class ('sports')", "at least two classes"),
+    ),
+    # Values by type and name, from a recipe file, the command line or Python.
+    "recipe-seed-a-list": Case(
+        train(recipe=TINY + "seed: [0, 1, 2]\n"), RecipeError, ("r.yaml", "seed=[0, 1, 2]", "a whole number")
+    ),
+    "recipe-zero-steps": Case(
+        train("--max_steps", "0", "--num_train_epochs", "0"),
+        RecipeError,
+        ("max_steps=0", "num_train_epochs=0", "train nothing"),
+    ),
+    "recipe-fsdp-on-one-process": Case(
+        train(recipe=TINY + "fsdp: full_shard\n"),
+        RecipeError,
+        ("r.yaml", "fsdp is set, and this is one process", "torchrun"),
+    ),
+    "recipe-fsdp-version-not-a-number": Case(
+        train(recipe=TINY + "fsdp: true\nfsdp_config: {version: fsdp2}\n"),
+        RecipeError,
+        ("r.yaml", "fsdp_config={'version': 'fsdp2'}", "{'version': 2}"),
+    ),
+    "fsdp-version-fsdp2": Case(
+        lambda tmp: config(fsdp=True, fsdp_config={"version": "fsdp2"}),
+        ConfigError,
+        ("fsdp_config={'version': 'fsdp2'}",),
+    ),
+    "scale-clip-quoted": Case(
+        lambda tmp: config(grpo_scale_clip="4"), ConfigError, ("grpo_scale_clip='4'", "use a number")
+    ),
+    "link-gbps-quoted": Case(
+        lambda tmp: config(cost_link_gbps="10"), ConfigError, ("cost_link_gbps='10'", "use a number")
+    ),
+    "checkpoint-trainer-state-corrupt": Case(
+        lambda tmp: (
+            write("out/checkpoint-2/trainer_state.json", '{"global_step": 2'),
+            train("--resume_from_checkpoint", "out/checkpoint-2")(tmp),
+        )[1],
+        CheckpointError,
+        ("cannot read the Trainer state out/checkpoint-2/trainer_state.json",),
+    ),
+}
+CASES.update(VALUE_CASES)
+
+
+def without_progress_bars(text: str) -> str:
+    """`text` without the progress bars of 🤗 Datasets (lines that a carriage return redraws): no error lines."""
+    return "".join(line + "\n" for line in text.split("\n")[:-1] if "\r" not in line) + text.split("\n")[-1]
+
+
 def snapshot(folder: Path) -> dict[str, str]:
     """Every file and folder below `folder`, with a hash of the file's bytes and its modification time."""
     found = {}
@@ -389,7 +474,7 @@ def test_bad_input_gets_one_clear_error_before_any_work(case, tmp_path, monkeypa
     names = case.names
     if isinstance(action, list):  # a command line: one line on stderr and exit status 2, then the error with --debug
         assert main(action) == 2
-        err = capsys.readouterr().err
+        err = without_progress_bars(capsys.readouterr().err)
         assert err.startswith(f"grpo-hf {action[0]}: error: ") and err.count("\n") == 1, err
         assert "Traceback" not in err and all(name in err for name in names), err
         with pytest.raises(case.error) as raised:
@@ -432,3 +517,73 @@ def test_debug_raises_with_the_whole_traceback(tmp_path):
         main(["train", str(tmp_path / "missing.yaml"), "--debug"])
     frames = "".join(traceback.format_tb(raised.value.__traceback__))
     assert "grpo_hf/cli/main.py" in frames and "in read_recipe" in frames  # from main down to where it was raised
+
+
+def test_debug_from_the_environment_raises_with_the_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_HF_DEBUG", "1")
+    with pytest.raises(RecipeNotFoundError):
+        main(["train", str(tmp_path / "missing.yaml")])
+
+
+# --- after the checks: what a library refuses once the model is loaded is one line too; a bug keeps its traceback ---
+
+# A recipe that trains in seconds on a tiny data file (its BPE is trained on those rows).
+QUICK = TINY + "dataset_name: t.jsonl\ntiny_vocab_size: 300\nseq_len: 16\nmax_steps: 1\n"
+
+
+def test_lora_targets_that_match_nothing_are_one_line_and_nothing_is_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    write("t.jsonl", jsonl(TEXTS[:30]))
+    write("r.yaml", QUICK.replace("lora_r: 0", "lora_r: 4") + "lora_target_modules: [qproj]\n")
+    before = snapshot(tmp_path)
+    assert main(["train", "r.yaml"]) == 2
+    err = without_progress_bars(capsys.readouterr().err)
+    assert err.count("\n") == 1 and err.startswith("grpo-hf train: error: lora_target_modules=['qproj']"), err
+    assert "'q_proj'" in err and "Traceback" not in err
+    assert snapshot(tmp_path) == before
+
+
+def test_a_libraries_own_refusal_is_one_line_and_debug_shows_where(tmp_path, monkeypatch, capsys):
+    import grpo_hf.harness.build
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(grpo_hf.harness.build, "check_lora_targets", lambda model, targets: None)  # PEFT decides
+    write("t.jsonl", jsonl(TEXTS[:30]))
+    write("r.yaml", QUICK.replace("lora_r: 0", "lora_r: 4") + "lora_target_modules: [qproj]\n")
+    before = snapshot(tmp_path)
+    assert main(["train", "r.yaml"]) == 2
+    err = without_progress_bars(capsys.readouterr().err)
+    assert err.count("\n") == 1 and err.startswith("grpo-hf train: error: peft refused a setting: "), err
+    assert "qproj" in err and "--debug" in err
+    with pytest.raises(ValueError, match="qproj") as raised:
+        main(["train", "r.yaml", "--debug"])
+    assert "/peft/" in traceback.format_tb(raised.value.__traceback__)[-1]
+    assert snapshot(tmp_path) == before
+
+
+def test_a_bug_keeps_its_traceback_and_a_refused_path_is_one_line(monkeypatch, capsys):
+    import grpo_hf.cli.tools
+
+    def buggy(args):
+        raise ValueError("a bug of grpo_hf")
+
+    monkeypatch.setattr(grpo_hf.cli.tools, "env_command", buggy)
+    with pytest.raises(ValueError, match="a bug of grpo_hf"):  # not a library's refusal, not an input error
+        main(["env"])
+
+    def unwritable(args):
+        raise PermissionError(13, "Permission denied", "/runs/out/results.json")
+
+    monkeypatch.setattr(grpo_hf.cli.tools, "env_command", unwritable)
+    assert main(["env"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "grpo-hf env: error: /runs/out/results.json: Permission denied. Check the path and its permissions (and the "
+        "free space of its disk).\n"
+    )
+
+
+def test_a_ratio_pattern_that_matches_no_group_warns_on_the_command_line(caplog):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.grouping"):
+        assert main(["groups", "tiny-llama", "--grpo_lr_ratios", '{"embedings": 0.5}']) == 0
+    assert "grpo_lr_ratios: pattern(s) ['embedings'] match no group" in caplog.text

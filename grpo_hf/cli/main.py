@@ -5,10 +5,14 @@ answered before torch or transformers is imported: [`COMMANDS`] names each comma
 the command is chosen. Each module holds `<name>_command_parser` / `<name>_command` pairs, as in accelerate's CLI:
 [`grpo_hf.cli.recipes`] (`quickstart`, `compare`, `train`) and [`grpo_hf.cli.tools`] (`publish`, `groups`, `env`).
 
-Bad input ([`~grpo_hf.errors.GRPOInputError`]: a recipe, a field, a group file, a checkpoint, an output folder
-holding another run) stops a command before any model is loaded or any file written, with one
-`grpo-hf COMMAND: error: ...` line on stderr and exit status 2; a failed upload ([`~grpo_hf.errors.HubError`]) the
-same with exit status 1; `--debug` (before or after the command) shows the traceback instead.
+Every failure a user can cause ends in one `grpo-hf COMMAND: error: ...` line on stderr (no traceback) naming the
+file, field or value and what to do, with exit status 2: bad input ([`~grpo_hf.errors.GRPOInputError`]: a recipe, a
+field, a group file, your data, a checkpoint, an output folder holding another run, a folder to publish), reported
+before any model is loaded or any file written; a setting a library refuses (a `ValueError` raised by transformers',
+PEFT's, accelerate's or 🤗 Datasets' own checks, see [`refusing_library`]); a file or folder the system refuses (an
+`OSError` naming it: no permission, no space). A failed upload ([`~grpo_hf.errors.HubError`]) is the same line with
+exit status 1. Anything else is a bug and keeps its traceback. `--debug` (before or after the command) or
+`GRPO_HF_DEBUG=1` shows the traceback of every error.
 
 ```bash
 grpo-hf quickstart                       # SmolLM2-135M + LoRA, Trainer vs GRPOTrainer, offline, a few minutes on CPU
@@ -22,8 +26,10 @@ grpo-hf env
 
 import argparse
 import importlib
+import os
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import GRPOInputError, HubError
@@ -64,9 +70,13 @@ COMMANDS = {
     "env": Command("grpo_hf.cli.tools", "Print versions and hardware for bug reports."),
 }
 DEBUG_HELP = (
-    "Show the full traceback of an input error (without it: one 'grpo-hf COMMAND: error: ...' line on stderr, exit "
-    "status 2). Goes before or after the command."
+    "Show the full traceback of an error (without it: one 'grpo-hf COMMAND: error: ...' line on stderr, exit status "
+    "2). Goes before or after the command; GRPO_HF_DEBUG=1 does the same."
 )
+# Set to 1 (or true, yes, on), the same as `--debug` on every command line (e.g. under a launcher).
+DEBUG_ENV = "GRPO_HF_DEBUG"
+# The libraries whose `ValueError`s are their refusals of a setting (argument checks), reported in one line.
+REFUSING_LIBRARIES = ("transformers", "peft", "accelerate", "datasets")
 # The values of the `--debug` field of `TrainingArguments` (transformers' `DebugOption`, checked by a test): a
 # `--debug` followed by one of them is that field's, not grpo-hf's flag. Written here so that `--debug` is told apart
 # without importing transformers.
@@ -131,15 +141,44 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
     return parser().parse_args(argv[1:])
 
 
+def refusing_library(err: BaseException) -> str | None:
+    """
+    The library of [`REFUSING_LIBRARIES`] whose own code raised `err` (the innermost frame of its traceback outside
+    the standard library lies in that package), or `None`. A `ValueError` raised there is the library refusing a
+    setting it was given (the Trainer's "Using fsdp only works in distributed training", PEFT's "Target modules ...
+    not found", an unknown name of a transformers enum); one raised in grpo_hf's code, or in another library's, is
+    not told apart from a bug and keeps its traceback.
+    """
+    packages = []
+    tb = err.__traceback__
+    while tb is not None:
+        packages.append(tb.tb_frame.f_globals.get("__name__", "").split(".")[0])
+        tb = tb.tb_next
+    own = [package for package in packages if package not in sys.stdlib_module_names]
+    return own[-1] if own and own[-1] in REFUSING_LIBRARIES else None
+
+
+def _debug_from_environment() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
 def main(argv: list[str] | None = None) -> int:
     """
-    Run one `grpo-hf` command; returns the exit status. Bad input ([`~grpo_hf.errors.GRPOInputError`]: a recipe, a
-    field, a group file, a checkpoint, an output folder) prints one `grpo-hf COMMAND: error: ...` line on stderr and
-    returns 2, before any model is loaded or any file written; a [`~grpo_hf.errors.HubError`] prints its line and
-    returns 1; `--debug` raises either with its traceback instead. Other exceptions keep their traceback.
+    Run one `grpo-hf` command; returns the exit status.
+
+    Every failure a user can cause prints one `grpo-hf COMMAND: error: ...` line on stderr: bad input
+    ([`~grpo_hf.errors.GRPOInputError`], before any model is loaded or any file written), a library's refusal of a
+    setting ([`refusing_library`]) and a file the system refuses (an `OSError` naming it) return 2, a
+    [`~grpo_hf.errors.HubError`] returns 1. `--debug` or `GRPO_HF_DEBUG=1` raises each with its traceback instead;
+    other exceptions are bugs and keep theirs.
     """
     started, console_script = time.time(), argv is None
     argv, debug = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
+    debug = debug or _debug_from_environment()
     try:
         args = parse_command_line(argv)
         if console_script:  # count from the process start, so that the imports are included
@@ -151,13 +190,42 @@ def main(argv: list[str] | None = None) -> int:
     except GRPOInputError as err:
         if debug:
             raise
-        print(f"grpo-hf {argv[0]}: error: {err}", file=sys.stderr)
+        print(f"grpo-hf {argv[0]}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except HubError as err:
         if debug:
             raise
-        print(f"grpo-hf {argv[0]}: error: {err}", file=sys.stderr)
+        print(f"grpo-hf {argv[0]}: error: {_one_line(err)}", file=sys.stderr)
         return 1
+    except ValueError as err:
+        library = refusing_library(err)
+        if debug or library is None:
+            raise
+        print(
+            f"grpo-hf {argv[0]}: error: {library} refused a setting: {_one_line(err)} (fix it in the recipe or on "
+            "the command line; --debug shows where it was raised)",
+            file=sys.stderr,
+        )
+        return 2
+    except OSError as err:
+        if debug or err.filename is None:
+            raise
+        print(
+            f"grpo-hf {argv[0]}: error: {Path(os.fsdecode(err.filename))}: {err.strerror or err}. Check the path "
+            "and its permissions (and the free space of its disk).",
+            file=sys.stderr,
+        )
+        return 2
 
 
-__all__ = ["COMMANDS", "TRAINING_DEBUG_OPTIONS", "main", "main_parser", "parse_command_line", "take_debug_flag"]
+__all__ = [
+    "COMMANDS",
+    "DEBUG_ENV",
+    "REFUSING_LIBRARIES",
+    "TRAINING_DEBUG_OPTIONS",
+    "main",
+    "main_parser",
+    "parse_command_line",
+    "refusing_library",
+    "take_debug_flag",
+]
