@@ -543,6 +543,20 @@ def test_lora_targets_that_match_nothing_are_one_line_and_nothing_is_written(tmp
     assert snapshot(tmp_path) == before
 
 
+def test_data_that_fills_no_batch_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import grpo_hf.harness.compare
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(grpo_hf.harness.compare, "build_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    write("t.jsonl", jsonl(TEXTS[:30]))
+    write("r.yaml", QUICK + "dataloader_drop_last: true\nper_device_train_batch_size: 64\n")
+    before = snapshot(tmp_path)
+    assert main(["train", "r.yaml"]) == 2
+    err = without_progress_bars(capsys.readouterr().err)
+    assert err.count("\n") == 1 and "fewer than one batch of 64" in err and "dataloader_drop_last" in err, err
+    assert snapshot(tmp_path) == before
+
+
 def test_a_libraries_own_refusal_is_one_line_and_debug_shows_where(tmp_path, monkeypatch, capsys):
     import grpo_hf.harness.build
 

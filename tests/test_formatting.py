@@ -134,6 +134,18 @@ def test_prepare_tokenizes_chats_and_drops_rows_whose_completion_is_cut(tmp_path
         prepare(model_args, data_args)
 
 
+def test_a_model_whose_loss_is_not_finite_is_one_recipe_error(tiny_model):
+    from datasets import Dataset
+
+    model = tiny_model()
+    rows = Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 3, "labels": [[1, 2, 3, 4]] * 3})
+    assert evaluate_perplexity(model, rows, 2, show_progress=False)["num_tokens"] == 9
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("inf"))  # what a learning rate far too high leaves
+    with pytest.raises(RecipeError, match=r"held-out loss is not finite \(nan\).*lower learning_rate"):
+        evaluate_perplexity(model, rows, 2, show_progress=False)
+
+
 def test_perplexity_of_padded_batches_does_not_depend_on_the_batch_size(tmp_path):
     model_args, data_args, _ = tiny_recipe(tmp_path, dataset_name=str(DATA / "instructions.jsonl"), seq_len=96)
     prepared = prepare(model_args, data_args)

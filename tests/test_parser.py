@@ -97,6 +97,12 @@ def test_runs_that_would_train_nothing_or_need_a_launcher_are_refused():
     parse_recipe({**TINY, "max_steps": 5, "num_train_epochs": 0})  # max_steps wins over epochs
     with pytest.raises(RecipeError, match=r"^r.yaml: fsdp is set, and this is one process.*torchrun"):
         parse_recipe({**TINY, "fsdp": True, "use_cpu": True}, where="r.yaml")
+    for field in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        with pytest.raises(RecipeError, match=rf"^r.yaml: {field}=0: use 1 or more"):
+            parse_recipe({**TINY, field: 0}, where="r.yaml")
+    for value in ("nan", "inf", "-1"):
+        with pytest.raises(RecipeError, match=r"^command line: learning_rate=|^r.yaml: learning_rate="):
+            parse_recipe(TINY, ["--learning_rate", value], where="r.yaml")
 
 
 def test_unknown_fields_abbreviations_and_stray_values_are_errors():

@@ -26,6 +26,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..checkpoints import resolve_resume_checkpoint
 from ..config import grpo_field_names
+from ..errors import RecipeError
 from ..provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
 from .arguments import DataArguments, ModelArguments
 from .build import (
@@ -191,6 +192,24 @@ def _cost_per_quality(cost_per_quality, total_usd: float | None, after: dict[str
     return cost_per_quality(total_usd, perplexity=after["perplexity"]) if math.isfinite(after["perplexity"]) else None
 
 
+def check_train_batches(rows: int, args) -> None:
+    """
+    Refuse, before the model is loaded, train data that fills no batch: with `dataloader_drop_last`, fewer rows per
+    process than `per_device_train_batch_size` leave the Trainer an empty epoch, and it trains zero steps without a
+    word (a report of "train loss 0").
+
+    Raises:
+        [`~grpo_hf.errors.RecipeError`]: naming the row count and the fields to change.
+    """
+    per_process = math.ceil(rows / max(args.world_size, 1))
+    if args.dataloader_drop_last and per_process < args.train_batch_size:
+        raise RecipeError(
+            f"the train data has {rows} row(s) ({per_process} per process), fewer than one batch of "
+            f"{args.train_batch_size} (per_device_train_batch_size), and dataloader_drop_last=True drops it: no step "
+            "would train. Lower per_device_train_batch_size, add rows, or set dataloader_drop_last: false."
+        )
+
+
 def run_training(
     model_args: ModelArguments,
     data_args: DataArguments,
@@ -258,6 +277,7 @@ def run_training(
     label = LABELS[trainer_kind]
     if prepared is None:
         prepared = prepare(model_args, data_args, progress)
+    check_train_batches(len(prepared.train_dataset), args)
     output_dir = output_dir or args.output_dir
     args = dataclasses.replace(args, output_dir=output_dir)
     if args.include_num_input_tokens_seen == "no":  # the plain Trainer's token count, for tokens/s

@@ -4,6 +4,8 @@ import time
 
 import torch
 
+from ..errors import RecipeError
+
 
 def _batches(dataset, batch_size: int, collate_fn, device, desc: str, show_progress: bool):
     """The dataset in order, `batch_size` rows at a time, collated (padded) and moved to `device`."""
@@ -35,6 +37,9 @@ def evaluate_perplexity(
 
     Returns:
         `dict`: `perplexity`, `mean_nll`, `num_tokens` (from the metric), `num_examples` and `seconds`.
+
+    Raises:
+        [`~grpo_hf.errors.RecipeError`]: a held-out loss is not finite (a run that diverged): no perplexity to report.
     """
     from .metrics import load_metric
 
@@ -53,6 +58,12 @@ def evaluate_perplexity(
                 shift_logits.transpose(1, 2), shift_labels, ignore_index=-100, reduction="none"
             ).sum(-1)
             counts = (shift_labels != -100).sum(-1)
+            if not torch.isfinite(nll).all():
+                raise RecipeError(
+                    f"the held-out loss is not finite ({nll[~torch.isfinite(nll)][0].item()}): the model's weights "
+                    "overflowed. After training, the learning rate was too high for this model: lower learning_rate "
+                    "(or the ratios of grpo_lr_ratios); before it, the model does not run in this dtype (try float32)."
+                )
             metric.add_batch(predictions=nll.double().cpu().tolist(), references=counts.cpu().tolist())
         result = metric.compute()
     finally:

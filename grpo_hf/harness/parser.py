@@ -25,6 +25,7 @@ import dataclasses
 import difflib
 import enum
 import functools
+import math
 import os
 import types
 import typing
@@ -328,12 +329,18 @@ def check_value(dtype: type, field: dataclasses.Field, value, where: str = "reci
 def check_training_arguments(args: GRPOConfig, where: str = "recipe") -> None:
     """
     What a recipe's training arguments would do that no one wants, checked before any model is loaded (guards for a
-    person at the command line; the library follows the Trainer): a run of zero optimizer steps, and `fsdp` on one
-    process, which the Trainer refuses only once the model is loaded.
+    person at the command line; the library follows the Trainer): a run of zero optimizer steps, batch sizes and
+    accumulation steps below 1 and a learning rate that is negative or not finite (torch and the Trainer fail on them
+    only once training starts), and `fsdp` on one process, which the Trainer refuses only once the model is loaded.
 
     Raises:
         [`RecipeError`]: naming the fields and the fix.
     """
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            raise RecipeError(f"{where}: {name}={getattr(args, name)}: use 1 or more.")
+    if not 0 <= args.learning_rate < math.inf:
+        raise RecipeError(f"{where}: learning_rate={args.learning_rate}: use a finite number >= 0, e.g. 1e-4.")
     if args.max_steps <= 0 and args.num_train_epochs <= 0:  # the Trainer's rule: max_steps > 0 wins over epochs
         raise RecipeError(
             f"{where}: max_steps={args.max_steps} and num_train_epochs={args.num_train_epochs} train nothing (zero "
