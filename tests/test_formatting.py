@@ -57,6 +57,13 @@ def test_assistant_only_labels_cover_exactly_the_replies(tokenizer):
     assert everything["labels"] == everything["input_ids"] == row["input_ids"]
 
 
+def test_a_conversation_that_opens_with_the_assistant_trains_from_its_start(tokenizer):
+    greeting = [{"role": "assistant", "content": "Hello!"}, *CONVERSATION[1:3]]  # found by tests/test_fuzz.py
+    text, spans = assistant_spans(tokenizer, greeting)
+    assert [text[a:b] for a, b in spans] == ["<|im_start|>assistant\nHello!<|im_end|>\n", "Seven.<|im_end|>\n"]
+    assert trained_text(tokenizer, tokenize_messages(tokenizer, greeting, completion_only=True)).startswith("<|im_")
+
+
 def test_a_template_that_is_not_prefix_consistent_is_refused():
     tok = train_bpe_tokenizer(["abc def"] * 50, vocab_size=300)
     tok.chat_template = "{{ messages|length }}{% for m in messages %}|{{ m['content'] }}{% endfor %}"

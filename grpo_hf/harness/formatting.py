@@ -62,7 +62,8 @@ def assistant_spans(tokenizer, messages: list[dict], where: str = "recipe") -> t
     The rendered conversation and the character spans of its assistant turns.
 
     For assistant turn `i`, the span runs from the end of `messages[:i]` rendered with the generation prompt to the
-    end of `messages[: i + 1]` rendered: the reply and the template's end-of-turn text.
+    end of `messages[: i + 1]` rendered: the reply and the template's end-of-turn text. A conversation that opens
+    with the assistant (a greeting) has no prompt to render before it: its first span starts at the beginning.
 
     Raises:
         [`~grpo_hf.errors.RecipeError`]: the template does not render a conversation prefix by prefix (a prefix is not
@@ -73,7 +74,11 @@ def assistant_spans(tokenizer, messages: list[dict], where: str = "recipe") -> t
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+        before = (
+            tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+            if index
+            else ""
+        )
         through = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
         if not (text.startswith(before) and text.startswith(through) and len(through) >= len(before)):
             raise RecipeError(
