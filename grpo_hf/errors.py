@@ -3,8 +3,9 @@ culprit), the Hub's, and the energy meters'.
 
 Every input error is a `ValueError`, so code that catches the Trainer's `ValueError`s keeps working; the `grpo-hf`
 command line catches [`GRPOInputError`] once and prints its message (what is wrong, where, how to fix it) as one
-`grpo-hf <command>: error: ...` line on stderr, exit status 2, without a traceback (`--debug` shows it). A failed
-upload ([`HubError`]) prints the same one line with exit status 1.
+`grpo-hf <command>: error: ...` line on stderr, exit status 2, without a traceback (`--debug` or `GRPO_HF_DEBUG=1`
+shows it), as it does a library's own refusal of a setting ([`grpo_hf.cli.main`]). A failed upload ([`HubError`])
+prints the same one line with exit status 1.
 
 | error | raised for | the message names |
 |---|---|---|
@@ -15,7 +16,7 @@ upload ([`HubError`]) prints the same one line with exit status 1.
 | [`MissingPathError`] | a file or folder named on the command line that does not exist (also a `FileNotFoundError`) | the path |
 | [`RecipeError`] | a recipe file, a command-line override, or the data a recipe names | the recipe, the field |
 | [`RecipeNotFoundError`] | a recipe file that does not exist (also a `FileNotFoundError`) | the path |
-| [`PublishInputError`] | a folder `grpo-hf publish` cannot publish, a malformed repository id | the folder, the id |
+| [`PublishInputError`] | a folder `grpo-hf publish` cannot publish (or a damaged record in it), an upload folder that clashes with it, a malformed repository id | the folder or file, the id |
 
 Not input errors: [`GRPOError`] (a run that cannot go on, e.g. steps with NaN/Inf gradients many times in a
 row), [`HubError`] (no token, a refused token, an unreachable Hub) and [`EnergyMeterUnavailable`] (an

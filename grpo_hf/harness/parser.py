@@ -6,8 +6,10 @@ A recipe is one flat mapping whose keys are the fields of [`~grpo_hf.harness.arg
 from a YAML file. As in TRL's
 `TrlParser`, [`RecipeParser`] is an [`~transformers.HfArgumentParser`] over the three dataclasses: the recipe's values
 become the parser's defaults (so a YAML string such as `5e-4` goes through the field's type), then the command line
-is parsed once, and wins over the file. Then [`check_recipe`] checks the model and the data together, and loads the
-data to check its splits and columns, before any model is loaded.
+is parsed once, and wins over the file. Every value the file or the command line gave is then checked against its
+field's annotation ([`check_value`]: YAML keeps its own types, so `seed: [0, 1, 2]` would otherwise reach the
+Trainer), [`check_recipe`] checks the model and the data together (the data is loaded and every row checked), and
+[`check_training_arguments`] refuses runs that could not train, all before any model is loaded.
 
 Example:
 
@@ -68,8 +70,9 @@ class RecipeParser(HfArgumentParser):
 
     Differences from a plain `HfArgumentParser`: no abbreviations (`--max_step` is an error, not `--max_steps`), no
     exit on a wrong value (an [`argparse.ArgumentError`] is raised, [`parse_recipe_args`] turns it into a
-    [`RecipeError`]), and `None` / `null` as a value gives `None` for every typed field and every string field that
-    may be `None` (`--dataset_eval_split None`).
+    [`RecipeError`]), `None` / `null` as a value gives `None` for every typed field and every string field that
+    may be `None` (`--dataset_eval_split None`; a field that needs a value refuses it), and every value given is
+    checked against its field's annotation ([`check_value`]).
 
     Example:
 

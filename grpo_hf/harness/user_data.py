@@ -4,7 +4,8 @@ A recipe names its data with [`~grpo_hf.harness.arguments.DataArguments`] (`data
 `dataset_split`, `dataset_eval_split`, the column names, `task`). [`check_data_arguments`] runs when the recipe is
 loaded, before any model is: it loads the data with [`datasets.load_dataset`] (which never touches the network when
 `HF_HUB_OFFLINE=1`) and raises one [`~grpo_hf.errors.RecipeError`] naming the recipe, the field and the fix when a file
-is missing, a split or column does not exist, or a Hub dataset is neither reachable nor cached. [`load_train_eval`]
+is missing, a split or column does not exist, a Hub dataset is neither reachable nor cached, or a row holds a value
+the format cannot take (every row is read, [`CHECK_BATCH_ROWS`] at a time; the error names the row). [`load_train_eval`]
 gives the train and eval [`datasets.Dataset`]s; [`grpo_hf.harness.formatting`] tokenizes them.
 
 Example:

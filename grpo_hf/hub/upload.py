@@ -6,7 +6,8 @@ for a full fine-tune) and the tokenizer with the card of [`grpo_hf.model_card`].
 [`~grpo_hf.model_card.KNOWN_BASES`]), so that `AutoPeftModelForCausalLM.from_pretrained("USER/NAME")` works for
 everyone. The token is the one `huggingface_hub` finds; the guards of [`grpo_hf.hub_guards`] keep it out of the
 upload, and a missing token, a refused one or an unreachable Hub gives one [`~grpo_hf.errors.HubError`]; the folder
-stays for a retry.
+stays for a retry. Publishing never writes into or removes what it reads: the upload folder may not be, hold or lie
+inside the folder published ([`check_upload_dir`]), and `--dry_run` writes nothing outside the upload folder.
 
 Example:
 
