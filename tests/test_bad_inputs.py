@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from testing_utils import tiny_test_llama
+from testing_utils import tiny_test_llama, without_progress_bars
 
 from grpo_hf import GRPOConfig
 from grpo_hf.checkpoints import STATE_FILE
@@ -418,11 +418,6 @@ VALUE_CASES = {
     ),
 }
 CASES.update(VALUE_CASES)
-
-
-def without_progress_bars(text: str) -> str:
-    """`text` without the progress bars of 🤗 Datasets (lines that a carriage return redraws): no error lines."""
-    return "".join(line + "\n" for line in text.split("\n")[:-1] if "\r" not in line) + text.split("\n")[-1]
 
 
 def snapshot(folder: Path) -> dict[str, str]:

@@ -13,6 +13,7 @@ tries many more at random, and trains the recipes and the data that pass their c
 
 import contextlib
 import csv
+import functools
 import io
 import json
 import os
@@ -24,7 +25,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from testing_utils import tiny_test_llama
+from testing_utils import tiny_test_llama, without_progress_bars
 
 from grpo_hf import GRPOConfig
 from grpo_hf.cli.main import main
@@ -327,10 +328,6 @@ def assert_inputs_unchanged(folder: Path, before: dict[str, bytes]) -> None:
     assert {name: after.get(name) for name in before} == before, "an input file was changed or removed"
 
 
-def without_progress_bars(text: str) -> str:
-    return "".join(line + "\n" for line in text.split("\n")[:-1] if "\r" not in line) + text.split("\n")[-1]
-
-
 def run_command(argv: list[str]) -> str:
     """
     Run `grpo-hf ARGV` and check how it ended: `"run"` (it finished, or reached the work), `"error"` (one line of
@@ -398,7 +395,9 @@ def test_recipes_that_pass_their_checks_train():
 # --------------------------------------------------------------------------------------------------------------
 
 
-MODEL = tiny_test_llama()
+@functools.cache
+def tiny_model():
+    return tiny_test_llama()
 
 
 def check_group_file(named_content: tuple[str, bytes], strict: bool) -> None:
@@ -408,9 +407,9 @@ def check_group_file(named_content: tuple[str, bytes], strict: bool) -> None:
         before = files_below(folder)
         try:
             GRPOConfig(output_dir="out", report_to=[], use_cpu=True, grpo_groups=name, grpo_groups_strict=strict)
-            groups = assign_groups(MODEL, load_group_spec(name), strict=strict)
+            groups = assign_groups(tiny_model(), load_group_spec(name), strict=strict)
             lr_ratios(groups, {"qk": 2.0})
-            compression_plan(MODEL, groups, resolve_compression("quantize", distributed=True), 0.15, "8", 64)
+            compression_plan(tiny_model(), groups, resolve_compression("quantize", distributed=True), 0.15, "8", 64)
         except GRPOInputError:
             pass
         assert run_command(["groups", "tiny-llama", "--grpo_groups", name] + (["--strict"] if strict else [])) in (

@@ -375,3 +375,10 @@ __all__ = [
     "tiny_llama_config",
     "tiny_test_llama",
 ]
+
+
+def without_progress_bars(text: str) -> str:
+    """`text` (what a command wrote to stderr) without the progress bars of 🤗 Datasets and tqdm: the lines a carriage
+    return redraws, which hold no error."""
+    *lines, last = text.split("\n")
+    return "".join(line + "\n" for line in lines if "\r" not in line) + last
