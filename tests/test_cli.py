@@ -103,6 +103,21 @@ def test_bad_recipe_field_is_an_error_message(tmp_path, capsys):
     assert "No recipe file" in capsys.readouterr().err
 
 
+def test_a_run_that_cannot_go_on_is_one_line_with_status_1(monkeypatch, capsys):
+    from grpo_hf import GRPOError
+    from grpo_hf.cli import tools
+
+    def stalled(args):
+        raise GRPOError("GRPO: 8 optimizer steps in a row had NaN/Inf gradients\nand were skipped")
+
+    monkeypatch.setattr(tools, "env_command", stalled)
+    assert main(["env"]) == 1
+    err = capsys.readouterr().err
+    assert err == "grpo-hf env: error: GRPO: 8 optimizer steps in a row had NaN/Inf gradients and were skipped\n"
+    with pytest.raises(GRPOError):
+        main(["--debug", "env"])
+
+
 def test_commands_without_overrides_refuse_extra_arguments():
     with pytest.raises(SystemExit):
         main(["env", "--max_steps", "3"])

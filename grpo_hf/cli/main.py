@@ -5,14 +5,15 @@ answered before torch or transformers is imported: [`COMMANDS`] names each comma
 the command is chosen. Each module holds `<name>_command_parser` / `<name>_command` pairs, as in accelerate's CLI:
 [`grpo_hf.cli.recipes`] (`quickstart`, `compare`, `train`) and [`grpo_hf.cli.tools`] (`publish`, `groups`, `env`).
 
-Every failure a user can cause ends in one `grpo-hf COMMAND: error: ...` line on stderr (no traceback) naming the
-file, field or value and what to do, with exit status 2: bad input ([`~grpo_hf.errors.GRPOInputError`]: a recipe, a
-field, a group file, your data, a checkpoint, an output folder holding another run, a folder to publish), reported
-before any model is loaded or any file written; a setting a library refuses (a `ValueError` raised by transformers',
-PEFT's, accelerate's or 🤗 Datasets' own checks, see [`refusing_library`]); a file or folder the system refuses (an
-`OSError` naming it: no permission, no space). A failed upload ([`~grpo_hf.errors.HubError`]) is the same line with
-exit status 1. Anything else is a bug and keeps its traceback. `--debug` (before or after the command) or
-`GRPO_HF_DEBUG=1` shows the traceback of every error.
+Every failure a user can cause ends in one `grpo-hf COMMAND: error: ...` line on stderr (no traceback) naming the file,
+field or value and what to do, with exit status 2: bad input ([`~grpo_hf.errors.GRPOInputError`]: a recipe, a field, a
+group file, your data, a checkpoint, an output folder holding another run, a folder to publish), reported before any
+model is loaded or any file written; a setting a library refuses (a `ValueError` raised by transformers', PEFT's,
+accelerate's or 🤗 Datasets' own checks, see [`refusing_library`]); a file or folder the system refuses (an `OSError`
+naming it: no permission, no space). A failed upload ([`~grpo_hf.errors.HubError`]) and a run that cannot go on
+([`~grpo_hf.errors.GRPOError`]: steps with NaN/Inf gradients many times in a row) are the same line with exit status 1.
+Anything else is a bug and keeps its traceback. `--debug` (before or after the command) or `GRPO_HF_DEBUG=1` shows the
+traceback of every error.
 
 ```bash
 grpo-hf quickstart                       # SmolLM2-135M + LoRA, Trainer vs GRPOTrainer, offline, a few minutes on CPU
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from ..errors import GRPOInputError, HubError
+from ..errors import GRPOError, GRPOInputError, HubError
 
 
 class Command(NamedTuple):
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     Every failure a user can cause prints one `grpo-hf COMMAND: error: ...` line on stderr: bad input
     ([`~grpo_hf.errors.GRPOInputError`], before any model is loaded or any file written), a library's refusal of a
     setting ([`refusing_library`]) and a file the system refuses (an `OSError` naming it) return 2, a
-    [`~grpo_hf.errors.HubError`] returns 1. `--debug` or `GRPO_HF_DEBUG=1` raises each with its traceback instead;
+    [`~grpo_hf.errors.HubError`] or a [`~grpo_hf.errors.GRPOError`] returns 1. `--debug` or `GRPO_HF_DEBUG=1` raises each with its traceback instead;
     other exceptions are bugs and keep theirs.
     """
     started, console_script = time.time(), argv is None
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"grpo-hf {argv[0]}: error: {_one_line(err)}", file=sys.stderr)
         return 2
-    except HubError as err:
+    except (HubError, GRPOError) as err:  # a failed upload; a run that cannot go on (it names the step and why)
         if debug:
             raise
         print(f"grpo-hf {argv[0]}: error: {_one_line(err)}", file=sys.stderr)
