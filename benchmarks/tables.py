@@ -150,6 +150,15 @@ def suite_tasks() -> str:
     return suite.markdown("comm", summary, "dense") + f"\n\n`{meta['command']}` ({meta['date']}, {meta['machine']})."
 
 
+def suite_w4() -> str:
+    """The comm suite's untied-embedding task at 4 workers (docs/compression.md)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import suite
+
+    summary, meta = _suite("suite_comm_w4")
+    return suite.markdown("comm", summary, "dense") + f"\n\n`{meta['command']}` ({meta['date']}, {meta['machine']})."
+
+
 def hook_speed() -> str:
     """`benchmarks/bench_hook_speed.py`: milliseconds per million gradient entries, GRPO's hook and torch's."""
     result = _read(RESULTS / "hook_speed.json")
@@ -213,6 +222,7 @@ RENDERERS = {
     "errors": errors,
     "suite-summary": suite_summary,
     "suite-tasks": suite_tasks,
+    "suite-w4": suite_w4,
     "hook-speed": hook_speed,
     "step-cost": step_cost,
     "fsdp2": fsdp2,
