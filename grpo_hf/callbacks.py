@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 
 from .checkpoints import STATE_FILE, STATE_VERSION, restore_grpo_state, write_grpo_state
 from .compression.fsdp import FSDPCommState
+from .compression.outer_sync import OuterSyncState
 from .cost.callback import CostCallback
 from .engines import (
     OptimizerStepProbe,
@@ -263,6 +264,9 @@ class GRPOCallback(TrainerCallback):
             self._after_probed_step(optimizer)
             return
         norms = self.group_grad_norms()
+        outer = self.comm_state if isinstance(self.comm_state, OuterSyncState) else None
+        if outer is not None:  # between syncs every rank has its own gradients: the ranks agree on one set of norms
+            norms = outer.agree_norms(norms)
         finite = bool(torch.isfinite(norms).all())
         if isinstance(self.comm_state, FSDPCommState):
             self.comm_state.end_step(finite)  # its residuals count only if the step is taken
@@ -275,6 +279,8 @@ class GRPOCallback(TrainerCallback):
             if optimizer is None:
                 raise ValueError("grpo_importance_score='coherence' needs the optimizer's momentum; none was passed.")
             coherence = self.group_coherence(optimizer)
+            if outer is not None:
+                coherence = outer.agree_mean(coherence)
         multipliers = self.importance.update(norms, coherence)
         if optimizer is None:
             return
@@ -365,6 +371,11 @@ class GRPOCallback(TrainerCallback):
         if self._backward_end is not None:
             self._latencies_ms.append((time.perf_counter() - self._backward_end) * 1000)
             self._backward_end = None
+        if isinstance(self.comm_state, OuterSyncState):  # the sync every H steps, after the inner step
+            last = state is not None and 0 < state.max_steps <= state.global_step + 1
+            sent = self.comm_state.end_step(last=last)
+            if self.cost_callback is not None:
+                self.cost_callback.add_comm_bytes(sent)
 
     def _add(self, key: str, value: float) -> None:
         entry = self.metrics.setdefault(key, [0.0, 0])

@@ -11,6 +11,12 @@ Resuming with the world size and exchange mode of the saved run restores every r
 scales are restored from rank 0 (they are the same on every rank) and the error-feedback residuals of all saved ranks
 are re-split with [`~grpo_hf.compression.reshard.reshard_comm_state`] (nothing they hold back is dropped), with a
 warning naming both world sizes.
+
+With `grpo_sync_every > 1` ([`~grpo_hf.compression.outer_sync`]) rank 0's file also holds `θ_global` and the outer
+momentum, and every rank's file its residuals, its local parameters and its local optimizer state (the Trainer saves
+rank 0's only), so that a run resumed with the same world size continues bit for bit; the model the Trainer saves in
+the checkpoint is `θ_global`. Another world size restarts every rank from rank 0's `θ_global`, momentum and schedule
+(the local steps since the last sync, the residuals and the local optimizer states are dropped, with a warning).
 """
 
 import json
@@ -21,6 +27,7 @@ import re
 import torch
 
 from .compression.fsdp import FSDP_MODE
+from .compression.outer_sync import OUTER_MODE
 from .compression.reshard import reshard_comm_state
 from .errors import CheckpointError
 from .files import atomic_write, checkpoint_folders
@@ -267,6 +274,10 @@ def restore_grpo_state(
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from None
     comms = [state["comm"] for state in states]
+    outer_saved = any(comm is not None and comm.get("mode") == OUTER_MODE for comm in comms)
+    if outer_saved or (comm_state is not None and comm_state.mode == OUTER_MODE):
+        _restore_outer_sync(folder, path, rank, world_size, states, comm_state)
+        return states[0]
     fsdp_saved = any(comm is not None and comm.get("mode") == FSDP_MODE for comm in comms)
     if fsdp_saved or (comm_state is not None and comm_state.mode == FSDP_MODE):
         _restore_fsdp_comm(folder, path, rank, world_size, states, comm_state)
@@ -310,6 +321,43 @@ def restore_grpo_state(
             )
         )
     return states[0]
+
+
+def _restore_outer_sync(folder: str, path: str, rank: int, world_size: int, states: list[dict], comm_state) -> None:
+    """
+    The sync every H steps: this rank's own state and rank 0's `θ_global` when the checkpoint was written by as many
+    ranks; from another world size every rank restarts from rank 0's `θ_global` (see the module docstring). Between
+    the per-step exchange and the sync every H steps nothing carries over but the model, with a warning.
+    """
+    comms = [state["comm"] for state in states]
+    saved = comms[0] is not None and comms[0].get("mode") == OUTER_MODE
+    current = comm_state is not None and comm_state.mode == OUTER_MODE
+    if not (saved and current):
+        if rank == 0:
+            logger.warning(
+                f"{folder} was written "
+                + ("with grpo_sync_every > 1 and is resumed without it: every rank continues from the saved global "
+                   "model with rank 0's optimizer state; the local steps since the last sync are dropped."
+                   if saved else
+                   "without grpo_sync_every > 1 and is resumed with it: the sync starts from the saved model, and "
+                   "what the per-step compression held back is dropped.")
+            )  # fmt: skip
+        return
+    try:
+        if len(states) == 1:  # the same world size: this rank's own state, rank 0's global model
+            shared = comms[0] if rank == 0 else read_grpo_state(state_path(folder, 0))["comm"]
+            comm_state.load_state_dict(comms[0], shared)
+            return
+        comm_state.load_state_dict(None, comms[0])
+    except (KeyError, ValueError) as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    if rank == 0:
+        logger.warning(
+            f"{folder} was written by {len(states)} ranks syncing every H steps and is resumed by {world_size}: every "
+            "rank restarts from rank 0's global model, outer momentum and schedule; the local steps since the last "
+            "sync, the error-feedback residuals and the local optimizer states are dropped (rank 0's optimizer state "
+            "goes to every rank). Resume with the same world size to continue bit for bit."
+        )
 
 
 def _restore_fsdp_comm(folder: str, path: str, rank: int, world_size: int, states: list[dict], comm_state) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .compression.fsdp import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES
+from .compression.outer_sync import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_SYNC_RAMP, OUTER_DTYPES
 from .compression.plan import DEFAULT_MIN_NUMEL
 from .compression.spec import (
     BITS_CHOICES,
@@ -114,6 +115,33 @@ class GRPOConfig(TrainingArguments):
             An optimizer step with NaN/Inf gradients is skipped (a transient overflow does not end a run), but this
             many skipped in a row stop it with a [`~grpo_hf.errors.GRPOError`] naming the step, groups and
             parameters; `0` never stops. Not applied under an fp16 `GradScaler`, which skips and rescales itself.
+
+    Parameters that control the sync every H steps (DiLoCo; see `docs/compression.md` and
+    [`~grpo_hf.compression.outer_sync`]):
+
+        grpo_sync_every (`int`, *optional*, defaults to `1`):
+            `H`. `1`: the gradients are exchanged at every step (as above). Above 1, under DDP: the inner steps
+            exchange nothing, and every `H` optimizer steps the ranks average their pseudo-gradient
+            `Δ = θ_global − θ_local` (compressed as `grpo_compression` / `grpo_bits` say: 8, 4 or 16-bit codes with
+            error feedback, or fp32 with `"none"` / `grpo_bits=32`) and take an outer SGD step with Nesterov momentum;
+            every rank restarts from `θ_global`. On one process (nothing to exchange) only the outer step is added.
+            FSDP2, DeepSpeed and fp16 mixed precision are refused with `H > 1`.
+        grpo_sync_fragments (`int`, *optional*, defaults to `1`):
+            GRPO's groups packed into this many fragments of balanced size (a group larger than one fragment's share is
+            split by parameter); each syncs at its own offset of the `H` steps, so the bytes of a sync are spread over
+            the interval (Streaming DiLoCo). At most `grpo_sync_every`.
+        grpo_sync_ramp (`bool`, *optional*, defaults to `True`):
+            Sync after steps 1, 3, 7, … (intervals doubling up to `H`) before the first full interval.
+        grpo_outer_lr (`float`, *optional*, defaults to `0.7`) and grpo_outer_momentum (`float`, *optional*, defaults
+        to `0.5`):
+            The outer step (Nesterov momentum). `1` and `0` is plain parameter averaging (accelerate's `LocalSGD`).
+            Provisional defaults, from a prototype on one tiny model (`benchmarks/LOG.md`).
+        grpo_outer_dtype (`str`, *optional*, defaults to `"float32"`):
+            Of `θ_global` and the outer momentum, two copies of the trainable parameters: `"bfloat16"` halves them.
+        grpo_outer_control (`bool`, *optional*, defaults to `False`):
+            Keep DDP's fp32 all-reduce of the gradients at every step and add only the outer step every `H` steps:
+            a control that saves no bytes (it separates the outer optimizer's effect from the savings). Needs
+            `grpo_sync_every > 1` and `grpo_compression` `"none"` or `"auto"`.
 
     Parameters that control cost accounting: see [`~grpo_hf.cost.CostSettings`] (`cost_*` prices, power, link
     speed, workers, peak TFLOP/s and grid carbon intensity), plus two settings of the comparison runner
@@ -248,6 +276,53 @@ class GRPOConfig(TrainingArguments):
             "gradients (0: skip them and never stop)."
         },
     )
+    # --- sync every H steps (grpo_hf.compression.outer_sync) ---
+    grpo_sync_every: int = field(
+        default=1,
+        metadata={
+            "help": "H: 1 exchanges the gradients every step; above 1 (DDP), inner steps exchange nothing and every H "
+            "optimizer steps the ranks average their pseudo-gradients (grpo_compression / grpo_bits codes with error "
+            "feedback) and take an outer Nesterov step (DiLoCo)."
+        },
+    )
+    grpo_sync_fragments: int = field(
+        default=1,
+        metadata={
+            "help": "With grpo_sync_every > 1: GRPO's groups packed into this many balanced fragments, each syncing at "
+            "its own offset of the H steps (Streaming DiLoCo), so that a step's bytes are spread; at most H."
+        },
+    )
+    grpo_sync_ramp: bool = field(
+        default=DEFAULT_SYNC_RAMP,
+        metadata={
+            "help": "With grpo_sync_every > 1: sync after steps 1, 3, 7, ... (intervals doubling up to H) first."
+        },
+    )
+    grpo_outer_lr: float = field(
+        default=DEFAULT_OUTER_LR,
+        metadata={
+            "help": "With grpo_sync_every > 1: learning rate of the outer SGD step (1 with momentum 0: averaging)."
+        },
+    )
+    grpo_outer_momentum: float = field(
+        default=DEFAULT_OUTER_MOMENTUM,
+        metadata={"help": "With grpo_sync_every > 1: Nesterov momentum of the outer step, in [0, 1)."},
+    )
+    grpo_outer_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "With grpo_sync_every > 1: dtype of the global model and the outer momentum (two copies of the "
+            "trainable parameters); bfloat16 halves their memory.",
+            "choices": list(OUTER_DTYPES),
+        },
+    )
+    grpo_outer_control: bool = field(
+        default=False,
+        metadata={
+            "help": "With grpo_sync_every > 1: keep DDP's all-reduce of the gradients every step and add only the outer "
+            "step every H steps (a control that saves no bytes)."
+        },
+    )
     # --- cost accounting (see grpo_hf.cost.CostSettings) ---
     cost_gpu_hour_usd: float = field(
         default=2.0, metadata={"help": "Price of one device-hour in USD (machine-hour on CPU)."}
@@ -356,6 +431,59 @@ def _check_types(args) -> None:
             raise ConfigError(f"{name}={value!r}: use a number{quoted}.")
 
 
+def _check_sync_fields(args) -> None:
+    """The `grpo_sync_*` / `grpo_outer_*` fields, and what a sync every H steps cannot run with."""
+    for name in ("grpo_sync_every", "grpo_sync_fragments"):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r}: use a whole number, 1 or more.")
+    for name in ("grpo_sync_ramp", "grpo_outer_control"):
+        if not isinstance(getattr(args, name), bool):
+            raise ConfigError(f"{name}={getattr(args, name)!r}: use true or false.")
+    for name in ("grpo_outer_lr", "grpo_outer_momentum"):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ConfigError(f"{name}={value!r}: use a number.")
+    every = args.grpo_sync_every
+    if not 0 < args.grpo_outer_lr < float("inf"):
+        raise ConfigError(f"grpo_outer_lr={args.grpo_outer_lr}: use a positive number (1 with momentum 0 averages).")
+    if not 0 <= args.grpo_outer_momentum < 1:
+        raise ConfigError(f"grpo_outer_momentum={args.grpo_outer_momentum}: use a value in [0, 1), e.g. 0.5.")
+    if args.grpo_outer_dtype not in OUTER_DTYPES:
+        raise ConfigError(f"grpo_outer_dtype={args.grpo_outer_dtype!r}: use one of {tuple(OUTER_DTYPES)}.")
+    if args.grpo_sync_fragments > every:
+        raise ConfigError(
+            f"grpo_sync_fragments={args.grpo_sync_fragments} with grpo_sync_every={every}: each fragment syncs at its "
+            "own step of the H steps, so use at most grpo_sync_every fragments."
+        )
+    if every == 1:
+        if args.grpo_outer_control:
+            raise ConfigError("grpo_outer_control=True needs grpo_sync_every > 1 (the steps between outer steps).")
+        return
+    lossy = args.grpo_compression != "none"
+    if "sparse" in args.grpo_compression or (lossy and str(args.grpo_bits) == "2"):
+        what = f"grpo_compression={args.grpo_compression!r}" if "sparse" in args.grpo_compression else "grpo_bits='2'"
+        raise ConfigError(
+            f"{what} with grpo_sync_every={every}: the sync sends every entry of the pseudo-gradient in codes of one "
+            "size. Use grpo_compression='quantize' with grpo_bits 8, 4, 16 or 'auto', or 'none' (fp32)."
+        )
+    if args.grpo_outer_control and args.grpo_compression not in ("none", "auto"):
+        raise ConfigError(
+            f"grpo_outer_control=True with grpo_compression={args.grpo_compression!r}: the control keeps DDP's own "
+            "fp32 all-reduce of the gradients. Set grpo_compression='none'."
+        )
+    if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+        raise ConfigError(
+            f"grpo_sync_every={every} with {'FSDP' if getattr(args, 'fsdp', None) else 'DeepSpeed'}: the sync every H "
+            "steps runs under DDP only (each rank holds the whole model). Drop the sharding, or set grpo_sync_every=1."
+        )
+    if getattr(args, "fp16", False):
+        raise ConfigError(
+            f"grpo_sync_every={every} with fp16=True: between syncs each rank's fp16 GradScaler would skip steps on its "
+            "own gradients. Use bf16=True (or fp32), or grpo_sync_every=1."
+        )
+
+
 def validate_grpo_fields(args) -> None:
     """
     Check the fields `GRPOConfig` adds to `TrainingArguments` on any object that has them (a `GRPOConfig`, a
@@ -412,6 +540,7 @@ def validate_grpo_fields(args) -> None:
         raise ConfigError(f"grpo_min_compress_numel={args.grpo_min_compress_numel}: use 0 or more.")
     if args.grpo_max_consecutive_skips < 0:
         raise ConfigError(f"grpo_max_consecutive_skips={args.grpo_max_consecutive_skips}: use 0 (never stop) or more.")
+    _check_sync_fields(args)
     if args.cost_noise_rounds < 0:
         raise ConfigError(f"cost_noise_rounds={args.cost_noise_rounds}: use 0 (no noise measurement) or more, e.g. 2.")
     if args.cost_noise_window_steps < 3:

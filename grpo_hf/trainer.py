@@ -1,5 +1,6 @@
 """`GRPOMixin` (in front of any `transformers.Trainer` subclass) and `GRPOTrainer`: the wiring, no math."""
 
+import contextlib
 import weakref
 
 from torch.nn.parallel import DistributedDataParallel
@@ -10,6 +11,7 @@ from .callbacks import GRPOCallback
 from .checkpoints import check_grpo_state_files, resolve_resume_checkpoint
 from .compression import GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
 from .compression.fsdp import FSDPCommState, install_compressed_reduce_scatter, reduce_scatter_bytes
+from .compression.outer_sync import OUTER_DTYPES, OuterSyncState, local_gradient_hook, pack_fragments
 from .compression.plan import resolve_compression, resolve_mode
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args, validate_grpo_fields
@@ -151,7 +153,9 @@ class GRPOMixin:
             min_numel=self.args.grpo_min_compress_numel,
         )
         self.grpo_comm_state = None
-        if self.grpo_compression != "none" and engine == "fsdp2":
+        if self.args.grpo_sync_every > 1:
+            self.grpo_comm_state = self._outer_sync_state(groups)
+        elif self.grpo_compression != "none" and engine == "fsdp2":
             self.grpo_comm_state = FSDPCommState(
                 bits=int(self.args.grpo_bits),
                 error_feedback=self.args.grpo_fsdp_error_feedback,
@@ -174,6 +178,47 @@ class GRPOMixin:
             comm_state=self.grpo_comm_state,
         )
         self._grpo_model = model
+
+    def _outer_sync_state(self, groups) -> OuterSyncState:
+        """
+        The sync every `grpo_sync_every` steps ([`~grpo_hf.compression.outer_sync`]): the `Δ` codec from
+        `self.grpo_plan`, GRPO's groups packed into `grpo_sync_fragments` fragments. Under DDP the ranks exchange their
+        `Δ` (unless `grpo_outer_control`); on one process only the outer step is added (with a warning).
+
+        Raises:
+            [`~grpo_hf.errors.ConfigError`]: FSDP2 or DeepSpeed, too many fragments for the groups, or a group file's
+                `bits` / `density` the sync cannot send.
+        """
+        args, engine = self.args, self.grpo_engine
+        if engine in ("fsdp2", "deepspeed"):
+            raise ConfigError(
+                f"grpo_sync_every={args.grpo_sync_every} under {'FSDP2' if engine == 'fsdp2' else 'DeepSpeed'}: the sync "
+                "every H steps runs under DDP only (each rank holds the whole model). Train with DDP, or set "
+                "grpo_sync_every=1."
+            )
+        exchange = engine == "ddp" and not args.grpo_outer_control
+        if not exchange:  # the gradients are averaged every step (DDP) or there is one process: no Δ codec
+            self.grpo_compression = "none"
+            self.grpo_plan = {name: None for name in self.grpo_plan}
+            if engine == "single" and process_rank(args)[0] == 0:
+                logger.warning(
+                    f"grpo_sync_every={args.grpo_sync_every} on one process: there is nothing to exchange, so only the "
+                    "outer step is added every H steps (the outer-step-only control); no bytes are saved."
+                )
+        units = [(g.name, g.param_names, [p.numel() for p in g.params]) for g in groups]
+        try:
+            return OuterSyncState(
+                self.grpo_plan,
+                pack_fragments(units, args.grpo_sync_fragments),
+                every=args.grpo_sync_every,
+                outer_lr=args.grpo_outer_lr,
+                outer_momentum=args.grpo_outer_momentum,
+                ramp=args.grpo_sync_ramp,
+                dtype=OUTER_DTYPES[args.grpo_outer_dtype],
+                exchange=exchange,
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     # --- construction-time checks ---
     def _check_engine_compression(self, groups) -> None:
@@ -310,12 +355,14 @@ class GRPOMixin:
             ids = inputs["input_ids"]
             self.cost_callback.add_tokens(ids.numel(), seq_len=ids.shape[-1])
         sync_step = self.accelerator.sync_gradients
-        sent_before = comm_state.totals()["bytes_sent"] if comm_state is not None and sync_step else 0.0
+        per_step = comm_state is not None and not isinstance(comm_state, OuterSyncState)
+        sent_before = comm_state.totals()["bytes_sent"] if per_step and sync_step else 0.0
         loss = super().training_step(model, inputs, num_items_in_batch)
         if sync_step:
-            if comm_state is not None and self.grpo_engine == "single":
+            if per_step and self.grpo_engine == "single":
                 compress_locally(comm_state, self.model)  # the article's sparse updates on one process
-            self._count_comm_bytes(sent_before)
+            if not isinstance(comm_state, OuterSyncState):  # the sync's bytes are counted after optimizer.step
+                self._count_comm_bytes(sent_before)
             self.grpo_callback.mark_backward_end()
         return loss
 
@@ -330,6 +377,12 @@ class GRPOMixin:
             self.grpo_callback.follow(self.model)  # fully_shard replaced the parameters: follow them by name
             if comm_state is not None:
                 install_compressed_reduce_scatter(model, comm_state)
+        elif isinstance(comm_state, OuterSyncState):
+            comm_state.bind(
+                self.model, self.optimizer
+            )  # θ_global; a checkpoint's local parameters and optimizer state
+            if isinstance(model, DistributedDataParallel) and comm_state.exchange:
+                model.register_comm_hook(comm_state, local_gradient_hook)  # inner steps: no collective
         elif comm_state is not None:
             comm_state.attach_optimizer(self.optimizer)  # gradient scales from AdamW's exp_avg_sq: no memory of ours
             comm_state.bind(self.model)
@@ -386,11 +439,33 @@ class GRPOMixin:
         [`~transformers.Trainer.save_model`], and beside the model `grpo_run.json`: what its model card needs (eval
         metrics, GRPO groups and settings, cost, versions; see [`~grpo_hf.model_card.write_run_summary`]), so that
         `grpo-hf publish DIR` publishes a model saved by `trainer.save_model(DIR)` in any script. Checkpoints get it
-        too. Written first, so that a `push_to_hub` from `save_model` uploads it.
+        too. Written first, so that a `push_to_hub` from `save_model` uploads it. With `grpo_sync_every > 1` the saved
+        model is `θ_global` (see [`~GRPOMixin.grpo_global_weights`]).
         """
         if self.args.should_save:
             write_run_summary(self, output_dir if output_dir is not None else self.args.output_dir)
-        super().save_model(output_dir, _internal_call)
+        with self.grpo_global_weights():
+            super().save_model(output_dir, _internal_call)
+
+    def grpo_global_weights(self):
+        """
+        A context in which the model holds the global model `θ_global` of the sync every H steps (between two syncs
+        each rank's parameters are its own), its local parameters put back after it; nothing to do with
+        `grpo_sync_every=1`. `evaluate`, `predict` and `save_model` (checkpoints too) run in it.
+        """
+        if isinstance(self.grpo_comm_state, OuterSyncState):
+            return self.grpo_comm_state.global_weights()
+        return contextlib.nullcontext()
+
+    def evaluate(self, *args, **kwargs):
+        """[`~transformers.Trainer.evaluate`] of the global model (`θ_global`) when syncing every H steps."""
+        with self.grpo_global_weights():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        """[`~transformers.Trainer.predict`] with the global model (`θ_global`) when syncing every H steps."""
+        with self.grpo_global_weights():
+            return super().predict(*args, **kwargs)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """
@@ -417,6 +492,8 @@ class GRPOMixin:
             check_grpo_state_files(checkpoint)
         self.grpo_callback.resume_from = checkpoint  # restored at `on_train_begin`, after the Trainer's own state
         output = super().train(checkpoint, *args, **kwargs)
+        if isinstance(self.grpo_comm_state, OuterSyncState):  # stopped before its last step: every rank to θ_global
+            self.cost_callback.add_comm_bytes(self.grpo_comm_state.finish())
         output.metrics.update(self.grpo_callback.measured_metrics())
         return output
 

@@ -1,0 +1,802 @@
+"""`OuterSyncState` and `local_gradient_hook`: sync every H steps (DiLoCo), GRPO's groups as Streaming-DiLoCo fragments.
+
+With `grpo_sync_every = H > 1`, DDP exchanges nothing at the inner steps: [`local_gradient_hook`] hands every bucket
+back as it is, so each rank steps its own optimizer on its own gradients. Every `H` optimizer steps (per fragment, at
+its own offset) the ranks agree on one global model `θ_global` through the codec of the per-step hook, with error
+feedback, and an outer SGD step with Nesterov momentum. Read it the way torch's `powerSGD_hook.py` reads: one state,
+one hook, the codec (`codec.py`) and the byte formulas (`traffic.py`) shared with the per-step hook.
+
+Example:
+
+```python
+>>> from grpo_hf.compression import compression_plan
+>>> from grpo_hf.compression.outer_sync import OuterSyncState, local_gradient_hook, pack_fragments
+
+>>> plan = compression_plan(model, groups, compression="quantize", bits=4)
+>>> fragments = pack_fragments([(g.name, g.param_names, [p.numel() for p in g.params]) for g in groups], count=2)
+>>> state = OuterSyncState(plan, fragments, every=16).bind(model, optimizer)  # the unwrapped model
+>>> ddp_model.register_comm_hook(state, local_gradient_hook)
+>>> ...  # after every optimizer.step():
+>>> state.end_step(last=step == max_steps)
+```
+
+## Algorithm
+
+At [`OuterSyncState.bind`] every rank copies the trainable parameters into `θ_global` (identical on every rank: DDP
+broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per optimizer step:
+
+1. **Inner step.** The backward's buckets go through [`local_gradient_hook`]: no collective, each rank keeps its own
+   gradient. Clipping, the LR scheduler, GRPO's LR ratios and the optimizer run as usual, locally; the inner optimizer
+   state stays on its rank. Only the per-group gradient norms behind the importance multipliers and the skip of a
+   NaN/Inf step are agreed on ([`OuterSyncState.agree_norms`]: one all-reduce of `G` float64 values), so that every
+   rank takes the same decision.
+2. **Due fragments** ([`fragments_due`]): with the ramp, every fragment syncs after steps 1, 3, 7, 15, … (intervals
+   1, 2, 4, … below `H`); after the ramp, fragment `f` of `F` syncs every `H` steps at offset `ceil((f + 1) H / F)`,
+   so that the bytes of one interval are spread over `F` steps. The last step of training syncs every fragment.
+3. **Pseudo-gradient.** Per parameter of the due fragments, `Δ = θ_global − θ_local` (fp32). One flag all-reduce: if
+   any rank's `Δ` holds a NaN, an Inf or a value at or above `2**60`, every rank restarts the fragments from
+   `θ_global` (their local progress since the last sync is dropped; momentum and residuals are left unchanged).
+4. **Exchange** ([`~grpo_hf.compression.compression_plan`] decides each tensor's spec): tensors with a spec (8, 4 or
+   16 bits) are encoded with the per-step hook's kernel (`Δ + residual`, block absmax, codes, new bf16 residual in
+   place), the fragment's messages are all-gathered and every rank decodes the `W` messages in rank order, its own
+   included, into the mean `Δ̄`: the same bits on every rank. Tensors without a spec (norms, biases, `grpo_bits=32`,
+   `grpo_compression="none"`) go through one fp32 all-reduce.
+5. **Outer step** ([`outer_step`], torch's `SGD(nesterov=True)` on `Δ̄`): `m = μ m + Δ̄`, `θ_global -= lr (Δ̄ + μ m)`;
+   with `μ = 0` the momentum is not kept.
+6. **Restart.** Every rank copies `θ_global` into its parameters in place (`p.copy_`: never
+   `vector_to_parameters`, which would make the parameters views of a reused buffer).
+
+## Bytes per rank (ring model, [`~grpo_hf.compression.traffic`]; `grpo/comm/bytes_sent`)
+
+- Every step: `2 (W − 1) / W × 8 G` for the agreed group norms (`G` groups).
+- Every step with a sync: `2 (W − 1) / W × 8` for the flag.
+- Per fragment synced: `(W − 1) × s` for its messages (`s` = `4 + bits × 128 / 8` bytes per block of 128 entries,
+  padded to 16 bytes) plus `2 (W − 1) / W × 4 n_dense` for its dense tensors.
+- `grpo/comm/bytes_peak`: the most bytes of any one step of the window; the per-step average is `bytes_sent`.
+
+The baselines `grpo/comm/bytes_dense_fp32` / `_fp16` are DDP's all-reduce of every gradient at every step.
+
+## Without an exchange
+
+On one process, and with `exchange=False` under DDP (`grpo_outer_control=True`: DDP's own all-reduce of the gradients
+at every step keeps every rank identical), `Δ̄` is the rank's own `Δ`, exact, and nothing is sent for it: only the
+outer step is added (the outer-step-only control, which separates the outer optimizer's effect from the savings).
+Under DDP the control's bytes are DDP's fp32 all-reduce of the gradients at every step.
+
+## Warnings
+
+- Register the hook once per DDP object and [`OuterSyncState.bind`] before the first backward; the plan, the
+  fragments and the settings must be identical on every rank.
+- Memory per trainable entry and rank: `θ_global` and the momentum (4 bytes each, 2 in `bfloat16`; no momentum when
+  `μ = 0`), the bf16 residual of the compressed tensors (2 bytes), and during a sync the fragment's `Δ` (4 bytes per
+  entry) and every rank's messages: `F` fragments divide the sync's work memory by `F`.
+- Sparse gradients, FSDP and DeepSpeed are not supported; fp16 mixed precision is not (its `GradScaler` would skip
+  steps on one rank and not on another).
+"""
+
+import contextlib
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .codec import BlockMessages, all_safe, compile_kernels
+from .hook import Collectives
+from .spec import CodecSpec
+from .state import RESIDUAL_DTYPE, RowStore, StepStats
+from .traffic import allgather_bytes, allreduce_bytes
+
+
+logger = logging.getLogger(__name__)
+
+OUTER_MODE = "outer-sync"  # the `mode` of this state in checkpoints (beside "allgather", "allreduce", FSDP's)
+STATE_VERSION = 1
+DEFAULT_OUTER_LR = 0.7  # provisional, from the prototype (docs/compression.md); chosen on the suite
+DEFAULT_OUTER_MOMENTUM = 0.5
+DEFAULT_SYNC_RAMP = True
+OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SYNC_BITS = (4, 8, 16)  # codes of fixed size; 32 bits and dense tensors go through an fp32 all-reduce
+_FLAG_BYTES = 8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The math: schedule, fragments, outer step (pure functions)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def ramp_points(every: int) -> list[int]:
+    """
+    The steps after which every fragment syncs while the interval ramps up: intervals 1, 2, 4, … below `every`, so
+    `[1, 3, 7, 15]` for `every=16` and `[]` for `every <= 1`.
+    """
+    points, interval, step = [], 1, 0
+    while interval < every:
+        step += interval
+        points.append(step)
+        interval *= 2
+    return points
+
+
+def fragment_offsets(every: int, fragments: int) -> list[int]:
+    """Step of each fragment's first sync after the ramp, counted from its end: `ceil((f + 1) * every / fragments)`."""
+    return [-(-(f + 1) * every // fragments) for f in range(fragments)]
+
+
+def fragments_due(step: int, every: int, fragments: int = 1, ramp: bool = DEFAULT_SYNC_RAMP) -> list[int]:
+    """
+    The fragments that sync after optimizer step `step` (1 for the first step of training).
+
+    Args:
+        step (`int`): optimizer steps taken, this one included.
+        every (`int`): `H`, the steps between two syncs of one fragment.
+        fragments (`int`, *optional*, defaults to `1`): `F`; fragment `f` syncs at offset `ceil((f + 1) H / F)` of
+            every interval, so that fragment `F - 1` syncs when one fragment would.
+        ramp (`bool`, *optional*, defaults to `True`): first sync every fragment after steps 1, 3, 7, …
+            ([`ramp_points`]), then start the intervals of `H`.
+    """
+    points = ramp_points(every) if ramp else []
+    if points and step <= points[-1]:
+        return list(range(fragments)) if step in points else []
+    since = step - (points[-1] if points else 0)
+    return [f for f, offset in enumerate(fragment_offsets(every, fragments)) if (since - offset) % every == 0]
+
+
+def pack_fragments(groups: list[tuple[str, list[str], list[int]]], count: int) -> list[list[str]]:
+    """
+    GRPO's groups packed into `count` fragments of balanced sizes: the parameter names of each fragment, in the order
+    of `groups`.
+
+    A group is kept whole unless it holds more than `1 / count` of the entries, in which case its parameters are
+    packed one by one. Units are placed largest first, each in the lightest fragment so far (ties: the first).
+
+    Args:
+        groups (`list[tuple[str, list[str], list[int]]]`): per group, its name, parameter names and sizes.
+        count (`int`): the number of fragments.
+
+    Raises:
+        `ValueError`: fewer groups and parameters than fragments.
+    """
+    order = {name: i for i, (_, names, _) in enumerate(groups) for name in names}
+    if count <= 1:
+        return [sorted(order, key=order.get)]
+    total = sum(sum(numels) for _, _, numels in groups)
+    units = []
+    for _, names, numels in groups:
+        if sum(numels) * count > total:
+            units += [([name], numel) for name, numel in zip(names, numels)]
+        else:
+            units.append((list(names), sum(numels)))
+    if len(units) < count:
+        raise ValueError(
+            f"grpo_sync_fragments={count}: the model has only {len(units)} groups and parameters to spread over "
+            "fragments. Use fewer fragments or a finer grouping (grpo_groups='semantic+shape', or a group file)."
+        )
+    loads, packed = [0] * count, [[] for _ in range(count)]
+    for names, numel in sorted(units, key=lambda unit: -unit[1]):  # stable: ties keep the order of the groups
+        lightest = min(range(count), key=lambda f: (loads[f], f))
+        loads[lightest] += numel
+        packed[lightest] += names
+    return [sorted(names, key=order.get) for names in packed]
+
+
+def outer_step(global_param: torch.Tensor, delta: torch.Tensor, momentum: torch.Tensor | None, lr: float, mu: float):
+    """
+    One outer SGD step with Nesterov momentum on the mean pseudo-gradient `delta`, in place, as torch's
+    `SGD(nesterov=True, dampening=0)` takes it: `m = mu * m + delta`, `θ -= lr * (delta + mu * m)` (`θ -= lr * delta`
+    without momentum). Arithmetic in fp32; `global_param` and `momentum` keep their dtypes.
+    """
+    update = delta.float()
+    if momentum is not None and mu > 0:
+        buffer = momentum.float() * mu + update
+        momentum.copy_(buffer)
+        update = update + buffer * mu
+    global_param.copy_(global_param.float() - update * lr)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The state
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _Fragment:
+    """One fragment's tensors: the codec runs (one padded row per bit width, each tensor block-aligned) and the dense."""
+
+    def __init__(self, index: int, names: list[str], plan: dict, numels: dict[str, int]):
+        self.index, self.names = index, list(names)
+        self.numel = sum(numels[name] for name in names)
+        self.dense = [name for name in names if plan.get(name) is None]
+        self.runs = []  # (spec, slots [(name, offset, numel)], length)
+        for bits in sorted({plan[name].bits for name in names if plan.get(name) is not None}):
+            members = [name for name in names if plan.get(name) is not None and plan[name].bits == bits]
+            spec, slots, offset = plan[members[0]], [], 0
+            for name in members:
+                slots.append((name, offset, numels[name]))
+                offset += -(-numels[name] // spec.block_size) * spec.block_size
+            self.runs.append((spec, slots, offset))
+
+
+def _empty_window() -> dict:
+    return {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "syncs": 0, "bytes_peak": 0.0}
+
+
+def _metrics(summed: dict, steps: int, prefix: str = "", top: str = "") -> dict[str, float]:
+    density = summed["kept"] / summed["numel"] if summed["numel"] else 0.0
+    out = {
+        f"{prefix}bytes_sent": summed["bytes_sent"] / steps,
+        f"{prefix}bytes_peak": summed["bytes_peak"],
+        f"{prefix}bytes_dense_fp32": summed["bytes_dense_fp32"] / steps,
+        f"{prefix}bytes_dense_fp16": summed["bytes_dense_fp16"] / steps,
+        f"{prefix}syncs": float(summed["syncs"]),
+        f"{prefix}hook_ms": summed["hook_ms"] / steps,
+        f"{top}density": density,
+        f"{top}sparsity": 1.0 - density,
+    }
+    if summed["bytes_sent"] > 0:
+        out[f"{prefix}ratio_fp32"] = summed["bytes_dense_fp32"] / summed["bytes_sent"]
+        out[f"{prefix}ratio_fp16"] = summed["bytes_dense_fp16"] / summed["bytes_sent"]
+    return out
+
+
+class OuterSyncState:
+    r"""
+    Settings, global model, outer momentum, error-feedback residuals and traffic statistics of the sync every `H` steps
+    (see the module docstring); the state [`local_gradient_hook`] is registered with.
+
+    Args:
+        plan (`dict[str, CodecSpec | None]`):
+            Parameter name -> how its `Δ` is sent (`None`: fp32 all-reduce), from
+            [`~grpo_hf.compression.compression_plan`]; specs of density 1 and 4, 8 or 16 bits.
+        fragments (`list[list[str]]`):
+            The parameter names of each fragment ([`pack_fragments`]); together, every trainable parameter once.
+        every (`int`, *optional*, defaults to `16`):
+            `H`: optimizer steps between two syncs of a fragment. Longer saves bytes and costs quality (small models
+            and more workers most); tune it first.
+        outer_lr (`float`, *optional*, defaults to `0.7`) and outer_momentum (`float`, *optional*, defaults to `0.5`):
+            The outer SGD step (Nesterov). `1` and `0` is plain parameter averaging (accelerate's `LocalSGD`);
+            DiLoCo's published `0.7` / `0.9` was too strong for the small models of the prototype.
+        ramp (`bool`, *optional*, defaults to `True`):
+            Sync after steps 1, 3, 7, … (intervals doubling up to `H`) before the first full interval: the workers
+            drift apart most at the start.
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`):
+            Of `θ_global` and the momentum; `torch.bfloat16` halves their memory (the model restarts from bf16 values
+            after each sync).
+        exchange (`bool`, *optional*, defaults to `True`):
+            `False`: the gradients are averaged every step by DDP itself (or there is one process), `Δ̄` is the
+            rank's own `Δ` and nothing is sent for it (the outer-step-only control).
+        process_group (`torch.distributed.ProcessGroup`, *optional*):
+            Group to communicate in; the default group when `None`.
+    """
+
+    __slots__ = (
+        # --- tuned ---
+        "every",
+        "outer_lr",
+        "outer_momentum",
+        "ramp",
+        "plan",
+        "fragments",
+        # --- seldom tuned ---
+        "dtype",
+        "exchange",
+        "process_group",
+        # --- bound by bind() ---
+        "names",
+        "params",
+        "numels",
+        "layouts",
+        "world_size",
+        "rank",
+        "kernels",
+        "optimizer",
+        # --- internal state (checkpointed) ---
+        "global_params",
+        "momentum",
+        "residuals",
+        "step",
+        "last_sync",
+        "hook_calls",
+        "pending",
+        # --- per step ---
+        "stats",
+        "swapped",
+        # --- statistics ---
+        "_window",
+        "_totals",
+        "_warned",
+    )
+
+    def __init__(
+        self,
+        plan: dict[str, CodecSpec | None],
+        fragments: list[list[str]],
+        every: int = 16,
+        outer_lr: float = DEFAULT_OUTER_LR,
+        outer_momentum: float = DEFAULT_OUTER_MOMENTUM,
+        ramp: bool = DEFAULT_SYNC_RAMP,
+        dtype: torch.dtype = torch.float32,
+        exchange: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+    ):
+        if every < 1:
+            raise ValueError(f"every={every}: use 1 or more steps between syncs.")
+        if not fragments or any(not names for names in fragments) or len(fragments) > every:
+            raise ValueError(f"{len(fragments)} fragments for every={every}: use 1 to {every} non-empty fragments.")
+        if not outer_lr > 0 or not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_lr={outer_lr}, outer_momentum={outer_momentum}: use lr > 0, 0 <= momentum < 1.")
+        if dtype not in OUTER_DTYPES.values():
+            raise ValueError(f"dtype={dtype}: use torch.float32 or torch.bfloat16.")
+        for name, spec in plan.items():
+            if spec is not None and (spec.density < 1 or spec.bits not in SYNC_BITS):
+                raise ValueError(
+                    f"{name}: the sync sends every entry of Δ in codes of one size (4, 8 or 16 bits, or fp32); got "
+                    f"density {spec.density} and {spec.bits} bits. Use grpo_compression='quantize' or 'none' and "
+                    "grpo_bits 4, 8, 16 or 32 (no top-k, no ternary codes)."
+                )
+        listed = [name for names in fragments for name in names]
+        if len(listed) != len(set(listed)):
+            raise ValueError("a parameter is in two fragments; build them with pack_fragments.")
+        self.plan = dict(plan)
+        self.fragments = [list(names) for names in fragments]
+        self.every, self.outer_lr, self.outer_momentum = int(every), float(outer_lr), float(outer_momentum)
+        self.ramp, self.dtype, self.exchange = bool(ramp), dtype, bool(exchange)
+        self.process_group = process_group
+        self.names: dict[int, str] = {}
+        self.params: dict[str, nn.Parameter] = {}
+        self.numels: dict[str, int] = {}
+        self.layouts: list[_Fragment] = []
+        self.world_size, self.rank = 1, 0
+        self.kernels = None
+        self.optimizer = None
+        self.global_params: dict[str, torch.Tensor] = {}
+        self.momentum: dict[str, torch.Tensor] = {}
+        self.residuals = RowStore(RESIDUAL_DTYPE)
+        self.step = 0
+        self.last_sync = [0] * len(self.fragments)
+        self.hook_calls = 0
+        self.pending: dict | None = None  # a checkpoint's state, applied at bind (the Trainer loads its own first)
+        self.stats = StepStats()
+        self.swapped: dict[str, torch.Tensor] | None = None
+        self._window = _empty_window()
+        self._totals = _empty_window() | {"nonfinite_syncs": 0, "dense_steps": 0, "nonfinite_steps": 0}
+        self._warned: set[str] = set()
+
+    @property
+    def mode(self) -> str:
+        return OUTER_MODE
+
+    @property
+    def step_world_size(self) -> int:
+        """Ranks whose `Δ` differ and are exchanged: the world size, or 1 without an exchange."""
+        return self.world_size if self.exchange else 1
+
+    @property
+    def in_sync(self) -> bool:
+        """Whether the parameters are `θ_global` (no local step since every fragment's last sync)."""
+        return all(last == self.step for last in self.last_sync)
+
+    # --- setup ---
+    def bind(self, model: nn.Module, optimizer=None) -> "OuterSyncState":
+        """
+        Follow the model's trainable parameters by name, read the world size, and start `θ_global` from the
+        parameters (identical on every rank: DDP broadcast rank 0's), or from the checkpoint given to
+        [`load_state_dict`]: then the parameters and `optimizer`'s state become this rank's saved local ones.
+        Pass the unwrapped model (a DDP wrapper is unwrapped) and the optimizer that steps.
+        """
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self.names = {id(p): name for name, p in self.params.items()}
+        listed = {name for names in self.fragments for name in names}
+        if listed != set(self.params):
+            missing = sorted(set(self.params) - listed) or sorted(listed - set(self.params))
+            raise ValueError(
+                f"the fragments and the model's trainable parameters differ (e.g. {missing[0]}); build the fragments "
+                "from this model's groups."
+            )
+        self.numels = {name: p.numel() for name, p in self.params.items()}
+        self.layouts = [_Fragment(i, names, self.plan, self.numels) for i, names in enumerate(self.fragments)]
+        if dist.is_available() and dist.is_initialized():
+            self.world_size, self.rank = dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
+        else:
+            self.world_size, self.rank = 1, 0
+        self.kernels = compile_kernels(False)  # a sync every H steps: the eager kernels, the same on every rank
+        self.optimizer = optimizer
+        with torch.no_grad():
+            self.global_params = {n: p.detach().to(self.dtype, copy=True) for n, p in self.params.items()}
+            keep = self.outer_momentum > 0
+            self.momentum = {n: torch.zeros_like(g) for n, g in self.global_params.items()} if keep else {}
+            if self.pending is not None:
+                self._apply(self.pending)
+                self.pending = None
+        logger.info(
+            "GRPO sync every %d steps: %s, world size %d, %d fragments of %s entries, outer lr %g momentum %g, ramp %s, "
+            "θ_global in %s.",
+            self.every,
+            "exchange" if self.exchange else "no exchange (the outer step only)",
+            self.world_size,
+            len(self.fragments),
+            "/".join(str(f.numel) for f in self.layouts),
+            self.outer_lr,
+            self.outer_momentum,
+            "on" if self.ramp else "off",
+            str(self.dtype).replace("torch.", ""),
+        )
+        return self
+
+    # --- per step ---
+    def _collectives(self) -> Collectives:
+        return Collectives(self)
+
+    def _device_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        return values.to(device)
+
+    def agree_norms(self, norms: torch.Tensor) -> torch.Tensor:
+        """
+        Per-group gradient norms every rank shares between syncs: the RMS over ranks of the local norms (one
+        all-reduce of their squares in float64); a NaN or an Inf on any rank reaches every rank. As is without an
+        exchange (DDP's all-reduce, or one process, made them identical).
+        """
+        if not self.exchange or self.world_size == 1:
+            return norms
+        return (self._all_reduce_mean(norms.double() ** 2)).sqrt().to(norms.dtype)
+
+    def agree_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean over ranks of per-group `values` (float64; e.g. the importance coherence); as is without exchange."""
+        if not self.exchange or self.world_size == 1:
+            return values
+        return self._all_reduce_mean(values.double()).to(values.dtype)
+
+    def _all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        summed = self._collectives().all_reduce(self._device_tensor(values.clone())).cpu()
+        self.stats.bytes_sent += allreduce_bytes(8 * values.numel(), self.world_size)
+        self.stats.hook_ms += (time.perf_counter() - start) * 1000
+        return summed / self.world_size
+
+    def end_step(self, last: bool = False) -> float:
+        """
+        Close an optimizer step (call it after `optimizer.step()`): sync the fragments due ([`fragments_due`]; every
+        fragment when `last`), count the step. Returns the bytes this rank sent in the step.
+        """
+        start = time.perf_counter()
+        self.step += 1
+        due = fragments_due(self.step, self.every, len(self.fragments), self.ramp)
+        if last:
+            due = list(range(len(self.fragments)))
+        if not self.exchange and self.world_size > 1:  # the control: DDP all-reduced the gradients in fp32
+            self.stats.bytes_sent += allreduce_bytes(4 * sum(self.numels.values()), self.world_size)
+        if due:
+            self._sync(due)
+        self.stats.baseline(sum(self.numels.values()), self.world_size)
+        self.stats.hook_ms += (time.perf_counter() - start) * 1000
+        return self._close(count_step=True)
+
+    def finish(self) -> float:
+        """
+        Sync every fragment that took local steps since its last sync (training stopped before its last step, e.g.
+        by a callback); not an optimizer step. Returns the bytes sent.
+        """
+        if not self.params or self.in_sync:
+            return 0.0
+        start = time.perf_counter()
+        self._sync([f for f, last in enumerate(self.last_sync) if last != self.step])
+        self.stats.hook_ms += (time.perf_counter() - start) * 1000
+        return self._close(count_step=False)
+
+    def _close(self, count_step: bool) -> float:
+        record, self.stats = self.stats.as_dict(), StepStats()
+        for summed in (self._window, self._totals):
+            for key in StepStats.KEYS:
+                summed[key] += record[key]
+            summed["steps"] += int(count_step)
+            summed["bytes_peak"] = max(summed["bytes_peak"], record["bytes_sent"])
+        return record["bytes_sent"]
+
+    @torch.no_grad()
+    def _sync(self, due: list[int]) -> None:
+        """Steps 3-6 of the module docstring for the fragments `due`."""
+        comm, world_size = self._collectives(), self.step_world_size
+        fragments = [self.layouts[f] for f in due]
+        deltas = [self._deltas(fragment) for fragment in fragments]
+        unsafe = not all_safe([row for rows in deltas for row in (rows[0], *rows[1])])
+        if world_size > 1:
+            flag = self._device_tensor(torch.tensor([int(unsafe)], dtype=torch.int64))
+            unsafe = bool(comm.all_reduce(flag, op=dist.ReduceOp.MAX).item())
+            self.stats.bytes_sent += allreduce_bytes(_FLAG_BYTES, world_size)
+        if unsafe:
+            self._totals["nonfinite_syncs"] += 1
+            self._warn_once(
+                "nonfinite",
+                f"GRPO sync at step {self.step}: a rank's model moved to NaN/Inf (or beyond 2**60) since the last "
+                "sync; every rank restarts these fragments from θ_global (their local steps are dropped).",
+            )
+        for fragment, (dense, rows) in zip(fragments, deltas):
+            if not unsafe:
+                if world_size > 1:
+                    rows = [self._exchange(comm, fragment, run, row) for run, row in zip(fragment.runs, rows)]
+                    if dense.numel():
+                        comm.all_reduce(dense)
+                        dense /= world_size
+                        self.stats.bytes_sent += allreduce_bytes(4 * dense.numel(), world_size)
+                self._outer_step(fragment, dense, rows)
+            for name in fragment.names:
+                self.params[name].copy_(self.global_params[name])
+            self.stats.kept += fragment.numel
+            self.last_sync[fragment.index] = self.step
+            for summed in (self._window, self._totals):
+                summed["syncs"] += 1
+
+    def _deltas(self, fragment: _Fragment) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`Δ = θ_global − θ_local` of the fragment: its dense tensors flat, and one padded fp32 row per codec run."""
+        device = next(iter(self.params.values())).device
+
+        def delta(name, out):
+            torch.sub(self.global_params[name].view(-1).float(), self.params[name].detach().view(-1).float(), out=out)
+
+        dense = torch.empty(sum(self.numels[n] for n in fragment.dense), device=device)
+        offset = 0
+        for name in fragment.dense:
+            delta(name, dense[offset : offset + self.numels[name]])
+            offset += self.numels[name]
+        rows = []
+        for _, slots, length in fragment.runs:
+            row = torch.zeros(length, device=device)
+            for name, start, numel in slots:
+                delta(name, row[start : start + numel])
+            rows.append(row)
+        return dense, rows
+
+    def _exchange(self, comm: Collectives, fragment: _Fragment, run, row: torch.Tensor) -> torch.Tensor:
+        """Encode one run's `Δ` with error feedback, all-gather the messages, decode the `W` of them: the mean `Δ̄`."""
+        spec, slots, length = run
+        world_size, block = comm.world_size, spec.block_size
+        nblocks = length // block
+        rows = row.view(nblocks, block)
+        writer = BlockMessages(spec)
+        size = writer.fixed_nbytes(nblocks)
+        gathered = torch.empty(world_size * size, dtype=torch.uint8, device=row.device)
+        message = gathered[comm.rank * size : (comm.rank + 1) * size]
+        codes_view, absmax_view = writer.unpack(message, nblocks)
+        key = (OUTER_MODE, fragment.index, spec.bits)
+        residual = self.residuals.row(key, slots, length, row.device).view(nblocks, block)
+        _, absmax, new_residual = self.kernels.encode(
+            rows, residual, None, spec.bits, codes_out=codes_view, in_place=True
+        )
+        absmax_view.copy_(absmax)
+        writer.clear_padding(message, nblocks)
+        self.residuals.replace(key, slots, new_residual)
+        parts = comm.all_gather(message, gathered).view(world_size, size)
+        self.stats.bytes_sent += allgather_bytes(size, world_size)
+        codes, absmaxes = zip(*(writer.unpack(parts[r], nblocks) for r in range(world_size)))
+        mean, _ = self.kernels.decode(list(codes), list(absmaxes), None, spec.bits, world_size, out=rows)
+        return mean.view(-1)
+
+    def _outer_step(self, fragment: _Fragment, dense: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        offset = 0
+        for name in fragment.dense:
+            self._step_one(name, dense[offset : offset + self.numels[name]])
+            offset += self.numels[name]
+        for (_, slots, _), row in zip(fragment.runs, rows):
+            for name, start, numel in slots:
+                self._step_one(name, row[start : start + numel])
+
+    def _step_one(self, name: str, delta: torch.Tensor) -> None:
+        global_param = self.global_params[name]
+        momentum = self.momentum.get(name)
+        outer_step(global_param.view(-1), delta, None if momentum is None else momentum.view(-1), self.outer_lr,
+                   self.outer_momentum)  # fmt: skip
+
+    # --- the global model for evaluation and saving ---
+    @contextlib.contextmanager
+    def global_weights(self):
+        """
+        Within the block the parameters hold `θ_global` (evaluation, `save_model`, `predict`); this rank's local
+        parameters come back after it. Nothing is copied when they are `θ_global` already, nor before [`bind`].
+        """
+        if not self.global_params or self.in_sync or self.swapped is not None:
+            yield
+            return
+        with torch.no_grad():
+            self.swapped = {name: p.detach().clone() for name, p in self.params.items()}
+            for name, p in self.params.items():
+                p.copy_(self.global_params[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in self.params.items():
+                    p.copy_(self.swapped[name])
+            self.swapped = None
+
+    # --- statistics ---
+    def pop_stats(self) -> dict[str, float]:
+        """
+        Metrics of the optimizer steps since the last call (then cleared); `{}` when there were none:
+        `grpo/comm/bytes_sent` (per rank and step, averaged), `grpo/comm/bytes_peak` (the most of any one step),
+        `grpo/comm/bytes_dense_fp32` / `_fp16` (DDP's per-step all-reduce), `grpo/comm/ratio_fp32` / `_fp16`,
+        `grpo/comm/syncs` (fragments synced), `grpo/density` (entries exchanged per step over trainable entries),
+        `grpo/sparsity`, and `grpo/comm/hook_ms` (time in the syncs per step; measured).
+        """
+        window, self._window = self._window, _empty_window()
+        if not window["steps"]:
+            return {}
+        return _metrics(window, window["steps"], prefix="grpo/comm/", top="grpo/")
+
+    def totals(self) -> dict[str, float]:
+        """
+        Running totals of the whole run (checkpointed): `steps`, `syncs`, `nonfinite_syncs`, `bytes_sent`,
+        `bytes_peak`, `bytes_dense_fp32` / `_fp16`, `ratio_fp32` / `_fp16`, `density`, `hook_ms`, `comm_ms`, `kept`,
+        `numel` (`dense_steps` and `nonfinite_steps` are 0: the keys of the per-step hook's totals).
+        """
+        totals = dict(self._totals)
+        totals.update(_metrics(totals, max(1, totals["steps"])))
+        for key in ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "hook_ms", "comm_ms"):
+            totals[key] = self._totals[key]
+        return totals
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this state holds: `global` (`θ_global`), `momentum` and `residuals`."""
+
+        def size(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        return {
+            "global": size(self.global_params.values()),
+            "momentum": size(self.momentum.values()),
+            "residuals": self.residuals.nbytes(),
+        }
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Log `message` as a warning the first time `key` is seen."""
+        self._warn_once(key, message)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    # --- checkpointing ---
+    def settings(self) -> dict:
+        return {
+            "every": self.every,
+            "fragments": len(self.fragments),
+            "ramp": self.ramp,
+            "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "exchange": self.exchange,
+        }
+
+    def state_dict(self) -> dict:
+        """
+        What a resumed run needs to continue bit for bit, on cpu: the step, each fragment's last sync, the settings
+        and fragments; on rank 0 only `θ_global` and the momentum (the same on every rank); on every rank its own bf16
+        residuals, its local parameters and its optimizer's state (the Trainer saves rank 0's only).
+        """
+
+        def cpu(tensors):
+            return {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+
+        return {
+            "version": STATE_VERSION,
+            "mode": OUTER_MODE,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "step": self.step,
+            "last_sync": list(self.last_sync),
+            "hook_calls": self.hook_calls,
+            "settings": self.settings(),
+            "fragments": [list(names) for names in self.fragments],
+            "global": cpu(self.global_params) if self.rank == 0 else {},
+            "momentum": cpu(self.momentum) if self.rank == 0 else {},
+            "residuals": self.residuals.state_dict(),
+            "local": cpu(self.params),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "totals": {key: float(v) for key, v in self._totals.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict | None, shared: dict | None = None) -> None:
+        """
+        Restore [`state_dict`] at the next [`bind`] (at once when bound already). `state_dict` is this rank's saved
+        state, `shared` rank 0's (`θ_global`, momentum; defaults to `state_dict`). `state_dict=None` restarts every
+        rank from rank 0's `θ_global` with its momentum, step and schedule, without residuals or local steps (a
+        checkpoint of another world size).
+        """
+        shared = state_dict if shared is None else shared
+        for saved in (state_dict, shared):
+            if saved is not None and saved.get("version") != STATE_VERSION:
+                raise ValueError(
+                    f"outer-sync state of version {saved.get('version')}, expected {STATE_VERSION}: written by another "
+                    "grpo_hf version; resume with that version or from a checkpoint written by this one."
+                )
+        names = {name for names in self.fragments for name in names}
+        if set(shared["global"]) != names:
+            other = sorted(set(shared["global"]) ^ names)
+            raise ValueError(
+                f"the checkpoint's global model and this run's trainable parameters differ (e.g. {other[0]}); resume "
+                "with the same model and adapters as the run that wrote it."
+            )
+        self.pending = {"own": state_dict, "shared": shared}
+        self.step = int(shared["step"])
+        if state_dict is None:  # every rank restarts from θ_global: in sync
+            self.last_sync = [self.step] * len(self.fragments)
+        elif len(state_dict["last_sync"]) == len(self.fragments):
+            self.last_sync = list(state_dict["last_sync"])
+        else:  # other fragments: each holds local steps since the oldest saved sync
+            self.last_sync = [min(state_dict["last_sync"])] * len(self.fragments)
+        source = state_dict if state_dict is not None else shared
+        self.hook_calls = int(source.get("hook_calls", 0))
+        for key, value in source.get("totals", {}).items():
+            if key in self._totals:
+                self._totals[key] = type(self._totals[key])(value)
+        self._window, self.stats = _empty_window(), StepStats()
+        if self.params:
+            with torch.no_grad():
+                self._apply(self.pending)
+            self.pending = None
+
+    def _apply(self, pending: dict) -> None:
+        own, shared = pending["own"], pending["shared"]
+        for name, value in shared["global"].items():
+            self.global_params[name].copy_(value.view_as(self.global_params[name]))
+        for name in self.momentum:
+            if name in shared["momentum"]:
+                self.momentum[name].copy_(shared["momentum"][name].view_as(self.momentum[name]))
+        source = own["local"] if own is not None else shared["global"]
+        for name, p in self.params.items():
+            p.copy_(source[name].view_as(p))
+        if own is None:
+            return
+        self.residuals.load_state_dict(own.get("residuals", {}))
+        if self.optimizer is not None and own.get("optimizer") is not None:
+            self.optimizer.load_state_dict(own["optimizer"])
+
+    def __getstate__(self):
+        """Pickle without the process group, the parameters, the optimizer and the kernels (bind the copy again)."""
+        dropped = ("process_group", "params", "names", "kernels", "optimizer", "layouts", "swapped")
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in dropped}
+
+    def __setstate__(self, state):
+        for slot, value in state.items():
+            setattr(self, slot, value)
+        self.process_group = self.kernels = self.optimizer = self.swapped = None
+        self.params, self.names, self.layouts = {}, {}, []
+
+    def __repr__(self) -> str:
+        return (
+            f"OuterSyncState(every={self.every}, fragments={len(self.fragments)}, outer_lr={self.outer_lr}, "
+            f"outer_momentum={self.outer_momentum}, ramp={self.ramp}, exchange={self.exchange}, step={self.step}, "
+            f"world_size={self.world_size})"
+        )
+
+
+def local_gradient_hook(state: OuterSyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """
+    DDP communication hook of the inner steps: no collective; the future holds the bucket's own buffer, so every rank
+    steps on its own gradients (see the module docstring). The module does not use `from __future__ import
+    annotations`: DDP compares these annotations with `dist.GradBucket` and `torch.futures.Future[torch.Tensor]`.
+    """
+    buffer = bucket.buffer()
+    future = torch.futures.Future(devices=[buffer.device]) if buffer.device.type != "cpu" else torch.futures.Future()
+    future.set_result(buffer)
+    state.hook_calls += 1
+    return future
+
+
+__all__ = [
+    "DEFAULT_OUTER_LR",
+    "DEFAULT_OUTER_MOMENTUM",
+    "DEFAULT_SYNC_RAMP",
+    "OUTER_DTYPES",
+    "OUTER_MODE",
+    "OuterSyncState",
+    "fragment_offsets",
+    "fragments_due",
+    "local_gradient_hook",
+    "outer_step",
+    "pack_fragments",
+    "ramp_points",
+]

@@ -1,0 +1,237 @@
+"""
+`GRPOTrainer` with `grpo_sync_every > 1` under 2-process gloo DDP (run by tests/test_distributed_outer_sync.py).
+
+Scenarios, each recording per rank what the pytest side asserts:
+
+- `sync`: H=4, 2 fragments, ramp, 4-bit Δ, importance multipliers applied: DDP wrapped the model, the local-gradient
+  hook ran, the replicas differ between syncs (the inner steps exchange nothing) and are bit-identical after every
+  sync of both fragments and at the end; bytes per step against the formulas.
+- `resume`: 12 steps straight (checkpoints at 6, mid-interval) against the run resumed from checkpoint-6.
+- `localsgd`: one sync at outer lr 1, momentum 0, fp32 Δ against accelerate's `LocalSGD` on the same local models.
+- `control`: `grpo_outer_control`: DDP's all-reduce every step (replicas identical at every step) plus the outer step.
+- `accum`: gradient accumulation, clipping, a cosine schedule and LR ratios, with a sync every 3 steps.
+
+Usage: torchrun --nproc_per_node 2 outer_sync_ddp.py OUT_DIR [SCENARIO ...]
+"""
+
+import gc
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from _common import same_on_all_ranks, tensor_digest, write_result
+from datasets import Dataset
+from testing_utils import tiny_test_llama
+from torch.nn.parallel import DistributedDataParallel
+from transformers import TrainerCallback
+
+from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.compression.codec import BlockMessages
+from grpo_hf.compression.outer_sync import OuterSyncState, fragments_due
+from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes
+
+
+SEQ_LEN = 16
+
+
+def random_tokens(n=256):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (n, SEQ_LEN), generator=gen).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def make_args(out_dir, name, **overrides):
+    kwargs = dict(
+        output_dir=os.path.join(out_dir, name),
+        use_cpu=True,  # required: without it both ranks train alone, without DDP
+        max_steps=14,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        grpo_min_compress_numel=256,
+        grpo_importance=True,  # the multipliers are applied: the ranks must agree on them between syncs
+        grpo_lr_scale_warmup_steps=2,
+        grpo_sync_every=4,
+        grpo_sync_fragments=2,
+        grpo_compression="quantize",
+        grpo_bits="4",
+    )
+    kwargs.update(overrides)
+    return GRPOConfig(**kwargs)
+
+
+class Replicas(TrainerCallback):
+    """After every optimizer step (the sync included): whether the ranks hold identical parameters, and the bytes."""
+
+    def __init__(self):
+        self.identical, self.fragments, self.bytes = [], [], []
+        self.state = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._before = self.state.totals()["bytes_sent"] if self.state is not None else 0.0
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        params = [p.detach() for p in model.parameters()]
+        self.identical.append(all(same_on_all_ranks(p) for p in params))
+        if self.state is not None:
+            self.bytes.append(self.state.totals()["bytes_sent"] - self._before)
+            named = dict(model.named_parameters())
+            self.fragments.append(
+                [all(same_on_all_ranks(named[n].detach()) for n in names) for names in self.state.fragments]
+            )
+
+
+def expected_bytes(state: OuterSyncState, due: list[int], groups: int, world_size: int) -> float:
+    """The bytes a step sends by the formulas of the module docstring: norms, and per synced fragment its messages."""
+    sent = allreduce_bytes(8 * groups, world_size)
+    if due:
+        sent += allreduce_bytes(8, world_size)
+    for f in due:
+        fragment = state.layouts[f]
+        for spec, _, length in fragment.runs:
+            sent += allgather_bytes(BlockMessages(spec).fixed_nbytes(length // spec.block_size), world_size)
+        sent += allreduce_bytes(4 * sum(state.numels[n] for n in fragment.dense), world_size)
+    return sent
+
+
+def train(args, resume=None):
+    model = tiny_test_llama(seed=0, max_position_embeddings=SEQ_LEN)
+    initial = [p.detach().clone() for p in model.parameters()]
+    replicas = Replicas()
+    trainer = GRPOTrainer(model=model, args=args, train_dataset=random_tokens(), callbacks=[replicas])
+    state = trainer.grpo_comm_state
+    replicas.state = state
+    trainer.train(resume_from_checkpoint=resume)
+    params = [p.detach().clone() for p in trainer.model.parameters()]
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    optimizer_state = trainer.optimizer.state_dict()["state"]
+    moments = [t for i in sorted(optimizer_state) for t in optimizer_state[i].values() if torch.is_tensor(t)]
+    steps = list(range(trainer.state.global_step - len(replicas.identical) + 1, trainer.state.global_step + 1))
+    due = [fragments_due(s, state.every, len(state.fragments), state.ramp) for s in steps]
+    if steps and steps[-1] == args.max_steps:
+        due[-1] = list(range(len(state.fragments)))  # the last step syncs every fragment
+    record = {
+        "is_ddp": isinstance(trainer.model_wrapped, DistributedDataParallel),
+        "global_step": trainer.state.global_step,
+        "hook_calls": state.hook_calls,
+        "exchange": state.exchange,
+        "steps": steps,
+        "due": due,
+        "identical_after_step": replicas.identical,
+        "identical_fragments": replicas.fragments,
+        "bytes_per_step": replicas.bytes,
+        "expected_bytes": [expected_bytes(state, d, len(trainer.grpo_groups), dist.get_world_size()) for d in due],
+        "identical": all(same_on_all_ranks(p) for p in params),
+        "global_is_params": all(torch.equal(p, state.global_params[n]) for n, p in trainer.model.named_parameters()),
+        "multipliers_identical": same_on_all_ranks(trainer.grpo_callback.importance.multipliers),
+        "multipliers": trainer.grpo_callback.importance.multipliers.tolist(),
+        "digest": tensor_digest(params),
+        "global_digest": tensor_digest([state.global_params[n] for n in sorted(state.global_params)]),
+        "momentum_digest": tensor_digest([state.momentum[n] for n in sorted(state.momentum)]),
+        "optimizer_digest": tensor_digest(moments),
+        "residual_names": sorted(state.residuals.values),
+        "residual_digest": tensor_digest([state.residuals.values[n] for n in sorted(state.residuals.values)]),
+        "changed": [not torch.equal(a, b) for a, b in zip(initial, params)],
+        "losses": [entry["loss"] for entry in logs],
+        "comm_logs": [{k: v for k, v in e.items() if k.startswith("grpo/comm") or k == "grpo/density"} for e in logs],
+        "totals": state.totals(),
+        "cost_comm_bytes": trainer.cost_callback.counted_metrics().get("cost/comm_bytes"),
+        "last_sync": state.last_sync,
+        "fragment_numels": [layout.numel for layout in state.layouts],
+    }
+    trainer.accelerator.free_memory()
+    del trainer
+    gc.collect()
+    return record
+
+
+def scenario_sync(out_dir):
+    return train(make_args(out_dir, "sync"))
+
+
+def scenario_resume(out_dir):
+    args = make_args(out_dir, "resume", max_steps=12, save_strategy="steps", save_steps=6)
+    straight = train(args)
+    checkpoint = os.path.join(args.output_dir, "checkpoint-6")
+    resumed = train(args, resume=checkpoint)
+    return {"straight": straight, "resumed": resumed}
+
+
+def scenario_localsgd(out_dir):
+    """Our sync at outer lr 1 without momentum (fp32 Δ) against accelerate's LocalSGD averaging of the same models."""
+    from accelerate import Accelerator
+    from accelerate.local_sgd import LocalSGD
+
+    ours = tiny_test_llama(seed=0, max_position_embeddings=SEQ_LEN)
+    names = [n for n, _ in ours.named_parameters()]
+    state = OuterSyncState({n: None for n in names}, [names], every=1, outer_lr=1.0, outer_momentum=0.0, ramp=False)
+    state.bind(ours)
+    with torch.no_grad():  # the local steps: each rank moves its own way
+        generator = torch.Generator().manual_seed(100 + dist.get_rank())
+        for p in ours.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 1e-2)
+    theirs = tiny_test_llama(seed=0, max_position_embeddings=SEQ_LEN)
+    theirs.load_state_dict(ours.state_dict())
+    local_sgd = LocalSGD(Accelerator(cpu=True), theirs, local_sgd_steps=1)
+    state.end_step()
+    local_sgd.step()  # local_sgd_steps=1: averages every parameter's .data
+    diffs = [float((a - b).detach().abs().max()) for a, b in zip(ours.parameters(), theirs.parameters())]
+    scale = max(float(p.detach().abs().max()) for p in theirs.parameters())
+    return {
+        "max_abs_diff": max(diffs),
+        "max_abs_param": scale,
+        "identical": all(same_on_all_ranks(p) for p in ours.parameters()),
+        "syncs": state.totals()["syncs"],
+        "bytes": state.totals()["bytes_sent"],
+        "numel": sum(p.numel() for p in ours.parameters()),
+        "digest": tensor_digest(list(ours.parameters())),
+    }
+
+
+def scenario_control(out_dir):
+    return train(make_args(out_dir, "control", grpo_outer_control=True, grpo_compression="none", max_steps=10))
+
+
+def scenario_accum(out_dir):
+    return train(
+        make_args(
+            out_dir, "accum", max_steps=9, grpo_sync_every=3, grpo_sync_fragments=3, grpo_sync_ramp=False,
+            gradient_accumulation_steps=2, max_grad_norm=0.5, lr_scheduler_type="cosine", warmup_steps=2,
+            grpo_lr_ratios={"norms": 0.5}, grpo_bits="8", grpo_outer_dtype="bfloat16",
+        )
+    )  # fmt: skip
+
+
+SCENARIOS = {
+    "localsgd": scenario_localsgd,
+    "sync": scenario_sync,
+    "resume": scenario_resume,
+    "control": scenario_control,
+    "accum": scenario_accum,
+}
+
+
+def main():
+    out_dir, names = sys.argv[1], sys.argv[2:] or list(SCENARIOS)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # Accelerate takes it over
+    results = {name: SCENARIOS[name](out_dir) for name in names}
+    results["world_size"] = dist.get_world_size()
+    results["nan_free"] = not any(
+        math.isnan(loss) for r in results.values() if isinstance(r, dict) for loss in r.get("losses", [])
+    )
+    write_result(out_dir, results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""
+The sync every H steps under 2-process gloo DDP: `torchrun` runs `tests/distributed/outer_sync_ddp.py` once (about a
+minute on 2 cores), each rank writes a JSON result, and the assertions live here.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from testing_utils import ROOT, run_torchrun
+
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+SCRIPT = Path(__file__).resolve().parent / "distributed" / "outer_sync_ddp.py"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("outer_sync")
+    run = run_torchrun(SCRIPT, out_dir, nproc=2, timeout=480, cwd=ROOT)
+    if run.timed_out:
+        pytest.fail(f"outer_sync_ddp.py did not finish\n{run.logs()}")
+    assert run.returncode == 0, run.logs()
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["world_size"] == 2 and r["nan_free"] for r in ranks)
+    return ranks
+
+
+def test_inner_steps_are_local_and_every_sync_leaves_identical_replicas(results):
+    for result in results:
+        run = result["sync"]
+        assert run["is_ddp"] and run["exchange"] and run["global_step"] == 14
+        assert run["hook_calls"] >= run["global_step"]  # the local-gradient hook ran at every step
+        for step, due, identical, fragments in zip(
+            run["steps"], run["due"], run["identical_after_step"], run["identical_fragments"]
+        ):
+            for index, same in enumerate(fragments):
+                if index in due:
+                    assert same, f"fragment {index} differs across ranks right after its sync at step {step}"
+            if len(due) < 2:
+                assert not identical, f"the replicas agree at step {step} although a fragment did not sync"
+        assert run["identical"] and run["global_is_params"]  # the last step synced every fragment
+        assert run["last_sync"] == [14, 14]
+        assert run["multipliers_identical"] and len(set(run["multipliers"])) > 1  # the agreed norms acted
+        assert all(run["changed"])
+        assert run["residual_names"]  # 4-bit Δ with error feedback
+    assert results[0]["sync"]["digest"] == results[1]["sync"]["digest"]
+    assert results[0]["sync"]["residual_digest"] != results[1]["sync"]["residual_digest"]  # residuals are per rank
+
+
+def test_bytes_follow_the_formulas_and_reach_the_cost_report(results):
+    run = results[0]["sync"]
+    assert run["bytes_per_step"] == run["expected_bytes"]  # norms every step; flag, messages and dense per sync
+    totals = run["totals"]
+    assert totals["bytes_sent"] == sum(run["bytes_per_step"]) == run["cost_comm_bytes"]
+    assert totals["syncs"] == sum(len(d) for d in run["due"])
+    assert totals["bytes_peak"] == max(run["bytes_per_step"])
+    assert totals["ratio_fp32"] > 10  # 4-bit Δ every 4 steps of 2 fragments (and the ramp) against fp32 DDP
+    for entry in run["comm_logs"]:
+        for key in ("bytes_sent", "bytes_peak", "bytes_dense_fp32", "ratio_fp32", "syncs"):
+            assert f"grpo/comm/{key}" in entry
+        assert entry["grpo/comm/bytes_peak"] >= entry["grpo/comm/bytes_sent"]
+
+
+def test_resume_is_bit_identical(results):
+    for result in results:
+        straight, resumed = result["resume"]["straight"], result["resume"]["resumed"]
+        assert resumed["steps"] == list(range(7, 13))  # resumed from checkpoint-6, mid-interval
+        for key in ("digest", "global_digest", "momentum_digest", "optimizer_digest", "residual_digest"):
+            assert resumed[key] == straight[key], key
+        assert resumed["totals"]["syncs"] == straight["totals"]["syncs"]
+        assert resumed["totals"]["bytes_sent"] == straight["totals"]["bytes_sent"]
+    # each rank's own optimizer state came back (the Trainer's optimizer.pt holds rank 0's only)
+    assert results[0]["resume"]["resumed"]["optimizer_digest"] != results[1]["resume"]["resumed"]["optimizer_digest"]
+
+
+def test_plain_averaging_equals_accelerate_local_sgd(results):
+    for result in results:
+        run = result["localsgd"]
+        assert run["identical"] and run["syncs"] == 1
+        # θ_global - mean(θ_global - θ_r) against mean(θ_r): equal up to fp32 rounding
+        assert run["max_abs_diff"] <= 4 * 2**-24 * run["max_abs_param"]
+        assert run["bytes"] == 2 * (2 - 1) / 2 * (4 * run["numel"] + 8)  # one fp32 all-reduce and the flag
+    assert results[0]["localsgd"]["digest"] == results[1]["localsgd"]["digest"]
+
+
+def test_outer_step_only_control_keeps_ddp_exchange(results):
+    for result in results:
+        run = result["control"]
+        assert run["is_ddp"] and not run["exchange"] and run["hook_calls"] == 0  # DDP's own all-reduce
+        assert all(run["identical_after_step"])  # identical at every step, not only after syncs
+        assert run["totals"]["syncs"] > 0 and run["totals"]["ratio_fp32"] == 1.0
+
+
+def test_accumulation_clipping_schedule_and_ratios_compose(results):
+    for result in results:
+        run = result["accum"]
+        assert run["global_step"] == 9 and run["hook_calls"] % 9 == 0  # per bucket, once per optimizer step
+        assert run["due"][:3] == [[0], [1], [2]]  # 3 fragments, each at its own step
+        assert run["identical"] and run["bytes_per_step"] == run["expected_bytes"]
+    assert results[0]["accum"]["digest"] == results[1]["accum"]["digest"]

@@ -1,0 +1,260 @@
+"""The sync every H steps on one process: the schedule, the fragments, the outer step's math, the bytes of a sync, and
+GRPOTrainer with `grpo_sync_every > 1` (the multi-process checks are in tests/test_distributed_outer_sync.py)."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from testing_utils import tiny_test_llama
+
+from grpo_hf import ConfigError, GRPOConfig, GRPOTrainer
+from grpo_hf.compression import CodecSpec
+from grpo_hf.compression.codec import BlockMessages
+from grpo_hf.compression.outer_sync import (
+    OuterSyncState,
+    fragment_offsets,
+    fragments_due,
+    outer_step,
+    pack_fragments,
+    ramp_points,
+)
+from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes
+
+
+# --- schedule ---------------------------------------------------------------------------------------------------
+
+
+def test_ramp_points_double_the_interval_up_to_h():
+    assert ramp_points(16) == [1, 3, 7, 15]
+    assert ramp_points(24) == [1, 3, 7, 15, 31]  # intervals 1, 2, 4, 8, 16 (all below 24)
+    assert ramp_points(2) == [1]
+    assert ramp_points(1) == []
+
+
+def test_one_fragment_without_ramp_syncs_every_h_steps():
+    due = [s for s in range(1, 50) if fragments_due(s, 16, 1, ramp=False)]
+    assert due == [16, 32, 48]  # accelerate's LocalSGD: num_steps % H == 0
+
+
+def test_ramp_then_every_h_steps():
+    due = [s for s in range(1, 60) if fragments_due(s, 16, 1, ramp=True)]
+    assert due == [1, 3, 7, 15, 31, 47]
+
+
+def test_fragments_sync_at_their_own_offsets():
+    assert fragment_offsets(16, 4) == [4, 8, 12, 16]
+    assert fragment_offsets(3, 2) == [2, 3]
+    schedule = {s: fragments_due(s, 8, 4, ramp=False) for s in range(1, 17)}
+    assert {s: f for s, f in schedule.items() if f} == {2: [0], 4: [1], 6: [2], 8: [3], 10: [0], 12: [1], 14: [2],
+                                                         16: [3]}  # fmt: skip
+    # during the ramp every fragment syncs together; then each at its offset after the ramp's end (step 7)
+    ramped = {s: f for s in range(1, 24) if (f := fragments_due(s, 8, 2, ramp=True))}
+    assert ramped == {1: [0, 1], 3: [0, 1], 7: [0, 1], 11: [0], 15: [1], 19: [0], 23: [1]}
+
+
+@pytest.mark.parametrize("every,count", [(16, 1), (16, 4), (8, 8), (5, 3)])
+def test_every_fragment_syncs_once_per_interval(every, count):
+    synced = [f for s in range(1, 10 * every + 1) for f in fragments_due(s, every, count, ramp=False)]
+    assert sorted(synced) == sorted(list(range(count)) * 10)
+
+
+# --- fragments --------------------------------------------------------------------------------------------------
+
+
+def test_fragments_pack_groups_whole_and_balanced():
+    groups = [("attn", ["a1", "a2"], [30, 30]), ("ffn", ["f1"], [50]), ("norms", ["n1", "n2"], [2, 2]),
+              ("emb", ["e"], [40])]  # fmt: skip
+    assert pack_fragments(groups, 1) == [["a1", "a2", "f1", "n1", "n2", "e"]]
+    packed = pack_fragments(groups, 2)  # total 154: 'attn' (60) is no larger than half, kept whole
+    assert sorted(map(sorted, packed)) == sorted([sorted(["a1", "a2", "n1", "n2"]), sorted(["f1", "e"])])
+    assert sorted(n for f in packed for n in f) == sorted(["a1", "a2", "f1", "n1", "n2", "e"])
+
+
+def test_a_group_larger_than_a_fragment_is_split_by_parameter():
+    groups = [("big", ["b1", "b2", "b3"], [40, 40, 40]), ("small", ["s"], [40])]
+    packed = pack_fragments(groups, 4)
+    assert sorted(len(f) for f in packed) == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="only 2 groups and parameters"):
+        pack_fragments([("a", ["x"], [10]), ("b", ["y"], [10])], 3)
+
+
+# --- the outer step ---------------------------------------------------------------------------------------------
+
+
+def test_outer_step_is_torch_sgd_with_nesterov_momentum():
+    torch.manual_seed(0)
+    theta = torch.randn(7)
+    reference = theta.clone().requires_grad_(True)
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.5, nesterov=True)
+    momentum = torch.zeros(7)
+    for _ in range(4):
+        delta = torch.randn(7)
+        outer_step(theta, delta, momentum, 0.7, 0.5)
+        reference.grad = delta.clone()
+        sgd.step()
+        torch.testing.assert_close(theta, reference.detach(), rtol=0, atol=1e-6)
+
+
+def test_outer_step_by_hand():
+    theta, momentum = torch.tensor([1.0, 2.0]), torch.tensor([0.5, -1.0])
+    outer_step(theta, torch.tensor([0.2, 0.4]), momentum, lr=0.5, mu=0.5)
+    # m = 0.5 * [0.5, -1] + [0.2, 0.4] = [0.45, -0.1]; update = Δ + 0.5 m = [0.425, 0.35]; θ -= 0.5 update
+    torch.testing.assert_close(momentum, torch.tensor([0.45, -0.1]))
+    torch.testing.assert_close(theta, torch.tensor([1.0 - 0.2125, 2.0 - 0.175]))
+    plain = torch.tensor([1.0, 2.0])
+    outer_step(plain, torch.tensor([1.0, 2.0]), None, lr=1.0, mu=0.0)  # lr 1, no momentum: θ_global - Δ
+    assert torch.equal(plain, torch.zeros(2))
+
+
+# --- the state on one process -----------------------------------------------------------------------------------
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Linear(64, 64, bias=True)  # 4096-entry weight + 64-entry bias
+        self.norm = torch.nn.LayerNorm(64)
+
+
+def _state(model, specs, **kwargs):
+    names = [n for n, _ in model.named_parameters()]
+    plan = {n: specs.get(n) for n in names}
+    return OuterSyncState(plan, [names], **kwargs).bind(model)
+
+
+def test_a_sync_without_exchange_is_the_outer_step_on_the_own_trajectory():
+    torch.manual_seed(0)
+    model = Tiny()
+    state = _state(model, {}, every=2, ramp=False, outer_lr=0.5, outer_momentum=0.0, exchange=False)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert state.end_step() == 0.0 and not state.in_sync  # step 1: no sync (H=2, no ramp)
+    with state.global_weights():  # evaluation sees θ_global
+        assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p, start[n] + 1) for n, p in model.named_parameters())  # local parameters back
+    state.end_step()  # step 2: θ_global -= 0.5 * (θ_global - θ_local)
+    assert state.in_sync and state.totals()["syncs"] == 1
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, start[name] + 0.5)
+        assert torch.equal(p, state.global_params[name])
+
+
+def test_the_codec_keeps_what_it_did_not_send_and_counts_the_bytes():
+    torch.manual_seed(0)
+    model = Tiny()
+    spec = CodecSpec(bits=4)
+    state = _state(model, {"big.weight": spec}, every=1, outer_lr=1.0, outer_momentum=0.0)
+    state.world_size = 2  # count the bytes of a 2-worker sync; the exchange itself is of one rank
+    before = model.big.weight.detach().clone()
+    with torch.no_grad():
+        model.big.weight.add_(torch.randn(64, 64) * 1e-2)
+        target = model.big.weight.detach().clone()
+    layout = state.layouts[0]
+    ((_, slots, length),) = layout.runs
+    dense, rows = state._deltas(layout)
+    state.world_size = 1
+    mean = state._exchange(state._collectives(), layout, layout.runs[0], rows[0].clone())
+    residual = state.residuals.values["big.weight"].float()
+    delta = (before - target).view(-1)
+    torch.testing.assert_close(mean + residual, delta, rtol=0, atol=2e-5)  # sent + residual = Δ (bf16 residual)
+    assert not torch.equal(mean, delta)  # 4-bit codes are lossy
+    # bytes of one sync at W=2: the all-gathered 4-bit message + the fp32 all-reduce of the 64 + 128 dense entries
+    message = BlockMessages(spec).fixed_nbytes(4096 // 128)
+    expected = allgather_bytes(message, 2) + allreduce_bytes(4 * (64 + 128), 2) + allreduce_bytes(8, 2)
+    assert message == 4 * 32 + 64 * 32
+    assert expected == 2176 + 768 + 8  # (W - 1) s + 2 (W - 1) / W (4 n_dense + 8)
+
+
+def test_bytes_of_a_step_and_the_peak_are_counted():
+    state = OuterSyncState({"w": CodecSpec(bits=8)}, [["w"]], every=4, ramp=False)
+    state.numels = {"w": 1000}
+    state.world_size = 2
+    state.stats.bytes_sent += 100.0
+    state.stats.baseline(1000, 2)
+    state._close(count_step=True)
+    state.stats.bytes_sent += 300.0
+    state._close(count_step=True)
+    stats = state.pop_stats()
+    assert stats["grpo/comm/bytes_sent"] == 200.0 and stats["grpo/comm/bytes_peak"] == 300.0
+    assert stats["grpo/comm/bytes_dense_fp32"] == 2000.0  # one fp32 all-reduce per step (DDP), averaged
+    assert stats["grpo/comm/ratio_fp32"] == pytest.approx(4000.0 / 400.0)
+
+
+# --- GRPOTrainer ------------------------------------------------------------------------------------------------
+
+VOCAB = 96
+
+
+def token_dataset(rows=64, length=24):
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (rows, length), generator=generator)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+
+def make_args(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"), max_steps=10, per_device_train_batch_size=8, learning_rate=3e-3,
+        logging_steps=5, report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+        grpo_sync_every=4, grpo_sync_ramp=False,
+    )  # fmt: skip
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def test_one_process_adds_only_the_outer_step_and_ends_on_the_global_model(tmp_path):
+    model = tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64)
+    trainer = GRPOTrainer(model=model, args=make_args(tmp_path), train_dataset=token_dataset())
+    trainer.train()
+    state = trainer.grpo_comm_state
+    assert isinstance(state, OuterSyncState) and not state.exchange
+    assert state.step == 10 and state.totals()["syncs"] == 3  # steps 4, 8 and the last one
+    assert state.in_sync
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p, state.global_params[name]), name
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert "grpo/comm/syncs" in logs[0] and math.isfinite(logs[-1]["loss"])
+
+
+def test_plain_averaging_without_exchange_is_the_plain_trainer(tmp_path):
+    """Outer lr 1 without momentum on one process: θ_global - (θ_global - θ_local) = θ_local, up to rounding."""
+    plain = GRPOTrainer(model=tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64),
+                        args=make_args(tmp_path / "a", grpo_sync_every=1), train_dataset=token_dataset())  # fmt: skip
+    plain.train()
+    outer = GRPOTrainer(model=tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64),
+                        args=make_args(tmp_path / "b", grpo_outer_lr=1.0, grpo_outer_momentum=0.0),
+                        train_dataset=token_dataset())  # fmt: skip
+    outer.train()
+    for (name, a), b in zip(plain.model.named_parameters(), outer.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_sync_settings_the_trainer_refuses(tmp_path):
+    with pytest.raises(ConfigError, match="grpo_sync_fragments=5"):
+        make_args(tmp_path, grpo_sync_fragments=5)
+    with pytest.raises(ConfigError, match="bf16=True"):
+        make_args(tmp_path, fp16=True)
+    with pytest.raises(ConfigError, match="codes of one size"):
+        make_args(tmp_path, grpo_compression="quantize", grpo_bits="2")
+    with pytest.raises(ConfigError, match="grpo_outer_control"):
+        make_args(tmp_path, grpo_outer_control=True, grpo_compression="quantize")
+    with pytest.raises(ConfigError, match="only"):  # 4 fragments of a model with fewer groups and parameters
+        GRPOTrainer(model=torch.nn.Sequential(torch.nn.Linear(4, 4)), args=make_args(tmp_path, grpo_sync_fragments=4),
+                    train_dataset=token_dataset())  # fmt: skip
+
+
+def test_checkpoint_resume_is_bit_identical_on_one_process(tmp_path):
+    def run(out, resume=None):
+        model = tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64)
+        args = make_args(out, max_steps=10, save_strategy="steps", save_steps=5, grpo_sync_fragments=2)
+        trainer = GRPOTrainer(model=model, args=args, train_dataset=token_dataset())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    straight = run(tmp_path)
+    resumed = run(tmp_path, resume=str(tmp_path / "out" / "checkpoint-5"))  # step 5: mid-interval (H=4, F=2)
+    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    assert resumed.grpo_comm_state.totals()["syncs"] == straight.grpo_comm_state.totals()["syncs"]
