@@ -66,6 +66,44 @@ COMM_ROWS = {
     },
 }
 DEFAULT_COMM_ROWS = "dense,q8s,q8,q4s,q4,fp16"  # q8: GRPOConfig's defaults at W=2
+# The sync every H steps (grpo_sync_every), named by pattern: `sync<H>-q<bits>` (bits 4, 8 or 16: codes with error
+# feedback) or `sync<H>-fp32`, then optionally `-f<F>` (F fragments), `-noramp`, `-lr<outer lr>`, `-m<momentum>`,
+# `-bf16` (θ_global in bf16); `localsgd-h<H>`: plain averaging every H steps (outer lr 1, momentum 0, fp32, no ramp:
+# accelerate's LocalSGD); `outer-h<H>`: DDP's fp32 all-reduce every step plus the outer step every H steps (the
+# control: no bytes saved). Other settings: `grpo:grpo_sync_every=16;grpo_outer_lr=0.5;...`.
+SYNC_ROW = re.compile(
+    r"sync(?P<every>\d+)-(?:q(?P<bits>4|8|16)|fp32)(?:-f(?P<fragments>\d+))?(?P<noramp>-noramp)?"
+    r"(?:-lr(?P<lr>[0-9.]+))?(?:-m(?P<momentum>[0-9.]+))?(?P<bf16>-bf16)?"
+)
+
+
+def sync_row(name: str) -> dict | None:
+    """The GRPOConfig overrides of a named row of the sync every H steps (see `SYNC_ROW`), `None` for another row."""
+    match = SYNC_ROW.fullmatch(name)
+    if match:
+        row = {"grpo_sync_every": int(match["every"]), "grpo_sync_fragments": int(match["fragments"] or 1),
+               "grpo_sync_ramp": not match["noramp"]}  # fmt: skip
+        if match["bits"]:
+            row.update(grpo_compression="quantize", grpo_bits=match["bits"], grpo_scale_gradients=False)
+        else:
+            row.update(grpo_compression="none")
+        if match["lr"]:
+            row["grpo_outer_lr"] = float(match["lr"])
+        if match["momentum"]:
+            row["grpo_outer_momentum"] = float(match["momentum"])
+        if match["bf16"]:
+            row["grpo_outer_dtype"] = "bfloat16"
+        return row
+    match = re.fullmatch(r"localsgd-h(\d+)", name)
+    if match:
+        return {"grpo_sync_every": int(match[1]), "grpo_outer_lr": 1.0, "grpo_outer_momentum": 0.0,
+                "grpo_compression": "none", "grpo_sync_ramp": False}  # fmt: skip
+    match = re.fullmatch(r"outer-h(\d+)", name)
+    if match:
+        return {"grpo_sync_every": int(match[1]), "grpo_outer_control": True, "grpo_compression": "none"}
+    return None
+
+
 _STATIC = {"grpo_importance": False}
 LR_ROWS = {  # GRPOTrainer settings measured in the lr suite (one process: no compression)
     "grpo": {},  # GRPOConfig's defaults
@@ -103,7 +141,8 @@ class SuiteArguments:
     rows: str = field(
         default="",
         metadata={
-            "help": f"Comma-separated rows. comm: {', '.join(COMM_ROWS)}, fp16, powersgd-r<rank>, or "
+            "help": f"Comma-separated rows. comm: {', '.join(COMM_ROWS)}, fp16, powersgd-r<rank>, sync<H>-q<bits>, "
+            "sync<H>-fp32 (suffixes -f<F>, -noramp, -lr<x>, -m<x>, -bf16), localsgd-h<H>, outer-h<H>, or "
             "'grpo:field=value;...' (GRPOConfig fields, e.g. grpo:grpo_bits=4;grpo_scale_beta=0.9). lr: trainer, "
             f"trainer-lr<factor>, loraplus-<ratio>, {', '.join(LR_ROWS)}, grpo:field=value;.... "
             f"Default comm: {DEFAULT_COMM_ROWS}; lr: {DEFAULT_LR_ROWS}."
@@ -146,6 +185,8 @@ def parse_row(suite: str, name: str) -> dict:
     if suite == "comm":
         if name in COMM_ROWS:
             return {"name": name, "kind": "grpo", "overrides": dict(COMM_ROWS[name])}
+        if sync_row(name) is not None:
+            return {"name": name, "kind": "grpo", "overrides": sync_row(name)}
         if name == "fp16":
             return {"name": name, "kind": "fp16"}
         match = re.fullmatch(r"powersgd-r(\d+)", name)
@@ -375,6 +416,7 @@ def run_row(
         "train_s": train_s,
         "per_step": per_step,
         "dense_fp32_bytes_per_step": dense_bytes,
+        "peak_step_bytes": max((s["bytes"] for s in per_step), default=0.0),  # the most bytes of any one step
         "eval_loss": final["eval_loss"],
         "eval_accuracy": final.get("eval_accuracy"),
         "eval_history": history,
@@ -512,6 +554,10 @@ def summarize(suite: str, results: dict[str, dict[str, dict[int, dict]]], baseli
             dense = [by_seed[seed]["dense_fp32_bytes_per_step"] * by_seed[seed]["steps"] for seed in seeds]
             if suite == "comm":  # one process (the lr suite) sends nothing
                 entry["bytes_ratio"] = statistics.fmean(d / s for d, s in zip(dense, sent))
+                entry["peak_bytes_ratio"] = statistics.fmean(  # dense fp32 per step / the busiest step's bytes
+                    by_seed[s]["dense_fp32_bytes_per_step"] / max(x["bytes"] for x in by_seed[s]["per_step"])
+                    for s in seeds
+                )
             warm = 10 if name.startswith("powersgd") else 2
             steady = [by_seed[seed]["per_step"][warm:] for seed in seeds]
             if suite == "comm" and all(steady):

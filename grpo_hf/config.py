@@ -135,7 +135,7 @@ class GRPOConfig(TrainingArguments):
         grpo_outer_lr (`float`, *optional*, defaults to `0.7`) and grpo_outer_momentum (`float`, *optional*, defaults
         to `0.5`):
             The outer step (Nesterov momentum). `1` and `0` is plain parameter averaging (accelerate's `LocalSGD`).
-            Provisional defaults, from a prototype on one tiny model (`benchmarks/LOG.md`).
+            Provisional defaults, from a prototype on one tiny model (issue 28); the benchmark suite decides them.
         grpo_outer_dtype (`str`, *optional*, defaults to `"float32"`):
             Of `θ_global` and the outer momentum, two copies of the trainable parameters: `"bfloat16"` halves them.
         grpo_outer_control (`bool`, *optional*, defaults to `False`):

@@ -62,6 +62,12 @@ class GRPOMixin:
       hook). Under FSDP2, every `fully_shard` unit gets the compressed reduce-scatter of
       [`~grpo_hf.compression.fsdp`]. On one process with compression switched on, the same codec is applied locally
       after the last micro-batch's backward (the article's sparse updates), counting the bytes a worker would send.
+    - **Sync every H steps** (`grpo_sync_every > 1`, DDP): the inner steps exchange nothing
+      ([`~grpo_hf.compression.outer_sync.local_gradient_hook`]); every H optimizer steps, per fragment of GRPO's groups,
+      the ranks average their compressed pseudo-gradients and take an outer Nesterov step
+      ([`~grpo_hf.compression.outer_sync.OuterSyncState`]). The last step syncs every rank to the global model;
+      `evaluate`, `predict` and `save_model` see the global model ([`~GRPOMixin.grpo_global_weights`]); checkpoints
+      hold it and each rank's local parameters and optimizer state. Refused under FSDP2, DeepSpeed and fp16.
     - **Engines** ([`~grpo_hf.engines`]): DDP, FSDP2 (the Trainer's `fsdp` with `fsdp_config={"version": 2}`,
       `accelerate launch` with `fsdp_version: 2`, or a model sharded with `fully_shard` before it reaches the trainer)
       and DeepSpeed ZeRO 1/2/3 with a config that leaves the optimizer and scheduler to the Trainer. Under FSDP2, GRPO's

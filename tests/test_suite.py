@@ -41,6 +41,34 @@ def test_row_names_resolve_to_settings(suite):
         suite.parse_row("lr", "fp16")  # a comm row is not an lr row
 
 
+def test_sync_rows_resolve_to_typed_settings(suite):
+    from grpo_hf import GRPOConfig
+
+    row = suite.parse_row("comm", "sync16-q4-f4")["overrides"]
+    assert row == {"grpo_sync_every": 16, "grpo_sync_fragments": 4, "grpo_sync_ramp": True,
+                   "grpo_compression": "quantize", "grpo_bits": "4", "grpo_scale_gradients": False}  # fmt: skip
+    assert suite.parse_row("comm", "sync16-fp32")["overrides"]["grpo_compression"] == "none"
+    assert suite.parse_row("comm", "sync32-q8-noramp-lr0.5-m0-bf16")["overrides"] == {
+        "grpo_sync_every": 32, "grpo_sync_fragments": 1, "grpo_sync_ramp": False, "grpo_compression": "quantize",
+        "grpo_bits": "8", "grpo_scale_gradients": False, "grpo_outer_lr": 0.5, "grpo_outer_momentum": 0.0,
+        "grpo_outer_dtype": "bfloat16",
+    }  # fmt: skip
+    # the peer: accelerate's LocalSGD is plain averaging of fp32 parameters every H steps, no ramp
+    assert suite.parse_row("comm", "localsgd-h8")["overrides"] == {
+        "grpo_sync_every": 8, "grpo_outer_lr": 1.0, "grpo_outer_momentum": 0.0, "grpo_compression": "none",
+        "grpo_sync_ramp": False,
+    }  # fmt: skip
+    assert suite.parse_row("comm", "outer-h16")["overrides"]["grpo_outer_control"] is True
+    typed = suite._typed(
+        suite.parse_row("comm", "grpo:grpo_sync_every=16;grpo_sync_fragments=2;grpo_sync_ramp=false;"
+                        "grpo_outer_lr=0.5;grpo_outer_momentum=0;grpo_outer_dtype=bfloat16;grpo_outer_control=0")["overrides"]
+    )  # fmt: skip
+    assert typed == {"grpo_sync_every": 16, "grpo_sync_fragments": 2, "grpo_sync_ramp": False, "grpo_outer_lr": 0.5,
+                     "grpo_outer_momentum": 0.0, "grpo_outer_dtype": "bfloat16", "grpo_outer_control": False}  # fmt: skip
+    for name in ("sync16-q4", "sync32-q8", "sync16-fp32", "localsgd-h16", "outer-h16", "sync16-q4-f4-bf16"):
+        GRPOConfig(output_dir="/tmp/unused", **suite._typed(suite.parse_row("comm", name)["overrides"]))
+
+
 def test_default_rows_are_known(suite):
     for name in suite.DEFAULT_COMM_ROWS.split(","):
         suite.parse_row("comm", name)

@@ -281,6 +281,7 @@ class OuterSyncState:
         "dtype",
         "exchange",
         "process_group",
+        "simulated_world_size",
         # --- bound by bind() ---
         "names",
         "params",
@@ -342,6 +343,7 @@ class OuterSyncState:
         self.every, self.outer_lr, self.outer_momentum = int(every), float(outer_lr), float(outer_momentum)
         self.ramp, self.dtype, self.exchange = bool(ramp), dtype, bool(exchange)
         self.process_group = process_group
+        self.simulated_world_size = 2  # the per-step state's interface; one process exchanges and counts nothing
         self.names: dict[int, str] = {}
         self.params: dict[str, nn.Parameter] = {}
         self.numels: dict[str, int] = {}
@@ -727,6 +729,7 @@ class OuterSyncState:
             self.last_sync = list(state_dict["last_sync"])
         else:  # other fragments: each holds local steps since the oldest saved sync
             self.last_sync = [min(state_dict["last_sync"])] * len(self.fragments)
+        self.residuals.load_state_dict(state_dict.get("residuals", {}) if state_dict is not None else {})
         source = state_dict if state_dict is not None else shared
         self.hook_calls = int(source.get("hook_calls", 0))
         for key, value in source.get("totals", {}).items():
@@ -748,10 +751,7 @@ class OuterSyncState:
         source = own["local"] if own is not None else shared["global"]
         for name, p in self.params.items():
             p.copy_(source[name].view_as(p))
-        if own is None:
-            return
-        self.residuals.load_state_dict(own.get("residuals", {}))
-        if self.optimizer is not None and own.get("optimizer") is not None:
+        if own is not None and self.optimizer is not None and own.get("optimizer") is not None:
             self.optimizer.load_state_dict(own["optimizer"])
 
     def __getstate__(self):

@@ -37,6 +37,7 @@ from grpo_hf.checkpoints import resolve_resume_checkpoint
 SEQ_LEN = 16
 KILL_AT_SAVE = 8
 RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+SYNC_EVERY = int(os.environ.get("GRPO_TEST_SYNC_EVERY", "1"))  # > 1: the sync every H steps, in 2 fragments
 
 
 class KillDuringSave(TrainerCallback):
@@ -72,6 +73,8 @@ def run(out_dir, name, callbacks=()):
         grpo_min_compress_numel=256,
         grpo_importance=True,  # the multipliers are applied, so replicas could drift
         grpo_lr_scale_warmup_steps=2,
+        grpo_sync_every=SYNC_EVERY,
+        grpo_sync_fragments=2 if SYNC_EVERY > 1 else 1,
     )
     model = tiny_test_llama(seed=0, max_position_embeddings=SEQ_LEN)
     # callbacks passed here run before GRPOCallback (added by GRPOTrainer after the Trainer's own)
