@@ -308,6 +308,19 @@ def torch_hook_trainer(row: dict, args, world_size: int, hook_bytes: dict, **kwa
     return trainer
 
 
+def _steady_peak(per_step: list[dict], comm_state) -> float:
+    """
+    The most bytes of one step between the start (dense warm-up; the ramp of the sync every H steps, where every
+    fragment syncs at once) and the last step (the final sync of every fragment): what fragments spread.
+    """
+    from grpo_hf.compression.outer_sync import OuterSyncState, ramp_points
+
+    first = 2
+    if isinstance(comm_state, OuterSyncState) and comm_state.ramp:
+        first = max(first, (ramp_points(comm_state.every) or [0])[-1])
+    return max((s["bytes"] for s in per_step[first:-1]), default=0.0)
+
+
 def run_row(
     task: Task,
     info: dict,
@@ -417,6 +430,7 @@ def run_row(
         "per_step": per_step,
         "dense_fp32_bytes_per_step": dense_bytes,
         "peak_step_bytes": max((s["bytes"] for s in per_step), default=0.0),  # the most bytes of any one step
+        "steady_peak_step_bytes": _steady_peak(per_step, comm_state),
         "eval_loss": final["eval_loss"],
         "eval_accuracy": final.get("eval_accuracy"),
         "eval_history": history,
@@ -558,6 +572,10 @@ def summarize(suite: str, results: dict[str, dict[str, dict[int, dict]]], baseli
                     by_seed[s]["dense_fp32_bytes_per_step"] / max(x["bytes"] for x in by_seed[s]["per_step"])
                     for s in seeds
                 )
+                if all(by_seed[s].get("steady_peak_step_bytes") for s in seeds):  # after the warm-up or the ramp
+                    entry["steady_peak_bytes_ratio"] = statistics.fmean(
+                        by_seed[s]["dense_fp32_bytes_per_step"] / by_seed[s]["steady_peak_step_bytes"] for s in seeds
+                    )
             warm = 10 if name.startswith("powersgd") else 2
             steady = [by_seed[seed]["per_step"][warm:] for seed in seeds]
             if suite == "comm" and all(steady):

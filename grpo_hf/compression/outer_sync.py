@@ -33,9 +33,9 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
 2. **Due fragments** ([`fragments_due`]): with the ramp, every fragment syncs after steps 1, 3, 7, 15, … (intervals
    1, 2, 4, … below `H`); after the ramp, fragment `f` of `F` syncs every `H` steps at offset `ceil((f + 1) H / F)`,
    so that the bytes of one interval are spread over `F` steps. The last step of training syncs every fragment.
-3. **Pseudo-gradient.** Per parameter of the due fragments, `Δ = θ_global − θ_local` (fp32). One flag all-reduce: if
-   any rank's `Δ` holds a NaN, an Inf or a value at or above `2**60`, every rank restarts the fragments from
-   `θ_global` (their local progress since the last sync is dropped; momentum and residuals are left unchanged).
+3. **Pseudo-gradient.** Fragment by fragment, per parameter, `Δ = θ_global − θ_local` (fp32). One flag all-reduce: if
+   any rank's `Δ` holds a NaN, an Inf or a value at or above `2**60`, every rank restarts the fragment from
+   `θ_global` (its local progress since the last sync is dropped; momentum and residuals are left unchanged).
 4. **Exchange** ([`~grpo_hf.compression.compression_plan`] decides each tensor's spec): tensors with a spec (8, 4 or
    16 bits) are encoded with the per-step hook's kernel (`Δ + residual`, block absmax, codes, new bf16 residual in
    place), the fragment's messages are all-gathered and every rank decodes the `W` messages in rank order, its own
@@ -49,8 +49,7 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
 ## Bytes per rank (ring model, [`~grpo_hf.compression.traffic`]; `grpo/comm/bytes_sent`)
 
 - Every step: `2 (W − 1) / W × 8 G` for the agreed group norms (`G` groups).
-- Every step with a sync: `2 (W − 1) / W × 8` for the flag.
-- Per fragment synced: `(W − 1) × s` for its messages (`s` = `4 + bits × 128 / 8` bytes per block of 128 entries,
+- Per fragment synced: `2 (W − 1) / W × 8` for the flag, `(W − 1) × s` for its messages (`s` = `4 + bits × 128 / 8` bytes per block of 128 entries,
   padded to 16 bytes) plus `2 (W − 1) / W × 4 n_dense` for its dense tensors.
 - `grpo/comm/bytes_peak`: the most bytes of any one step of the window; the per-step average is `bytes_sent`.
 
@@ -82,7 +81,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .codec import BlockMessages, all_safe, compile_kernels
+from .codec import ENCODE_CHUNK, BlockMessages, all_safe, compile_kernels
 from .hook import Collectives
 from .spec import CodecSpec
 from .state import RESIDUAL_DTYPE, RowStore, StepStats
@@ -499,24 +498,23 @@ class OuterSyncState:
 
     @torch.no_grad()
     def _sync(self, due: list[int]) -> None:
-        """Steps 3-6 of the module docstring for the fragments `due`."""
+        """Steps 3-6 of the module docstring for the fragments `due`, one after the other (work memory: one)."""
         comm, world_size = self._collectives(), self.step_world_size
-        fragments = [self.layouts[f] for f in due]
-        deltas = [self._deltas(fragment) for fragment in fragments]
-        unsafe = not all_safe([row for rows in deltas for row in (rows[0], *rows[1])])
-        if world_size > 1:
-            flag = self._device_tensor(torch.tensor([int(unsafe)], dtype=torch.int64))
-            unsafe = bool(comm.all_reduce(flag, op=dist.ReduceOp.MAX).item())
-            self.stats.bytes_sent += allreduce_bytes(_FLAG_BYTES, world_size)
-        if unsafe:
-            self._totals["nonfinite_syncs"] += 1
-            self._warn_once(
-                "nonfinite",
-                f"GRPO sync at step {self.step}: a rank's model moved to NaN/Inf (or beyond 2**60) since the last "
-                "sync; every rank restarts these fragments from θ_global (their local steps are dropped).",
-            )
-        for fragment, (dense, rows) in zip(fragments, deltas):
-            if not unsafe:
+        for fragment in (self.layouts[f] for f in due):
+            dense, rows = self._deltas(fragment)
+            unsafe = not all_safe([dense, *rows])
+            if world_size > 1:
+                flag = self._device_tensor(torch.tensor([int(unsafe)], dtype=torch.int64))
+                unsafe = bool(comm.all_reduce(flag, op=dist.ReduceOp.MAX).item())
+                self.stats.bytes_sent += allreduce_bytes(_FLAG_BYTES, world_size)
+            if unsafe:
+                self._totals["nonfinite_syncs"] += 1
+                self._warn_once(
+                    "nonfinite",
+                    f"GRPO sync at step {self.step}: a rank's model moved to NaN/Inf (or beyond 2**60) since the last "
+                    "sync; every rank restarts the fragment from θ_global (its local steps are dropped).",
+                )
+            else:
                 if world_size > 1:
                     rows = [self._exchange(comm, fragment, run, row) for run, row in zip(fragment.runs, rows)]
                     if dense.numel():
@@ -524,6 +522,7 @@ class OuterSyncState:
                         dense /= world_size
                         self.stats.bytes_sent += allreduce_bytes(4 * dense.numel(), world_size)
                 self._outer_step(fragment, dense, rows)
+            del dense, rows
             for name in fragment.names:
                 self.params[name].copy_(self.global_params[name])
             self.stats.kept += fragment.numel
@@ -573,8 +572,12 @@ class OuterSyncState:
         parts = comm.all_gather(message, gathered).view(world_size, size)
         self.stats.bytes_sent += allgather_bytes(size, world_size)
         codes, absmaxes = zip(*(writer.unpack(parts[r], nblocks) for r in range(world_size)))
-        mean, _ = self.kernels.decode(list(codes), list(absmaxes), None, spec.bits, world_size, out=rows)
-        return mean.view(-1)
+        chunk = max(1, ENCODE_CHUNK // block)  # the eager decode's temporaries: a few chunks, not a few fragments
+        for start in range(0, nblocks, chunk):
+            end = min(start + chunk, nblocks)
+            self.kernels.decode([c[start:end] for c in codes], [a[start:end] for a in absmaxes], None, spec.bits,
+                                world_size, out=rows[start:end])  # fmt: skip
+        return row
 
     def _outer_step(self, fragment: _Fragment, dense: torch.Tensor, rows: list[torch.Tensor]) -> None:
         offset = 0

@@ -90,11 +90,11 @@ class Replicas(TrainerCallback):
 
 
 def expected_bytes(state: OuterSyncState, due: list[int], groups: int, world_size: int) -> float:
-    """The bytes a step sends by the formulas of the module docstring: norms, and per synced fragment its messages."""
+    """The bytes a step sends by the formulas of the module docstring: norms, and per synced fragment its flag and
+    messages."""
     sent = allreduce_bytes(8 * groups, world_size)
-    if due:
-        sent += allreduce_bytes(8, world_size)
     for f in due:
+        sent += allreduce_bytes(8, world_size)  # the fragment's NaN/Inf flag
         fragment = state.layouts[f]
         for spec, _, length in fragment.runs:
             sent += allgather_bytes(BlockMessages(spec).fixed_nbytes(length // spec.block_size), world_size)
