@@ -182,16 +182,22 @@ def pack_fragments(groups: list[tuple[str, list[str], list[int]]], count: int) -
 
 def outer_step(global_param: torch.Tensor, delta: torch.Tensor, momentum: torch.Tensor | None, lr: float, mu: float):
     """
-    One outer SGD step with Nesterov momentum on the mean pseudo-gradient `delta`, in place, as torch's
-    `SGD(nesterov=True, dampening=0)` takes it: `m = mu * m + delta`, `θ -= lr * (delta + mu * m)` (`θ -= lr * delta`
-    without momentum). Arithmetic in fp32; `global_param` and `momentum` keep their dtypes.
+    One outer SGD step with Nesterov momentum on the mean pseudo-gradient `delta` (fp32), in place, as torch's
+    `SGD(nesterov=True, dampening=0)` takes it: `m = mu * m + delta`, `θ -= lr * delta + lr * mu * m` (`θ -= lr *
+    delta` without momentum). In place for fp32 tensors; bf16 ones are updated through an fp32 copy.
     """
-    update = delta.float()
+    buffer = None
     if momentum is not None and mu > 0:
-        buffer = momentum.float() * mu + update
-        momentum.copy_(buffer)
-        update = update + buffer * mu
-    global_param.copy_(global_param.float() - update * lr)
+        buffer = momentum if momentum.dtype == torch.float32 else momentum.float()
+        buffer.mul_(mu).add_(delta)
+        if buffer is not momentum:
+            momentum.copy_(buffer)
+    value = global_param if global_param.dtype == torch.float32 else global_param.float()
+    value.add_(delta, alpha=-lr)
+    if buffer is not None:
+        value.add_(buffer, alpha=-lr * mu)
+    if value is not global_param:
+        global_param.copy_(value)
 
 
 # ----------------------------------------------------------------------------------------------------------------
