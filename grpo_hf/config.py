@@ -137,7 +137,9 @@ class GRPOConfig(TrainingArguments):
             The outer step (Nesterov momentum). `1` and `0` is plain parameter averaging (accelerate's `LocalSGD`).
             Provisional defaults, from a prototype on one tiny model (issue 28); the benchmark suite decides them.
         grpo_outer_dtype (`str`, *optional*, defaults to `"float32"`):
-            Of `θ_global` and the outer momentum, two copies of the trainable parameters: `"bfloat16"` halves them.
+            Of `θ_global` and the outer momentum, two copies of the trainable parameters: `"bfloat16"` halves them, and
+            every sync restarts the model from bf16 values: for training from scratch; a fine-tune at a small learning
+            rate loses its pretrained weights' low bits and updates smaller than bf16's spacing.
         grpo_outer_control (`bool`, *optional*, defaults to `False`):
             Keep DDP's fp32 all-reduce of the gradients at every step and add only the outer step every `H` steps:
             a control that saves no bytes (it separates the outer optimizer's effect from the savings). Needs
@@ -312,7 +314,8 @@ class GRPOConfig(TrainingArguments):
         default="float32",
         metadata={
             "help": "With grpo_sync_every > 1: dtype of the global model and the outer momentum (two copies of the "
-            "trainable parameters); bfloat16 halves their memory.",
+            "trainable parameters); bfloat16 halves their memory but rounds the model to bf16 at every sync (not for "
+            "fine-tunes at small learning rates).",
             "choices": list(OUTER_DTYPES),
         },
     )

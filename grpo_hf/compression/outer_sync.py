@@ -265,8 +265,8 @@ class OuterSyncState:
             Sync after steps 1, 3, 7, … (intervals doubling up to `H`) before the first full interval: the workers
             drift apart most at the start.
         dtype (`torch.dtype`, *optional*, defaults to `torch.float32`):
-            Of `θ_global` and the momentum; `torch.bfloat16` halves their memory (the model restarts from bf16 values
-            after each sync).
+            Of `θ_global` and the momentum; `torch.bfloat16` halves their memory, but the model restarts from bf16
+            values after each sync: updates below bf16's spacing (fine-tunes at small learning rates) are lost.
         exchange (`bool`, *optional*, defaults to `True`):
             `False`: the gradients are averaged every step by DDP itself (or there is one process), `Δ̄` is the
             rank's own `Δ` and nothing is sent for it (the outer-step-only control).
