@@ -150,6 +150,23 @@ def test_groups_names_a_bad_group_file_without_a_traceback(tmp_path, capsys):
     assert err.startswith(f"grpo-hf groups: error: {bad}: invalid YAML at line 3") and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "make_model, message",
+    [
+        (lambda folder: folder / "r.yaml", "is a file, not a model folder or a model config .json"),
+        (lambda folder: folder, "transformers cannot load it"),  # a folder with no config.json
+        (lambda folder: folder / "config.json", "transformers cannot load it"),  # not JSON
+    ],
+)
+def test_groups_names_a_local_path_transformers_cannot_load(tmp_path, capsys, make_model, message):
+    (tmp_path / "r.yaml").write_text("max_steps: 2\n")
+    (tmp_path / "config.json").write_text("max_steps: 2\n")
+    model = make_model(tmp_path)
+    assert main(["groups", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"grpo-hf groups: error: model '{model}'") and message in err and "Traceback" not in err
+
+
 def test_train_refuses_another_run_and_resumes_last(tmp_path, capsys, caplog):
     out_dir = tmp_path / "train"
     command = ["train", str(RECIPES / "tiny.yaml"), *FAST, "--save_strategy", "steps", "--save_steps", "2",

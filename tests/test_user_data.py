@@ -272,3 +272,18 @@ def test_model_and_task_must_match():
                       "dataset_eval_split": "test"})  # fmt: skip
     with pytest.raises(RecipeError, match="needs labeled data"):
         parse_recipe({"task": "sequence_classification", "model_name_or_path": "minilm"})
+
+
+def test_classification_rows_with_no_token_are_dropped_and_counted(tmp_path):
+    from grpo_hf.harness.build import prepare
+
+    rows = [{"text": "" if i % 4 == 0 else f"text {i}", "label": "ab"[i % 2]} for i in range(40)]
+    recipe = dict(task="sequence_classification", model_name_or_path="tiny-bert", lora_r=0, tiny_vocab_size=300,
+                  seq_len=16, dataset_name=str(write_jsonl(tmp_path / "k.jsonl", rows)))  # fmt: skip
+    model_args, args, _ = parse_recipe(recipe)
+    prepared = prepare(model_args, args)  # tiny-bert's tokenizer adds no special tokens: "" has no token
+    assert prepared.data_info["dropped_rows"] == 10
+    assert all(len(ids) > 0 for split in (prepared.train_dataset, prepared.eval_dataset) for ids in split["input_ids"])
+    empty = write_jsonl(tmp_path / "e.jsonl", [{"text": "", "label": "ab"[i % 2]} for i in range(20)])
+    with pytest.raises(RecipeError, match=r"no train row is left: every text is empty"):
+        prepare(model_args, parse_recipe(dict(recipe, dataset_name=str(empty)))[1])

@@ -12,11 +12,12 @@ model is loaded; [`groups_rich_table`] is the table it prints, usable in a noteb
 """
 
 import argparse
+import json
 import os
 import platform
 import sys
 
-from ..errors import MissingPathError
+from ..errors import ConfigError, MissingPathError
 
 
 def groups_command_parser():
@@ -79,13 +80,14 @@ def load_model_for_inspection(name: str, vocab_size: int = 1024):
     from ..harness.recipe_files import hub_model_available, missing_local_path
 
     hint = f"Give a model folder, a model config .json, a Hub name, or one of {', '.join(TINY_BUILDERS)}, "
+    hint += f"{offline_models.SMOLLM2_NAME}."
     if missing_local_path(name):
-        raise MissingPathError(f"model {name!r}: no such file or folder. {hint}{offline_models.SMOLLM2_NAME}.")
+        raise MissingPathError(f"model {name!r}: no such file or folder. {hint}")
     if name not in (*TINY_BUILDERS, offline_models.SMOLLM2_NAME) and not hub_model_available(name):
         raise MissingPathError(
             f"model {name!r}: no local folder, and not in the Hugging Face cache while the Hub is offline "
             f"(HF_HUB_OFFLINE). Download it once online (`hf download {name}`), or: "
-            f"{hint}{offline_models.SMOLLM2_NAME}."
+            f"{hint}"
         )
     if name in TINY_BUILDERS:
         builder = getattr(models, name.replace("-", "_"))
@@ -97,15 +99,29 @@ def load_model_for_inspection(name: str, vocab_size: int = 1024):
     if name.endswith(".json"):
         if not os.path.isfile(name):
             raise MissingPathError(f"model {name!r}: no model config file there (a folder?); give a config .json.")
-        config = AutoConfig.from_pretrained(name)
+        config = _read_local(name, AutoConfig.from_pretrained, hint)
         try:
             return AutoModelForCausalLM.from_config(config)
         except ValueError:  # no causal-LM head for this architecture (e.g. an encoder)
             return AutoModel.from_config(config)
+    if os.path.isfile(os.path.expanduser(name)):
+        raise ConfigError(f"model {name!r} is a file, not a model folder or a model config .json. {hint}")
     try:
-        return AutoModelForCausalLM.from_pretrained(name)
+        return _read_local(name, AutoModelForCausalLM.from_pretrained, hint)
     except ValueError:
-        return AutoModel.from_pretrained(name)
+        return _read_local(name, AutoModel.from_pretrained, hint)
+
+
+def _read_local(name: str, load, hint: str):
+    """`load(name)`; a local file or folder that transformers cannot read (no `config.json`, corrupt JSON, missing
+    weights) becomes one [`ConfigError`] that names it."""
+    if not os.path.exists(os.path.expanduser(name)):
+        return load(name)
+    try:
+        return load(name)
+    except (OSError, json.JSONDecodeError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"model {name!r}: transformers cannot load it ({first_line}). {hint}") from None
 
 
 def _load_any_model(name: str):

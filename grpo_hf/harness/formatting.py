@@ -195,7 +195,8 @@ def texts_for_tokenizer(rows, kind: str, data_args) -> list[str]:
 
 
 def _tokenize_rows(tokenizer, rows, kind: str, data_args, completion_only: bool, names, where: str):
-    """Tokenize one split; returns the dataset and `(rows truncated, rows dropped for want of label tokens)`."""
+    """Tokenize one split; returns the dataset and `(rows truncated, rows dropped)`: rows dropped for want of label
+    tokens, or (classification) of any token."""
     seq_len = data_args.seq_len
     index = {name: i for i, name in enumerate(names or [])}
 
@@ -220,21 +221,22 @@ def _tokenize_rows(tokenizer, rows, kind: str, data_args, completion_only: bool,
     )
     truncated = sum(tokenized["truncated"])
     tokenized = tokenized.remove_columns("truncated")
-    dropped = 0
-    if kind != "classification":
-        before = len(tokenized)
+    before = len(tokenized)
+    if kind == "classification":  # an empty text, under a tokenizer that adds no special tokens, has no token at all
+        tokenized = tokenized.filter(lambda row: len(row["input_ids"]) > 0, keep_in_memory=True)
+    else:
         tokenized = tokenized.filter(
             lambda row: any(label != IGNORE_INDEX for label in row["labels"][1:]), keep_in_memory=True
         )
-        dropped = before - len(tokenized)
-    return tokenized, truncated, dropped
+    return tokenized, truncated, before - len(tokenized)
 
 
 def build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info: dict[str, Any], model_name: str = ""):
     """
     Tokenize the train and eval rows of [`~grpo_hf.harness.user_data.load_train_eval`].
 
-    Rows whose labels are all `-100` after truncation (a prompt longer than `seq_len`) are dropped and counted.
+    Rows whose labels are all `-100` after truncation (a prompt longer than `seq_len`), and classification rows with
+    no token (an empty text), are dropped and counted.
 
     Returns:
         `tuple[datasets.Dataset, datasets.Dataset, dict]`: the two datasets and `info` completed with
@@ -259,6 +261,8 @@ def build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info: dict[
     datasets = []
     for split, rows in (("train", train_rows), ("eval", eval_rows)):
         tokenized, truncated, dropped = _tokenize_rows(tokenizer, rows, kind, data_args, completion_only, names, where)
+        if len(tokenized) == 0 and kind == "classification":
+            raise RecipeError(f"{where}: no {split} row is left: every text is empty (no token). Give texts.")
         if len(tokenized) == 0:
             raise RecipeError(
                 f"{where}: no {split} row is left: every completion lies beyond seq_len={data_args.seq_len} tokens. "
