@@ -98,18 +98,20 @@ SUITE_ROWS = {  # what each row of the comm suite is, for the tables
 }
 
 
-def _suite(name: str = "suite_comm") -> tuple[dict, dict]:
-    """The per-task summary of `benchmarks/suite.py comm` from its result files, and their meta (command, date)."""
+def _suite(name: str = "suite_comm", root: Path = RESULTS) -> tuple[dict, dict]:
+    """The per-task summary of `benchmarks/suite.py comm` from its result files in `root / name`, and their meta
+    (command, date; empty if the folder has no `meta.json`, as a run in progress)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import suite
 
-    folder = RESULTS / name
+    folder = root / name
     results: dict = {}
     for task_dir in sorted(p for p in folder.iterdir() if p.is_dir()):
         for path in sorted(task_dir.glob("[!_]*-seed*.json")):
             record = _read(path)
             results.setdefault(task_dir.name, {}).setdefault(record["row"], {})[record["seed"]] = record
-    return suite.summarize("comm", results, "dense"), _read(folder / "meta.json")
+    meta = _read(folder / "meta.json") if (folder / "meta.json").exists() or root == RESULTS else {}
+    return suite.summarize("comm", results, "dense"), meta
 
 
 def suite_summary() -> str:
@@ -157,6 +159,46 @@ def suite_w4() -> str:
 
     summary, meta = _suite("suite_comm_w4")
     return suite.markdown("comm", summary, "dense") + f"\n\n`{meta['command']}` ({meta['date']}, {meta['machine']})."
+
+
+def _sync_kind(row: str) -> str:
+    if row.startswith("sync"):
+        return "GRPO sync every H"
+    if row.startswith("outer-"):
+        return "control (no bytes saved)"
+    if row.startswith(("localsgd", "powersgd")):
+        return "peer"
+    return "per-step codes" if row != "dense" else "baseline"
+
+
+def suite_sync() -> str:
+    """Sync every H steps against its peers, per task, in order of bytes saved (docs/compression.md)."""
+    summary, meta = _suite("suite_sync")
+    lines = [
+        "| task | row | kind | seeds | ppl / dense: geomean | worst seed | bytes vs fp32 (run) | (steady) | "
+        "peak step | wire ms per step at 1 / 10 Gbit/s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for task, rows in summary.items():
+        dense_bytes = _read(next((RESULTS / "suite_sync" / task).glob("dense-seed*.json")))[
+            "dense_fp32_bytes_per_step"
+        ]
+        for row, entry in sorted(rows.items(), key=lambda item: (item[1]["bytes_ratio"], item[0])):
+            steady = entry.get("steady_bytes_ratio") or entry["bytes_ratio"]
+            peak = entry.get("steady_peak_bytes_ratio") or entry["peak_bytes_ratio"]
+            wire_ms = [1000 * 8 * dense_bytes / entry["bytes_ratio"] / gbit / 1e9 for gbit in (1, 10)]
+            lines.append(
+                f"| {task} | `{row}` | {_sync_kind(row)} | {len(entry['seeds'])} | {entry['geomean']:.3f} | "
+                f"{entry['worst']:.3f} | {entry['bytes_ratio']:.1f}× | {steady:.1f}× | {peak:.1f}× | "
+                f"{wire_ms[0]:.2f} / {wire_ms[1]:.3f} |"
+            )
+    lines += [
+        "",
+        "Wire time is a projection (the run's mean bytes per step and rank over the link, no overlap), not a measurement.",
+        "",
+        f"`{meta['command']}` ({meta['date']}, {meta['machine']}).",
+    ]
+    return "\n".join(lines)
 
 
 def hook_speed() -> str:
@@ -223,6 +265,7 @@ RENDERERS = {
     "suite-summary": suite_summary,
     "suite-tasks": suite_tasks,
     "suite-w4": suite_w4,
+    "suite-sync": suite_sync,
     "hook-speed": hook_speed,
     "step-cost": step_cost,
     "fsdp2": fsdp2,

@@ -1,0 +1,70 @@
+"""The bytes-vs-perplexity frontier of the comm suite's result files: one panel per task, one point per row.
+
+    python benchmarks/plot_frontier.py                                   # benchmarks/results/suite_sync
+    python benchmarks/plot_frontier.py --results runs/suite_sync --output /tmp/frontier.png
+
+x: how many times fewer bytes than dense fp32 DDP a row sends over the whole run (log scale); y: its eval perplexity
+over dense's on the same seeds (geometric mean; the bar reaches the worst seed). GRPO's sync-every-H rows, the
+per-step codes, the peers (torch's PowerSGD, accelerate-style LocalSGD) and the outer-step control have their own
+markers; the dotted lines are issue 28's goal (100× fewer bytes, 1.01× on a fine-tune, 1.02× from scratch).
+"""
+
+import argparse
+from pathlib import Path
+
+from tables import RESULTS, _suite, _sync_kind
+
+
+MARKERS = {
+    "GRPO sync every H": "o",
+    "per-step codes": "s",
+    "peer": "^",
+    "control (no bytes saved)": "x",
+    "baseline": "D",
+}
+
+
+def plot(summary: dict, output: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(summary), figsize=(6.5 * len(summary), 4.8), squeeze=False)
+    for ax, (task, rows) in zip(axes[0], summary.items()):
+        for kind, marker in MARKERS.items():
+            points = [(row, e) for row, e in rows.items() if _sync_kind(row) == kind]
+            if not points:
+                continue
+            x = [e["bytes_ratio"] for _, e in points]
+            y = [e["geomean"] for _, e in points]
+            above = [e["worst"] - e["geomean"] for _, e in points]
+            ax.errorbar(x, y, yerr=[[0] * len(y), above], fmt=marker, label=kind, capsize=2, alpha=0.85)
+            for (row, _), xi, yi in zip(points, x, y):
+                ax.annotate(row, (xi, yi), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.axvline(100, ls=":", c="gray")
+        ax.axhline(1.02 if "finetune" not in task and "lora" not in task else 1.01, ls=":", c="gray")
+        ax.set_title(task)
+        ax.set_xlabel("bytes: times fewer than dense fp32 (whole run)")
+        ax.set_ylabel("eval perplexity / dense (geomean; bar: worst seed)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=120)
+    return output
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default=str(RESULTS / "suite_sync"), help="a suite output folder")
+    parser.add_argument("--output", default="docs/figures/sync-frontier.png", help="the PNG to write")
+    args = parser.parse_args(argv)
+    results = Path(args.results)
+    summary, _ = _suite(results.name, root=results.resolve().parent)
+    print(f"wrote {plot(summary, Path(args.output))}")
+
+
+if __name__ == "__main__":
+    main()
