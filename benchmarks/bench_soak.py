@@ -135,7 +135,6 @@ def worker(job_path: str) -> None:
     dataset = Dataset.from_dict({"input_ids": ids, "labels": ids})
     args = GRPOConfig(
         output_dir=job["output_dir"],
-        overwrite_output_dir=True,
         use_cpu=True,  # gloo DDP under torchrun
         max_steps=job["steps"],
         per_device_train_batch_size=4,

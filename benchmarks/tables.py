@@ -40,13 +40,10 @@ def _fmt_default(value) -> str:
 # --- renderers: each returns the markdown of one block ----------------------------------------------------------
 
 
-def settings() -> str:
-    """Every field `GRPOConfig` adds to `TrainingArguments`: name, default and help, as `--help` prints them."""
-    from grpo_hf.config import GRPOConfig, grpo_field_names
-
-    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+def _field_rows(dtype, names) -> str:
+    fields = {f.name: f for f in dataclasses.fields(dtype)}
     lines = ["| field | default | what it does |", "|---|---|---|"]
-    for name in grpo_field_names():
+    for name in names:
         field = fields[name]
         text = field.metadata["help"].replace("%%", "%").replace("|", "\\|")
         choices = field.metadata.get("choices")
@@ -54,6 +51,20 @@ def settings() -> str:
             text += " Choices: " + ", ".join(f"`{c}`" for c in choices) + "."
         lines.append(f"| `{name}` | {_fmt_default(field.default)} | {text} |")
     return "\n".join(lines)
+
+
+def settings() -> str:
+    """Every field `GRPOConfig` adds to `TrainingArguments`: name, default and help, as `--help` prints them."""
+    from grpo_hf.config import GRPOConfig, grpo_field_names
+
+    return _field_rows(GRPOConfig, grpo_field_names())
+
+
+def recipe_settings() -> str:
+    """The fields only the `grpo-hf` commands read (`RecipeConfig`, the harness's `GRPOConfig`)."""
+    from grpo_hf.harness.arguments import RecipeConfig, recipe_field_names
+
+    return _field_rows(RecipeConfig, recipe_field_names())
 
 
 def conformance() -> str:
@@ -218,6 +229,7 @@ def fsdp2_summary() -> str:
 
 RENDERERS = {
     "settings": settings,
+    "recipe-settings": recipe_settings,
     "conformance": conformance,
     "errors": errors,
     "suite-summary": suite_summary,

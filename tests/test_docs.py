@@ -29,11 +29,20 @@ def test_every_renderer_is_used_and_every_block_is_known():
     assert used == set(tables.RENDERERS)
 
 
-def test_the_settings_table_is_grpo_config():
+def _table_rows(block: str) -> dict[str, tuple[str, str]]:
     text = (ROOT / "docs" / "settings.md").read_text()
-    rows = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"^\| `(\w+)` \| (.*?) \| (.*) \|$", text, re.M)}
-    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
-    assert list(rows) == grpo_field_names()  # every field GRPOConfig adds, in order, and nothing else
+    body = next(m.group("body") for m in tables.BLOCK.finditer(text) if m.group("name") == block)
+    return {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"^\| `(\w+)` \| (.*?) \| (.*) \|$", body, re.M)}
+
+
+@pytest.mark.parametrize("block", ["settings", "recipe-settings"])
+def test_the_settings_tables_are_grpo_config_and_recipe_config(block):
+    from grpo_hf.harness.arguments import RecipeConfig, recipe_field_names
+
+    rows = _table_rows(block)
+    dtype, names = (GRPOConfig, grpo_field_names()) if block == "settings" else (RecipeConfig, recipe_field_names())
+    fields = {f.name: f for f in dataclasses.fields(dtype)}
+    assert list(rows) == names  # every field the class adds, in order, and nothing else
     for name, (default, help_text) in rows.items():
         assert default == tables._fmt_default(fields[name].default), name
         assert help_text.startswith(fields[name].metadata["help"].replace("%%", "%").replace("|", "\\|")), name

@@ -8,14 +8,16 @@ import pytest
 from grpo_hf import GRPOConfig
 from grpo_hf.cli.main import main
 from grpo_hf.errors import RecipeError
-from grpo_hf.harness.arguments import DataArguments, ModelArguments
+from grpo_hf.harness.arguments import DataArguments, ModelArguments, RecipeConfig
 from grpo_hf.harness.parser import RecipeParser, parse_overrides, parse_recipe
 
 
 def test_parser_covers_the_three_dataclasses():
     parser = RecipeParser()
-    assert parser.dataclass_types == [ModelArguments, DataArguments, GRPOConfig]
-    for name in ("model_name_or_path", "lora_r", "seq_len", "corpus", "learning_rate", "max_steps", "grpo_density"):
+    assert parser.dataclass_types == [ModelArguments, DataArguments, RecipeConfig]
+    assert issubclass(RecipeConfig, GRPOConfig)
+    fields = ("model_name_or_path", "lora_r", "seq_len", "corpus", "learning_rate", "max_steps", "grpo_density")
+    for name in (*fields, "cost_gpu_hour_usd", "overwrite_output_dir", "cost_noise_rounds"):
         assert name in parser.field_names
 
 

@@ -28,7 +28,7 @@ from ..checkpoints import resolve_resume_checkpoint
 from ..config import grpo_field_names
 from ..errors import RecipeError
 from ..provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
-from .arguments import DataArguments, ModelArguments
+from .arguments import DataArguments, ModelArguments, recipe_field_names
 from .build import (
     LABELS,
     TRAINER_KINDS,
@@ -50,7 +50,8 @@ def recipe_summary(model_args: ModelArguments, data_args: DataArguments, args) -
             "model": dataclasses.asdict(model_args),
             "data": dataclasses.asdict(data_args),
             "training": {k: getattr(args, k) for k in SUMMARY_TRAINING_KEYS},
-            "grpo": {k: getattr(args, k) for k in grpo_field_names()},
+            # the commands' own fields too, as before they left GRPOConfig
+            "grpo": {k: getattr(args, k) for k in grpo_field_names() + recipe_field_names() if hasattr(args, k)},
         }
     )
 
