@@ -1,7 +1,7 @@
 """Regenerate the tables of README.md and docs/ from the result files in benchmarks/results/ and from `GRPOConfig`.
 
-    python benchmarks/tables.py           # rewrite every generated block
-    python benchmarks/tables.py --check   # exit 1 and name the blocks that are out of date (tests/test_docs.py runs it)
+    python -m benchmarks.tables           # rewrite every generated block
+    python -m benchmarks.tables --check   # exit 1 and name the blocks that are out of date (tests/test_docs.py runs it)
 
 A generated block sits between two markers in a markdown file:
 
@@ -111,8 +111,7 @@ SUITE_ROWS = {  # what each row of the comm suite is, for the tables
 
 def _suite(name: str = "suite_comm") -> tuple[dict, dict]:
     """The per-task summary of `benchmarks/suite.py comm` from its result files, and their meta (command, date)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import suite
+    from benchmarks import suite
 
     folder = RESULTS / name
     results: dict = {}
@@ -154,8 +153,7 @@ def suite_summary() -> str:
 
 def suite_tasks() -> str:
     """The full per-task, per-row table of the comm suite (docs/compression.md)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import suite
+    from benchmarks import suite
 
     summary, meta = _suite()
     return suite.markdown("comm", summary, "dense") + f"\n\n`{meta['command']}` ({meta['date']}, {meta['machine']})."
@@ -163,8 +161,7 @@ def suite_tasks() -> str:
 
 def suite_w4() -> str:
     """The comm suite's untied-embedding task at 4 workers (docs/compression.md)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import suite
+    from benchmarks import suite
 
     summary, meta = _suite("suite_comm_w4")
     return suite.markdown("comm", summary, "dense") + f"\n\n`{meta['command']}` ({meta['date']}, {meta['machine']})."
@@ -192,8 +189,7 @@ def hook_speed() -> str:
 
 def step_cost() -> str:
     """`benchmarks/bench_step_cost.py`: step time, peak memory and bytes, measured side by side; projected links."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_step_cost import report
+    from benchmarks.bench_step_cost import report
 
     result = _read(RESULTS / "step_cost.json")
     return f"{report(result['rows'])}\n\n`{result['command']}` ({result['date']}; {result['note']})."
@@ -201,8 +197,7 @@ def step_cost() -> str:
 
 def fsdp2() -> str:
     """`benchmarks/bench_fsdp2.py`: FSDP2's compressed reduce-scatter, quality against uncompressed FSDP2, bytes, memory."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_fsdp2 import markdown
+    from benchmarks.bench_fsdp2 import markdown
 
     result = _read(RESULTS / "fsdp2" / "results.json")
     summary = {row: {**e, "ppl_ratio": {int(k): v for k, v in e.get("ppl_ratio", {}).items()}}
@@ -272,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.check:
                 path.write_text(new)
     if args.check and stale:
-        print(f"out of date: {', '.join(map(str, stale))}; run `python benchmarks/tables.py`")
+        print(f"out of date: {', '.join(map(str, stale))}; run `python -m benchmarks.tables`")
         return 1
     if not args.check:
         print(f"rewrote {', '.join(map(str, stale))}" if stale else "every generated block is up to date")

@@ -3,18 +3,16 @@ README stays short, and no measured figure hides in a docstring or help text of 
 
 import dataclasses
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import tables
 from grpo_hf import GRPOConfig
 from grpo_hf.config import grpo_field_names
 
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import tables  # noqa: E402
 
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
