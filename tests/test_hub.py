@@ -20,10 +20,10 @@ from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.cli.main import main
 from grpo_hf.cli.recipes import _command_line
 from grpo_hf.errors import HubError
+from grpo_hf.hub.card import KNOWN_BASES, build_model_card, resolve_base_model
 from grpo_hf.hub.folder import load_run
 from grpo_hf.hub.upload import prepare_upload_folder, publish
 from grpo_hf.hub_guards import check_push_settings
-from grpo_hf.model_card import KNOWN_BASES, build_model_card, resolve_base_model
 
 
 REPO = "grpo-hf-tests/tiny-lora"

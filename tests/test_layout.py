@@ -7,6 +7,7 @@ methods, and under `if TYPE_CHECKING:`.
 """
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,29 @@ def with_packages(module: str, imported: set[str]) -> set[str]:
             if end == len(parts) or not (module == package or module.startswith(package + ".")):
                 found.add(package)
     return found
+
+
+# How a library module could name the application without importing it: a dotted or path name of one of its
+# packages, or a module of it by its (distinctive) name.
+# e.g. `offline_models`, `user_data`: the application's modules whose names say which they are
+DISTINCT_NAMES = sorted(
+    {
+        last
+        for last in (name.rsplit(".", 1)[-1] for name in MODULES if is_application(name))
+        if last.strip("_").count("_")
+    }
+)
+APPLICATION_NAMES = re.compile(
+    rf"grpo_hf[./](cli|harness|hub|recipes)\b|\b(cli|harness|hub)/|\b({'|'.join(DISTINCT_NAMES)})\b"
+)
+
+
+@pytest.mark.parametrize("module", [name for name in MODULES if not is_application(name)])
+def test_the_library_names_no_application_module(module):
+    # even in strings, docstrings and comments: what the library says must hold without the application
+    text = MODULES[module].read_text(encoding="utf-8")
+    found = [f"{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1) if APPLICATION_NAMES.search(line)]
+    assert not found, f"{module} (library) names the application:\n" + "\n".join(found)
 
 
 def test_no_import_cycle_among_grpo_hf_modules():

@@ -12,13 +12,13 @@ from grpo_hf.harness import offline_models
 from grpo_hf.harness.data import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
 from grpo_hf.harness.models import load_causal_lm, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 from grpo_hf.harness.offline_models import (
+    CACHE_MARKER,
     default_cache_dir,
     load_minilm_for_classification,
     load_smollm2,
     minilm_path,
     smollm2_gguf_path,
 )
-from grpo_hf.model_card import CACHE_MARKER
 
 
 VOCAB = 256

@@ -85,7 +85,7 @@ class CostSettings(CostFields):
             in the table.
         cost_grid_gco2_per_kwh (`float`, *optional*, defaults to `475.0`):
             Carbon intensity of the electricity in grams of CO2-equivalent per kWh, used for `co2_eq_emissions` in
-            model cards ([`~grpo_hf.hub`]) when the energy was measured: `grams = energy_kwh · cost_pue ·
+            model cards ([`~grpo_hf.model_card`]) when the energy was measured: `grams = energy_kwh · cost_pue ·
             cost_grid_gco2_per_kwh`. The default is a world average (IEA, 2019); set your grid's figure.
     """
 
