@@ -2,8 +2,8 @@
 
 [`prepare`] does it once for all runs of a comparison: the data first (your data is loaded and checked before any
 model is), then the tokenizer, then the tokenized datasets and their collator. [`build_model`] then loads a fresh
-model for each run, identical for one seed, and [`plain_training_arguments`] gives the plain `Trainer` of a
-comparison its arguments ([`TRAINER_KINDS`] and [`LABELS`] name the two trainers).
+model for each run, identical for one seed ([`~grpo_hf.harness.trainers.make_trainer`] builds the trainer that trains
+it).
 
 Example:
 
@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 from collections.abc import Callable
@@ -39,25 +38,12 @@ def _is_tiny(model_args: ModelArguments) -> bool:
 
 
 # The two trainers of a comparison, and their labels in reports.
-TRAINER_KINDS = ("trainer", "grpo")
-LABELS = {"trainer": "Trainer", "grpo": "GRPOTrainer"}
 
 
 def report_progress(progress: Callable[[str], None] | None, message: str) -> None:
     """Give `message` to `progress` (a phase printer such as `print`), if any."""
     if progress is not None:
         progress(message)
-
-
-def plain_training_arguments(args):
-    """
-    A plain [`~transformers.TrainingArguments`] with every `TrainingArguments` field of `args` and nothing else, so
-    that the baseline `Trainer` cannot be influenced by a `grpo_*` or `cost_*` field.
-    """
-    from transformers import TrainingArguments
-
-    names = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
-    return TrainingArguments(**{name: getattr(args, name) for name in names})
 
 
 def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, texts: list[str] | None = None):
