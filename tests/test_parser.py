@@ -178,3 +178,15 @@ def test_cli_errors_name_the_field_and_exit_2(capsys):
     assert "did you mean 'max_steps'" in capsys.readouterr().err
     assert main(["train", "--trainer", "trainer", tiny]) == 2
     assert "give the recipe file right after the command" in capsys.readouterr().err
+
+
+def test_the_recipe_is_named_once_where_its_errors_leave():
+    from grpo_hf.errors import RecipeNotFoundError
+    from grpo_hf.harness.recipe_files import recipe_context
+
+    with pytest.raises(RecipeError, match=r"^r.yaml: dataset_split='x' is not a split"):
+        with recipe_context("r.yaml"):
+            raise RecipeError("dataset_split='x' is not a split")
+    with pytest.raises(RecipeNotFoundError, match=r"^r.yaml: gone"):  # the kind of error is kept
+        with recipe_context("r.yaml"):
+            raise RecipeNotFoundError("gone")

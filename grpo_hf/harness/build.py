@@ -242,9 +242,7 @@ class Prepared:
         return "sequence_classification" if self.labels is not None else "causal_lm"
 
 
-def prepare(
-    model_args: ModelArguments, data_args: DataArguments, progress=None, tokenizer=None, where: str = "recipe"
-) -> Prepared:
+def prepare(model_args: ModelArguments, data_args: DataArguments, progress=None, tokenizer=None) -> Prepared:
     """
     Build the tokenizer, the datasets and their collator once for all runs of a comparison.
 
@@ -253,8 +251,8 @@ def prepare(
     `dataset_name`, the standard library corpus ([`build_datasets`]).
 
     Raises:
-        [`~grpo_hf.errors.RecipeError`]: the data is missing, unreadable or does not fit the recipe (`where` names the
-            recipe in the message).
+        [`~grpo_hf.errors.RecipeError`]: the data is missing, unreadable or does not fit the recipe (the command
+            names the recipe: [`~grpo_hf.harness.recipe_files.recipe_context`]).
     """
     from .formatting import build_user_datasets, collator_for, texts_for_tokenizer
     from .user_data import load_train_eval
@@ -262,8 +260,8 @@ def prepare(
     rows = None
     if data_args.dataset_name is not None:
         report_progress(progress, f"loading the data ({data_args.dataset_name})")
-        train_rows, eval_rows, info = load_train_eval(data_args, where)
-        rows = (train_rows, eval_rows, dict(info, where=where))
+        train_rows, eval_rows, info = load_train_eval(data_args)
+        rows = (train_rows, eval_rows, info)
         if tokenizer is None:
             texts = texts_for_tokenizer(train_rows, info["format"], data_args) if _is_tiny(model_args) else None
             tokenizer = build_tokenizer(model_args, data_args, texts=texts)
@@ -285,7 +283,6 @@ def prepare(
         train_ds, eval_ds, info = build_user_datasets(
             tokenizer, data_args, *rows, model_name=model_args.model_name_or_path
         )
-        info.pop("where", None)
         kind = info["format"]
     info = dict(info, vocab_size=len(tokenizer), tokenizer=type(tokenizer).__name__)
     return Prepared(

@@ -426,7 +426,6 @@ def compare(
     args,
     progress: Callable[[str], None] | None = print,
     kinds: tuple[str, ...] = TRAINER_KINDS,
-    where: str = "recipe",
 ) -> dict[str, Any]:
     """
     Train the plain `Trainer` and `GRPOTrainer` on identical data, seed and steps and compare them.
@@ -437,8 +436,6 @@ def compare(
     `cost_noise_rounds > 0`, [`~grpo_hf.harness.noise.measure_timing_noise`] times interleaved windows of both trainers
     (checkpoints in `<output_dir>/noise`).
 
-    `where` (the recipe file) names the recipe in the error raised for bad data.
-
     Returns:
         `dict`: `runs` (one row per trainer, see [`run_training`]), `ratios` (GRPOTrainer / Trainer per metric, see
         [`~grpo_hf.harness.table.compute_ratios`]), `timing_noise` (the windows) and `ratio_noise` (a noise band and a
@@ -446,7 +443,7 @@ def compare(
         (corpus fingerprint, `sys.version`, sizes), `environment` and `wall_seconds`.
     """
     start = time.perf_counter()
-    prepared = prepare(model_args, data_args, progress, where=where)
+    prepared = prepare(model_args, data_args, progress)
     runs = []
     for kind in kinds:
         output_dir = os.path.join(args.output_dir, kind)

@@ -45,7 +45,7 @@ from .arguments import (
     ModelArguments,
     RecipeConfig,
 )
-from .recipe_files import builtin_recipe_values, hub_model_available, missing_local_path, read_recipe
+from .recipe_files import builtin_recipe_values, hub_model_available, missing_local_path, read_recipe, recipe_context
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -396,7 +396,8 @@ def check_recipe(model_args: ModelArguments, data_args: DataArguments, where: st
     check_local_paths(model_args, data_args, where)
     from .user_data import check_data_arguments
 
-    check_data_arguments(data_args, where)
+    with recipe_context(where):
+        check_data_arguments(data_args)
 
 
 def check_local_paths(model_args: ModelArguments, data_args: DataArguments, where: str = "recipe") -> None:

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from importlib import resources
@@ -123,11 +124,25 @@ def hub_model_available(name: str) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def recipe_context(where: str):
+    """
+    Name the recipe in the [`~grpo_hf.errors.RecipeError`]s raised inside, once, where they leave for the command line:
+    `with recipe_context("r.yaml"): prepare(...)` turns `dataset_split='x' is not a split ...` into
+    `r.yaml: dataset_split='x' is not a split ...`. The functions that check a recipe's data raise without it.
+    """
+    try:
+        yield
+    except RecipeError as err:
+        raise type(err)(f"{where}: {err}").with_traceback(err.__traceback__) from None
+
+
 __all__ = [
     "builtin_recipe_names",
     "builtin_recipe_values",
     "hub_model_available",
     "missing_local_path",
     "read_recipe",
+    "recipe_context",
     "resolve_recipe_paths",
 ]
