@@ -21,7 +21,7 @@ from pathlib import Path
 from transformers import HfArgumentParser, Trainer, TrainingArguments, set_seed
 
 from grpo_hf import GRPOConfig, GRPOTrainer
-from grpo_hf.harness.data import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
+from grpo_hf.harness.corpus import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
 from grpo_hf.harness.models import tiny_llama
 
 

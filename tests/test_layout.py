@@ -101,7 +101,7 @@ def with_packages(module: str, imported: set[str]) -> set[str]:
 
 # How a library module could name the application without importing it: a dotted or path name of one of its
 # packages, or a module of it by its (distinctive) name.
-# e.g. `offline_models`, `user_data`: the application's modules whose names say which they are
+# e.g. `offline_models`, `recipe_files`: the application's modules whose names say which they are
 DISTINCT_NAMES = sorted(
     {
         last

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from grpo_hf.harness import offline_models
-from grpo_hf.harness.data import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
+from grpo_hf.harness.corpus import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
 from grpo_hf.harness.models import load_causal_lm, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 from grpo_hf.harness.offline_models import (
     CACHE_MARKER,

@@ -116,8 +116,8 @@ class ModelArguments:
 class DataArguments:
     r"""
     The data: the running interpreter's standard library (the default, split per file by a hash of its path, see
-    [`~grpo_hf.harness.data.build_lm_datasets`]), or your own data through 🤗 Datasets (`dataset_name`, see
-    [`~grpo_hf.harness.user_data`]).
+    [`~grpo_hf.harness.corpus.build_lm_datasets`]), or your own data through 🤗 Datasets (`dataset_name`, see
+    [`~grpo_hf.harness.datasets`]).
 
     Example:
 

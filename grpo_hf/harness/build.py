@@ -68,7 +68,7 @@ def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, texts:
         return AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
     if not _is_tiny(model_args):
         return AutoTokenizer.from_pretrained(name) if data_args.task == "sequence_classification" else None
-    from .data import load_stdlib_texts, train_bpe_tokenizer
+    from .corpus import load_stdlib_texts, train_bpe_tokenizer
 
     if texts is None:
         texts = load_stdlib_texts(
@@ -208,8 +208,8 @@ def check_lora_targets(model, targets: list[str]) -> None:
 
 
 def build_datasets(tokenizer, data_args: DataArguments):
-    """`(train_ds, eval_ds, info)` of the standard library corpus ([`~grpo_hf.harness.data.build_lm_datasets`])."""
-    from .data import build_lm_datasets
+    """`(train_ds, eval_ds, info)` of the standard library corpus ([`~grpo_hf.harness.corpus.build_lm_datasets`])."""
+    from .corpus import build_lm_datasets
 
     return build_lm_datasets(
         tokenizer,
@@ -246,7 +246,7 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, progress=None,
     """
     Build the tokenizer, the datasets and their collator once for all runs of a comparison.
 
-    Your data (`dataset_name`) is loaded and checked first ([`~grpo_hf.harness.user_data.load_train_eval`]), so that
+    Your data (`dataset_name`) is loaded and checked first ([`~grpo_hf.harness.datasets.load_train_eval`]), so that
     bad data fails before any model is loaded; a `tiny-*` model's tokenizer is trained on its train rows. Without
     `dataset_name`, the standard library corpus ([`build_datasets`]).
 
@@ -254,8 +254,8 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, progress=None,
         [`~grpo_hf.errors.RecipeError`]: the data is missing, unreadable or does not fit the recipe (the command
             names the recipe: [`~grpo_hf.harness.recipe_files.recipe_context`]).
     """
-    from .formatting import build_user_datasets, collator_for, texts_for_tokenizer
-    from .user_data import load_train_eval
+    from .datasets import load_train_eval
+    from .tokenization import build_user_datasets, collator_for, texts_for_tokenizer
 
     rows = None
     if data_args.dataset_name is not None:

@@ -68,9 +68,9 @@ def tiny_llama(
         tie_word_embeddings (`bool`, *optional*, defaults to `True`):
             Tie the LM head to the input embeddings, as SmolLM2 does.
         eos_token_id (`int`, *optional*, defaults to `0`):
-            EOS id ([`~grpo_hf.harness.data.train_bpe_tokenizer`] uses 0).
+            EOS id ([`~grpo_hf.harness.corpus.train_bpe_tokenizer`] uses 0).
         pad_token_id (`int`, *optional*, defaults to `1`):
-            Padding id ([`~grpo_hf.harness.data.train_bpe_tokenizer`] uses 1).
+            Padding id ([`~grpo_hf.harness.corpus.train_bpe_tokenizer`] uses 1).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -236,7 +236,7 @@ def load_causal_lm(name_or_path: str, tokenizer=None, dtype: torch.dtype = torch
     elif name_or_path in ("tiny-llama", "tiny-gpt2"):
         vocab_size = kwargs.pop("vocab_size", 8192)
         if tokenizer is None:
-            from .data import load_stdlib_texts, train_bpe_tokenizer
+            from .corpus import load_stdlib_texts, train_bpe_tokenizer
 
             tokenizer = train_bpe_tokenizer(load_stdlib_texts(split="train"), vocab_size=vocab_size)
         builder = tiny_llama if name_or_path == "tiny-llama" else tiny_gpt2

@@ -371,7 +371,7 @@ def recipe_error_from(err: argparse.ArgumentError, args: list[str], where: str) 
 def check_recipe(model_args: ModelArguments, data_args: DataArguments, where: str = "recipe") -> None:
     """
     Check what the model and the data of a recipe need from each other, and the data itself
-    ([`~grpo_hf.harness.user_data.check_data_arguments`]: it is loaded, its splits and columns checked), before any
+    ([`~grpo_hf.harness.datasets.check_data_arguments`]: it is loaded, its splits and columns checked), before any
     model is loaded.
 
     Raises:
@@ -394,7 +394,7 @@ def check_recipe(model_args: ModelArguments, data_args: DataArguments, where: st
             f"encoder: set lora_target_modules: {BERT_LORA_TARGETS} (or a subset)."
         )
     check_local_paths(model_args, data_args, where)
-    from .user_data import check_data_arguments
+    from .datasets import check_data_arguments
 
     with recipe_context(where):
         check_data_arguments(data_args)
@@ -404,7 +404,7 @@ def check_local_paths(model_args: ModelArguments, data_args: DataArguments, wher
     """
     Check that the local paths of a recipe's model and tokenizer (`model_name_or_path`, `tokenizer_name_or_path`)
     and of its corpus (`corpus_root`) exist, and that a Hub model is in the cache when the Hub is offline, before
-    anything is loaded (`dataset_name` is checked with the data, [`~grpo_hf.harness.user_data.check_data_arguments`]).
+    anything is loaded (`dataset_name` is checked with the data, [`~grpo_hf.harness.datasets.check_data_arguments`]).
 
     Raises:
         [`RecipeError`]: naming the recipe, the field and the path.

@@ -62,10 +62,10 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
 def resolve_recipe_paths(values: Any, recipe_dir: str | os.PathLike) -> Any:
     """
     A recipe mapping whose relative `dataset_name` is looked up next to the recipe file first
-    ([`~grpo_hf.harness.user_data.resolve_recipe_path`]), so that a recipe and its data travel together.
+    ([`~grpo_hf.harness.datasets.resolve_recipe_path`]), so that a recipe and its data travel together.
     """
     if isinstance(values, dict) and isinstance(values.get("dataset_name"), str):
-        from .user_data import resolve_recipe_path
+        from .datasets import resolve_recipe_path
 
         values = dict(values, dataset_name=resolve_recipe_path(values["dataset_name"], recipe_dir))
     return values

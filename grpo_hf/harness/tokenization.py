@@ -17,7 +17,7 @@ Classification rows become `input_ids`, `attention_mask` (and `token_type_ids` f
 Example:
 
 ```python
->>> from grpo_hf.harness.formatting import build_user_datasets
+>>> from grpo_hf.harness.tokenization import build_user_datasets
 >>> train_ds, eval_ds, info = build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info)
 >>> info["train_label_tokens"], info["dropped_rows"]
 ```
@@ -232,7 +232,7 @@ def _tokenize_rows(tokenizer, rows, kind: str, data_args, completion_only: bool,
 
 def build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info: dict[str, Any], model_name: str = ""):
     """
-    Tokenize the train and eval rows of [`~grpo_hf.harness.user_data.load_train_eval`].
+    Tokenize the train and eval rows of [`~grpo_hf.harness.datasets.load_train_eval`].
 
     Rows whose labels are all `-100` after truncation (a prompt longer than `seq_len`) are dropped and counted.
 

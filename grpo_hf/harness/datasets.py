@@ -6,13 +6,13 @@ loaded, before any model is: it loads the data with [`datasets.load_dataset`] (w
 `HF_HUB_OFFLINE=1`) and raises one [`~grpo_hf.errors.RecipeError`] naming the recipe, the field and the fix when a file
 is missing, a split or column does not exist, a Hub dataset is neither reachable nor cached, or a row holds a value
 the format cannot take (every row is read, [`CHECK_BATCH_ROWS`] at a time; the error names the row). [`load_train_eval`]
-gives the train and eval [`datasets.Dataset`]s; [`grpo_hf.harness.formatting`] tokenizes them.
+gives the train and eval [`datasets.Dataset`]s; [`grpo_hf.harness.tokenization`] tokenizes them.
 
 Example:
 
 ```python
 >>> from grpo_hf.harness.arguments import DataArguments
->>> from grpo_hf.harness.user_data import check_data_arguments, load_train_eval
+>>> from grpo_hf.harness.datasets import check_data_arguments, load_train_eval
 >>> data_args = DataArguments(dataset_name="recipes/data/instructions.jsonl")
 >>> check_data_arguments(data_args)  # raises RecipeError on bad data
 'messages'
@@ -402,7 +402,9 @@ def load_train_eval(data_args) -> tuple[Any, Any, dict[str, Any]]:
         (`"local"` or `"hub"`), `path`, `fingerprint`, `format`, `dataset_split`, `dataset_eval_split`, row counts).
     """
     if data_args.dataset_name is None:
-        raise ValueError("dataset_name is None: the standard library corpus is built by grpo_hf.harness.data instead.")
+        raise ValueError(
+            "dataset_name is None: the standard library corpus is built by grpo_hf.harness.corpus instead."
+        )
     kind, dataset_dict = _load_and_check(data_args)
     train = dataset_dict[data_args.dataset_split]
     name = data_args.dataset_name

@@ -9,9 +9,10 @@ import torch
 
 from grpo_hf.errors import RecipeError
 from grpo_hf.harness.build import build_model, prepare
-from grpo_hf.harness.data import train_bpe_tokenizer
+from grpo_hf.harness.corpus import train_bpe_tokenizer
 from grpo_hf.harness.evaluation import evaluate_accuracy, evaluate_perplexity
-from grpo_hf.harness.formatting import (
+from grpo_hf.harness.parser import parse_recipe
+from grpo_hf.harness.tokenization import (
     CHATML_TEMPLATE,
     IGNORE_INDEX,
     assistant_spans,
@@ -22,7 +23,6 @@ from grpo_hf.harness.formatting import (
     tokenize_text,
     truncate,
 )
-from grpo_hf.harness.parser import parse_recipe
 
 
 DATA = Path(__file__).resolve().parent.parent / "recipes" / "data"
