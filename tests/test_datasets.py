@@ -139,7 +139,7 @@ def test_the_cli_reports_bad_data_in_one_line_before_loading_a_model(tmp_path, c
         raise AssertionError("a model was loaded before the data was checked")
 
     monkeypatch.setattr(grpo_hf.harness.models, "load_causal_lm", fail)
-    monkeypatch.setattr(grpo_hf.harness.build, "build_model", fail)
+    monkeypatch.setattr(grpo_hf.harness.models, "build_model", fail)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model_name_or_path: smollm2-135m\ndataset_name: grpo-hf-tests/no-such-dataset\n")
     assert main(["train", str(recipe)]) == 2

@@ -316,7 +316,7 @@ def test_lora_targets_that_name_no_module_are_refused_before_peft(caplog):
     import logging
 
     from grpo_hf.errors import RecipeError
-    from grpo_hf.harness.build import check_lora_targets
+    from grpo_hf.harness.models import check_lora_targets
 
     model = tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, heads=4, seq_len=16, seed=0)
     check_lora_targets(model, ["q_proj", "v_proj"])

@@ -29,8 +29,9 @@ from ..config import grpo_field_names
 from ..errors import RecipeError
 from ..provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
 from .arguments import DataArguments, ModelArguments, recipe_field_names
-from .build import Prepared, build_model, prepare, report_progress
+from .build import Prepared, prepare, report_progress
 from .evaluation import evaluate_accuracy, evaluate_perplexity, reset_peak_memory
+from .models import build_model
 from .noise import measure_timing_noise, timed_ratio_noise
 from .table import compute_ratios
 from .trainers import LABELS, TRAINER_KINDS, comm_workers, make_trainer
@@ -219,7 +220,7 @@ def run_training(
 
     1. builds the tokenizer and the datasets ([`~grpo_hf.harness.build.prepare`]: your data, or the Python standard
        library corpus), unless `prepared` holds them;
-    2. loads the model ([`~grpo_hf.harness.build.build_model`]: a causal LM, or a classifier for
+    2. loads the model ([`~grpo_hf.harness.models.build_model`]: a causal LM, or a classifier for
        `task="sequence_classification"`) and wraps it with a LoRA adapter (`lora_r > 0`), the adapter initialized
        from the run's seed, so both trainers of a comparison start from the same weights;
     3. evaluates the held-out quality with the offline `evaluate` metrics: perplexity

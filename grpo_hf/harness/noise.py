@@ -136,7 +136,7 @@ def _timed_window(model_args, data_args, args, kind: str, prepared, steps: int, 
     """Train a fresh model for `steps` optimizer steps with `kind`'s trainer and return what it cost (no evaluation)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from .build import build_model
+    from .models import build_model
     from .trainers import make_trainer
 
     args = dataclasses.replace(
