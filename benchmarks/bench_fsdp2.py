@@ -1,8 +1,8 @@
 """FSDP2 with GRPO's compressed reduce-scatter on the suite's `llama-scratch` task: quality, bytes and memory per rank.
 
-    python benchmarks/bench_fsdp2.py --output_dir runs/bench_fsdp2                         # every default row, seeds 0-3
-    python benchmarks/bench_fsdp2.py --output_dir /tmp/x --rows fsdp2,q8-none --seeds 0 --max_steps 20   # a smoke run
-    python benchmarks/bench_fsdp2.py --output_dir runs/bench_fsdp2 --report_only           # the summary of what is there
+    python -m benchmarks.bench_fsdp2 --output_dir runs/bench_fsdp2                         # every default row, seeds 0-3
+    python -m benchmarks.bench_fsdp2 --output_dir /tmp/x --rows fsdp2,q8-none --seeds 0 --max_steps 20   # a smoke run
+    python -m benchmarks.bench_fsdp2 --output_dir runs/bench_fsdp2 --report_only           # the summary of what is there
 
 Every run trains the task's model (`benchmarks/tasks.py`: Llama 2.6M, hidden 128, 4 layers, from scratch, on the
 stdlib source at 128 tokens, cosine LR with warm-up, AdamW, gradient clipping at 1.0 as the Trainer's default) on 2
@@ -42,10 +42,8 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT / "tests"))  # the test helpers (testing_utils), kept out of the wheel
 
-from tasks import TASKS, build_model, prepare  # noqa: E402
+from benchmarks.tasks import TASKS, build_model, prepare  # noqa: E402
 
 
 ROWS = {
@@ -122,12 +120,12 @@ def run(job: dict) -> dict:
     import torch
     import torch.distributed as dist
     from datasets import load_from_disk
-    from testing_utils import shard_like_accelerate
     from torch.distributed.fsdp import FSDPModule
     from transformers import get_cosine_schedule_with_warmup
 
     from grpo_hf.compression.fsdp import FSDPCommState, install_compressed_reduce_scatter
     from grpo_hf.compression.traffic import dense_allreduce_bytes
+    from tests.testing_utils import shard_like_accelerate
 
     task = TASKS["llama-scratch"]
     steps = job["max_steps"] or task.max_steps
@@ -277,7 +275,7 @@ def worker(job_path: str) -> None:
 
 
 def launch(job: dict, job_path: Path, timeout: int) -> None:
-    from testing_utils import run_torchrun
+    from tests.testing_utils import run_torchrun
 
     job_path.write_text(json.dumps(job, indent=1))
     log = job_path.with_suffix(".log")
@@ -396,7 +394,7 @@ def main() -> None:
         if record["row"] in rows and record["seed"] in seeds:
             results.setdefault(record["row"], {})[record["seed"]] = record
     summary = summarize({r: results[r] for r in rows if r in results})
-    command = "python benchmarks/bench_fsdp2.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.bench_fsdp2 " + " ".join(sys.argv[1:])
     report = (
         f"`{command}` ({time.time() - start:.0f} s, {time.strftime('%Y-%m-%d')}, load {os.getloadavg()[0]:.1f})\n\n"
     )

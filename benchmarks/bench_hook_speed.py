@@ -1,9 +1,9 @@
 """Time per optimizer step of `grpo_comm_hook` and `compress_locally`, next to torch's fp16 and PowerSGD hooks.
 
-    python benchmarks/bench_hook_speed.py                        # W=1 and W=2 (torchrun, gloo), tiny Llama and LoRA
-    python benchmarks/bench_hook_speed.py --bits 2 --large       # also SmolLM2-135M's full parameter set (135M)
-    python benchmarks/bench_hook_speed.py --device cuda          # the compiled kernels on CUDA (Triton), W=1
-    python benchmarks/bench_hook_speed.py --scales adam          # with gradient scales read from AdamW's exp_avg_sq
+    python -m benchmarks.bench_hook_speed                        # W=1 and W=2 (torchrun, gloo), tiny Llama and LoRA
+    python -m benchmarks.bench_hook_speed --bits 2 --large       # also SmolLM2-135M's full parameter set (135M)
+    python -m benchmarks.bench_hook_speed --device cuda          # the compiled kernels on CUDA (Triton), W=1
+    python -m benchmarks.bench_hook_speed --scales adam          # with gradient scales read from AdamW's exp_avg_sq
 
 Models: a tiny Llama (hidden 256, 4 layers, vocab 8192: 6.3M parameters in 38 tensors, 29 compressed); the LoRA r=8
 adapters of SmolLM2-135M (2.4M parameters in 420 tensors: the many-small-tensors case); with `--large`, SmolLM2-135M's
@@ -42,10 +42,7 @@ from transformers import HfArgumentParser
 
 from grpo_hf.compression import CodecSpec, GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
 from grpo_hf.harness.models import tiny_llama
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers, kept out of the wheel
-from testing_utils import FakeBucket  # noqa: E402
+from tests.testing_utils import FakeBucket  # noqa: E402 - the test helpers, kept out of the wheel
 
 
 @dataclass
@@ -278,7 +275,7 @@ def main():
             continue
         import tempfile
 
-        from testing_utils import run_torchrun
+        from tests.testing_utils import run_torchrun
 
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
@@ -309,7 +306,7 @@ def main():
     if args.output:
         keys = ("model", "tensors", "compressed", "entries", "path", "mode", "seconds", "comm_seconds", "cpu_seconds")
         result = {
-            "command": "python benchmarks/bench_hook_speed.py " + " ".join(sys.argv[1:]),
+            "command": "python -m benchmarks.bench_hook_speed " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d"),
             "settings": lines[0],
             "load_average": list(load),

@@ -1,7 +1,7 @@
 """How fast `import grpo_hf` and `grpo-hf --help` answer, next to TRL's `import trl` and `trl --help`.
 
-    python benchmarks/bench_import_time.py                 # 7 rounds
-    python benchmarks/bench_import_time.py --rounds 15
+    python -m benchmarks.bench_import_time                 # 7 rounds
+    python -m benchmarks.bench_import_time --rounds 15
 
 Each command runs in a fresh interpreter (`subprocess`, wall time from start to exit, output discarded); the rounds
 interleave grpo_hf's and TRL's commands, so that a change of the machine's load falls on both alike. Printed: the

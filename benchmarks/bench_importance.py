@@ -1,7 +1,7 @@
 """Quality benchmark of importance-based LR scaling: plain `Trainer` vs `GRPOTrainer` (no compression).
 
-    python benchmarks/bench_importance.py --output_dir runs/bench_importance            # ~6 min on 2 CPU cores
-    python benchmarks/bench_importance.py --max_steps 20 --seeds 0 --output_dir /tmp/b  # smoke run
+    python -m benchmarks.bench_importance --output_dir runs/bench_importance            # ~6 min on 2 CPU cores
+    python -m benchmarks.bench_importance --max_steps 20 --seeds 0 --output_dir /tmp/b  # smoke run
 
 Same tiny Llama (trained from scratch), same data (the Python standard library's source, hash split), same seeds
 and steps for every row. Rows: the plain Trainer, and GRPOTrainer with each importance score (`article`, `rms`)
@@ -21,7 +21,7 @@ from pathlib import Path
 from transformers import HfArgumentParser, Trainer, TrainingArguments, set_seed
 
 from grpo_hf import GRPOConfig, GRPOTrainer
-from grpo_hf.harness.data import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
+from grpo_hf.harness.corpus import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
 from grpo_hf.harness.models import tiny_llama
 
 

@@ -1,7 +1,7 @@
 """Soak benchmark: thousands of tiny GRPOTrainer steps under 2-process gloo DDP with compression on, watching for leaks.
 
-    python benchmarks/bench_soak.py --output_dir runs/bench_soak                   # 5000 steps, a few minutes on 2 CPUs
-    python benchmarks/bench_soak.py --steps 1000 --output_dir /tmp/soak            # shorter
+    python -m benchmarks.bench_soak --output_dir runs/bench_soak                   # 5000 steps, a few minutes on 2 CPUs
+    python -m benchmarks.bench_soak --steps 1000 --output_dir /tmp/soak            # shorter
 
 Hardware: 2 shared CPU cores, no GPU (gloo over loopback). One command: it launches the `torchrun` workers itself.
 
@@ -29,16 +29,14 @@ import gc
 import io
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the test helpers, kept out of the wheel
 
-from testing_utils import run_torchrun  # noqa: E402
+from tests.testing_utils import run_torchrun  # noqa: E402 - the test helpers, kept out of the wheel
 
 
 SEQ_LEN = 16
@@ -72,10 +70,10 @@ def worker(job_path: str) -> None:
     import torch
     import torch.distributed as dist
     from datasets import Dataset
-    from testing_utils import tiny_test_llama
     from transformers import TrainerCallback
 
     from grpo_hf import GRPOConfig, GRPOTrainer
+    from tests.testing_utils import tiny_test_llama
 
     job = json.loads(Path(job_path).read_text())
     torch.set_num_threads(1)
@@ -135,7 +133,6 @@ def worker(job_path: str) -> None:
     dataset = Dataset.from_dict({"input_ids": ids, "labels": ids})
     args = GRPOConfig(
         output_dir=job["output_dir"],
-        overwrite_output_dir=True,
         use_cpu=True,  # gloo DDP under torchrun
         max_steps=job["steps"],
         per_device_train_batch_size=4,

@@ -1,7 +1,7 @@
 """What a step costs: the plain Trainer, GRPOTrainer's defaults, torch's fp16 and PowerSGD hooks, on the same DDP runs.
 
-    python benchmarks/bench_step_cost.py --output_dir runs/step_cost                      # tiny Llama and SmolLM2-135M
-    python benchmarks/bench_step_cost.py --models tiny-llama --steps 6 --output_dir /tmp/x  # a quick check
+    python -m benchmarks.bench_step_cost --output_dir runs/step_cost                      # tiny Llama and SmolLM2-135M
+    python -m benchmarks.bench_step_cost --models tiny-llama --steps 6 --output_dir /tmp/x  # a quick check
 
 Every row trains the same model on the same data under 2-process gloo DDP (`torchrun`, one thread per process), one
 launch per row and repeat, so that each row's peak memory is its own. The launches go in rounds over the rows
@@ -43,11 +43,10 @@ from pathlib import Path
 
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-from revision import commit  # noqa: E402
-from suite import POWERSGD_START, parse_row, torch_hook_trainer  # noqa: E402
-from tasks import TASKS, Task, build_model, prepare  # noqa: E402
+from benchmarks.revision import commit  # noqa: E402
+from benchmarks.suite import POWERSGD_START, parse_row, torch_hook_trainer  # noqa: E402
+from benchmarks.tasks import TASKS, Task, build_model, prepare  # noqa: E402
 
 
 MODELS = {
@@ -190,7 +189,7 @@ def worker(job_path: str) -> None:
 
 
 def run_rows(args: CostArguments) -> list[dict]:
-    from testing_utils import run_torchrun
+    from tests.testing_utils import run_torchrun
 
     if args.repeats < 1:
         raise SystemExit(f"--repeats {args.repeats}: use 1 or more.")
@@ -334,7 +333,7 @@ def main():
     text = f"{note}\n\n{report(results)}\n"
     print("\n" + text)
     (out / "step_cost.md").write_text(text)
-    summary = {"command": "python benchmarks/bench_step_cost.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+    summary = {"command": "python -m benchmarks.bench_step_cost " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
                "note": note, "links_gbit": list(LINKS_GBIT), "load_average": list(load), "rows": results}  # fmt: skip
     (out / "step_cost.json").write_text(json.dumps(summary, indent=1))
 

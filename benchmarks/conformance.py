@@ -1,7 +1,7 @@
 """Run transformers' own Trainer tests twice, with the plain `Trainer` and with `grpo_hf.GRPOTrainer` swapped in.
 
-    python benchmarks/conformance.py PATH/TO/transformers/tests/trainer --output benchmarks/results/conformance.json
-    python benchmarks/conformance.py PATH/TO/transformers/tests/trainer -k model_init     # extra pytest arguments
+    python -m benchmarks.conformance PATH/TO/transformers/tests/trainer --output benchmarks/results/conformance.json
+    python -m benchmarks.conformance PATH/TO/transformers/tests/trainer -k model_init     # extra pytest arguments
 
 `PATH/TO/transformers/tests/trainer` is the `tests/trainer` folder of a transformers checkout at the installed version
 (test_trainer.py, test_trainer_callback.py, test_trainer_checkpointing.py, test_trainer_optimizers.py and
@@ -123,7 +123,7 @@ def main() -> int:
     if args.output:
         result = {
             "date": datetime.date.today().isoformat(),
-            "command": "python benchmarks/conformance.py " + " ".join(sys.argv[1:]),
+            "command": "python -m benchmarks.conformance " + " ".join(sys.argv[1:]),
             "transformers": transformers.__version__,
             "plain_passed": len(passed),
             "grpo_passed": sum(o == "PASSED" for o in grpo.values()),

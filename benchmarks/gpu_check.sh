@@ -17,6 +17,7 @@
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the workers import benchmarks.* and tests.testing_utils
 
 "$PYTHON" - <<'PY'
 import sys
@@ -33,7 +34,7 @@ timeout 240 "$PYTHON" -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider
 
 for bits in 8 4 2; do
     echo "== 2. hook time per step on CUDA, ${bits} bits"
-    timeout 90 "$PYTHON" benchmarks/bench_hook_speed.py --device cuda --world_sizes 1 --bits "$bits" --large
+    timeout 90 "$PYTHON" -m benchmarks.bench_hook_speed --device cuda --world_sizes 1 --bits "$bits" --large
 done
 
 echo "== 3. NVML"

@@ -21,7 +21,6 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the test helpers (testing_utils), kept out of the wheel
 
 SEQ_LEN = 32
 RATIOS = {"norms": 0.5, "embeddings": 2.0}
@@ -80,9 +79,8 @@ def full_params(trainer):
 
 
 def train(mode: str, out_dir: str, resume=None):
-    from testing_utils import tiny_test_llama
-
     from grpo_hf import GRPOTrainer
+    from tests.testing_utils import tiny_test_llama
 
     trainer = GRPOTrainer(
         model=tiny_test_llama(seed=0, max_position_embeddings=SEQ_LEN), args=make_args(mode, out_dir),

@@ -1,7 +1,7 @@
 """The bytes-vs-perplexity frontier of the comm suite's result files: one panel per task, one point per row.
 
-    python benchmarks/plot_frontier.py                                   # benchmarks/results/suite_sync
-    python benchmarks/plot_frontier.py --results runs/suite_sync --output /tmp/frontier.png
+    python -m benchmarks.plot_frontier                                   # benchmarks/results/suite_sync
+    python -m benchmarks.plot_frontier --results runs/suite_sync --output /tmp/frontier.png
 
 x: how many times fewer bytes than dense fp32 DDP a row sends over the whole run (log scale); y: its eval perplexity
 over dense's on the same seeds (geometric mean; the bar reaches the worst seed). GRPO's sync-every-H rows, the
@@ -12,7 +12,7 @@ markers; the dotted lines are issue 28's goal (100× fewer bytes, 1.01× on a fi
 import argparse
 from pathlib import Path
 
-from tables import RESULTS, _suite, _sync_kind
+from benchmarks.tables import RESULTS, _suite, _sync_kind
 
 
 MARKERS = {

@@ -1,9 +1,9 @@
 """The benchmark suite: every setting that becomes a default is measured on seven tasks and several seeds.
 
-    python benchmarks/suite.py comm --output_dir runs/suite_comm          # compression under 2-process DDP (gloo)
-    python benchmarks/suite.py comm --quick                               # 2 seeds, the from-scratch tasks
-    python benchmarks/suite.py lr --output_dir runs/suite_lr              # per-group learning rates, one process
-    python benchmarks/suite.py comm --tasks llama-scratch --rows dense,q4s --seeds 0 --output_dir /tmp/x
+    python -m benchmarks.suite comm --output_dir runs/suite_comm          # compression under 2-process DDP (gloo)
+    python -m benchmarks.suite comm --quick                               # 2 seeds, the from-scratch tasks
+    python -m benchmarks.suite lr --output_dir runs/suite_lr              # per-group learning rates, one process
+    python -m benchmarks.suite comm --tasks llama-scratch --rows dense,q4s --seeds 0 --output_dir /tmp/x
 
 Tasks: see `benchmarks/tasks.py` (three tiny models trained from scratch, one with untied embeddings; LoRA and full
 fine-tunes of SmolLM2-135M; a LoRA classification fine-tune of MiniLM; a 120-step full fine-tune of a pre-trained tiny
@@ -31,11 +31,9 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT / "tests"))  # the test helpers (testing_utils), kept out of the wheel
 
-from revision import commit  # noqa: E402
-from tasks import TASKS, Task, build_model, compute_accuracy, prepare  # noqa: E402
+from benchmarks.revision import commit  # noqa: E402
+from benchmarks.tasks import TASKS, Task, build_model, compute_accuracy, prepare  # noqa: E402
 
 
 _ALLGATHER = {"grpo_comm_mode": "allgather"}
@@ -498,7 +496,7 @@ def launch(job: dict, job_path: Path, timeout: int) -> None:
     """One task and seed: torchrun (comm) or one process (lr); raises with the log tail when it fails."""
     import subprocess
 
-    from testing_utils import WORKER_ENV, run_torchrun
+    from tests.testing_utils import WORKER_ENV, run_torchrun
 
     results = Path(job["results_dir"])
     if all((results / f"{row}-seed{seed}.json").exists() for row in job["rows"] for seed in job["seeds"]):
@@ -722,7 +720,7 @@ def main() -> None:
         for name in dict.fromkeys(t["row"] for t in table):
             cells = [f"{t['steady_bytes'] / 1e3:,.1f} kB" for t in table if t["row"] == name]
             report += f"| {name} | " + " | ".join(cells) + " |\n"
-    command = "python benchmarks/suite.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.suite " + " ".join(sys.argv[1:])
     report = f"`{command}` ({time.time() - start:.0f} s, {time.strftime('%Y-%m-%d')})\n\n" + report
     (out / "results.json").write_text(json.dumps({"summary": summary, "scaling": table, "command": command}, indent=1))
     (out / "report.md").write_text(report + "\n")

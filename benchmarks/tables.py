@@ -1,7 +1,7 @@
 """Regenerate the tables of README.md and docs/ from the result files in benchmarks/results/ and from `GRPOConfig`.
 
-    python benchmarks/tables.py           # rewrite every generated block
-    python benchmarks/tables.py --check   # exit 1 and name the blocks that are out of date (tests/test_docs.py runs it)
+    python -m benchmarks.tables           # rewrite every generated block
+    python -m benchmarks.tables --check   # exit 1 and name the blocks that are out of date (tests/test_docs.py runs it)
 
 A generated block sits between two markers in a markdown file:
 
@@ -40,13 +40,10 @@ def _fmt_default(value) -> str:
 # --- renderers: each returns the markdown of one block ----------------------------------------------------------
 
 
-def settings() -> str:
-    """Every field `GRPOConfig` adds to `TrainingArguments`: name, default and help, as `--help` prints them."""
-    from grpo_hf.config import GRPOConfig, grpo_field_names
-
-    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+def _field_rows(dtype, names) -> str:
+    fields = {f.name: f for f in dataclasses.fields(dtype)}
     lines = ["| field | default | what it does |", "|---|---|---|"]
-    for name in grpo_field_names():
+    for name in names:
         field = fields[name]
         text = field.metadata["help"].replace("%%", "%").replace("|", "\\|")
         choices = field.metadata.get("choices")
@@ -54,6 +51,20 @@ def settings() -> str:
             text += " Choices: " + ", ".join(f"`{c}`" for c in choices) + "."
         lines.append(f"| `{name}` | {_fmt_default(field.default)} | {text} |")
     return "\n".join(lines)
+
+
+def settings() -> str:
+    """Every field `GRPOConfig` adds to `TrainingArguments`: name, default and help, as `--help` prints them."""
+    from grpo_hf.config import GRPOConfig, grpo_field_names
+
+    return _field_rows(GRPOConfig, grpo_field_names())
+
+
+def recipe_settings() -> str:
+    """The fields only the `grpo-hf` commands read (`RecipeConfig`, the harness's `GRPOConfig`)."""
+    from grpo_hf.harness.arguments import RecipeConfig, recipe_field_names
+
+    return _field_rows(RecipeConfig, recipe_field_names())
 
 
 def conformance() -> str:
@@ -101,8 +112,7 @@ SUITE_ROWS = {  # what each row of the comm suite is, for the tables
 def _suite(name: str = "suite_comm", root: Path = RESULTS) -> tuple[dict, dict]:
     """The per-task summary of `benchmarks/suite.py comm` from its result files in `root / name`, and their meta
     (command, date; empty if the folder has no `meta.json`, as a run in progress)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import suite
+    from benchmarks import suite
 
     folder = root / name
     results: dict = {}
@@ -145,8 +155,7 @@ def suite_summary() -> str:
 
 def suite_tasks() -> str:
     """The full per-task, per-row table of the comm suite (docs/compression.md)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import suite
+    from benchmarks import suite
 
     summary, meta = _suite()
     return suite.markdown("comm", summary, "dense") + f"\n\n`{meta['command']}` ({meta['date']}, {meta['machine']})."
@@ -154,8 +163,7 @@ def suite_tasks() -> str:
 
 def suite_w4() -> str:
     """The comm suite's untied-embedding task at 4 workers (docs/compression.md)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import suite
+    from benchmarks import suite
 
     summary, meta = _suite("suite_comm_w4")
     return suite.markdown("comm", summary, "dense") + f"\n\n`{meta['command']}` ({meta['date']}, {meta['machine']})."
@@ -223,8 +231,7 @@ def hook_speed() -> str:
 
 def step_cost() -> str:
     """`benchmarks/bench_step_cost.py`: step time, peak memory and bytes, measured side by side; projected links."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_step_cost import report
+    from benchmarks.bench_step_cost import report
 
     result = _read(RESULTS / "step_cost.json")
     return f"{report(result['rows'])}\n\n`{result['command']}` ({result['date']}; {result['note']})."
@@ -232,8 +239,7 @@ def step_cost() -> str:
 
 def fsdp2() -> str:
     """`benchmarks/bench_fsdp2.py`: FSDP2's compressed reduce-scatter, quality against uncompressed FSDP2, bytes, memory."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_fsdp2 import markdown
+    from benchmarks.bench_fsdp2 import markdown
 
     result = _read(RESULTS / "fsdp2" / "results.json")
     summary = {row: {**e, "ppl_ratio": {int(k): v for k, v in e.get("ppl_ratio", {}).items()}}
@@ -260,6 +266,7 @@ def fsdp2_summary() -> str:
 
 RENDERERS = {
     "settings": settings,
+    "recipe-settings": recipe_settings,
     "conformance": conformance,
     "errors": errors,
     "suite-summary": suite_summary,
@@ -303,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.check:
                 path.write_text(new)
     if args.check and stale:
-        print(f"out of date: {', '.join(map(str, stale))}; run `python benchmarks/tables.py`")
+        print(f"out of date: {', '.join(map(str, stale))}; run `python -m benchmarks.tables`")
         return 1
     if not args.check:
         print(f"rewrote {', '.join(map(str, stale))}" if stale else "every generated block is up to date")

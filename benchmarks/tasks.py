@@ -128,7 +128,7 @@ def prepare(task: Task, data_dir: Path, world_size: int) -> dict:
     if task.kind == "cls":
         train, evaluation, meta = bbc_news_datasets(tokenizer, task.seq_len)
     else:
-        from grpo_hf.harness.data import build_lm_datasets
+        from grpo_hf.harness.corpus import build_lm_datasets
 
         tokens = task.max_steps * task.batch_size * task.seq_len + task.seq_len
         train, evaluation, meta = build_lm_datasets(
@@ -158,7 +158,7 @@ def pretrain(task: Task, tokenizer, info: dict, folder: Path) -> str:
     """
     from transformers import Trainer, TrainingArguments
 
-    from grpo_hf.harness.data import build_lm_datasets
+    from grpo_hf.harness.corpus import build_lm_datasets
 
     tokens = task.pretrain_steps * task.batch_size * task.seq_len + task.seq_len
     train, _, _ = build_lm_datasets(tokenizer, seq_len=task.seq_len, kind=task.pretrain_corpus, max_train_tokens=tokens,
@@ -187,7 +187,7 @@ def build_tokenizer(task: Task):
         from grpo_hf.harness.offline_models import minilm_path
 
         return AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
-    from grpo_hf.harness.data import load_stdlib_texts, train_bpe_tokenizer
+    from grpo_hf.harness.corpus import load_stdlib_texts, train_bpe_tokenizer
 
     texts, total = [], 0
     for text in load_stdlib_texts(split="train"):  # the first 2M characters of the train split

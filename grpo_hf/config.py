@@ -21,6 +21,7 @@ from .compression.spec import (
 )
 from .compression.state import DEFAULT_SCALE_BETA, DEFAULT_SCALE_GRADIENTS
 from .cost import CostSettings
+from .cost.prices import CostFields
 from .engines import check_backends
 from .errors import ConfigError
 from .grouping import check_lr_ratios, load_group_spec
@@ -28,7 +29,7 @@ from .importance import SCORE_KINDS as SCORE_CHOICES
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
+class GRPOConfig(CostFields, TrainingArguments):
     r"""
     Configuration of [`GRPOTrainer`]: every field of [`~transformers.TrainingArguments`] plus the settings of grouped
     parameter resource optimization (GRPO; not TRL's Group Relative Policy Optimization).
@@ -101,6 +102,9 @@ class GRPOConfig(TrainingArguments):
             8-bit codes kept dense quality without scales and lost it with them (`docs/compression.md`).
         grpo_scale_beta (`float`, *optional*, defaults to `0.99`):
             EMA factor of the squared gradients behind those scales.
+        grpo_scale_clip (`float`, *optional*):
+            With gradient scales: at most this many of its scales per entry and step are sent, the rest waits in the
+            residual. `None`: no cap.
         grpo_dense_warmup_steps (`int`, *optional*, defaults to `2`):
             Optimizer steps sent dense before compression starts (DDP rebuilds its buckets after step 1).
         grpo_fsdp_error_feedback (`str`, *optional*, defaults to `"none"`):
@@ -145,23 +149,27 @@ class GRPOConfig(TrainingArguments):
             a control that saves no bytes (it separates the outer optimizer's effect from the savings). Needs
             `grpo_sync_every > 1` and `grpo_compression` `"none"` or `"auto"`.
 
-    Parameters that control cost accounting: see [`~grpo_hf.cost.CostSettings`] (`cost_*` prices, power, link
-    speed, workers, peak TFLOP/s and grid carbon intensity), plus two settings of the comparison runner
-    ([`~grpo_hf.harness.compare.compare`]; `GRPOTrainer` ignores them):
+    Parameters that control cost accounting (declared once, in [`~grpo_hf.cost.CostSettings`], which says more):
 
-        cost_noise_rounds (`int`, *optional*, defaults to `2`):
-            Rounds of short timed windows of both trainers, interleaved, that measure the noise of the time, energy
-            and money ratios of a comparison (0: not measured).
-        cost_noise_window_steps (`int`, *optional*, defaults to `4`):
-            Optimizer steps of each timed window.
+        cost_gpu_hour_usd (`float`, *optional*, defaults to `2.0`):
+            Price of one device-hour in USD (of one machine-hour on CPUs).
+        cost_energy_kwh_usd (`float`, *optional*, defaults to `0.15`):
+            Price of one kWh of electricity in USD.
+        cost_pue (`float`, *optional*, defaults to `1.4`):
+            Power usage effectiveness of the data center: cooling costs `energy_usd * (cost_pue - 1)`.
+        cost_device_power_watts (`float`, *optional*):
+            Power draw of one device, used only when energy cannot be measured (the figures are then "estimated").
+        cost_link_gbps (`float`, *optional*, defaults to `10.0`):
+            Link speed in Gbit/s that turns the bytes sent into a projected communication time.
+        cost_num_workers (`int`, *optional*):
+            Devices billed and used in projections (default: the world size; machines on CPUs).
+        cost_peak_tflops (`float`, *optional*):
+            Peak TFLOP/s of one device for MFU (default: the table of known devices; unknown devices report none).
+        cost_grid_gco2_per_kwh (`float`, *optional*, defaults to `475.0`):
+            Carbon intensity of the electricity, for `co2_eq_emissions` in model cards when energy was measured.
 
-    Parameters of the `grpo-hf` commands (the library ignores them, as the Trainer does):
-
-        overwrite_output_dir (`bool`, *optional*, defaults to `False`):
-            The `grpo-hf` commands refuse an `output_dir` that holds another run's results, saved model or checkpoints
-            unless they resume (`--resume_from_checkpoint last`); `True` deletes that run's files and checkpoints
-            instead. [`GRPOTrainer`] itself follows the Trainer and writes into an existing folder (transformers 5
-            dropped this `TrainingArguments` field; it has its old name here).
+    The `grpo-hf` commands add fields of their own (`overwrite_output_dir`, `cost_noise_rounds`,
+    `cost_noise_window_steps`) to the recipes they read; `GRPOTrainer` has no use for them.
 
     Every check runs when the config is built, before any model is loaded: the `grpo_*` and `cost_*` values, the
     group file (read and validated, errors name the file and the rule), and the engine (FSDP2 and DeepSpeed ZeRO 1/2/3
@@ -326,52 +334,6 @@ class GRPOConfig(TrainingArguments):
             "step every H steps (a control that saves no bytes)."
         },
     )
-    # --- cost accounting (see grpo_hf.cost.CostSettings) ---
-    cost_gpu_hour_usd: float = field(
-        default=2.0, metadata={"help": "Price of one device-hour in USD (machine-hour on CPU)."}
-    )
-    cost_energy_kwh_usd: float = field(default=0.15, metadata={"help": "Price of one kWh in USD."})
-    cost_pue: float = field(
-        default=1.4, metadata={"help": "Power usage effectiveness of the data center (cooling = energy * (PUE - 1))."}
-    )
-    cost_device_power_watts: float | None = field(
-        default=None, metadata={"help": "Power draw used when energy cannot be measured (labeled 'estimated')."}
-    )
-    cost_link_gbps: float = field(
-        default=10.0, metadata={"help": "Link speed in Gbit/s used to project communication time."}
-    )
-    cost_num_workers: int | None = field(
-        default=None, metadata={"help": "Worker count for communication projections (default: the world size)."}
-    )
-    cost_peak_tflops: float | None = field(
-        default=None, metadata={"help": "Peak TFLOPS of the device for MFU (default: a table of known devices)."}
-    )
-    # --- earlier runs ---
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={
-            "help": "grpo-hf commands: train into an output_dir that holds another run's results, model or checkpoints, "
-            "deleting them (without it the command refuses such a folder unless resuming, e.g. "
-            "--resume_from_checkpoint last). GRPOTrainer itself writes into an existing folder, as the Trainer does."
-        },
-    )
-    cost_grid_gco2_per_kwh: float = field(
-        default=475.0,
-        metadata={
-            "help": "Carbon intensity of the electricity in gCO2eq/kWh, for co2_eq_emissions in model cards when "
-            "energy was measured (default: a world average; set your grid's)."
-        },
-    )
-    cost_noise_rounds: int = field(
-        default=2,
-        metadata={
-            "help": "Comparisons (grpo-hf compare/quickstart) only: rounds of short timed windows of both trainers, "
-            "interleaved, that measure the noise of the time, energy and money ratios; 0 turns the measurement off."
-        },
-    )
-    cost_noise_window_steps: int = field(
-        default=4, metadata={"help": "Optimizer steps of each timed window of the noise measurement (at least 3)."}
-    )
 
     def __post_init__(self):
         check_backends(self.fsdp, self.fsdp_config, self.deepspeed)  # before transformers sets the backend up
@@ -380,9 +342,10 @@ class GRPOConfig(TrainingArguments):
 
 
 def grpo_field_names() -> list[str]:
-    """Names of the fields that `GRPOConfig` adds to `TrainingArguments`."""
+    """Names of the fields that `GRPOConfig` adds to `TrainingArguments`: the `grpo_*` fields, then the `cost_*` ones."""
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
-    return [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in base]
+    names = [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in base]
+    return sorted(names, key=lambda name: name.startswith("cost_"))  # stable: declaration order within each
 
 
 def grpo_defaults() -> dict:
@@ -544,13 +507,6 @@ def validate_grpo_fields(args) -> None:
     if args.grpo_max_consecutive_skips < 0:
         raise ConfigError(f"grpo_max_consecutive_skips={args.grpo_max_consecutive_skips}: use 0 (never stop) or more.")
     _check_sync_fields(args)
-    if args.cost_noise_rounds < 0:
-        raise ConfigError(f"cost_noise_rounds={args.cost_noise_rounds}: use 0 (no noise measurement) or more, e.g. 2.")
-    if args.cost_noise_window_steps < 3:
-        raise ConfigError(
-            f"cost_noise_window_steps={args.cost_noise_window_steps}: use at least 3 (the first 2 steps of a window "
-            "are left out of its rates)."
-        )
     try:
         CostSettings.from_args(args)  # validates the cost_* fields
     except ValueError as err:

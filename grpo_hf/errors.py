@@ -4,7 +4,7 @@ culprit), the Hub's, and the energy meters'.
 Every input error is a `ValueError`, so code that catches the Trainer's `ValueError`s keeps working; the `grpo-hf`
 command line catches [`GRPOInputError`] once and prints its message (what is wrong, where, how to fix it) as one
 `grpo-hf <command>: error: ...` line on stderr, exit status 2, without a traceback (`--debug` or `GRPO_HF_DEBUG=1`
-shows it), as it does a library's own refusal of a setting ([`grpo_hf.cli.main`]). A failed upload ([`HubError`])
+shows it), as it does a library's own refusal of a setting. A failed upload ([`HubError`])
 prints the same one line with exit status 1.
 
 | error | raised for | the message names |

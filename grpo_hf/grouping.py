@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .compression.spec import SUPPORTED_BITS
+from .choices import SUPPORTED_BITS
 from .errors import GroupConfigError
 
 

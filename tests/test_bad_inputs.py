@@ -451,7 +451,7 @@ def no_work(monkeypatch):
         (grpo_hf.harness.compare, "run_training"),
         (grpo_hf.harness.build, "prepare"),
         (grpo_hf.harness.build, "build_tokenizer"),
-        (grpo_hf.harness.build, "build_model"),
+        (grpo_hf.harness.models, "build_model"),
         (grpo_hf.harness.models, "load_causal_lm"),
         (grpo_hf.harness.models, "load_smollm2"),
         (grpo_hf.harness.offline_models, "load_smollm2"),
@@ -556,7 +556,7 @@ def test_a_libraries_own_refusal_is_one_line_and_debug_shows_where(tmp_path, mon
     import grpo_hf.harness.build
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(grpo_hf.harness.build, "check_lora_targets", lambda model, targets: None)  # PEFT decides
+    monkeypatch.setattr(grpo_hf.harness.models, "check_lora_targets", lambda model, targets: None)  # PEFT decides
     write("t.jsonl", jsonl(TEXTS[:30]))
     write("r.yaml", QUICK.replace("lora_r: 0", "lora_r: 4") + "lora_target_modules: [qproj]\n")
     before = snapshot(tmp_path)

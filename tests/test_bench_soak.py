@@ -11,12 +11,11 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "bench_soak.py"
 
 
 @pytest.mark.slow  # ~1-2 min on 2 cores
 def test_soak_keeps_memory_and_state_flat(tmp_path):
-    command = [sys.executable, str(SCRIPT), "--steps", "1000", "--window", "250", "--save_steps", "250",
+    command = [sys.executable, "-m", "benchmarks.bench_soak", "--steps", "1000", "--window", "250", "--save_steps", "250",
                "--output_dir", str(tmp_path)]  # fmt: skip
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert (tmp_path / "results.json").is_file(), run.stdout[-4000:] + run.stderr[-4000:]

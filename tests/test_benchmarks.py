@@ -1,7 +1,8 @@
 """The benchmark scripts of `benchmarks/`: each one parses its arguments, and `bench_step_cost.py` runs end to end.
 
-The benchmarks import their helpers lazily (the torchrun launcher from `tests/testing_utils.py`, the suite's tasks),
-so that a moved helper only fails when a benchmark runs: the smoke run below runs one.
+The benchmarks run as modules from the repository root (`python -m benchmarks.suite`) and import through packages
+(`benchmarks.tasks`, `tests.testing_utils`); some import their helpers lazily, so that a moved helper only fails when a
+benchmark runs: the smoke run below runs one.
 """
 
 import json
@@ -13,12 +14,12 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name not in ("tasks.py", "revision.py"))
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.name not in ("tasks.py", "revision.py"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_parses_its_arguments(script):
-    done = subprocess.run([sys.executable, f"benchmarks/{script}", "--help"], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--help"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage" in done.stdout.lower()
@@ -28,7 +29,7 @@ def test_benchmark_parses_its_arguments(script):
 def test_bench_step_cost_smoke_run(tmp_path):
     """Two rows of the tiny Llama under 2-process DDP: both finish, GRPO sends fewer bytes, the table renders."""
     done = subprocess.run(
-        [sys.executable, "benchmarks/bench_step_cost.py", "--models", "tiny-llama", "--rows", "trainer,grpo",
+        [sys.executable, "-m", "benchmarks.bench_step_cost", "--models", "tiny-llama", "--rows", "trainer,grpo",
          "--steps", "2", "--repeats", "1", "--output_dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
@@ -44,8 +45,7 @@ def test_bench_step_cost_smoke_run(tmp_path):
 
 def _cost_row(model: str, row: str, launches: list[list[float]], bytes_per_step: float) -> dict:
     """A pooled `bench_step_cost.py` row from step times per launch (the first, untimed steps included)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_step_cost import _skipped
+    from benchmarks.bench_step_cost import _skipped
 
     per_step = [[{"step_s": 9.9, "bytes": 0.0}] * _skipped(row) + [{"step_s": s, "bytes": 0.0} for s in steps]
                 for steps in launches]  # fmt: skip
@@ -56,8 +56,7 @@ def _cost_row(model: str, row: str, launches: list[list[float]], bytes_per_step:
 
 def test_step_cost_comparisons_say_beats_only_outside_the_noise():
     """GRPO's projected step against a baseline: `loses` / `beats` when the interval excludes zero, else `tie`."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_step_cost import comparisons
+    from benchmarks.bench_step_cost import comparisons
 
     steady = [[1.00, 1.01, 0.99, 1.00, 1.02, 0.98] * 3] * 3
     slower = [[s + 0.1 for s in launch] for launch in steady]
@@ -79,10 +78,9 @@ def test_step_cost_comparisons_say_beats_only_outside_the_noise():
 
 def test_hook_speed_buckets_are_ddps():
     """`bench_hook_speed.py --bucket_mb`: the first bucket is capped at 1 MiB, then `bucket_mb`; 0 is one bucket."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    sys.path.insert(0, str(ROOT / "tests"))
     import torch
-    from bench_hook_speed import buckets
+
+    from benchmarks.bench_hook_speed import buckets
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (200_000, 100_000, 300_000, 700_000, 50_000)]
     grads = [torch.full((p.numel(),), float(i)) for i, p in enumerate(params)]

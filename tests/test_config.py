@@ -1,7 +1,12 @@
-import pytest
+import dataclasses
+import re
 
-from grpo_hf import ConfigError, GroupConfigError, GRPOInputError
-from grpo_hf.config import grpo_defaults, validate_grpo_fields
+import pytest
+from transformers import TrainingArguments
+
+from grpo_hf import ConfigError, GroupConfigError, GRPOConfig, GRPOInputError
+from grpo_hf.config import grpo_defaults, grpo_field_names, validate_grpo_fields
+from grpo_hf.harness.arguments import RecipeConfig, recipe_field_names
 
 
 FSDP1 = r"GRPOTrainer runs on FSDP2.*fsdp_config=\{'version': 2\}.*fsdp_version: 2"
@@ -102,13 +107,11 @@ def test_disabled_backend_values_pass(grpo_config):
         ("grpo_dense_warmup_steps", 1.5, r"grpo_dense_warmup_steps=1.5: use a whole number"),
         ("grpo_lr_scale_min", float("nan"), r"grpo_lr_scale_min=nan: use a number"),
         ("cost_pue", 0.5, r"cost_pue"),
-        ("overwrite_output_dir", "no", r"overwrite_output_dir='no'"),
         # a JSON or YAML config that quotes a number, or gives a list: named, before any other check
         ("grpo_scale_clip", "4", r"grpo_scale_clip='4': use a number \(a quoted string"),
         ("cost_link_gbps", "10", r"cost_link_gbps='10': use a number"),
         ("cost_num_workers", 2.5, r"cost_num_workers=2.5: use a whole number"),
         ("cost_device_power_watts", [300], r"cost_device_power_watts=\[300\]: use a number"),
-        ("cost_noise_rounds", None, r"cost_noise_rounds=None: use a whole number"),
     ],
 )
 def test_bad_fields_name_the_field(grpo_config, field, value, message):
@@ -140,3 +143,45 @@ def test_validate_grpo_fields_works_on_any_namespace():
 def test_numbers_that_may_be_none_take_none_and_numbers(grpo_config):
     config = grpo_config(grpo_scale_clip=4, cost_num_workers=None, cost_device_power_watts=300)
     assert (config.grpo_scale_clip, config.cost_num_workers, config.cost_device_power_watts) == (4, None, 300)
+
+
+def test_the_docstring_documents_every_field_with_its_default():
+    # `name (`type`, *optional*, defaults to `value`)`, or `name (`type`, *optional*)` for a field that defaults to None
+    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    missing, wrong = [], []
+    for name in grpo_field_names():
+        pattern = rf"\b{name} \(`[^)]*?`, \*optional\*(?:,\s+defaults\s+to\s+`(?P<default>[^`]+)`)?\)"
+        entry = re.search(pattern, GRPOConfig.__doc__)
+        if entry is None:
+            missing.append(name)
+            continue
+        default = fields[name].default
+        expected = None if default is None else f'"{default}"' if isinstance(default, str) else str(default)
+        if entry.group("default") != expected:
+            wrong.append(f"{name}: documented {entry.group('default')}, declared {expected}")
+    assert not missing, f"GRPOConfig's docstring omits {missing}"
+    assert not wrong, wrong
+
+
+def test_every_field_is_declared_once_and_used_by_the_library():
+    # the cost_* fields come from CostFields; the grpo-hf commands' own fields live in the harness's RecipeConfig
+    names = grpo_field_names()
+    assert len(names) == len(set(names))
+    assert not set(names) & {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert all(name.startswith(("grpo_", "cost_")) for name in names)
+    assert set(recipe_field_names()) == {"overwrite_output_dir", "cost_noise_rounds", "cost_noise_window_steps"}
+    assert not set(recipe_field_names()) & set(names)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("overwrite_output_dir", "no", r"overwrite_output_dir='no'"),
+        ("cost_noise_rounds", None, r"cost_noise_rounds=None: use a whole number"),
+        ("cost_noise_rounds", -1, r"cost_noise_rounds=-1: use 0"),
+        ("cost_noise_window_steps", 2, r"cost_noise_window_steps=2: use at least 3"),
+    ],
+)
+def test_bad_command_fields_name_the_field(tmp_path, field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        RecipeConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **{field: value})

@@ -35,6 +35,7 @@ from grpo_hf.grouping import assign_groups, load_group_spec, lr_ratios
 from grpo_hf.harness.build import prepare
 from grpo_hf.harness.compare import run_training
 from grpo_hf.harness.parser import parse_recipe
+from grpo_hf.harness.recipe_files import recipe_context
 
 
 BOUNDED = settings(
@@ -442,7 +443,8 @@ def check_data_file(name: str, content: bytes, task: str, completion_only: bool 
         before = files_below(folder)
         try:
             model_args, data_args, args = parse_recipe(recipe, where="r.yaml")
-            prepared = prepare(model_args, data_args, where="r.yaml")
+            with recipe_context("r.yaml"):
+                prepared = prepare(model_args, data_args)
             if train:
                 run_training(model_args, data_args, args, "grpo", prepared=prepared, progress=None)
         except GRPOInputError:

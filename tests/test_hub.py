@@ -20,10 +20,10 @@ from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.cli.main import main
 from grpo_hf.cli.recipes import _command_line
 from grpo_hf.errors import HubError
+from grpo_hf.hub.card import KNOWN_BASES, build_model_card, resolve_base_model
 from grpo_hf.hub.folder import load_run
 from grpo_hf.hub.upload import prepare_upload_folder, publish
 from grpo_hf.hub_guards import check_push_settings
-from grpo_hf.model_card import KNOWN_BASES, build_model_card, resolve_base_model
 
 
 REPO = "grpo-hf-tests/tiny-lora"
@@ -31,7 +31,7 @@ REPO = "grpo-hf-tests/tiny-lora"
 
 def _small_corpus(folder: Path) -> Path:
     """40 top-level standard library modules: a corpus folder (`corpus_root`) that is quick to list and tokenize."""
-    from grpo_hf.harness.data import stdlib_root
+    from grpo_hf.harness.corpus import stdlib_root
 
     folder.mkdir()
     for path in sorted(stdlib_root().glob("*.py"))[:40]:
@@ -41,7 +41,7 @@ def _small_corpus(folder: Path) -> Path:
 
 def _save_tiny_base(folder: Path, corpus: Path) -> Path:
     """A tiny Llama and its BPE tokenizer saved as a local base model (what a user's own checkpoint looks like)."""
-    from grpo_hf.harness.data import train_bpe_tokenizer
+    from grpo_hf.harness.corpus import train_bpe_tokenizer
     from grpo_hf.harness.models import tiny_llama
 
     tokenizer = train_bpe_tokenizer([p.read_text() for p in sorted(corpus.glob("*.py"))], vocab_size=400)

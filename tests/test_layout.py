@@ -7,6 +7,7 @@ methods, and under `if TYPE_CHECKING:`.
 """
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,8 +87,45 @@ def test_the_library_never_imports_the_application(module):
     assert not bad, f"{module} (library) imports {bad} (application)"
 
 
+def with_packages(module: str, imported: set[str]) -> set[str]:
+    """`imported` plus the packages whose `__init__` importing them runs: those `module` is not inside already."""
+    found = set()
+    for name in imported:
+        parts = name.split(".")
+        for end in range(2, len(parts) + 1):
+            package = ".".join(parts[:end])
+            if end == len(parts) or not (module == package or module.startswith(package + ".")):
+                found.add(package)
+    return found
+
+
+# How a library module could name the application without importing it: a dotted or path name of one of its
+# packages, or a module of it by its (distinctive) name.
+# e.g. `offline_models`, `recipe_files`: the application's modules whose names say which they are
+DISTINCT_NAMES = sorted(
+    {
+        last
+        for last in (name.rsplit(".", 1)[-1] for name in MODULES if is_application(name))
+        if last.strip("_").count("_")
+    }
+)
+APPLICATION_NAMES = re.compile(
+    rf"grpo_hf[./](cli|harness|hub|recipes)\b|\b(cli|harness|hub)/|\b({'|'.join(DISTINCT_NAMES)})\b"
+)
+
+
+@pytest.mark.parametrize("module", [name for name in MODULES if not is_application(name)])
+def test_the_library_names_no_application_module(module):
+    # even in strings, docstrings and comments: what the library says must hold without the application
+    text = MODULES[module].read_text(encoding="utf-8")
+    found = [f"{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1) if APPLICATION_NAMES.search(line)]
+    assert not found, f"{module} (library) names the application:\n" + "\n".join(found)
+
+
 def test_no_import_cycle_among_grpo_hf_modules():
-    graph = {module: imports_of(module, module_level_only=True) & set(MODULES) for module in MODULES}
+    # Every import counts, a function-level one too (a lazy import only hides a cycle), and importing `a.b.c` from
+    # outside `a.b` runs `a/b/__init__.py` first (`grouping -> compression.spec` runs `compression/__init__`).
+    graph = {module: with_packages(module, imports_of(module)) & set(MODULES) - {module} for module in MODULES}
     done, path = set(), []
 
     def visit(module):

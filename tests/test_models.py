@@ -9,16 +9,16 @@ import torch
 import transformers
 
 from grpo_hf.harness import offline_models
-from grpo_hf.harness.data import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
+from grpo_hf.harness.corpus import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
 from grpo_hf.harness.models import load_causal_lm, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 from grpo_hf.harness.offline_models import (
+    CACHE_MARKER,
     default_cache_dir,
     load_minilm_for_classification,
     load_smollm2,
     minilm_path,
     smollm2_gguf_path,
 )
-from grpo_hf.model_card import CACHE_MARKER
 
 
 VOCAB = 256
@@ -316,7 +316,7 @@ def test_lora_targets_that_name_no_module_are_refused_before_peft(caplog):
     import logging
 
     from grpo_hf.errors import RecipeError
-    from grpo_hf.harness.build import check_lora_targets
+    from grpo_hf.harness.models import check_lora_targets
 
     model = tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, heads=4, seq_len=16, seed=0)
     check_lora_targets(model, ["q_proj", "v_proj"])

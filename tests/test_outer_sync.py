@@ -8,7 +8,7 @@ import torch
 from datasets import Dataset
 from testing_utils import tiny_test_llama
 
-from grpo_hf import ConfigError, GRPOConfig, GRPOTrainer
+from grpo_hf import ConfigError, GRPOTrainer
 from grpo_hf.compression import CodecSpec
 from grpo_hf.compression.codec import BlockMessages
 from grpo_hf.compression.outer_sync import (
@@ -194,17 +194,18 @@ def token_dataset(rows=64, length=24):
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
-def make_args(tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "out"), max_steps=10, per_device_train_batch_size=8, learning_rate=3e-3,
-        logging_steps=5, report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
-        grpo_sync_every=4, grpo_sync_ramp=False,
-    )  # fmt: skip
-    values.update(overrides)
-    return GRPOConfig(**values)
+@pytest.fixture
+def make_args(train_config):
+    """`train_config` of a sync every 4 steps (no ramp), 10 steps, the loss logged every 5."""
+
+    def make(folder=None, **overrides):
+        values = {"max_steps": 10, "logging_steps": 5, "grpo_sync_every": 4, "grpo_sync_ramp": False}
+        return train_config(folder, **{**values, **overrides})
+
+    return make
 
 
-def test_one_process_adds_only_the_outer_step_and_ends_on_the_global_model(tmp_path):
+def test_one_process_adds_only_the_outer_step_and_ends_on_the_global_model(tmp_path, make_args):
     model = tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64)
     trainer = GRPOTrainer(model=model, args=make_args(tmp_path), train_dataset=token_dataset())
     trainer.train()
@@ -218,7 +219,7 @@ def test_one_process_adds_only_the_outer_step_and_ends_on_the_global_model(tmp_p
     assert "grpo/comm/syncs" in logs[0] and math.isfinite(logs[-1]["loss"])
 
 
-def test_plain_averaging_without_exchange_is_the_plain_trainer(tmp_path):
+def test_plain_averaging_without_exchange_is_the_plain_trainer(tmp_path, make_args):
     """Outer lr 1 without momentum on one process: θ_global - (θ_global - θ_local) = θ_local, up to rounding."""
     plain = GRPOTrainer(model=tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64),
                         args=make_args(tmp_path / "a", grpo_sync_every=1), train_dataset=token_dataset())  # fmt: skip
@@ -231,7 +232,7 @@ def test_plain_averaging_without_exchange_is_the_plain_trainer(tmp_path):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_sync_settings_the_trainer_refuses(tmp_path):
+def test_sync_settings_the_trainer_refuses(tmp_path, make_args):
     with pytest.raises(ConfigError, match="grpo_sync_fragments=5"):
         make_args(tmp_path, grpo_sync_fragments=5)
     with pytest.raises(ConfigError, match="bf16=True"):
@@ -245,7 +246,7 @@ def test_sync_settings_the_trainer_refuses(tmp_path):
                     train_dataset=token_dataset())  # fmt: skip
 
 
-def test_checkpoint_resume_is_bit_identical_on_one_process(tmp_path):
+def test_checkpoint_resume_is_bit_identical_on_one_process(tmp_path, make_args):
     def run(out, resume=None):
         model = tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64)
         args = make_args(out, max_steps=10, save_strategy="steps", save_steps=5, grpo_sync_fragments=2)

@@ -8,14 +8,16 @@ import pytest
 from grpo_hf import GRPOConfig
 from grpo_hf.cli.main import main
 from grpo_hf.errors import RecipeError
-from grpo_hf.harness.arguments import DataArguments, ModelArguments
+from grpo_hf.harness.arguments import DataArguments, ModelArguments, RecipeConfig
 from grpo_hf.harness.parser import RecipeParser, parse_overrides, parse_recipe
 
 
 def test_parser_covers_the_three_dataclasses():
     parser = RecipeParser()
-    assert parser.dataclass_types == [ModelArguments, DataArguments, GRPOConfig]
-    for name in ("model_name_or_path", "lora_r", "seq_len", "corpus", "learning_rate", "max_steps", "grpo_density"):
+    assert parser.dataclass_types == [ModelArguments, DataArguments, RecipeConfig]
+    assert issubclass(RecipeConfig, GRPOConfig)
+    fields = ("model_name_or_path", "lora_r", "seq_len", "corpus", "learning_rate", "max_steps", "grpo_density")
+    for name in (*fields, "cost_gpu_hour_usd", "overwrite_output_dir", "cost_noise_rounds"):
         assert name in parser.field_names
 
 
@@ -176,3 +178,15 @@ def test_cli_errors_name_the_field_and_exit_2(capsys):
     assert "did you mean 'max_steps'" in capsys.readouterr().err
     assert main(["train", "--trainer", "trainer", tiny]) == 2
     assert "give the recipe file right after the command" in capsys.readouterr().err
+
+
+def test_the_recipe_is_named_once_where_its_errors_leave():
+    from grpo_hf.errors import RecipeNotFoundError
+    from grpo_hf.harness.recipe_files import recipe_context
+
+    with pytest.raises(RecipeError, match=r"^r.yaml: dataset_split='x' is not a split"):
+        with recipe_context("r.yaml"):
+            raise RecipeError("dataset_split='x' is not a split")
+    with pytest.raises(RecipeNotFoundError, match=r"^r.yaml: gone"):  # the kind of error is kept
+        with recipe_context("r.yaml"):
+            raise RecipeNotFoundError("gone")

@@ -1,6 +1,5 @@
 """The benchmark suite (`benchmarks/suite.py`): row names, the statistics of the report, and a smoke run of each suite."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -11,15 +10,13 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "suite.py"
 
 
 @pytest.fixture(scope="module")
 def suite():
-    spec = importlib.util.spec_from_file_location("benchmark_suite", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import suite
+
+    return suite
 
 
 def test_row_names_resolve_to_settings(suite):
@@ -119,7 +116,7 @@ def test_summary_compares_rows_on_shared_seeds(suite):
 
 def _run_suite(*args, timeout=900):
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "benchmarks.suite", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     return run

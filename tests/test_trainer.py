@@ -27,32 +27,23 @@ def token_dataset(rows=64, length=24, seed=0):
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
-def make_args(tmp_path, cls=GRPOConfig, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        max_steps=12,
-        per_device_train_batch_size=8,
-        learning_rate=3e-3,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
-        lr_scheduler_type="linear",
-    )
-    values.update(overrides)
-    if cls is GRPOConfig:
-        values.setdefault("grpo_importance", True)  # these tests exercise the multipliers (off by default)
-        values.setdefault("grpo_lr_scale_warmup_steps", 2)
-    return cls(**values)
+@pytest.fixture
+def make_args(train_config):
+    """`train_config` with importance on: these tests exercise the multipliers (off by default)."""
+
+    def make(folder=None, cls=GRPOConfig, **overrides):
+        if cls is GRPOConfig:
+            overrides = {"grpo_importance": True, "grpo_lr_scale_warmup_steps": 2, **overrides}
+        return train_config(folder, cls, **overrides)
+
+    return make
 
 
 def train_logs(trainer):
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-def test_trains_logs_multipliers_and_changes_every_parameter(tmp_path):
+def test_trains_logs_multipliers_and_changes_every_parameter(tmp_path, make_args):
     model = tiny_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = GRPOTrainer(model=model, args=make_args(tmp_path), train_dataset=token_dataset())
@@ -77,7 +68,7 @@ def test_trains_logs_multipliers_and_changes_every_parameter(tmp_path):
         assert not any(key in entry for entry in trainer.state.log_history)
 
 
-def test_multipliers_compose_with_scheduler_without_compounding(tmp_path):
+def test_multipliers_compose_with_scheduler_without_compounding(tmp_path, make_args):
     trainer = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path), train_dataset=token_dataset())
     trainer.train()
     for log in train_logs(trainer):
@@ -89,7 +80,7 @@ def test_multipliers_compose_with_scheduler_without_compounding(tmp_path):
     assert {g["grpo_group"] for g in trainer.optimizer.param_groups} == {g.name for g in trainer.grpo_groups}
 
 
-def test_importance_off_matches_plain_trainer(tmp_path):
+def test_importance_off_matches_plain_trainer(tmp_path, make_args):
     plain = Trainer(model=tiny_llama(), args=make_args(tmp_path, TrainingArguments), train_dataset=token_dataset())
     plain.train()
     grpo = GRPOTrainer(
@@ -100,7 +91,7 @@ def test_importance_off_matches_plain_trainer(tmp_path):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)  # bit-identical, not merely close
 
 
-def test_plain_training_arguments_get_grpo_defaults(tmp_path):
+def test_plain_training_arguments_get_grpo_defaults(tmp_path, make_args):
     trainer = GRPOTrainer(
         model=tiny_llama(), args=make_args(tmp_path, TrainingArguments), train_dataset=token_dataset()
     )
@@ -115,7 +106,7 @@ def _reproducible(log_history):
     return [{k: v for k, v in row.items() if k not in timing} for row in log_history]
 
 
-def test_resume_is_bit_identical(tmp_path):
+def test_resume_is_bit_identical(tmp_path, make_args):
     args = dict(
         max_steps=8, save_strategy="steps", save_steps=4, grpo_compression="quantize", grpo_min_compress_numel=256
     )
@@ -136,7 +127,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert "cost/comm_bytes" in straight.state.log_history[-2] and "cost/tokens" in straight.state.log_history[-1]
 
 
-def test_corrupt_grpo_state_is_refused_before_training(tmp_path):
+def test_corrupt_grpo_state_is_refused_before_training(tmp_path, make_args):
     args = make_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
     GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset()).train()
     state_file = tmp_path / "out" / "checkpoint-2" / STATE_FILE.format(rank=0)
@@ -147,7 +138,7 @@ def test_corrupt_grpo_state_is_refused_before_training(tmp_path):
     assert trainer.state.global_step == 0
 
 
-def test_lora_model(tmp_path):
+def test_lora_model(tmp_path, make_args):
     model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules="all-linear"))
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     trainer = GRPOTrainer(model=model, args=make_args(tmp_path, max_steps=6), train_dataset=token_dataset())
@@ -158,7 +149,7 @@ def test_lora_model(tmp_path):
     assert "grpo/lr_scale/ffn.lora_B" in train_logs(trainer)[-1]
 
 
-def test_gradient_accumulation_and_bf16(tmp_path):
+def test_gradient_accumulation_and_bf16(tmp_path, make_args):
     args = make_args(tmp_path, max_steps=4, gradient_accumulation_steps=2, bf16=True)
     trainer = GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
     trainer.train()
@@ -166,7 +157,7 @@ def test_gradient_accumulation_and_bf16(tmp_path):
     assert all(math.isfinite(log["loss"]) for log in train_logs(trainer))
 
 
-def test_user_optimizer_is_mapped_or_refused(tmp_path):
+def test_user_optimizer_is_mapped_or_refused(tmp_path, make_args):
     model = tiny_llama()
     groups = {}
     for name, p in model.named_parameters():
@@ -185,7 +176,7 @@ def test_user_optimizer_is_mapped_or_refused(tmp_path):
     trainer.train()
 
 
-def test_sgd_optimizer_from_arguments(tmp_path):
+def test_sgd_optimizer_from_arguments(tmp_path, make_args):
     trainer = GRPOTrainer(
         model=tiny_llama(), args=make_args(tmp_path, optim="sgd", max_steps=3), train_dataset=token_dataset()
     )
@@ -193,7 +184,7 @@ def test_sgd_optimizer_from_arguments(tmp_path):
     assert isinstance(trainer.optimizer.optimizer, torch.optim.SGD)
 
 
-def test_bad_config_fails_before_any_work(tmp_path):
+def test_bad_config_fails_before_any_work(tmp_path, make_args):
     with pytest.raises(ValueError, match=r"grpo_density=2.*\(0, 1\]"):
         make_args(tmp_path, grpo_density=2.0)
     with pytest.raises(ValueError, match="0 < min <= 1 <= max"):
@@ -204,7 +195,7 @@ def test_bad_config_fails_before_any_work(tmp_path):
         GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path, grpo_groups=str(bad)), train_dataset=token_dataset())
 
 
-def test_fsdp1_and_deepspeed_blocks_are_refused_by_the_trainer(tmp_path):
+def test_fsdp1_and_deepspeed_blocks_are_refused_by_the_trainer(tmp_path, make_args):
     # a plain TrainingArguments (no GRPOConfig checks) set after validation: the trainer refuses before any work
     args = make_args(tmp_path)
     args.fsdp, args.fsdp_config = True, {"version": 1}
@@ -256,7 +247,7 @@ def test_mixin_in_front_of_trl_sft_trainer(tmp_path):
     assert "grpo/lr_scale/ffn" in train_logs(trainer)[-1]
 
 
-def test_single_process_compression_preview_counts_bytes(tmp_path):
+def test_single_process_compression_preview_counts_bytes(tmp_path, make_args):
     args = make_args(tmp_path, max_steps=6, grpo_compression="sparse+quantize", grpo_min_compress_numel=256)
     trainer = GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
     assert trainer.grpo_compression == "sparse+quantize" and trainer.grpo_comm_state is not None
@@ -269,7 +260,7 @@ def test_single_process_compression_preview_counts_bytes(tmp_path):
     assert any(r.abs().sum() > 0 for r in trainer.grpo_comm_state.state_dict()["residuals"].values())
 
 
-def test_auto_compression_is_off_on_one_process(tmp_path):
+def test_auto_compression_is_off_on_one_process(tmp_path, make_args):
     trainer = GRPOTrainer(model=tiny_llama(), args=make_args(tmp_path, max_steps=2), train_dataset=token_dataset())
     assert trainer.grpo_compression == "none" and trainer.grpo_comm_state is None
     trainer.train()
@@ -277,7 +268,7 @@ def test_auto_compression_is_off_on_one_process(tmp_path):
 
 
 @pytest.mark.parametrize("importance", [False, True])
-def test_lr_ratios_scale_their_groups_and_keep_weight_decay(tmp_path, importance):
+def test_lr_ratios_scale_their_groups_and_keep_weight_decay(tmp_path, importance, make_args):
     """A static ratio multiplies the group's scheduled LR; the importance multipliers stay normalized on their own."""
     args = make_args(
         tmp_path,
@@ -308,7 +299,7 @@ def test_lr_ratios_scale_their_groups_and_keep_weight_decay(tmp_path, importance
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(trainer.lr_scheduler.get_last_lr()[0])
 
 
-def test_group_file_lr_ratio_wins_over_the_config(tmp_path):
+def test_group_file_lr_ratio_wins_over_the_config(tmp_path, make_args):
     groups = tmp_path / "groups.json"
     groups.write_text('{"groups": [{"name": "emb", "pattern": "embed_tokens", "lr_ratio": 2.5}]}')
     args = make_args(tmp_path, max_steps=1, grpo_groups=str(groups), grpo_lr_ratios={"emb": 7, "default": 0.5})
@@ -317,12 +308,12 @@ def test_group_file_lr_ratio_wins_over_the_config(tmp_path):
 
 
 @pytest.mark.parametrize("bad", ['{"x": 0}', '{"x": -1}', '{"x": "fast"}', "[1, 2]", "{not json"])
-def test_bad_lr_ratios_are_refused(tmp_path, bad):
+def test_bad_lr_ratios_are_refused(tmp_path, bad, make_args):
     with pytest.raises(ValueError, match="grpo_lr_ratios"):
         make_args(tmp_path, grpo_lr_ratios=bad)
 
 
-def test_coherence_importance_follows_gradient_momentum_agreement(tmp_path):
+def test_coherence_importance_follows_gradient_momentum_agreement(tmp_path, make_args):
     args = make_args(tmp_path, max_steps=8, grpo_importance_score="coherence")
     trainer = GRPOTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
     trainer.train()
@@ -337,7 +328,7 @@ def test_coherence_importance_follows_gradient_momentum_agreement(tmp_path):
     assert weighted == pytest.approx(1.0, abs=1e-9)
 
 
-def test_model_init_trains_the_model_it_builds_with_compression(tmp_path):
+def test_model_init_trains_the_model_it_builds_with_compression(tmp_path, make_args):
     built = []
 
     def model_init():
@@ -360,7 +351,7 @@ def test_model_init_trains_the_model_it_builds_with_compression(tmp_path):
     assert residuals and trainer.grpo_comm_state.step == 6 and any(v.abs().sum() > 0 for v in residuals.values())
 
 
-def test_hyperparameter_search_trains_every_trial(tmp_path):
+def test_hyperparameter_search_trains_every_trial(tmp_path, make_args):
     built = []
 
     def model_init(trial):
@@ -383,7 +374,7 @@ def test_hyperparameter_search_trains_every_trial(tmp_path):
         assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters()), "a trial trained nothing"
 
 
-def test_user_optimizer_spanning_groups_is_refused_when_ratios_ask_for_one_lr_per_group(tmp_path):
+def test_user_optimizer_spanning_groups_is_refused_when_ratios_ask_for_one_lr_per_group(tmp_path, make_args):
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # one param group over every GRPO group
     args = make_args(tmp_path, grpo_importance=False, grpo_lr_ratios={"ffn": 2})
@@ -404,7 +395,7 @@ class RegressionModule(torch.nn.Module):
         return {"loss": torch.nn.functional.mse_loss(self.fc(x).squeeze(-1), y)}
 
 
-def test_a_plain_module_without_config_trains_and_checkpoints(tmp_path):
+def test_a_plain_module_without_config_trains_and_checkpoints(tmp_path, make_args):
     x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
     data = Dataset.from_dict({"x": x.tolist(), "y": x.sum(1).tolist()})
     args = make_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, grpo_importance=False)

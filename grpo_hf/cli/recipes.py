@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import RecipeError
-from ..harness.recipe_files import builtin_recipe_values, read_recipe
+from ..harness.recipe_files import builtin_recipe_values, read_recipe, recipe_context
 
 
 _FIELDS_HELP = (
@@ -123,9 +123,9 @@ def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | No
 
 
 def _compare_and_report(args, title: str, where: str) -> int:
-    from ..harness.build import TRAINER_KINDS
     from ..harness.compare import compare
     from ..harness.report import print_table, write_report
+    from ..harness.trainers import TRAINER_KINDS
 
     model_args, data_args, training_args = args.model_args, args.data_args, args.training_args
     command = _command_line(args.argv)
@@ -138,7 +138,8 @@ def _compare_and_report(args, title: str, where: str) -> int:
         f"{title}: {model_args.model_name_or_path}, {training_args.max_steps} steps per trainer, output in "
         f"{training_args.output_dir}"
     )
-    results = compare(model_args, data_args, training_args, progress=phases, where=where)
+    with recipe_context(where):  # the data's errors name the recipe
+        results = compare(model_args, data_args, training_args, progress=phases)
     phases("writing report")
     results["wall_seconds"] = phases.elapsed()
     paths = write_report(results, training_args.output_dir, command=command)
@@ -247,7 +248,8 @@ def train_command(args) -> int:
     phases(
         f"train {args.recipe} with {args.trainer}: {model_args.model_name_or_path}, {training_args.max_steps} steps"
     )
-    prepared = prepare(model_args, data_args, progress=phases, where=args.recipe)
+    with recipe_context(args.recipe):  # the data's errors name the recipe
+        prepared = prepare(model_args, data_args, progress=phases)
     row = run_training(
         model_args, data_args, training_args, args.trainer, prepared=prepared, progress=phases, save_model=True
     )

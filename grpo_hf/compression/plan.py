@@ -1,9 +1,8 @@
 """The one place compression settings are decided: arguments + groups -> `{parameter name: CodecSpec | None}`."""
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 
+from ..grouping import ParameterGroup, assign_groups, load_group_spec
 from .spec import (
     COMM_MODE_CHOICES,
     COMPRESSION_CHOICES,
@@ -13,10 +12,6 @@ from .spec import (
     SUPPORTED_BITS,
     CodecSpec,
 )
-
-
-if TYPE_CHECKING:
-    from ..grouping import ParameterGroup
 
 
 DEFAULT_MIN_NUMEL = 4096
@@ -105,8 +100,6 @@ def compression_plan(
     if str(bits) != "auto" and int(bits) not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r}: use one of {SUPPORTED_BITS} or 'auto'.")
     if groups is None:
-        from ..grouping import assign_groups, load_group_spec
-
         groups = assign_groups(model, load_group_spec("semantic"))
     sparse, quantize = "sparse" in compression, "quantize" in compression
     owners = parameter_modules(model)

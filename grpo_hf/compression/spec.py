@@ -3,16 +3,19 @@
 import math
 from dataclasses import dataclass
 
+from ..choices import (  # noqa: F401 - the values of the settings, re-exported with what they mean here
+    BITS_CHOICES,
+    COMM_MODE_CHOICES,
+    COMPRESSION_CHOICES,
+    DEFAULT_BITS,
+    DEFAULT_DENSITY,
+    DEFAULT_MODE,
+    MODES,
+    SUPPORTED_BITS,
+)
 
-SUPPORTED_BITS = (2, 4, 8, 16, 32)
-BITS_CHOICES = ("auto", *(str(bits) for bits in SUPPORTED_BITS))
-COMPRESSION_CHOICES = ("auto", "none", "sparse", "quantize", "sparse+quantize")
-MODES = ("allgather", "allreduce")
-COMM_MODE_CHOICES = ("auto", *MODES)
+
 DEFAULT_BLOCK_SIZE = 128
-DEFAULT_DENSITY = 0.15  # the article's top 15%, used when compression includes "sparse"
-DEFAULT_BITS = "8"
-DEFAULT_MODE = "auto"
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -13,7 +13,42 @@ from .flops import _device
 
 
 @dataclass
-class CostSettings:
+class CostFields:
+    """
+    The `cost_*` fields, declared once with their command-line help: [`CostSettings`] checks them,
+    [`~grpo_hf.GRPOConfig`] inherits them (see [`CostSettings`] for what each one does).
+    """
+
+    cost_gpu_hour_usd: float = field(
+        default=2.0, metadata={"help": "Price of one device-hour in USD (machine-hour on CPU)."}
+    )
+    cost_energy_kwh_usd: float = field(default=0.15, metadata={"help": "Price of one kWh in USD."})
+    cost_pue: float = field(
+        default=1.4, metadata={"help": "Power usage effectiveness of the data center (cooling = energy * (PUE - 1))."}
+    )
+    cost_device_power_watts: float | None = field(
+        default=None, metadata={"help": "Power draw used when energy cannot be measured (labeled 'estimated')."}
+    )
+    cost_link_gbps: float = field(
+        default=10.0, metadata={"help": "Link speed in Gbit/s used to project communication time."}
+    )
+    cost_num_workers: int | None = field(
+        default=None, metadata={"help": "Worker count for communication projections (default: the world size)."}
+    )
+    cost_peak_tflops: float | None = field(
+        default=None, metadata={"help": "Peak TFLOPS of the device for MFU (default: a table of known devices)."}
+    )
+    cost_grid_gco2_per_kwh: float = field(
+        default=475.0,
+        metadata={
+            "help": "Carbon intensity of the electricity in gCO2eq/kWh, for co2_eq_emissions in model cards when "
+            "energy was measured (default: a world average; set your grid's)."
+        },
+    )
+
+
+@dataclass
+class CostSettings(CostFields):
     r"""
     Prices and hardware assumptions of the cost model. The field names are those of the matching
     [`GRPOConfig`] fields, so [`CostSettings.from_args`] reads them from any [`~transformers.TrainingArguments`]
@@ -50,18 +85,9 @@ class CostSettings:
             in the table.
         cost_grid_gco2_per_kwh (`float`, *optional*, defaults to `475.0`):
             Carbon intensity of the electricity in grams of CO2-equivalent per kWh, used for `co2_eq_emissions` in
-            model cards ([`~grpo_hf.hub`]) when the energy was measured: `grams = energy_kwh · cost_pue ·
+            model cards ([`~grpo_hf.model_card`]) when the energy was measured: `grams = energy_kwh · cost_pue ·
             cost_grid_gco2_per_kwh`. The default is a world average (IEA, 2019); set your grid's figure.
     """
-
-    cost_gpu_hour_usd: float = 2.0
-    cost_energy_kwh_usd: float = 0.15
-    cost_pue: float = 1.4
-    cost_device_power_watts: float | None = None
-    cost_link_gbps: float = 10.0
-    cost_num_workers: int | None = None
-    cost_peak_tflops: float | None = None
-    cost_grid_gco2_per_kwh: float = 475.0
 
     def __post_init__(self):
         # `not (x >= 0)` also rejects NaN.
@@ -110,7 +136,7 @@ class CostSettings:
         Read the settings from an object with `cost_*` attributes (e.g. a [`GRPOConfig`]); missing attributes take
         their defaults, so a plain [`~transformers.TrainingArguments`] works.
         """
-        return cls(**{f.name: getattr(args, f.name, f.default) for f in fields(cls)})
+        return cls(**{f.name: getattr(args, f.name, f.default) for f in fields(CostFields)})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

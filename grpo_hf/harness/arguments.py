@@ -1,15 +1,20 @@
-"""The recipe arguments: which model to fine-tune and how ([`ModelArguments`]), on which data ([`DataArguments`]).
+"""The recipe arguments: which model to fine-tune and how ([`ModelArguments`]), on which data ([`DataArguments`]),
+and how to train ([`RecipeConfig`]: [`~grpo_hf.GRPOConfig`] plus the fields only the `grpo-hf` commands read).
 
-With [`~grpo_hf.GRPOConfig`] they make a recipe; [`~grpo_hf.harness.parser.RecipeParser`] reads them from a YAML file
+Together they make a recipe; [`~grpo_hf.harness.parser.RecipeParser`] reads them from a YAML file
 and the command line. `__post_init__` checks each field alone; [`~grpo_hf.harness.parser.check_recipe`] checks them
 together and the data itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+
+from ..config import GRPOConfig
+from ..errors import ConfigError
 
 
 KINDS = ("source", "docstrings")
@@ -111,8 +116,8 @@ class ModelArguments:
 class DataArguments:
     r"""
     The data: the running interpreter's standard library (the default, split per file by a hash of its path, see
-    [`~grpo_hf.harness.data.build_lm_datasets`]), or your own data through 🤗 Datasets (`dataset_name`, see
-    [`~grpo_hf.harness.user_data`]).
+    [`~grpo_hf.harness.corpus.build_lm_datasets`]), or your own data through 🤗 Datasets (`dataset_name`, see
+    [`~grpo_hf.harness.datasets`]).
 
     Example:
 
@@ -258,6 +263,76 @@ class DataArguments:
             )
 
 
+@dataclass
+class RecipeConfig(GRPOConfig):
+    r"""
+    The training arguments of a recipe: every field of [`~grpo_hf.GRPOConfig`] plus those only the `grpo-hf` commands
+    read (`GRPOTrainer` ignores them, as the Trainer ignores fields it does not know).
+
+    Example:
+
+    ```python
+    >>> from grpo_hf.harness.arguments import RecipeConfig
+    >>> RecipeConfig(output_dir="out", max_steps=20, cost_noise_rounds=0)
+    ```
+
+    Args:
+        overwrite_output_dir (`bool`, *optional*, defaults to `False`):
+            The `grpo-hf` commands refuse an `output_dir` that holds another run's results, saved model or checkpoints
+            unless they resume (`--resume_from_checkpoint last`); `True` deletes that run's files and checkpoints
+            instead. [`~grpo_hf.GRPOTrainer`] itself follows the Trainer and writes into an existing folder
+            (transformers 5 dropped this `TrainingArguments` field; it has its old name here).
+        cost_noise_rounds (`int`, *optional*, defaults to `2`):
+            Comparisons only ([`~grpo_hf.harness.compare.compare`]): rounds of short timed windows of both trainers,
+            interleaved, that measure the noise of the time, energy and money ratios of a comparison (0: not measured).
+        cost_noise_window_steps (`int`, *optional*, defaults to `4`):
+            Optimizer steps of each timed window (at least 3: the first 2 steps of a window are left out of its rates).
+    """
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "grpo-hf commands: train into an output_dir that holds another run's results, model or checkpoints, "
+            "deleting them (without it the command refuses such a folder unless resuming, e.g. "
+            "--resume_from_checkpoint last). GRPOTrainer itself writes into an existing folder, as the Trainer does."
+        },
+    )
+    cost_noise_rounds: int = field(
+        default=2,
+        metadata={
+            "help": "Comparisons (grpo-hf compare/quickstart) only: rounds of short timed windows of both trainers, "
+            "interleaved, that measure the noise of the time, energy and money ratios; 0 turns the measurement off."
+        },
+    )
+    cost_noise_window_steps: int = field(
+        default=4, metadata={"help": "Optimizer steps of each timed window of the noise measurement (at least 3)."}
+    )
+
+    def __post_init__(self):
+        if not isinstance(self.overwrite_output_dir, bool):
+            raise ConfigError(f"overwrite_output_dir={self.overwrite_output_dir!r}: use true or false.")
+        for name in ("cost_noise_rounds", "cost_noise_window_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name}={value!r}: use a whole number.")
+        if self.cost_noise_rounds < 0:
+            raise ConfigError(
+                f"cost_noise_rounds={self.cost_noise_rounds}: use 0 (no noise measurement) or more, e.g. 2."
+            )
+        if self.cost_noise_window_steps < 3:
+            raise ConfigError(
+                f"cost_noise_window_steps={self.cost_noise_window_steps}: use at least 3 (the first 2 steps of a window "
+                "are left out of its rates)."
+            )
+        super().__post_init__()
+
+
+def recipe_field_names() -> list[str]:
+    """The fields [`RecipeConfig`] adds to [`~grpo_hf.GRPOConfig`], in order."""
+    base = {f.name for f in dataclasses.fields(GRPOConfig)}
+    return [f.name for f in dataclasses.fields(RecipeConfig) if f.name not in base]
+
+
 __all__ = [
     "BERT_LORA_TARGETS",
     "CAUSAL_LM_MODELS",
@@ -269,4 +344,6 @@ __all__ = [
     "TASKS",
     "DataArguments",
     "ModelArguments",
+    "RecipeConfig",
+    "recipe_field_names",
 ]

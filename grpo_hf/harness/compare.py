@@ -28,19 +28,13 @@ from ..checkpoints import resolve_resume_checkpoint
 from ..config import grpo_field_names
 from ..errors import RecipeError
 from ..provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
-from .arguments import DataArguments, ModelArguments
-from .build import (
-    LABELS,
-    TRAINER_KINDS,
-    Prepared,
-    build_model,
-    plain_training_arguments,
-    prepare,
-    report_progress,
-)
+from .arguments import DataArguments, ModelArguments, recipe_field_names
+from .build import Prepared, prepare, report_progress
 from .evaluation import evaluate_accuracy, evaluate_perplexity, reset_peak_memory
+from .models import build_model
 from .noise import measure_timing_noise, timed_ratio_noise
 from .table import compute_ratios
+from .trainers import LABELS, TRAINER_KINDS, comm_workers, make_trainer
 
 
 def recipe_summary(model_args: ModelArguments, data_args: DataArguments, args) -> dict[str, Any]:
@@ -50,7 +44,8 @@ def recipe_summary(model_args: ModelArguments, data_args: DataArguments, args) -
             "model": dataclasses.asdict(model_args),
             "data": dataclasses.asdict(data_args),
             "training": {k: getattr(args, k) for k in SUMMARY_TRAINING_KEYS},
-            "grpo": {k: getattr(args, k) for k in grpo_field_names()},
+            # the commands' own fields too, as before they left GRPOConfig
+            "grpo": {k: getattr(args, k) for k in grpo_field_names() + recipe_field_names() if hasattr(args, k)},
         }
     )
 
@@ -225,7 +220,7 @@ def run_training(
 
     1. builds the tokenizer and the datasets ([`~grpo_hf.harness.build.prepare`]: your data, or the Python standard
        library corpus), unless `prepared` holds them;
-    2. loads the model ([`~grpo_hf.harness.build.build_model`]: a causal LM, or a classifier for
+    2. loads the model ([`~grpo_hf.harness.models.build_model`]: a causal LM, or a classifier for
        `task="sequence_classification"`) and wraps it with a LoRA adapter (`lora_r > 0`), the adapter initialized
        from the run's seed, so both trainers of a comparison start from the same weights;
     3. evaluates the held-out quality with the offline `evaluate` metrics: perplexity
@@ -244,13 +239,14 @@ def run_training(
 
     Args:
         model_args ([`ModelArguments`]), data_args ([`DataArguments`]), args ([`~grpo_hf.GRPOConfig`]):
-            The recipe. The plain `Trainer` gets [`plain_training_arguments`]`(args)`; the cost settings (`cost_*`)
+            The recipe. The plain `Trainer` gets
+            [`~grpo_hf.harness.trainers.plain_training_arguments`]`(args)`; the cost settings (`cost_*`)
             price both runs alike.
         trainer_kind (`str`, *optional*, defaults to `"grpo"`):
             `"trainer"` or `"grpo"`.
         prepared ([`Prepared`], *optional*):
-            Tokenizer, datasets and the perplexity before training, shared by the runs of a comparison; built (and
-            the perplexity before measured, then stored in it) when missing.
+            Tokenizer, datasets and the quality before training, shared by the runs of a comparison; built when
+            missing (and the quality before measured when it holds none; `prepared` itself is left as it is).
         progress (`Callable[[str], None]`, *optional*, defaults to `print`):
             Receives one line per phase (`"loading model"`, `"evaluating before"`, `"training Trainer"`, ...).
         output_dir (`str`, *optional*):
@@ -265,16 +261,14 @@ def run_training(
         `total_usd / accuracy_after`), the loss curve, the per-group LR multipliers, the bytes of every step, the cost
         assumptions and the distributed set-up.
     """
-    from torch.nn.parallel import DistributedDataParallel
-    from transformers import Trainer
+    return _run_training(model_args, data_args, args, trainer_kind, prepared, progress, output_dir, save_model)[0]
 
-    from ..cost import CostSettings, comm_time_seconds, cost_per_quality
-    from ..cost.callback import CostCallback
-    from ..trainer import GRPOTrainer
 
-    if trainer_kind not in TRAINER_KINDS:
-        raise ValueError(f"trainer_kind={trainer_kind!r}: use one of {TRAINER_KINDS}.")
-    label = LABELS[trainer_kind]
+def _run_training(model_args, data_args, args, kind, prepared, progress, output_dir, save_model):
+    """[`run_training`]'s phases; returns the row and the quality before training (measured if `prepared` had none)."""
+    if kind not in TRAINER_KINDS:
+        raise ValueError(f"trainer_kind={kind!r}: use one of {TRAINER_KINDS}.")
+    label = LABELS[kind]
     if prepared is None:
         prepared = prepare(model_args, data_args, progress)
     check_train_batches(len(prepared.train_dataset), args)
@@ -286,36 +280,54 @@ def run_training(
     report_progress(progress, f"loading model ({label})")
     model, _ = build_model(model_args, data_args, seed=args.seed, tokenizer=prepared.tokenizer, labels=prepared.labels)
     model.to(args.device)
+    eval_before = prepared.eval_before
+    if eval_before is None:
+        report_progress(progress, "evaluating before")
+        eval_before = evaluate_quality(model, prepared, args)
+    run = _measured_trainer(kind, args, model, prepared, data_args.seq_len)
+    timing = _train(run, kind, args, output_dir, progress, label)
+    report_progress(progress, f"evaluating after ({label})")
+    eval_after = evaluate_quality(model, prepared, args)
+    if save_model:
+        run.trainer.save_model(output_dir)
+    row = _row(run, kind, args, timing, quality_fields(eval_before, eval_after), eval_after)
+    run.trainer.accelerator.free_memory()
+    del run, model
+    gc.collect()
+    return jsonable(row), eval_before
+
+
+@dataclasses.dataclass
+class _MeasuredTrainer:
+    """A run's trainer with what measures it: its cost callback, the bytes recorder and the workers counted."""
+
+    trainer: Any
+    cost: Any
+    recorder: CommBytesCallback
+    world: int
+    comm_mode: str
+    trainable: int
+    total_params: int
+
+
+def _measured_trainer(kind: str, args, model, prepared: Prepared, seq_len: int) -> _MeasuredTrainer:
+    """[`~grpo_hf.harness.trainers.make_trainer`] with a [`CommBytesCallback`] and a compact progress line."""
+    from ..cost import CostSettings
+
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total_params = sum(p.numel() for p in model.parameters())
-    if prepared.eval_before is None:
-        report_progress(progress, "evaluating before")
-        prepared.eval_before = evaluate_quality(model, prepared, args)
-
-    settings = CostSettings.from_args(args)
-    world = settings.cost_num_workers or (args.world_size if args.world_size > 1 else 2)
-    common = dict(
-        model=model,
-        train_dataset=prepared.train_dataset,
-        processing_class=prepared.tokenizer,
-        data_collator=prepared.collator,
-    )
-    if trainer_kind == "trainer":
-        per_step = dense_allreduce_bytes_per_step(trainable, world)
-        recorder = CommBytesCallback(per_step)
-        cost = CostCallback(settings, seq_len=data_args.seq_len)
-        trainer = Trainer(args=plain_training_arguments(args), callbacks=[cost, recorder], **common)
+    world = comm_workers(args, CostSettings.from_args(args))
+    if kind == "trainer":
+        recorder = CommBytesCallback(dense_allreduce_bytes_per_step(trainable, world))
+        trainer, cost, world = make_trainer(kind, args, model, prepared, seq_len=seq_len, callbacks=[recorder])
         comm_mode = f"dense fp32 all-reduce (W={world})"
     else:
-        trainer = GRPOTrainer(args=args, **common)
-        cost = trainer.cost_callback
+        recorder = CommBytesCallback()
+        trainer, cost, world = make_trainer(kind, args, model, prepared, callbacks=[recorder])
         comm_state = trainer.grpo_comm_state
-        if comm_state is not None:  # bytes one of W workers would send (GRPOCommState counts W=2 by default)
-            comm_state.simulated_world_size = world
-        recorder = CommBytesCallback(
-            dense_allreduce_bytes_per_step(trainable, world) if comm_state is None else None, comm_state
-        )
-        trainer.add_callback(recorder)
+        recorder.comm_state = comm_state
+        if comm_state is None:
+            recorder.bytes_per_step = dense_allreduce_bytes_per_step(trainable, world)
         density = f"density {args.grpo_density:g}, " if "sparse" in trainer.grpo_compression else ""
         comm_mode = (
             f"{trainer.grpo_compression} ({comm_state.mode}, W={world}, {density}bits {args.grpo_bits}, error feedback)"
@@ -323,24 +335,32 @@ def run_training(
             else f"dense fp32 all-reduce (W={world}, grpo_compression={trainer.grpo_compression})"
         )
     _use_compact_progress(trainer)
+    return _MeasuredTrainer(trainer, cost, recorder, world, comm_mode, trainable, total_params)
 
+
+def _train(run: _MeasuredTrainer, kind: str, args, output_dir: str, progress, label: str) -> dict[str, Any]:
+    """Train (resuming as the recipe says) and time it: the train output, wall seconds, load average, memory reset."""
     memory_reset = reset_peak_memory(args.device)
     report_progress(progress, f"training {label}")
     start = time.perf_counter()
     resume = args.resume_from_checkpoint  # GRPOTrainer resolves "last" itself; the plain Trainer does not know it
-    if trainer_kind == "trainer":
+    if kind == "trainer":
         resume = resolve_resume_checkpoint(output_dir, resume, grpo=False)
-    output = trainer.train(resume_from_checkpoint=resume)
+    output = run.trainer.train(resume_from_checkpoint=resume)
     wall = time.perf_counter() - start
     load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    summary = cost.summary()
+    return {"output": output, "wall": wall, "load_average": load_average, "memory_reset": memory_reset}
+
+
+def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, eval_after: dict) -> dict[str, Any]:
+    """One row of the comparison (see [`run_training`])."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..cost import CostSettings, comm_time_seconds, cost_per_quality
+
+    trainer, world, trainable = run.trainer, run.world, run.trainable
+    summary = run.cost.summary()
     metrics = summary["metrics"]
-
-    report_progress(progress, f"evaluating after ({label})")
-    eval_after = evaluate_quality(model, prepared, args)
-    if save_model:
-        trainer.save_model(output_dir)
-
     history = [dict(h) for h in trainer.state.log_history]
     loss_curve = [(h["step"], h["loss"]) for h in history if "loss" in h]
     lr_scales: dict[str, list] = {}
@@ -348,32 +368,32 @@ def run_training(
         for key, value in h.items():
             if key.startswith("grpo/lr_scale/"):
                 lr_scales.setdefault(key.removeprefix("grpo/lr_scale/"), []).append((h["step"], value))
-    comm_bytes = float(sum(recorder.per_step))
+    comm_bytes = float(sum(run.recorder.per_step))
     steps = trainer.state.global_step
     row: dict[str, Any] = {
-        "name": trainer_kind,
-        "label": label,
-        **quality_fields(prepared.eval_before, eval_after),
-        "train_loss": loss_curve[-1][1] if loss_curve else output.training_loss,
-        "train_loss_mean": output.training_loss,
+        "name": kind,
+        "label": LABELS[kind],
+        **quality,
+        "train_loss": loss_curve[-1][1] if loss_curve else timing["output"].training_loss,
+        "train_loss_mean": timing["output"].training_loss,
         "steps": steps,
-        "train_seconds": metrics.get("cost/train_seconds", wall),
-        "train_wall_seconds": wall,
+        "train_seconds": metrics.get("cost/train_seconds", timing["wall"]),
+        "train_wall_seconds": timing["wall"],
         "tokens": metrics.get("cost/tokens"),
         "tokens_per_second": metrics.get("cost/tokens_per_second"),
         "peak_memory_gb": metrics.get("cost/peak_memory_gb"),
-        "peak_memory_reset": memory_reset,
+        "peak_memory_reset": timing["memory_reset"],
         # 1-minute load average at the end of training: above the core count, other processes shared the CPUs and
         # the times (and the estimated energy and cost) are inflated.
-        "load_average": load_average,
+        "load_average": timing["load_average"],
         "trainable_params": trainable,
-        "total_params": total_params,
-        "comm_mode": comm_mode,
+        "total_params": run.total_params,
+        "comm_mode": run.comm_mode,
         "comm_workers": world,
         "comm_bytes": comm_bytes,
         "comm_bytes_per_step": comm_bytes / steps if steps else 0.0,
         "comm_bytes_dense_fp32": dense_allreduce_bytes_per_step(trainable, world) * steps,
-        "comm_seconds_projected": comm_time_seconds(comm_bytes, settings.cost_link_gbps),
+        "comm_seconds_projected": comm_time_seconds(comm_bytes, CostSettings.from_args(args).cost_link_gbps),
         "energy_kwh": metrics.get("cost/energy_kwh"),
         "energy_source": metrics.get("cost/energy_source"),
         "energy_estimated": bool(metrics.get("cost/energy_estimated")),
@@ -384,12 +404,12 @@ def run_training(
         "cost_per_quality": _cost_per_quality(cost_per_quality, metrics.get("cost/total_usd"), eval_after),
         "loss_curve": loss_curve,
         "lr_scales": lr_scales,
-        "bytes_per_step": list(recorder.per_step),
+        "bytes_per_step": list(run.recorder.per_step),
         "cost_assumptions": summary["assumptions"],
         "world_size": args.world_size,
         "ddp_wrapped": isinstance(trainer.model_wrapped, DistributedDataParallel),
     }
-    if trainer_kind == "grpo":
+    if kind == "grpo":
         row["groups"] = {g.name: g.numel for g in trainer.grpo_groups}
         if trainer.grpo_comm_state is not None:
             row["comm_totals"] = trainer.grpo_comm_state.totals()
@@ -398,10 +418,7 @@ def run_training(
             row["comm_ratio_fp32"] = row["comm_bytes_dense_fp32"] / comm_bytes if comm_bytes else None
     else:
         row["comm_ratio_fp32"] = 1.0
-    trainer.accelerator.free_memory()
-    del trainer, model
-    gc.collect()
-    return jsonable(row)
+    return row
 
 
 def compare(
@@ -410,7 +427,6 @@ def compare(
     args,
     progress: Callable[[str], None] | None = print,
     kinds: tuple[str, ...] = TRAINER_KINDS,
-    where: str = "recipe",
 ) -> dict[str, Any]:
     """
     Train the plain `Trainer` and `GRPOTrainer` on identical data, seed and steps and compare them.
@@ -421,8 +437,6 @@ def compare(
     `cost_noise_rounds > 0`, [`~grpo_hf.harness.noise.measure_timing_noise`] times interleaved windows of both trainers
     (checkpoints in `<output_dir>/noise`).
 
-    `where` (the recipe file) names the recipe in the error raised for bad data.
-
     Returns:
         `dict`: `runs` (one row per trainer, see [`run_training`]), `ratios` (GRPOTrainer / Trainer per metric, see
         [`~grpo_hf.harness.table.compute_ratios`]), `timing_noise` (the windows) and `ratio_noise` (a noise band and a
@@ -430,21 +444,13 @@ def compare(
         (corpus fingerprint, `sys.version`, sizes), `environment` and `wall_seconds`.
     """
     start = time.perf_counter()
-    prepared = prepare(model_args, data_args, progress, where=where)
+    prepared = prepare(model_args, data_args, progress)
     runs = []
     for kind in kinds:
-        runs.append(
-            run_training(
-                model_args,
-                data_args,
-                args,
-                kind,
-                prepared=prepared,
-                progress=progress,
-                output_dir=os.path.join(args.output_dir, kind),
-                save_model=True,
-            )
-        )
+        output_dir = os.path.join(args.output_dir, kind)
+        row, eval_before = _run_training(model_args, data_args, args, kind, prepared, progress, output_dir, True)
+        prepared = dataclasses.replace(prepared, eval_before=eval_before)  # measured once, shared by the next runs
+        runs.append(row)
     by_name = {r["name"]: r for r in runs}
     ratios = compute_ratios(by_name["trainer"], by_name["grpo"]) if len(by_name) == 2 else {}
     rounds = getattr(args, "cost_noise_rounds", 0) if ratios else 0

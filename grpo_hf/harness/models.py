@@ -1,9 +1,11 @@
-"""Models for recipes and tests: tiny ones built from a config, and one entry point that loads any causal LM.
+"""The models of the recipes, loaded in one place: tiny ones built from a config, any causal LM, and a recipe's model.
 
 - [`tiny_llama`], [`tiny_gpt2`], [`tiny_bert`], [`tiny_t5`]: randomly initialized models built from a config,
   small enough for a test to train them in a second.
 - [`load_causal_lm`]: one entry point for the recipes: `"smollm2-135m"`, `"tiny-llama"`, `"tiny-gpt2"`, or any
   Hub name / local path (loaded with [`~transformers.AutoModelForCausalLM`]).
+- [`build_model`]: the model of a recipe (a causal LM or a classifier), with its LoRA adapter, the same for one seed;
+  [`check_lora_targets`] checks the adapter's targets first.
 The real models loaded offline from PyPI packages (SmolLM2, MiniLM) are in [`grpo_hf.harness.offline_models`].
 
 Example:
@@ -15,9 +17,16 @@ Example:
 ```
 """
 
+import logging
+
 import torch
 
+from ..errors import RecipeError
+from .arguments import DTYPES, DataArguments, ModelArguments
 from .offline_models import SMOLLM2_NAME, ensure_pad_token, load_smollm2
+
+
+logger = logging.getLogger(__name__)
 
 
 def _check_dims(hidden_size: int, heads: int) -> None:
@@ -68,9 +77,9 @@ def tiny_llama(
         tie_word_embeddings (`bool`, *optional*, defaults to `True`):
             Tie the LM head to the input embeddings, as SmolLM2 does.
         eos_token_id (`int`, *optional*, defaults to `0`):
-            EOS id ([`~grpo_hf.harness.data.train_bpe_tokenizer`] uses 0).
+            EOS id ([`~grpo_hf.harness.corpus.train_bpe_tokenizer`] uses 0).
         pad_token_id (`int`, *optional*, defaults to `1`):
-            Padding id ([`~grpo_hf.harness.data.train_bpe_tokenizer`] uses 1).
+            Padding id ([`~grpo_hf.harness.corpus.train_bpe_tokenizer`] uses 1).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -236,7 +245,7 @@ def load_causal_lm(name_or_path: str, tokenizer=None, dtype: torch.dtype = torch
     elif name_or_path in ("tiny-llama", "tiny-gpt2"):
         vocab_size = kwargs.pop("vocab_size", 8192)
         if tokenizer is None:
-            from .data import load_stdlib_texts, train_bpe_tokenizer
+            from .corpus import load_stdlib_texts, train_bpe_tokenizer
 
             tokenizer = train_bpe_tokenizer(load_stdlib_texts(split="train"), vocab_size=vocab_size)
         builder = tiny_llama if name_or_path == "tiny-llama" else tiny_gpt2
@@ -254,7 +263,139 @@ def load_causal_lm(name_or_path: str, tokenizer=None, dtype: torch.dtype = torch
     return model, tokenizer
 
 
+# --------------------------------------------------------------------------------------------------------------
+# The model of a recipe
+# --------------------------------------------------------------------------------------------------------------
+
+
+def is_tiny(model_args: ModelArguments) -> bool:
+    """Whether the recipe's model is one of the `tiny-*` models built from a config."""
+    return model_args.model_name_or_path.startswith("tiny-")
+
+
+def _classification_model(model_args: ModelArguments, data_args: DataArguments, seed: int, tokenizer, labels):
+    """A sequence classifier with a new head of `len(labels)` classes, initialized from `seed`."""
+    from transformers import AutoModelForSequenceClassification
+
+    from .offline_models import load_minilm_for_classification
+
+    if not labels:
+        raise ValueError("A classification model needs the class names (`labels`), from `prepare(...).labels`.")
+    dtype = DTYPES[model_args.dtype]
+    id2label = dict(enumerate(labels))
+    name = model_args.model_name_or_path
+    if name == "minilm":
+        model, _ = load_minilm_for_classification(len(labels), id2label=id2label, seed=seed, dtype=dtype)
+    elif name == "tiny-bert":
+        model = tiny_bert(
+            vocab_size=len(tokenizer),
+            hidden_size=model_args.tiny_hidden_size,
+            layers=model_args.tiny_layers,
+            heads=model_args.tiny_heads,
+            seq_len=data_args.seq_len,
+            seed=seed,
+            num_labels=len(labels),
+            pad_token_id=tokenizer.pad_token_id,
+        ).to(dtype)
+        model.config.id2label, model.config.label2id = id2label, {v: k for k, v in id2label.items()}
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                name,
+                num_labels=len(labels),
+                id2label=id2label,
+                label2id={v: k for k, v in id2label.items()},
+                dtype=dtype,
+            )
+    if tokenizer is not None and model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id  # classifiers that pool the last token need it
+    return model, tokenizer
+
+
+def build_model(
+    model_args: ModelArguments, data_args: DataArguments, seed: int, tokenizer=None, labels: list[str] | None = None
+):
+    """
+    Load the recipe's model (and tokenizer) and wrap it with LoRA when `lora_r > 0`.
+
+    Causal LM ([`~grpo_hf.harness.models.load_causal_lm`]), or for `task="sequence_classification"` a classifier with a
+    new head for `labels` (MiniLM offline, a tiny BERT, or `AutoModelForSequenceClassification`); its LoRA adapter is a
+    PEFT `SEQ_CLS` one, which also trains the classification head (`modules_to_save`). The tiny models, the new head
+    and the LoRA adapter are initialized from `seed` without touching the global RNG, so two calls give identical
+    weights.
+
+    Returns:
+        `tuple[PreTrainedModel, PreTrainedTokenizerBase]`
+    """
+    classification = data_args.task == "sequence_classification"
+    if classification:
+        model, tokenizer = _classification_model(model_args, data_args, seed, tokenizer, labels)
+    else:
+        kwargs = {}
+        if is_tiny(model_args):
+            kwargs = dict(
+                hidden_size=model_args.tiny_hidden_size,
+                layers=model_args.tiny_layers,
+                heads=model_args.tiny_heads,
+                seq_len=data_args.seq_len,
+                seed=seed,
+            )
+        model, tokenizer = load_causal_lm(
+            model_args.model_name_or_path, tokenizer=tokenizer, dtype=DTYPES[model_args.dtype], **kwargs
+        )
+    if model_args.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        targets = model_args.lora_target_modules
+        check_lora_targets(model, targets)
+        config = LoraConfig(
+            r=model_args.lora_r,
+            lora_alpha=model_args.lora_alpha,
+            lora_dropout=model_args.lora_dropout,
+            target_modules=targets[0] if targets == ["all-linear"] else list(targets),
+            task_type="SEQ_CLS" if classification else "CAUSAL_LM",
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = get_peft_model(model, config)
+    model.train()
+    return model, tokenizer
+
+
+# Layer types a LoRA adapter can wrap (PEFT's LoRA layers), by class name: the names a recipe's targets can take.
+_ADAPTABLE = ("Linear", "Embedding", "Conv1D", "Conv1d", "Conv2d", "Conv3d")
+
+
+def check_lora_targets(model, targets: list[str]) -> None:
+    """
+    Check `lora_target_modules` against the model's module names as PEFT matches them (a name, or the end of one
+    after a dot), before PEFT wraps the model: a target that names no module is a typo (`qproj`).
+
+    Raises:
+        [`~grpo_hf.errors.RecipeError`]: no target names a module (PEFT would refuse the model), with the names the
+            model's adaptable layers have. One target of several that names nothing is logged as a warning.
+    """
+    if list(targets) == ["all-linear"]:
+        return
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if not unmatched:
+        return
+    layers = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ in _ADAPTABLE})
+    message = (
+        f"lora_target_modules={list(targets)}: {unmatched} name(s) no module of this {type(model).__name__}; its "
+        f"adaptable layers are named {layers} (or give ['all-linear'] for every linear layer)"
+    )
+    if len(unmatched) == len(targets):
+        raise RecipeError(message + ".")
+    logger.warning(message + "; the other targets are adapted.")
+
+
 __all__ = [
+    "build_model",
+    "check_lora_targets",
+    "is_tiny",
     "load_causal_lm",
     "tiny_bert",
     "tiny_gpt2",

@@ -134,13 +134,10 @@ def timed_ratio_noise(results: dict[str, Any], baseline: str = "trainer", candid
 
 def _timed_window(model_args, data_args, args, kind: str, prepared, steps: int, output_dir: str) -> dict:
     """Train a fresh model for `steps` optimizer steps with `kind`'s trainer and return what it cost (no evaluation)."""
-    from transformers import Trainer, default_data_collator
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from ..cost import CostSettings
-    from ..cost.callback import CostCallback
-    from ..trainer import GRPOTrainer
-    from .build import build_model, plain_training_arguments
+    from .models import build_model
+    from .trainers import make_trainer
 
     args = dataclasses.replace(
         args,
@@ -159,21 +156,7 @@ def _timed_window(model_args, data_args, args, kind: str, prepared, steps: int, 
         model_args, data_args, seed=args.seed, tokenizer=prepared.tokenizer, labels=getattr(prepared, "labels", None)
     )  # a classifier needs its class names
     model.to(args.device)
-    settings = CostSettings.from_args(args)
-    cost = CostCallback(settings, seq_len=data_args.seq_len)
-    common = dict(
-        model=model,
-        train_dataset=prepared.train_dataset,
-        processing_class=prepared.tokenizer,
-        data_collator=getattr(prepared, "collator", None) or default_data_collator,  # rows of your data are padded
-        callbacks=[cost],
-    )
-    if kind == "trainer":
-        trainer = Trainer(args=plain_training_arguments(args), **common)
-    else:
-        trainer = GRPOTrainer(args=args, **common)
-        if trainer.grpo_comm_state is not None:  # the same codec work as the full run
-            trainer.grpo_comm_state.simulated_world_size = settings.cost_num_workers or 2
+    trainer, cost, _ = make_trainer(kind, args, model, prepared, seq_len=data_args.seq_len)  # as the full run's
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     trainer.train()
@@ -222,7 +205,7 @@ def measure_timing_noise(
         `load_average`).
     """
     from ..provenance import jsonable
-    from .build import LABELS
+    from .trainers import LABELS
 
     start = time.perf_counter()
     windows = []

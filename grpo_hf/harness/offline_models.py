@@ -27,7 +27,10 @@ from pathlib import Path
 
 import torch
 
-from ..model_card import CACHE_MARKER  # the model card recognizes the cached copy by this file
+
+# The file that marks a de-quantized copy as grpo_hf's; the model card of `grpo-hf publish` recognizes the copy by it
+# (grpo_hf.hub.card.resolve_base_model).
+CACHE_MARKER = "grpo_hf_cache.json"
 
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """The one parser that reads a recipe (YAML file, then command line) into its arguments, and the recipe checks.
 
 A recipe is one flat mapping whose keys are the fields of [`~grpo_hf.harness.arguments.ModelArguments`],
-[`~grpo_hf.harness.arguments.DataArguments`] and [`~grpo_hf.GRPOConfig`] (every
-[`~transformers.TrainingArguments`] field plus `grpo_*` and `cost_*`); [`~grpo_hf.harness.recipe_files`] reads it
+[`~grpo_hf.harness.arguments.DataArguments`] and [`~grpo_hf.harness.arguments.RecipeConfig`] (every
+[`~transformers.TrainingArguments`] field plus `grpo_*` and `cost_*`, and the commands' own fields); [`~grpo_hf.harness.recipe_files`] reads it
 from a YAML file. As in TRL's
 `TrlParser`, [`RecipeParser`] is an [`~transformers.HfArgumentParser`] over the three dataclasses: the recipe's values
 become the parser's defaults (so a YAML string such as `5e-4` goes through the field's type), then the command line
@@ -35,7 +35,6 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
-from ..config import GRPOConfig
 from ..errors import RecipeError
 from .arguments import (
     BERT_LORA_TARGETS,
@@ -44,8 +43,9 @@ from .arguments import (
     DEFAULT_LORA_TARGETS,
     DataArguments,
     ModelArguments,
+    RecipeConfig,
 )
-from .recipe_files import builtin_recipe_values, hub_model_available, missing_local_path, read_recipe
+from .recipe_files import builtin_recipe_values, hub_model_available, missing_local_path, read_recipe, recipe_context
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def _none_or(convert):
 
 class RecipeParser(HfArgumentParser):
     r"""
-    An [`~transformers.HfArgumentParser`] over `(ModelArguments, DataArguments, GRPOConfig)` that takes a recipe's
+    An [`~transformers.HfArgumentParser`] over `(ModelArguments, DataArguments, RecipeConfig)` that takes a recipe's
     values as its defaults, modeled on TRL's `TrlParser`.
 
     Differences from a plain `HfArgumentParser`: no abbreviations (`--max_step` is an error, not `--max_steps`), no
@@ -86,7 +86,7 @@ class RecipeParser(HfArgumentParser):
     take no recipe pass `dataclass_types=()`.
 
     Args:
-        dataclass_types (`Iterable[type]`, *optional*, defaults to `(ModelArguments, DataArguments, GRPOConfig)`):
+        dataclass_types (`Iterable[type]`, *optional*, defaults to `(ModelArguments, DataArguments, RecipeConfig)`):
             The dataclasses whose fields become options.
         **kwargs:
             Passed to [`argparse.ArgumentParser`] (`allow_abbrev` and `exit_on_error` default to `False`).
@@ -94,7 +94,7 @@ class RecipeParser(HfArgumentParser):
 
     def __init__(self, dataclass_types=None, **kwargs):
         if dataclass_types is None:
-            dataclass_types = (ModelArguments, DataArguments, GRPOConfig)
+            dataclass_types = (ModelArguments, DataArguments, RecipeConfig)
         # Known before `HfArgumentParser.__init__` adds the options, so that `add_argument` can recognize them.
         self.field_names = [f.name for dtype in dataclass_types for f in dataclasses.fields(dtype) if f.init]
         # Fields whose default is `None` (`str | None = None`): `--field None` gives `None` for strings too. (The
@@ -123,8 +123,8 @@ class RecipeParser(HfArgumentParser):
             hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         return (
             f"{where}: unknown field(s) {', '.join(hints)}. A recipe takes the fields of ModelArguments and "
-            "DataArguments (grpo_hf.harness.arguments) and of GRPOConfig (every TrainingArguments field plus grpo_* "
-            "and cost_*)."
+            "DataArguments (grpo_hf.harness.arguments) and of RecipeConfig (GRPOConfig: every TrainingArguments "
+            "field plus grpo_* and cost_*; and overwrite_output_dir, cost_noise_rounds, cost_noise_window_steps)."
         )
 
     def set_recipe_defaults(self, values: dict[str, Any] | None, where: str = "recipe") -> None:
@@ -187,8 +187,8 @@ class RecipeParser(HfArgumentParser):
         by_type = {type(output): output for output in outputs}
         if ModelArguments in by_type and DataArguments in by_type:
             check_recipe(by_type[ModelArguments], by_type[DataArguments], where)
-        if GRPOConfig in by_type:
-            check_training_arguments(by_type[GRPOConfig], where)
+        if RecipeConfig in by_type:
+            check_training_arguments(by_type[RecipeConfig], where)
         return tuple(outputs)
 
     def parse_recipe_args(self, args: list[str] | None = None, where: str = "recipe") -> tuple:
@@ -197,7 +197,7 @@ class RecipeParser(HfArgumentParser):
         once.
 
         Returns:
-            `tuple[ModelArguments, DataArguments, GRPOConfig]`
+            `tuple[ModelArguments, DataArguments, RecipeConfig]`
 
         Raises:
             [`RecipeError`]: an unknown option, a value of the wrong type (naming the field, and the file when the
@@ -329,7 +329,7 @@ def check_value(dtype: type, field: dataclasses.Field, value, where: str = "reci
     raise RecipeError(f"{where}: {field.name}={value!r}: {problem}. Give {wanted}.")
 
 
-def check_training_arguments(args: GRPOConfig, where: str = "recipe") -> None:
+def check_training_arguments(args: RecipeConfig, where: str = "recipe") -> None:
     """
     What a recipe's training arguments would do that no one wants, checked before any model is loaded (guards for a
     person at the command line; the library follows the Trainer): a run of zero optimizer steps, batch sizes and
@@ -371,7 +371,7 @@ def recipe_error_from(err: argparse.ArgumentError, args: list[str], where: str) 
 def check_recipe(model_args: ModelArguments, data_args: DataArguments, where: str = "recipe") -> None:
     """
     Check what the model and the data of a recipe need from each other, and the data itself
-    ([`~grpo_hf.harness.user_data.check_data_arguments`]: it is loaded, its splits and columns checked), before any
+    ([`~grpo_hf.harness.datasets.check_data_arguments`]: it is loaded, its splits and columns checked), before any
     model is loaded.
 
     Raises:
@@ -394,16 +394,17 @@ def check_recipe(model_args: ModelArguments, data_args: DataArguments, where: st
             f"encoder: set lora_target_modules: {BERT_LORA_TARGETS} (or a subset)."
         )
     check_local_paths(model_args, data_args, where)
-    from .user_data import check_data_arguments
+    from .datasets import check_data_arguments
 
-    check_data_arguments(data_args, where)
+    with recipe_context(where):
+        check_data_arguments(data_args)
 
 
 def check_local_paths(model_args: ModelArguments, data_args: DataArguments, where: str = "recipe") -> None:
     """
     Check that the local paths of a recipe's model and tokenizer (`model_name_or_path`, `tokenizer_name_or_path`)
     and of its corpus (`corpus_root`) exist, and that a Hub model is in the cache when the Hub is offline, before
-    anything is loaded (`dataset_name` is checked with the data, [`~grpo_hf.harness.user_data.check_data_arguments`]).
+    anything is loaded (`dataset_name` is checked with the data, [`~grpo_hf.harness.datasets.check_data_arguments`]).
 
     Raises:
         [`RecipeError`]: naming the recipe, the field and the path.
@@ -458,7 +459,7 @@ def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
 
 def parse_recipe(values: dict[str, Any] | None, overrides: list[str] | None = None, where: str = "recipe"):
     """
-    Build `(ModelArguments, DataArguments, GRPOConfig)` from a recipe mapping and command-line overrides (which win).
+    Build `(ModelArguments, DataArguments, RecipeConfig)` from a recipe mapping and command-line overrides (which win).
 
     Raises:
         [`RecipeError`]: an unknown field (with the closest known name), a value of the wrong type, or a value the
@@ -474,7 +475,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None):
     Read a recipe YAML file and apply command-line overrides (`["--max_steps", "10", ...]`, which win).
 
     Returns:
-        `tuple[ModelArguments, DataArguments, GRPOConfig]`
+        `tuple[ModelArguments, DataArguments, RecipeConfig]`
 
     Raises:
         [`RecipeNotFoundError`]: no such file. [`RecipeError`]: the file is not a mapping, a field is unknown or a
@@ -485,7 +486,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None):
 
 
 def builtin_recipe(name: str, overrides: list[str] | None = None):
-    """`(ModelArguments, DataArguments, GRPOConfig)` of a built-in recipe (`"quickstart"`, `"tiny"`, ...)."""
+    """`(ModelArguments, DataArguments, RecipeConfig)` of a built-in recipe (`"quickstart"`, `"tiny"`, ...)."""
     return parse_recipe(builtin_recipe_values(name), overrides, where=f"built-in recipe {name!r}")
 
 

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from importlib import resources
@@ -61,10 +62,10 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
 def resolve_recipe_paths(values: Any, recipe_dir: str | os.PathLike) -> Any:
     """
     A recipe mapping whose relative `dataset_name` is looked up next to the recipe file first
-    ([`~grpo_hf.harness.user_data.resolve_recipe_path`]), so that a recipe and its data travel together.
+    ([`~grpo_hf.harness.datasets.resolve_recipe_path`]), so that a recipe and its data travel together.
     """
     if isinstance(values, dict) and isinstance(values.get("dataset_name"), str):
-        from .user_data import resolve_recipe_path
+        from .datasets import resolve_recipe_path
 
         values = dict(values, dataset_name=resolve_recipe_path(values["dataset_name"], recipe_dir))
     return values
@@ -123,11 +124,25 @@ def hub_model_available(name: str) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def recipe_context(where: str):
+    """
+    Name the recipe in the [`~grpo_hf.errors.RecipeError`]s raised inside, once, where they leave for the command line:
+    `with recipe_context("r.yaml"): prepare(...)` turns `dataset_split='x' is not a split ...` into
+    `r.yaml: dataset_split='x' is not a split ...`. The functions that check a recipe's data raise without it.
+    """
+    try:
+        yield
+    except RecipeError as err:
+        raise type(err)(f"{where}: {err}").with_traceback(err.__traceback__) from None
+
+
 __all__ = [
     "builtin_recipe_names",
     "builtin_recipe_values",
     "hub_model_available",
     "missing_local_path",
     "read_recipe",
+    "recipe_context",
     "resolve_recipe_paths",
 ]

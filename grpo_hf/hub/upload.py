@@ -3,7 +3,7 @@
 `grpo-hf publish OUTPUT_DIR --repo_id USER/NAME [--private] [--dry_run]` uploads the LoRA adapter (the whole model
 for a full fine-tune) and the tokenizer with the card of [`grpo_hf.model_card`]. In the uploaded
 `adapter_config.json`, `base_model_name_or_path` becomes the Hub id of the base (see
-[`~grpo_hf.model_card.KNOWN_BASES`]), so that `AutoPeftModelForCausalLM.from_pretrained("USER/NAME")` works for
+[`~grpo_hf.hub.card.KNOWN_BASES`]), so that `AutoPeftModelForCausalLM.from_pretrained("USER/NAME")` works for
 everyone. The token is the one `huggingface_hub` finds; the guards of [`grpo_hf.hub_guards`] keep it out of the
 upload, and a missing token, a refused one or an unreachable Hub gives one [`~grpo_hf.errors.HubError`]; the folder
 stays for a retry. Publishing never writes into or removes what it reads: the upload folder may not be, hold or lie
@@ -30,7 +30,8 @@ from huggingface_hub import HfApi, ModelCard
 from ..errors import PublishInputError
 from ..harness.table import markdown_table
 from ..hub_guards import hub_errors, refuse_token_in, require_token
-from ..model_card import HUB_ID_PATTERN, RUN_SUMMARY_FILE, build_model_card
+from ..model_card import HUB_ID_PATTERN, RUN_SUMMARY_FILE
+from .card import build_model_card
 from .folder import RESULTS_FILE, load_run
 
 
@@ -157,7 +158,7 @@ def prepare_upload_folder(
             folder published or its model folder (see [`check_upload_dir`]); a folder that exists and is not empty is
             replaced only when it is a previous upload folder.
         base_model (`str`, *optional*):
-            Hub id of the base model, when [`~grpo_hf.model_card.resolve_base_model`] cannot tell it.
+            Hub id of the base model, when [`~grpo_hf.hub.card.resolve_base_model`] cannot tell it.
 
     Returns:
         `Path`: the folder.

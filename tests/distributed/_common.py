@@ -11,6 +11,29 @@ import torch
 import torch.distributed as dist
 
 
+def worker_config(output_dir: str, **fields):
+    """
+    The `GRPOConfig` the worker scripts start from: DDP on the CPU (gloo; `use_cpu=True` is required, without it each
+    rank trains alone), 4 rows per rank, learning rate 3e-3 held constant, no checkpoints, seed 0, no reports; `fields`
+    win.
+    """
+    from grpo_hf import GRPOConfig
+
+    values = dict(
+        output_dir=output_dir,
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    return GRPOConfig(**{**values, **fields})
+
+
 def tensor_digest(tensors) -> str:
     """sha256 of the raw bytes of `tensors`, in order."""
     digest = hashlib.sha256()

@@ -19,13 +19,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _common import same_on_all_ranks, tensor_digest, write_result
+from _common import same_on_all_ranks, tensor_digest, worker_config, write_result
 from datasets import Dataset
 from testing_utils import tiny_test_llama
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
-from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf import GRPOTrainer
 
 
 SEQ_LEN = 16
@@ -47,26 +47,15 @@ def random_tokens(n=256):
 
 
 def make_args(output_dir, **overrides):
-    kwargs = dict(
-        output_dir=output_dir,
-        use_cpu=True,  # required: without it both ranks train alone, without DDP
+    fields = dict(
         max_steps=12,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
         logging_steps=4,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         grpo_min_compress_numel=256,
         grpo_dense_warmup_steps=2,
         grpo_importance=True,  # the multipliers are applied, so replicas could drift
         grpo_lr_scale_warmup_steps=2,
     )
-    kwargs.update(overrides)
-    return GRPOConfig(**kwargs)
+    return worker_config(output_dir, **{**fields, **overrides})
 
 
 def state_digests(trainer) -> dict:

@@ -16,11 +16,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _common import same_on_all_ranks, tensor_digest, write_result
+from _common import same_on_all_ranks, tensor_digest, worker_config, write_result
 from datasets import Dataset
 from testing_utils import tiny_test_llama
 
-from grpo_hf import ConfigError, GRPOConfig, GRPOTrainer
+from grpo_hf import ConfigError, GRPOTrainer
 
 
 SEQ_LEN = 16
@@ -43,27 +43,18 @@ def ds_config(stage: int) -> dict:
 
 
 def make_args(out_dir, name, stage, **overrides):
-    kwargs = dict(
-        output_dir=os.path.join(out_dir, name),
+    fields = dict(
+        use_cpu=False,  # DeepSpeed picks the device itself
         deepspeed=ds_config(stage),
         max_steps=8,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
         logging_steps=4,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         grpo_importance=True,
         grpo_lr_scale_warmup_steps=2,
         grpo_lr_scale_min=0.5,
         grpo_lr_scale_max=2.0,
         grpo_lr_ratios=RATIOS,
     )
-    kwargs.update(overrides)
-    return GRPOConfig(**kwargs)
+    return worker_config(os.path.join(out_dir, name), **{**fields, **overrides})
 
 
 class Counter(logging.Handler):

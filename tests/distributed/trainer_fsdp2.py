@@ -17,7 +17,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _common import same_on_all_ranks, tensor_digest, write_result
+from _common import same_on_all_ranks, tensor_digest, worker_config, write_result
 from datasets import Dataset
 from testing_utils import tiny_test_llama
 from torch.distributed.fsdp import FSDPModule
@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
-from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf import GRPOTrainer
 from grpo_hf.compression.fsdp import FSDPCommState, fsdp_units
 
 
@@ -43,27 +43,16 @@ def random_tokens(n=256):
 
 
 def make_args(out_dir, name, **overrides):
-    kwargs = dict(
-        output_dir=os.path.join(out_dir, name),
-        use_cpu=True,
+    fields = dict(
         max_steps=8,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
         logging_steps=4,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         grpo_importance=True,
         grpo_lr_scale_warmup_steps=2,
         grpo_lr_scale_min=0.5,
         grpo_lr_scale_max=2.0,
         grpo_lr_ratios={"norms": 0.5},
     )
-    kwargs.update(overrides)
-    return GRPOConfig(**kwargs)
+    return worker_config(os.path.join(out_dir, name), **{**fields, **overrides})
 
 
 def train(model_dir, args, resume=None):

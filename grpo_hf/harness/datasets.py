@@ -6,15 +6,15 @@ loaded, before any model is: it loads the data with [`datasets.load_dataset`] (w
 `HF_HUB_OFFLINE=1`) and raises one [`~grpo_hf.errors.RecipeError`] naming the recipe, the field and the fix when a file
 is missing, a split or column does not exist, a Hub dataset is neither reachable nor cached, or a row holds a value
 the format cannot take (every row is read, [`CHECK_BATCH_ROWS`] at a time; the error names the row). [`load_train_eval`]
-gives the train and eval [`datasets.Dataset`]s; [`grpo_hf.harness.formatting`] tokenizes them.
+gives the train and eval [`datasets.Dataset`]s; [`grpo_hf.harness.tokenization`] tokenizes them.
 
 Example:
 
 ```python
 >>> from grpo_hf.harness.arguments import DataArguments
->>> from grpo_hf.harness.user_data import check_data_arguments, load_train_eval
+>>> from grpo_hf.harness.datasets import check_data_arguments, load_train_eval
 >>> data_args = DataArguments(dataset_name="recipes/data/instructions.jsonl")
->>> check_data_arguments(data_args, where="my_recipe.yaml")  # raises RecipeError on bad data
+>>> check_data_arguments(data_args)  # raises RecipeError on bad data
 'messages'
 >>> train, evaluation = load_train_eval(data_args)
 ```
@@ -96,22 +96,22 @@ def _hub_snapshot(repo_id: str) -> str | None:
         return None
 
 
-def _check_local(name: str, where: str) -> Path:
+def _check_local(name: str) -> Path:
     path = Path(os.path.expanduser(name))
     if not path.exists():
         raise RecipeError(
-            f"{where}: dataset_name={name!r}: no such file or folder (a relative path in a recipe file is looked up "
+            f"dataset_name={name!r}: no such file or folder (a relative path in a recipe file is looked up "
             f"next to the recipe, then in the current folder {os.getcwd()}). Fix the path, or give a Hub dataset id "
             "such as 'owner/name'."
         )
     if path.is_file() and path.suffix.lower() not in DATA_EXTENSIONS:
         raise RecipeError(
-            f"{where}: dataset_name={name!r}: {path.suffix or 'no extension'} is not a data format 🤗 Datasets reads "
+            f"dataset_name={name!r}: {path.suffix or 'no extension'} is not a data format 🤗 Datasets reads "
             f"here; use one of {', '.join(DATA_EXTENSIONS)} (json/jsonl: one object per row; txt: one row per line)."
         )
     if path.is_dir() and not data_files_of(path):
         raise RecipeError(
-            f"{where}: dataset_name={name!r}: the folder holds no {', '.join(DATA_EXTENSIONS)} file. Put your data "
+            f"dataset_name={name!r}: the folder holds no {', '.join(DATA_EXTENSIONS)} file. Put your data "
             "files there (train.jsonl, test.jsonl, ...) or point dataset_name at one file."
         )
     return path
@@ -126,7 +126,7 @@ def _cause(err: BaseException) -> str:
     return messages[-1] if len(messages) == 1 else f"{messages[0]} (caused by {messages[-1]})"
 
 
-def load_dataset_dict(data_args, where: str = "recipe"):
+def load_dataset_dict(data_args):
     """
     Load `data_args.dataset_name` with [`datasets.load_dataset`] as a [`datasets.DatasetDict`] (every split).
 
@@ -142,13 +142,13 @@ def load_dataset_dict(data_args, where: str = "recipe"):
 
     name = data_args.dataset_name
     if looks_like_local_path(name):
-        path = _check_local(name, where)
+        path = _check_local(name)
         builder, files = (DATA_EXTENSIONS[path.suffix.lower()], str(path)) if path.is_file() else (str(path), None)
         try:
             return datasets.load_dataset(builder, name=data_args.dataset_config, data_files=files)
         except Exception as err:  # noqa: BLE001 - one message with the cause instead of a datasets traceback
             raise RecipeError(
-                f"{where}: dataset_name={name!r} could not be read: {_cause(err)}. Check the file's format (jsonl: one "
+                f"dataset_name={name!r} could not be read: {_cause(err)}. Check the file's format (jsonl: one "
                 "JSON object per line; csv: a header row)."
             ) from None
     try:
@@ -162,28 +162,28 @@ def load_dataset_dict(data_args, where: str = "recipe"):
                 else ""
             )
             raise RecipeError(
-                f"{where}: dataset_name={name!r} is a Hub dataset id, this machine is offline (HF_HUB_OFFLINE=1) and "
+                f"dataset_name={name!r} is a Hub dataset id, this machine is offline (HF_HUB_OFFLINE=1) and "
                 f"🤗 Datasets has no cached copy of it.{found} {_LOCAL_FILES_HINT}; or download it once on a machine "
                 f"with network (`hf download {name} --repo-type dataset --local-dir data/{name.split('/')[-1]}`) "
                 "and point dataset_name at that folder."
             ) from None
         raise RecipeError(
-            f"{where}: dataset_name={name!r} could not be loaded from the Hub ({_cause(err)}). Check the id (and "
+            f"dataset_name={name!r} could not be loaded from the Hub ({_cause(err)}). Check the id (and "
             f"dataset_config={data_args.dataset_config!r}), log in for a private dataset (`hf auth login`), or "
             f"{_LOCAL_FILES_HINT[0].lower()}{_LOCAL_FILES_HINT[1:]}."
         ) from None
 
 
-def _split(dataset_dict, split: str, field: str, where: str):
+def _split(dataset_dict, split: str, field: str):
     if split not in dataset_dict:
         raise RecipeError(
-            f"{where}: {field}={split!r} is not a split of this dataset; it has {sorted(dataset_dict)}. Set {field} "
+            f"{field}={split!r} is not a split of this dataset; it has {sorted(dataset_dict)}. Set {field} "
             "to one of them."
         )
     return dataset_dict[split]
 
 
-def detect_format(columns: list[str], data_args, where: str = "recipe") -> str:
+def detect_format(columns: list[str], data_args) -> str:
     """
     The causal-LM format of a dataset with these `columns`: `data_args.dataset_format` if set (its columns must
     exist), else the first of `messages` (`dataset_messages_field`), `prompt_completion` (`prompt` and
@@ -201,7 +201,7 @@ def detect_format(columns: list[str], data_args, where: str = "recipe") -> str:
         missing = [c for c in needed[data_args.dataset_format] if c not in columns]
         if missing:
             raise RecipeError(
-                f"{where}: dataset_format={data_args.dataset_format!r} needs the column(s) {missing}, but the data "
+                f"dataset_format={data_args.dataset_format!r} needs the column(s) {missing}, but the data "
                 f"has {columns}. Rename the fields to match (dataset_text_field, dataset_messages_field) or change "
                 "dataset_format."
             )
@@ -210,7 +210,7 @@ def detect_format(columns: list[str], data_args, where: str = "recipe") -> str:
         if all(c in columns for c in wanted):
             return kind
     raise RecipeError(
-        f"{where}: the data has the columns {columns}, none of which holds training text: set dataset_text_field "
+        f"the data has the columns {columns}, none of which holds training text: set dataset_text_field "
         f"(now {data_args.dataset_text_field!r}) to the text column, or dataset_messages_field (now "
         f"{data_args.dataset_messages_field!r}) to a column of chat messages, or give 'prompt' and 'completion' "
         "columns."
@@ -252,7 +252,7 @@ def _turns_problem(turns, completion_only: bool) -> str | None:
     return None
 
 
-def _check_rows(dataset, kind: str, data_args, where: str, split_field: str) -> None:
+def _check_rows(dataset, kind: str, data_args, split_field: str) -> None:
     """
     Check every row of one split (streamed): the value types a format needs (strings; lists of turns whose role and
     content are strings; labels that are class names or ids), and at least two classes in a classification train
@@ -271,7 +271,7 @@ def _check_rows(dataset, kind: str, data_args, where: str, split_field: str) -> 
                     if problem.startswith("has no assistant")
                     else "Fix the data, or set dataset_format to the format it has."
                 )
-                raise RecipeError(f"{where}: row {index} of column {field!r} {problem} ({split}, {counted}). {fix}")
+                raise RecipeError(f"row {index} of column {field!r} {problem} ({split}, {counted}). {fix}")
         return
     fields = {
         "text": [data_args.dataset_text_field],
@@ -285,13 +285,13 @@ def _check_rows(dataset, kind: str, data_args, where: str, split_field: str) -> 
             if field == label:
                 if value is None or isinstance(value, bool) or not isinstance(value, (str, int)):
                     raise RecipeError(
-                        f"{where}: row {index} of column {field!r} holds {_describe(value)} ({split}, {counted}): "
+                        f"row {index} of column {field!r} holds {_describe(value)} ({split}, {counted}): "
                         "labels must be strings (class names) or integers from 0 (class ids) on every row."
                     )
                 classes.add(value)
             elif not isinstance(value, str):
                 raise RecipeError(
-                    f"{where}: row {index} of column {field!r} is {_describe(value)}, not a string ({split}, "
+                    f"row {index} of column {field!r} is {_describe(value)}, not a string ({split}, "
                     f"{counted}). Fix the data, or point the field at a text column."
                 )
     if label is None:
@@ -299,23 +299,21 @@ def _check_rows(dataset, kind: str, data_args, where: str, split_field: str) -> 
     kinds = {type(value) for value in classes}
     if len(kinds) > 1:
         raise RecipeError(
-            f"{where}: column {label!r} mixes class names and class ids ({sorted(map(repr, classes))[:4]} ...) "
+            f"column {label!r} mixes class names and class ids ({sorted(map(repr, classes))[:4]} ...) "
             f"({split}): use one or the other."
         )
     negative = [value for value in classes if isinstance(value, int) and value < 0]
     if negative:
-        raise RecipeError(
-            f"{where}: column {label!r} holds the negative class id {min(negative)} ({split}): use ids from 0."
-        )
+        raise RecipeError(f"column {label!r} holds the negative class id {min(negative)} ({split}): use ids from 0.")
     if split_field == "dataset_split" and len(classes) < 2:
         raise RecipeError(
-            f"{where}: column {label!r} holds one class ({next(iter(classes))!r}) in the train split ({split}): "
+            f"column {label!r} holds one class ({next(iter(classes))!r}) in the train split ({split}): "
             "classification needs at least two classes (with one, the model would get a single-output regression "
             "head). Add rows of the other classes, or check dataset_label_field."
         )
 
 
-def check_data_arguments(data_args, where: str = "recipe") -> str | None:
+def check_data_arguments(data_args) -> str | None:
     """
     Check a recipe's data before any model is loaded: the data loads, the splits and columns exist, every row (read
     in batches) has the right types, a classification train split has at least two classes, and the settings fit the
@@ -330,21 +328,21 @@ def check_data_arguments(data_args, where: str = "recipe") -> str | None:
     """
     if data_args.dataset_name is None:
         return None
-    return _load_and_check(data_args, where)[0]
+    return _load_and_check(data_args)[0]
 
 
-def _load_and_check(data_args, where: str):
+def _load_and_check(data_args):
     """`(format, dataset_dict)` of a recipe's data, checked as [`check_data_arguments`] describes."""
-    dataset_dict = load_dataset_dict(data_args, where)
-    train = _split(dataset_dict, data_args.dataset_split, "dataset_split", where)
+    dataset_dict = load_dataset_dict(data_args)
+    train = _split(dataset_dict, data_args.dataset_split, "dataset_split")
     if data_args.dataset_eval_split is not None:
-        evaluation = _split(dataset_dict, data_args.dataset_eval_split, "dataset_eval_split", where)
+        evaluation = _split(dataset_dict, data_args.dataset_eval_split, "dataset_eval_split")
     else:
         evaluation = None
         held_out = math.ceil(len(train) * data_args.dataset_test_size)  # as `Dataset.train_test_split` counts
         if len(train) - held_out < 1:
             raise RecipeError(
-                f"{where}: holding out dataset_test_size={data_args.dataset_test_size} of {len(train)} train row(s) "
+                f"holding out dataset_test_size={data_args.dataset_test_size} of {len(train)} train row(s) "
                 "leaves none to train on: add rows, or name an eval split with dataset_eval_split."
             )
     columns = list(train.column_names)
@@ -352,33 +350,32 @@ def _load_and_check(data_args, where: str):
         missing = [c for c in (data_args.dataset_text_field, data_args.dataset_label_field) if c not in columns]
         if missing:
             raise RecipeError(
-                f"{where}: classification needs a text and a label column, but {missing} are not columns of the data "
+                f"classification needs a text and a label column, but {missing} are not columns of the data "
                 f"(it has {columns}). Set dataset_text_field and dataset_label_field."
             )
         if data_args.completion_only_loss:
             raise RecipeError(
-                f"{where}: completion_only_loss applies to causal LM data, not to task='sequence_classification'; "
-                "drop it."
+                "completion_only_loss applies to causal LM data, not to task='sequence_classification'; drop it."
             )
         kind = "classification"
     else:
-        kind = detect_format(columns, data_args, where)
+        kind = detect_format(columns, data_args)
         if kind == "text" and data_args.completion_only_loss:
             raise RecipeError(
-                f"{where}: completion_only_loss=True, but the data is plain text ({data_args.dataset_text_field!r}), "
+                f"completion_only_loss=True, but the data is plain text ({data_args.dataset_text_field!r}), "
                 "which has no completion. Give messages or prompt/completion columns, or drop completion_only_loss."
             )
     for split, dataset in (("dataset_split", train), ("dataset_eval_split", evaluation)):
         if dataset is None:
             continue
         if len(dataset) == 0:
-            raise RecipeError(f"{where}: the {split} split is empty; point the recipe at data with rows.")
+            raise RecipeError(f"the {split} split is empty; point the recipe at data with rows.")
         if split == "dataset_eval_split" and set(needed_columns(kind, data_args)) - set(dataset.column_names):
             raise RecipeError(
-                f"{where}: the eval split {data_args.dataset_eval_split!r} lacks the column(s) "
+                f"the eval split {data_args.dataset_eval_split!r} lacks the column(s) "
                 f"{sorted(set(needed_columns(kind, data_args)) - set(dataset.column_names))} the train split has."
             )
-        _check_rows(dataset, kind, data_args, where, split)
+        _check_rows(dataset, kind, data_args, split)
     return kind, dataset_dict
 
 
@@ -392,7 +389,7 @@ def needed_columns(kind: str, data_args) -> list[str]:
     }[kind]
 
 
-def load_train_eval(data_args, where: str = "recipe") -> tuple[Any, Any, dict[str, Any]]:
+def load_train_eval(data_args) -> tuple[Any, Any, dict[str, Any]]:
     """
     The train and eval [`datasets.Dataset`]s of a recipe, and a description of where they came from.
 
@@ -405,8 +402,10 @@ def load_train_eval(data_args, where: str = "recipe") -> tuple[Any, Any, dict[st
         (`"local"` or `"hub"`), `path`, `fingerprint`, `format`, `dataset_split`, `dataset_eval_split`, row counts).
     """
     if data_args.dataset_name is None:
-        raise ValueError("dataset_name is None: the standard library corpus is built by grpo_hf.harness.data instead.")
-    kind, dataset_dict = _load_and_check(data_args, where)
+        raise ValueError(
+            "dataset_name is None: the standard library corpus is built by grpo_hf.harness.corpus instead."
+        )
+    kind, dataset_dict = _load_and_check(data_args)
     train = dataset_dict[data_args.dataset_split]
     name = data_args.dataset_name
     local = looks_like_local_path(name)

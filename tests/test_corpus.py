@@ -4,7 +4,7 @@ import sys
 import numpy as np
 import pytest
 
-from grpo_hf.harness.data import (
+from grpo_hf.harness.corpus import (
     EXCLUDED_DIRS,
     build_lm_datasets,
     corpus_fingerprint,

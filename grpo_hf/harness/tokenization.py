@@ -17,7 +17,7 @@ Classification rows become `input_ids`, `attention_mask` (and `token_type_ids` f
 Example:
 
 ```python
->>> from grpo_hf.harness.formatting import build_user_datasets
+>>> from grpo_hf.harness.tokenization import build_user_datasets
 >>> train_ds, eval_ds, info = build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info)
 >>> info["train_label_tokens"], info["dropped_rows"]
 ```
@@ -40,7 +40,7 @@ CHATML_TEMPLATE = (
 )
 
 
-def ensure_chat_template(tokenizer, model_name: str, where: str = "recipe") -> None:
+def ensure_chat_template(tokenizer, model_name: str) -> None:
     """
     Make sure `tokenizer` can render messages: the byte-level BPE of a `tiny-*` model gets [`CHATML_TEMPLATE`];
     any other tokenizer without a chat template is an error.
@@ -51,13 +51,13 @@ def ensure_chat_template(tokenizer, model_name: str, where: str = "recipe") -> N
         tokenizer.chat_template = CHATML_TEMPLATE
         return
     raise RecipeError(
-        f"{where}: the data holds chat messages, but the tokenizer of {model_name!r} has no chat template. Use an "
+        f"the data holds chat messages, but the tokenizer of {model_name!r} has no chat template. Use an "
         "instruct model (e.g. SmolLM2-135M-Instruct), set tokenizer_name_or_path to a tokenizer with a template, or "
         "give the data as prompt/completion or text columns."
     )
 
 
-def assistant_spans(tokenizer, messages: list[dict], where: str = "recipe") -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """
     The rendered conversation and the character spans of its assistant turns.
 
@@ -82,7 +82,7 @@ def assistant_spans(tokenizer, messages: list[dict], where: str = "recipe") -> t
         through = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
         if not (text.startswith(before) and text.startswith(through) and len(through) >= len(before)):
             raise RecipeError(
-                f"{where}: the chat template does not render this conversation prefix by prefix (turn {index} of "
+                f"the chat template does not render this conversation prefix by prefix (turn {index} of "
                 f"{[m['role'] for m in messages]}), so its assistant turns cannot be located. Set "
                 "completion_only_loss: false to train on the whole conversation."
             )
@@ -100,7 +100,7 @@ def _mask_outside(offsets: list[tuple[int, int]], ids: list[int], spans: list[tu
 
 
 @contextlib.contextmanager
-def _template_refusals(messages: list[dict], where: str):
+def _template_refusals(messages: list[dict]):
     """A chat template's own refusal of a conversation (`raise_exception` in its Jinja code) as a `RecipeError`."""
     from jinja2 import TemplateError
 
@@ -108,29 +108,29 @@ def _template_refusals(messages: list[dict], where: str):
         yield
     except TemplateError as err:
         raise RecipeError(
-            f"{where}: the tokenizer's chat template refused a conversation with the roles "
+            f"the tokenizer's chat template refused a conversation with the roles "
             f"{[m.get('role') for m in messages]} ({type(err).__name__}: {err}). Give the turns in the order and roles "
             "the template accepts, or set tokenizer_name_or_path to a tokenizer whose template does."
         ) from None
 
 
-def tokenize_messages(tokenizer, messages: list[dict], completion_only: bool, where: str = "recipe"):
+def tokenize_messages(tokenizer, messages: list[dict], completion_only: bool):
     """One conversation as `input_ids`, `attention_mask`, `labels` (assistant turns only if `completion_only`)."""
-    with _template_refusals(messages, where):
-        return _tokenize_messages(tokenizer, messages, completion_only, where)
+    with _template_refusals(messages):
+        return _tokenize_messages(tokenizer, messages, completion_only)
 
 
-def _tokenize_messages(tokenizer, messages: list[dict], completion_only: bool, where: str):
+def _tokenize_messages(tokenizer, messages: list[dict], completion_only: bool):
     if not completion_only:
         text = tokenizer.apply_chat_template(messages, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": list(ids)}
     if not tokenizer.is_fast:
         raise RecipeError(
-            f"{where}: completion-only loss on messages needs a fast tokenizer (for character offsets); this one is "
+            f"completion-only loss on messages needs a fast tokenizer (for character offsets); this one is "
             f"{type(tokenizer).__name__}. Use a fast tokenizer, or set completion_only_loss: false."
         )
-    text, spans = assistant_spans(tokenizer, messages, where)
+    text, spans = assistant_spans(tokenizer, messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoded["input_ids"]
     labels = _mask_outside(encoded["offset_mapping"], ids, spans)
@@ -159,7 +159,7 @@ def truncate(row: dict[str, list], seq_len: int) -> dict[str, Any]:
     return cut
 
 
-def label_names(train, evaluation, field: str, where: str = "recipe") -> list[str]:
+def label_names(train, evaluation, field: str) -> list[str]:
     """
     The class names of a label column: a [`datasets.ClassLabel`]'s names; the sorted distinct strings of both splits;
     or, for integer ids, `"0"` … `str(max id)`.
@@ -174,10 +174,10 @@ def label_names(train, evaluation, field: str, where: str = "recipe") -> list[st
         return sorted(values)
     if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         if min(values) < 0:
-            raise RecipeError(f"{where}: column {field!r} holds the negative class id {min(values)}; use ids from 0.")
+            raise RecipeError(f"column {field!r} holds the negative class id {min(values)}; use ids from 0.")
         return [str(i) for i in range(max(values) + 1)]
     raise RecipeError(
-        f"{where}: column {field!r} mixes strings and integers ({sorted(map(repr, values))[:4]}...): use class names "
+        f"column {field!r} mixes strings and integers ({sorted(map(repr, values))[:4]}...): use class names "
         "or class ids, not both."
     )
 
@@ -194,7 +194,7 @@ def texts_for_tokenizer(rows, kind: str, data_args) -> list[str]:
     return list(rows[data_args.dataset_text_field])
 
 
-def _tokenize_rows(tokenizer, rows, kind: str, data_args, completion_only: bool, names, where: str):
+def _tokenize_rows(tokenizer, rows, kind: str, data_args, completion_only: bool, names):
     """Tokenize one split; returns the dataset and `(rows truncated, rows dropped)`: rows dropped for want of label
     tokens, or (classification) of any token."""
     seq_len = data_args.seq_len
@@ -209,7 +209,7 @@ def _tokenize_rows(tokenizer, rows, kind: str, data_args, completion_only: bool,
             out["labels"] = label if isinstance(label, int) else index[label]  # class ids stay, names become ids
             return out
         if kind == "messages":
-            out = tokenize_messages(tokenizer, row[data_args.dataset_messages_field], completion_only, where)
+            out = tokenize_messages(tokenizer, row[data_args.dataset_messages_field], completion_only)
         elif kind == "prompt_completion":
             out = tokenize_prompt_completion(tokenizer, row["prompt"], row["completion"], completion_only)
         else:
@@ -233,7 +233,7 @@ def _tokenize_rows(tokenizer, rows, kind: str, data_args, completion_only: bool,
 
 def build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info: dict[str, Any], model_name: str = ""):
     """
-    Tokenize the train and eval rows of [`~grpo_hf.harness.user_data.load_train_eval`].
+    Tokenize the train and eval rows of [`~grpo_hf.harness.datasets.load_train_eval`].
 
     Rows whose labels are all `-100` after truncation (a prompt longer than `seq_len`), and classification rows with
     no token (an empty text), are dropped and counted.
@@ -247,25 +247,22 @@ def build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info: dict[
     Raises:
         [`~grpo_hf.errors.RecipeError`]: no row is left in a split, or the tokenizer cannot render messages.
     """
-    where = info.get("where", "recipe")
     kind = info["format"]
     if kind != "classification" and tokenizer.eos_token_id is None:
-        raise RecipeError(f"{where}: the tokenizer has no EOS token; set tokenizer_name_or_path to one that has.")
+        raise RecipeError("the tokenizer has no EOS token; set tokenizer_name_or_path to one that has.")
     if kind == "messages":
-        ensure_chat_template(tokenizer, model_name, where)
+        ensure_chat_template(tokenizer, model_name)
     completion_only = kind in ("messages", "prompt_completion") and data_args.completion_only_loss is not False
-    names = (
-        label_names(train_rows, eval_rows, data_args.dataset_label_field, where) if kind == "classification" else None
-    )
+    names = label_names(train_rows, eval_rows, data_args.dataset_label_field) if kind == "classification" else None
     info = dict(info, completion_only_loss=completion_only, seq_len=data_args.seq_len)
     datasets = []
     for split, rows in (("train", train_rows), ("eval", eval_rows)):
-        tokenized, truncated, dropped = _tokenize_rows(tokenizer, rows, kind, data_args, completion_only, names, where)
+        tokenized, truncated, dropped = _tokenize_rows(tokenizer, rows, kind, data_args, completion_only, names)
         if len(tokenized) == 0 and kind == "classification":
-            raise RecipeError(f"{where}: no {split} row is left: every text is empty (no token). Give texts.")
+            raise RecipeError(f"no {split} row is left: every text is empty (no token). Give texts.")
         if len(tokenized) == 0:
             raise RecipeError(
-                f"{where}: no {split} row is left: every completion lies beyond seq_len={data_args.seq_len} tokens. "
+                f"no {split} row is left: every completion lies beyond seq_len={data_args.seq_len} tokens. "
                 "Raise seq_len."
             )
         lengths = [len(ids) for ids in tokenized["input_ids"]]

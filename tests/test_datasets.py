@@ -7,14 +7,14 @@ import pytest
 
 from grpo_hf.cli.main import main
 from grpo_hf.errors import RecipeError
-from grpo_hf.harness.parser import load_recipe, parse_recipe
-from grpo_hf.harness.user_data import (
+from grpo_hf.harness.datasets import (
     check_data_arguments,
     load_train_eval,
     local_fingerprint,
     looks_like_local_path,
     resolve_recipe_path,
 )
+from grpo_hf.harness.parser import load_recipe, parse_recipe
 
 
 DATA = Path(__file__).resolve().parent.parent / "recipes" / "data"
@@ -139,7 +139,7 @@ def test_the_cli_reports_bad_data_in_one_line_before_loading_a_model(tmp_path, c
         raise AssertionError("a model was loaded before the data was checked")
 
     monkeypatch.setattr(grpo_hf.harness.models, "load_causal_lm", fail)
-    monkeypatch.setattr(grpo_hf.harness.build, "build_model", fail)
+    monkeypatch.setattr(grpo_hf.harness.models, "build_model", fail)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model_name_or_path: smollm2-135m\ndataset_name: grpo-hf-tests/no-such-dataset\n")
     assert main(["train", str(recipe)]) == 2
@@ -198,14 +198,14 @@ def test_row_contents_are_checked(tmp_path):
 
 
 def test_every_row_is_checked_streamed_and_named(tmp_path, monkeypatch):
-    import grpo_hf.harness.user_data
+    import grpo_hf.harness.datasets
 
     rows = [{"text": f"row {i}"} for i in range(100)]
     rows[70]["text"] = None  # beyond the first 64 rows (all that were looked at before)
     path = write_jsonl(tmp_path / "t.jsonl", rows)
     with pytest.raises(RecipeError, match=r"row 70 of column 'text' is empty \(null\), not a string \(dataset_split="):
         data_args(dataset_name=str(path))
-    monkeypatch.setattr(grpo_hf.harness.user_data, "CHECK_BATCH_ROWS", 8)  # rows read 8 at a time: the same row
+    monkeypatch.setattr(grpo_hf.harness.datasets, "CHECK_BATCH_ROWS", 8)  # rows read 8 at a time: the same row
     with pytest.raises(RecipeError, match="row 70 of column 'text'"):
         data_args(dataset_name=str(path))
 

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from grpo_hf.errors import RecipeError
-from grpo_hf.harness.build import build_model, prepare
-from grpo_hf.harness.data import train_bpe_tokenizer
+from grpo_hf.harness.build import prepare
+from grpo_hf.harness.corpus import train_bpe_tokenizer
 from grpo_hf.harness.evaluation import evaluate_accuracy, evaluate_perplexity
-from grpo_hf.harness.formatting import (
+from grpo_hf.harness.models import build_model
+from grpo_hf.harness.parser import parse_recipe
+from grpo_hf.harness.tokenization import (
     CHATML_TEMPLATE,
     IGNORE_INDEX,
     assistant_spans,
@@ -22,7 +24,6 @@ from grpo_hf.harness.formatting import (
     tokenize_text,
     truncate,
 )
-from grpo_hf.harness.parser import parse_recipe
 
 
 DATA = Path(__file__).resolve().parent.parent / "recipes" / "data"
@@ -79,8 +80,8 @@ def test_a_template_that_refuses_a_conversation_is_one_recipe_error(completion_o
         "{{ raise_exception('a system turn must come first') }}{% endif %}{{ m['content'] }}{% endfor %}"
     )
     turns = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}, CONVERSATION[2]]
-    with pytest.raises(RecipeError, match=r"r.yaml: the tokenizer's chat template refused .*\['user', 'system', "):
-        tokenize_messages(tok, turns, completion_only=completion_only, where="r.yaml")
+    with pytest.raises(RecipeError, match=r"^the tokenizer's chat template refused .*\['user', 'system', "):
+        tokenize_messages(tok, turns, completion_only=completion_only)
 
 
 def test_prompt_completion_and_text_labels(tokenizer):

@@ -14,7 +14,7 @@ on file order, on the machine or on the other files present. The corpus depends 
 Example:
 
 ```python
->>> from grpo_hf.harness.data import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
+>>> from grpo_hf.harness.corpus import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
 >>> tokenizer = train_bpe_tokenizer(load_stdlib_texts(split="train"), vocab_size=8192)
 >>> train_ds, eval_ds, info = build_lm_datasets(tokenizer, seq_len=128, max_train_tokens=100_000)
 >>> train_ds[0].keys()
