@@ -77,6 +77,7 @@ def run_one(bench: BenchArguments, tokenizer, train, evaluation, seed: int, vari
         score, low, high = variant.split(":")
         args = GRPOConfig(
             **common,
+            grpo_importance=True,  # off by default: without it the multipliers would be computed but never applied
             grpo_importance_score=score,
             grpo_lr_scale_min=float(low),
             grpo_lr_scale_max=float(high),

@@ -383,28 +383,37 @@ class GRPOCallback(TrainerCallback):
         entry[1] += 1
 
     def _record(self, optimizer, multipliers: torch.Tensor, index: dict[str, int], factors=None) -> None:
+        """
+        The metrics of one optimizer step, as it was taken: `grpo/lr/<group>` is read from the optimizer's param groups
+        (times the probe's factors under DeepSpeed, which applies them inside its step); `grpo/lr_scale/<group>` and the
+        load balance only for multipliers that were applied (importance on, and on for that group). The score inputs
+        (`grpo/grad_norm`, `grpo/importance`, `grpo/update_count`) are logged either way.
+        """
         imp = self.importance
         factors = factors or {}
-        effective_lr = {
-            g["grpo_group"]: g["lr"] * factors.get(g["grpo_group"], 1.0)
-            for g in optimizer.param_groups
-            if "grpo_group" in g
-        }
+        used_lr: dict[str, float] = {}
+        for group in optimizer.param_groups:
+            name = group.get("grpo_group")
+            if name is not None and name not in used_lr:  # a group's decayed and undecayed params share one rate
+                used_lr[name] = float(group["lr"]) * factors.get(name, 1.0)
         for name, i in index.items():
-            self._add(f"grpo/lr_scale/{name}", float(multipliers[i]))
+            if self.apply_multipliers and bool(imp.scaled[i]):
+                self._add(f"grpo/lr_scale/{name}", float(multipliers[i]))
             self._add(f"grpo/grad_norm/{name}", float(imp.last_grad_norms[i]))
             self._add(f"grpo/importance/{name}", float(imp.last_scores[i]))
             self._add(f"grpo/update_count/{name}", float(imp.update_counts[i]))
-            if name in effective_lr:
-                self._add(f"grpo/lr/{name}", effective_lr[name])
+            if name in used_lr:
+                self._add(f"grpo/lr/{name}", used_lr[name])
+        if not self.apply_multipliers:
+            return
         balance = imp.load_balance_std()
         self._add("grpo/load_balance_std", balance)
         if imp.steps > imp.warmup_steps and balance > LOAD_BALANCE_STD_TARGET:
             self._warn_once(
                 "balance",
-                f"GRPO load balance: the parameter-weighted std of the LR multipliers is {balance:.3f}, above the "
-                f"article's target of {LOAD_BALANCE_STD_TARGET}. Some groups get far more learning rate than others; "
-                "narrow grpo_lr_scale_min/max if that hurts quality.",
+                f"GRPO load balance: the parameter-weighted std of the applied LR multipliers is {balance:.3f}, above "
+                f"the article's target of {LOAD_BALANCE_STD_TARGET}. Some groups get far more learning rate than "
+                "others; narrow grpo_lr_scale_min/max if that hurts quality.",
             )
 
     def pop_metrics(self) -> dict[str, float]:

@@ -58,8 +58,8 @@ class GRPOConfig(CostFields, TrainingArguments):
 
         grpo_importance (`bool`, *optional*, defaults to `False`):
             Scale each group's learning rate by its importance multiplier. Off by default: no importance score has
-            beaten the plain Trainer on the benchmark suite (`docs/benchmarks.md`). The scores and the multipliers
-            they would give are computed and logged either way.
+            beaten the plain Trainer on the benchmark suite (`docs/benchmarks.md`). The scores are computed and
+            logged either way (`grpo/importance/<group>`); the multipliers (`grpo/lr_scale/<group>`) only when applied.
         grpo_importance_score (`str`, *optional*, defaults to `"article"`):
             `"article"`: `||grad_g||_2 * ln(update_count_g + 1)`; `"rms"`: the same with the per-element RMS of the
             gradient instead of its norm, so that large groups do not win by size alone; `"coherence"`: the cosine
@@ -198,7 +198,7 @@ class GRPOConfig(CostFields, TrainingArguments):
         default=False,
         metadata={
             "help": "Scale each group's learning rate by its importance multiplier (off by default: no score has "
-            "beaten the plain Trainer on the benchmark suite yet; the multipliers are still logged)."
+            "beaten the plain Trainer on the benchmark suite yet; the scores are still logged, the multipliers only when applied)."
         },
     )
     grpo_importance_score: str = field(

@@ -39,7 +39,7 @@ class GroupRule:
 
     Args:
         name (`str`):
-            Group name (unique), used in optimizer param groups and metric keys (`grpo/lr_scale/<name>`).
+            Group name (unique), used in optimizer param groups and metric keys (`grpo/lr/<name>`).
         pattern (`str`):
             Regular expression searched (`re.search`) in each full parameter name.
         density (`float`, *optional*):

@@ -85,8 +85,9 @@ def test_bytes_baseline_is_dense_allreduce_and_grpo_sends_less(comparison):
     assert (
         per_step / 4.2 < min(grpo["bytes_per_step"][2:]) <= max(grpo["bytes_per_step"][2:]) < per_step / 3.5
     )  # 8 bits
-    assert set(grpo["lr_scales"]) == set(grpo["groups"])
-    assert not trainer["lr_scales"]
+    assert set(grpo["learning_rates"]) == set(grpo["groups"])  # the rate each group was trained with
+    assert not grpo["importance_applied"] and not grpo["lr_scales"]  # importance off: no multiplier applied or logged
+    assert not trainer["learning_rates"] and not trainer["lr_scales"]
 
 
 def test_ratios_are_grpo_over_trainer(comparison):

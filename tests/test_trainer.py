@@ -97,7 +97,9 @@ def test_plain_training_arguments_get_grpo_defaults(tmp_path, make_args):
     )
     assert trainer.args.grpo_groups == "semantic" and not trainer.args.grpo_importance  # measured, not assumed
     trainer.train()
-    assert "grpo/lr_scale/ffn" in train_logs(trainer)[-1]
+    last = train_logs(trainer)[-1]
+    assert "grpo/lr/ffn" in last and "grpo/importance/ffn" in last
+    assert "grpo/lr_scale/ffn" not in last  # importance off: no multiplier was applied, none is logged
 
 
 def _reproducible(log_history):
@@ -244,7 +246,7 @@ def test_mixin_in_front_of_trl_sft_trainer(tmp_path):
     )
     trainer.train()
     assert trainer.grpo_callback.importance.steps == 4
-    assert "grpo/lr_scale/ffn" in train_logs(trainer)[-1]
+    assert "grpo/lr/ffn" in train_logs(trainer)[-1]
 
 
 def test_single_process_compression_preview_counts_bytes(tmp_path, make_args):

@@ -363,10 +363,14 @@ def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, ev
     metrics = summary["metrics"]
     history = [dict(h) for h in trainer.state.log_history]
     loss_curve = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    # GRPOTrainer's: the learning rate the optimizer used per group, and the importance multipliers it applied
+    learning_rates: dict[str, list] = {}
     lr_scales: dict[str, list] = {}
     for h in history:
         for key, value in h.items():
-            if key.startswith("grpo/lr_scale/"):
+            if key.startswith("grpo/lr/"):
+                learning_rates.setdefault(key.removeprefix("grpo/lr/"), []).append((h["step"], value))
+            elif key.startswith("grpo/lr_scale/"):
                 lr_scales.setdefault(key.removeprefix("grpo/lr_scale/"), []).append((h["step"], value))
     comm_bytes = float(sum(run.recorder.per_step))
     steps = trainer.state.global_step
@@ -403,7 +407,9 @@ def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, ev
         "total_usd": metrics.get("cost/total_usd"),
         "cost_per_quality": _cost_per_quality(cost_per_quality, metrics.get("cost/total_usd"), eval_after),
         "loss_curve": loss_curve,
+        "learning_rates": learning_rates,
         "lr_scales": lr_scales,
+        "importance_applied": kind == "grpo" and bool(args.grpo_importance),
         "bytes_per_step": list(run.recorder.per_step),
         "cost_assumptions": summary["assumptions"],
         "world_size": args.world_size,

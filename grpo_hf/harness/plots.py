@@ -1,5 +1,5 @@
 """
-The PNG plots of a report ([`~grpo_hf.harness.report.write_report`]): loss curves, GRPO's per-group LR multipliers,
+The PNG plots of a report ([`~grpo_hf.harness.report.write_report`]): loss curves, the learning rate GRPO used per group,
 bytes sent per step, and the ratios GRPOTrainer / Trainer with their noise bands. matplotlib's Agg backend draws them
 (no display needed), and each file is written whole or not at all ([`~grpo_hf.files.atomic_write`]).
 
@@ -7,7 +7,7 @@ Example:
 
 ```python
 >>> from grpo_hf.harness.plots import write_plots
->>> write_plots(results, "runs/quickstart")  # loss_curves.png, lr_scales.png, bytes_per_step.png, ratios.png
+>>> write_plots(results, "runs/quickstart")  # loss_curves.png, learning_rates.png, bytes_per_step.png, ratios.png
 ```
 """
 
@@ -23,7 +23,7 @@ from .table import TABLE_ROWS, WITHIN_NOISE
 
 PLOT_FILES = {
     "loss": "loss_curves.png",
-    "lr_scales": "lr_scales.png",
+    "learning_rates": "learning_rates.png",
     "bytes": "bytes_per_step.png",
     "ratios": "ratios.png",
 }
@@ -61,19 +61,24 @@ def plot_loss_curves(runs: list[dict], path: str | Path) -> Path:
     return _save(fig, Path(path))
 
 
-def plot_lr_scales(runs: list[dict], path: str | Path) -> Path:
-    """GRPO's per-group learning-rate multipliers (`grpo/lr_scale/<group>`) against the optimizer step."""
-    fig, ax = _figure("GRPOTrainer: per-group LR multipliers", "optimizer step", "LR multiplier")
+def plot_learning_rates(runs: list[dict], path: str | Path) -> Path:
+    """
+    The learning rate GRPOTrainer's optimizer used for each group (`grpo/lr/<group>`) against the optimizer step; the
+    title says whether importance multipliers were applied ("importance off: not applied" when they were not).
+    """
+    applied = any(run.get("importance_applied") for run in runs)
+    title = "GRPOTrainer: learning rate used per group"
+    title += "\nimportance multipliers applied" if applied else "\nimportance off: not applied"
+    fig, ax = _figure(title, "optimizer step", "learning rate")
     plotted = False
     for run in runs:
-        for group, points in sorted((run.get("lr_scales") or {}).items()):
+        for group, points in sorted((run.get("learning_rates") or {}).items()):
             ax.plot([s for s, _ in points], [v for _, v in points], marker=".", label=group)
             plotted = True
     if plotted:
-        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
         ax.legend(fontsize=7, ncol=2)
     else:
-        ax.text(0.5, 0.5, "no multipliers logged", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, "no learning rates logged", ha="center", va="center", transform=ax.transAxes)
     return _save(fig, Path(path))
 
 
@@ -146,16 +151,16 @@ def plot_ratios(results: dict[str, Any], path: str | Path) -> Path:
 
 def write_plots(results: dict[str, Any], output_dir: str | Path) -> dict[str, str]:
     """
-    Write the PNG plots into `output_dir`; returns their paths by kind (`loss`, `lr_scales`, `bytes`, and `ratios`
+    Write the PNG plots into `output_dir`; returns their paths by kind (`loss`, `learning_rates`, `bytes`, and `ratios`
     for a comparison).
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     runs = results["runs"]
-    grpo_runs = [r for r in runs if r.get("lr_scales")] or [r for r in runs if r.get("name") == "grpo"]
+    grpo_runs = [r for r in runs if r.get("name") == "grpo"]
     paths = {
         "loss": str(plot_loss_curves(runs, output_dir / PLOT_FILES["loss"])),
-        "lr_scales": str(plot_lr_scales(grpo_runs, output_dir / PLOT_FILES["lr_scales"])),
+        "learning_rates": str(plot_learning_rates(grpo_runs, output_dir / PLOT_FILES["learning_rates"])),
         "bytes": str(plot_bytes_per_step(runs, output_dir / PLOT_FILES["bytes"])),
     }
     if results.get("ratios"):
@@ -163,4 +168,11 @@ def write_plots(results: dict[str, Any], output_dir: str | Path) -> dict[str, st
     return paths
 
 
-__all__ = ["PLOT_FILES", "plot_bytes_per_step", "plot_loss_curves", "plot_lr_scales", "plot_ratios", "write_plots"]
+__all__ = [
+    "PLOT_FILES",
+    "plot_bytes_per_step",
+    "plot_learning_rates",
+    "plot_loss_curves",
+    "plot_ratios",
+    "write_plots",
+]

@@ -14,7 +14,7 @@ Example:
 ```python
 >>> from grpo_hf.harness.report import print_table, write_report
 >>> print_table(results)
->>> write_report(results, "runs/quickstart")  # results.json, report.md, loss_curves.png, lr_scales.png, ...
+>>> write_report(results, "runs/quickstart")  # results.json, report.md, loss_curves.png, learning_rates.png, ...
 ```
 """
 
@@ -216,7 +216,7 @@ def markdown_report(results: dict[str, Any], command: str | None = None, plots: 
     lines += ["## How each figure was measured", ""] + _notes(results) + [""]
     for key, title in (
         ("loss", "Training loss"),
-        ("lr_scales", "Per-group LR multipliers"),
+        ("learning_rates", "Learning rate used per group"),
         ("bytes", "Bytes"),
         ("ratios", "Ratios and their noise"),
     ):
@@ -231,7 +231,7 @@ def write_report(results: dict[str, Any], output_dir: str | Path, command: str |
     ([`~grpo_hf.files.atomic_write`]: a crash leaves the previous file, never half of one).
 
     Returns:
-        `dict[str, str]`: the paths written, by kind (`results`, `report`, `loss`, `lr_scales`, `bytes`, `ratios`).
+        `dict[str, str]`: the paths written, by kind (`results`, `report`, `loss`, `learning_rates`, `bytes`, `ratios`).
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
