@@ -26,6 +26,7 @@ from .engines import check_backends
 from .errors import ConfigError
 from .grouping import check_lr_ratios, load_group_spec
 from .importance import SCORE_KINDS as SCORE_CHOICES
+from .lr_presets import DEFAULT_PRESET, PRESET_CHOICES, check_preset
 
 
 @dataclass
@@ -53,6 +54,12 @@ class GRPOConfig(CostFields, TrainingArguments):
             Fixed factors on the scheduled learning rate of groups, by group-name pattern (`fnmatch`), e.g.
             `{"*lora_B": 4}` (LoRA+'s idea: the B matrices learn faster); a JSON string on the command line. A group
             file's own `lr_ratio` wins; the importance multiplier (below) multiplies on top.
+        grpo_lr_preset (`str`, *optional*, defaults to `"none"`):
+            Fixed per-group LR ratios made from the groups ([`~grpo_hf.lr_presets`]): `"lora-b"` (LoRA's B matrices
+            faster), `"llrd"` (layer-wise decay by depth, counted per stack), `"embeddings"` (embeddings slower, head
+            faster), `"fan-in"` (each matrix by its fan-in, muP-like), `"auto"` (by model kind), `"none"`. Groups are
+            split where a preset's factor differs inside them (`ffn/L3`). `grpo_lr_ratios` and a group file's
+            `lr_ratio` win over it. Off by default: no preset has earned it on `benchmarks/lr_sweep.py` yet.
 
     Parameters that control importance-based learning-rate scaling:
 
@@ -191,6 +198,15 @@ class GRPOConfig(CostFields, TrainingArguments):
         metadata={
             "help": "Fixed LR factors per group, by group-name pattern (fnmatch), as a dict or JSON string, e.g. "
             '\'{"*lora_B": 4, "embeddings": 0.5}\'. A group file\'s own lr_ratio wins. Composed with importance.'
+        },
+    )
+    grpo_lr_preset: str = field(
+        default=DEFAULT_PRESET,
+        metadata={
+            "help": "Fixed per-group LR ratios made from the groups: 'lora-b' (LoRA B faster), 'llrd' (layer-wise "
+            "decay by depth, per stack), 'embeddings' (embeddings slower, head faster), 'fan-in' (by each matrix's "
+            "fan-in, muP-like), 'auto' (by model kind) or 'none'. grpo_lr_ratios and a group file's lr_ratio win.",
+            "choices": list(PRESET_CHOICES),
         },
     )
     # --- importance-based LR scaling ---
@@ -470,6 +486,7 @@ def validate_grpo_fields(args) -> None:
                 "'{\"*lora_B\": 4}' (a mapping of group-name patterns to ratios)."
             ) from None
     check_lr_ratios(args.grpo_lr_ratios)
+    check_preset(args.grpo_lr_preset)
     if args.grpo_importance_score not in SCORE_CHOICES:
         raise ConfigError(f"grpo_importance_score={args.grpo_importance_score!r}: use one of {SCORE_CHOICES}.")
     if not 0 < args.grpo_lr_scale_min <= 1 <= args.grpo_lr_scale_max:

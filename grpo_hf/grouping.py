@@ -340,14 +340,23 @@ def check_lr_ratios(ratios: dict | None, where: str = "grpo_lr_ratios") -> dict[
     return checked
 
 
-def lr_ratios(groups: list[ParameterGroup], ratios: dict[str, float] | None = None) -> dict[str, float]:
+def _matches(group: ParameterGroup, pattern: str) -> bool:
+    """A pattern names a group, or every piece of its rule (`ffn` matches `ffn/square` and `ffn/L3`)."""
+    return fnmatch.fnmatchcase(group.name, pattern) or fnmatch.fnmatchcase(group.rule.name, pattern)
+
+
+def lr_ratios(
+    groups: list[ParameterGroup], ratios: dict[str, float] | None = None, defaults: dict[str, float] | None = None
+) -> dict[str, float]:
     """
     The fixed LR factor of each group: its rule's `lr_ratio` when set, else the first pattern of `ratios` that
-    matches the group's name (`fnmatch`, e.g. `"*lora_B"` matches `attn_qk.lora_B`), else 1. A pattern that matches
-    no group (a typo such as `"embedings"`) is logged as a warning, as a group rule that matches nothing is.
+    matches the group's name or its rule's (`fnmatch`, e.g. `"*lora_B"` matches `attn_qk.lora_B`), else its factor in
+    `defaults` (a learning-rate preset's, see [`~grpo_hf.lr_presets`]), else 1. A pattern that matches no group (a
+    typo such as `"embedings"`) is logged as a warning, as a group rule that matches nothing is.
     """
     ratios = check_lr_ratios(ratios)
-    unmatched = [p for p in ratios if not any(fnmatch.fnmatchcase(group.name, p) for group in groups)]
+    defaults = defaults or {}
+    unmatched = [p for p in ratios if not any(_matches(group, p) for group in groups)]
     if unmatched:
         logger.warning(
             f"grpo_lr_ratios: pattern(s) {unmatched} match no group, so their ratios change nothing; the groups are "
@@ -358,20 +367,24 @@ def lr_ratios(groups: list[ParameterGroup], ratios: dict[str, float] | None = No
         if group.rule.lr_ratio is not None:
             out[group.name] = float(group.rule.lr_ratio)
         else:
-            out[group.name] = next((r for p, r in ratios.items() if fnmatch.fnmatchcase(group.name, p)), 1.0)
+            default = defaults.get(group.name, 1.0)
+            out[group.name] = next((r for p, r in ratios.items() if _matches(group, p)), default)
     return out
 
 
 def group_table(
-    groups: list[ParameterGroup], plan: dict | None = None, ratios: dict[str, float] | None = None
+    groups: list[ParameterGroup],
+    plan: dict | None = None,
+    ratios: dict[str, float] | None = None,
+    defaults: dict[str, float] | None = None,
 ) -> list[dict]:
     """
     One row per group: name, rule, #tensors, #parameters, share of parameters, its LR ratio ([`lr_ratios`] of
-    `ratios`), and, given a compression plan (`{name: CodecSpec | None}`), the densities and bits its tensors are sent
-    with.
+    `ratios` over a preset's `defaults`), and, given a compression plan (`{name: CodecSpec | None}`), the densities
+    and bits its tensors are sent with.
     """
     total = sum(g.numel for g in groups) or 1
-    factors = lr_ratios(groups, ratios)
+    factors = lr_ratios(groups, ratios, defaults)
     rows = []
     for group in groups:
         if plan is None:

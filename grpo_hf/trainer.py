@@ -28,6 +28,7 @@ from .errors import ConfigError
 from .grouping import assign_groups, load_group_spec, lr_ratios
 from .hub_guards import check_push_settings, hub_errors
 from .importance import ImportanceState
+from .lr_presets import apply_preset
 from .model_card import write_run_summary, write_trainer_model_card
 
 
@@ -54,7 +55,8 @@ class GRPOMixin:
       file fails before any work is done, and again for the model `train()` trains when that is another one (built
       by `model_init`, e.g. in each trial of `hyperparameter_search`). `create_optimizer` builds one optimizer param
       group per semantic group and weight-decay flag (keys `grpo_group` and `param_names`), from the optimizer chosen
-      in `TrainingArguments`.
+      in `TrainingArguments`. A learning-rate preset (`grpo_lr_preset`, [`~grpo_hf.lr_presets`]) may split groups
+      (by depth, by fan-in) and gives them fixed LR ratios, under the ratios you set.
     - **Importance-scaled learning rates**: [`GRPOCallback`] multiplies each group's scheduled LR by its multiplier
       for the optimizer step only.
     - **Compressed communication** (`grpo_compression`): under multi-process DDP, [`~grpo_hf.compression.grpo_comm_hook`]
@@ -136,6 +138,8 @@ class GRPOMixin:
         self.grpo_compression = resolve_compression(self.args.grpo_compression, distributed)
         spec = load_group_spec(self.args.grpo_groups)
         groups = assign_groups(model, spec, strict=self.args.grpo_groups_strict)
+        preset = apply_preset(self.args.grpo_lr_preset, model, groups)  # may split groups (by depth, by fan-in)
+        groups = preset.groups
         self._check_engine_compression(groups)
         lo, hi = self.args.grpo_lr_scale_min, self.args.grpo_lr_scale_max
         importance = ImportanceState(
@@ -149,7 +153,8 @@ class GRPOMixin:
             warmup_steps=self.args.grpo_lr_scale_warmup_steps,
         )
         self.grpo_groups = groups
-        self.grpo_lr_ratios = lr_ratios(groups, self.args.grpo_lr_ratios)
+        self.grpo_lr_preset = preset.name  # `auto` resolved
+        self.grpo_lr_ratios = lr_ratios(groups, self.args.grpo_lr_ratios, defaults=preset.ratios)
         self.grpo_plan = compression_plan(
             model,
             groups,

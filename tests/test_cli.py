@@ -55,6 +55,9 @@ def test_groups_of_tiny_llama(capsys):
     assert main(["groups", "tiny-llama", "--lora"]) == 0
     out = capsys.readouterr().out
     assert "attn_qk.lora_A" in out and "ffn.lora_B" in out
+    assert main(["groups", "tiny-llama", "--grpo_lr_preset", "llrd"]) == 0  # the groups a preset splits, their ratios
+    out = capsys.readouterr().out
+    assert "preset llrd" in out and "ffn/L0" in out
 
 
 def test_load_model_for_inspection_from_a_config_file(tmp_path):

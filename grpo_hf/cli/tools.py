@@ -51,6 +51,7 @@ def groups_command_parser():
 GROUPS_FIELDS = {
     "grpo_groups": str,
     "grpo_lr_ratios": str,
+    "grpo_lr_preset": str,
     "grpo_compression": str,
     "grpo_density": float,
     "grpo_bits": str,
@@ -128,10 +129,13 @@ def _load_any_model(name: str):
     return load_model_for_inspection(name)
 
 
-def groups_rich_table(groups, plan, title: str = "GRPO groups", ratios: dict | None = None):
+def groups_rich_table(
+    groups, plan, title: str = "GRPO groups", ratios: dict | None = None, defaults: dict | None = None
+):
     """
     The table `grpo-hf groups` prints, as a [`rich.table.Table`] (it renders in a terminal and in Jupyter): one row per
-    group with its rule, tensors, parameters, share, LR ratio and what compression would send.
+    group with its rule, tensors, parameters, share, LR ratio (`ratios` over a preset's `defaults`) and what
+    compression would send.
 
     Example:
 
@@ -150,7 +154,7 @@ def groups_rich_table(groups, plan, title: str = "GRPO groups", ratios: dict | N
         table.add_column(
             column, justify="right" if column in ("tensors", "parameters", "share", "lr ratio") else "left"
         )
-    for row in group_table(groups, plan, ratios):
+    for row in group_table(groups, plan, ratios, defaults):
         table.add_row(
             row["group"],
             escape(row["rule"]),  # a rule such as `Attention\.[qk]` is not rich markup
@@ -170,6 +174,7 @@ def groups_command(args) -> int:
     from ..compression import compression_plan, resolve_compression
     from ..config import grpo_defaults, validate_grpo_fields
     from ..grouping import assign_groups, load_group_spec
+    from ..lr_presets import apply_preset
 
     # The same checks as GRPOConfig (so as `train`), before the model is loaded: fields, then the group file.
     checked = argparse.Namespace(**{**grpo_defaults(), **{k: getattr(args, k) for k in GROUPS_FIELDS}})
@@ -181,12 +186,15 @@ def groups_command(args) -> int:
 
         model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
     groups = assign_groups(model, spec, strict=args.strict)
+    preset = apply_preset(checked.grpo_lr_preset, model, groups)
+    groups = preset.groups
     compression = resolve_compression(args.grpo_compression, distributed=True)  # what a DDP run would send
     plan = compression_plan(
         model, groups, compression, args.grpo_density, args.grpo_bits, args.grpo_min_compress_numel
     )
-    title = f"GRPO groups of {args.model} ({spec.source})"
-    Console(width=200).print(groups_rich_table(groups, plan, title, ratios=checked.grpo_lr_ratios))
+    title = f"GRPO groups of {args.model} ({spec.source}" + (f", preset {preset.name})" if preset.ratios else ")")
+    table = groups_rich_table(groups, plan, title, ratios=checked.grpo_lr_ratios, defaults=preset.ratios)
+    Console(width=200).print(table)
     return 0
 
 
