@@ -59,7 +59,7 @@ class GRPOConfig(CostFields, TrainingArguments):
             faster), `"llrd"` (layer-wise decay by depth, counted per stack), `"embeddings"` (embeddings slower, head
             faster), `"fan-in"` (each matrix by its fan-in, muP-like), `"auto"` (by model kind), `"none"`. Groups are
             split where a preset's factor differs inside them (`ffn/L3`). `grpo_lr_ratios` and a group file's
-            `lr_ratio` win over it. Off by default: no preset has earned it on `benchmarks/lr_sweep.py` yet.
+            `lr_ratio` win over it. Off by default: no preset has earned it on a learning-rate sweep yet.
 
     Parameters that control importance-based learning-rate scaling:
 

@@ -15,7 +15,7 @@ importance settings stay as they are. The factors are defaults only: a group fil
 | `fan-in` | each matrix times `reference / fan_in` (muP-like for Adam: wider inputs, smaller steps), `reference` the geometric mean of the trainable matrices' fan-ins, clipped to `[1 / FAN_IN_CLIP, FAN_IN_CLIP]`; vectors and embeddings 1 |
 | `auto` | by model kind: a LoRA adapter -> `lora-b`; an encoder (a model that cannot generate) -> `llrd`; a decoder -> `fan-in` |
 
-The factors are provisional: no preset is on by default until `benchmarks/lr_sweep.py` earns it (`benchmarks/LOG.md`).
+The factors are provisional: no preset is on by default until a learning-rate sweep earns it.
 
 Example:
 
