@@ -64,13 +64,13 @@ COMM_ROWS = {
     },
 }
 DEFAULT_COMM_ROWS = "dense,q8s,q8,q4s,q4,fp16"  # q8: GRPOConfig's defaults at W=2
-# The sync every H steps (grpo_sync_every), named by pattern: `sync<H>-q<bits>` (bits 4, 8 or 16: codes with error
-# feedback) or `sync<H>-fp32`, then optionally `-f<F>` (F fragments), `-noramp`, `-lr<outer lr>`, `-m<momentum>`,
+# The sync every H steps (grpo_sync_every), named by pattern: `sync<H>` (GRPOConfig's defaults with that interval),
+# `sync<H>-q<bits>` (bits 4, 8 or 16: codes with error feedback) or `sync<H>-fp32`, then optionally `-f<F>` (F fragments), `-noramp`, `-lr<outer lr>`, `-m<momentum>`,
 # `-bf16` (θ_global in bf16); `localsgd-h<H>`: plain averaging every H steps (outer lr 1, momentum 0, fp32, no ramp:
 # accelerate's LocalSGD); `outer-h<H>`: DDP's fp32 all-reduce every step plus the outer step every H steps (the
 # control: no bytes saved). Other settings: `grpo:grpo_sync_every=16;grpo_outer_lr=0.5;...`.
 SYNC_ROW = re.compile(
-    r"sync(?P<every>\d+)-(?:q(?P<bits>4|8|16)|fp32)(?:-f(?P<fragments>\d+))?(?P<noramp>-noramp)?"
+    r"sync(?P<every>\d+)(?:-q(?P<bits>4|8|16)|(?P<fp32>-fp32))?(?:-f(?P<fragments>\d+))?(?P<noramp>-noramp)?"
     r"(?:-lr(?P<lr>[0-9.]+))?(?:-m(?P<momentum>[0-9.]+))?(?P<bf16>-bf16)?"
 )
 
@@ -78,13 +78,20 @@ SYNC_ROW = re.compile(
 def sync_row(name: str) -> dict | None:
     """The GRPOConfig overrides of a named row of the sync every H steps (see `SYNC_ROW`), `None` for another row."""
     match = SYNC_ROW.fullmatch(name)
-    if match:
+    if match and not (match["bits"] or match["fp32"]):  # `sync<H>` alone: GRPOConfig's defaults but the interval
+        row = {"grpo_sync_every": int(match["every"])}
+        if match["fragments"]:
+            row["grpo_sync_fragments"] = int(match["fragments"])
+        if match["noramp"]:
+            row["grpo_sync_ramp"] = False
+    elif match:
         row = {"grpo_sync_every": int(match["every"]), "grpo_sync_fragments": int(match["fragments"] or 1),
                "grpo_sync_ramp": not match["noramp"]}  # fmt: skip
         if match["bits"]:
             row.update(grpo_compression="quantize", grpo_bits=match["bits"], grpo_scale_gradients=False)
         else:
             row.update(grpo_compression="none")
+    if match:
         if match["lr"]:
             row["grpo_outer_lr"] = float(match["lr"])
         if match["momentum"]:
@@ -159,6 +166,18 @@ class SuiteArguments:
     eval_points: int = field(
         default=4,
         metadata={"help": "lr suite: evaluations along each run (for the steps a row needs to reach the baseline)."},
+    )
+    lrs: int = field(
+        default=0,
+        metadata={
+            "help": "Learning-rate sweep: the points of a x2 grid centred on each task's learning rate (at least 5; "
+            "0: every row at the task's learning rate). The first of --seeds sweeps every row over the grid, which is "
+            "extended past an edge until the row's best is inside it; the other seeds run at each row's best. "
+            "Rows are then compared best against best (see benchmarks/lr_grid.py)."
+        },
+    )
+    max_lrs: int = field(
+        default=9, metadata={"help": "Sweep: the most learning rates one row may reach by extending its grid."}
     )
     report_only: bool = field(
         default=False,
@@ -422,6 +441,7 @@ def run_row(
         "row": row["name"],
         "seed": seed,
         "world_size": world_size,
+        "learning_rate": common["learning_rate"],
         "steps": len(per_step),
         "trainable_params": numel,
         "train_s": train_s,
@@ -445,6 +465,12 @@ def run_row(
     return result
 
 
+def result_path(results: Path, row: str, seed: int, learning_rate: float | None = None) -> Path:
+    """Where one run's result lives: `<row>-seed<seed>.json`, or `<row>-lr<lr>-seed<seed>.json` in a sweep."""
+    tag = "" if learning_rate is None else f"-lr{learning_rate:.4g}"
+    return results / f"{row.replace('/', '_')}{tag}-seed{seed}.json"
+
+
 def worker(job_path: str) -> None:
     import torch
     from datasets import load_from_disk
@@ -461,7 +487,7 @@ def worker(job_path: str) -> None:
     results = Path(job["results_dir"])
     for seed in job["seeds"]:
         for name in job["rows"]:
-            out = results / f"{name.replace('/', '_')}-seed{seed}.json"
+            out = result_path(results, name, seed, job.get("task_overrides", {}).get("learning_rate"))
             if out.exists():  # every rank sees the same files: finished rows are skipped on a re-run
                 continue
             result = run_row(task, job["info"], parse_row(job["suite"], name), seed, train, evaluation,
@@ -498,8 +524,8 @@ def launch(job: dict, job_path: Path, timeout: int) -> None:
 
     from tests.testing_utils import WORKER_ENV, run_torchrun
 
-    results = Path(job["results_dir"])
-    if all((results / f"{row}-seed{seed}.json").exists() for row in job["rows"] for seed in job["seeds"]):
+    results, learning_rate = Path(job["results_dir"]), job.get("task_overrides", {}).get("learning_rate")
+    if all(result_path(results, row, seed, learning_rate).exists() for row in job["rows"] for seed in job["seeds"]):
         return  # done in an earlier run
     job_path.write_text(json.dumps(job, indent=1))
     log_path = job_path.with_suffix(".log")
@@ -640,6 +666,122 @@ def markdown(suite: str, summary: dict, baseline: str) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The learning-rate sweep (--lrs): each row at its own best learning rate
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _perplexity(record: dict) -> float:
+    return math.exp(record["eval_loss"])
+
+
+def load_sweep(results_dir: Path) -> dict[str, dict[int, dict[float, dict]]]:
+    """The sweep's result files of one task: row -> seed -> learning rate -> record."""
+    runs: dict = {}
+    for path in sorted(results_dir.glob("[!_]*-lr*-seed*.json")):
+        record = json.loads(path.read_text())
+        runs.setdefault(record["row"], {}).setdefault(record["seed"], {})[record["learning_rate"]] = record
+    return runs
+
+
+def sweep_task(args, task: Task, rows: list[str], seeds: list[int], job: dict, results_dir: Path) -> None:
+    """
+    Launch what the sweep of one task still lacks, one launch per row, learning rate and seed: the first seed over
+    each row's grid (extended by a point past the edge while the row's best sits there, up to `--max_lrs` points),
+    then the other seeds at each row's best. Finished runs are kept (resume).
+    """
+    from benchmarks import lr_grid
+
+    search, *others = seeds
+
+    def run(row: str, learning_rate: float, seed: int) -> None:
+        overrides = {**job["task_overrides"], "learning_rate": learning_rate}
+        name = result_path(results_dir, f"_job-{row}", seed, learning_rate).name
+        launch({**job, "rows": [row], "seeds": [seed], "task_overrides": overrides}, results_dir / name, args.timeout)
+
+    best = {}
+    for row in rows:
+        learning_rates = lr_grid.grid(task.learning_rate, args.lrs)
+        while True:
+            for learning_rate in learning_rates:
+                run(row, learning_rate, search)
+            curve = {lr: _perplexity(r) for lr, r in load_sweep(results_dir)[row][search].items()}
+            further = lr_grid.extension(curve)
+            if further is None or len(curve) >= args.max_lrs:
+                break
+            learning_rates = [further]
+        best[row] = lr_grid.best_point(curve)[0]
+    for seed in others:
+        for row in rows:
+            run(row, best[row], seed)
+
+
+def summarize_sweep(runs: dict, nominal: float, baseline: str, search_seed: int) -> dict:
+    """
+    Per row of one task: its curve on the search seed, its best learning rate (and whether the best is inside the
+    grid), the ratio of its perplexity at its best to `baseline`'s at its own best on every seed both have (best
+    against best: geometric mean and worst seed), the window (log10 span of learning rates within 1% of the
+    baseline's best), and the ratio at the task's nominal learning rate.
+    """
+    from benchmarks import lr_grid
+
+    if search_seed not in runs.get(baseline, {}):
+        return {}
+    base_curve = {lr: _perplexity(r) for lr, r in runs[baseline][search_seed].items()}
+    base_lr, base_best = lr_grid.best_point(base_curve)
+    summary = {}
+    for name, by_seed in runs.items():
+        if search_seed not in by_seed:
+            continue
+        records = by_seed[search_seed]
+        curve = {lr: _perplexity(r) for lr, r in records.items()}
+        best_lr, _ = lr_grid.best_point(curve)
+        ratios = {
+            seed: _perplexity(by_seed[seed][best_lr]) / _perplexity(runs[baseline][seed][base_lr])
+            for seed in sorted(by_seed)
+            if best_lr in by_seed[seed] and base_lr in runs[baseline].get(seed, {})
+        }
+        best_record = records[best_lr]
+        sent = sum(s["bytes"] for s in best_record["per_step"])
+        entry = {
+            "curve": {f"{lr:.4g}": value for lr, value in sorted(curve.items())},
+            "best_lr": best_lr,
+            "best_inside": lr_grid.best_at_edge(curve) is None,
+            "best_vs_best": ratios,
+            "geomean": lr_grid.geomean(list(ratios.values())),
+            "worst": max(ratios.values()),
+            "window": lr_grid.window(curve, base_best),
+            "window_closed": lr_grid.window_closed(curve, base_best),
+            "at_nominal": curve[nominal] / base_curve[nominal] if nominal in curve and nominal in base_curve else None,
+            "bytes_ratio": best_record["dense_fp32_bytes_per_step"] * best_record["steps"] / sent if sent else None,
+            "skipped_steps": best_record.get("skipped_steps"),
+        }
+        summary[name] = entry
+    return summary
+
+
+def sweep_markdown(sweep: dict[str, dict], nominal: dict[str, float], baseline: str = "dense") -> str:
+    """The best-against-best table of a sweep: one line per task and row."""
+    lines = [
+        f"| task | row | best lr | ppl / {baseline}, best vs best: geomean (seeds) | worst seed | window (log10 lr "
+        f"within 1% of {baseline}'s best) | ppl / {baseline} at the task's lr | bytes vs fp32 |",
+        "|---|---|---|---:|---:|---:|---|---:|",
+    ]
+    for task, rows in sweep.items():
+        for name, e in rows.items():
+            edge = "" if e["best_inside"] else " (edge)"
+            span = f"{e['window']:.2f}" + ("" if e["window_closed"] else "+")
+            at = "-" if e["at_nominal"] is None else f"{e['at_nominal']:.3f} (lr {nominal[task]:.3g})"
+            sent = "-" if not e["bytes_ratio"] else f"{e['bytes_ratio']:.1f}x"
+            lines.append(f"| {task} | {name} | {e['best_lr']:.3g}{edge} | {e['geomean']:.3f} ({len(e['best_vs_best'])})"
+                         f" | {e['worst']:.3f} | {span} | {at} | {sent} |")  # fmt: skip
+    lines += [
+        "",
+        "A window ending in + reaches the grid's edge (a lower bound); `(edge)`: the best is at the grid's edge.",
+    ]
+    return "\n".join(lines)
+
+
 def scaling(args, out: Path) -> list[dict]:
     """Steady-state bytes per rank of the compressed rows at several world sizes (short runs on llama-scratch)."""
     sizes = [int(w) for w in args.scaling_world_sizes.split(",") if w]
@@ -662,6 +804,29 @@ def scaling(args, out: Path) -> list[dict]:
             table.append({"world_size": world_size, "row": name,
                           "steady_bytes": statistics.fmean(s["bytes"] for s in steady)})  # fmt: skip
     return table
+
+
+def sweep_report(args, tasks: list[str], seeds: list[int], baseline: str, out: Path, start: float) -> None:
+    """Summarize a sweep's result files into `results.json` (key `sweep`) and `report.md`."""
+    sweep = {}
+    for name in tasks:
+        runs = load_sweep(out / "results" / name)
+        runs = {
+            row: {s: r for s, r in by_seed.items() if s in seeds}
+            for row, by_seed in runs.items()
+            if row in args.row_list
+        }
+        sweep[name] = summarize_sweep(runs, TASKS[name].learning_rate, baseline, seeds[0])
+    nominal = {name: TASKS[name].learning_rate for name in tasks}
+    command = "python -m benchmarks.suite " + " ".join(sys.argv[1:])
+    report = f"`{command}` ({time.time() - start:.0f} s, {time.strftime('%Y-%m-%d')})\n\n" + sweep_markdown(
+        sweep, nominal, baseline
+    )
+    (out / "results.json").write_text(
+        json.dumps({"sweep": sweep, "nominal_lr": nominal, "command": command}, indent=1)
+    )
+    (out / "report.md").write_text(report + "\n")
+    print(report)
 
 
 def main() -> None:
@@ -693,12 +858,20 @@ def main() -> None:
         info = prepare(task, out / "data", world_size)
         results_dir = out / "results" / name
         results_dir.mkdir(parents=True, exist_ok=True)
+        if args.lrs:
+            job = {"suite": args.suite, "task": name, "info": info, "results_dir": str(results_dir),
+                   "output_dir": str(out), "world_size": world_size, "eval_points": args.eval_points,
+                   "task_overrides": {"max_steps": args.max_steps} if args.max_steps else {}, "commit": revision}  # fmt: skip
+            sweep_task(args, task, rows, seeds, job, results_dir)
+            continue
         for seed in seeds:  # one launch per seed: a crash loses one seed's rows at most
             job = {"suite": args.suite, "task": name, "info": info, "rows": rows, "seeds": [seed],
                    "results_dir": str(results_dir), "output_dir": str(out), "world_size": world_size,
                    "task_overrides": {"max_steps": args.max_steps} if args.max_steps else {},
                    "eval_points": args.eval_points, "commit": revision}  # fmt: skip
             launch(job, results_dir / f"_job-seed{seed}.json", args.timeout)
+    if args.lrs:
+        return sweep_report(args, tasks, seeds, baseline, out, start)
     results = {}
     for name in tasks:
         results[name] = {}

@@ -45,6 +45,11 @@ def test_sync_rows_resolve_to_typed_settings(suite):
     assert row == {"grpo_sync_every": 16, "grpo_sync_fragments": 4, "grpo_sync_ramp": True,
                    "grpo_compression": "quantize", "grpo_bits": "4", "grpo_scale_gradients": False}  # fmt: skip
     assert suite.parse_row("comm", "sync16-fp32")["overrides"]["grpo_compression"] == "none"
+    # `sync<H>` alone: GRPOConfig's defaults but the interval (the one knob a user sets)
+    assert suite.parse_row("comm", "sync32")["overrides"] == {"grpo_sync_every": 32}
+    assert suite.parse_row("comm", "sync32-f2-noramp")["overrides"] == {
+        "grpo_sync_every": 32, "grpo_sync_fragments": 2, "grpo_sync_ramp": False
+    }  # fmt: skip
     assert suite.parse_row("comm", "sync32-q8-noramp-lr0.5-m0-bf16")["overrides"] == {
         "grpo_sync_every": 32, "grpo_sync_fragments": 1, "grpo_sync_ramp": False, "grpo_compression": "quantize",
         "grpo_bits": "8", "grpo_scale_gradients": False, "grpo_outer_lr": 0.5, "grpo_outer_momentum": 0.0,
@@ -62,7 +67,7 @@ def test_sync_rows_resolve_to_typed_settings(suite):
     )  # fmt: skip
     assert typed == {"grpo_sync_every": 16, "grpo_sync_fragments": 2, "grpo_sync_ramp": False, "grpo_outer_lr": 0.5,
                      "grpo_outer_momentum": 0.0, "grpo_outer_dtype": "bfloat16", "grpo_outer_control": False}  # fmt: skip
-    for name in ("sync16-q4", "sync32-q8", "sync16-fp32", "localsgd-h16", "outer-h16", "sync16-q4-f4-bf16"):
+    for name in ("sync32", "sync16-q4", "sync32-q8", "sync16-fp32", "localsgd-h16", "outer-h16", "sync16-q4-f4-bf16"):
         GRPOConfig(output_dir="/tmp/unused", **suite._typed(suite.parse_row("comm", name)["overrides"]))
 
 
