@@ -48,14 +48,28 @@ class GRPOCallback(TrainerCallback):
     Each optimizer step (after communication and clipping, so every rank sees the same gradients):
 
     1. `on_pre_optimizer_step`: per-group gradient norms. If one is NaN or infinite (a NaN/Inf gradient on any rank
-       reaches every rank through the all-reduce), the step is skipped: the importance state and multipliers are left
-       as they are, the gradients are dropped so that `optimizer.step` changes no parameter and no optimizer state
-       (with an fp16 `GradScaler`, the scaler skips the step itself), the skip is logged (a warning and
-       `grpo/nonfinite_steps`), and training goes on; the compression hook has already left its residuals and scales
-       unchanged. Two cases stop the run instead, with a [`~grpo_hf.errors.GRPOError`] that names the step, the
-       groups and parameters holding NaN/Inf, and whether they were so before or after the codec: the
-       `max_consecutive_skips`-th skipped step in a row (a run that cannot progress), and a NaN/Inf after a step whose
-       finite input went through the codec (a bug: the codec never makes NaN from finite input). Otherwise: [`~grpo_hf.importance.ImportanceState.update`] -> multipliers; each optimizer param group
+       reaches every rank through the all-reduce), what happens depends on whether GRPO touched the gradients:
+
+       - **GRPO's codec or sync is in their path** (a compression state is bound: DDP's or FSDP2's compressed
+         exchange, the one-process sparse updates, the sync every H steps): the step is skipped. The importance state
+         and multipliers are left as they are, the gradients are dropped so that `optimizer.step` changes no parameter
+         and no optimizer state, the skip is logged (a warning and `grpo/nonfinite_steps`), and training goes on; the
+         compression state has already left its residuals and scales unchanged. Two cases stop the run instead, with a
+         [`~grpo_hf.errors.GRPOError`] that names the step, the groups and parameters holding NaN/Inf, and whether
+         they were so before or after the codec: the `max_consecutive_skips`-th skipped step in a row (a run that
+         cannot progress), and a NaN/Inf after a step whose finite input went through the codec (a bug: the codec
+         never makes NaN from finite input).
+       - **Nothing of GRPO touched them** (no compression state: one process or DDP without compression, no sync):
+         the step is the Trainer's. `optimizer.step` runs on the gradients as they are, with the learning rates of a
+         finite step (each group's ratio and its current multiplier); only the importance state is not updated (its
+         scores would become NaN). One warning per streak of such steps names the step, the groups and the parameters
+         holding NaN/Inf (noted before clipping, which spreads a NaN norm to every gradient), a second one when a
+         streak of several steps ends (or training ends inside it); every such step counts in
+         `grpo/nonfinite_steps`. The run never stops for it, as the Trainer's does not.
+       - **An fp16 `GradScaler`** (`drop_nonfinite_gradients=False`, set by `GRPOMixin`): the scaler skips the step
+         and rescales; the importance state is left as it is and the step is counted, as in the first case.
+
+       Otherwise: [`~grpo_hf.importance.ImportanceState.update`] -> multipliers; each optimizer param group
        tagged `grpo_group` gets `lr = scheduler_lr * ratio_g * m_g` (`ratio_g` the group's fixed LR ratio, `m_g` its
        importance multiplier, 1 when importance scaling is off).
     2. `on_optimizer_step`: the scheduler's learning rates are put back, so multipliers never compound, whatever the
@@ -71,9 +85,10 @@ class GRPOCallback(TrainerCallback):
         lr_ratios (`dict[str, float]`, *optional*): a fixed factor on each group's scheduled LR (see
             [`~grpo_hf.grouping.lr_ratios`]), applied whether or not the multipliers are.
         drop_nonfinite_gradients (`bool`, *optional*, defaults to `True`): drop the gradients of a non-finite step
-            so that the optimizer skips it; `GRPOMixin` turns it off when an fp16 `GradScaler` skips such steps.
+            that is skipped so that the optimizer skips it; `GRPOMixin` turns it off when an fp16 `GradScaler` skips
+            such steps (then every non-finite step is handled as skipped, whatever the compression state).
         max_consecutive_skips (`int`, *optional*, defaults to `8`): stop the run when this many optimizer steps in a
-            row were skipped as non-finite (`0`: never stop).
+            row were skipped as non-finite (`0`: never stop). Steps taken as the Trainer takes them never stop it.
 
     Groups and importance state given here or later with [`~GRPOCallback.bind`] (`GRPOMixin` binds them to the model
     it trains). Set `resume_from` to a checkpoint folder before training to restore the GRPO state saved there at
@@ -104,6 +119,7 @@ class GRPOCallback(TrainerCallback):
         self._scheduler_lrs: list[float] | None = None
         self._backward_end: float | None = None
         self._nonfinite_params: list[tuple[str, str]] | None = None  # see mark_backward_end
+        self._clips = True  # the Trainer clips gradients (max_grad_norm > 0): set at on_train_begin
         self._latencies_ms: deque[float] = deque(maxlen=100)
         self._warned: set[str] = set()
         self.probe: OptimizerStepProbe | None = None
@@ -128,6 +144,8 @@ class GRPOCallback(TrainerCallback):
         self.comm_state = comm_state
         self.nonfinite_steps = 0
         self.consecutive_skips = 0
+        self.nonfinite_streak = 0  # non-finite steps in a row taken as the Trainer takes them (see skips_nonfinite)
+        self._streak_first_step = 0
         self.metrics.clear()
         self._latencies_ms.clear()
         self._shard_keys: list[list[tuple]] | None = None  # per group and parameter: its shard process groups
@@ -181,23 +199,50 @@ class GRPOCallback(TrainerCallback):
         return sum_over_shards(partials)
 
     # --- per step ---
-    def mark_backward_end(self) -> None:
+    @property
+    def skips_nonfinite(self) -> bool:
+        """
+        Whether a non-finite optimizer step is skipped (GRPO's codec or sync is in the gradients' path, or an fp16
+        `GradScaler` skips it) rather than taken as the Trainer takes it (nothing of GRPO touched the gradients).
+        """
+        return self.comm_state is not None or not self.drop_nonfinite_gradients
+
+    def mark_backward_end(self, loss_finite: bool = True) -> None:
         """
         Called by the trainer after the backward of the last micro-batch (communication included), before clipping.
-        After a skipped step, notes which parameters hold NaN/Inf now: clipping by a NaN norm spreads it to every
-        gradient, so a later report could not name them.
+        When this step's gradients may hold NaN/Inf (`loss_finite=False` for a NaN/Inf training loss, the codec saw
+        them, or the step before was non-finite), notes which parameters hold them now: clipping by a NaN norm spreads
+        it to every gradient, so a later report could not name them. One fused pass over the gradients, only then.
         """
         self._backward_end = time.perf_counter()
-        self._nonfinite_params = self._find_nonfinite_params() if self.consecutive_skips else None
+        suspect = (
+            not loss_finite
+            or self.consecutive_skips > 0
+            or self.nonfinite_streak > 0
+            or getattr(self.comm_state, "last_step", None) == "nonfinite"
+        )
+        self._nonfinite_params = self._find_nonfinite_params() if suspect else None
 
     def _find_nonfinite_params(self) -> list[tuple[str, str]]:
-        """`(group, parameter)` names of the gradients holding a NaN or an Inf (this rank's shards under FSDP2)."""
-        return [
-            (group.name, name)
+        """
+        `(group, parameter)` names of the gradients holding a NaN or an Inf (this rank's shards under FSDP2), from one
+        fused max-abs pass (it overflows for no finite value, and NaN propagates through it).
+        """
+        entries = [
+            (group.name, name, local_tensor(param.grad).detach())
             for group in self.groups
             for name, param in zip(group.param_names, group.params)
-            if param.grad is not None and not bool(torch.isfinite(local_tensor(param.grad)).all())
+            if param.grad is not None
         ]
+        entries = [entry for entry in entries if entry[2].numel()]
+        if not entries:
+            return []
+        peaks = torch._foreach_norm([grad for _, _, grad in entries], math.inf)
+        try:
+            finite = torch.isfinite(torch.stack([peak.float() for peak in peaks])).tolist()
+        except RuntimeError:  # gradients on several devices
+            finite = [bool(torch.isfinite(peak)) for peak in peaks]
+        return [(group, name) for (group, name, _), ok in zip(entries, finite) if not ok]
 
     def group_grad_norms(self) -> torch.Tensor:
         """L2 norm of each group's gradient (float64; 0 for a group without gradients this step)."""
@@ -271,9 +316,13 @@ class GRPOCallback(TrainerCallback):
         if isinstance(self.comm_state, FSDPCommState):
             self.comm_state.end_step(finite)  # its residuals count only if the step is taken
         if not finite:
-            self._skip_nonfinite_step(state, norms)
+            if self.skips_nonfinite:
+                self._skip_nonfinite_step(state, norms)
+            else:
+                self._take_nonfinite_step(state, norms, optimizer)
             return
         self.consecutive_skips = 0
+        self._end_nonfinite_streak(state)
         coherence = None
         if self.importance.kind == "coherence":
             if optimizer is None:
@@ -284,6 +333,14 @@ class GRPOCallback(TrainerCallback):
         multipliers = self.importance.update(norms, coherence)
         if optimizer is None:
             return
+        index = self._apply_lr_factors(optimizer, multipliers)
+        self._record(optimizer, multipliers, index)
+
+    def _apply_lr_factors(self, optimizer, multipliers: torch.Tensor) -> dict[str, int]:
+        """
+        Each param group tagged `grpo_group` gets its scheduled LR times its ratio and (when applied) its multiplier,
+        for this step only (`on_optimizer_step` puts the scheduler's values back). Returns the group index by name.
+        """
         index = {name: i for i, name in enumerate(self.importance.names)}
         self._scheduler_lrs = [group["lr"] for group in optimizer.param_groups]
         for group in optimizer.param_groups:
@@ -295,7 +352,7 @@ class GRPOCallback(TrainerCallback):
                 factor *= float(multipliers[index[name]])
             if factor != 1.0:
                 group["lr"] = group["lr"] * factor
-        self._record(optimizer, multipliers, index)
+        return index
 
     def _after_probed_step(self, optimizer) -> None:
         """DeepSpeed: importance from the step ZeRO just took; its multipliers go into the probe's factors."""
@@ -320,15 +377,84 @@ class GRPOCallback(TrainerCallback):
         codec_made_it = sent == "compressed"
         if codec_made_it or 0 < self.max_consecutive_skips <= self.consecutive_skips:
             raise GRPOError(self._nonfinite_report(state, bad, sent))
+        warn = state is None or state.is_world_process_zero
+        where, spread = self._nonfinite_where(norms) if warn else ("", "")  # before the gradients are dropped
         if self.drop_nonfinite_gradients:
             for group in self.groups:
                 for param in group.params:
                     param.grad = None
-        if state is None or state.is_world_process_zero:
+        if warn:
             logger.warning(
-                f"GRPO: NaN/Inf gradients at optimizer step {state.global_step + 1 if state else '?'} (groups "
-                f"{', '.join(bad)}): the step is skipped (no parameter, optimizer state, importance score or "
-                f"compression residual changes); {self.nonfinite_steps} step(s) skipped so far."
+                f"GRPO: NaN/Inf gradients at optimizer step {state.global_step + 1 if state else '?'} ({where}){spread}: "
+                "the step is skipped (no parameter, optimizer state, importance score or compression residual "
+                f"changes); {self.nonfinite_steps} step(s) skipped so far."
+            )
+
+    def _take_nonfinite_step(self, state, norms: torch.Tensor, optimizer) -> None:
+        """
+        A non-finite step that nothing of GRPO touched: the Trainer's `optimizer.step` runs on the gradients as they
+        are, with the learning rates of a finite step (ratios, current multipliers); the importance state is not
+        updated. Warned once per streak (see [`~GRPOCallback.skips_nonfinite`]).
+        """
+        self.nonfinite_steps += 1
+        self.nonfinite_streak += 1
+        step = state.global_step + 1 if state else 0
+        if self.nonfinite_streak == 1:
+            self._streak_first_step = step
+        if optimizer is not None:
+            self._apply_lr_factors(optimizer, self.importance.multipliers)
+        if self.nonfinite_streak > 1 or not (state is None or state.is_world_process_zero):
+            return
+        where, spread = self._nonfinite_where(norms)
+        logger.warning(
+            f"GRPO: NaN/Inf gradients at optimizer step {step or '?'} ({where}){spread}. No GRPO codec or sync touches "
+            "the gradients in this run, so the step is taken as the Trainer takes it: optimizer.step runs on them "
+            "(the parameters it updates may hold NaN from now on); only GRPO's importance state is left as it was. "
+            "Further steps of this streak are not warned about one by one: grpo/nonfinite_steps counts them (the "
+            "Trainer's logging_nan_inf_filter hides NaN losses in the logs). Lower the learning rate, check the data "
+            "and the loss, or use bf16 instead of fp16."
+        )
+
+    def _nonfinite_where(self, norms: torch.Tensor) -> tuple[str, str]:
+        """
+        `("groups ...; parameters ...", note)` for the gradients holding NaN/Inf: those noted before clipping when
+        they were (see [`~GRPOCallback.mark_backward_end`]), else those found now; when clipping has multiplied every
+        gradient by a NaN norm, all groups and a note saying why no parameter can be named.
+        """
+        found = self._nonfinite_params
+        with_grad = sum(p.grad is not None for group in self.groups for p in group.params)
+        if found is None:
+            found = self._find_nonfinite_params()
+            if self._clips and len(found) > 1 and len(found) == with_grad:
+                return f"every gradient, all {len(self.groups)} groups", (
+                    ": gradient clipping multiplied every gradient by the NaN norm, so the parameters where it began "
+                    "cannot be told apart at this step (max_grad_norm=0 would leave them as they were)"
+                )
+        bad = [name for name, norm in zip(self.importance.names, norms.tolist()) if not math.isfinite(norm)]
+        if found:
+            bad = list(dict.fromkeys(group for group, _ in found))
+        params = [name for _, name in found]
+        shown = ", ".join(params[:8]) + (f" and {len(params) - 8} more" if len(params) > 8 else "")
+        if len(params) > 1 and len(params) == with_grad:
+            shown = f"all {len(params)} of them"
+        return f"groups {', '.join(bad)}" + (f"; parameters {shown}" if params else ""), ""
+
+    def _end_nonfinite_streak(self, state) -> None:
+        """After a streak of several non-finite steps taken as the Trainer takes them: say how long it was."""
+        streak, self.nonfinite_streak = self.nonfinite_streak, 0
+        if streak > 1 and (state is None or state.is_world_process_zero):
+            last = self._streak_first_step + streak - 1
+            logger.warning(
+                f"GRPO: {streak} optimizer steps in a row had NaN/Inf gradients (steps {self._streak_first_step} to "
+                f"{last}) and were taken as the Trainer takes them; {self.nonfinite_steps} such step(s) in this run."
+            )
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.nonfinite_streak > 1 and state.is_world_process_zero:
+            logger.warning(
+                f"GRPO: training ended inside a streak of {self.nonfinite_streak} optimizer steps with NaN/Inf "
+                f"gradients (from step {self._streak_first_step} on), each taken as the Trainer takes it: the "
+                "model's parameters may hold NaN or Inf. Check them before using the model."
             )
 
     def _nonfinite_report(self, state, bad_groups: list[str], sent: str | None) -> str:
@@ -355,6 +481,16 @@ class GRPOCallback(TrainerCallback):
             )
         elif sent == "dense":
             origin = "They were NaN/Inf before the codec (a dense warm-up step: no compression)"
+        elif isinstance(self.comm_state, OuterSyncState):
+            origin = (
+                "They were NaN/Inf as the backward pass made them (the sync every H steps exchanges no gradient; its "
+                "outer step would have carried them into the global model)"
+            )
+        elif isinstance(self.comm_state, FSDPCommState):
+            origin = (
+                "They were NaN/Inf as the backward pass and FSDP2's compressed reduce-scatter delivered them (its "
+                "residuals stay unchanged for such a step)"
+            )
         else:
             origin = "They were NaN/Inf as the backward pass and gradient synchronization made them (no GRPO codec)"
         return (
@@ -471,6 +607,8 @@ class GRPOCallback(TrainerCallback):
         }
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self._clips = args.max_grad_norm is not None and args.max_grad_norm > 0
+        self.nonfinite_streak = 0
         if self.resume_from is not None:
             rank, world_size = process_rank(args)
             self.load_checkpoint(self.resume_from, rank, world_size)

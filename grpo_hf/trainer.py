@@ -3,6 +3,7 @@
 import contextlib
 import weakref
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer
 from transformers.utils import logging
@@ -86,8 +87,12 @@ class GRPOMixin:
       [`~grpo_hf.checkpoints`]), and GRPO adds `"last"` for the newest complete checkpoint or a fresh start.
     - **Output folder**: the Trainer's rules (it writes into an existing `output_dir`). The `grpo-hf` commands refuse
       a folder holding another run; the library does not.
-    - **Safety**: an optimizer step whose gradients hold a NaN or an Inf is skipped (logged as
-      `grpo/nonfinite_steps`) without touching the importance state or the compression residuals.
+    - **Safety**: an optimizer step whose gradients hold a NaN or an Inf never touches the importance state or the
+      compression residuals, and counts in `grpo/nonfinite_steps`. Where GRPO's codec or sync touches the gradients
+      (compression, the sync every H steps) the step is skipped, and `grpo_max_consecutive_skips` skipped in a row stop
+      the run; where nothing of GRPO does (one process or DDP without compression, no sync) the step is taken as the
+      Trainer takes it, with one warning per streak naming the groups and parameters. An fp16 `GradScaler` skips
+      such steps itself (see [`GRPOCallback`]).
     - **Hub**: `push_to_hub()` uploads grpo_hf's model card ([`grpo_hf.model_card`]: base model, perplexity in
       `model-index`, groups, settings, cost); a `hub_token` in the arguments is refused (the Trainer would pickle it
       into `training_args.bin`), and a missing token or an unreachable Hub is one [`~grpo_hf.errors.HubError`].
@@ -120,6 +125,7 @@ class GRPOMixin:
         self.add_callback(self.grpo_callback)
         self._grpo_hooked_models = weakref.WeakSet()
         self._grpo_model = None
+        self._grpo_loss_finite = True  # over the micro-batches of the current optimizer step (see training_step)
         # Bound now, so that a bad group file or rule fails before any work; bound again to the model `train()`
         # actually trains when that is another one (`model_init`, each trial of `hyperparameter_search`).
         self._bind_grpo(self.model)
@@ -369,12 +375,18 @@ class GRPOMixin:
         per_step = comm_state is not None and not isinstance(comm_state, OuterSyncState)
         sent_before = comm_state.totals()["bytes_sent"] if per_step and sync_step else 0.0
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if comm_state is None and self.args.max_grad_norm and torch.is_tensor(loss):
+            # Nothing of GRPO sees these gradients: a NaN/Inf loss is the cue to note, before clipping spreads a NaN
+            # norm to every gradient, which parameters hold NaN/Inf (see GRPOCallback.mark_backward_end). The Trainer
+            # reads the loss at this point itself (logging_nan_inf_filter).
+            self._grpo_loss_finite = self._grpo_loss_finite and bool(torch.isfinite(loss).all())
         if sync_step:
             if per_step and self.grpo_engine == "single":
                 compress_locally(comm_state, self.model)  # the article's sparse updates on one process
             if not isinstance(comm_state, OuterSyncState):  # the sync's bytes are counted after optimizer.step
                 self._count_comm_bytes(sent_before)
-            self.grpo_callback.mark_backward_end()
+            self.grpo_callback.mark_backward_end(loss_finite=self._grpo_loss_finite)
+            self._grpo_loss_finite = True
         return loss
 
     def _attach_to_prepared_model(self, model) -> None:

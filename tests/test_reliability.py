@@ -65,7 +65,7 @@ def faults(tmp_path_factory):
 # --- NaN / Inf gradients on one rank -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("setting", ["allgather", "allreduce", "none"])
+@pytest.mark.parametrize("setting", ["allgather", "allreduce"])
 def test_nonfinite_steps_are_skipped_and_poison_nothing(faults, setting):
     results, _, _ = faults
     for rank, result in enumerate(results):
@@ -86,15 +86,31 @@ def test_nonfinite_steps_are_skipped_and_poison_nothing(faults, setting):
         assert all(math.isfinite(loss) for loss in record["losses"]) and record["params_finite"]
         assert record["identical"] and record["multipliers_identical"]  # the ranks never diverged
         assert len(set(record["multipliers"])) > 1  # importance scaling kept working
-        if setting != "none":
-            assert record["comm_totals"]["nonfinite_steps"] == len(INJECTED)
-            assert record["comm_totals"]["dense_steps"] == 2 + len(INJECTED) - 1  # step 1 is also a warm-up step
-            compressed_steps = [s for s in range(3, 13) if s not in INJECTED]
-            assert all(steps[s]["residuals"] != steps[s - 1]["residuals"] for s in compressed_steps)
-            # the scales are AdamW's exp_avg_sq (in the optimizer digest above): the state keeps no squares of its own
-            assert all(steps[s]["squares"] == steps[0]["squares"] for s in range(13))
+        assert record["comm_totals"]["nonfinite_steps"] == len(INJECTED)
+        assert record["comm_totals"]["dense_steps"] == 2 + len(INJECTED) - 1  # step 1 is also a warm-up step
+        compressed_steps = [s for s in range(3, 13) if s not in INJECTED]
+        assert all(steps[s]["residuals"] != steps[s - 1]["residuals"] for s in compressed_steps)
+        # the scales are AdamW's exp_avg_sq (in the optimizer digest above): the state keeps no squares of its own
+        assert all(steps[s]["squares"] == steps[0]["squares"] for s in range(13))
         if setting == "allreduce":
             assert all(steps[s]["owner_residuals"] != steps[s - 1]["owner_residuals"] for s in compressed_steps)
+
+
+def test_without_compression_a_nonfinite_step_is_the_trainers_on_every_rank(faults):
+    # grpo_compression="none": DDP's own all-reduce carries rank 1's NaN of step 1 to both ranks, and nothing of GRPO
+    # touches the gradients, so the step is taken as the Trainer takes it (the parameters turn NaN, and every later
+    # step with them); GRPO only keeps its importance state out of it, and the run is not stopped.
+    results, _, _ = faults
+    for rank, result in enumerate(results):
+        record = result["nonfinite"]["none"]
+        assert record["is_ddp"] and record["global_step"] == 12
+        steps = record["steps"]
+        assert steps[1]["params"] != steps[0]["params"] and steps[1]["optimizer"] != steps[0]["optimizer"], rank
+        assert not record["params_finite"]
+        assert record["nonfinite_steps"] == 12 and record["importance_steps"] == 0
+        assert all(after["importance"] == steps[0]["importance"] and after["importance_finite"] for after in steps)
+        assert record["logged_nonfinite_steps"] == [4.0, 8.0, 12.0]
+        assert record["multipliers_identical"]
 
 
 # --- another world size --------------------------------------------------------------------------------------------
