@@ -442,8 +442,8 @@ def check_data_file(name: str, content: bytes, task: str, completion_only: bool 
         (folder / name).write_bytes(content)
         before = files_below(folder)
         try:
-            model_args, data_args, args = parse_recipe(recipe, where="r.yaml")
             with recipe_context("r.yaml"):
+                model_args, data_args, args = parse_recipe(recipe)
                 prepared = prepare(model_args, data_args)
             if train:
                 run_training(model_args, data_args, args, "grpo", prepared=prepared, progress=None)

@@ -10,6 +10,13 @@ from grpo_hf.cli.main import main
 from grpo_hf.errors import RecipeError
 from grpo_hf.harness.arguments import DataArguments, ModelArguments, RecipeConfig
 from grpo_hf.harness.parser import RecipeParser, parse_overrides, parse_recipe
+from grpo_hf.harness.recipe_files import COMMAND_LINE, recipe_context
+
+
+def parse_file(values, argv=None):
+    """`parse_recipe` as a recipe file `r.yaml` is parsed: its errors name the file (or the command line)."""
+    with recipe_context("r.yaml"):
+        return parse_recipe(values, argv)
 
 
 def test_parser_covers_the_three_dataclasses():
@@ -24,7 +31,7 @@ def test_parser_covers_the_three_dataclasses():
 def test_recipe_values_are_defaults_typed_by_the_field_and_the_command_line_wins():
     parser = RecipeParser()
     parser.set_recipe_defaults({"learning_rate": "5e-4", "max_steps": 5, "seq_len": "32", "grpo_importance": "false"})
-    model_args, data_args, args = parser.parse_recipe_args([], where="r.yaml")
+    model_args, data_args, args = parser.parse_recipe_args([])
     assert args.learning_rate == 5e-4 and isinstance(args.learning_rate, float)  # a YAML string, typed as a float
     assert args.max_steps == 5 and data_args.seq_len == 32 and args.grpo_importance is False
     parser = RecipeParser()
@@ -51,9 +58,9 @@ def test_none_on_the_command_line_and_in_the_file():
 
 def test_wrong_types_name_the_field_and_where_the_value_came_from():
     with pytest.raises(RecipeError, match=r"^r.yaml: a value has the wrong type \(argument --max_steps.*'x'"):
-        parse_recipe({"max_steps": "x"}, where="r.yaml")
+        parse_file({"max_steps": "x"})
     with pytest.raises(RecipeError, match=r"^command line: argument --learning_rate.*invalid float value: 'abc'"):
-        parse_recipe({}, ["--learning_rate", "abc"], where="r.yaml")
+        parse_file({}, ["--learning_rate", "abc"])
     with pytest.raises(RecipeError, match=r"^command line: .*--max_steps.*expected one argument"):
         parse_recipe({}, ["--max_steps"])
 
@@ -77,14 +84,13 @@ TINY = {"model_name_or_path": "tiny-llama", "lora_r": 0}
 )
 def test_yaml_values_are_checked_by_the_type_of_their_field(values, argv, message):
     with pytest.raises(RecipeError, match=message):
-        parse_recipe({**TINY, **values}, argv, where="r.yaml")
+        parse_file({**TINY, **values}, argv)
 
 
 def test_yaml_values_of_another_type_that_mean_the_same_are_taken():
-    model_args, data_args, args = parse_recipe(
+    model_args, data_args, args = parse_file(
         {**TINY, "learning_rate": 1, "grpo_bits": 4, "dataset_split": 2021, "lora_target_modules": "q_proj",
-         "grpo_lr_ratios": {"*lora_B": 4}, "fsdp_config": {"version": 2}, "max_train_tokens": None},
-        where="r.yaml",
+         "grpo_lr_ratios": {"*lora_B": 4}, "fsdp_config": {"version": 2}, "max_train_tokens": None}
     )  # fmt: skip
     assert args.learning_rate == 1.0 and isinstance(args.learning_rate, float)
     assert args.grpo_bits == "4" and data_args.dataset_split == "2021"  # a YAML number where text belongs
@@ -94,37 +100,37 @@ def test_yaml_values_of_another_type_that_mean_the_same_are_taken():
 
 def test_runs_that_would_train_nothing_or_need_a_launcher_are_refused():
     with pytest.raises(RecipeError, match=r"^r.yaml: max_steps=0 and num_train_epochs=0.0 train nothing"):
-        parse_recipe({**TINY, "max_steps": 0, "num_train_epochs": 0}, where="r.yaml")
+        parse_file({**TINY, "max_steps": 0, "num_train_epochs": 0})
     parse_recipe({**TINY, "max_steps": 0})  # the Trainer then trains num_train_epochs (3) epochs
     parse_recipe({**TINY, "max_steps": 5, "num_train_epochs": 0})  # max_steps wins over epochs
     with pytest.raises(RecipeError, match=r"^r.yaml: fsdp is set, and this is one process.*torchrun"):
-        parse_recipe({**TINY, "fsdp": True, "use_cpu": True}, where="r.yaml")
+        parse_file({**TINY, "fsdp": True, "use_cpu": True})
     for field in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         with pytest.raises(RecipeError, match=rf"^r.yaml: {field}=0: use 1 or more"):
-            parse_recipe({**TINY, field: 0}, where="r.yaml")
+            parse_file({**TINY, field: 0})
     for value in ("nan", "inf", "-1"):
         with pytest.raises(RecipeError, match=r"^command line: learning_rate=|^r.yaml: learning_rate="):
-            parse_recipe(TINY, ["--learning_rate", value], where="r.yaml")
+            parse_file(TINY, ["--learning_rate", value])
 
 
 def test_unknown_fields_abbreviations_and_stray_values_are_errors():
     with pytest.raises(
         RecipeError, match=r"^r.yaml: unknown field\(s\) 'lerning_rate' \(did you mean 'learning_rate'"
     ):
-        parse_recipe({"lerning_rate": 0.1}, where="r.yaml")
+        parse_file({"lerning_rate": 0.1})
     with pytest.raises(RecipeError, match=r"^command line: unknown field\(s\) 'max_step' \(did you mean 'max_steps'"):
         parse_recipe({}, ["--max_step", "3"])
     with pytest.raises(RecipeError, match="unexpected value"):
         parse_recipe({}, ["stray"])
     with pytest.raises(RecipeError, match="mapping"):
-        parse_recipe(["a list"], where="r.yaml")
+        parse_file(["a list"])
 
 
 def test_values_the_dataclasses_reject_name_the_recipe():
     with pytest.raises(RecipeError, match=r"^r.yaml: grpo_density=1.5"):
-        parse_recipe({"grpo_density": 1.5}, where="r.yaml")
+        parse_file({"grpo_density": 1.5})
     with pytest.raises(RecipeError, match=r"^r.yaml: seq_len=1"):
-        parse_recipe({}, ["--seq_len", "1"], where="r.yaml")
+        parse_file({}, ["--seq_len", "1"])
 
 
 def test_parse_overrides_returns_only_the_given_keys():
@@ -182,7 +188,6 @@ def test_cli_errors_name_the_field_and_exit_2(capsys):
 
 def test_the_recipe_is_named_once_where_its_errors_leave():
     from grpo_hf.errors import RecipeNotFoundError
-    from grpo_hf.harness.recipe_files import recipe_context
 
     with pytest.raises(RecipeError, match=r"^r.yaml: dataset_split='x' is not a split"):
         with recipe_context("r.yaml"):
@@ -190,3 +195,19 @@ def test_the_recipe_is_named_once_where_its_errors_leave():
     with pytest.raises(RecipeNotFoundError, match=r"^r.yaml: gone"):  # the kind of error is kept
         with recipe_context("r.yaml"):
             raise RecipeNotFoundError("gone")
+    with pytest.raises(RecipeError, match=r"^command line: max_steps=None"):  # named inside: left as it is
+        with recipe_context("r.yaml"), recipe_context(COMMAND_LINE):
+            raise RecipeError("max_steps=None")
+    with pytest.raises(RecipeError, match=r"^learning_rate=-1.0: use a finite number"):  # no file: no name
+        parse_recipe(TINY, ["--learning_rate", "-1"])
+
+
+def test_the_parser_has_no_where():
+    # where a value came from is named where its error leaves (recipe_context), not passed down the parser
+    import inspect
+
+    import grpo_hf.harness.parser as parser
+
+    members = [*vars(parser).values(), *vars(RecipeParser).values()]
+    functions = [f for f in members if inspect.isfunction(f) and f.__module__ == parser.__name__]
+    assert functions and not [f.__qualname__ for f in functions if "where" in inspect.signature(f).parameters]

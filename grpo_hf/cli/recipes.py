@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import RecipeError
-from ..harness.recipe_files import builtin_recipe_values, read_recipe, recipe_context
+from ..harness.recipe_files import COMMAND_LINE, builtin_recipe_values, read_recipe, recipe_context
 
 
 _FIELDS_HELP = (
@@ -122,7 +122,7 @@ def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | No
                 print(f"overwrite_output_dir: deleted {', '.join(removed)} from {folder}.", file=sys.stderr)
 
 
-def _compare_and_report(args, title: str, where: str) -> int:
+def _compare_and_report(args, title: str) -> int:
     from ..harness.compare import compare
     from ..harness.report import print_table, write_report
     from ..harness.trainers import TRAINER_KINDS
@@ -138,7 +138,7 @@ def _compare_and_report(args, title: str, where: str) -> int:
         f"{title}: {model_args.model_name_or_path}, {training_args.max_steps} steps per trainer, output in "
         f"{training_args.output_dir}"
     )
-    with recipe_context(where):  # the data's errors name the recipe
+    with recipe_context(args.recipe_name):  # the data's errors name the recipe
         results = compare(model_args, data_args, training_args, progress=phases)
     phases("writing report")
     results["wall_seconds"] = phases.elapsed()
@@ -179,8 +179,7 @@ def quickstart_command_parser():
 def quickstart_command(args) -> int:
     _offline()
     title = "grpo-hf quickstart" + (" --tiny" if args.tiny else "") + ": Trainer vs GRPOTrainer"
-    where = f"built-in recipe {'tiny' if args.tiny else 'quickstart'!r}"
-    return _compare_and_report(args, title, where)
+    return _compare_and_report(args, title)
 
 
 def compare_command_parser():
@@ -197,7 +196,7 @@ def compare_command_parser():
 
 
 def compare_command(args) -> int:
-    return _compare_and_report(args, f"{args.recipe}: Trainer vs GRPOTrainer", args.recipe)
+    return _compare_and_report(args, f"{args.recipe}: Trainer vs GRPOTrainer")
 
 
 def train_command_parser():
@@ -248,7 +247,7 @@ def train_command(args) -> int:
     phases(
         f"train {args.recipe} with {args.trainer}: {model_args.model_name_or_path}, {training_args.max_steps} steps"
     )
-    with recipe_context(args.recipe):  # the data's errors name the recipe
+    with recipe_context(args.recipe_name):  # the data's errors name the recipe
         prepared = prepare(model_args, data_args, progress=phases)
     row = run_training(
         model_args, data_args, training_args, args.trainer, prepared=prepared, progress=phases, save_model=True
@@ -278,15 +277,16 @@ def train_command(args) -> int:
 def _recipe_named_by(command: str, tail: list[str]) -> tuple[dict | None, str, str | None]:
     """
     The recipe a recipe command's line names, read before the line is parsed (its values become the parser's
-    defaults): `(values, where, path)`. `quickstart` reads a built-in recipe; `compare` and `train` the file given
-    right after the command (none given: no defaults, argparse then reports the missing RECIPE or prints --help).
+    defaults): `(values, name, path)`, `name` what the errors of its values call it. `quickstart` reads a built-in
+    recipe; `compare` and `train` the file given right after the command (none given: no defaults, argparse then
+    reports the missing RECIPE or prints --help).
     """
     if command == "quickstart":
         name = "tiny" if "--tiny" in tail else "quickstart"
         return builtin_recipe_values(name), f"built-in recipe {name!r}", None
     if tail and not tail[0].startswith("-"):
         return read_recipe(tail[0]), tail[0], tail[0]
-    return {}, "command line", None
+    return {}, COMMAND_LINE, None
 
 
 def parse_recipe_command(register: Callable, argv: list[str]) -> argparse.Namespace:
@@ -294,27 +294,24 @@ def parse_recipe_command(register: Callable, argv: list[str]) -> argparse.Namesp
     Parse a recipe command's line (`argv` starts with the command) once: the recipe it names is read first (no torch
     yet: a missing or malformed file fails here), its values become the defaults of the command's parser
     (`register()`), then the command line is parsed and wins. The namespace gets `model_args`, `data_args` and
-    `training_args`.
+    `training_args`, and `recipe_name`, what the command's errors call the recipe.
 
     Raises:
-        [`~grpo_hf.errors.RecipeError`]: the recipe or an override is invalid (naming the file or the field).
+        [`~grpo_hf.errors.RecipeError`]: the recipe or an override is invalid (naming the file or the command line,
+            and the field).
     """
     command, tail = argv[0], argv[1:]
-    values, where, path = _recipe_named_by(command, tail)  # before transformers is imported
+    values, name, path = _recipe_named_by(command, tail)  # before transformers is imported
     parser = register()
-    from ..harness.parser import recipe_error_from
-
-    parser.set_recipe_defaults(values, where)
-    try:
-        args, unknown = parser.parse_known_args(tail)
-    except argparse.ArgumentError as err:
-        raise recipe_error_from(err, tail, where) from None
-    parser.check_unknown(unknown)
-    if getattr(args, "recipe", None) != path:
-        raise RecipeError(
-            f"give the recipe file right after the command: grpo-hf {command} RECIPE [--field value ...]"
-        )
-    args.model_args, args.data_args, args.training_args = parser.dataclasses_from(args, where, tail)
+    with recipe_context(name):  # the errors of the recipe's values name it; the command line's name the command line
+        parser.set_recipe_defaults(values)
+        args = parser.parse_line(tail)
+        if getattr(args, "recipe", None) != path:  # only when no recipe came first: `name` is the command line
+            raise RecipeError(
+                f"give the recipe file right after the command: grpo-hf {command} RECIPE [--field value ...]"
+            )
+        args.model_args, args.data_args, args.training_args = parser.dataclasses_from(args, tail)
+    args.recipe_name = name
     return args
 
 

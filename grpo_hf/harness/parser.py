@@ -11,6 +11,10 @@ field's annotation ([`check_value`]: YAML keeps its own types, so `seed: [0, 1, 
 Trainer), [`check_recipe`] checks the model and the data together (the data is loaded and every row checked), and
 [`check_training_arguments`] refuses runs that could not train, all before any model is loaded.
 
+The errors name the field and the value; where the value came from is named once, where the error leaves
+([`~grpo_hf.harness.recipe_files.recipe_context`]): the values the command line gave name the command line, the others
+the recipe file ([`load_recipe`], [`builtin_recipe`] and the `grpo-hf` commands name it).
+
 Example:
 
 ```python
@@ -23,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import enum
@@ -45,7 +50,14 @@ from .arguments import (
     ModelArguments,
     RecipeConfig,
 )
-from .recipe_files import builtin_recipe_values, hub_model_available, missing_local_path, read_recipe, recipe_context
+from .recipe_files import (
+    COMMAND_LINE,
+    builtin_recipe_values,
+    hub_model_available,
+    missing_local_path,
+    read_recipe,
+    recipe_context,
+)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -69,7 +81,7 @@ class RecipeParser(HfArgumentParser):
     values as its defaults, modeled on TRL's `TrlParser`.
 
     Differences from a plain `HfArgumentParser`: no abbreviations (`--max_step` is an error, not `--max_steps`), no
-    exit on a wrong value (an [`argparse.ArgumentError`] is raised, [`parse_recipe_args`] turns it into a
+    exit on a wrong value (an [`argparse.ArgumentError`] is raised, [`parse_line`] turns it into a
     [`RecipeError`]), `None` / `null` as a value gives `None` for every typed field and every string field that
     may be `None` (`--dataset_eval_split None`; a field that needs a value refuses it), and every value given is
     checked against its field's annotation ([`check_value`]).
@@ -78,8 +90,9 @@ class RecipeParser(HfArgumentParser):
 
     ```python
     >>> parser = RecipeParser()
-    >>> parser.set_recipe_defaults({"model_name_or_path": "tiny-llama", "learning_rate": "5e-4"}, where="r.yaml")
-    >>> model_args, data_args, args = parser.parse_recipe_args(["--max_steps", "10"], where="r.yaml")
+    >>> with recipe_context("r.yaml"):  # the errors of the recipe's values name it
+    ...     parser.set_recipe_defaults({"model_name_or_path": "tiny-llama", "learning_rate": "5e-4"})
+    ...     model_args, data_args, args = parser.parse_recipe_args(["--max_steps", "10"])
     ```
 
     The `grpo-hf` sub-commands are `RecipeParser`s too (`add_subparsers(parser_class=RecipeParser)`); those that
@@ -115,19 +128,19 @@ class RecipeParser(HfArgumentParser):
             kwargs["type"] = _none_or(convert)
         return super().add_argument(*args, **kwargs)
 
-    def unknown_fields_message(self, unknown: list[str], where: str) -> str:
-        """`where: unknown field(s) 'lerning_rate' (did you mean 'learning_rate'?)`, and what a recipe takes."""
+    def unknown_fields_message(self, unknown: list[str]) -> str:
+        """`unknown field(s) 'lerning_rate' (did you mean 'learning_rate'?)`, and what a recipe takes."""
         hints = []
         for name in unknown:
             close = difflib.get_close_matches(name, self.field_names, n=1)
             hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         return (
-            f"{where}: unknown field(s) {', '.join(hints)}. A recipe takes the fields of ModelArguments and "
+            f"unknown field(s) {', '.join(hints)}. A recipe takes the fields of ModelArguments and "
             "DataArguments (grpo_hf.harness.arguments) and of RecipeConfig (GRPOConfig: every TrainingArguments "
             "field plus grpo_* and cost_*; and overwrite_output_dir, cost_noise_rounds, cost_noise_window_steps)."
         )
 
-    def set_recipe_defaults(self, values: dict[str, Any] | None, where: str = "recipe") -> None:
+    def set_recipe_defaults(self, values: dict[str, Any] | None) -> None:
         """
         Make a recipe's values the parser's defaults ([`argparse.ArgumentParser.set_defaults`]); the command line
         parsed afterwards wins over them.
@@ -138,23 +151,44 @@ class RecipeParser(HfArgumentParser):
         if values is None:
             values = {}
         if not isinstance(values, dict):
-            raise RecipeError(f"{where}: a recipe is a mapping of field names to values, got {type(values).__name__}.")
+            raise RecipeError(f"a recipe is a mapping of field names to values, got {type(values).__name__}.")
         unknown = sorted(set(values) - set(self.field_names))
         if unknown:
-            raise RecipeError(self.unknown_fields_message(unknown, where))
+            raise RecipeError(self.unknown_fields_message(unknown))
         self.recipe_fields = set(values)
         self.set_defaults(**values)
 
     def check_unknown(self, unknown: list[str]) -> None:
-        """Raise a [`RecipeError`] for the arguments `parse_known_args` left over, if any."""
+        """Raise a [`RecipeError`] naming the command line for the arguments `parse_known_args` left over, if any."""
         if not unknown:
             return
         options = [u.lstrip("-").split("=")[0].replace("-", "_") for u in unknown if u.startswith("--")]
-        if options:
-            raise RecipeError(self.unknown_fields_message(options, "command line"))
-        raise RecipeError(f"command line: unexpected value(s) {unknown}; give overrides as `--field value`.")
+        with recipe_context(COMMAND_LINE):
+            if options:
+                raise RecipeError(self.unknown_fields_message(options))
+            raise RecipeError(f"unexpected value(s) {unknown}; give overrides as `--field value`.")
 
-    def dataclasses_from(self, namespace: argparse.Namespace, where: str = "recipe", argv: list[str] | None = None):
+    def parse_line(self, argv: list[str]) -> argparse.Namespace:
+        """
+        Parse a command line (`["--max_steps", "10", ...]`, with a sub-command's own arguments) once over the
+        recipe's defaults: the namespace of every option, the dataclasses' fields and the sub-command's own.
+
+        Raises:
+            [`RecipeError`]: an unknown option or a stray value, or a value argparse cannot read: naming the command
+                line when the option is on it, else unnamed (the recipe file gave the value).
+        """
+        try:
+            namespace, unknown = self.parse_known_args(argv)
+        except argparse.ArgumentError as err:
+            option = err.argument_name or ""
+            if option and any(a.split("=")[0] in option.split("/") for a in argv if a.startswith("--")):
+                with recipe_context(COMMAND_LINE):
+                    raise RecipeError(str(err)) from None
+            raise RecipeError(f"a value has the wrong type ({err}).") from None
+        self.check_unknown(unknown)
+        return namespace
+
+    def dataclasses_from(self, namespace: argparse.Namespace, argv: list[str] | None = None):
         """
         Build one instance of each dataclass from a parsed namespace (its fields are removed from `namespace`, the
         sub-command's own options stay). Every value the recipe file or the command line gave is checked against its
@@ -163,7 +197,6 @@ class RecipeParser(HfArgumentParser):
 
         Args:
             namespace (`argparse.Namespace`): what the parser gave.
-            where (`str`, *optional*): the recipe file, named in the errors of its values.
             argv (`list[str]`, *optional*): the command line parsed, so that an error names it for its own values.
 
         Raises:
@@ -177,21 +210,23 @@ class RecipeParser(HfArgumentParser):
             for name in inputs:
                 delattr(namespace, name)
             for field in dataclasses.fields(dtype):
-                if field.name in inputs and field.name in given | self.recipe_fields:
-                    origin = "command line" if field.name in given else where
-                    inputs[field.name] = check_value(dtype, field, inputs[field.name], origin)
+                if field.name not in inputs or field.name not in given | self.recipe_fields:
+                    continue
+                # a value the command line gave names it; the recipe file's are named where their errors leave
+                with recipe_context(COMMAND_LINE) if field.name in given else contextlib.nullcontext():
+                    inputs[field.name] = check_value(dtype, field, inputs[field.name])
             try:
                 outputs.append(dtype(**inputs))
             except (TypeError, ValueError) as err:
-                raise RecipeError(f"{where}: {err}") from None
+                raise RecipeError(str(err)) from None
         by_type = {type(output): output for output in outputs}
         if ModelArguments in by_type and DataArguments in by_type:
-            check_recipe(by_type[ModelArguments], by_type[DataArguments], where)
+            check_recipe(by_type[ModelArguments], by_type[DataArguments])
         if RecipeConfig in by_type:
-            check_training_arguments(by_type[RecipeConfig], where)
+            check_training_arguments(by_type[RecipeConfig])
         return tuple(outputs)
 
-    def parse_recipe_args(self, args: list[str] | None = None, where: str = "recipe") -> tuple:
+    def parse_recipe_args(self, args: list[str] | None = None) -> tuple:
         """
         Parse command-line overrides (`["--max_steps", "10", "--grpo_scale_gradients", ...]`) over the defaults
         once.
@@ -200,16 +235,11 @@ class RecipeParser(HfArgumentParser):
             `tuple[ModelArguments, DataArguments, RecipeConfig]`
 
         Raises:
-            [`RecipeError`]: an unknown option, a value of the wrong type (naming the field, and the file when the
-                value came from it), or a value the dataclasses reject.
+            [`RecipeError`]: an unknown option, a value of the wrong type (naming the field, and the command line when
+                the value came from it), or a value the dataclasses reject.
         """
         args = list(args or [])
-        try:
-            namespace, unknown = self.parse_known_args(args)
-        except argparse.ArgumentError as err:
-            raise recipe_error_from(err, args, where) from None
-        self.check_unknown(unknown)
-        return self.dataclasses_from(namespace, where, args)
+        return self.dataclasses_from(self.parse_line(args), args)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -297,7 +327,7 @@ def _match_or_text(value, options: tuple):
     return _NO_MATCH
 
 
-def check_value(dtype: type, field: dataclasses.Field, value, where: str = "recipe"):
+def check_value(dtype: type, field: dataclasses.Field, value):
     """
     A recipe value checked against its field's annotation, by name, whatever gave it (a YAML file, where values keep
     the type YAML reads, or the command line): returned as the field takes it (an integer as a float for a float
@@ -305,7 +335,7 @@ def check_value(dtype: type, field: dataclasses.Field, value, where: str = "reci
 
     Raises:
         [`RecipeError`]: a list where one value belongs (`seed: [0, 1, 2]`), a mapping, text or `true` where a number
-            belongs, `null` for a field that needs a value; naming `where`, the field, the value and what it takes.
+            belongs, `null` for a field that needs a value; naming the field, the value and what it takes.
     """
     default = field.default
     if default is not dataclasses.MISSING and type(value) is type(default) and value == default:
@@ -326,10 +356,10 @@ def check_value(dtype: type, field: dataclasses.Field, value, where: str = "reci
     else:
         kind = type(value).__name__
         problem = f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} where {wanted} belongs"
-    raise RecipeError(f"{where}: {field.name}={value!r}: {problem}. Give {wanted}.")
+    raise RecipeError(f"{field.name}={value!r}: {problem}. Give {wanted}.")
 
 
-def check_training_arguments(args: RecipeConfig, where: str = "recipe") -> None:
+def check_training_arguments(args: RecipeConfig) -> None:
     """
     What a recipe's training arguments would do that no one wants, checked before any model is loaded (guards for a
     person at the command line; the library follows the Trainer): a run of zero optimizer steps, batch sizes and
@@ -341,12 +371,12 @@ def check_training_arguments(args: RecipeConfig, where: str = "recipe") -> None:
     """
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(args, name) < 1:
-            raise RecipeError(f"{where}: {name}={getattr(args, name)}: use 1 or more.")
+            raise RecipeError(f"{name}={getattr(args, name)}: use 1 or more.")
     if not 0 <= args.learning_rate < math.inf:
-        raise RecipeError(f"{where}: learning_rate={args.learning_rate}: use a finite number >= 0, e.g. 1e-4.")
+        raise RecipeError(f"learning_rate={args.learning_rate}: use a finite number >= 0, e.g. 1e-4.")
     if args.max_steps <= 0 and args.num_train_epochs <= 0:  # the Trainer's rule: max_steps > 0 wins over epochs
         raise RecipeError(
-            f"{where}: max_steps={args.max_steps} and num_train_epochs={args.num_train_epochs} train nothing (zero "
+            f"max_steps={args.max_steps} and num_train_epochs={args.num_train_epochs} train nothing (zero "
             "optimizer steps). Set max_steps to the number of optimizer steps (e.g. 100) or num_train_epochs to a "
             "positive number of passes over the data."
         )
@@ -355,78 +385,70 @@ def check_training_arguments(args: RecipeConfig, where: str = "recipe") -> None:
 
         if args.parallel_mode != ParallelMode.DISTRIBUTED:  # the Trainer's own condition ("only works in ...")
             raise RecipeError(
-                f"{where}: fsdp is set, and this is one process: FSDP shards the model over several (the Trainer "
+                "fsdp is set, and this is one process: FSDP shards the model over several (the Trainer "
                 "refuses it alone). Launch the command with `torchrun --nproc_per_node N -m grpo_hf.cli ...` or "
                 "`accelerate launch -m grpo_hf.cli ...`, or remove fsdp (and fsdp_config) to train on one process."
             )
 
 
-def recipe_error_from(err: argparse.ArgumentError, args: list[str], where: str) -> RecipeError:
-    """A parse error as a [`RecipeError`]: from the command line if the option is on it, else from the recipe."""
-    option = err.argument_name or ""
-    given = bool(option) and any(a.split("=")[0] in option.split("/") for a in args if a.startswith("--"))
-    return RecipeError(f"command line: {err}" if given else f"{where}: a value has the wrong type ({err}).")
-
-
-def check_recipe(model_args: ModelArguments, data_args: DataArguments, where: str = "recipe") -> None:
+def check_recipe(model_args: ModelArguments, data_args: DataArguments) -> None:
     """
     Check what the model and the data of a recipe need from each other, and the data itself
     ([`~grpo_hf.harness.datasets.check_data_arguments`]: it is loaded, its splits and columns checked), before any
     model is loaded.
 
     Raises:
-        [`RecipeError`]: what is wrong, where, and how to fix it.
+        [`RecipeError`]: what is wrong (the field, the value) and how to fix it.
     """
     name = model_args.model_name_or_path
     if data_args.task == "sequence_classification" and name in CAUSAL_LM_MODELS:
         raise RecipeError(
-            f"{where}: model_name_or_path={name!r} is a causal LM, but task='sequence_classification': use "
+            f"model_name_or_path={name!r} is a causal LM, but task='sequence_classification': use "
             f"{' or '.join(map(repr, CLASSIFICATION_MODELS))}, or a Hub name / folder of an encoder such as BERT."
         )
     if data_args.task == "causal_lm" and name in CLASSIFICATION_MODELS:
         raise RecipeError(
-            f"{where}: model_name_or_path={name!r} is an encoder for task='sequence_classification' (set task), or "
+            f"model_name_or_path={name!r} is an encoder for task='sequence_classification' (set task), or "
             f"use one of {CAUSAL_LM_MODELS} for language modeling."
         )
     if name in CLASSIFICATION_MODELS and model_args.lora_r and model_args.lora_target_modules == DEFAULT_LORA_TARGETS:
         raise RecipeError(
-            f"{where}: lora_target_modules is the Llama default {DEFAULT_LORA_TARGETS}, but {name!r} is a BERT "
+            f"lora_target_modules is the Llama default {DEFAULT_LORA_TARGETS}, but {name!r} is a BERT "
             f"encoder: set lora_target_modules: {BERT_LORA_TARGETS} (or a subset)."
         )
-    check_local_paths(model_args, data_args, where)
+    check_local_paths(model_args, data_args)
     from .datasets import check_data_arguments
 
-    with recipe_context(where):
-        check_data_arguments(data_args)
+    check_data_arguments(data_args)
 
 
-def check_local_paths(model_args: ModelArguments, data_args: DataArguments, where: str = "recipe") -> None:
+def check_local_paths(model_args: ModelArguments, data_args: DataArguments) -> None:
     """
     Check that the local paths of a recipe's model and tokenizer (`model_name_or_path`, `tokenizer_name_or_path`)
     and of its corpus (`corpus_root`) exist, and that a Hub model is in the cache when the Hub is offline, before
     anything is loaded (`dataset_name` is checked with the data, [`~grpo_hf.harness.datasets.check_data_arguments`]).
 
     Raises:
-        [`RecipeError`]: naming the recipe, the field and the path.
+        [`RecipeError`]: naming the field and the path.
     """
     for field in ("model_name_or_path", "tokenizer_name_or_path"):
         value = getattr(model_args, field)
         if missing_local_path(value):
             raise RecipeError(
-                f"{where}: {field}={value!r}: no such file or folder (relative paths are taken from the current "
+                f"{field}={value!r}: no such file or folder (relative paths are taken from the current "
                 f"folder {os.getcwd()}). Fix the path, or give a built-in name ({', '.join(CAUSAL_LM_MODELS)}) or a "
                 "Hub id such as 'owner/name'."
             )
         if value and value not in CAUSAL_LM_MODELS + CLASSIFICATION_MODELS and not hub_model_available(value):
             raise RecipeError(
-                f"{where}: {field}={value!r} is no local folder, and not in the Hugging Face cache while the Hub is "
+                f"{field}={value!r} is no local folder, and not in the Hugging Face cache while the Hub is "
                 "offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE). Download it once online (`hf download "
                 f"{value}`), or point {field} at a local folder."
             )
     root = data_args.corpus_root
     if root is not None and not os.path.isdir(os.path.expanduser(root)):
         raise RecipeError(
-            f"{where}: corpus_root={root!r} is not a folder. Point it at a folder of *.py files, or set it to None "
+            f"corpus_root={root!r} is not a folder. Point it at a folder of *.py files, or set it to None "
             "for the Python standard library."
         )
 
@@ -449,25 +471,27 @@ def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
     parser = RecipeParser()
     unset = object()  # a default that is not a string, so argparse leaves it as it is
     parser.set_defaults(**dict.fromkeys(parser.field_names, unset))
-    try:
-        namespace, unknown = parser.parse_known_args(list(overrides))
-    except argparse.ArgumentError as err:
-        raise RecipeError(f"command line: {err}") from None
-    parser.check_unknown(unknown)
+    with recipe_context(COMMAND_LINE):  # every value here is the command line's
+        try:
+            namespace, unknown = parser.parse_known_args(list(overrides))
+        except argparse.ArgumentError as err:
+            raise RecipeError(str(err)) from None
+        parser.check_unknown(unknown)
     return {key: value for key, value in vars(namespace).items() if value is not unset}
 
 
-def parse_recipe(values: dict[str, Any] | None, overrides: list[str] | None = None, where: str = "recipe"):
+def parse_recipe(values: dict[str, Any] | None, overrides: list[str] | None = None):
     """
     Build `(ModelArguments, DataArguments, RecipeConfig)` from a recipe mapping and command-line overrides (which win).
+    The errors of the mapping's values name no file: `with recipe_context("r.yaml"): parse_recipe(...)` names one.
 
     Raises:
         [`RecipeError`]: an unknown field (with the closest known name), a value of the wrong type, or a value the
             dataclasses reject (their message says how to fix it).
     """
     parser = RecipeParser()
-    parser.set_recipe_defaults(values, where)
-    return parser.parse_recipe_args(overrides, where)
+    parser.set_recipe_defaults(values)
+    return parser.parse_recipe_args(overrides)
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None):
@@ -482,12 +506,16 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None):
         value
             invalid (the message says which and how to fix it).
     """
-    return parse_recipe(read_recipe(path), overrides, where=str(path))
+    values = read_recipe(path)  # its own errors name the file
+    with recipe_context(str(path)):
+        return parse_recipe(values, overrides)
 
 
 def builtin_recipe(name: str, overrides: list[str] | None = None):
     """`(ModelArguments, DataArguments, RecipeConfig)` of a built-in recipe (`"quickstart"`, `"tiny"`, ...)."""
-    return parse_recipe(builtin_recipe_values(name), overrides, where=f"built-in recipe {name!r}")
+    values = builtin_recipe_values(name)
+    with recipe_context(f"built-in recipe {name!r}"):
+        return parse_recipe(values, overrides)
 
 
 __all__ = [
@@ -500,5 +528,4 @@ __all__ = [
     "load_recipe",
     "parse_overrides",
     "parse_recipe",
-    "recipe_error_from",
 ]

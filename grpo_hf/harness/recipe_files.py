@@ -124,20 +124,34 @@ def hub_model_available(name: str) -> bool:
     return True
 
 
+# The name of the command line's own values in the errors about them (`command line: max_steps=None: ...`).
+COMMAND_LINE = "command line"
+
+
 @contextlib.contextmanager
-def recipe_context(where: str):
+def recipe_context(name: str):
     """
-    Name the recipe in the [`~grpo_hf.errors.RecipeError`]s raised inside, once, where they leave for the command line:
-    `with recipe_context("r.yaml"): prepare(...)` turns `dataset_split='x' is not a split ...` into
-    `r.yaml: dataset_split='x' is not a split ...`. The functions that check a recipe's data raise without it.
+    Name where the values came from in the [`~grpo_hf.errors.RecipeError`]s raised inside, once, where they leave for
+    the command line: `with recipe_context("r.yaml"): prepare(...)` turns `dataset_split='x' is not a split ...` into
+    `r.yaml: dataset_split='x' is not a split ...`. The functions that check a recipe (its fields, its data) raise
+    without a name. An error named already, by a `recipe_context` inside this one, leaves as it is: the parser names
+    the values the command line gave with `recipe_context(COMMAND_LINE)`, and the recipe file names the rest.
+
+    Args:
+        name (`str`): the recipe file, `built-in recipe 'tiny'`, or [`COMMAND_LINE`].
     """
     try:
         yield
     except RecipeError as err:
-        raise type(err)(f"{where}: {err}").with_traceback(err.__traceback__) from None
+        if getattr(err, "names_its_origin", False):
+            raise
+        named = type(err)(f"{name}: {err}")
+        named.names_its_origin = True
+        raise named.with_traceback(err.__traceback__) from None
 
 
 __all__ = [
+    "COMMAND_LINE",
     "builtin_recipe_names",
     "builtin_recipe_values",
     "hub_model_available",
