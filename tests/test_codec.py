@@ -235,6 +235,12 @@ def test_eager_kernels_hold_their_contract_at_every_magnitude(bits, case):
     _check_magnitudes(EAGER, case, bits)
 
 
+# The compiled kernels (torch.compile: ~20 s of inductor per variant on a cold cache) run in the slow set; the default
+# set holds the eager ones to the same contract, and `test_compiled_*_are_the_eager_ones` (slow) compare the two.
+COMPILED = pytest.param(True, marks=pytest.mark.slow, id="compiled")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", (8, 4))
 @hypothesis.settings(
     max_examples=25, deadline=None, suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture]
@@ -255,14 +261,14 @@ def test_kernels_hold_their_contract_at_every_magnitude_many_examples(compiled_k
     _check_magnitudes(compiled_kernels if compiled else EAGER, case, bits)
 
 
-@pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
+@pytest.mark.parametrize("compiled", (pytest.param(False, id="eager"), COMPILED))
 @pytest.mark.parametrize("bits", BLOCK_BITS)
-def test_one_gradient_then_zeros_for_200_steps(compiled_kernels, compiled, bits):
+def test_one_gradient_then_zeros_for_200_steps(request, compiled, bits):
     """
     A block that gets one gradient and then none (an untied embedding row, an expert not routed): its residual decays
     step after step into the subnormal range and must stay finite there, go to zero, and have sent the whole gradient.
     """
-    kernels = compiled_kernels if compiled else EAGER
+    kernels = request.getfixturevalue("compiled_kernels") if compiled else EAGER
     grad = torch.zeros(2, 128)
     grad[0] = _randn(128) * 1e-2
     grad[0, ::3] = 0.0  # zeros beside the decaying entries: 0 * (1 / subnormal step) was NaN
@@ -278,11 +284,16 @@ def test_one_gradient_then_zeros_for_200_steps(compiled_kernels, compiled, bits)
     torch.testing.assert_close(sent, grad.double(), rtol=0, atol=float(grad.abs().max()) * 2**-7)
 
 
+@pytest.mark.parametrize("compiled", (pytest.param(False, id="eager"), COMPILED))
 @pytest.mark.parametrize("bits", (8, 4))
-def test_fsdp2_messages_of_tiny_rows_stay_finite(bits):
+def test_fsdp2_messages_of_tiny_rows_stay_finite(request, monkeypatch, compiled, bits):
     """FSDP2's reduce-scatter encodes `rows + residual` with the same kernels: tiny blocks beside zeros decode finite."""
+    from grpo_hf.compression import fsdp
     from grpo_hf.compression.fsdp import _decode as fsdp_decode
     from grpo_hf.compression.fsdp import _encode as fsdp_encode
+
+    # the process's kernels (compiled where a compiler works, as under torchrun), or the eager ones
+    monkeypatch.setattr(fsdp, "_KERNELS", [request.getfixturevalue("compiled_kernels") if compiled else EAGER])
 
     rows = torch.zeros(2, 300)
     rows[0, 1::2] = 1e-38
@@ -358,6 +369,7 @@ def _compare_compiled(bits, dtype=torch.float32, scaled=True, world_size=2):
     return compiled
 
 
+@pytest.mark.slow
 def test_compiled_default_kernels_are_the_eager_ones():
     """The default codec (8 bits, scales, two ranks) compiled and eager; it compiles once for every size."""
     compiled = _compare_compiled(8)
@@ -369,6 +381,7 @@ def test_compiled_default_kernels_are_the_eager_ones():
     )
 
 
+@pytest.mark.slow
 def test_warm_up_compiles_what_the_hook_runs():
     """
     The kernels `warm_up` compiles at bind (autograd on) are the ones a DDP hook runs (autograd off, views of a bucket
