@@ -33,6 +33,21 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+# A command recorded before the benchmarks became modules (`python benchmarks/suite.py ...`): run so today, it stops
+# with `ModuleNotFoundError: No module named 'benchmarks'`.
+SCRIPT_FORM = re.compile(r"\bpython3? benchmarks/(\w+)\.py\b")
+
+
+def runnable(command: str) -> str:
+    """`command` as it runs today, from the repository root: `python benchmarks/x.py ARGS` becomes
+    `python -m benchmarks.x ARGS` (the same arguments), in each part of a `&&` chain."""
+    return SCRIPT_FORM.sub(r"python -m benchmarks.\1", command)
+
+
+def _command(record: dict) -> str:
+    return runnable(record["command"])
+
+
 def _fmt_default(value) -> str:
     return "–" if value is None else f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
 
@@ -77,7 +92,7 @@ def conformance() -> str:
         f"| `transformers.Trainer` ({result['transformers']}) | {result['plain_passed']} | – |",
         f"| `grpo_hf.GRPOTrainer` | {result['grpo_passed']} | {broken} (+{len(result['by_design'])} by design) |",
         "",
-        f"`{result['command']}` ({result['date']}; the by-design ones assert the exact list of default callbacks,",
+        f"`{_command(result)}` ({result['date']}; the by-design ones assert the exact list of default callbacks,",
         "which GRPOTrainer extends with `CostCallback` and `GRPOCallback`).",
     ]
     return "\n".join(lines)
@@ -148,7 +163,7 @@ def suite_summary() -> str:
         )
     lines += [
         "",
-        f"`{meta['command']}` ({meta['date']}, {meta['machine']}); per task: [compression](docs/compression.md).",
+        f"`{_command(meta)}` ({meta['date']}, {meta['machine']}); per task: [compression](docs/compression.md).",
     ]
     return "\n".join(lines)
 
@@ -158,7 +173,7 @@ def suite_tasks() -> str:
     from benchmarks import suite
 
     summary, meta = _suite()
-    return suite.markdown("comm", summary, "dense") + f"\n\n`{meta['command']}` ({meta['date']}, {meta['machine']})."
+    return suite.markdown("comm", summary, "dense") + f"\n\n`{_command(meta)}` ({meta['date']}, {meta['machine']})."
 
 
 def suite_w4() -> str:
@@ -166,7 +181,7 @@ def suite_w4() -> str:
     from benchmarks import suite
 
     summary, meta = _suite("suite_comm_w4")
-    return suite.markdown("comm", summary, "dense") + f"\n\n`{meta['command']}` ({meta['date']}, {meta['machine']})."
+    return suite.markdown("comm", summary, "dense") + f"\n\n`{_command(meta)}` ({meta['date']}, {meta['machine']})."
 
 
 def _sync_kind(row: str) -> str:
@@ -204,7 +219,7 @@ def suite_sync() -> str:
         "",
         "Wire time is a projection (the run's mean bytes per step and rank over the link, no overlap), not a measurement.",
         "",
-        f"`{meta['command']}` ({meta['date']}, {meta['machine']}).",
+        f"`{_command(meta)}` ({meta['date']}, {meta['machine']}).",
     ]
     return "\n".join(lines)
 
@@ -225,7 +240,7 @@ def hook_speed() -> str:
             f"{1e3 * r['cpu_seconds'] / millions:.2f} |"
         )
     load = " ".join(f"{x:.2f}" for x in result["load_average"])
-    lines += ["", f"`{result['command']}` ({result['date']}; {result['settings']}; load average at the end {load})."]
+    lines += ["", f"`{_command(result)}` ({result['date']}; {result['settings']}; load average at the end {load})."]
     return "\n".join(lines)
 
 
@@ -234,7 +249,7 @@ def step_cost() -> str:
     from benchmarks.bench_step_cost import report
 
     result = _read(RESULTS / "step_cost.json")
-    return f"{report(result['rows'])}\n\n`{result['command']}` ({result['date']}; {result['note']})."
+    return f"{report(result['rows'])}\n\n`{_command(result)}` ({result['date']}; {result['note']})."
 
 
 def fsdp2() -> str:
@@ -244,7 +259,7 @@ def fsdp2() -> str:
     result = _read(RESULTS / "fsdp2" / "results.json")
     summary = {row: {**e, "ppl_ratio": {int(k): v for k, v in e.get("ppl_ratio", {}).items()}}
                for row, e in result["summary"].items()}  # fmt: skip
-    return f"{markdown(summary)}\n\n`{result['command']}` ({result['date']})."
+    return f"{markdown(summary)}\n\n`{_command(result)}` ({result['date']})."
 
 
 def fsdp2_summary() -> str:
@@ -260,7 +275,7 @@ def fsdp2_summary() -> str:
             f"| `{row}` | {len(e['seeds'])} | {quality} | {e['steady_grad_bytes_per_step'] / 1e3:,.0f} kB | "
             f"{e['peak_rss_mb']:.0f} MB |"
         )
-    lines += ["", f"`{result['command']}` ({result['date']}; every column: [benchmarks](docs/benchmarks.md))."]
+    lines += ["", f"`{_command(result)}` ({result['date']}; every column: [benchmarks](docs/benchmarks.md))."]
     return "\n".join(lines)
 
 
