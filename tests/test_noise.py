@@ -5,7 +5,7 @@ import math
 import pytest
 
 from grpo_hf.harness.noise import TIMED_KEYS, classify, self_spread, timed_ratio_noise
-from grpo_hf.harness.plots import plot_ratios
+from grpo_hf.harness.report import plot_ratios
 from grpo_hf.harness.table import TABLE_ROWS, ratio_cell, table_rows
 
 

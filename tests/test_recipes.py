@@ -16,9 +16,8 @@ from grpo_hf.harness.compare import compare, dense_allreduce_bytes_per_step
 from grpo_hf.harness.evaluation import evaluate_perplexity
 from grpo_hf.harness.models import build_model
 from grpo_hf.harness.parser import builtin_recipe, load_recipe, parse_overrides
-from grpo_hf.harness.plots import PLOT_FILES
 from grpo_hf.harness.recipe_files import builtin_recipe_names
-from grpo_hf.harness.report import write_report
+from grpo_hf.harness.report import PLOT_FILES, write_report
 from grpo_hf.harness.table import TABLE_ROWS, compute_ratios, markdown_table
 from grpo_hf.harness.trainers import plain_training_arguments
 

@@ -19,6 +19,6 @@ Comparison and report:
 - [`~grpo_hf.harness.compare`]: `Trainer` and `GRPOTrainer` side by side on one recipe;
 - [`~grpo_hf.harness.evaluation`] and [`~grpo_hf.harness.metrics`]: perplexity and accuracy, offline;
 - [`~grpo_hf.harness.noise`]: the noise band of timed ratios;
-- [`~grpo_hf.harness.table`], [`~grpo_hf.harness.report`], [`~grpo_hf.harness.plots`]: the side-by-side table,
-  `results.json` and `report.md`, the plots.
+- [`~grpo_hf.harness.table`], [`~grpo_hf.harness.report`]: the side-by-side table; `results.json`, `report.md` and
+  the plots.
 """

@@ -1,7 +1,7 @@
 """
 The side-by-side table of a comparison: its rows (what each shows and how its values print), the ratios GRPOTrainer /
 Trainer, and their cells with the noise verdict. [`~grpo_hf.harness.report`] prints and writes it,
-[`~grpo_hf.harness.plots`] draws its ratios, and `grpo-hf publish` puts it on the card of a comparison.
+[`~grpo_hf.harness.report.plot_ratios`] draws its ratios, and `grpo-hf publish` puts it on the card of a comparison.
 
 Example:
 
