@@ -4,9 +4,16 @@ import math
 
 import pytest
 
-from grpo_hf.harness.noise import TIMED_KEYS, classify, self_spread, timed_ratio_noise
 from grpo_hf.harness.report import plot_ratios
-from grpo_hf.harness.table import TABLE_ROWS, ratio_cell, table_rows
+from grpo_hf.harness.table import (
+    TABLE_ROWS,
+    TIMED_KEYS,
+    classify,
+    ratio_cell,
+    self_spread,
+    table_rows,
+    timed_ratio_noise,
+)
 
 
 def test_classify_the_overclaim_of_a_busy_machine():

@@ -12,14 +12,13 @@ from grpo_hf import GRPOConfig
 from grpo_hf.errors import RecipeError
 from grpo_hf.harness.arguments import DataArguments, ModelArguments
 from grpo_hf.harness.build import build_datasets, build_tokenizer
-from grpo_hf.harness.compare import compare, dense_allreduce_bytes_per_step
+from grpo_hf.harness.compare import compare, dense_allreduce_bytes_per_step, plain_training_arguments
 from grpo_hf.harness.evaluation import evaluate_perplexity
 from grpo_hf.harness.models import build_model
 from grpo_hf.harness.parser import builtin_recipe, load_recipe, parse_overrides
 from grpo_hf.harness.recipe_files import builtin_recipe_names
 from grpo_hf.harness.report import PLOT_FILES, write_report
 from grpo_hf.harness.table import TABLE_ROWS, compute_ratios, markdown_table
-from grpo_hf.harness.trainers import plain_training_arguments
 
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -255,7 +254,7 @@ def test_smollm2_quickstart_pipeline_runs(tmp_path):
 
 
 def test_comparison_measures_the_noise_of_timed_ratios(comparison):
-    from grpo_hf.harness.noise import TIMED_KEYS
+    from grpo_hf.harness.table import TIMED_KEYS
 
     results, _, out = comparison
     saved = json.loads((out / "results.json").read_text())

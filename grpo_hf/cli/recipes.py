@@ -123,9 +123,8 @@ def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | No
 
 
 def _compare_and_report(args, title: str) -> int:
-    from ..harness.compare import compare
+    from ..harness.compare import TRAINER_KINDS, compare
     from ..harness.report import print_table, write_report
-    from ..harness.trainers import TRAINER_KINDS
 
     model_args, data_args, training_args = args.model_args, args.data_args, args.training_args
     command = _command_line(args.argv)

@@ -2,7 +2,7 @@
 
 [`prepare`] loads and checks the data first (your data is loaded and checked before any model is), then the tokenizer,
 then the tokenized datasets and their collator. [`~grpo_hf.harness.models.build_model`] then loads a fresh model for
-each run, identical for one seed, and [`~grpo_hf.harness.trainers.make_trainer`] builds the trainer that trains it.
+each run, identical for one seed, and [`~grpo_hf.harness.compare.make_trainer`] builds the trainer that trains it.
 
 Example:
 

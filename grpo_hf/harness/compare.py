@@ -1,5 +1,13 @@
 """The comparison runner: trains `Trainer` and `GRPOTrainer` side by side on a recipe and measures both runs.
 
+- [`make_trainer`]: the trainer of one run, the plain `Trainer` or `GRPOTrainer`, built in one place for the full
+  runs and the timed windows alike, so that both count the bytes of the same number of workers ([`comm_workers`]) and
+  measure cost alike;
+- [`run_training`]: one run: load a fresh model, evaluate it, train it, evaluate it again, one row of the comparison;
+- [`measure_timing_noise`]: short timed windows of both trainers, interleaved, that measure the noise of the timed
+  ratios ([`~grpo_hf.harness.table.timed_ratio_noise`] turns them into bands);
+- [`compare`]: both runs on identical data, seed and steps, their ratios and the noise windows.
+
 Example:
 
 ```python
@@ -32,9 +40,7 @@ from .arguments import DataArguments, ModelArguments, recipe_field_names
 from .build import Prepared, prepare, report_progress
 from .evaluation import evaluate_accuracy, evaluate_perplexity, reset_peak_memory
 from .models import build_model
-from .noise import measure_timing_noise, timed_ratio_noise
-from .table import compute_ratios
-from .trainers import LABELS, TRAINER_KINDS, comm_workers, make_trainer
+from .table import METHOD, compute_ratios, timed_ratio_noise
 
 
 def recipe_summary(model_args: ModelArguments, data_args: DataArguments, args) -> dict[str, Any]:
@@ -55,6 +61,70 @@ def dense_allreduce_bytes_per_step(trainable_params: int, world_size: int) -> fl
     from ..compression.traffic import dense_allreduce_bytes
 
     return dense_allreduce_bytes(trainable_params, world_size)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The trainers
+# --------------------------------------------------------------------------------------------------------------
+
+
+TRAINER_KINDS = ("trainer", "grpo")
+LABELS = {"trainer": "Trainer", "grpo": "GRPOTrainer"}
+
+
+def plain_training_arguments(args):
+    """
+    A plain [`~transformers.TrainingArguments`] with every `TrainingArguments` field of `args` and nothing else, so
+    that the baseline `Trainer` cannot be influenced by a `grpo_*` or `cost_*` field.
+    """
+    from transformers import TrainingArguments
+
+    names = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+    return TrainingArguments(**{name: getattr(args, name) for name in names})
+
+
+def comm_workers(args, settings) -> int:
+    """`W`, the workers whose bytes a run counts: `cost_num_workers`, else the world size under DDP, else 2 (on one
+    process nothing is sent: the bytes are those one of two workers would send)."""
+    return settings.cost_num_workers or (args.world_size if args.world_size > 1 else 2)
+
+
+def make_trainer(kind: str, args, model, prepared, seq_len: int | None = None, callbacks=()) -> tuple[Any, Any, int]:
+    """
+    The trainer of one run on `prepared`'s data (train split, tokenizer, collator): the plain `Trainer`
+    (`kind="trainer"`, with [`plain_training_arguments`] and a [`~grpo_hf.CostCallback`] of the `cost_*` settings) or
+    `GRPOTrainer` (`"grpo"`, its own cost callback; its codec, applied locally on one process, counts the bytes of one
+    of `W` workers).
+
+    Returns:
+        `tuple`: the trainer, its [`~grpo_hf.CostCallback`] and `W` ([`comm_workers`]).
+    """
+    from transformers import Trainer, default_data_collator
+
+    from ..cost import CostSettings
+    from ..cost.callback import CostCallback
+    from ..trainer import GRPOTrainer
+
+    if kind not in TRAINER_KINDS:
+        raise ValueError(f"trainer_kind={kind!r}: use one of {TRAINER_KINDS}.")
+    settings = CostSettings.from_args(args)
+    world = comm_workers(args, settings)
+    common = dict(
+        model=model,
+        train_dataset=prepared.train_dataset,
+        processing_class=prepared.tokenizer,
+        data_collator=getattr(prepared, "collator", None) or default_data_collator,  # rows of your data are padded
+    )
+    if kind == "trainer":
+        cost = CostCallback(settings, seq_len=seq_len)
+        trainer = Trainer(args=plain_training_arguments(args), callbacks=[cost, *callbacks], **common)
+        return trainer, cost, world
+    trainer = GRPOTrainer(args=args, **common)
+    for callback in callbacks:  # after GRPOTrainer's own callbacks
+        trainer.add_callback(callback)
+    if trainer.grpo_comm_state is not None:  # bytes one of W workers would send (GRPOCommState counts W=2 by default)
+        trainer.grpo_comm_state.simulated_world_size = world
+    return trainer, trainer.cost_callback, world
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -240,7 +310,7 @@ def run_training(
     Args:
         model_args ([`ModelArguments`]), data_args ([`DataArguments`]), args ([`~grpo_hf.GRPOConfig`]):
             The recipe. The plain `Trainer` gets
-            [`~grpo_hf.harness.trainers.plain_training_arguments`]`(args)`; the cost settings (`cost_*`)
+            [`plain_training_arguments`]`(args)`; the cost settings (`cost_*`)
             price both runs alike.
         trainer_kind (`str`, *optional*, defaults to `"grpo"`):
             `"trainer"` or `"grpo"`.
@@ -311,7 +381,7 @@ class _MeasuredTrainer:
 
 
 def _measured_trainer(kind: str, args, model, prepared: Prepared, seq_len: int) -> _MeasuredTrainer:
-    """[`~grpo_hf.harness.trainers.make_trainer`] with a [`CommBytesCallback`] and a compact progress line."""
+    """[`make_trainer`] with a [`CommBytesCallback`] and a compact progress line."""
     from ..cost import CostSettings
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -427,6 +497,103 @@ def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, ev
     return row
 
 
+# --------------------------------------------------------------------------------------------------------------
+# The timed windows of the noise measurement
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _timed_window(model_args, data_args, args, kind: str, prepared, steps: int, output_dir: str) -> dict:
+    """Train a fresh model for `steps` optimizer steps with `kind`'s trainer and return what it cost (no evaluation)."""
+    args = dataclasses.replace(
+        args,
+        output_dir=output_dir,
+        max_steps=steps,
+        logging_steps=steps,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        push_to_hub=False,
+        disable_tqdm=True,
+    )
+    if args.include_num_input_tokens_seen == "no":
+        args.include_num_input_tokens_seen = "all"
+    model, _ = build_model(
+        model_args, data_args, seed=args.seed, tokenizer=prepared.tokenizer, labels=getattr(prepared, "labels", None)
+    )  # a classifier needs its class names
+    model.to(args.device)
+    trainer, cost, _ = make_trainer(kind, args, model, prepared, seq_len=data_args.seq_len)  # as the full run's
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    metrics = cost.summary()["metrics"]
+    window = {key: metrics.get(f"cost/{key}") for key in ("train_seconds", "tokens_per_second", "energy_kwh")}
+    window["total_usd"] = metrics.get("cost/total_usd")
+    window["load_average"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    trainer.accelerator.free_memory()
+    del trainer, model
+    gc.collect()
+    return window
+
+
+def measure_timing_noise(
+    model_args,
+    data_args,
+    args,
+    prepared,
+    rounds: int = 2,
+    steps: int = 4,
+    progress: Callable[[str], None] | None = None,
+    kinds: tuple[str, ...] = ("trainer", "grpo"),
+) -> dict[str, Any]:
+    """
+    Time short windows of both trainers, interleaved, to measure the noise of a comparison's timed ratios.
+
+    Each round trains a fresh model for `steps` optimizer steps with each trainer (same data, seed and settings as
+    the full runs, no evaluation), in the order `T G` in even rounds and `G T` in odd ones, so that a steady drift of
+    the machine's load falls on both trainers alike. [`~grpo_hf.harness.table.timed_ratio_noise`] turns the windows
+    into one noise band per ratio.
+
+    Args:
+        model_args ([`~grpo_hf.harness.arguments.ModelArguments`]), data_args ([`~grpo_hf.harness.arguments.DataArguments`]),
+        args ([`~grpo_hf.GRPOConfig`]):
+            The recipe of the comparison; window checkpoints go to `<output_dir>/noise/<kind>`.
+        prepared ([`~grpo_hf.harness.build.Prepared`]):
+            The tokenizer and datasets of the comparison.
+        rounds (`int`, *optional*, defaults to `2`), steps (`int`, *optional*, defaults to `4`):
+            Rounds of windows and optimizer steps per window.
+        progress (`Callable[[str], None]`, *optional*):
+            Receives one line per window.
+
+    Returns:
+        `dict`: `method`, `rounds`, `window_steps`, `seconds` (wall time of the measurement) and `windows` (one entry
+        per window: `round`, `name`, `train_seconds`, `tokens_per_second`, `energy_kwh`, `total_usd`,
+        `load_average`).
+    """
+    start = time.perf_counter()
+    windows = []
+    for index in range(rounds):
+        for kind in kinds if index % 2 == 0 else kinds[::-1]:
+            if progress is not None:
+                progress(f"timing window {index + 1}/{rounds} ({LABELS[kind]}, {steps} steps)")
+            output_dir = os.path.join(args.output_dir, "noise", kind)
+            window = _timed_window(model_args, data_args, args, kind, prepared, steps, output_dir)
+            windows.append({"round": index, "name": kind, **window})
+    return jsonable(
+        {
+            "method": METHOD,
+            "rounds": rounds,
+            "window_steps": steps,
+            "seconds": time.perf_counter() - start,
+            "windows": windows,
+        }
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The comparison
+# --------------------------------------------------------------------------------------------------------------
+
+
 def compare(
     model_args: ModelArguments,
     data_args: DataArguments,
@@ -440,13 +607,13 @@ def compare(
     The tokenizer, the datasets and the quality before training (perplexity or accuracy) are computed once; each
     run loads the model afresh (same weights, same LoRA initialization). Each run's checkpoints and trained model (the
     adapter with LoRA, and the tokenizer: what `grpo-hf publish` uploads) go to `<output_dir>/<kind>`. Then, with
-    `cost_noise_rounds > 0`, [`~grpo_hf.harness.noise.measure_timing_noise`] times interleaved windows of both trainers
+    `cost_noise_rounds > 0`, [`measure_timing_noise`] times interleaved windows of both trainers
     (checkpoints in `<output_dir>/noise`).
 
     Returns:
         `dict`: `runs` (one row per trainer, see [`run_training`]), `ratios` (GRPOTrainer / Trainer per metric, see
         [`~grpo_hf.harness.table.compute_ratios`]), `timing_noise` (the windows) and `ratio_noise` (a noise band and a
-        `within_noise` flag per timed ratio, see [`~grpo_hf.harness.noise.timed_ratio_noise`]), `recipe`, `data`
+        `within_noise` flag per timed ratio, see [`~grpo_hf.harness.table.timed_ratio_noise`]), `recipe`, `data`
         (corpus fingerprint, `sys.version`, sizes), `environment` and `wall_seconds`.
     """
     start = time.perf_counter()
@@ -479,3 +646,22 @@ def compare(
         "environment": capture_environment(),
         "wall_seconds": time.perf_counter() - start,
     }
+
+
+__all__ = [
+    "CommBytesCallback",
+    "CompactProgressCallback",
+    "LABELS",
+    "TRAINER_KINDS",
+    "check_train_batches",
+    "comm_workers",
+    "compare",
+    "dense_allreduce_bytes_per_step",
+    "evaluate_quality",
+    "make_trainer",
+    "measure_timing_noise",
+    "plain_training_arguments",
+    "quality_fields",
+    "recipe_summary",
+    "run_training",
+]

@@ -6,7 +6,7 @@ Agg backend, no display needed), each file written whole or not at all ([`~grpo_
 Every row of the table is a key of a run's result; the last column is the ratio GRPOTrainer / Trainer
 ([`~grpo_hf.harness.table.compute_ratios`]): below 1 means GRPOTrainer needed less (time, bytes, money) or reached a
 lower perplexity. Ratios that follow from wall-clock time (time, tokens/s, energy, money) carry the noise band measured
-by the runner ([`~grpo_hf.harness.noise`]): inside it they read "within noise" in the table, the
+by the runner ([`~grpo_hf.harness.table.timed_ratio_noise`]): inside it they read "within noise" in the table, the
 ratio plot and `results.json` (`ratio_noise`); ratios of counted quantities (bytes, steps) are exact and carry none.
 
 The plots ([`write_plots`]): loss curves, the learning rate GRPO used per group, bytes sent per step, and the ratios

@@ -1,12 +1,35 @@
 """
-The side-by-side table of a comparison: its rows (what each shows and how its values print), the ratios GRPOTrainer /
-Trainer, and their cells with the noise verdict. [`~grpo_hf.harness.report`] prints and writes it,
-[`~grpo_hf.harness.report.plot_ratios`] draws its ratios, and `grpo-hf publish` puts it on the card of a comparison.
+The ratios of a comparison and the side-by-side table that shows them: the ratios GRPOTrainer / Trainer, the noise
+band of the timed ones, the table's rows (what each shows and how its values print) and its cells with the noise
+verdict. [`~grpo_hf.harness.report`] prints and writes the table and draws the ratios
+([`~grpo_hf.harness.report.plot_ratios`]), and `grpo-hf publish` puts it on the card of a comparison.
+
+**The noise of the timed ratios.** A comparison ([`~grpo_hf.harness.compare.compare`]) trains the plain `Trainer` and
+then `GRPOTrainer`, one after the other. On a shared machine the second run can meet a busier or a quieter machine
+than the first, so the ratios that follow from wall-clock time (training time, tokens/s, energy, money, cost per
+quality) move without any real difference between the trainers. The runner therefore also times short windows of
+both trainers, interleaved (`T G`, `G T`, `T G`, ...: alternating the order cancels a steady drift of the machine's
+load; [`~grpo_hf.harness.compare.measure_timing_noise`]), and [`timed_ratio_noise`] turns them into one noise band per
+ratio:
+
+1. **Measurements of the ratio**: the full runs' ratio `r_0` and one ratio per round of windows, `r_i = G_i / T_i`
+   (for cost per quality, the round's money ratio times the full runs' quality ratio, which is exact).
+2. **Self-spread** `s`: how much the *same* trainer varied between its own windows, `max / min - 1` over the rounds,
+   the larger of the two trainers (needs 2 rounds or more).
+3. **Band**: `[min r, max r]` over all measurements.
+4. **Within noise** when the measurements disagree on the direction (the band contains 1), or when every one of them
+   lies closer to 1 than the self-spread (`|ln r| <= ln(1 + s)`): the difference is no larger than what the same
+   trainer showed against itself.
+
+Ratios of counted quantities (bytes, steps, tokens, FLOPs) and of deterministic evaluation (perplexity) carry no
+band: they are exact. Peak memory is not timed either and is reported as measured.
 
 Example:
 
 ```python
->>> from grpo_hf.harness.table import markdown_table
+>>> from grpo_hf.harness.table import markdown_table, timed_ratio_noise
+>>> noise = timed_ratio_noise(results)  # results of compare(), with results["timing_noise"]
+>>> noise["train_seconds"]["within_noise"], noise["train_seconds"]["band"]  # e.g. True, [0.73, 1.01]
 >>> print(markdown_table(results))  # results.json of `grpo-hf compare`
 ```
 """
@@ -65,10 +88,108 @@ def compute_ratios(baseline: dict[str, Any], grpo: dict[str, Any], keys: list[st
     return ratios
 
 
+# --------------------------------------------------------------------------------------------------------------
+# The noise of the timed ratios
+# --------------------------------------------------------------------------------------------------------------
+
+
+# Ratios that follow from wall-clock time on the machine (noisy); every other ratio of the report is exact.
+TIMED_KEYS = ("train_seconds", "tokens_per_second", "energy_kwh", "total_usd", "cost_per_quality")
+# What each timed ratio is measured from in a window (cost per quality: the money, times the exact quality ratio).
+_WINDOW_KEY = {key: key for key in TIMED_KEYS} | {"cost_per_quality": "total_usd"}
+METHOD = (
+    "ratio measured by the full runs and by each round of short timed windows of both trainers, interleaved; "
+    "within noise when these measurements disagree on the direction (their range contains 1) or all lie closer to 1 "
+    "than the spread of one trainer's own windows"
+)
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def _ratio(numerator: Any, denominator: Any) -> float | None:
+    a, b = _number(numerator), _number(denominator)
+    return a / b if a is not None and b is not None and b > 0 and a > 0 else None
+
+
+def self_spread(values: list[float]) -> float | None:
+    """`max / min - 1` of one trainer's window values (`None` with fewer than 2 positive values)."""
+    values = [v for v in values if v is not None and v > 0]
+    return max(values) / min(values) - 1 if len(values) >= 2 else None
+
+
+def classify(ratio: float | None, window_ratios: list[float], spread: float | None) -> dict[str, Any]:
+    """
+    The noise band of one ratio: `ratio` measured by the full runs, `window_ratios` by the rounds of windows,
+    `spread` the self-spread of the windows ([`self_spread`]).
+
+    Returns:
+        `dict`: `ratio`, `window_ratios`, `ratio_interleaved` (their geometric mean), `band` (`[min, max]` of every
+        measurement), `self_spread` and `within_noise` (`None` when no window was measured).
+    """
+    measured = [r for r in [ratio, *window_ratios] if r is not None and r > 0]
+    entry: dict[str, Any] = {
+        "ratio": ratio,
+        "window_ratios": list(window_ratios),
+        "ratio_interleaved": math.exp(sum(map(math.log, window_ratios)) / len(window_ratios))
+        if window_ratios
+        else None,
+        "band": [min(measured), max(measured)] if measured else None,
+        "self_spread": spread,
+        "within_noise": None,
+    }
+    if not window_ratios or not measured:
+        return entry
+    straddles = min(measured) <= 1.0 <= max(measured)
+    inside_spread = spread is not None and all(abs(math.log(r)) <= math.log1p(spread) for r in measured)
+    entry["within_noise"] = bool(straddles or inside_spread)
+    return entry
+
+
+def timed_ratio_noise(results: dict[str, Any], baseline: str = "trainer", candidate: str = "grpo") -> dict:
+    """
+    One noise band per timed ratio ([`TIMED_KEYS`]) of a comparison's `results`: `results["ratios"]` measured by the
+    full runs, `results["timing_noise"]["windows"]` by the interleaved windows ([`~grpo_hf.harness.compare.compare`]).
+
+    Returns:
+        `dict[str, dict]`: per key, [`classify`]'s entry; empty when the results hold no ratios.
+    """
+    ratios = results.get("ratios") or {}
+    if not ratios:
+        return {}
+    windows = (results.get("timing_noise") or {}).get("windows") or []
+    rounds: dict[int, dict[str, dict]] = {}
+    for window in windows:
+        rounds.setdefault(window["round"], {})[window["name"]] = window
+    paired = [r for _, r in sorted(rounds.items()) if baseline in r and candidate in r]
+    quality = _ratio(ratios.get("cost_per_quality"), ratios.get("total_usd"))  # the exact quality factor
+    noise = {}
+    for key in TIMED_KEYS:
+        source = _WINDOW_KEY[key]
+        window_ratios = []
+        for pair in paired:
+            r = _ratio(pair[candidate].get(source), pair[baseline].get(source))
+            if r is not None and key == "cost_per_quality":
+                r = r * quality if quality is not None else None
+            if r is not None:
+                window_ratios.append(r)
+        spreads = [self_spread([pair[name].get(source) for pair in paired]) for name in (baseline, candidate)]
+        spreads = [s for s in spreads if s is not None]
+        noise[key] = classify(_number(ratios.get(key)), window_ratios, max(spreads) if spreads else None)
+    return noise
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------------------------
+
+
 def ratio_cell(ratio: float | None, noise: dict | None = None) -> str:
     """
     The ratio column's text: `"0.141"` for an exact ratio, `"0.730 (within noise)"` for a timed ratio inside its noise
-    band, `"0.900 (measured 0.890-0.910)"` for a timed ratio outside it ([`~grpo_hf.harness.noise.classify`]).
+    band, `"0.900 (measured 0.890-0.910)"` for a timed ratio outside it ([`classify`]).
     """
     if ratio is None:
         return "-"
@@ -120,4 +241,16 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["TABLE_ROWS", "WITHIN_NOISE", "compute_ratios", "markdown_table", "ratio_cell", "table_rows"]
+__all__ = [
+    "METHOD",
+    "TABLE_ROWS",
+    "TIMED_KEYS",
+    "WITHIN_NOISE",
+    "classify",
+    "compute_ratios",
+    "markdown_table",
+    "ratio_cell",
+    "self_spread",
+    "table_rows",
+    "timed_ratio_noise",
+]
