@@ -1,10 +1,13 @@
 """GRPOTrainer on the engines that need GPUs to run as users run them: the Trainer's FSDP2 (Accelerate's FSDP plugin)
 and DeepSpeed ZeRO-2, each trained, checkpointed and resumed (called by `benchmarks/gpu_check.sh`).
 
-    torchrun --nproc_per_node N benchmarks/gpu_engines.py fsdp2 OUT_DIR      # fsdp=True, fsdp_config={"version": 2}
+    torchrun --nproc_per_node N -m benchmarks.gpu_engines fsdp2 OUT_DIR      # fsdp=True, fsdp_config={"version": 2}
     accelerate launch --config_file recipes/accelerate/fsdp2.yaml --num_processes N \\
-        benchmarks/gpu_engines.py fsdp2-accelerate OUT_DIR                   # the accelerate config file's FSDP2
-    torchrun --nproc_per_node N benchmarks/gpu_engines.py zero2 OUT_DIR      # --deepspeed recipes/accelerate/ds_zero2.json
+        -m benchmarks.gpu_engines fsdp2-accelerate OUT_DIR                   # the accelerate config file's FSDP2
+    torchrun --nproc_per_node N -m benchmarks.gpu_engines zero2 OUT_DIR      # --deepspeed recipes/accelerate/ds_zero2.json
+
+From the repository root, as a module (it imports `tests.testing_utils`; `gpu_check.sh` runs the file with the root on
+`PYTHONPATH`, which does the same).
 
 Each mode trains a tiny Llama on random tokens for 12 steps (a checkpoint at step 6), resumes a second trainer from
 that checkpoint, and prints one `PASS` / `FAIL` line per check (the engine GRPO detected, the model and optimizer it
