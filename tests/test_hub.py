@@ -213,7 +213,7 @@ def test_the_dry_run_folder_loads_back_with_the_same_eval_loss(pushed, tmp_path)
     from peft import AutoPeftModelForCausalLM
 
     from grpo_hf.harness.build import prepare
-    from grpo_hf.harness.evaluation import evaluate_perplexity
+    from grpo_hf.harness.compare import evaluate_perplexity
     from grpo_hf.harness.parser import load_recipe
 
     folder = publish(pushed.out, REPO, dry_run=True, upload_dir=tmp_path / "upload")

@@ -9,8 +9,8 @@ import torch
 
 from grpo_hf.errors import RecipeError
 from grpo_hf.harness.build import prepare
+from grpo_hf.harness.compare import evaluate_accuracy, evaluate_perplexity
 from grpo_hf.harness.corpus import train_bpe_tokenizer
-from grpo_hf.harness.evaluation import evaluate_accuracy, evaluate_perplexity
 from grpo_hf.harness.models import build_model
 from grpo_hf.harness.parser import parse_recipe
 from grpo_hf.harness.tokenization import (

@@ -16,9 +16,9 @@ Recipe input:
 
 Comparison and report:
 
-- [`~grpo_hf.harness.compare`]: `Trainer` and `GRPOTrainer` (one `make_trainer`) side by side on one recipe, and the
+- [`~grpo_hf.harness.compare`]: `Trainer` and `GRPOTrainer` (one `make_trainer`) side by side on one recipe, each run
+  measured (perplexity or accuracy through the offline metric scripts of `metrics/`, time, bytes, cost), and the
   timed windows that measure the noise of their timed ratios;
-- [`~grpo_hf.harness.evaluation`] and [`~grpo_hf.harness.metrics`]: perplexity and accuracy, offline;
 - [`~grpo_hf.harness.table`], [`~grpo_hf.harness.report`]: the ratios, their noise bands and the side-by-side table;
   `results.json`, `report.md` and the plots.
 """
