@@ -279,7 +279,30 @@ def fsdp2_summary() -> str:
     return "\n".join(lines)
 
 
+def sweep_summary(folder: Path) -> tuple[dict, dict]:
+    """The best-against-best summary of a learning-rate sweep (`benchmarks/suite.py --lrs`) from its result files in
+    `folder / <task>`, and its meta (command, date, machine, the search seed, each task's nominal learning rate)."""
+    from benchmarks import suite
+
+    meta = _read(folder / "meta.json")
+    sweep = {}
+    for task, nominal in meta["nominal_lr"].items():
+        runs = suite.load_sweep(folder / task)
+        sweep[task] = suite.summarize_sweep(runs, nominal, "dense", meta["search_seed"])
+    return sweep, meta
+
+
+def lr_sweep() -> str:
+    """Every row of the comm suite at its own best learning rate against dense at its own (docs/compression.md)."""
+    from benchmarks import suite
+
+    sweep, meta = sweep_summary(RESULTS / "suite_sweep")
+    commands = " && ".join(f"`{runnable(command)}`" for command in meta["commands"])
+    return f"{suite.sweep_markdown(sweep, meta['nominal_lr'])}\n\n{commands} ({meta['date']}, {meta['machine']})."
+
+
 RENDERERS = {
+    "lr-sweep": lr_sweep,
     "settings": settings,
     "recipe-settings": recipe_settings,
     "conformance": conformance,

@@ -1,0 +1,53 @@
+"""Perplexity against learning rate from a sweep's result files: one panel per task, one line per row.
+
+    python -m benchmarks.plot_lr_sweep                                          # benchmarks/results/suite_sweep
+    python -m benchmarks.plot_lr_sweep --results runs/sweep --output /tmp/lr-sweep.png
+
+Each line is a row's curve on the search seed (`python -m benchmarks.suite comm --lrs 5 ...`); the larger marker is
+the row's best learning rate; the dotted line is 1% above dense's best, the level that defines the window.
+"""
+
+import argparse
+from pathlib import Path
+
+from benchmarks.tables import RESULTS, sweep_summary
+
+
+def plot(sweep: dict, output: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sweep), figsize=(5.5 * len(sweep), 4.4), squeeze=False)
+    for ax, (task, rows) in zip(axes[0], sweep.items()):
+        for name, entry in rows.items():
+            points = sorted((float(lr), ppl) for lr, ppl in entry["curve"].items())
+            (line,) = ax.plot(*zip(*points), marker=".", label=name)
+            ax.plot([entry["best_lr"]], [dict(points)[entry["best_lr"]]], "o", ms=8, c=line.get_color())
+        if "dense" in rows:
+            ax.axhline(1.01 * min(rows["dense"]["curve"].values()), ls=":", c="gray", lw=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(task)
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("eval perplexity (search seed)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=120)
+    return output
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default=str(RESULTS / "suite_sweep"), help="a sweep's output folder")
+    parser.add_argument("--output", default="docs/figures/lr-sweep.png", help="the PNG to write")
+    args = parser.parse_args(argv)
+    sweep, _ = sweep_summary(Path(args.results))
+    print(f"wrote {plot(sweep, Path(args.output))}")
+
+
+if __name__ == "__main__":
+    main()
