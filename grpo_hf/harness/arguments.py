@@ -117,7 +117,7 @@ class DataArguments:
     r"""
     The data: the running interpreter's standard library (the default, split per file by a hash of its path, see
     [`~grpo_hf.harness.corpus.build_lm_datasets`]), or your own data through 🤗 Datasets (`dataset_name`, see
-    [`~grpo_hf.harness.datasets`]).
+    [`~grpo_hf.harness.recipe_files.check_data_arguments`]).
 
     Example:
 

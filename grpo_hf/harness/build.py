@@ -111,7 +111,7 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, progress=None,
     """
     Build the tokenizer, the datasets and their collator once for all runs of a comparison.
 
-    Your data (`dataset_name`) is loaded and checked first ([`~grpo_hf.harness.datasets.load_train_eval`]), so that
+    Your data (`dataset_name`) is loaded and checked first ([`~grpo_hf.harness.recipe_files.load_train_eval`]), so that
     bad data fails before any model is loaded; a `tiny-*` model's tokenizer is trained on its train rows. Without
     `dataset_name`, the standard library corpus ([`build_datasets`]).
 
@@ -119,7 +119,7 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, progress=None,
         [`~grpo_hf.errors.RecipeError`]: the data is missing, unreadable or does not fit the recipe (the command
             names the recipe: [`~grpo_hf.harness.recipe_files.recipe_context`]).
     """
-    from .datasets import load_train_eval
+    from .recipe_files import load_train_eval
     from .tokenization import build_user_datasets, collator_for, texts_for_tokenizer
 
     rows = None

@@ -53,6 +53,7 @@ from .arguments import (
 from .recipe_files import (
     COMMAND_LINE,
     builtin_recipe_values,
+    check_data_arguments,
     hub_model_available,
     missing_local_path,
     read_recipe,
@@ -394,7 +395,7 @@ def check_training_arguments(args: RecipeConfig) -> None:
 def check_recipe(model_args: ModelArguments, data_args: DataArguments) -> None:
     """
     Check what the model and the data of a recipe need from each other, and the data itself
-    ([`~grpo_hf.harness.datasets.check_data_arguments`]: it is loaded, its splits and columns checked), before any
+    ([`~grpo_hf.harness.recipe_files.check_data_arguments`]: it is loaded, its splits and columns checked), before any
     model is loaded.
 
     Raises:
@@ -417,8 +418,6 @@ def check_recipe(model_args: ModelArguments, data_args: DataArguments) -> None:
             f"encoder: set lora_target_modules: {BERT_LORA_TARGETS} (or a subset)."
         )
     check_local_paths(model_args, data_args)
-    from .datasets import check_data_arguments
-
     check_data_arguments(data_args)
 
 
@@ -426,7 +425,7 @@ def check_local_paths(model_args: ModelArguments, data_args: DataArguments) -> N
     """
     Check that the local paths of a recipe's model and tokenizer (`model_name_or_path`, `tokenizer_name_or_path`)
     and of its corpus (`corpus_root`) exist, and that a Hub model is in the cache when the Hub is offline, before
-    anything is loaded (`dataset_name` is checked with the data, [`~grpo_hf.harness.datasets.check_data_arguments`]).
+    anything is loaded (`dataset_name` is checked with the data, [`~grpo_hf.harness.recipe_files.check_data_arguments`]).
 
     Raises:
         [`RecipeError`]: naming the field and the path.

@@ -233,7 +233,7 @@ def _tokenize_rows(tokenizer, rows, kind: str, data_args, completion_only: bool,
 
 def build_user_datasets(tokenizer, data_args, train_rows, eval_rows, info: dict[str, Any], model_name: str = ""):
     """
-    Tokenize the train and eval rows of [`~grpo_hf.harness.datasets.load_train_eval`].
+    Tokenize the train and eval rows of [`~grpo_hf.harness.recipe_files.load_train_eval`].
 
     Rows whose labels are all `-100` after truncation (a prompt longer than `seq_len`), and classification rows with
     no token (an empty text), are dropped and counted.
