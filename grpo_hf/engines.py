@@ -106,6 +106,48 @@ def launched_fsdp_version(environ=None) -> str | None:
     return environ["FSDP_VERSION"]
 
 
+# engine -> (the Trainer argument that asks for it, the variable Accelerate reads, `accelerate launch`'s flag, name)
+_ENGINE_VARIABLES = {
+    "deepspeed": ("deepspeed", "ACCELERATE_USE_DEEPSPEED", "--use_deepspeed", "DeepSpeed"),
+    "fsdp": ("fsdp", "ACCELERATE_USE_FSDP", "--use_fsdp", "FSDP"),
+}
+
+
+def engine_from_environment(engine: str, args, environ=None) -> str:
+    """
+    Why a trainer whose arguments do not ask for `engine` (`"deepspeed"`, or `"fsdp"` / `"fsdp2"`) runs on it: a
+    sentence (with a leading space) naming the environment variable that turned it on and how to clear it; `""` when
+    the arguments ask for the engine or the variable is not set.
+
+    Accelerate builds a DeepSpeed or FSDP plugin from `ACCELERATE_USE_DEEPSPEED` / `ACCELERATE_USE_FSDP` when none is
+    given (transformers' `TrainingArguments` reads the first when it is built), and sets the variable itself whenever
+    an `Accelerator` is built with such a plugin, for the rest of the process. So besides `accelerate launch
+    --use_deepspeed` / `--use_fsdp`, an earlier Trainer of the same process (a notebook, a sweep) turns the engine on
+    for every later one.
+    """
+    environ = os.environ if environ is None else environ
+    field, variable, flag, name = _ENGINE_VARIABLES["deepspeed" if engine == "deepspeed" else "fsdp"]
+    if _enabled(getattr(args, field, None)) or not _enabled(environ.get(variable, "false")):
+        return ""
+    when = (
+        "before building the TrainingArguments / GRPOConfig (they read it when built)"
+        if engine == "deepspeed"
+        else "before building the trainer"
+    )
+    version = (
+        ""
+        if engine == "deepspeed" or "FSDP_VERSION" in environ
+        else " (without FSDP_VERSION, so Accelerate builds an FSDP1 plugin)"
+    )
+    return (
+        f" This trainer's arguments do not ask for {name} (`{field}` is not set): it comes from the environment "
+        f"variable {variable}=true{version}, which `accelerate launch {flag}` sets, and which building any Trainer or "
+        f"Accelerator with {name} leaves in os.environ for the rest of the process (an earlier run in a notebook or a "
+        f'sweep). If this run should not use {name}, clear it {when}: `del os.environ["{variable}"]` (or launch '
+        f"without {flag})."
+    )
+
+
 def refuse_fsdp1(where: str) -> None:
     raise ConfigError(
         f"{where}: GRPOTrainer runs on FSDP2 (`fully_shard`), not FSDP1, whose flat parameters hide the per-parameter "
@@ -171,7 +213,10 @@ def check_backends(fsdp=None, fsdp_config=None, deepspeed=None, environ=None) ->
     elif environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
         if path != "none":
-            check_deepspeed_config(_read_json(path, "deepspeed_config_file"), f"deepspeed_config_file={path!r}")
+            check_deepspeed_config(
+                _read_json(path, "deepspeed_config_file"),
+                f"deepspeed_config_file={path!r} (ACCELERATE_DEEPSPEED_CONFIG_FILE, set by accelerate launch)",
+            )
 
 
 def detect_engine(trainer) -> str:
@@ -188,8 +233,16 @@ def detect_engine(trainer) -> str:
         check_deepspeed_config(plugin.deepspeed_config, "the DeepSpeed config")
         return "deepspeed"
     if trainer.is_fsdp_enabled:
-        if getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
-            refuse_fsdp1("Accelerate's FSDP plugin is at version 1")
+        version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1)
+        if version != 2:
+            origin = engine_from_environment("fsdp", trainer.args)
+            if origin:
+                raise ConfigError(
+                    f"Accelerate's FSDP plugin is at version {version} (FSDP1), and GRPOTrainer runs on FSDP2 only."
+                    + origin
+                    + " To train with FSDP, use FSDP2: `fsdp` and `fsdp_config={'version': 2}` in the arguments."
+                )
+            refuse_fsdp1(f"Accelerate's FSDP plugin is at version {version}")
         return "fsdp2"
     if trainer.model is not None and has_fsdp2_units(trainer.model):
         return "fsdp2"
@@ -387,6 +440,7 @@ __all__ = [
     "check_deepspeed_config",
     "deepspeed_zero_stage",
     "detect_engine",
+    "engine_from_environment",
     "follow_parameters",
     "fsdp_version",
     "has_fsdp2_units",

@@ -22,6 +22,7 @@ from .engines import (
     check_backends,
     deepspeed_zero_stage,
     detect_engine,
+    engine_from_environment,
     has_fsdp2_units,
     process_rank,
 )
@@ -211,7 +212,7 @@ class GRPOMixin:
             raise ConfigError(
                 f"grpo_sync_every={args.grpo_sync_every} under {'FSDP2' if engine == 'fsdp2' else 'DeepSpeed'}: the sync "
                 "every H steps runs under DDP only (each rank holds the whole model). Train with DDP, or set "
-                "grpo_sync_every=1."
+                "grpo_sync_every=1." + engine_from_environment(engine, args)
             )
         exchange = engine == "ddp" and not args.grpo_outer_control
         if not exchange:  # the gradients are averaged every step (DDP) or there is one process: no Δ codec
@@ -247,17 +248,19 @@ class GRPOMixin:
                 top-k, `grpo_bits="auto"` or per-group `bits` / `density` under FSDP2.
         """
         engine, compression = self.grpo_engine, self.args.grpo_compression
+        origin = engine_from_environment(engine, self.args) if engine in ("deepspeed", "fsdp2") else ""
         if engine == "deepspeed":
             if compression not in ("auto", "none"):
                 raise ConfigError(
                     f"grpo_compression={compression!r} under DeepSpeed: ZeRO reduces gradients itself, so GRPO cannot "
                     "compress them. Use grpo_compression='none' (or 'auto'), or train with DDP or FSDP2 to compress."
+                    + origin
                 )
             if process_rank(self.args)[0] == 0 and not getattr(self, "_grpo_said_compression_off", False):
                 self._grpo_said_compression_off = True
                 logger.warning(
                     f"GRPO on DeepSpeed ZeRO-{deepspeed_zero_stage(self)}: groups, LR ratios and importance apply; "
-                    "gradient compression is off (ZeRO reduces gradients itself)."
+                    "gradient compression is off (ZeRO reduces gradients itself)." + origin
                 )
             return
         if engine != "fsdp2" or self.grpo_compression == "none":
@@ -266,23 +269,24 @@ class GRPOMixin:
             raise ConfigError(
                 f"grpo_compression={compression!r} under FSDP2: its compressed reduce-scatter sends every entry "
                 "(top-k messages would differ in size from rank to rank). Use 'quantize' (or 'auto'), or 'none'."
+                + origin
             )
         if str(self.args.grpo_bits) == "2":
             raise ConfigError(
                 "grpo_bits='2' under FSDP2: its reduce-scatter exchanges messages of one size in one all-to-all, and "
-                "2-bit codes vary in size. Choose grpo_bits=8 (the default) or 4."
+                "2-bit codes vary in size. Choose grpo_bits=8 (the default) or 4." + origin
             )
         if str(self.args.grpo_bits) == "auto":
             raise ConfigError(
                 "grpo_bits='auto' under FSDP2: FSDP hands the reduce-scatter one flat buffer per unit, so one bit width "
-                "applies to every gradient. Choose one: grpo_bits=8 (or 4, 16, 32)."
+                "applies to every gradient. Choose one: grpo_bits=8 (or 4, 16, 32)." + origin
             )
         for group in groups:
             if group.rule.bits is not None or group.rule.density is not None:
                 raise ConfigError(
                     f"GRPO group {group.name!r} sets its own bits/density: under FSDP2 one setting (grpo_bits) "
                     "applies to every gradient. Remove 'bits' / 'density' (or 'sparsity') from the group file, or set "
-                    "grpo_compression='none'."
+                    "grpo_compression='none'." + origin
                 )
 
     def _tag_user_optimizer(self, optimizer) -> None:
