@@ -611,7 +611,9 @@ class GRPOCallback(TrainerCallback):
         self.nonfinite_streak = 0
         if self.resume_from is not None:
             rank, world_size = process_rank(args)
-            self.load_checkpoint(self.resume_from, rank, world_size)
+            self.load_checkpoint(
+                self.resume_from, rank, world_size, compression=getattr(args, "grpo_compression", None)
+            )
             self.resume_from = None
             if self.probe is not None:  # DeepSpeed: the restored multipliers apply from the next step, as in the run
                 self._set_probe_factors()
@@ -621,18 +623,19 @@ class GRPOCallback(TrainerCallback):
         rank, world_size = process_rank(args)
         write_grpo_state(folder, rank, self.state_dict(world_size, rank))
 
-    def load_checkpoint(self, folder: str, rank: int = 0, world_size: int = 1) -> bool:
+    def load_checkpoint(self, folder: str, rank: int = 0, world_size: int = 1, compression: str | None = None) -> bool:
         """
         Restore the GRPO state saved in `folder` for rank `rank` of `world_size` (see [`~grpo_hf.checkpoints`]: a
         checkpoint of another world size is re-split, with a warning), and the counted cost figures. Returns `False`
-        (with a warning) when the checkpoint has no GRPO state (e.g. written by a plain `Trainer`).
+        (with a warning) when the checkpoint has no GRPO state (e.g. written by a plain `Trainer`). `compression` is
+        the run's `grpo_compression`, for the warning that says why saved residuals are dropped.
 
         Raises:
             [`~grpo_hf.errors.CheckpointError`]: the checkpoint is missing, incomplete, unreadable or belongs to
                 another configuration; the message names the file.
         """
         numels = {name: p.numel() for g in self.groups for name, p in zip(g.param_names, g.params)}
-        saved = restore_grpo_state(folder, rank, world_size, self.importance, self.comm_state, numels)
+        saved = restore_grpo_state(folder, rank, world_size, self.importance, self.comm_state, numels, compression)
         if saved is None:
             return False
         self.nonfinite_steps = int(saved.get("nonfinite_steps", 0))

@@ -218,6 +218,76 @@ def check_trainer_state(folder: str) -> None:
         )
 
 
+def planned_checkpoint_steps(
+    save_strategy: str,
+    max_steps: int,
+    *,
+    save_steps: int = 0,
+    steps_per_epoch: int = 0,
+    eval_strategy: str = "no",
+    eval_steps: int = 0,
+    after_step: int = 0,
+) -> tuple[list[int], bool]:
+    """
+    The global steps in `(after_step, max_steps]` at which the Trainer's `DefaultFlowCallback` saves a
+    `checkpoint-<step>` folder, and whether it surely saves at each (`False` for `"best"`, which saves at an
+    evaluation step only when the metric improved).
+
+    `"steps"`: every `save_steps` steps and at `max_steps`; `"epoch"`: at the end of every epoch of `steps_per_epoch`
+    optimizer steps and at `max_steps`; `"best"`: the evaluation steps (`eval_strategy` `"steps"` every `eval_steps`
+    and at `max_steps`, or `"epoch"`); `"no"`: none.
+    """
+    save_strategy = str(getattr(save_strategy, "value", save_strategy))  # the Trainer's enums, or their values
+    eval_strategy = str(getattr(eval_strategy, "value", eval_strategy))
+
+    def every(interval: int) -> set[int]:
+        return set(range(interval, max_steps + 1, interval)) | {max_steps} if interval > 0 else {max_steps}
+
+    if max_steps <= 0 or save_strategy == "no":
+        steps, sure = set(), True
+    elif save_strategy == "steps":
+        steps, sure = every(save_steps), True
+    elif save_strategy == "epoch":
+        steps, sure = every(steps_per_epoch), True
+    else:  # "best": saved where an evaluation improves the metric
+        steps = every(eval_steps) if eval_strategy == "steps" else every(steps_per_epoch)
+        steps, sure = (steps if eval_strategy in ("steps", "epoch") else set()), False
+    return sorted(step for step in steps if step > after_step), sure
+
+
+def overwritten_checkpoints(output_dir: str, steps: list[int]) -> list[str]:
+    """The `checkpoint-<step>` folders of `output_dir` whose step is in `steps` (full paths, in step order)."""
+    wanted = {f"checkpoint-{step}" for step in steps}
+    return [folder for folder in checkpoint_folders(output_dir) if os.path.basename(folder) in wanted]
+
+
+def warn_overwritten_checkpoints(
+    output_dir: str, steps: list[int], sure: bool, settings: str, save_total_limit: int | None = None
+) -> list[str]:
+    """
+    Warn, naming them, about the `checkpoint-<step>` folders of `output_dir` that a run writing checkpoints at `steps`
+    (described by `settings`) will overwrite, and how to avoid it; returns their names. The Trainer writes into an
+    existing folder without a word (so does the library: only the `grpo-hf` commands refuse such a folder).
+    """
+    names = [os.path.basename(folder) for folder in overwritten_checkpoints(output_dir, steps)]
+    if names:
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        rotation = (
+            f" With save_total_limit={save_total_limit}, the Trainer's rotation also deletes the oldest checkpoint-* "
+            f"folders beyond {save_total_limit} there, the earlier run's included."
+            if save_total_limit
+            else ""
+        )
+        logger.warning(
+            f"{output_dir} already holds {shown} of an earlier run, and this run, which does not resume it, "
+            f"{'writes' if sure else 'may write (when the metric improves)'} checkpoints of the same names "
+            f"({settings}): they will be overwritten, and any file this run does not write stays from the earlier "
+            f"one.{rotation} To continue that run instead, pass resume_from_checkpoint (its checkpoint folder, True "
+            "or 'last'); to keep it, give this run another output_dir."
+        )
+    return names
+
+
 def states_to_resume(folder: str, rank: int, world_size: int, mode: str | None) -> list[dict] | None:
     """
     The GRPO state files this rank restores from `folder`: `[its own]` when the checkpoint was written by
@@ -250,13 +320,25 @@ def states_to_resume(folder: str, rank: int, world_size: int, mode: str | None) 
 
 
 def restore_grpo_state(
-    folder: str, rank: int, world_size: int, importance, comm_state, numels: dict[str, int]
+    folder: str,
+    rank: int,
+    world_size: int,
+    importance,
+    comm_state,
+    numels: dict[str, int],
+    compression: str | None = None,
 ) -> dict | None:
     """
     Restore the importance state ([`~grpo_hf.importance.ImportanceState`]) and the compression state
     ([`~grpo_hf.compression.GRPOCommState`] or `None`) of rank `rank` of `world_size` from `folder` (see the module
     docstring). Returns the state file's content it restored the importance state from, or `None`, with a warning,
-    when the folder holds no GRPO state.
+    when the folder holds no GRPO state. `compression` (the run's `grpo_compression`, when known) lets a warning say
+    why compression is off.
+
+    Nothing it cannot carry over is dropped without a warning that names the checkpoint, what is dropped and why; none
+    of it is refused: the model, optimizer and scheduler come from the Trainer's own resume, the importance state and
+    scales are the same on every saved rank, and error-feedback residuals only hold what compression has not sent yet
+    (a correction owed to later steps, not part of the model), so a run continues correctly without them.
 
     Raises:
         [`~grpo_hf.errors.CheckpointError`]: the checkpoint is missing, incomplete, corrupt or belongs to another
@@ -284,13 +366,8 @@ def restore_grpo_state(
         return states[0]
     dropped = comm_state is None and any(comm is not None for comm in comms)
     if dropped:
-        saved_world_size = _world_size_of(folder, states[0])
         if rank == 0:
-            logger.warning(
-                f"{folder} was written by {saved_world_size} rank(s) with gradient compression and is resumed by "
-                f"{world_size} process(es) without it: the saved error feedback (what compression held back) is "
-                "dropped. Resume with the run's grpo_compression to keep it."
-            )
+            logger.warning(_dropped_residuals_message(folder, states, world_size, compression))
         comms = []
     if any(comm is not None for comm in comms):
         try:
@@ -323,6 +400,47 @@ def restore_grpo_state(
     return states[0]
 
 
+def _dropped_residuals_message(folder: str, states: list[dict], world_size: int, compression: str | None) -> str:
+    """What a resume without compression drops from a checkpoint written with it, and why (see restore_grpo_state)."""
+    saved_world_size = _world_size_of(folder, states[0])
+    comms = [state["comm"] for state in states if state.get("comm") is not None]
+    tensors = len(comms[0].get("residuals") or {}) if comms else 0
+    owners = len(comms[0].get("owner_residuals") or {}) if comms else 0
+    what = f"the error-feedback residuals of {tensors} compressed tensor(s)" + (
+        f" (and {owners} owner residual(s))" if owners else ""
+    )
+    what += f" saved by each of its {saved_world_size} rank(s)" if saved_world_size > 1 else " it saved"
+    if compression == "none":
+        why = "this run sets grpo_compression='none'"
+    elif compression == "auto" and world_size == 1:
+        why = "grpo_compression='auto' compresses nothing on one process, which sends no gradient"
+    elif compression == "auto":
+        why = "grpo_compression='auto' turns compression off on this engine"
+    else:
+        why = "compression is off in this run"
+    moved = (
+        f"; it was written by {saved_world_size} rank(s) and is resumed by {world_size} process(es)"
+        if saved_world_size != world_size
+        else ""
+    )
+    keep = (
+        "grpo_compression='quantize' (on one process too: the residuals of every saved rank are then merged)"
+        if world_size == 1
+        else "grpo_compression='quantize'"
+    )
+    if not tensors and not owners:  # saved during the dense warm-up: only counters
+        return (
+            f"{folder} holds the compression state of a run that compressed its gradients, with no error-feedback "
+            f"residual yet (it was saved during the dense warm-up): it is not carried over, because compression is "
+            f"off in this run ({why}){moved}. Nothing the model is owed is lost; resume with {keep} to compress."
+        )
+    return (
+        f"{folder} holds {what}, what gradient compression held back and still owed the model: they are dropped, "
+        f"because compression is off in this run ({why}){moved}. The run continues correctly without them (the "
+        f"model, optimizer and scheduler come from the Trainer's resume); to keep them, resume with {keep}."
+    )
+
+
 def _restore_outer_sync(folder: str, path: str, rank: int, world_size: int, states: list[dict], comm_state) -> None:
     """
     The sync every H steps: this rank's own state and rank 0's `θ_global` when the checkpoint was written by as many
@@ -334,13 +452,16 @@ def _restore_outer_sync(folder: str, path: str, rank: int, world_size: int, stat
     current = comm_state is not None and comm_state.mode == OUTER_MODE
     if not (saved and current):
         if rank == 0:
+            sizes = f"by {_world_size_of(folder, states[0])} rank(s) "
             logger.warning(
-                f"{folder} was written "
-                + ("with grpo_sync_every > 1 and is resumed without it: every rank continues from the saved global "
-                   "model with rank 0's optimizer state; the local steps since the last sync are dropped."
+                f"{folder} was written {sizes}"
+                + (f"with grpo_sync_every > 1 and is resumed by {world_size} without it: every rank continues from "
+                   "the saved global model with rank 0's optimizer state; the local steps since the last sync are "
+                   "dropped."
                    if saved else
-                   "without grpo_sync_every > 1 and is resumed with it: the sync starts from the saved model, and "
-                   "what the per-step compression held back is dropped.")
+                   f"without grpo_sync_every > 1 and is resumed by {world_size} with it: the sync starts from the "
+                   "saved model, and what the per-step compression held back (its error-feedback residuals) is "
+                   "dropped.")
             )  # fmt: skip
         return
     try:
@@ -395,10 +516,13 @@ __all__ = [
     "incomplete_checkpoints",
     "last_complete_checkpoint",
     "missing_parts",
+    "overwritten_checkpoints",
+    "planned_checkpoint_steps",
     "read_grpo_state",
     "resolve_resume_checkpoint",
     "restore_grpo_state",
     "saved_ranks",
     "states_to_resume",
+    "warn_overwritten_checkpoints",
     "write_grpo_state",
 ]

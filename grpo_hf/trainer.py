@@ -1,6 +1,7 @@
 """`GRPOMixin` (in front of any `transformers.Trainer` subclass) and `GRPOTrainer`: the wiring, no math."""
 
 import contextlib
+import os
 import weakref
 
 import torch
@@ -9,7 +10,12 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from .callbacks import GRPOCallback
-from .checkpoints import check_grpo_state_files, resolve_resume_checkpoint
+from .checkpoints import (
+    check_grpo_state_files,
+    planned_checkpoint_steps,
+    resolve_resume_checkpoint,
+    warn_overwritten_checkpoints,
+)
 from .compression import GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
 from .compression.fsdp import FSDPCommState, install_compressed_reduce_scatter, reduce_scatter_bytes
 from .compression.outer_sync import OUTER_DTYPES, OuterSyncState, local_gradient_hook, pack_fragments
@@ -87,7 +93,8 @@ class GRPOMixin:
       (`train(resume_from_checkpoint=...)`) restores it too, also from a checkpoint of another world size (see
       [`~grpo_hf.checkpoints`]), and GRPO adds `"last"` for the newest complete checkpoint or a fresh start.
     - **Output folder**: the Trainer's rules (it writes into an existing `output_dir`). The `grpo-hf` commands refuse
-      a folder holding another run; the library does not.
+      a folder holding another run; the library does not, but a run that does not resume warns at train start, naming
+      the `checkpoint-<step>` folders it will overwrite (see [`~grpo_hf.checkpoints.warn_overwritten_checkpoints`]).
     - **Safety**: an optimizer step whose gradients hold a NaN or an Inf never touches the importance state or the
       compression residuals, and counts in `grpo/nonfinite_steps`. Where GRPO's codec or sync touches the gradients
       (compression, the sync every H steps) the step is skipped, and `grpo_max_consecutive_skips` skipped in a row stop
@@ -535,6 +542,7 @@ class GRPOMixin:
         epochs_trained, steps_in_epoch = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, *args, **kwargs
         )
+        self._warn_overwritten_checkpoints(max_steps, num_update_steps_per_epoch, *args, **kwargs)
         if 0 < max_steps <= self.state.global_step:
             if self.is_world_process_zero():
                 logger.warning(
@@ -543,6 +551,37 @@ class GRPOMixin:
                 )
             return num_train_epochs, 0
         return epochs_trained, steps_in_epoch
+
+    def _warn_overwritten_checkpoints(
+        self, max_steps, steps_per_epoch, resume_from_checkpoint=None, trial=None, *args, **kwargs
+    ) -> None:
+        """
+        At train start: warn when `output_dir` holds `checkpoint-<step>` folders this run will write again without
+        resuming them (see [`~grpo_hf.checkpoints.warn_overwritten_checkpoints`]). A run resuming a checkpoint of its
+        own `output_dir` continues that run and is not warned; one resuming a checkpoint from elsewhere is, for the
+        steps after it.
+        """
+        args = self.args
+        run_dir = self._get_output_dir(trial=trial)
+        resumed_here = resume_from_checkpoint is not None and os.path.realpath(
+            os.path.dirname(os.path.normpath(resume_from_checkpoint))
+        ) == os.path.realpath(run_dir)
+        if resumed_here or not self.is_world_process_zero():
+            return
+        steps, sure = planned_checkpoint_steps(
+            args.save_strategy,
+            max_steps,
+            save_steps=self.state.save_steps,
+            steps_per_epoch=steps_per_epoch,
+            eval_strategy=args.eval_strategy,
+            eval_steps=self.state.eval_steps or 0,
+            after_step=self.state.global_step,
+        )
+        strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+        interval = "step" if self.state.save_steps == 1 else f"{self.state.save_steps} steps"
+        every = {"steps": f" every {interval}", "epoch": " every epoch"}.get(strategy, "")
+        settings = f"save_strategy={strategy!r}{every} up to max_steps={max_steps}"
+        warn_overwritten_checkpoints(run_dir, steps, sure, settings, args.save_total_limit)
 
 
 class GRPOTrainer(GRPOMixin, Trainer):
