@@ -437,8 +437,8 @@ def snapshot(folder: Path) -> dict[str, str]:
 @pytest.fixture
 def no_work(monkeypatch):
     """Loading a model or tokenizer, preparing data or training fails the test: the checks must come first."""
-    import grpo_hf.harness.build
     import grpo_hf.harness.compare
+    import grpo_hf.harness.data
     import grpo_hf.harness.models
     import grpo_hf.harness.offline_models
 
@@ -449,8 +449,8 @@ def no_work(monkeypatch):
         (grpo_hf.harness.compare, "prepare"),
         (grpo_hf.harness.compare, "compare"),
         (grpo_hf.harness.compare, "run_training"),
-        (grpo_hf.harness.build, "prepare"),
-        (grpo_hf.harness.build, "build_tokenizer"),
+        (grpo_hf.harness.data, "prepare"),
+        (grpo_hf.harness.data, "build_tokenizer"),
         (grpo_hf.harness.models, "build_model"),
         (grpo_hf.harness.models, "load_causal_lm"),
         (grpo_hf.harness.models, "load_smollm2"),
@@ -553,7 +553,7 @@ def test_data_that_fills_no_batch_is_refused_before_the_model_loads(tmp_path, mo
 
 
 def test_a_libraries_own_refusal_is_one_line_and_debug_shows_where(tmp_path, monkeypatch, capsys):
-    import grpo_hf.harness.build
+    import grpo_hf.harness.data
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(grpo_hf.harness.models, "check_lora_targets", lambda model, targets: None)  # PEFT decides

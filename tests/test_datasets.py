@@ -132,7 +132,7 @@ def test_a_missing_file_fails_when_the_recipe_is_loaded(tmp_path):
 
 
 def test_the_cli_reports_bad_data_in_one_line_before_loading_a_model(tmp_path, capsys, monkeypatch):
-    import grpo_hf.harness.build
+    import grpo_hf.harness.data
     import grpo_hf.harness.models
 
     def fail(*args, **kwargs):
@@ -275,7 +275,7 @@ def test_model_and_task_must_match():
 
 
 def test_classification_rows_with_no_token_are_dropped_and_counted(tmp_path):
-    from grpo_hf.harness.build import prepare
+    from grpo_hf.harness.data import prepare
 
     rows = [{"text": "" if i % 4 == 0 else f"text {i}", "label": "ab"[i % 2]} for i in range(40)]
     recipe = dict(task="sequence_classification", model_name_or_path="tiny-bert", lora_r=0, tiny_vocab_size=300,

@@ -32,8 +32,8 @@ from grpo_hf.cli.main import main
 from grpo_hf.compression import compression_plan, resolve_compression
 from grpo_hf.errors import GRPOInputError
 from grpo_hf.grouping import assign_groups, load_group_spec, lr_ratios
-from grpo_hf.harness.build import prepare
 from grpo_hf.harness.compare import run_training
+from grpo_hf.harness.data import prepare
 from grpo_hf.harness.parser import parse_recipe
 from grpo_hf.harness.recipe_files import recipe_context
 
@@ -299,8 +299,8 @@ def in_fresh_folder():
 
 @contextlib.contextmanager
 def stop_at_work():
-    import grpo_hf.harness.build
     import grpo_hf.harness.compare
+    import grpo_hf.harness.data
     import grpo_hf.harness.models
     import grpo_hf.harness.offline_models
 
@@ -312,7 +312,7 @@ def stop_at_work():
             (grpo_hf.harness.compare, "prepare"),
             (grpo_hf.harness.compare, "compare"),
             (grpo_hf.harness.compare, "run_training"),
-            (grpo_hf.harness.build, "prepare"),
+            (grpo_hf.harness.data, "prepare"),
             (grpo_hf.harness.models, "load_causal_lm"),
             (grpo_hf.harness.offline_models, "load_smollm2"),
         ]:

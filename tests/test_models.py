@@ -326,6 +326,6 @@ def test_lora_targets_that_name_no_module_are_refused_before_peft(caplog):
         RecipeError, match=r"lora_target_modules=\['qproj'\]: \['qproj'\] name\(s\) no module .*'q_proj'"
     ):
         check_lora_targets(model, ["qproj"])
-    with caplog.at_level(logging.WARNING, logger="grpo_hf.harness.build"):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.harness.models"):
         check_lora_targets(model, ["q_proj", "vproj"])
     assert "['vproj'] name(s) no module" in caplog.text and "the other targets are adapted" in caplog.text

@@ -8,22 +8,22 @@ import pytest
 import torch
 
 from grpo_hf.errors import RecipeError
-from grpo_hf.harness.build import prepare
 from grpo_hf.harness.compare import evaluate_accuracy, evaluate_perplexity
 from grpo_hf.harness.corpus import train_bpe_tokenizer
-from grpo_hf.harness.models import build_model
-from grpo_hf.harness.parser import parse_recipe
-from grpo_hf.harness.tokenization import (
+from grpo_hf.harness.data import (
     CHATML_TEMPLATE,
     IGNORE_INDEX,
     assistant_spans,
     ensure_chat_template,
     label_names,
+    prepare,
     tokenize_messages,
     tokenize_prompt_completion,
     tokenize_text,
     truncate,
 )
+from grpo_hf.harness.models import build_model
+from grpo_hf.harness.parser import parse_recipe
 
 
 DATA = Path(__file__).resolve().parent.parent / "recipes" / "data"

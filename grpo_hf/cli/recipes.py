@@ -226,8 +226,8 @@ def _end_distributed() -> None:
 def train_command(args) -> int:
     import dataclasses
 
-    from ..harness.build import prepare
     from ..harness.compare import recipe_summary, run_training
+    from ..harness.data import prepare
     from ..harness.report import print_table, write_report
     from ..hub.upload import describe_upload, publish
     from ..hub_guards import check_push_settings

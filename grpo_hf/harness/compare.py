@@ -41,7 +41,7 @@ from ..config import grpo_field_names
 from ..errors import RecipeError
 from ..provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
 from .arguments import DataArguments, ModelArguments, recipe_field_names
-from .build import Prepared, prepare, report_progress
+from .data import Prepared, prepare, report_progress
 from .models import build_model
 from .table import METHOD, compute_ratios, timed_ratio_noise
 
@@ -457,7 +457,7 @@ def run_training(
     """
     Train one model with the plain `Trainer` (`trainer_kind="trainer"`) or `GRPOTrainer` (`"grpo"`) and measure it.
 
-    1. builds the tokenizer and the datasets ([`~grpo_hf.harness.build.prepare`]: your data, or the Python standard
+    1. builds the tokenizer and the datasets ([`~grpo_hf.harness.data.prepare`]: your data, or the Python standard
        library corpus), unless `prepared` holds them;
     2. loads the model ([`~grpo_hf.harness.models.build_model`]: a causal LM, or a classifier for
        `task="sequence_classification"`) and wraps it with a LoRA adapter (`lora_r > 0`), the adapter initialized
@@ -726,7 +726,7 @@ def measure_timing_noise(
         model_args ([`~grpo_hf.harness.arguments.ModelArguments`]), data_args ([`~grpo_hf.harness.arguments.DataArguments`]),
         args ([`~grpo_hf.GRPOConfig`]):
             The recipe of the comparison; window checkpoints go to `<output_dir>/noise/<kind>`.
-        prepared ([`~grpo_hf.harness.build.Prepared`]):
+        prepared ([`~grpo_hf.harness.data.Prepared`]):
             The tokenizer and datasets of the comparison.
         rounds (`int`, *optional*, defaults to `2`), steps (`int`, *optional*, defaults to `4`):
             Rounds of windows and optimizer steps per window.

@@ -14,7 +14,7 @@ a Hub id. [`check_data_arguments`] runs when the recipe is loaded, before any mo
 [`~grpo_hf.errors.RecipeError`] naming the field and the fix when a file is missing, a split or column does not
 exist, a Hub dataset is neither reachable nor cached, or a row holds a value the format cannot take (every row is
 read, [`CHECK_BATCH_ROWS`] at a time; the error names the row). [`load_train_eval`] gives the train and eval
-[`datasets.Dataset`]s; [`grpo_hf.harness.tokenization`] tokenizes them.
+[`datasets.Dataset`]s; [`~grpo_hf.harness.data.prepare`] tokenizes them.
 
 The errors name the field, the value and the fix; the recipe is named once, where they leave for the command line
 ([`recipe_context`]).
