@@ -37,7 +37,7 @@ from grpo_hf.errors import (
     RecipeNotFoundError,
 )
 from grpo_hf.grouping import assign_groups, load_group_spec
-from grpo_hf.harness.parser import load_recipe
+from grpo_hf.harness.arguments import load_recipe
 
 
 TINY = "model_name_or_path: tiny-llama\nlora_r: 0\nmax_steps: 2\nreport_to: none\noutput_dir: out\n"

@@ -7,7 +7,7 @@ import pytest
 
 from grpo_hf.cli.main import main
 from grpo_hf.errors import RecipeError
-from grpo_hf.harness.parser import load_recipe, parse_recipe
+from grpo_hf.harness.arguments import load_recipe, parse_recipe
 from grpo_hf.harness.recipe_files import (
     check_data_arguments,
     load_train_eval,

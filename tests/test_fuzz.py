@@ -32,9 +32,9 @@ from grpo_hf.cli.main import main
 from grpo_hf.compression import compression_plan, resolve_compression
 from grpo_hf.errors import GRPOInputError
 from grpo_hf.grouping import assign_groups, load_group_spec, lr_ratios
+from grpo_hf.harness.arguments import parse_recipe
 from grpo_hf.harness.compare import run_training
 from grpo_hf.harness.data import prepare
-from grpo_hf.harness.parser import parse_recipe
 from grpo_hf.harness.recipe_files import recipe_context
 
 

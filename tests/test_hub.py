@@ -212,9 +212,9 @@ def test_no_token_is_written_anywhere(pushed):
 def test_the_dry_run_folder_loads_back_with_the_same_eval_loss(pushed, tmp_path):
     from peft import AutoPeftModelForCausalLM
 
+    from grpo_hf.harness.arguments import load_recipe
     from grpo_hf.harness.compare import evaluate_perplexity
     from grpo_hf.harness.data import prepare
-    from grpo_hf.harness.parser import load_recipe
 
     folder = publish(pushed.out, REPO, dry_run=True, upload_dir=tmp_path / "upload")
     model = AutoPeftModelForCausalLM.from_pretrained(folder)
@@ -347,9 +347,9 @@ def test_only_a_previous_upload_folder_is_replaced(pushed, tmp_path):
 def test_push_to_hub_through_grpo_trainer_writes_the_same_card(pushed, tmp_path, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
+    from grpo_hf.harness.arguments import load_recipe
     from grpo_hf.harness.data import prepare
     from grpo_hf.harness.models import load_causal_lm
-    from grpo_hf.harness.parser import load_recipe
 
     model_args, data_args, _ = load_recipe(pushed.recipe)
     prepared = prepare(model_args, data_args)

@@ -8,8 +8,14 @@ import pytest
 from grpo_hf import GRPOConfig
 from grpo_hf.cli.main import main
 from grpo_hf.errors import RecipeError
-from grpo_hf.harness.arguments import DataArguments, ModelArguments, RecipeConfig
-from grpo_hf.harness.parser import RecipeParser, parse_overrides, parse_recipe
+from grpo_hf.harness.arguments import (
+    DataArguments,
+    ModelArguments,
+    RecipeConfig,
+    RecipeParser,
+    parse_overrides,
+    parse_recipe,
+)
 from grpo_hf.harness.recipe_files import COMMAND_LINE, recipe_context
 
 
@@ -206,8 +212,8 @@ def test_the_parser_has_no_where():
     # where a value came from is named where its error leaves (recipe_context), not passed down the parser
     import inspect
 
-    import grpo_hf.harness.parser as parser
+    import grpo_hf.harness.arguments as arguments
 
-    members = [*vars(parser).values(), *vars(RecipeParser).values()]
-    functions = [f for f in members if inspect.isfunction(f) and f.__module__ == parser.__name__]
+    members = [*vars(arguments).values(), *vars(RecipeParser).values()]
+    functions = [f for f in members if inspect.isfunction(f) and f.__module__ == arguments.__name__]
     assert functions and not [f.__qualname__ for f in functions if "where" in inspect.signature(f).parameters]

@@ -10,7 +10,7 @@ import pytest
 from testing_utils import ROOT, run_accelerate_launch, run_torchrun
 
 from grpo_hf.cli.main import main
-from grpo_hf.harness.parser import builtin_recipe, load_recipe
+from grpo_hf.harness.arguments import builtin_recipe, load_recipe
 from grpo_hf.harness.recipe_files import builtin_recipe_names
 
 

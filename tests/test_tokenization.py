@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpo_hf.errors import RecipeError
+from grpo_hf.harness.arguments import parse_recipe
 from grpo_hf.harness.compare import evaluate_accuracy, evaluate_perplexity
 from grpo_hf.harness.corpus import train_bpe_tokenizer
 from grpo_hf.harness.data import (
@@ -23,7 +24,6 @@ from grpo_hf.harness.data import (
     truncate,
 )
 from grpo_hf.harness.models import build_model
-from grpo_hf.harness.parser import parse_recipe
 
 
 DATA = Path(__file__).resolve().parent.parent / "recipes" / "data"

@@ -1,7 +1,7 @@
 """The recipe commands of `grpo-hf`: `quickstart`, `compare` and `train`.
 
 Each is a `<name>_command_parser` / `<name>_command` pair, as in accelerate's CLI. Their parsers are
-[`~grpo_hf.harness.parser.RecipeParser`]s (TRL's `TrlParser` pattern) that hold every field of the recipe's
+[`~grpo_hf.harness.arguments.RecipeParser`]s (TRL's `TrlParser` pattern) that hold every field of the recipe's
 dataclasses, with the recipe's values as defaults, so `grpo-hf train RECIPE --help` lists them all and `--field value`
 after the recipe overrides the file ([`parse_recipe_command`]). The recipe file is read before the parser is built,
 so a missing or malformed file is reported before torch is imported.
@@ -150,7 +150,7 @@ def _compare_and_report(args, title: str) -> int:
 
 def _recipe_parser(name: str, **kwargs):
     """The parser of the recipe command `name` (`grpo-hf NAME`): every field of the recipe's dataclasses."""
-    from ..harness.parser import RecipeParser  # transformers: only once a recipe command is chosen
+    from ..harness.arguments import RecipeParser  # transformers: only once a recipe command is chosen
 
     return RecipeParser(prog=f"grpo-hf {name}", **kwargs)
 

@@ -8,8 +8,9 @@ Recipe input:
 
 - [`~grpo_hf.harness.recipe_files`]: a recipe YAML file (or a built-in one) read into a mapping, its paths checked,
   and its data through 🤗 Datasets, checked row by row (no torch);
-- [`~grpo_hf.harness.arguments`]: `ModelArguments` and `DataArguments`, the recipe's fields besides `GRPOConfig`'s;
-- [`~grpo_hf.harness.parser`]: `RecipeParser`, the one parser of a recipe and its command-line overrides;
+- [`~grpo_hf.harness.arguments`]: `ModelArguments`, `DataArguments` and `RecipeConfig` (`GRPOConfig` plus the
+  commands' own fields), and `RecipeParser`, the one parser of a recipe and its command-line overrides, with the
+  recipe checks;
 - [`~grpo_hf.harness.data`], [`~grpo_hf.harness.corpus`]: what a recipe trains on (`prepare`: the tokenizer, your
   rows tokenized or the corpus in blocks, the collator), and the Python standard library corpus;
 - [`~grpo_hf.harness.models`], [`~grpo_hf.harness.offline_models`]: the model of a recipe, tiny models, any causal

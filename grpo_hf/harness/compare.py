@@ -14,7 +14,7 @@ Example:
 
 ```python
 >>> from grpo_hf.harness.compare import compare
->>> from grpo_hf.harness.parser import load_recipe
+>>> from grpo_hf.harness.arguments import load_recipe
 >>> model_args, data_args, args = load_recipe("recipes/tiny.yaml", ["--max_steps", "20"])
 >>> results = compare(model_args, data_args, args)
 >>> results["ratios"]["perplexity_after"]  # GRPOTrainer / Trainer

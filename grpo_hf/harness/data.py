@@ -27,7 +27,7 @@ Example:
 ```python
 >>> from grpo_hf.harness.data import prepare
 >>> from grpo_hf.harness.models import build_model
->>> from grpo_hf.harness.parser import builtin_recipe
+>>> from grpo_hf.harness.arguments import builtin_recipe
 >>> model_args, data_args, args = builtin_recipe("sft_tiny")
 >>> prepared = prepare(model_args, data_args)
 >>> prepared.data_info["train_label_tokens"], prepared.data_info["dropped_rows"]

@@ -1,7 +1,7 @@
 """A recipe's files, read and checked before anything heavy is imported: the recipe YAML file (or one of the built-in
 recipes shipped in `grpo_hf/recipes/`) read into a mapping, the local paths and Hub models it names, and the data it
 names, through 🤗 Datasets. Nothing here imports torch or transformers, so that `grpo-hf` reports a missing or
-malformed recipe file at once; [`~grpo_hf.harness.parser.RecipeParser`] then checks the fields.
+malformed recipe file at once; [`~grpo_hf.harness.arguments.RecipeParser`] then checks the fields.
 
 The built-in recipes (`quickstart`, `tiny`, `sft_smollm2_lora`, ...) are the YAML files of `grpo_hf/recipes/` (the
 repository's `recipes/` folder links to it); each starts with a comment block giving the command and pointing at its
