@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from grpo_hf.harness import offline_models
-from grpo_hf.harness.corpus import build_lm_datasets, load_stdlib_texts, train_bpe_tokenizer
+from grpo_hf.harness.corpus import build_lm_datasets, ensure_pad_token, load_stdlib_texts, train_bpe_tokenizer
 from grpo_hf.harness.models import load_causal_lm, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 from grpo_hf.harness.offline_models import (
     CACHE_MARKER,
@@ -138,13 +138,13 @@ def test_ensure_pad_token_prefers_a_distinct_existing_token(bpe_tokenizer):
     tok.unk_token = "<x>"
     tok.pad_token = "<|im_end|>"
     model = tiny_llama(len(tok))
-    offline_models.ensure_pad_token(model, tok)
+    ensure_pad_token(model, tok)
     assert tok.pad_token == "<x>" and model.config.pad_token_id == tok.pad_token_id == 1
     assert model.generation_config.pad_token_id == 1
     # GPT-2's situation: no pad, unknown == EOS: pad with EOS.
     tok.pad_token = None
     tok.unk_token = "<|im_end|>"
-    offline_models.ensure_pad_token(None, tok)
+    ensure_pad_token(None, tok)
     assert tok.pad_token == "<|im_end|>"
     assert len(bpe_tokenizer) == vocab_before
 

