@@ -83,3 +83,14 @@ def pytest_collection_finish(session):
     # what the tests create: ~0.3 s less per call.
     gc.collect()
     gc.freeze()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # Again before each test: what the earlier tests left alive (modules they imported lazily: peft, trl, matplotlib,
+    # ...; caches; module-scoped fixtures) would otherwise be scanned by every later `gc.collect()` (~0.1 s each, 11 s
+    # of the default run); the cyclic garbage they left is collected first. This collect scans only what the previous
+    # test left (~0.5 ms). A frozen object that becomes cyclic garbage later is never collected: a few MB of tiny
+    # models and fixtures, freed at exit.
+    gc.collect()
+    gc.freeze()
