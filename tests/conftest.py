@@ -77,12 +77,26 @@ def train_config(tmp_path):
     return make
 
 
+def _starts_early(item) -> bool:
+    return callable(getattr(getattr(item, "module", None), "start_early", None))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    # The tests of a module that starts work early (below) run last, so that the work has the whole run to finish in.
+    items.sort(key=_starts_early)
+
+
 def pytest_collection_finish(session):
     # Every test module is imported now (torch, transformers, datasets, ...: ~400k objects). Freeze them out of the
     # cyclic garbage collector, so the `gc.collect()` of each Trainer run (accelerate's `free_memory`) scans only
     # what the tests create: ~0.3 s less per call.
     gc.collect()
     gc.freeze()
+    # A test module may define `start_early()`: called once here when any of its tests is selected, to start work that
+    # runs in another process (a fresh Python importing torch) on the second core while the other tests run.
+    early = {id(item.module): item.module for item in session.items if _starts_early(item)}
+    for module in () if session.config.option.collectonly else early.values():
+        module.start_early()
 
 
 @pytest.hookimpl(tryfirst=True)
