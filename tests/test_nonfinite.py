@@ -48,26 +48,26 @@ def test_without_a_codec_a_nonfinite_step_is_the_trainers_step(tiny_model, train
     plain_model, grpo_model = tiny_model(), tiny_model()
     poison(plain_model, {3}, math.inf)
     poison(grpo_model, {3}, math.inf)
-    Trainer(model=plain_model, args=train_config(cls=TrainingArguments), train_dataset=tokens()).train()
-    trainer = GRPOTrainer(model=grpo_model, args=train_config(), train_dataset=tokens())
+    Trainer(model=plain_model, args=train_config(cls=TrainingArguments, max_steps=6), train_dataset=tokens()).train()
+    trainer = GRPOTrainer(model=grpo_model, args=train_config(max_steps=6), train_dataset=tokens())
     assert not trainer.grpo_callback.skips_nonfinite
     with caplog.at_level(logging.WARNING, logger="grpo_hf.callbacks"):
         trainer.train()  # no GRPOError, however many steps in a row
-    assert trainer.state.global_step == 12
+    assert trainer.state.global_step == 6
     for (name, plain), grpo in zip(plain_model.named_parameters(), grpo_model.parameters()):
         torch.testing.assert_close(grpo, plain, rtol=0, atol=0, equal_nan=True, msg=name)  # bit for bit, NaN and all
     assert not torch.isfinite(dict(grpo_model.named_parameters())[POISONED]).all()  # the step was taken
     callback = trainer.grpo_callback
-    assert callback.nonfinite_steps == 10 and callback.consecutive_skips == 0  # steps 3 to 12, none skipped
+    assert callback.nonfinite_steps == 4 and callback.consecutive_skips == 0  # steps 3 to 6, none skipped
     assert torch.isfinite(callback.importance.smoothed).all() and torch.isfinite(callback.importance.multipliers).all()
     logged = [e["grpo/nonfinite_steps"] for e in trainer.state.log_history if "grpo/nonfinite_steps" in e]
-    assert logged[:3] == [0.0, 0.0, 1.0] and logged[-1] == 10.0
+    assert logged == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0]
     messages = warnings_of(caplog)
     first = [m for m in messages if "NaN/Inf gradients at optimizer step" in m]
     assert len(first) == 1, messages  # one warning for the streak, not one per step
     assert "optimizer step 3 (groups ffn; parameters model.layers.0.mlp.down_proj.weight)" in first[0]
     assert TAKEN in first[0] and "No GRPO codec or sync touches the gradients" in first[0]
-    assert any("training ended inside a streak of 10 optimizer steps" in m for m in messages)
+    assert any("training ended inside a streak of 4 optimizer steps" in m for m in messages)
 
 
 def test_a_nan_before_clipping_is_named_or_said_to_be_spread(tiny_model, train_config, caplog):
