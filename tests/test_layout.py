@@ -1,12 +1,14 @@
 """The layout says the architecture: the library never imports the application, no module imports itself back, every
 error class lives in `errors.py`, the test helpers stay out of the package, and `import grpo_hf` / `grpo-hf --help`
-import neither torch nor transformers.
+import neither torch nor transformers. In the application, no function is longer than 80 lines, and a recipe's path
+(`grpo-hf compare recipes/tiny.yaml`, from the command line to the report) crosses at most ten of its files.
 
 The imports are read from the source (ast), every `import` statement of a module: at its top level, in functions and
 methods, and under `if TYPE_CHECKING:`.
 """
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -202,3 +204,60 @@ def test_grpo_hf_help_and_bad_command_lines_import_nothing_heavy(tmp_path):
         "        pass\n"
     )
     assert not _modules_after(code) & set(HEAVY)
+
+
+# --- the application: short functions, and a recipe's path through few files ---
+
+APPLICATION_FOLDERS = [PACKAGE / "cli", PACKAGE / "harness"]
+# The most files of the application (`cli/`, `harness/`) that `grpo-hf compare recipes/tiny.yaml` enters.
+RECIPE_PATH_FILES = 10
+# Runs a command line of `grpo-hf` in a fresh interpreter and prints, as JSON, every grpo_hf file one of whose
+# functions was called: a file only imported, or whose classes were only defined, is not entered.
+PATH_SCRIPT = """
+import inspect, json, os, sys, threading
+import grpo_hf
+root = os.path.dirname(grpo_hf.__file__)
+entered = set()
+def profile(frame, event, arg):
+    code = frame.f_code
+    if event == "call" and code.co_flags & inspect.CO_NEWLOCALS and code.co_filename.startswith(root + os.sep):
+        entered.add(os.path.relpath(code.co_filename, os.path.dirname(root)).replace(os.sep, "/"))
+threading.setprofile(profile)
+sys.setprofile(profile)
+from grpo_hf.cli.main import main
+status = main(sys.argv[1:])
+sys.setprofile(None)
+threading.setprofile(None)
+print(json.dumps({"status": status, "entered": sorted(entered)}))
+"""
+
+
+@pytest.mark.parametrize("folder", APPLICATION_FOLDERS, ids=lambda folder: folder.name)
+def test_no_function_of_the_application_is_longer_than_80_lines(folder):
+    long = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno > 80:
+                long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
+    assert not long, f"longer than 80 lines: {long}"
+
+
+@pytest.mark.slow  # the tiny recipe, Trainer and GRPOTrainer with their timed windows: ~30 s on 2 cores
+def test_a_recipe_crosses_at_most_ten_application_files(tmp_path):
+    """
+    The files of grpo_hf that `grpo-hf compare recipes/tiny.yaml` goes through, from the command line to the report:
+    the application's (`cli/`, `harness/`) at most [`RECIPE_PATH_FILES`]; the library's are listed beside them. Run
+    with `-s` to see both lists.
+    """
+    argv = ["compare", str(PACKAGE / "recipes" / "tiny.yaml"), "--output_dir", str(tmp_path / "run")]
+    done = subprocess.run(
+        [sys.executable, "-c", PATH_SCRIPT, *argv], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["status"] == 0
+    application = [f for f in result["entered"] if f.startswith(("grpo_hf/cli/", "grpo_hf/harness/"))]
+    library = [f for f in result["entered"] if f not in application]
+    print(f"\napplication: {len(application)} files\n  " + "\n  ".join(application))
+    print(f"library: {len(library)} files\n  " + "\n  ".join(library))
+    assert len(application) <= RECIPE_PATH_FILES, application
