@@ -123,9 +123,11 @@ class GRPOConfig(CostFields, TrainingArguments):
             Tensors with fewer elements (norms, biases) are always sent dense (DDP; FSDP2 compresses every gradient
             of a unit alike).
         grpo_max_consecutive_skips (`int`, *optional*, defaults to `8`):
-            An optimizer step with NaN/Inf gradients is skipped (a transient overflow does not end a run), but this
-            many skipped in a row stop it with a [`~grpo_hf.errors.GRPOError`] naming the step, groups and
-            parameters; `0` never stops. Not applied under an fp16 `GradScaler`, which skips and rescales itself.
+            Where GRPO's codec or sync touches the gradients (compression on, or `grpo_sync_every > 1`), an optimizer
+            step with NaN/Inf gradients is skipped (a transient overflow does not end a run, and the residuals stay
+            clean), but this many skipped in a row stop it with a [`~grpo_hf.errors.GRPOError`] naming the step,
+            groups and parameters; `0` never stops. Without a codec or sync such a step is the Trainer's (taken, with
+            a warning), and nothing stops. Not applied under an fp16 `GradScaler`, which skips and rescales itself.
 
     Parameters that control the sync every H steps (DiLoCo; see `docs/compression.md` and
     [`~grpo_hf.compression.outer_sync`]):
@@ -298,8 +300,9 @@ class GRPOConfig(CostFields, TrainingArguments):
     grpo_max_consecutive_skips: int = field(
         default=8,
         metadata={
-            "help": "Stop the run with an error after this many optimizer steps in a row skipped for NaN/Inf "
-            "gradients (0: skip them and never stop)."
+            "help": "Where GRPO's codec or sync touches the gradients: stop the run with an error after this many "
+            "optimizer steps in a row skipped for NaN/Inf gradients (0: skip them and never stop). Without a codec or "
+            "sync such steps are the Trainer's: taken, with a warning."
         },
     )
     # --- sync every H steps (grpo_hf.compression.outer_sync) ---
