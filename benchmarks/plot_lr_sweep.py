@@ -18,6 +18,7 @@ def plot(sweep: dict, output: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, axes = plt.subplots(1, len(sweep), figsize=(5.5 * len(sweep), 4.4), squeeze=False)
     for ax, (task, rows) in zip(axes[0], sweep.items()):
@@ -29,6 +30,10 @@ def plot(sweep: dict, output: Path) -> Path:
             ax.axhline(1.01 * min(rows["dense"]["curve"].values()), ls=":", c="gray", lw=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
+        ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_title(task)
         ax.set_xlabel("learning rate")
         ax.set_ylabel("eval perplexity (search seed)")
