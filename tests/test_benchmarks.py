@@ -15,7 +15,8 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.name not in ("tasks.py", "revision.py"))
+HELPERS = ("tasks.py", "revision.py", "lr_grid.py")  # modules the scripts import, with no command line of their own
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.name not in HELPERS)
 
 
 # `python -m benchmarks.<script> --help` for every script, in one fresh Python started from the repository root (the
@@ -44,11 +45,11 @@ sys.__stdout__.write(json.dumps(results))
 _HELP_RUNS = []
 
 
-def start_early():
+def start_help():
     """
-    Start the `--help` process when the test run begins (tests/conftest.py calls this when a test below is selected):
-    it imports torch and transformers on the second core while the other tests run on the first. Its outputs go to
-    unnamed temporary files, so it never waits on a pipe nobody reads.
+    Start the `--help` process when the test run begins (tests/conftest.py calls this, from `START_EARLY`, when a test
+    that uses `help_outputs` is selected): it imports torch and transformers on the second core while the other tests
+    run on the first. Its outputs go to unnamed temporary files, so it never waits on a pipe nobody reads.
     """
     stdout, stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     process = subprocess.Popen([sys.executable, "-c", HELP_ALL, *SCRIPTS], cwd=ROOT, stdout=stdout, stderr=stderr,
@@ -59,7 +60,7 @@ def start_early():
 @pytest.fixture(scope="module")
 def help_outputs():
     if not _HELP_RUNS:
-        start_early()
+        start_help()
     process, stdout, stderr = _HELP_RUNS.pop()
     try:
         returncode = process.wait(timeout=300)
@@ -70,6 +71,9 @@ def help_outputs():
     stdout.close(), stderr.close()
     assert returncode == 0, err[-2000:]
     return json.loads(out)
+
+
+START_EARLY = {"help_outputs": start_help}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
