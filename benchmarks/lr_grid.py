@@ -10,6 +10,12 @@ check it on synthetic curves.
 import math
 
 
+def key(learning_rate: float) -> float:
+    """A learning rate rounded to the 4 significant digits that name its result file, so that grids centred on
+    different points of the same x2 lattice, and their extensions, meet on the same runs."""
+    return float(f"{learning_rate:.4g}")
+
+
 def grid(nominal: float, points: int, factor: float = 2.0) -> list[float]:
     """
     `points` learning rates spaced by `factor`, centred on `nominal` (an even count puts one more point above).
@@ -19,7 +25,7 @@ def grid(nominal: float, points: int, factor: float = 2.0) -> list[float]:
     if points < 1:
         raise ValueError(f"a grid needs at least one point, not {points}.")
     low = -((points - 1) // 2)
-    return [nominal * factor**k for k in range(low, low + points)]
+    return [key(nominal * factor**k) for k in range(low, low + points)]
 
 
 def best_point(curve: dict[float, float]) -> tuple[float, float]:
@@ -48,7 +54,7 @@ def extension(curve: dict[float, float], factor: float = 2.0) -> float | None:
     edge = best_at_edge(curve)
     if edge is None:
         return None
-    return min(curve) / factor if edge == "low" else max(curve) * factor
+    return key(min(curve) / factor if edge == "low" else max(curve) * factor)
 
 
 def _crossing(lr_a: float, value_a: float, lr_b: float, value_b: float, level: float) -> float:

@@ -676,11 +676,13 @@ def _perplexity(record: dict) -> float:
 
 
 def load_sweep(results_dir: Path) -> dict[str, dict[int, dict[float, dict]]]:
-    """The sweep's result files of one task: row -> seed -> learning rate -> record."""
+    """The sweep's result files of one task: row -> seed -> learning rate (`lr_grid.key`) -> record."""
+    from benchmarks.lr_grid import key
+
     runs: dict = {}
     for path in sorted(results_dir.glob("[!_]*-lr*-seed*.json")):
         record = json.loads(path.read_text())
-        runs.setdefault(record["row"], {}).setdefault(record["seed"], {})[record["learning_rate"]] = record
+        runs.setdefault(record["row"], {}).setdefault(record["seed"], {})[key(record["learning_rate"])] = record
     return runs
 
 
@@ -727,6 +729,7 @@ def summarize_sweep(runs: dict, nominal: float, baseline: str, search_seed: int)
 
     if search_seed not in runs.get(baseline, {}):
         return {}
+    nominal = lr_grid.key(nominal)
     base_curve = {lr: _perplexity(r) for lr, r in runs[baseline][search_seed].items()}
     base_lr, base_best = lr_grid.best_point(base_curve)
     summary = {}
@@ -753,6 +756,7 @@ def summarize_sweep(runs: dict, nominal: float, baseline: str, search_seed: int)
             "window": lr_grid.window(curve, base_best),
             "window_closed": lr_grid.window_closed(curve, base_best),
             "at_nominal": curve[nominal] / base_curve[nominal] if nominal in curve and nominal in base_curve else None,
+            "nominal_lr": nominal,
             "bytes_ratio": best_record["dense_fp32_bytes_per_step"] * best_record["steps"] / sent if sent else None,
             "skipped_steps": best_record.get("skipped_steps"),
         }

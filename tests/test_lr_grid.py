@@ -136,3 +136,12 @@ def test_sweep_smoke_three_learning_rates(tmp_path):
     assert "| llama-scratch | q8 |" in (tmp_path / "report.md").read_text()
     rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)  # resumes: no launch
     assert rerun.returncode == 0 and "[llama-scratch seed" not in rerun.stdout
+
+
+def test_grids_on_one_lattice_meet_on_the_same_keys():
+    # a task re-centred from 5e-4 to 4e-3 (x8) reuses the runs of the old grid; odd steps stay named by 4 digits
+    assert set(lr_grid.grid(4e-3, 5)) & set(lr_grid.grid(5e-4, 5)) == {1e-3, 2e-3}
+    assert (
+        lr_grid.key(3e-3 / 64) == 4.688e-05
+        and lr_grid.extension({4.688e-05: 1.0, 9.375e-05: 2.0, 1.875e-4: 3.0}) == 2.344e-05
+    )
