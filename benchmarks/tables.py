@@ -48,6 +48,12 @@ def _command(record: dict) -> str:
     return runnable(record["command"])
 
 
+def _learning_rates(meta: dict) -> str:
+    """Which learning rate the figures of a one-learning-rate table used: each task's, the same for every row."""
+    rates = ", ".join(f"{task} {lr:g}" for task, lr in meta["learning_rates"].items())
+    return f"Every row at its task's one learning rate ({rates}); each row at its own best: 'Best against best' in docs/compression.md."
+
+
 def _fmt_default(value) -> str:
     return "–" if value is None else f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
 
@@ -164,6 +170,8 @@ def suite_summary() -> str:
     lines += [
         "",
         f"`{_command(meta)}` ({meta['date']}, {meta['machine']}); per task: [compression](docs/compression.md).",
+        "",
+        _learning_rates(meta),
     ]
     return "\n".join(lines)
 
@@ -173,7 +181,10 @@ def suite_tasks() -> str:
     from benchmarks import suite
 
     summary, meta = _suite()
-    return suite.markdown("comm", summary, "dense") + f"\n\n`{_command(meta)}` ({meta['date']}, {meta['machine']})."
+    return (
+        suite.markdown("comm", summary, "dense")
+        + f"\n\n`{_command(meta)}` ({meta['date']}, {meta['machine']}).\n\n{_learning_rates(meta)}"
+    )
 
 
 def suite_w4() -> str:
@@ -181,7 +192,10 @@ def suite_w4() -> str:
     from benchmarks import suite
 
     summary, meta = _suite("suite_comm_w4")
-    return suite.markdown("comm", summary, "dense") + f"\n\n`{_command(meta)}` ({meta['date']}, {meta['machine']})."
+    return (
+        suite.markdown("comm", summary, "dense")
+        + f"\n\n`{_command(meta)}` ({meta['date']}, {meta['machine']}).\n\n{_learning_rates(meta)}"
+    )
 
 
 def _sync_kind(row: str) -> str:
@@ -220,6 +234,8 @@ def suite_sync() -> str:
         "Wire time is a projection (the run's mean bytes per step and rank over the link, no overlap), not a measurement.",
         "",
         f"`{_command(meta)}` ({meta['date']}, {meta['machine']}).",
+        "",
+        _learning_rates(meta),
     ]
     return "\n".join(lines)
 
