@@ -132,7 +132,7 @@ def test_sweep_smoke_three_learning_rates(tmp_path):
     sweep = json.loads((tmp_path / "results.json").read_text())["sweep"]["llama-scratch"]
     assert set(sweep) == {"dense", "q8"} and len(sweep["q8"]["curve"]) == 3
     assert sorted(sweep["q8"]["best_vs_best"]) == ["0", "1"]
-    assert 0.8 < sweep["q8"]["geomean"] < 1.25 and sweep["q8"]["bytes_ratio"] > 2
+    assert 0.8 < sweep["q8"]["geomean"] < 1.25 and sweep["q8"]["bytes_ratio"] > 1.2  # 3 steps, 2 of them dense warm-up
     assert "| llama-scratch | q8 |" in (tmp_path / "report.md").read_text()
     rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)  # resumes: no launch
     assert rerun.returncode == 0 and "[llama-scratch seed" not in rerun.stdout
