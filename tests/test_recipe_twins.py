@@ -1,5 +1,6 @@
 """The fine-tuning recipes: every packaged recipe documents itself, and each runs from one command through its tiny
-local-files twin (SFT, classification, and full fine-tuning under 2-process DDP with torchrun and accelerate launch)."""
+local-files twin (SFT, classification, and full fine-tuning under 2-process DDP with torchrun and accelerate launch,
+exchanging gradients every step or syncing every H steps)."""
 
 import json
 import re
@@ -10,13 +11,19 @@ import pytest
 from testing_utils import ROOT, run_accelerate_launch, run_torchrun
 
 from grpo_hf.cli.main import main
+from grpo_hf.compression.outer_sync import OUTER_MODE, fragments_due
 from grpo_hf.harness.arguments import builtin_recipe, load_recipe
 from grpo_hf.harness.recipe_files import builtin_recipe_names
 
 
 RECIPES = ROOT / "recipes"
 # Each real recipe and its tiny local-files twin.
-TWINS = {"sft_smollm2_lora": "sft_tiny", "classify_minilm_lora": "classify_tiny", "full_ft_ddp": "full_ft_tiny"}
+TWINS = {
+    "sft_smollm2_lora": "sft_tiny", "classify_minilm_lora": "classify_tiny", "full_ft_ddp": "full_ft_tiny",
+    "full_ft_sync": "full_ft_sync_tiny",
+}  # fmt: skip
+# The recipes of the sync every H steps, and the per-step recipe each is otherwise the same as.
+SYNCED = {"full_ft_sync": "full_ft_ddp", "full_ft_sync_tiny": "full_ft_tiny"}
 QUIET = ["--disable_tqdm", "true"]
 
 
@@ -39,7 +46,32 @@ def test_recipes_say_how_to_run_them_and_where_their_runs_are_logged(name):
     assert Path(data_args.dataset_name).samefile(from_file[1].dataset_name)  # found next to the recipe either way
     assert model_args == from_file[0]
     assert {**asdict(data_args), "dataset_name": None} == {**asdict(from_file[1]), "dataset_name": None}
-    assert args.grpo_compression == "quantize"
+    if name in SYNCED:  # one knob: the codec of the pseudo-gradient is grpo_compression's "auto" (quantize under DDP)
+        assert args.grpo_compression == "auto" and args.grpo_sync_every > 1
+    else:
+        assert args.grpo_compression == "quantize"
+
+
+def _syncs(every: int, steps: int) -> list[int]:
+    """The optimizer steps after which one fragment syncs (the default ramp, then every `every`; the last step)."""
+    return [step for step in range(1, steps + 1) if fragments_due(step, every) or step == steps]
+
+
+@pytest.mark.parametrize("name", sorted(SYNCED))
+def test_sync_recipes_turn_one_knob_of_their_per_step_recipe(name):
+    import yaml
+
+    synced = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+    per_step = yaml.safe_load((RECIPES / f"{SYNCED[name]}.yaml").read_text())
+    assert [key for key in synced if key.startswith("grpo_")] == ["grpo_sync_every"]  # the rest: GRPOConfig's
+    every, steps = synced["grpo_sync_every"], synced["max_steps"]
+    assert every == (32 if name == "full_ft_sync" else 4)
+    assert len(_syncs(every, steps)) >= 5  # long enough for several syncs
+    shared = {key: value for key, value in synced.items() if key not in ("output_dir", "max_steps", "grpo_sync_every")}
+    assert shared == {key: value for key, value in per_step.items() if key in shared}  # model, data, optimizer alike
+    assert set(per_step) - set(synced) <= {"grpo_compression", "grpo_lr_scale_warmup_steps"}
+    _, _, args = builtin_recipe(name)
+    assert (args.grpo_sync_fragments, args.grpo_sync_ramp, args.grpo_outer_control) == (1, True, False)
 
 
 def test_twins_share_the_data_and_the_pipeline_of_their_recipe():
@@ -65,6 +97,17 @@ def test_multi_gpu_launch_files_are_documented():
                  "--nnodes 2", "--node_rank 0", "--master_addr", "accelerate launch --config_file "
                  "recipes/accelerate/multi_gpu.yaml", "recipes/accelerate/multi_node.yaml --machine_rank 0"):  # fmt: skip
         assert line in ddp, line
+
+
+def test_sync_recipe_says_how_to_launch_it_on_two_machines():
+    sync = header("full_ft_sync")
+    assert "slow link" in sync and 'docs/compression.md, "Sync every H steps"' in sync
+    for line in ("torchrun --nproc_per_node 2 -m grpo_hf.cli train recipes/full_ft_sync.yaml --use_cpu true",
+                 "torchrun --nnodes 2 --nproc_per_node 8 --node_rank 0 --master_addr MASTER --master_port 29500",
+                 "accelerate launch --config_file recipes/accelerate/multi_node.yaml --machine_rank 0"):  # fmt: skip
+        assert line in sync, line
+    docs = (ROOT / "docs" / "recipes.md").read_text()
+    assert "## Two machines, a slow link" in docs and "`full_ft_sync.yaml`" in docs
 
 
 # --- the twins, end to end ---
@@ -149,6 +192,37 @@ def test_full_fine_tune_twin_under_accelerate_launch(tmp_path):
         "--output_dir", str(out), cwd=ROOT, timeout=300,
     )  # fmt: skip
     _assert_ddp_and_hooked(_ddp_result(run, out), steps=4)
+
+
+@pytest.mark.slow  # launches worker processes: ~20-30 s on 2 cores
+@pytest.mark.distributed
+def test_sync_twin_trains_locally_and_syncs_every_h_steps_under_torchrun(tmp_path):
+    """The twin of the sync every H steps, launched as its header prints it: DDP, inner steps that send only the
+    agreed group norms, 8-bit pseudo-gradients at the syncs of the schedule (the ramp 1, 3, then every 4, the last)."""
+    out = tmp_path / "sync"
+    run = run_torchrun(
+        "-m", "grpo_hf.cli", "train", "recipes/full_ft_sync_tiny.yaml", "--use_cpu", "true", "--output_dir", str(out),
+        torchrun_args=("--nnodes", "1", "--node_rank", "0"), cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    row = _ddp_result(run, out)
+    steps, syncs = 12, [1, 3, 7, 11, 12]
+    assert _syncs(4, steps) == syncs
+    assert row["world_size"] == 2 and row["ddp_wrapped"] is True  # the Trainer's model is a DDP wrapper
+    assert row["trainable_params"] == row["total_params"]  # full fine-tuning, no LoRA
+    assert f"quantize ({OUTER_MODE}, W=2, bits 8" in row["comm_mode"]  # grpo_compression "auto": 8-bit codes
+    assert row["hook_steps"] == row["steps"] == steps and row["hook_calls"] >= steps  # the local hook, every step
+    totals = row["comm_totals"]
+    assert totals["syncs"] == len(syncs) and totals["nonfinite_syncs"] == 0 and totals["steps"] == steps
+    per_step = row["bytes_per_step"]
+    inner = {per_step[step - 1] for step in range(1, steps + 1) if step not in syncs}
+    assert inner == {8.0 * len(row["groups"])}  # between syncs: one float64 norm per group (ring all-reduce, W=2)
+    at_sync = {per_step[step - 1] for step in syncs}
+    dense = row["comm_bytes_dense_fp32"] / steps
+    assert len(at_sync) == 1 and dense / 4 < at_sync.pop() < dense / 3  # the whole Δ, in 8-bit codes (+ block scales)
+    assert row["comm_bytes"] == sum(per_step) == totals["bytes_sent"]
+    assert row["comm_ratio_fp32"] > steps / len(syncs) * 3  # fewer bytes than DDP's all-reduce of every step
+    assert row["perplexity_after"] < row["perplexity_before"]
+    assert run.stdout.count("Saved the model") == 1  # rank 0 alone writes the report
 
 
 # --- the real recipes, shortened (real models: slow) ---

@@ -146,8 +146,8 @@ def test_packaged_recipes_parse_and_document_themselves(name):
 
 def test_builtin_recipes_are_the_packaged_files():
     assert builtin_recipe_names() == [
-        "classify_minilm_lora", "classify_tiny", "full_ft_ddp", "full_ft_tiny", "quickstart", "sft_smollm2_lora",
-        "sft_tiny", "tiny",
+        "classify_minilm_lora", "classify_tiny", "full_ft_ddp", "full_ft_sync", "full_ft_sync_tiny", "full_ft_tiny",
+        "quickstart", "sft_smollm2_lora", "sft_tiny", "tiny",
     ]  # fmt: skip
     assert (RECIPES / "quickstart.yaml").samefile(resources.files("grpo_hf") / "recipes" / "quickstart.yaml")
     with pytest.raises(RecipeError, match="unknown built-in recipe 'huge'"):
