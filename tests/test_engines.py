@@ -39,6 +39,16 @@ from grpo_hf.grouping import assign_groups, load_group_spec
 from grpo_hf.importance import ImportanceState
 
 
+@pytest.fixture(autouse=True)
+def eager_fsdp_kernels(monkeypatch):
+    """FSDP2's codec on the eager kernels here (no torch.compile in the default set): the compiled kernels are held
+    to the eager ones, FSDP2's tiny rows included, in the slow tests of tests/test_codec.py."""
+    from grpo_hf.compression import fsdp
+    from grpo_hf.compression.codec import compile_kernels
+
+    monkeypatch.setattr(fsdp, "_KERNELS", [compile_kernels(False)])
+
+
 # --- settings ------------------------------------------------------------------------------------------------------
 
 
