@@ -1,10 +1,11 @@
 """Perplexity against learning rate from a sweep's result files: one panel per task, one line per row.
 
     python -m benchmarks.plot_lr_sweep                                          # benchmarks/results/suite_sweep
-    python -m benchmarks.plot_lr_sweep --results runs/sweep --output /tmp/lr-sweep.png
+    python -m benchmarks.plot_lr_sweep --results benchmarks/results/suite_sweep_lr --output docs/figures/lr-sweep-presets.png
 
 Each line is a row's curve on the search seed (`python -m benchmarks.suite comm --lrs 5 ...`); the larger marker is
-the row's best learning rate; the dotted line is 1% above dense's best, the level that defines the window.
+the row's best learning rate; the dotted line is 1% above the baseline's best (dense, or the plain Trainer in the lr
+suite), the level that defines the window.
 """
 
 import argparse
@@ -13,7 +14,7 @@ from pathlib import Path
 from benchmarks.tables import RESULTS, sweep_summary
 
 
-def plot(sweep: dict, output: Path) -> Path:
+def plot(sweep: dict, output: Path, baseline: str = "dense") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,8 +27,8 @@ def plot(sweep: dict, output: Path) -> Path:
             points = sorted((float(lr), ppl) for lr, ppl in entry["curve"].items())
             (line,) = ax.plot(*zip(*points), marker=".", label=name)
             ax.plot([entry["best_lr"]], [dict(points)[entry["best_lr"]]], "o", ms=8, c=line.get_color())
-        if "dense" in rows:
-            ax.axhline(1.01 * min(rows["dense"]["curve"].values()), ls=":", c="gray", lw=1)
+        if baseline in rows:
+            ax.axhline(1.01 * min(rows[baseline]["curve"].values()), ls=":", c="gray", lw=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())
@@ -50,8 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", default=str(RESULTS / "suite_sweep"), help="a sweep's output folder")
     parser.add_argument("--output", default="docs/figures/lr-sweep.png", help="the PNG to write")
     args = parser.parse_args(argv)
-    sweep, _ = sweep_summary(Path(args.results))
-    print(f"wrote {plot(sweep, Path(args.output))}")
+    sweep, meta = sweep_summary(Path(args.results))
+    print(f"wrote {plot(sweep, Path(args.output), meta['baseline'])}")
 
 
 if __name__ == "__main__":

@@ -767,9 +767,9 @@ def summarize_sweep(runs: dict, nominal: float, baseline: str, search_seed: int)
 def sweep_markdown(sweep: dict[str, dict], nominal: dict[str, float], baseline: str = "dense") -> str:
     """The best-against-best table of a sweep: one line per task and row."""
     lines = [
-        f"| task | row | best lr | ppl / {baseline}, best vs best: geomean (seeds) | worst seed | window (log10 lr "
+        f"| task | row | lrs run | best lr | ppl / {baseline}, best vs best: geomean (seeds) | worst seed | window (log10 lr "
         f"within 1% of {baseline}'s best) | ppl / {baseline} at the task's lr | bytes vs fp32 |",
-        "|---|---|---|---:|---:|---:|---|---:|",
+        "|---|---|---:|---|---:|---:|---:|---|---:|",
     ]
     for task, rows in sweep.items():
         for name, e in rows.items():
@@ -777,7 +777,7 @@ def sweep_markdown(sweep: dict[str, dict], nominal: dict[str, float], baseline: 
             span = f"{e['window']:.2f}" + ("" if e["window_closed"] else "+")
             at = "-" if e["at_nominal"] is None else f"{e['at_nominal']:.3f} (lr {nominal[task]:.3g})"
             sent = "-" if not e["bytes_ratio"] else f"{e['bytes_ratio']:.1f}x"
-            lines.append(f"| {task} | {name} | {e['best_lr']:.3g}{edge} | {e['geomean']:.3f} ({len(e['best_vs_best'])})"
+            lines.append(f"| {task} | {name} | {len(e['curve'])} | {e['best_lr']:.3g}{edge} | {e['geomean']:.3f} ({len(e['best_vs_best'])})"
                          f" | {e['worst']:.3f} | {span} | {at} | {sent} |")  # fmt: skip
     lines += [
         "",

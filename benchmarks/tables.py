@@ -297,28 +297,41 @@ def fsdp2_summary() -> str:
 
 def sweep_summary(folder: Path) -> tuple[dict, dict]:
     """The best-against-best summary of a learning-rate sweep (`benchmarks/suite.py --lrs`) from its result files in
-    `folder / <task>`, and its meta (command, date, machine, the search seed, each task's nominal learning rate)."""
+    `folder / <task>`, and its meta (commands, date, machine, the search seed, each task's nominal learning rate, the
+    baseline: `dense` in the comm suite, `trainer` in the lr suite)."""
     from benchmarks import suite
 
     meta = _read(folder / "meta.json")
     sweep = {}
     for task, nominal in meta["nominal_lr"].items():
         runs = suite.load_sweep(folder / task)
-        sweep[task] = suite.summarize_sweep(runs, nominal, "dense", meta["search_seed"])
+        sweep[task] = suite.summarize_sweep(runs, nominal, meta["baseline"], meta["search_seed"])
     return sweep, meta
+
+
+def _sweep_table(name: str) -> str:
+    from benchmarks import suite
+
+    sweep, meta = sweep_summary(RESULTS / name)
+    commands = " && ".join(f"`{runnable(command)}`" for command in meta["commands"])
+    table = suite.sweep_markdown(sweep, meta["nominal_lr"], meta["baseline"])
+    return f"{table}\n\n{commands} ({meta['date']}, {meta['machine']})."
 
 
 def lr_sweep() -> str:
     """Every row of the comm suite at its own best learning rate against dense at its own (docs/compression.md)."""
-    from benchmarks import suite
+    return _sweep_table("suite_sweep")
 
-    sweep, meta = sweep_summary(RESULTS / "suite_sweep")
-    commands = " && ".join(f"`{runnable(command)}`" for command in meta["commands"])
-    return f"{suite.sweep_markdown(sweep, meta['nominal_lr'])}\n\n{commands} ({meta['date']}, {meta['machine']})."
+
+def lr_sweep_presets() -> str:
+    """The learning-rate presets at their own best learning rate against the plain Trainer at its own
+    (docs/groups-and-learning-rates.md)."""
+    return _sweep_table("suite_sweep_lr")
 
 
 RENDERERS = {
     "lr-sweep": lr_sweep,
+    "lr-sweep-presets": lr_sweep_presets,
     "settings": settings,
     "recipe-settings": recipe_settings,
     "conformance": conformance,

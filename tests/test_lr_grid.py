@@ -115,7 +115,7 @@ def test_sweep_summary_compares_best_against_best(tmp_path):
     assert row["at_nominal"] == pytest.approx(104.0 / dense(1e-3)) and row["at_nominal"] < 1
     assert row["bytes_ratio"] == pytest.approx(80.0)
     table = suite.sweep_markdown({"llama-untied": summary}, {"llama-untied": 1e-3})
-    assert "| llama-untied | sync32 | 0.001 | 1.035 (4) | 1.051 |" in table
+    assert "| llama-untied | sync32 | 5 | 0.001 | 1.035 (4) | 1.051 |" in table
 
 
 @pytest.mark.slow  # six short DDP launches of the tiny from-scratch task: about 2 min on 2 cores
