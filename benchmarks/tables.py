@@ -323,6 +323,24 @@ def lr_sweep() -> str:
     return _sweep_table("suite_sweep")
 
 
+def sync_sweep() -> str:
+    """The sync every H steps best against best, beside dense and the per-step default (README, "Fewer syncs")."""
+    sweep, meta = sweep_summary(RESULTS / "suite_sweep")
+    lines = [
+        "| task | setting | ppl / dense, best vs best (seeds) | worst seed | ppl / dense at the task's one lr | bytes vs fp32 |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for task, rows in sweep.items():
+        for name, e in rows.items():
+            if name == "dense" or not (name.startswith("sync") or name == "q8"):
+                continue
+            at = "–" if e["at_nominal"] is None else f"{e['at_nominal']:.3f} (lr {e['nominal_lr']:g})"
+            lines.append(f"| {task} | `{name}` | {e['geomean']:.3f} ({len(e['best_vs_best'])}) | {e['worst']:.3f} | "
+                         f"{at} | {e['bytes_ratio']:.0f}× |")  # fmt: skip
+    lines += ["", f"From the result files of the sweep in [compression](docs/compression.md) ({meta['date']})."]
+    return "\n".join(lines)
+
+
 def lr_sweep_presets() -> str:
     """The learning-rate presets at their own best learning rate against the plain Trainer at its own
     (docs/groups-and-learning-rates.md)."""
@@ -332,6 +350,7 @@ def lr_sweep_presets() -> str:
 RENDERERS = {
     "lr-sweep": lr_sweep,
     "lr-sweep-presets": lr_sweep_presets,
+    "sync-sweep": sync_sweep,
     "settings": settings,
     "recipe-settings": recipe_settings,
     "conformance": conformance,
