@@ -97,8 +97,8 @@ TASKS = {
             learning_rate=3e-3, warmup_steps=20,
             shape={"hidden_size": 64, "layers": 2, "heads": 4, "vocab_size": 8192, "tie": False},
         ),
-        # learning rate re-centred on dense's best of the sweep (was 5e-4, where dense was 1.32x its best;
-        # benchmarks/LOG.md, 2026-12-03): rows compared at one learning rate are compared where dense is tuned
+        # learning rate re-centred on dense's best of the sweep (was 5e-4, far from it; benchmarks/LOG.md,
+        # 2026-12-03): rows compared at one learning rate are compared where dense is tuned
         Task(
             "llama-finetune", "lm", "tiny-llama", False, max_steps=120, batch_size=16, seq_len=128,
             learning_rate=4e-3, warmup_steps=10, corpus="docstrings",
