@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from benchmarks import lr_grid  # noqa: E402
 from benchmarks.revision import commit  # noqa: E402
 from benchmarks.tasks import TASKS, Task, build_model, compute_accuracy, prepare  # noqa: E402
 
@@ -677,12 +678,12 @@ def _perplexity(record: dict) -> float:
 
 def load_sweep(results_dir: Path) -> dict[str, dict[int, dict[float, dict]]]:
     """The sweep's result files of one task: row -> seed -> learning rate (`lr_grid.key`) -> record."""
-    from benchmarks.lr_grid import key
-
     runs: dict = {}
     for path in sorted(results_dir.glob("[!_]*-lr*-seed*.json")):
         record = json.loads(path.read_text())
-        runs.setdefault(record["row"], {}).setdefault(record["seed"], {})[key(record["learning_rate"])] = record
+        runs.setdefault(record["row"], {}).setdefault(record["seed"], {})[lr_grid.key(record["learning_rate"])] = (
+            record
+        )
     return runs
 
 
@@ -692,8 +693,6 @@ def sweep_task(args, task: Task, rows: list[str], seeds: list[int], job: dict, r
     each row's grid (extended by a point past the edge while the row's best sits there, up to `--max_lrs` points),
     then the other seeds at each row's best. Finished runs are kept (resume).
     """
-    from benchmarks import lr_grid
-
     search, *others = seeds
 
     def run(row: str, learning_rate: float, seed: int) -> None:
@@ -725,7 +724,6 @@ def summarize_sweep(runs: dict, nominal: float, baseline: str, search_seed: int)
     against best: geometric mean and worst seed), the window (log10 span of learning rates within 1% of the
     baseline's best), and the ratio at the task's nominal learning rate.
     """
-    from benchmarks import lr_grid
 
     if search_seed not in runs.get(baseline, {}):
         return {}
