@@ -371,10 +371,33 @@ CHECK_BATCH_ROWS = 1024
 _TURNS = "a list of {'role': ..., 'content': ...} turns"
 
 
-def _rows(dataset, columns: list[str]):
-    """`(index, values)` of every row of `dataset`, only `columns`, read `CHECK_BATCH_ROWS` rows at a time."""
-    index = 0
-    for batch in dataset.select_columns(columns).iter(batch_size=CHECK_BATCH_ROWS):
+def _rows(dataset, columns: list[str], split: str):
+    """
+    `(index, values)` of every row of `dataset`, only `columns`, read `CHECK_BATCH_ROWS` rows at a time.
+
+    A column of mappings is refused before any row is read: no format reads one. 🤗 Datasets cannot turn every
+    mapping back into Python (keys that are empty, repeated or hold a NUL character fail inside its decoder or in
+    pyarrow): such rows, in a column of lists too, are one `RecipeError` naming the column.
+    """
+    for column in columns:
+        if isinstance(dataset.features[column], dict):
+            raise RecipeError(
+                f"column {column!r} holds a mapping on every row ({split}), with the keys "
+                f"{sorted(map(repr, dataset.features[column]))[:6]}: a format reads text, a label or {_TURNS} "
+                "there. Fix the data, or point the field at another column."
+            )
+    index, batches = 0, iter(dataset.select_columns(columns).iter(batch_size=CHECK_BATCH_ROWS))
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (KeyError, ValueError) as error:  # 🤗 Datasets' decoder or pyarrow on the keys named above
+            raise RecipeError(
+                f"the rows of column(s) {columns} from row {index} on cannot be read back ({split}): "
+                f"{type(error).__name__}: {error}. A mapping in them has keys that are empty, repeated or hold a NUL "
+                "character. Fix the data."
+            ) from error
         for values in zip(*(batch[column] for column in columns)):
             yield index, dict(zip(columns, values))
             index += 1
@@ -412,7 +435,7 @@ def _check_rows(dataset, kind: str, data_args, split_field: str) -> None:
     if kind == "messages":
         field = data_args.dataset_messages_field
         completion_only = data_args.completion_only_loss is not False
-        for index, row in _rows(dataset, [field]):
+        for index, row in _rows(dataset, [field], split):
             problem = _turns_problem(row[field], completion_only)
             if problem is not None:
                 fix = (
@@ -429,7 +452,7 @@ def _check_rows(dataset, kind: str, data_args, split_field: str) -> None:
     }[kind]
     label = data_args.dataset_label_field if kind == "classification" else None
     classes: set = set()
-    for index, row in _rows(dataset, fields):
+    for index, row in _rows(dataset, fields, split):
         for field, value in row.items():
             if field == label:
                 if value is None or isinstance(value, bool) or not isinstance(value, (str, int)):
