@@ -105,3 +105,25 @@ def window_closed(curve: dict[float, float], target: float, tolerance: float = 0
 
 def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+# The rule a learning-rate setting (a preset, importance) must meet to become a default (issue 33): a window at least
+# this many times the baseline's, at no more than this ratio to the baseline, best against best.
+WIDER_BY = 2.0
+AT_MOST = 1.005
+
+
+def window_ratio(row_window: float, baseline_window: float) -> float | None:
+    """How many times the baseline's window a row's window is (`None` when the baseline's window is 0: no ratio)."""
+    return row_window / baseline_window if baseline_window > 0 else None
+
+
+def earns_default(row_window: float, baseline_window: float, best_vs_best: float) -> bool:
+    """
+    Whether a setting earns a default by the window rule: its window at least `WIDER_BY` times the baseline's and its
+    metric, best against best, at most `AT_MOST` times the baseline's. A baseline with no window (0) cannot be widened
+    by a ratio: then any window of the row's counts as wider.
+    """
+    ratio = window_ratio(row_window, baseline_window)
+    wider = row_window > 0 if ratio is None else ratio >= WIDER_BY
+    return wider and best_vs_best <= AT_MOST

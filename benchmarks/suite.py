@@ -730,6 +730,7 @@ def summarize_sweep(runs: dict, nominal: float, baseline: str, search_seed: int)
     nominal = lr_grid.key(nominal)
     base_curve = {lr: _perplexity(r) for lr, r in runs[baseline][search_seed].items()}
     base_lr, base_best = lr_grid.best_point(base_curve)
+    base_window = lr_grid.window(base_curve, base_best)
     summary = {}
     for name, by_seed in runs.items():
         if search_seed not in by_seed:
@@ -753,11 +754,13 @@ def summarize_sweep(runs: dict, nominal: float, baseline: str, search_seed: int)
             "worst": max(ratios.values()),
             "window": lr_grid.window(curve, base_best),
             "window_closed": lr_grid.window_closed(curve, base_best),
+            "window_ratio": lr_grid.window_ratio(lr_grid.window(curve, base_best), base_window),
             "at_nominal": curve[nominal] / base_curve[nominal] if nominal in curve and nominal in base_curve else None,
             "nominal_lr": nominal,
             "bytes_ratio": best_record["dense_fp32_bytes_per_step"] * best_record["steps"] / sent if sent else None,
             "skipped_steps": best_record.get("skipped_steps"),
         }
+        entry["earns_default"] = lr_grid.earns_default(entry["window"], base_window, entry["geomean"])
         summary[name] = entry
     return summary
 
@@ -766,8 +769,8 @@ def sweep_markdown(sweep: dict[str, dict], nominal: dict[str, float], baseline: 
     """The best-against-best table of a sweep: one line per task and row."""
     lines = [
         f"| task | row | lrs run | best lr | ppl / {baseline}, best vs best: geomean (seeds) | worst seed | window (log10 lr "
-        f"within 1% of {baseline}'s best) | ppl / {baseline} at the task's lr | bytes vs fp32 |",
-        "|---|---|---:|---|---:|---:|---:|---|---:|",
+        f"within 1% of {baseline}'s best) | window / {baseline}'s | ppl / {baseline} at the task's lr | bytes vs fp32 |",
+        "|---|---|---:|---|---:|---:|---:|---:|---|---:|",
     ]
     for task, rows in sweep.items():
         for name, e in rows.items():
@@ -775,11 +778,16 @@ def sweep_markdown(sweep: dict[str, dict], nominal: dict[str, float], baseline: 
             span = f"{e['window']:.2f}" + ("" if e["window_closed"] else "+")
             at = "-" if e["at_nominal"] is None else f"{e['at_nominal']:.3f} (lr {nominal[task]:.3g})"
             sent = "-" if not e["bytes_ratio"] else f"{e['bytes_ratio']:.1f}x"
+            wider = "-" if name == baseline or e.get("window_ratio") is None else f"{e['window_ratio']:.2f}x"
+            if name != baseline and e.get("earns_default"):
+                wider += " (rule met)"
             lines.append(f"| {task} | {name} | {len(e['curve'])} | {e['best_lr']:.3g}{edge} | {e['geomean']:.3f} ({len(e['best_vs_best'])})"
-                         f" | {e['worst']:.3f} | {span} | {at} | {sent} |")  # fmt: skip
+                         f" | {e['worst']:.3f} | {span} | {wider} | {at} | {sent} |")  # fmt: skip
     lines += [
         "",
-        "A window ending in + reaches the grid's edge (a lower bound); `(edge)`: the best is at the grid's edge.",
+        "A window ending in + reaches the grid's edge (a lower bound); `(edge)`: the best is at the grid's edge. "
+        f"`(rule met)`: a window at least {lr_grid.WIDER_BY:g}x the {baseline}'s at no more than {lr_grid.AT_MOST}x "
+        "best against best, the rule a learning-rate setting must meet to become a default.",
     ]
     return "\n".join(lines)
 

@@ -115,7 +115,17 @@ def test_sweep_summary_compares_best_against_best(tmp_path):
     assert row["at_nominal"] == pytest.approx(104.0 / dense(1e-3)) and row["at_nominal"] < 1
     assert row["bytes_ratio"] == pytest.approx(80.0)
     table = suite.sweep_markdown({"llama-untied": summary}, {"llama-untied": 1e-3})
-    assert "| llama-untied | sync32 | 5 | 0.001 | 1.035 (4) | 1.051 |" in table
+    assert "| llama-untied | sync32 | 5 | 0.001 | 1.035 (4) | 1.051 | 0.00 | 0.00x |" in table
+    assert not row["earns_default"] and row["window_ratio"] == 0.0
+
+
+def test_the_window_rule():
+    """A default needs a window at least 2x the baseline's at no more than 1.005x best against best."""
+    assert lr_grid.earns_default(0.8, 0.4, 1.005) and lr_grid.earns_default(0.9, 0.4, 0.99)
+    assert not lr_grid.earns_default(0.79, 0.4, 1.0)  # 1.98x wider: not enough
+    assert not lr_grid.earns_default(0.8, 0.4, 1.006)  # wide enough, but worse at its best
+    assert lr_grid.earns_default(0.1, 0.0, 1.0) and not lr_grid.earns_default(0.0, 0.0, 1.0)
+    assert lr_grid.window_ratio(0.6, 0.3) == pytest.approx(2.0) and lr_grid.window_ratio(0.6, 0.0) is None
 
 
 @pytest.mark.slow  # six short DDP launches of the tiny from-scratch task: about 2 min on 2 cores
