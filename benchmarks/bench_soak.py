@@ -118,7 +118,7 @@ def worker(job_path: str) -> None:
                 "containers": {
                     "metric_keys": len(callback.metrics),
                     "latency_buffer": len(callback._latencies_ms),
-                    "comm_window_keys": len(comm._window),
+                    "comm_window_keys": len(comm.traffic.window),
                     "bucket_layouts": len(comm.layouts),
                     "residual_rows": comm.residuals.num_rows,
                     "square_rows": comm.squares.num_rows,

@@ -84,6 +84,7 @@ from torch import nn
 
 from .codec import code_shape, compile_kernels
 from .spec import DEFAULT_BLOCK_SIZE
+from .traffic import StepStats, TrafficStats
 
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,6 @@ FSDP_MODE = "fsdp-reduce-scatter"
 ERROR_FEEDBACK_CHOICES = ("none", "worker-bf16", "worker-int8")
 DEFAULT_FSDP_ERROR_FEEDBACK = "none"
 STATE_VERSION = 1
-_STAT_KEYS = ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "numel", "hook_ms", "comm_ms")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -171,10 +171,6 @@ def _poison(messages: torch.Tensor, bad_rows: torch.Tensor, numel: int, bits: in
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _empty_window() -> dict:
-    return dict.fromkeys(_STAT_KEYS, 0.0) | {"steps": 0, "dense_steps": 0}
-
-
 class FSDPCommState:
     r"""
     Settings, error-feedback residuals and traffic statistics of [`GRPOReduceScatter`] (see the module docstring for
@@ -209,10 +205,9 @@ class FSDPCommState:
         # --- per step ---
         "_staged",
         "_nonfinite",
-        "_step",
+        "stats",
         # --- statistics ---
-        "_window",
-        "_totals",
+        "traffic",
         "_logged",
     )
 
@@ -243,9 +238,10 @@ class FSDPCommState:
         self.hook_calls = 0
         self._staged: dict[str, torch.Tensor] = {}
         self._nonfinite = False
-        self._step = dict.fromkeys(_STAT_KEYS, 0.0)
-        self._window = _empty_window()
-        self._totals = dict.fromkeys(_STAT_KEYS, 0.0) | {"steps": 0, "dense_steps": 0, "nonfinite_steps": 0}
+        self.stats = StepStats()  # traffic of the current step
+        # every entry is sent: no kept entries are counted and the density is 1
+        sums = tuple(key for key in StepStats.KEYS if key != "kept")
+        self.traffic = TrafficStats(counters=("dense_steps",), run_counters=("nonfinite_steps",), sums=sums)
         self._logged = False
 
     @property
@@ -319,13 +315,13 @@ class FSDPCommState:
         output.copy_(total.view_as(output))
         self.hook_calls += 1
         sent = (world_size - 1) * messages.shape[1]
-        step = self._step
-        step["bytes_sent"] += sent
-        step["bytes_dense_fp32"] += (world_size - 1) * 4 * numel
-        step["bytes_dense_fp16"] += (world_size - 1) * 2 * numel
-        step["numel"] += input.numel()
-        step["comm_ms"] += comm_ms
-        step["hook_ms"] += (time.perf_counter() - start) * 1000
+        stats = self.stats
+        stats.bytes_sent += sent
+        stats.bytes_dense_fp32 += (world_size - 1) * 4 * numel
+        stats.bytes_dense_fp16 += (world_size - 1) * 2 * numel
+        stats.numel += input.numel()
+        stats.comm_ms += comm_ms
+        stats.hook_ms += (time.perf_counter() - start) * 1000
 
     def _residual_values(self, stored: torch.Tensor, numel: int) -> torch.Tensor:
         if self.error_feedback == "worker-int8":
@@ -363,35 +359,11 @@ class FSDPCommState:
         self._staged = {}
         dense = self.warming_up or nonfinite or self.bits == 32
         self._nonfinite = False
-        record, self._step = self._step, dict.fromkeys(_STAT_KEYS, 0.0)
+        self.traffic.close_step(self.stats, dense_steps=dense, nonfinite_steps=nonfinite)
+        self.stats = StepStats()
         self.step += 1
-        for key in _STAT_KEYS:
-            self._window[key] += record[key]
-            self._totals[key] += record[key]
-        for target in (self._window, self._totals):
-            target["steps"] += 1
-            target["dense_steps"] += int(dense)
-        self._totals["nonfinite_steps"] += int(nonfinite)
 
     # --- statistics ---
-    @staticmethod
-    def _metrics(summed: dict, prefix: bool) -> dict[str, float]:
-        comm, top = ("grpo/comm/", "grpo/") if prefix else ("", "")
-        steps = max(1, summed["steps"])
-        out = {
-            f"{comm}bytes_sent": summed["bytes_sent"] / steps,
-            f"{comm}bytes_dense_fp32": summed["bytes_dense_fp32"] / steps,
-            f"{comm}bytes_dense_fp16": summed["bytes_dense_fp16"] / steps,
-            f"{top}density": 1.0,
-            f"{top}sparsity": 0.0,
-            f"{comm}hook_ms": summed["hook_ms"] / steps,
-            f"{comm}dense_steps": float(summed["dense_steps"]),
-        }
-        if summed["bytes_sent"] > 0:
-            out[f"{comm}ratio_fp32"] = summed["bytes_dense_fp32"] / summed["bytes_sent"]
-            out[f"{comm}ratio_fp16"] = summed["bytes_dense_fp16"] / summed["bytes_sent"]
-        return out
-
     def pop_stats(self) -> dict[str, float]:
         """
         Metrics of the optimizer steps since the last call (then cleared; `{}` when there were none), per rank and
@@ -399,23 +371,14 @@ class FSDPCommState:
         `grpo/comm/ratio_fp32`, `grpo/comm/ratio_fp16`, `grpo/density` (1), `grpo/sparsity` (0), `grpo/comm/hook_ms`,
         `grpo/comm/dense_steps`.
         """
-        window, self._window = self._window, _empty_window()
-        return self._metrics(window, prefix=True) if window["steps"] else {}
+        return self.traffic.pop_stats()
 
     def totals(self) -> dict[str, float]:
         """
-        Running totals of the whole run (checkpointed): the sums of `_STAT_KEYS` (including the reduce-scatters of the
-        step not yet closed by [`end_step`]), `steps`, `dense_steps`, `nonfinite_steps`, ratios.
+        Running totals of the whole run (checkpointed): the summed traffic (`kept` left out; including the reduce-scatters of
+        the step not yet closed by [`end_step`]), `steps`, `dense_steps`, `nonfinite_steps`, ratios.
         """
-        totals = dict(self._totals)
-        for key in _STAT_KEYS:
-            totals[key] += self._step[key]
-        sums = {
-            key: totals[key] for key in ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "hook_ms", "comm_ms")
-        }
-        totals.update(self._metrics(totals, prefix=False))
-        totals.update(sums)
-        return totals
+        return self.traffic.totals(open_step=self.stats)
 
     # --- checkpointing ---
     def state_dict(self) -> dict:
@@ -430,7 +393,7 @@ class FSDPCommState:
             "step": self.step,
             "hook_calls": self.hook_calls,
             "residuals": {key: t.detach().cpu().clone() for key, t in self.residuals.items()},
-            "totals": {key: float(v) for key, v in self._totals.items()},
+            "totals": self.traffic.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict, residuals: bool = True) -> None:
@@ -452,10 +415,8 @@ class FSDPCommState:
         self.hook_calls = int(state_dict["hook_calls"])
         self.residuals = dict(state_dict["residuals"]) if residuals else {}
         self._staged, self._nonfinite = {}, False
-        self._step, self._window = dict.fromkeys(_STAT_KEYS, 0.0), _empty_window()
-        for key, value in state_dict.get("totals", {}).items():
-            if key in self._totals:
-                self._totals[key] = type(self._totals[key])(value)
+        self.stats = StepStats()
+        self.traffic.load_state_dict(state_dict.get("totals", {}))
 
     def __repr__(self) -> str:
         return (

@@ -84,8 +84,8 @@ from torch import nn
 from .codec import ENCODE_CHUNK, BlockMessages, all_safe, compile_kernels
 from .hook import Collectives
 from .spec import CodecSpec
-from .state import RESIDUAL_DTYPE, RowStore, StepStats
-from .traffic import allgather_bytes, allreduce_bytes
+from .state import RESIDUAL_DTYPE, RowStore
+from .traffic import StepStats, TrafficStats, allgather_bytes, allreduce_bytes
 
 
 logger = logging.getLogger(__name__)
@@ -222,28 +222,6 @@ class _Fragment:
             self.runs.append((spec, slots, offset))
 
 
-def _empty_window() -> dict:
-    return {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "syncs": 0, "bytes_peak": 0.0}
-
-
-def _metrics(summed: dict, steps: int, prefix: str = "", top: str = "") -> dict[str, float]:
-    density = summed["kept"] / summed["numel"] if summed["numel"] else 0.0
-    out = {
-        f"{prefix}bytes_sent": summed["bytes_sent"] / steps,
-        f"{prefix}bytes_peak": summed["bytes_peak"],
-        f"{prefix}bytes_dense_fp32": summed["bytes_dense_fp32"] / steps,
-        f"{prefix}bytes_dense_fp16": summed["bytes_dense_fp16"] / steps,
-        f"{prefix}syncs": float(summed["syncs"]),
-        f"{prefix}hook_ms": summed["hook_ms"] / steps,
-        f"{top}density": density,
-        f"{top}sparsity": 1.0 - density,
-    }
-    if summed["bytes_sent"] > 0:
-        out[f"{prefix}ratio_fp32"] = summed["bytes_dense_fp32"] / summed["bytes_sent"]
-        out[f"{prefix}ratio_fp16"] = summed["bytes_dense_fp16"] / summed["bytes_sent"]
-    return out
-
-
 class OuterSyncState:
     r"""
     Settings, global model, outer momentum, error-feedback residuals and traffic statistics of the sync every `H` steps
@@ -308,8 +286,7 @@ class OuterSyncState:
         "stats",
         "swapped",
         # --- statistics ---
-        "_window",
-        "_totals",
+        "traffic",
         "_warned",
     )
 
@@ -365,8 +342,13 @@ class OuterSyncState:
         self.pending: dict | None = None  # a checkpoint's state, applied at bind (the Trainer loads its own first)
         self.stats = StepStats()
         self.swapped: dict[str, torch.Tensor] | None = None
-        self._window = _empty_window()
-        self._totals = _empty_window() | {"nonfinite_syncs": 0, "dense_steps": 0, "nonfinite_steps": 0}
+        # dense_steps and nonfinite_steps stay 0: the keys of the per-step hook's totals
+        self.traffic = TrafficStats(
+            counters=("syncs",),
+            run_counters=("nonfinite_syncs", "dense_steps", "nonfinite_steps"),
+            peak=True,
+            default_density=0.0,
+        )
         self._warned: set[str] = set()
 
     @property
@@ -494,13 +476,9 @@ class OuterSyncState:
         return self._close(count_step=False)
 
     def _close(self, count_step: bool) -> float:
-        record, self.stats = self.stats.as_dict(), StepStats()
-        for summed in (self._window, self._totals):
-            for key in StepStats.KEYS:
-                summed[key] += record[key]
-            summed["steps"] += int(count_step)
-            summed["bytes_peak"] = max(summed["bytes_peak"], record["bytes_sent"])
-        return record["bytes_sent"]
+        record, self.stats = self.stats, StepStats()
+        self.traffic.close_step(record, optimizer_step=count_step)
+        return record.bytes_sent
 
     @torch.no_grad()
     def _sync(self, due: list[int]) -> None:
@@ -514,7 +492,7 @@ class OuterSyncState:
                 unsafe = bool(comm.all_reduce(flag, op=dist.ReduceOp.MAX).item())
                 self.stats.bytes_sent += allreduce_bytes(_FLAG_BYTES, world_size)
             if unsafe:
-                self._totals["nonfinite_syncs"] += 1
+                self.traffic.count(nonfinite_syncs=1)
                 self._warn_once(
                     "nonfinite",
                     f"GRPO sync at step {self.step}: a rank's model moved to NaN/Inf (or beyond 2**60) since the last "
@@ -533,8 +511,7 @@ class OuterSyncState:
                 self.params[name].copy_(self.global_params[name])
             self.stats.kept += fragment.numel
             self.last_sync[fragment.index] = self.step
-            for summed in (self._window, self._totals):
-                summed["syncs"] += 1
+            self.traffic.count(syncs=1)
 
     def _deltas(self, fragment: _Fragment) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`Δ = θ_global − θ_local` of the fragment: its dense tensors flat, and one padded fp32 row per codec run."""
@@ -631,10 +608,7 @@ class OuterSyncState:
         `grpo/comm/syncs` (fragments synced), `grpo/density` (entries exchanged per step over trainable entries),
         `grpo/sparsity`, and `grpo/comm/hook_ms` (time in the syncs per step; measured).
         """
-        window, self._window = self._window, _empty_window()
-        if not window["steps"]:
-            return {}
-        return _metrics(window, window["steps"], prefix="grpo/comm/", top="grpo/")
+        return self.traffic.pop_stats()
 
     def totals(self) -> dict[str, float]:
         """
@@ -642,11 +616,7 @@ class OuterSyncState:
         `bytes_peak`, `bytes_dense_fp32` / `_fp16`, `ratio_fp32` / `_fp16`, `density`, `hook_ms`, `comm_ms`, `kept`,
         `numel` (`dense_steps` and `nonfinite_steps` are 0: the keys of the per-step hook's totals).
         """
-        totals = dict(self._totals)
-        totals.update(_metrics(totals, max(1, totals["steps"])))
-        for key in ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "hook_ms", "comm_ms"):
-            totals[key] = self._totals[key]
-        return totals
+        return self.traffic.totals()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this state holds: `global` (`θ_global`), `momentum` and `residuals`."""
@@ -706,7 +676,7 @@ class OuterSyncState:
             "residuals": self.residuals.state_dict(),
             "local": cpu(self.params),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "totals": {key: float(v) for key, v in self._totals.items()},
+            "totals": self.traffic.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict | None, shared: dict | None = None) -> None:
@@ -741,10 +711,8 @@ class OuterSyncState:
         self.residuals.load_state_dict(state_dict.get("residuals", {}) if state_dict is not None else {})
         source = state_dict if state_dict is not None else shared
         self.hook_calls = int(source.get("hook_calls", 0))
-        for key, value in source.get("totals", {}).items():
-            if key in self._totals:
-                self._totals[key] = type(self._totals[key])(value)
-        self._window, self.stats = _empty_window(), StepStats()
+        self.traffic.load_state_dict(source.get("totals", {}))
+        self.stats = StepStats()
         if self.params:
             with torch.no_grad():
                 self._apply(self.pending)

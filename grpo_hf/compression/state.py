@@ -10,7 +10,7 @@ from torch import nn
 from .codec import Kernels, compile_kernels
 from .layout import BucketLayout, Run, bucket_layout
 from .spec import MODES, CodecSpec
-from .traffic import allreduce_bytes
+from .traffic import StepStats, TrafficStats
 
 
 logger = logging.getLogger(__name__)
@@ -20,31 +20,6 @@ _PER_TENSOR_SCALES = 64  # runs of at most this many tensors compute their scale
 DEFAULT_SCALE_BETA = 0.99
 DEFAULT_SCALE_GRADIENTS = False  # chosen on the benchmark suite: without scales, 8-bit codes kept dense quality
 RESIDUAL_DTYPE = torch.bfloat16
-
-
-class StepStats:
-    """Traffic of one optimizer step (all buckets)."""
-
-    KEYS = ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "kept", "numel", "hook_ms", "comm_ms")
-    __slots__ = KEYS
-
-    def __init__(self):
-        for key in self.KEYS:
-            setattr(self, key, 0.0)
-
-    def dense(self, numel: int, world_size: int, element_size: int = 4) -> None:
-        """Account `numel` entries all-reduced dense, `element_size` bytes each."""
-        self.bytes_sent += allreduce_bytes(numel * element_size, world_size)
-        self.kept += numel
-
-    def baseline(self, numel: int, world_size: int) -> None:
-        """Account `numel` gradient entries in the dense fp32 / fp16 baselines."""
-        self.bytes_dense_fp32 += allreduce_bytes(4 * numel, world_size)
-        self.bytes_dense_fp16 += allreduce_bytes(2 * numel, world_size)
-        self.numel += numel
-
-    def as_dict(self) -> dict:
-        return {key: getattr(self, key) for key in self.KEYS}
 
 
 class RowStore:
@@ -138,28 +113,6 @@ class RowStore:
         self._rows, self._holder, self._values = {}, {}, None
 
 
-def _empty_window() -> dict:
-    return {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "dense_steps": 0}
-
-
-def _metrics(summed: dict, steps: int, dense_steps: int, prefix: bool) -> dict[str, float]:
-    comm, top = ("grpo/comm/", "grpo/") if prefix else ("", "")
-    density = summed["kept"] / summed["numel"] if summed["numel"] else 1.0
-    out = {
-        f"{comm}bytes_sent": summed["bytes_sent"] / steps,
-        f"{comm}bytes_dense_fp32": summed["bytes_dense_fp32"] / steps,
-        f"{comm}bytes_dense_fp16": summed["bytes_dense_fp16"] / steps,
-        f"{top}density": density,
-        f"{top}sparsity": 1.0 - density,
-        f"{comm}hook_ms": summed["hook_ms"] / steps,
-        f"{comm}dense_steps": float(dense_steps),
-    }
-    if summed["bytes_sent"] > 0:
-        out[f"{comm}ratio_fp32"] = summed["bytes_dense_fp32"] / summed["bytes_sent"]
-        out[f"{comm}ratio_fp16"] = summed["bytes_dense_fp16"] / summed["bytes_sent"]
-    return out
-
-
 class GRPOCommState:
     r"""
     Settings, error-feedback residuals, gradient scales and traffic statistics of
@@ -246,8 +199,7 @@ class GRPOCommState:
         "workspace",
         # --- statistics ---
         "hook_calls",
-        "_window",
-        "_totals",
+        "traffic",
         "_warned",
     )
 
@@ -307,8 +259,7 @@ class GRPOCommState:
         self.sources: dict[tuple, tuple] = {}  # parameters -> their optimizer's exp_avg_sq (see optimizer_squares)
         self.workspace: dict[tuple, torch.Tensor] = {}  # reusable work buffers (at most one bucket's size each)
         self.hook_calls = 0
-        self._window = _empty_window()  # sums over the steps since the last pop_stats (constant size)
-        self._totals = {key: 0.0 for key in StepStats.KEYS} | {"steps": 0, "dense_steps": 0, "nonfinite_steps": 0}
+        self.traffic = TrafficStats(counters=("dense_steps",), run_counters=("nonfinite_steps",))
         self._warned: set[str] = set()
 
     def spec_for(self, name: str | None) -> CodecSpec | None:
@@ -508,18 +459,9 @@ class GRPOCommState:
         if not nonfinite and self.ema_updated:
             self.scale_updates += 1
         self.nonfinite = self.ema_updated = False
-        record = self.stats.as_dict()
-        record["dense"] = dense or nonfinite
+        self.traffic.close_step(self.stats, dense_steps=dense or nonfinite, nonfinite_steps=nonfinite)
         self.stats = StepStats()
         self.step += 1
-        for key in StepStats.KEYS:
-            self._window[key] += record[key]
-            self._totals[key] += record[key]
-        self._window["steps"] += 1
-        self._window["dense_steps"] += int(record["dense"])
-        self._totals["steps"] += 1
-        self._totals["dense_steps"] += int(record["dense"])
-        self._totals["nonfinite_steps"] += int(nonfinite)
 
     def warn_once(self, key: str, message: str) -> None:
         """Log `message` as a warning the first time `key` is seen."""
@@ -541,10 +483,7 @@ class GRPOCommState:
         (`1 - density`), `grpo/comm/hook_ms` (time in the hook per step) and `grpo/comm/dense_steps` (warm-up and
         non-finite steps in the window).
         """
-        window, self._window = self._window, _empty_window()
-        if not window["steps"]:
-            return {}
-        return _metrics(window, window["steps"], window["dense_steps"], prefix=True)
+        return self.traffic.pop_stats()
 
     def totals(self) -> dict[str, float]:
         """
@@ -552,11 +491,7 @@ class GRPOCommState:
         `bytes_dense_fp32`, `bytes_dense_fp16`, `ratio_fp32`, `ratio_fp16`, `density`, `hook_ms` (time in the hook),
         `comm_ms` (the part of it spent inside collectives, waiting for other ranks included), `kept`, `numel`.
         """
-        totals = dict(self._totals)
-        totals.update(_metrics(totals, max(1, totals["steps"]), totals["dense_steps"], prefix=False))
-        for key in ("bytes_sent", "bytes_dense_fp32", "bytes_dense_fp16", "hook_ms", "comm_ms"):
-            totals[key] = self._totals[key]
-        return totals
+        return self.traffic.totals()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this state holds: `residuals`, `owner_residuals`, `squares` (the EMA) and `workspace`."""
@@ -584,7 +519,7 @@ class GRPOCommState:
             "residuals": self.residuals.state_dict(),
             "owner_residuals": self.owner_residuals.state_dict(),
             "squares": self.squares.state_dict(),
-            "totals": {key: float(v) for key, v in self._totals.items()},
+            "totals": self.traffic.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -615,11 +550,7 @@ class GRPOCommState:
         self.last_step = "none"
         self.pending = []
         self.stats = StepStats()
-        self._window = _empty_window()
-        totals = state_dict.get("totals", {})
-        for key in self._totals:
-            if key in totals:
-                self._totals[key] = type(self._totals[key])(totals[key])
+        self.traffic.load_state_dict(state_dict.get("totals", {}))
 
     def __getstate__(self):
         """
@@ -644,4 +575,4 @@ class GRPOCommState:
         )
 
 
-__all__ = ["DEFAULT_SCALE_BETA", "DEFAULT_SCALE_GRADIENTS", "RESIDUAL_DTYPE", "GRPOCommState", "RowStore", "StepStats"]
+__all__ = ["DEFAULT_SCALE_BETA", "DEFAULT_SCALE_GRADIENTS", "RESIDUAL_DTYPE", "GRPOCommState", "RowStore"]
