@@ -375,8 +375,8 @@ class FSDPCommState:
 
     def totals(self) -> dict[str, float]:
         """
-        Running totals of the whole run (checkpointed): the summed traffic (`kept` left out; including the reduce-scatters of
-        the step not yet closed by [`end_step`]), `steps`, `dense_steps`, `nonfinite_steps`, ratios.
+        Running totals of the whole run (checkpointed): the summed traffic (`kept` left out; the reduce-scatters of the
+        step not yet closed by [`end_step`] included), `steps`, `dense_steps`, `nonfinite_steps`, ratios.
         """
         return self.traffic.totals(open_step=self.stats)
 

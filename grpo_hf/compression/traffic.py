@@ -193,7 +193,10 @@ class TrafficStats:
         return {key: float(value) for key, value in self.run_totals.items()}
 
     def load_state_dict(self, totals: dict) -> None:
-        """Restore [`state_dict`] (keys this transport does not keep are ignored, missing ones stay 0); empty the window."""
+        """
+        Restore [`state_dict`]: keys these statistics do not keep are ignored, missing ones keep their value (an older
+        checkpoint's `totals` load as before). The window is emptied.
+        """
         for key, value in totals.items():
             if key in self.run_totals:
                 self.run_totals[key] = type(self.run_totals[key])(value)
