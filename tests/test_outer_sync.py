@@ -228,6 +228,28 @@ def test_a_delayed_sync_applies_the_outer_step_late_toward_the_local_progress(mi
     assert all(torch.equal(p, state.global_params[n]) for n, p in model.named_parameters())
 
 
+def test_without_delay_the_sync_blocks_and_restarts_from_the_global_model_whatever_the_mix():
+    """τ=0 is the sync as it was: each due step replays by hand as θ_global's outer step on θ_global − θ_local, then
+    the restart; nothing is left in flight and `mix` is not used (the 2-process bits are checked in
+    tests/test_distributed_outer_sync.py)."""
+    torch.manual_seed(0)
+    model = Tiny()
+    state = _state(model, {}, every=2, ramp=True, outer_lr=0.7, outer_momentum=0.5, exchange=False, delay=0, mix=0.9)
+    replay = {n: p.detach().clone() for n, p in model.named_parameters()}
+    momentum = {n: torch.zeros_like(p) for n, p in replay.items()}
+    generator = torch.Generator().manual_seed(1)
+    for step in range(1, 8):
+        _move(model, torch.randn((), generator=generator).item() * 1e-2)
+        local = {n: p.detach().clone() for n, p in model.named_parameters()}
+        state.end_step(last=step == 7)
+        assert state.in_flight is None
+        if fragments_due(step, 2, 1, True) or step == 7:
+            for name, p in model.named_parameters():
+                outer_step(replay[name], replay[name] - local[name], momentum[name], 0.7, 0.5)
+                assert torch.equal(state.global_params[name], replay[name]) and torch.equal(p, replay[name]), name
+            assert state.in_sync
+
+
 def test_a_late_nonfinite_flag_restarts_the_fragment_from_the_global_model():
     torch.manual_seed(0)
     model = Tiny()
