@@ -106,6 +106,7 @@ def test_a_delayed_sync_runs_behind_one_step_and_keeps_the_global_model_identica
     for result in results:
         run = result["delay"]
         assert run["is_ddp"] and run["exchange"] and run["global_step"] == 14
+        assert run["own_exchange_group"] and not result["sync"]["own_exchange_group"]  # a group of its own with τ > 0
         assert run["hook_calls"] >= run["global_step"]  # the local-gradient hook ran at every step
         for step, due, in_flight in zip(run["steps"], run["due"], run["in_flight_after_step"]):
             ramp_or_last = step <= 3 or step == 14  # the ramp's syncs (1, 3) and the last step's wait at once

@@ -79,9 +79,9 @@ delay does, and drops those steps; `α > 0` keeps that share of them (and of the
 - **Bytes.** The same, counted in the step that starts the exchange (the flag's and the messages', also when the flag
   turns out set: with a delay they are sent before the flag is known).
 - **Memory.** The fragment's `Δ` row, the `W` messages and its new bf16 residual live for `τ` steps.
-- **NCCL.** The exchange runs in the same process group as the per-step agreed norms. NCCL runs the collectives of
-  one group in order, so there the next step's norm all-reduce waits for the exchange under way: the overlap covers
-  that step's forward and backward, not `τ` whole steps (a second process group would lift this; not done yet).
+- **Process group.** Under DDP the exchanges run in a process group of their own (the same ranks, made at
+  [`OuterSyncState.bind`] on every rank): NCCL runs the collectives of one group in order, and the next steps' norm
+  all-reduce must not queue behind the exchange under way.
 
 ## Bytes per rank (ring model, [`~grpo_hf.compression.traffic`]; `grpo/comm/bytes_sent`)
 
@@ -383,6 +383,7 @@ class OuterSyncState:
         "exchange",
         "process_group",
         "simulated_world_size",
+        "exchange_group",
         # --- bound by bind() ---
         "names",
         "params",
@@ -455,6 +456,7 @@ class OuterSyncState:
         self.ramp, self.dtype, self.exchange = bool(ramp), dtype, bool(exchange)
         self.delay, self.mix = int(delay), float(mix)
         self.process_group = process_group
+        self.exchange_group: dist.ProcessGroup | None = None  # with delay > 0 under DDP: the exchanges' own group
         self.simulated_world_size = 2  # the per-step state's interface; one process exchanges and counts nothing
         self.names: dict[int, str] = {}
         self.params: dict[str, nn.Parameter] = {}
@@ -522,6 +524,11 @@ class OuterSyncState:
         self.kernels = compile_kernels(False)  # a sync every H steps: the eager kernels, the same on every rank
         self.optimizer = optimizer
         self.in_flight = None  # a fresh θ_global: nothing of another binding is under way
+        if self.delay > 0 and self.exchange and self.world_size > 1 and self.exchange_group is None:
+            # The exchanges get a process group of their own (the same ranks, in order): NCCL runs the collectives of
+            # one group in order, and the next steps' norm all-reduce must not queue behind an exchange under way.
+            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+            self.exchange_group = dist.new_group(ranks)
         with torch.no_grad():
             self.global_params = {n: p.detach().to(self.dtype, copy=True) for n, p in self.params.items()}
             keep = self.outer_momentum > 0
@@ -687,7 +694,7 @@ class OuterSyncState:
             if exchange.unsafe:
                 for tensor in (exchange.dense, *exchange.rows):
                     tensor.zero_()
-            comm = exchange.comm = self._collectives()
+            comm = exchange.comm = Collectives(self, group=self.exchange_group)
             flag = self._device_tensor(torch.tensor([int(exchange.unsafe)], dtype=torch.int64))
             exchange.flag = comm.start_all_reduce(flag, op=dist.ReduceOp.MAX)
             self.stats.bytes_sent += allreduce_bytes(_FLAG_BYTES, world_size)
@@ -1042,13 +1049,13 @@ class OuterSyncState:
         """
         if self.in_flight is not None and self.params:
             self._complete(self.in_flight)
-        dropped = ("process_group", "params", "names", "kernels", "optimizer", "layouts", "swapped")
+        dropped = ("process_group", "exchange_group", "params", "names", "kernels", "optimizer", "layouts", "swapped")
         return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in dropped}
 
     def __setstate__(self, state):
         for slot, value in state.items():
             setattr(self, slot, value)
-        self.process_group = self.kernels = self.optimizer = self.swapped = None
+        self.process_group = self.exchange_group = self.kernels = self.optimizer = self.swapped = None
         self.params, self.names, self.layouts = {}, {}, []
 
     def __repr__(self) -> str:
