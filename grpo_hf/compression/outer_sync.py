@@ -133,7 +133,7 @@ DEFAULT_OUTER_LR = 0.7  # provisional, from the prototype (docs/compression.md);
 DEFAULT_OUTER_MOMENTUM = 0.5
 DEFAULT_SYNC_RAMP = True
 DEFAULT_SYNC_DELAY = 0
-DEFAULT_SYNC_MIX = 0.5  # Streaming DiLoCo's α; torchft's `fragment_update_alpha` defaults to 0 (the global weights)
+DEFAULT_SYNC_MIX = 0.5  # α, provisional (not measured on the suite); torchft's `fragment_update_alpha` defaults to 0
 OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SYNC_BITS = (4, 8, 16)  # codes of fixed size; 32 bits and dense tensors go through an fp32 all-reduce
 _FLAG_BYTES = 8
@@ -291,7 +291,7 @@ class _Exchange:
     def __init__(self, fragment: int, started: int, due: int):
         self.fragment, self.started, self.due = fragment, started, due
         self.comm = self.flag = self.dense = self.dense_sum = None
-        self.rows, self.gathers = [], []  # per codec run: its Δ row, and (Started, spec, slots, new residual)
+        self.rows, self.gathers = [], []  # per codec run: its Δ row, and (the Started all-gather, the new residual)
         self.unsafe: bool | None = None
         self.delta: dict[str, torch.Tensor] | None = None
 
@@ -1083,6 +1083,8 @@ def local_gradient_hook(state: OuterSyncState, bucket: dist.GradBucket) -> torch
 __all__ = [
     "DEFAULT_OUTER_LR",
     "DEFAULT_OUTER_MOMENTUM",
+    "DEFAULT_SYNC_DELAY",
+    "DEFAULT_SYNC_MIX",
     "DEFAULT_SYNC_RAMP",
     "OUTER_DTYPES",
     "OUTER_MODE",
@@ -1090,6 +1092,7 @@ __all__ = [
     "fragment_offsets",
     "fragments_due",
     "local_gradient_hook",
+    "merge_with_global",
     "outer_step",
     "pack_fragments",
     "ramp_points",
