@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .compression.fsdp import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES
-from .compression.outer_sync import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_SYNC_RAMP, OUTER_DTYPES
+from .compression.outer_sync import (
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+    DEFAULT_SYNC_DELAY,
+    DEFAULT_SYNC_MIX,
+    DEFAULT_SYNC_RAMP,
+    OUTER_DTYPES,
+)
 from .compression.plan import DEFAULT_MIN_NUMEL
 from .compression.spec import (
     BITS_CHOICES,
@@ -145,6 +152,16 @@ class GRPOConfig(CostFields, TrainingArguments):
             the interval (Streaming DiLoCo). At most `grpo_sync_every`.
         grpo_sync_ramp (`bool`, *optional*, defaults to `True`):
             Sync after steps 1, 3, 7, … (intervals doubling up to `H`) before the first full interval.
+        grpo_sync_delay (`int`, *optional*, defaults to `0`):
+            `τ` (Streaming DiLoCo's overlap, torchft's `fragment_sync_delay`): above 0, a fragment's exchange starts at
+            its sync step and runs while the next `τ` inner steps compute; its outer step is applied `τ` steps later
+            and merged with the local parameters as `grpo_sync_mix` says. `0`: the exchange blocks the step that
+            syncs. Needs `grpo_sync_every > 1` and `τ < grpo_sync_every / grpo_sync_fragments`; the ramp's syncs and
+            the last step's wait at once.
+        grpo_sync_mix (`float`, *optional*, defaults to `0.5`):
+            `α` in `[0, 1]` (torchft's `fragment_update_alpha`), with `grpo_sync_delay > 0`: a fragment's parameters
+            become `(1 − α) θ_global + α θ_local` when its delayed outer step is applied, so the local steps taken
+            while the exchange ran are kept in part. `0` restarts from `θ_global` (those steps are dropped).
         grpo_outer_lr (`float`, *optional*, defaults to `0.7`) and grpo_outer_momentum (`float`, *optional*, defaults
         to `0.5`):
             The outer step (Nesterov momentum). `1` and `0` is plain parameter averaging (accelerate's `LocalSGD`).
@@ -327,6 +344,21 @@ class GRPOConfig(CostFields, TrainingArguments):
             "help": "With grpo_sync_every > 1: sync after steps 1, 3, 7, ... (intervals doubling up to H) first."
         },
     )
+    grpo_sync_delay: int = field(
+        default=DEFAULT_SYNC_DELAY,
+        metadata={
+            "help": "With grpo_sync_every > 1: tau, the inner steps a fragment's exchange runs behind (Streaming DiLoCo's "
+            "overlap); its outer step is applied tau steps after its sync step. 0: the exchange blocks. Below "
+            "grpo_sync_every / grpo_sync_fragments."
+        },
+    )
+    grpo_sync_mix: float = field(
+        default=DEFAULT_SYNC_MIX,
+        metadata={
+            "help": "With grpo_sync_delay > 0: alpha in [0, 1]; a delayed sync sets a fragment to (1 - alpha) "
+            "theta_global + alpha theta_local (0: restart from theta_global, dropping the steps taken meanwhile)."
+        },
+    )
     grpo_outer_lr: float = field(
         default=DEFAULT_OUTER_LR,
         metadata={
@@ -422,10 +454,13 @@ def _check_sync_fields(args) -> None:
         value = getattr(args, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name}={value!r}: use a whole number, 1 or more.")
+    delay = args.grpo_sync_delay
+    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+        raise ConfigError(f"grpo_sync_delay={delay!r}: use a whole number of steps, 0 (no overlap) or more.")
     for name in ("grpo_sync_ramp", "grpo_outer_control"):
         if not isinstance(getattr(args, name), bool):
             raise ConfigError(f"{name}={getattr(args, name)!r}: use true or false.")
-    for name in ("grpo_outer_lr", "grpo_outer_momentum"):
+    for name in ("grpo_outer_lr", "grpo_outer_momentum", "grpo_sync_mix"):
         value = getattr(args, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             raise ConfigError(f"{name}={value!r}: use a number.")
@@ -440,6 +475,22 @@ def _check_sync_fields(args) -> None:
         raise ConfigError(
             f"grpo_sync_fragments={args.grpo_sync_fragments} with grpo_sync_every={every}: each fragment syncs at its "
             "own step of the H steps, so use at most grpo_sync_every fragments."
+        )
+    if not 0 <= args.grpo_sync_mix <= 1:
+        raise ConfigError(
+            f"grpo_sync_mix={args.grpo_sync_mix}: use a value in [0, 1] (0 takes the global model, 1 keeps the local "
+            "parameters, 0.5 weighs them equally)."
+        )
+    if delay > 0 and every <= 1:
+        raise ConfigError(
+            f"grpo_sync_delay={delay} needs grpo_sync_every > 1: it delays the sync every H steps, and "
+            f"grpo_sync_every={every} exchanges the gradients at every step."
+        )
+    if delay > 0 and delay * args.grpo_sync_fragments >= every:
+        raise ConfigError(
+            f"grpo_sync_delay={delay} with grpo_sync_every={every} and grpo_sync_fragments={args.grpo_sync_fragments}: "
+            "a fragment's exchange must end before the next fragment's starts, so use a delay below "
+            f"grpo_sync_every / grpo_sync_fragments = {every / args.grpo_sync_fragments:g}."
         )
     if every == 1:
         if args.grpo_outer_control:

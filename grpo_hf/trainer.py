@@ -241,6 +241,8 @@ class GRPOMixin:
                 ramp=args.grpo_sync_ramp,
                 dtype=OUTER_DTYPES[args.grpo_outer_dtype],
                 exchange=exchange,
+                delay=args.grpo_sync_delay,
+                mix=args.grpo_sync_mix,
             )
         except ValueError as err:
             raise ConfigError(str(err)) from None

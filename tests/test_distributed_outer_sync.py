@@ -100,3 +100,38 @@ def test_accumulation_clipping_schedule_and_ratios_compose(results):
         assert run["due"][:3] == [[0], [1], [2]]  # 3 fragments, each at its own step
         assert run["identical"] and run["bytes_per_step"] == run["expected_bytes"]
     assert results[0]["accum"]["digest"] == results[1]["accum"]["digest"]
+
+
+def test_a_delayed_sync_runs_behind_one_step_and_keeps_the_global_model_identical(results):
+    for result in results:
+        run = result["delay"]
+        assert run["is_ddp"] and run["exchange"] and run["global_step"] == 14
+        assert run["own_exchange_group"] and not result["sync"]["own_exchange_group"]  # a group of its own with τ > 0
+        assert run["hook_calls"] >= run["global_step"]  # the local-gradient hook ran at every step
+        for step, due, in_flight in zip(run["steps"], run["due"], run["in_flight_after_step"]):
+            ramp_or_last = step <= 3 or step == 14  # the ramp's syncs (1, 3) and the last step's wait at once
+            if len(due) == 1 and not ramp_or_last:
+                assert in_flight == [due[0], step + 1], (
+                    f"step {step} did not leave fragment {due[0]}'s exchange running"
+                )
+            else:
+                assert in_flight is None, f"an exchange outlived step {step}"
+        assert all(run["global_identical_after_step"])  # θ_global bit-identical on every rank after every step
+        assert not any(run["identical_after_step"][4:13])  # the merge keeps half of each rank's own parameters
+        assert run["bytes_per_step"] == run["expected_bytes"]  # the same bytes, counted at the step that starts them
+        assert run["totals"]["syncs"] == sum(len(d) for d in run["due"]) and run["totals"]["nonfinite_syncs"] == 0
+        assert run["identical"] and run["global_is_params"] and run["last_sync"] == [14, 14]
+    for key in ("digest", "global_digest", "momentum_digest"):
+        assert results[0]["delay"][key] == results[1]["delay"][key], key
+
+
+def test_resume_with_an_exchange_in_flight_is_bit_identical(results):
+    for result in results:
+        run = result["delay_resume"]
+        straight, resumed = run["straight"], run["resumed"]
+        assert run["saved_in_flight"] == [0, 7]  # checkpoint-6 holds fragment 0's exchange, applied at step 7
+        assert resumed["steps"] == list(range(7, 13))
+        for key in ("digest", "global_digest", "momentum_digest", "optimizer_digest", "residual_digest"):
+            assert resumed[key] == straight[key], key
+        assert resumed["totals"]["syncs"] == straight["totals"]["syncs"]
+        assert resumed["totals"]["bytes_sent"] == straight["totals"]["bytes_sent"]

@@ -15,6 +15,7 @@ from grpo_hf.compression.outer_sync import (
     OuterSyncState,
     fragment_offsets,
     fragments_due,
+    merge_with_global,
     outer_step,
     pack_fragments,
     ramp_points,
@@ -183,6 +184,142 @@ def test_bytes_of_a_step_and_the_peak_are_counted():
     assert stats["grpo/comm/ratio_fp32"] == pytest.approx(4000.0 / 400.0)
 
 
+# --- overlap: the delayed sync (grpo_sync_delay > 0) -------------------------------------------------------------
+
+
+def test_merge_keeps_the_share_mix_of_the_local_parameters():
+    local, global_param = torch.tensor([1.0, 3.0, float("nan")]), torch.tensor([0.0, 1.0, 2.0])
+    assert torch.equal(merge_with_global(local, global_param, 0.0), global_param)  # θ_global exactly, NaN dropped
+    torch.testing.assert_close(merge_with_global(local[:2], global_param[:2], 1.0), local[:2], rtol=0, atol=0)
+    torch.testing.assert_close(merge_with_global(local[:2], global_param[:2], 0.25), torch.tensor([0.25, 1.5]))
+    bf16 = merge_with_global(local[:2].bfloat16(), global_param[:2], 0.5)  # computed in fp32, kept in the local dtype
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, torch.tensor([0.5, 2.0], dtype=torch.bfloat16))
+
+
+def _move(model, amount):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(amount)
+
+
+@pytest.mark.parametrize("mix", [0.0, 0.5])
+def test_a_delayed_sync_applies_the_outer_step_late_toward_the_local_progress(mix):
+    torch.manual_seed(0)
+    model = Tiny()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = _state(model, {}, every=2, ramp=False, outer_lr=1.0, outer_momentum=0.0, exchange=False, delay=1, mix=mix)
+    _move(model, 1.0)
+    state.end_step()  # step 1: nothing due
+    _move(model, 1.0)
+    state.end_step()  # step 2: the exchange starts (Δ = θ_global − θ_local = −2), nothing applied yet
+    assert state.in_flight is not None and state.in_flight.due == 3 and not state.in_sync
+    with state.global_weights():  # θ_global is the one of the last applied outer step
+        assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())
+    _move(model, 1.0)  # the step taken while the exchange runs: local = start + 3
+    state.end_step()  # step 3: outer step θ_global −= 1 · (−2), toward the local progress, then the merge
+    assert state.in_flight is None and state.totals()["syncs"] == 1
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(state.global_params[name], start[name] + 2)  # the sign: moved toward θ_local
+        torch.testing.assert_close(p, start[name] + 2 + mix)  # (1 − α)(start + 2) + α (start + 3)
+    assert state.in_sync == (mix == 0)
+    _move(model, 1.0)
+    state.end_step(last=True)  # step 4, the last: every fragment synced at once, nothing left in flight
+    assert state.in_flight is None and state.in_sync
+    assert all(torch.equal(p, state.global_params[n]) for n, p in model.named_parameters())
+
+
+def test_without_delay_the_sync_blocks_and_restarts_from_the_global_model_whatever_the_mix():
+    """τ=0 is the sync as it was: each due step replays by hand as θ_global's outer step on θ_global − θ_local, then
+    the restart; nothing is left in flight and `mix` is not used (the 2-process bits are checked in
+    tests/test_distributed_outer_sync.py)."""
+    torch.manual_seed(0)
+    model = Tiny()
+    state = _state(model, {}, every=2, ramp=True, outer_lr=0.7, outer_momentum=0.5, exchange=False, delay=0, mix=0.9)
+    replay = {n: p.detach().clone() for n, p in model.named_parameters()}
+    momentum = {n: torch.zeros_like(p) for n, p in replay.items()}
+    generator = torch.Generator().manual_seed(1)
+    for step in range(1, 8):
+        _move(model, torch.randn((), generator=generator).item() * 1e-2)
+        local = {n: p.detach().clone() for n, p in model.named_parameters()}
+        state.end_step(last=step == 7)
+        assert state.in_flight is None
+        if fragments_due(step, 2, 1, True) or step == 7:
+            for name, p in model.named_parameters():
+                outer_step(replay[name], replay[name] - local[name], momentum[name], 0.7, 0.5)
+                assert torch.equal(state.global_params[name], replay[name]) and torch.equal(p, replay[name]), name
+            assert state.in_sync
+
+
+def test_a_late_nonfinite_flag_restarts_the_fragment_from_the_global_model():
+    torch.manual_seed(0)
+    model = Tiny()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = _state(model, {}, every=2, ramp=False, outer_momentum=0.5, exchange=False, delay=1)
+    state.end_step()
+    with torch.no_grad():
+        model.big.weight[0, 0] = float("nan")
+    state.end_step()  # step 2: the exchange starts with a NaN in Δ
+    _move(model, 1.0)
+    state.end_step()  # step 3: the flag is set: restart from θ_global, which did not move; momentum untouched
+    assert state.totals()["nonfinite_syncs"] == 1 and state.in_sync
+    for name, p in model.named_parameters():
+        assert torch.equal(p, start[name]) and torch.equal(state.global_params[name], start[name])
+        assert not state.momentum[name].any()
+
+
+def test_a_checkpoint_during_a_delayed_sync_resumes_bit_for_bit():
+    def run(save_at=None):
+        torch.manual_seed(0)
+        model = Tiny()
+        state = _state(model, {}, every=4, ramp=False, outer_lr=0.7, outer_momentum=0.5, exchange=False, delay=2)
+        generator = torch.Generator().manual_seed(1)
+        for step in range(1, 11):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=generator) * 1e-2)
+            state.end_step(last=step == 10)
+            if step == save_at:
+                saved = state.state_dict()  # step 4 started an exchange: waited for, not applied
+                assert saved["in_flight"]["due"] == 6 and state.in_flight is not None
+                torch.manual_seed(0)
+                model = Tiny()  # the resumed run: a fresh model and state, the same random stream
+                state = _state(model, {}, every=4, ramp=False, outer_lr=0.7, outer_momentum=0.5, exchange=False,
+                               delay=2)  # fmt: skip
+                state.load_state_dict(saved)
+        return model, state
+
+    straight, _ = run()
+    resumed, state = run(save_at=4)
+    assert state.in_sync and state.totals()["syncs"] == 3  # started at 4 and 8, and the last step's
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_delay_settings_the_state_and_the_config_refuse(tmp_path, make_args):
+    names = [["w"], ["v"]]
+    for kwargs, match in [
+        ({"delay": -1}, "delay=-1"),
+        ({"delay": 2}, "below every / fragments"),  # 2 fragments of H=4: τ < 2
+        ({"delay": 1, "mix": 1.5}, "mix=1.5"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            OuterSyncState({"w": None, "v": None}, names, every=4, **kwargs)
+    OuterSyncState({"w": None, "v": None}, names, every=4, delay=1, mix=1.0)
+    for fields, match in [
+        ({"grpo_sync_delay": -1}, "grpo_sync_delay=-1: use a whole number"),
+        ({"grpo_sync_delay": True}, "grpo_sync_delay=True"),
+        ({"grpo_sync_delay": 1, "grpo_sync_every": 1}, "grpo_sync_delay=1 needs grpo_sync_every > 1"),
+        ({"grpo_sync_delay": 2, "grpo_sync_fragments": 2}, r"below grpo_sync_every / grpo_sync_fragments = 2\."),
+        ({"grpo_sync_delay": 4}, "grpo_sync_delay=4 with grpo_sync_every=4"),
+        ({"grpo_sync_mix": -0.1}, r"grpo_sync_mix=-0.1: use a value in \[0, 1\]"),
+        ({"grpo_sync_mix": "0.5"}, "grpo_sync_mix='0.5'"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            make_args(tmp_path, **fields)
+    args = make_args(tmp_path, grpo_sync_delay=1, grpo_sync_ramp=True, grpo_sync_mix=0.0)  # the ramp stays blocking
+    assert (args.grpo_sync_delay, args.grpo_sync_mix) == (1, 0.0)
+
+
 # --- GRPOTrainer ------------------------------------------------------------------------------------------------
 
 VOCAB = 96
@@ -246,16 +383,24 @@ def test_sync_settings_the_trainer_refuses(tmp_path, make_args):
                     train_dataset=token_dataset())  # fmt: skip
 
 
-def test_checkpoint_resume_is_bit_identical_on_one_process(tmp_path, make_args):
+# delay 0: step 5 lies mid-interval (H=4, F=2: fragments at 2, 6, 10 and 4, 8); delay 1: step 6 starts fragment 0's
+# exchange, so checkpoint-6 holds it in flight (completed, applied at step 7)
+@pytest.mark.parametrize("delay, save_steps", [(0, 5), (1, 3)])
+def test_checkpoint_resume_is_bit_identical_on_one_process(tmp_path, make_args, delay, save_steps):
     def run(out, resume=None):
         model = tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64)
-        args = make_args(out, max_steps=10, save_strategy="steps", save_steps=5, grpo_sync_fragments=2)
+        args = make_args(out, max_steps=10, save_strategy="steps", save_steps=save_steps, grpo_sync_fragments=2,
+                         grpo_sync_delay=delay)  # fmt: skip
         trainer = GRPOTrainer(model=model, args=args, train_dataset=token_dataset())
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
     straight = run(tmp_path)
-    resumed = run(tmp_path, resume=str(tmp_path / "out" / "checkpoint-5"))  # step 5: mid-interval (H=4, F=2)
+    checkpoint = tmp_path / "out" / f"checkpoint-{2 * save_steps if delay else save_steps}"
+    saved = torch.load(checkpoint / "grpo_state_rank0.pt", weights_only=True)["comm"]["in_flight"]
+    assert (saved["due"], saved["fragment"]) == (7, 0) if delay else saved is None
+    resumed = run(tmp_path, resume=str(checkpoint))
+    assert resumed.grpo_comm_state.in_sync and resumed.grpo_comm_state.in_flight is None
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
     assert resumed.grpo_comm_state.totals()["syncs"] == straight.grpo_comm_state.totals()["syncs"]

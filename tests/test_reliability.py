@@ -172,8 +172,10 @@ def test_two_rank_allreduce_checkpoint_resumed_by_one_process(faults, tmp_path, 
 
 
 # ~80 s on 2 cores: three process-group starts, one of them a restart
-@pytest.mark.parametrize("sync_every", [1, 3])  # 3: the sync every H steps; checkpoint-4 lies between two syncs
-def test_killed_worker_restarts_and_matches_an_uninterrupted_run(tmp_path, sync_every):
+# 3: the sync every H steps; checkpoint-4 lies between two syncs. With a delay of 1, rank 1 is killed at the save of
+# step 8 while fragment 0's exchange, started at that step, is under way.
+@pytest.mark.parametrize("sync_every, sync_delay", [(1, 0), (3, 0), (3, 1)])
+def test_killed_worker_restarts_and_matches_an_uninterrupted_run(tmp_path, sync_every, sync_delay):
     # The c10d rendezvous with a TCPStore per attempt: with the launcher's shared store (the static default, or c10d's
     # shared store), the restarted ranks sometimes read the killed attempt's gloo addresses and fail to connect
     # (4 runs of 7 here, 1 of 3 with c10d's shared store; pytorch/pytorch#135712). That is how to launch a job that should survive a restart.
@@ -182,7 +184,11 @@ def test_killed_worker_restarts_and_matches_an_uninterrupted_run(tmp_path, sync_
         "killed_worker.py",
         tmp_path,
         torchrun_args=restartable,
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GRPO_TEST_SYNC_EVERY": str(sync_every)},
+        env={
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "GRPO_TEST_SYNC_EVERY": str(sync_every),
+            "GRPO_TEST_SYNC_DELAY": str(sync_delay),
+        },
         timeout=600,
     )
     for result in results:

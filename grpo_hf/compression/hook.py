@@ -93,10 +93,13 @@ _IN_FLIGHT = 2
 
 
 class Collectives:
-    """The collectives of one process group, timed; at world size 1 every call returns its input."""
+    """
+    The collectives of one process group (`state.process_group`, or `group` when given: the same ranks in the same
+    order), timed; at world size 1 every call returns its input.
+    """
 
-    def __init__(self, state: GRPOCommState, world_size: int | None = None, rank: int | None = None):
-        self.group = state.process_group
+    def __init__(self, state: GRPOCommState, world_size: int | None = None, rank: int | None = None, group=None):
+        self.group = state.process_group if group is None else group
         self.world_size = state.world_size if world_size is None else world_size
         self.rank = state.rank if rank is None else rank
         self.stats = state.stats

@@ -46,6 +46,43 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
 6. **Restart.** Every rank copies `θ_global` into its parameters in place (`p.copy_`: never
    `vector_to_parameters`, which would make the parameters views of a reused buffer).
 
+## Overlap (`delay = τ > 0`, Streaming DiLoCo)
+
+Without delay the exchange of step 4 blocks the step that syncs. With `τ > 0` (after the ramp, whose syncs stay
+blocking) a due fragment's exchange is only started at its sync step: `Δ` is taken, the flag's all-reduce, the
+messages' all-gathers and the dense all-reduce are started (`Collectives.start_*`), and the next `τ` inner steps
+compute while they run. After step `s + τ` every rank waits for them, takes the outer step of step 5 on `Δ̄` exactly as
+without delay (same `θ_global`, same momentum), and merges instead of restarting ([`merge_with_global`], torchft's
+`p.lerp_(local, fragment_update_alpha)` on the global weights):
+
+    θ_local ← (1 − α) θ_global + α θ_local          (α = `mix`)
+
+where `θ_local` holds the `τ` local steps taken while the exchange ran. `α = 0` takes `θ_global`, as a sync without
+delay does, and drops those steps; `α > 0` keeps that share of them (and of the local model's distance to the new
+`θ_global`): the late outer step does not throw away the work done meanwhile. The next `Δ` is measured from the new
+`θ_global`, so the sign is DiLoCo's: `Δ = θ_global − θ_local` points away from the local progress and the outer step
+`θ_global −= lr Δ̄` moves toward it.
+
+- **Bits.** The exchange is the same as without delay (the residuals are replaced when it completes, not when it
+  starts), `θ_global` and the momentum are identical on every rank, and each rank's merged parameters are a function
+  of that `θ_global` and its own local ones.
+- **NaN/Inf.** The flag travels with the exchange (a rank whose `Δ` is not safe sends zeros). Set, every rank restarts
+  the fragment from `θ_global` when the exchange is applied, dropping the local steps, those taken while the exchange
+  ran included; `θ_global`, momentum and residuals are unchanged, as without delay.
+- **When it is waited for.** At its due step; earlier when another fragment becomes due (never, with `τ < H / F`), at
+  the last step of training (whose sync of every fragment then blocks, so that training ends on `θ_global` with no
+  exchange in flight), in [`OuterSyncState.finish`], and in [`OuterSyncState.state_dict`], which waits without
+  applying: a checkpoint holds the completed exchange (flag and `Δ̄`), and the outer step and merge happen at the due
+  step in a resumed run as in an uninterrupted one; saving does not change training. `θ_global` is only written
+  when an exchange is applied, on the training thread, so evaluation and `save_model` read the `θ_global` of the
+  last applied outer step.
+- **Bytes.** The same, counted in the step that starts the exchange (the flag's and the messages', also when the flag
+  turns out set: with a delay they are sent before the flag is known).
+- **Memory.** The fragment's `Δ` row, the `W` messages and its new bf16 residual live for `τ` steps.
+- **Process group.** Under DDP the exchanges run in a process group of their own (the same ranks, made at
+  [`OuterSyncState.bind`] on every rank): NCCL runs the collectives of one group in order, and the next steps' norm
+  all-reduce must not queue behind the exchange under way.
+
 ## Bytes per rank (ring model, [`~grpo_hf.compression.traffic`]; `grpo/comm/bytes_sent`)
 
 - Every step: `2 (W − 1) / W × 8 G` for the agreed group norms (`G` groups).
@@ -95,6 +132,8 @@ STATE_VERSION = 1
 DEFAULT_OUTER_LR = 0.7  # provisional, from the prototype (docs/compression.md); chosen on the suite
 DEFAULT_OUTER_MOMENTUM = 0.5
 DEFAULT_SYNC_RAMP = True
+DEFAULT_SYNC_DELAY = 0
+DEFAULT_SYNC_MIX = 0.5  # α, provisional (not measured on the suite); torchft's `fragment_update_alpha` defaults to 0
 OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SYNC_BITS = (4, 8, 16)  # codes of fixed size; 32 bits and dense tensors go through an fp32 all-reduce
 _FLAG_BYTES = 8
@@ -200,6 +239,23 @@ def outer_step(global_param: torch.Tensor, delta: torch.Tensor, momentum: torch.
         global_param.copy_(value)
 
 
+def merge_with_global(local: torch.Tensor, global_param: torch.Tensor, mix: float) -> torch.Tensor:
+    """
+    A fragment's new local parameters after a delayed sync (Streaming DiLoCo's merge): `(1 − mix) θ_global + mix
+    θ_local`, computed in fp32 as `torch.lerp(θ_global, θ_local, mix)` (torchft's `p.lerp_(local, alpha)` on the
+    global weights) and returned in `local`'s dtype. `mix = 0` is `θ_global` exactly (the restart of a sync without
+    delay, whatever `θ_local` holds); `mix = 1` keeps `θ_local`.
+
+    Args:
+        local (`torch.Tensor`): this rank's parameters now, after the steps taken while the exchange ran.
+        global_param (`torch.Tensor`): `θ_global` after the outer step on the averaged pseudo-gradient.
+        mix (`float`): `α` in `[0, 1]`, the share of the local parameters kept.
+    """
+    if mix == 0:
+        return global_param.to(local.dtype, copy=True)
+    return torch.lerp(global_param.float(), local.float(), mix).to(local.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The state
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,6 +276,37 @@ class _Fragment:
                 slots.append((name, offset, numels[name]))
                 offset += -(-numels[name] // spec.block_size) * spec.block_size
             self.runs.append((spec, slots, offset))
+
+
+class _Exchange:
+    """
+    One fragment's exchange under way (`delay > 0`): started after step `started`, applied after step `due`. Until
+    [`OuterSyncState._complete`] it holds the collectives in flight; after it, only `unsafe` (the agreed NaN/Inf flag)
+    and `delta` (parameter name -> the mean `Δ̄`, flat fp32), which is what a checkpoint saves of it.
+    """
+
+    __slots__ = ("fragment", "started", "due", "comm", "flag", "dense", "dense_sum", "rows", "gathers", "unsafe",
+                 "delta")  # fmt: skip
+
+    def __init__(self, fragment: int, started: int, due: int):
+        self.fragment, self.started, self.due = fragment, started, due
+        self.comm = self.flag = self.dense = self.dense_sum = None
+        self.rows, self.gathers = [], []  # per codec run: its Δ row, and (the Started all-gather, the new residual)
+        self.unsafe: bool | None = None
+        self.delta: dict[str, torch.Tensor] | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self.delta is not None
+
+    def state_dict(self) -> dict:
+        return {
+            "fragment": self.fragment,
+            "started": self.started,
+            "due": self.due,
+            "unsafe": self.unsafe,
+            "delta": {name: t.detach().to("cpu", copy=True) for name, t in self.delta.items()},
+        }
 
 
 class OuterSyncState:
@@ -250,6 +337,13 @@ class OuterSyncState:
             rank's own `Δ` and nothing is sent for it (the outer-step-only control).
         process_group (`torch.distributed.ProcessGroup`, *optional*):
             Group to communicate in; the default group when `None`.
+        delay (`int`, *optional*, defaults to `0`):
+            `τ`: with `τ > 0` a fragment's exchange starts at its sync step and runs while the next `τ` inner steps
+            compute; its outer step is applied `τ` steps later and merged with the local parameters (see "Overlap" in
+            the module docstring). Below `every / len(fragments)`; the ramp's syncs and the last step's do not wait.
+        mix (`float`, *optional*, defaults to `0.5`):
+            `α` in `[0, 1]`: after a delayed sync a fragment's parameters become `(1 − α) θ_global + α θ_local`
+            ([`merge_with_global`]); `0` restarts from `θ_global` as a sync without delay does. Unused when `delay=0`.
     """
 
     __slots__ = (
@@ -260,11 +354,14 @@ class OuterSyncState:
         "ramp",
         "plan",
         "fragments",
+        "delay",
+        "mix",
         # --- seldom tuned ---
         "dtype",
         "exchange",
         "process_group",
         "simulated_world_size",
+        "exchange_group",
         # --- bound by bind() ---
         "names",
         "params",
@@ -282,6 +379,7 @@ class OuterSyncState:
         "last_sync",
         "hook_calls",
         "pending",
+        "in_flight",
         # --- per step ---
         "stats",
         "swapped",
@@ -301,11 +399,20 @@ class OuterSyncState:
         dtype: torch.dtype = torch.float32,
         exchange: bool = True,
         process_group: dist.ProcessGroup | None = None,
+        delay: int = DEFAULT_SYNC_DELAY,
+        mix: float = DEFAULT_SYNC_MIX,
     ):
         if every < 1:
             raise ValueError(f"every={every}: use 1 or more steps between syncs.")
         if not fragments or any(not names for names in fragments) or len(fragments) > every:
             raise ValueError(f"{len(fragments)} fragments for every={every}: use 1 to {every} non-empty fragments.")
+        if delay < 0 or (delay > 0 and delay * len(fragments) >= every):
+            raise ValueError(
+                f"delay={delay} with every={every} and {len(fragments)} fragments: use 0, or a delay below every / "
+                "fragments (an exchange must end before the next fragment's starts)."
+            )
+        if not 0 <= mix <= 1:
+            raise ValueError(f"mix={mix}: use a value in [0, 1] (0 takes θ_global, 1 keeps the local parameters).")
         if not outer_lr > 0 or not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_lr={outer_lr}, outer_momentum={outer_momentum}: use lr > 0, 0 <= momentum < 1.")
         if dtype not in OUTER_DTYPES.values():
@@ -324,7 +431,9 @@ class OuterSyncState:
         self.fragments = [list(names) for names in fragments]
         self.every, self.outer_lr, self.outer_momentum = int(every), float(outer_lr), float(outer_momentum)
         self.ramp, self.dtype, self.exchange = bool(ramp), dtype, bool(exchange)
+        self.delay, self.mix = int(delay), float(mix)
         self.process_group = process_group
+        self.exchange_group: dist.ProcessGroup | None = None  # with delay > 0 under DDP: the exchanges' own group
         self.simulated_world_size = 2  # the per-step state's interface; one process exchanges and counts nothing
         self.names: dict[int, str] = {}
         self.params: dict[str, nn.Parameter] = {}
@@ -340,6 +449,7 @@ class OuterSyncState:
         self.last_sync = [0] * len(self.fragments)
         self.hook_calls = 0
         self.pending: dict | None = None  # a checkpoint's state, applied at bind (the Trainer loads its own first)
+        self.in_flight: _Exchange | None = None  # with delay > 0: the fragment exchange under way, or completed
         self.stats = StepStats()
         self.swapped: dict[str, torch.Tensor] | None = None
         # dense_steps and nonfinite_steps stay 0: the keys of the per-step hook's totals
@@ -362,8 +472,11 @@ class OuterSyncState:
 
     @property
     def in_sync(self) -> bool:
-        """Whether the parameters are `θ_global` (no local step since every fragment's last sync)."""
-        return all(last == self.step for last in self.last_sync)
+        """
+        Whether the parameters are `θ_global`: every fragment restarted from it at this step, and no exchange is under
+        way (`last_sync` holds the step at which each fragment last restarted from `θ_global`).
+        """
+        return self.in_flight is None and all(last == self.step for last in self.last_sync)
 
     # --- setup ---
     def bind(self, model: nn.Module, optimizer=None) -> "OuterSyncState":
@@ -392,6 +505,12 @@ class OuterSyncState:
             self.world_size, self.rank = 1, 0
         self.kernels = compile_kernels(False)  # a sync every H steps: the eager kernels, the same on every rank
         self.optimizer = optimizer
+        self.in_flight = None  # a fresh θ_global: nothing of another binding is under way
+        if self.delay > 0 and self.exchange and self.world_size > 1 and self.exchange_group is None:
+            # The exchanges get a process group of their own (the same ranks, in order): NCCL runs the collectives of
+            # one group in order, and the next steps' norm all-reduce must not queue behind an exchange under way.
+            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+            self.exchange_group = dist.new_group(ranks)
         with torch.no_grad():
             self.global_params = {n: p.detach().to(self.dtype, copy=True) for n, p in self.params.items()}
             keep = self.outer_momentum > 0
@@ -401,7 +520,7 @@ class OuterSyncState:
                 self.pending = None
         logger.info(
             "GRPO sync every %d steps: %s, world size %d, %d fragments of %s entries, outer lr %g momentum %g, ramp %s, "
-            "θ_global in %s.",
+            "delay %d (mix %g), θ_global in %s.",
             self.every,
             "exchange" if self.exchange else "no exchange (the outer step only)",
             self.world_size,
@@ -410,6 +529,8 @@ class OuterSyncState:
             self.outer_lr,
             self.outer_momentum,
             "on" if self.ramp else "off",
+            self.delay,
+            self.mix,
             str(self.dtype).replace("torch.", ""),
         )
         return self
@@ -449,6 +570,11 @@ class OuterSyncState:
         """
         Close an optimizer step (call it after `optimizer.step()`): sync the fragments due ([`fragments_due`]; every
         fragment when `last`), count the step. Returns the bytes this rank sent in the step.
+
+        With `delay > 0`, after the ramp and before the last step, a due fragment's exchange is only started (its bytes
+        count in this step) and applied `delay` steps later. The exchange under way is applied first when it is due,
+        when another fragment is due, and at the last step, whose sync then waits at once: no exchange outlives
+        training.
         """
         start = time.perf_counter()
         self.step += 1
@@ -457,7 +583,11 @@ class OuterSyncState:
             due = list(range(len(self.fragments)))
         if not self.exchange and self.world_size > 1:  # the control: DDP all-reduced the gradients in fp32
             self.stats.bytes_sent += allreduce_bytes(4 * sum(self.numels.values()), self.world_size)
-        if due:
+        if self.in_flight is not None and (due or self.in_flight.due <= self.step):
+            self._apply_in_flight()
+        if len(due) == 1 and self.delay > 0 and not last and not self._in_ramp():
+            self.in_flight = self._start_exchange(due[0])
+        elif due:
             self._sync(due)
         self.stats.baseline(sum(self.numels.values()), self.world_size)
         self.stats.hook_ms += (time.perf_counter() - start) * 1000
@@ -466,19 +596,37 @@ class OuterSyncState:
     def finish(self) -> float:
         """
         Sync every fragment that took local steps since its last sync (training stopped before its last step, e.g.
-        by a callback); not an optimizer step. Returns the bytes sent.
+        by a callback), after applying the exchange under way; not an optimizer step. Returns the bytes sent.
         """
         if not self.params or self.in_sync:
             return 0.0
         start = time.perf_counter()
+        if self.in_flight is not None:
+            self._apply_in_flight()
         self._sync([f for f, last in enumerate(self.last_sync) if last != self.step])
         self.stats.hook_ms += (time.perf_counter() - start) * 1000
         return self._close(count_step=False)
+
+    def _in_ramp(self) -> bool:
+        points = ramp_points(self.every) if self.ramp else []
+        return bool(points) and self.step <= points[-1]
 
     def _close(self, count_step: bool) -> float:
         record, self.stats = self.stats, StepStats()
         self.traffic.close_step(record, optimizer_step=count_step)
         return record.bytes_sent
+
+    def _count_sync(self, fragment: _Fragment) -> None:
+        self.stats.kept += fragment.numel
+        self.traffic.count(syncs=1)
+
+    def _warn_nonfinite(self, dropped: str) -> None:
+        self.traffic.count(nonfinite_syncs=1)
+        self._warn_once(
+            "nonfinite",
+            f"GRPO sync at step {self.step}: a rank's model moved to NaN/Inf (or beyond 2**60) since the last sync; "
+            f"every rank restarts the fragment from θ_global ({dropped}).",
+        )
 
     @torch.no_grad()
     def _sync(self, due: list[int]) -> None:
@@ -492,12 +640,7 @@ class OuterSyncState:
                 unsafe = bool(comm.all_reduce(flag, op=dist.ReduceOp.MAX).item())
                 self.stats.bytes_sent += allreduce_bytes(_FLAG_BYTES, world_size)
             if unsafe:
-                self.traffic.count(nonfinite_syncs=1)
-                self._warn_once(
-                    "nonfinite",
-                    f"GRPO sync at step {self.step}: a rank's model moved to NaN/Inf (or beyond 2**60) since the last "
-                    "sync; every rank restarts the fragment from θ_global (its local steps are dropped).",
-                )
+                self._warn_nonfinite("its local steps are dropped")
             else:
                 if world_size > 1:
                     rows = [self._exchange(comm, fragment, run, row) for run, row in zip(fragment.runs, rows)]
@@ -509,9 +652,99 @@ class OuterSyncState:
             del dense, rows
             for name in fragment.names:
                 self.params[name].copy_(self.global_params[name])
-            self.stats.kept += fragment.numel
             self.last_sync[fragment.index] = self.step
-            self.traffic.count(syncs=1)
+            self._count_sync(fragment)
+
+    # --- overlap (delay > 0) ---
+    @torch.no_grad()
+    def _start_exchange(self, index: int) -> _Exchange:
+        """
+        Steps 3-4 of the module docstring for fragment `index`, started and not waited for: `Δ`, then the flag's
+        all-reduce, the messages' all-gathers and the dense all-reduce under way. The residuals stay as they are until
+        [`_complete`]. A `Δ` that is not safe here is sent as zeros (the agreed flag then discards the exchange).
+        """
+        fragment, world_size = self.layouts[index], self.step_world_size
+        exchange = _Exchange(index, self.step, self.step + self.delay)
+        exchange.dense, exchange.rows = self._deltas(fragment)
+        exchange.unsafe = not all_safe([exchange.dense, *exchange.rows])  # this rank's; completed with the agreed one
+        if world_size > 1:
+            if exchange.unsafe:
+                for tensor in (exchange.dense, *exchange.rows):
+                    tensor.zero_()
+            comm = exchange.comm = Collectives(self, group=self.exchange_group)
+            flag = self._device_tensor(torch.tensor([int(exchange.unsafe)], dtype=torch.int64))
+            exchange.flag = comm.start_all_reduce(flag, op=dist.ReduceOp.MAX)
+            self.stats.bytes_sent += allreduce_bytes(_FLAG_BYTES, world_size)
+            exchange.gathers = [
+                self._start_run(comm, fragment, run, row, tag=tag, in_place=False)
+                for tag, (run, row) in enumerate(zip(fragment.runs, exchange.rows))
+            ]  # a tag per run: their send/recv pairs are under way at once
+            if exchange.dense.numel():
+                exchange.dense_sum = comm.start_all_reduce(exchange.dense)
+                self.stats.bytes_sent += allreduce_bytes(4 * exchange.dense.numel(), world_size)
+        self._count_sync(fragment)
+        return exchange
+
+    @torch.no_grad()
+    def _complete(self, exchange: _Exchange) -> None:
+        """
+        Wait for `exchange`'s collectives; keep the agreed flag and the mean `Δ̄` by parameter name, and, unless the
+        flag is set, make the new residuals the fragment's. Nothing else changes: the outer step waits for
+        [`_apply_in_flight`].
+        """
+        if exchange.completed:
+            return
+        fragment, world_size = self.layouts[exchange.fragment], self.step_world_size
+        if exchange.comm is not None:
+            exchange.comm.stats = self.stats  # the time spent waiting counts in the step that waits
+            exchange.unsafe = bool(exchange.flag.wait().item())
+            gathered = [started.wait() for started, _ in exchange.gathers]
+            if exchange.dense_sum is not None:
+                exchange.dense_sum.wait()
+                exchange.dense /= world_size
+            if not exchange.unsafe:
+                for run, row, parts, (_, residual) in zip(fragment.runs, exchange.rows, gathered, exchange.gathers):
+                    spec, slots, _ = run
+                    self.residuals.replace((OUTER_MODE, fragment.index, spec.bits), slots, residual)
+                    self._decode_run(run, row, parts)
+        exchange.delta = self._by_name(fragment, exchange.dense, exchange.rows)
+        exchange.comm = exchange.flag = exchange.dense_sum = exchange.dense = None
+        exchange.rows, exchange.gathers = [], []
+
+    @torch.no_grad()
+    def _apply_in_flight(self) -> None:
+        """
+        Steps 5 and 6 for the exchange under way (completed first when needed): the outer step on `Δ̄`, then the
+        fragment's parameters merged with `θ_global` ([`merge_with_global`]); with the flag set, the restart from
+        `θ_global` instead.
+        """
+        exchange, self.in_flight = self.in_flight, None
+        self._complete(exchange)
+        fragment = self.layouts[exchange.fragment]
+        if exchange.unsafe:
+            self._warn_nonfinite("its local steps, those taken while the exchange ran included, are dropped")
+            for name in fragment.names:
+                self.params[name].copy_(self.global_params[name])
+            self.last_sync[fragment.index] = self.step
+            return
+        for name, delta in exchange.delta.items():
+            self._step_one(name, delta)
+        for name in fragment.names:
+            param = self.params[name]
+            param.copy_(merge_with_global(param.detach(), self.global_params[name], self.mix))
+        if self.mix == 0:  # the parameters are θ_global
+            self.last_sync[fragment.index] = self.step
+
+    def _by_name(self, fragment: _Fragment, dense: torch.Tensor, rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The fragment's flat per-parameter views of its dense tensor and its codec rows."""
+        views, offset = {}, 0
+        for name in fragment.dense:
+            views[name] = dense[offset : offset + self.numels[name]]
+            offset += self.numels[name]
+        for (_, slots, _), row in zip(fragment.runs, rows):
+            for name, start, numel in slots:
+                views[name] = row[start : start + numel]
+        return views
 
     def _deltas(self, fragment: _Fragment) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`Δ = θ_global − θ_local` of the fragment: its dense tensors flat, and one padded fp32 row per codec run."""
@@ -535,10 +768,18 @@ class OuterSyncState:
 
     def _exchange(self, comm: Collectives, fragment: _Fragment, run, row: torch.Tensor) -> torch.Tensor:
         """Encode one run's `Δ` with error feedback, all-gather the messages, decode the `W` of them: the mean `Δ̄`."""
+        started, _ = self._start_run(comm, fragment, run, row, in_place=True)
+        return self._decode_run(run, row, started.wait())
+
+    def _start_run(self, comm: Collectives, fragment: _Fragment, run, row: torch.Tensor, tag: int = 0,
+                   in_place: bool = True):  # fmt: skip
+        """
+        Encode one run's `Δ + residual` into this rank's message and start the all-gather of the `W` messages. Returns
+        the `Started` all-gather and, unless `in_place` (the residual replaced at once), the new residual row.
+        """
         spec, slots, length = run
         world_size, block = comm.world_size, spec.block_size
         nblocks = length // block
-        rows = row.view(nblocks, block)
         writer = BlockMessages(spec)
         size = writer.fixed_nbytes(nblocks)
         gathered = torch.empty(world_size * size, dtype=torch.uint8, device=row.device)
@@ -547,13 +788,24 @@ class OuterSyncState:
         key = (OUTER_MODE, fragment.index, spec.bits)
         residual = self.residuals.row(key, slots, length, row.device).view(nblocks, block)
         _, absmax, new_residual = self.kernels.encode(
-            rows, residual, None, spec.bits, codes_out=codes_view, in_place=True
+            row.view(nblocks, block), residual, None, spec.bits, codes_out=codes_view, in_place=in_place
         )
         absmax_view.copy_(absmax)
         writer.clear_padding(message, nblocks)
-        self.residuals.replace(key, slots, new_residual)
-        parts = comm.all_gather(message, gathered).view(world_size, size)
+        if in_place:
+            self.residuals.replace(key, slots, new_residual)
+            new_residual = None
+        started = comm.start_all_gather(message, gathered, tag=tag)
         self.stats.bytes_sent += allgather_bytes(size, world_size)
+        return started, new_residual
+
+    def _decode_run(self, run, row: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+        """Decode the `W` gathered messages (`[W, size]`, rank order) of one run into `row`: the mean `Δ̄`."""
+        spec, _, length = run
+        block = spec.block_size
+        nblocks, world_size = length // block, parts.shape[0]
+        writer = BlockMessages(spec)
+        rows = row.view(nblocks, block)
         codes, absmaxes = zip(*(writer.unpack(parts[r], nblocks) for r in range(world_size)))
         chunk = max(1, ENCODE_CHUNK // block)  # the eager decode's temporaries: a few chunks, not a few fragments
         for start in range(0, nblocks, chunk):
@@ -649,6 +901,8 @@ class OuterSyncState:
             "outer_momentum": self.outer_momentum,
             "dtype": str(self.dtype).replace("torch.", ""),
             "exchange": self.exchange,
+            "delay": self.delay,
+            "mix": self.mix,
         }
 
     def state_dict(self) -> dict:
@@ -656,11 +910,17 @@ class OuterSyncState:
         What a resumed run needs to continue bit for bit, on cpu: the step, each fragment's last sync, the settings
         and fragments; on rank 0 only `θ_global` and the momentum (the same on every rank); on every rank its own bf16
         residuals, its local parameters and its optimizer's state (the Trainer saves rank 0's only).
+
+        With an exchange under way (`delay > 0`) it is waited for here, not applied: the state holds its agreed flag
+        and mean `Δ̄` (`in_flight`), and the outer step and merge still happen at its due step, in the resumed run as
+        in one that was not interrupted. No collective under way is saved, and saving does not change the training.
         """
 
         def cpu(tensors):
             return {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
 
+        if self.in_flight is not None:
+            self._complete(self.in_flight)  # before the residuals are read: the exchange's new ones are committed
         return {
             "version": STATE_VERSION,
             "mode": OUTER_MODE,
@@ -677,6 +937,7 @@ class OuterSyncState:
             "local": cpu(self.params),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "totals": self.traffic.state_dict(),
+            "in_flight": self.in_flight.state_dict() if self.in_flight is not None else None,
         }
 
     def load_state_dict(self, state_dict: dict | None, shared: dict | None = None) -> None:
@@ -700,7 +961,9 @@ class OuterSyncState:
                 f"the checkpoint's global model and this run's trainable parameters differ (e.g. {other[0]}); resume "
                 "with the same model and adapters as the run that wrote it."
             )
-        self.pending = {"own": state_dict, "shared": shared}
+        same_fragments = state_dict is not None and state_dict["fragments"] == self.fragments
+        self.pending = {"own": state_dict, "shared": shared, "same_fragments": same_fragments}
+        self.in_flight = None
         self.step = int(shared["step"])
         if state_dict is None:  # every rank restarts from θ_global: in sync
             self.last_sync = [self.step] * len(self.fragments)
@@ -725,27 +988,49 @@ class OuterSyncState:
         for name in self.momentum:
             if name in shared["momentum"]:
                 self.momentum[name].copy_(shared["momentum"][name].view_as(self.momentum[name]))
-        source = own["local"] if own is not None else shared["global"]
+        saved = (own if own is not None else shared).get("in_flight")
+        exchange = self._saved_exchange(saved) if saved is not None else None
+        if exchange is not None and not pending.get("same_fragments"):
+            # another world size (every rank restarts from θ_global) or other fragments: its outer step now, no merge
+            if not exchange.unsafe:
+                for name, delta in exchange.delta.items():
+                    self._step_one(name, delta)
+            exchange = None
+        self.in_flight = exchange
+        source = own["local"] if own is not None else None
         for name, p in self.params.items():
-            p.copy_(source[name].view_as(p))
+            p.copy_(source[name].view_as(p) if source is not None else self.global_params[name])
         if own is not None and self.optimizer is not None and own.get("optimizer") is not None:
             self.optimizer.load_state_dict(own["optimizer"])
 
+    def _saved_exchange(self, saved: dict) -> _Exchange:
+        """A completed exchange from [`_Exchange.state_dict`], its `Δ̄` on the parameters' device."""
+        exchange = _Exchange(int(saved["fragment"]), int(saved["started"]), int(saved["due"]))
+        exchange.unsafe = bool(saved["unsafe"])
+        exchange.delta = {name: t.to(self.params[name].device) for name, t in saved["delta"].items()}
+        return exchange
+
     def __getstate__(self):
-        """Pickle without the process group, the parameters, the optimizer and the kernels (bind the copy again)."""
-        dropped = ("process_group", "params", "names", "kernels", "optimizer", "layouts", "swapped")
+        """
+        Pickle without the process group, the parameters, the optimizer and the kernels (bind the copy again); an
+        exchange under way is waited for first (as by [`state_dict`]).
+        """
+        if self.in_flight is not None and self.params:
+            self._complete(self.in_flight)
+        dropped = ("process_group", "exchange_group", "params", "names", "kernels", "optimizer", "layouts", "swapped")
         return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in dropped}
 
     def __setstate__(self, state):
         for slot, value in state.items():
             setattr(self, slot, value)
-        self.process_group = self.kernels = self.optimizer = self.swapped = None
+        self.process_group = self.exchange_group = self.kernels = self.optimizer = self.swapped = None
         self.params, self.names, self.layouts = {}, {}, []
 
     def __repr__(self) -> str:
         return (
             f"OuterSyncState(every={self.every}, fragments={len(self.fragments)}, outer_lr={self.outer_lr}, "
-            f"outer_momentum={self.outer_momentum}, ramp={self.ramp}, exchange={self.exchange}, step={self.step}, "
+            f"outer_momentum={self.outer_momentum}, ramp={self.ramp}, exchange={self.exchange}, delay={self.delay}, "
+            f"mix={self.mix}, step={self.step}, "
             f"world_size={self.world_size})"
         )
 
@@ -766,6 +1051,8 @@ def local_gradient_hook(state: OuterSyncState, bucket: dist.GradBucket) -> torch
 __all__ = [
     "DEFAULT_OUTER_LR",
     "DEFAULT_OUTER_MOMENTUM",
+    "DEFAULT_SYNC_DELAY",
+    "DEFAULT_SYNC_MIX",
     "DEFAULT_SYNC_RAMP",
     "OUTER_DTYPES",
     "OUTER_MODE",
@@ -773,6 +1060,7 @@ __all__ = [
     "fragment_offsets",
     "fragments_due",
     "local_gradient_hook",
+    "merge_with_global",
     "outer_step",
     "pack_fragments",
     "ramp_points",

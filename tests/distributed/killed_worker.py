@@ -38,6 +38,7 @@ SEQ_LEN = 16
 KILL_AT_SAVE = 8
 RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 SYNC_EVERY = int(os.environ.get("GRPO_TEST_SYNC_EVERY", "1"))  # > 1: the sync every H steps, in 2 fragments
+SYNC_DELAY = int(os.environ.get("GRPO_TEST_SYNC_DELAY", "0"))  # > 0: the exchange runs behind (step 8 starts one)
 
 
 class KillDuringSave(TrainerCallback):
@@ -75,6 +76,7 @@ def run(out_dir, name, callbacks=()):
         grpo_lr_scale_warmup_steps=2,
         grpo_sync_every=SYNC_EVERY,
         grpo_sync_fragments=2 if SYNC_EVERY > 1 else 1,
+        grpo_sync_delay=SYNC_DELAY,
     )
     model = tiny_test_llama(seed=0, max_position_embeddings=SEQ_LEN)
     # callbacks passed here run before GRPOCallback (added by GRPOTrainer after the Trainer's own)

@@ -10,6 +10,9 @@ Scenarios, each recording per rank what the pytest side asserts:
 - `localsgd`: one sync at outer lr 1, momentum 0, fp32 Δ against accelerate's `LocalSGD` on the same local models.
 - `control`: `grpo_outer_control`: DDP's all-reduce every step (replicas identical at every step) plus the outer step.
 - `accum`: gradient accumulation, clipping, a cosine schedule and LR ratios, with a sync every 3 steps.
+- `delay`: `sync` with `grpo_sync_delay=1` and `grpo_sync_mix=0.5`: each fragment's exchange runs behind one step;
+  `θ_global` bit-identical on every rank after every step, bytes per step by the formulas (counted at the start).
+- `delay_resume`: `resume` with `grpo_sync_delay=1` and no ramp: checkpoint-6 holds fragment 0's exchange in flight.
 
 Usage: torchrun --nproc_per_node 2 outer_sync_ddp.py OUT_DIR [SCENARIO ...]
 """
@@ -61,7 +64,7 @@ class Replicas(TrainerCallback):
     """After every optimizer step (the sync included): whether the ranks hold identical parameters, and the bytes."""
 
     def __init__(self):
-        self.identical, self.fragments, self.bytes = [], [], []
+        self.identical, self.fragments, self.bytes, self.global_identical, self.in_flight = [], [], [], [], []
         self.state = None
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -76,6 +79,10 @@ class Replicas(TrainerCallback):
             self.fragments.append(
                 [all(same_on_all_ranks(named[n].detach()) for n in names) for names in self.state.fragments]
             )
+            global_params = self.state.global_params
+            self.global_identical.append(all(same_on_all_ranks(global_params[n]) for n in sorted(global_params)))
+            in_flight = self.state.in_flight
+            self.in_flight.append(None if in_flight is None else [in_flight.fragment, in_flight.due])
 
 
 def expected_bytes(state: OuterSyncState, due: list[int], groups: int, world_size: int) -> float:
@@ -112,10 +119,13 @@ def train(args, resume=None):
         "global_step": trainer.state.global_step,
         "hook_calls": state.hook_calls,
         "exchange": state.exchange,
+        "own_exchange_group": state.exchange_group is not None,
         "steps": steps,
         "due": due,
         "identical_after_step": replicas.identical,
         "identical_fragments": replicas.fragments,
+        "global_identical_after_step": replicas.global_identical,
+        "in_flight_after_step": replicas.in_flight,
         "bytes_per_step": replicas.bytes,
         "expected_bytes": [expected_bytes(state, d, len(trainer.grpo_groups), dist.get_world_size()) for d in due],
         "identical": all(same_on_all_ranks(p) for p in params),
@@ -199,12 +209,28 @@ def scenario_accum(out_dir):
     )  # fmt: skip
 
 
+def scenario_delay(out_dir):
+    return train(make_args(out_dir, "delay", grpo_sync_delay=1, grpo_sync_mix=0.5))
+
+
+def scenario_delay_resume(out_dir):
+    args = make_args(out_dir, "delay_resume", max_steps=12, save_strategy="steps", save_steps=6, grpo_sync_delay=1,
+                     grpo_sync_ramp=False)  # fmt: skip
+    straight = train(args)
+    resumed = train(args, resume=os.path.join(args.output_dir, "checkpoint-6"))
+    saved = torch.load(os.path.join(args.output_dir, "checkpoint-6", f"grpo_state_rank{dist.get_rank()}.pt"),
+                       weights_only=True)["comm"]["in_flight"]  # fmt: skip
+    return {"straight": straight, "resumed": resumed, "saved_in_flight": [saved["fragment"], saved["due"]]}
+
+
 SCENARIOS = {
     "localsgd": scenario_localsgd,
     "sync": scenario_sync,
     "resume": scenario_resume,
     "control": scenario_control,
     "accum": scenario_accum,
+    "delay": scenario_delay,
+    "delay_resume": scenario_delay_resume,
 }
 
 
