@@ -15,7 +15,12 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPERS = ("tasks.py", "revision.py", "lr_grid.py")  # modules the scripts import, with no command line of their own
+HELPERS = (
+    "tasks.py",
+    "revision.py",
+    "lr_grid.py",
+    "emulated_link.py",
+)  # modules the scripts import, with no command line of their own
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.name not in HELPERS)
 
 
