@@ -74,7 +74,8 @@ With the environment variable `GRPO_HF_EMULATED_LINK_GBIT` set (e.g. `1`) when t
 [`Collectives`] (this hook's, and the sync every H steps' in `outer_sync.py`) completes no earlier than the link
 would have carried the bytes this rank sends in it ([`EmulatedLink`]); the wait is in `Started.wait()`, so that what
 runs between the start and the wait overlaps with it. `benchmarks/bench_step_cost.py --link_gbit` sets it, and
-delays the baselines' DDP hooks the same way (`benchmarks/emulated_link.py`). Not a training setting.
+delays the baselines' DDP hooks the same way (`benchmarks/emulated_link.py`). Not a training setting. FSDP2's
+compressed reduce-scatter (`fsdp.py`) calls torch's collectives itself and is not emulated, nor are FSDP2's own.
 """
 
 import os
