@@ -100,3 +100,23 @@ def test_delayed_ddp_hook_completes_after_the_link():
     failed.set_exception(RuntimeError("the collective failed"))
     with pytest.raises(RuntimeError, match="the collective failed"):
         future.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_steps_wait_for_the_emulated_link(tmp_path):
+    """Under 2-process DDP, each backward pass lasts at least the bytes the rank sends over the link's speed: DDP's
+    all-reduce behind the benchmarks' wrapper, and GRPO's hook through `Collectives` (~15 s on 2 cores)."""
+    import json
+
+    from testing_utils import ROOT, TESTS, run_torchrun
+
+    env = {hook.LINK_ENV: "0.04", "GRPO_HF_COMPILE_CODEC": "0"}  # 5 MB/s: 0.21 s per step for DDP's 1.05 MB
+    run = run_torchrun(TESTS / "distributed" / "emulated_link_ddp.py", tmp_path, env=env, cwd=ROOT, timeout=240)
+    assert run.returncode == 0, run.logs()
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name in ("ddp", "grpo"):
+            wire_s = result[name]["bytes_per_step"] / result["bytes_per_second"]
+            assert wire_s > 0.02, name
+            assert min(result[name]["seconds"]) >= wire_s, (name, result[name])
