@@ -36,8 +36,9 @@ projection ignores any overlap of communication with the backward pass). Ratios 
 (`GRPO_HF_EMULATED_LINK_GBIT`, see `EmulatedLink` in `grpo_hf/compression/hook.py`; the baselines' DDP hooks are
 delayed by `benchmarks/emulated_link.py`): each collective completes no earlier than its start plus the bytes this
 rank sends in it over the link's speed, and what the step does meanwhile overlaps with it. The table then gains a
-column per speed: the **measured** mean step time (a mean, not a median: a sync every H steps is one slow step in H).
-The projections stay, labelled as such.
+column per speed: the **measured** mean step time (a mean, not a median: a sync every H steps is one slow step in H),
+and the comparison a column per speed: GRPO's measured median step minus the baseline's, with the same bootstrap. The
+projections stay, labelled as such.
 
 A second table sets GRPO's projected step against the plain Trainer's and the fp16 hook's: the difference of the
 medians, with a 95% interval from a two-level bootstrap (launches drawn with replacement, then each drawn launch's
@@ -413,9 +414,12 @@ def comparisons(results: list[dict], baselines=("trainer", "fp16"), draws: int =
     """
     The markdown table of GRPO's projected step minus each baseline's (ms, on the measured step and at each link
     speed), with 95% bootstrap intervals and what they say: `beats` (the interval is below zero), `loses` (above) or
-    `tie`. Seeded: the same results give the same table.
+    `tie`; then, where `--link_gbit` measured both rows under an emulated link, the difference of their measured
+    steps there (medians, the same bootstrap). Seeded: the same results give the same table.
     """
     header = ["model", "GRPO against", "measured step"] + [f"@ {g} Gbit/s" for g in LINKS_GBIT]
+    measured = sorted({gbit for r in results if r["row"] == "grpo" for gbit in r.get("measured_link", {})}, key=float)
+    header += [f"measured @ {gbit} Gbit/s" for gbit in measured]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     by_key = {(r["model"], r["row"]): r for r in results}
     for model in dict.fromkeys(r["model"] for r in results):
@@ -432,10 +436,26 @@ def comparisons(results: list[dict], baselines=("trainer", "fp16"), draws: int =
                 extra = 0.0 if gbit is None else (grpo["bytes_per_step"] - base["bytes_per_step"]) * 8 / (gbit * 1e9)
                 point = grpo["median_step_s"] - base["median_step_s"] + extra
                 low, high = spread[int(0.025 * draws)] + extra, spread[int(0.975 * draws) - 1] + extra
-                verdict = "beats" if high < 0 else "loses" if low > 0 else "tie"
-                cells.append(f"{1e3 * point:+.0f} ms [{1e3 * low:+.0f}, {1e3 * high:+.0f}] {verdict}")
+                cells.append(_difference(point, low, high))
+            for gbit in measured:
+                ours, theirs = grpo.get("measured_link", {}).get(gbit), base.get("measured_link", {}).get(gbit)
+                if ours is None or theirs is None:
+                    cells.append("–")
+                    continue
+                ours, theirs = {**ours, "row": grpo["row"]}, {**theirs, "row": base["row"]}  # (for the untimed steps)
+                rng = random.Random(0)
+                spread = sorted(a - b for a, b in zip(_resampled_medians(ours, rng, draws),
+                                                      _resampled_medians(theirs, rng, draws)))  # fmt: skip
+                point = ours["median_step_s"] - theirs["median_step_s"]
+                cells.append(_difference(point, spread[int(0.025 * draws)], spread[int(0.975 * draws) - 1]))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _difference(point: float, low: float, high: float) -> str:
+    """A difference of step times in ms, its interval and what it says (`beats`, `loses` or `tie`)."""
+    verdict = "beats" if high < 0 else "loses" if low > 0 else "tie"
+    return f"{1e3 * point:+.0f} ms [{1e3 * low:+.0f}, {1e3 * high:+.0f}] {verdict}"
 
 
 def report(results: list[dict]) -> str:

@@ -171,3 +171,19 @@ def test_step_cost_table_adds_measured_links_only_where_measured():
     assert lines[0].endswith("| measured mean s @ 1 Gbit/s | measured mean s @ 10 Gbit/s |")
     assert lines[2].endswith("| 1.500 | 1.050 |") and lines[3].endswith("| – | – |")
     assert [line.rsplit(" | ", 2)[0] + " |" for line in lines[2:]] == table(plain).splitlines()[2:]
+
+
+def test_step_cost_comparisons_add_the_measured_links():
+    """Where both rows were measured under an emulated link, the comparison gains its measured difference."""
+    from benchmarks.bench_step_cost import comparisons
+
+    steady = [[1.00, 1.01, 0.99, 1.00, 1.02, 0.98] * 3] * 3
+    trainer, grpo = _cost_row("m", "trainer", steady, 1e9), _cost_row("m", "grpo", steady, 1e8)
+    plain = comparisons([trainer, grpo], draws=400)
+    slow = [[s + 0.5 for s in launch] for launch in steady]  # the trainer's all-reduce lands on its step
+    trainer["measured_link"] = {"1": _cost_row("m", "trainer", slow, 1e9)}
+    grpo["measured_link"] = {"1": _cost_row("m", "grpo", steady, 1e8)}
+    lines = comparisons([trainer, grpo], draws=400).splitlines()
+    assert lines[0].endswith("| measured @ 1 Gbit/s |")
+    assert lines[2].split(" | ")[-1].startswith("-500 ms") and lines[2].endswith("beats |")
+    assert [line.rsplit(" | ", 1)[0] + " |" for line in lines[2:]] == plain.splitlines()[2:]
