@@ -2,6 +2,8 @@
 
     python -m benchmarks.bench_step_cost --output_dir runs/step_cost                      # tiny Llama and SmolLM2-135M
     python -m benchmarks.bench_step_cost --models tiny-llama --steps 6 --output_dir /tmp/x  # a quick check
+    python -m benchmarks.bench_step_cost --models tiny-llama --rows trainer,grpo,grpo-sync32 --steps 64 \
+        --link_gbit 1,10 --output_dir runs/step_cost_link                                # measured on a slow link
 
 Every row trains the same model on the same data under 2-process gloo DDP (`torchrun`, one thread per process), one
 launch per row and repeat, so that each row's peak memory is its own. The launches go in rounds over the rows
@@ -14,6 +16,11 @@ falls on every row rather than on one:
 - `fp16`, `powersgd-r4`: the plain Trainer with torch's `fp16_compress_hook` / `powerSGD_hook` (rank 4), registered
   as `benchmarks/suite.py` registers them.
 
+On request only (`--rows`), the sync every H steps of issue 35, best measured on a slow link (`--link_gbit`):
+
+- `grpo-sync32`: GRPOTrainer with `grpo_sync_every=32` (the sync blocks the step it falls on);
+- `grpo-sync32-overlap`: the same with `grpo_sync_delay=1`, the sync overlapping the next inner step.
+
 Models: `tiny-llama` (a 10.8M Llama, hidden 352, 4 layers, vocab 8192, trained from scratch on the stdlib corpus,
 batch 16 x 128 tokens) and `smollm2` (SmolLM2-135M, every parameter trained, the suite's `smollm2-full` task).
 
@@ -23,6 +30,14 @@ of GRPO and PowerSGD's start iteration; each launch's own median is kept too), t
 DDP's all-reduce, the hook's own count), and the step time **projected** on a real link: measured step + bytes / link
 speed, at 1, 10 and 100 Gbit/s (loopback transfers are nearly free, so the measured step is almost all compute; the
 projection ignores any overlap of communication with the backward pass). Ratios are to `trainer` of the same model.
+
+`--link_gbit 1,10` measures instead of projecting: every row is launched again per speed under an emulated link
+(`GRPO_HF_EMULATED_LINK_GBIT`, see `EmulatedLink` in `grpo_hf/compression/hook.py`; the baselines' DDP hooks are
+delayed by `benchmarks/emulated_link.py`): each collective completes no earlier than its start plus the bytes this
+rank sends in it over the link's speed, and what the step does meanwhile overlaps with it. The table then gains a
+column per speed: the **measured** mean step time (a mean, not a median: a sync every H steps is one slow step in H),
+and the comparison a column per speed: GRPO's measured median step minus the baseline's, with the same bootstrap. The
+projections stay, labelled as such.
 
 A second table sets GRPO's projected step against the plain Trainer's and the fp16 hook's: the difference of the
 medians, with a 95% interval from a two-level bootstrap (launches drawn with replacement, then each drawn launch's
@@ -44,8 +59,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
+from benchmarks.emulated_link import delayed, delayed_allreduce  # noqa: E402
 from benchmarks.revision import commit  # noqa: E402
-from benchmarks.suite import POWERSGD_START, parse_row, torch_hook_trainer  # noqa: E402
+from benchmarks.suite import POWERSGD_START, _torch_hook_bytes, parse_row, torch_hook_trainer  # noqa: E402
 from benchmarks.tasks import TASKS, Task, build_model, prepare  # noqa: E402
 
 
@@ -56,7 +72,14 @@ MODELS = {
     ),
     "smollm2": TASKS["smollm2-full"],
 }  # fmt: skip
-ROWS = ("trainer", "grpo", "grpo-none", "fp16", "powersgd-r4")
+ROWS = ("trainer", "grpo", "grpo-none", "fp16", "powersgd-r4")  # the default set
+GRPO_ROWS = {  # the GRPOConfig fields of each GRPOTrainer row
+    "grpo": {},
+    "grpo-none": {"grpo_compression": "none"},
+    "grpo-sync32": {"grpo_sync_every": 32},
+    "grpo-sync32-overlap": {"grpo_sync_every": 32, "grpo_sync_delay": 1},
+}
+ALL_ROWS = (*ROWS, "grpo-sync32", "grpo-sync32-overlap")
 LINKS_GBIT = (1, 10, 100)
 BOOTSTRAP_DRAWS = 2000
 GRPO_WARMUP = 3  # GRPOConfig's 2 dense steps, then the first compressed one (it compiles the codec if needed)
@@ -66,7 +89,10 @@ GRPO_WARMUP = 3  # GRPOConfig's 2 dense steps, then the first compressed one (it
 class CostArguments:
     output_dir: str = field(metadata={"help": "Where step_cost.json / step_cost.md (and the tokenized data) go."})
     models: str = field(default="tiny-llama,smollm2", metadata={"help": f"Comma-separated: {', '.join(MODELS)}."})
-    rows: str = field(default=",".join(ROWS), metadata={"help": f"Comma-separated rows: {', '.join(ROWS)}."})
+    rows: str = field(
+        default=",".join(ROWS),
+        metadata={"help": f"Comma-separated rows: {', '.join(ALL_ROWS)} (default: the first 5)."},
+    )
     steps: int = field(default=20, metadata={"help": "Timed optimizer steps per launch (after the untimed ones)."})
     repeats: int = field(
         default=2, metadata={"help": "Launches per row, in rounds over the rows; their timed steps are pooled."}
@@ -74,6 +100,13 @@ class CostArguments:
     timeout: int = field(default=3600, metadata={"help": "Seconds before a row's launch is killed."})
     resume: bool = field(
         default=False, metadata={"help": "Keep each launch whose result exists for the same job at the same commit."}
+    )
+    link_gbit: str = field(
+        default="",
+        metadata={
+            "help": "Comma-separated link speeds in Gbit/s (e.g. 1,10): launch every row again under an emulated link "
+            "of each speed and record its measured step time beside the projection. Empty: loopback only."
+        },
     )
 
 
@@ -99,10 +132,16 @@ def worker(job_path: str) -> None:
     from transformers import TrainerCallback, TrainingArguments
 
     from grpo_hf import GRPOConfig, GRPOTrainer
+    from grpo_hf.compression import hook as grpo_hook
     from grpo_hf.compression.traffic import dense_allreduce_bytes
 
     job = json.loads(Path(job_path).read_text())
     task, row, world_size = MODELS[job["model"]], job["row"], int(os.environ["WORLD_SIZE"])
+    link, link_gbit = grpo_hook.EMULATED_LINK, job.get("link_gbit")
+    if (link is None) != (link_gbit is None) or (link is not None and link.gbit != link_gbit):
+        raise RuntimeError(
+            f"the job asks for a link of {link_gbit} Gbit/s, {grpo_hook.LINK_ENV} for {link and link.gbit}."
+        )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # Accelerate takes it over
     model = build_model(task, job["info"], seed=0)
@@ -120,12 +159,17 @@ def worker(job_path: str) -> None:
     )
     kwargs = dict(model=model, train_dataset=load_from_disk(job["info"]["train_path"]))
     hook_bytes = {"bytes": 0.0, "seconds": 0.0}
-    if row.startswith("grpo"):
-        extra = {"grpo_compression": "none"} if row == "grpo-none" else {}
-        trainer = GRPOTrainer(args=GRPOConfig(**common, **extra), **kwargs)
+    if row in GRPO_ROWS:
+        trainer = GRPOTrainer(args=GRPOConfig(**common, **GRPO_ROWS[row]), **kwargs)
     else:
-        trainer = torch_hook_trainer(parse_row("comm", row) if row != "trainer" else {"kind": "trainer"},
-                                     TrainingArguments(**common), world_size, hook_bytes, **kwargs)  # fmt: skip
+        kind = parse_row("comm", row) if row != "trainer" else {"kind": "trainer"}
+        trainer = torch_hook_trainer(kind, TrainingArguments(**common), world_size, hook_bytes, **kwargs)
+        if link is not None and trainer.comm_hook is not None:  # torch's fp16 / PowerSGD hook behind the link
+            trainer.comm_hook = delayed(
+                trainer.comm_hook,
+                lambda state, bucket: _torch_hook_bytes(kind["kind"], state, bucket, world_size),
+                link,
+            )
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     comm_state = getattr(trainer, "grpo_comm_state", None)
     steps = []
@@ -146,7 +190,20 @@ def worker(job_path: str) -> None:
         def on_step_end(self, args, state, control, **kw):
             steps.append({"step_s": time.perf_counter() - self.start, "bytes": sent() - self.before})
 
+    class LinkUnderDDP(TrainerCallback):
+        """DDP's own all-reduce behind the emulated link: registered on the DDP model before the first backward."""
+
+        def __init__(self, trainer):
+            self.trainer = trainer
+
+        def on_step_begin(self, args, state, control, **kw):
+            if self.trainer is not None:  # the DDP model exists from the first step on
+                self.trainer.model_wrapped.register_comm_hook(None, delayed_allreduce(world_size, link))
+                self.trainer = None
+
     trainer.add_callback(StepRecorder())
+    if link is not None and dense:
+        trainer.add_callback(LinkUnderDDP(trainer))
     trainer.train()
     assert isinstance(trainer.model_wrapped, DistributedDataParallel), "the run did not use DDP"
     if dense:  # the plain all-reduce: every step sends the dense fp32 gradients
@@ -164,15 +221,18 @@ def worker(job_path: str) -> None:
             "trainable_params": numel,
             "steps": len(timed),
             "median_step_s": statistics.median(s["step_s"] for s in timed),
+            "mean_step_s": statistics.fmean(s["step_s"] for s in timed),
             "bytes_per_step": statistics.median(s["bytes"] for s in timed),
             "peak_rss_mib_by_rank": peak,
             "per_step": steps,
         }
+        if link_gbit is not None:
+            result["link_gbit"] = link_gbit
         if comm_state is not None:
             result["grpo_codec"] = "compiled" if comm_state.kernels.compiled else "eager"
             result["grpo_totals"] = comm_state.totals()
             result["grpo_memory_bytes"] = comm_state.memory_bytes()
-            result["grpo_compile_s"] = comm_state.compile_seconds
+            result["grpo_compile_s"] = getattr(comm_state, "compile_seconds", 0.0)  # (the sync's kernels: eager)
         Path(job["result_path"]).write_text(json.dumps(result, indent=1))
     trainer.accelerator.free_memory()  # then destroy the group: gloo runs otherwise abort at exit now and then
     del trainer
@@ -188,53 +248,102 @@ def worker(job_path: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def link_speeds(text: str) -> list[float]:
+    """`--link_gbit`: `"1,10"` -> `[1.0, 10.0]`; empty -> `[]`."""
+    speeds = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            speed = float(item)
+        except ValueError:
+            speed = 0.0
+        if not speed > 0 or speed in speeds:
+            raise SystemExit(f"--link_gbit {text!r}: use distinct speeds in Gbit/s above 0, e.g. 1,10.")
+        speeds.append(speed)
+    return speeds
+
+
+def check_rows(rows: list[str]) -> None:
+    """Refuse an unknown row before anything runs."""
+    unknown = [row for row in rows if row not in ALL_ROWS]
+    if unknown:
+        raise SystemExit(f"unknown row {unknown[0]!r}: use {', '.join(ALL_ROWS)}.")
+
+
+def _link_name(gbit: float | None) -> str:
+    return "" if gbit is None else f"-link{gbit:g}"
+
+
 def run_rows(args: CostArguments) -> list[dict]:
+    """
+    Every launch, in rounds (per repeat: each link, loopback first, then each row), and the pooled rows; a row measured
+    under emulated links holds them in `measured_link` (`{"<gbit>": pooled launches}`).
+    """
+    from grpo_hf.compression.hook import LINK_ENV
     from tests.testing_utils import run_torchrun
 
     if args.repeats < 1:
         raise SystemExit(f"--repeats {args.repeats}: use 1 or more.")
     out = Path(args.output_dir)
-    rows = args.rows.split(",")
-    unknown = [row for row in rows if row not in ROWS]
-    if unknown:
-        raise SystemExit(f"unknown row {unknown[0]!r}: use {', '.join(ROWS)}.")
+    rows, links = args.rows.split(","), [None, *link_speeds(args.link_gbit)]
+    check_rows(rows)
     results, revision = [], commit()
     for model in args.models.split(","):
         if model not in MODELS:
             raise SystemExit(f"unknown model {model!r}: use {', '.join(MODELS)}.")
         info = prepare(MODELS[model], out / "data", world_size=2)
-        launches = {row: [] for row in rows}
+        launches = {(row, gbit): [] for row in rows for gbit in links}
         for repeat in range(args.repeats):
-            for row in rows:
-                name = f"{model}-{row}-{repeat}"
-                job_path, result_path = out / f"{name}.job.json", out / f"{name}.json"
-                job = {"model": model, "row": row, "steps": args.steps, "info": info, "output_dir": str(out),
-                       "result_path": str(result_path), "commit": revision}  # fmt: skip
-                if args.resume and result_path.exists():
-                    kept = json.loads(result_path.read_text())
-                    if kept.get("job") == job and revision is not None and not revision.endswith("+"):
-                        launches[row].append(kept)
-                        print(f"{model:<10} {row:<12} {kept['median_step_s']:.3f} s/step (kept)", flush=True)
-                        continue
-                result_path.unlink(missing_ok=True)
-                job_path.write_text(json.dumps(job))
-                run = run_torchrun(HERE / "bench_step_cost.py", nproc=2, timeout=args.timeout,
-                                   env={"GRPO_COST_JOB": str(job_path)}, log_path=job_path.with_suffix(".log"))  # fmt: skip
-                if run.returncode != 0 or not result_path.exists():
-                    raise SystemExit(f"{name} failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
-                launches[row].append(json.loads(result_path.read_text()))
-                print(f"{model:<10} {row:<12} {launches[row][-1]['median_step_s']:.3f} s/step", flush=True)
-        results += [pooled(launches[row]) for row in rows]
+            for gbit in links:
+                for row in rows:
+                    name = f"{model}-{row}-{repeat}{_link_name(gbit)}"
+                    job_path, result_path = out / f"{name}.job.json", out / f"{name}.json"
+                    job = {"model": model, "row": row, "steps": args.steps, "info": info, "output_dir": str(out),
+                           "result_path": str(result_path), "commit": revision}  # fmt: skip
+                    if gbit is not None:
+                        job["link_gbit"] = gbit
+                    label = f"{model:<10} {row:<20} {'loopback' if gbit is None else f'{gbit:g} Gbit/s':<12}"
+                    if args.resume and result_path.exists():
+                        kept = json.loads(result_path.read_text())
+                        if kept.get("job") == job and revision is not None and not revision.endswith("+"):
+                            launches[row, gbit].append(kept)
+                            print(f"{label} {kept['median_step_s']:.3f} s/step (kept)", flush=True)
+                            continue
+                    result_path.unlink(missing_ok=True)
+                    job_path.write_text(json.dumps(job))
+                    env = {"GRPO_COST_JOB": str(job_path), LINK_ENV: "" if gbit is None else str(gbit)}
+                    run = run_torchrun(HERE / "bench_step_cost.py", nproc=2, timeout=args.timeout, env=env,
+                                       log_path=job_path.with_suffix(".log"))  # fmt: skip
+                    if run.returncode != 0 or not result_path.exists():
+                        raise SystemExit(
+                            f"{name} failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+                        )
+                    launches[row, gbit].append(json.loads(result_path.read_text()))
+                    print(f"{label} {launches[row, gbit][-1]['median_step_s']:.3f} s/step", flush=True)
+        for row in rows:
+            result = pooled(launches[row, None])
+            if len(links) > 1:
+                result["measured_link"] = {
+                    f"{gbit:g}": _link_figures(pooled(launches[row, gbit])) for gbit in links[1:]
+                }
+            results.append(result)
     return results
 
 
+def _link_figures(row: dict) -> dict:
+    """What a row keeps of its launches under one emulated link."""
+    kept = ("launches", "median_step_s", "mean_step_s", "median_step_s_by_launch", "bytes_per_step",
+            "peak_rss_mib_by_rank", "per_step")  # fmt: skip
+    return {key: row[key] for key in kept}
+
+
 def pooled(launches: list[dict]) -> dict:
-    """One row from its launches: timed steps pooled for the median, the largest peak RSS of each rank."""
+    """One row from its launches: timed steps pooled for the median and mean, the largest peak RSS of each rank."""
     timed = [s for launch in launches for s in launch["per_step"][_skipped(launch["row"]) :]]
     return {
         **{key: value for key, value in launches[0].items() if key != "job"},  # (its paths are this machine's)
         "launches": len(launches),
         "median_step_s": statistics.median(s["step_s"] for s in timed),
+        "mean_step_s": statistics.fmean(s["step_s"] for s in timed),
         "median_step_s_by_launch": [launch["median_step_s"] for launch in launches],
         "bytes_per_step": statistics.median(s["bytes"] for s in timed),
         "peak_rss_mib_by_rank": [
@@ -246,10 +355,15 @@ def pooled(launches: list[dict]) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    """The markdown table of the rows, with ratios to the plain Trainer of the same model."""
+    """
+    The markdown table of the rows, with ratios to the plain Trainer of the same model; the step projected on each
+    link of `LINKS_GBIT`, then, where `--link_gbit` measured it, the mean step under each emulated link.
+    """
     header = ["model", "row", "params", "step s", "launches' step s", "× trainer", "peak RSS MiB", "× trainer",
               "MB sent/step"]  # fmt: skip
     header += [f"projected s @ {g} Gbit/s" for g in LINKS_GBIT]
+    measured = sorted({gbit for r in results for gbit in r.get("measured_link", {})}, key=float)
+    header += [f"measured mean s @ {gbit} Gbit/s" for gbit in measured]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     plain = {r["model"]: r for r in results if r["row"] == "trainer"}
     for r in results:
@@ -261,6 +375,8 @@ def table(results: list[dict]) -> str:
         by_launch = ", ".join(f"{s:.2f}" for s in r.get("median_step_s_by_launch", [r["median_step_s"]]))
         cells = [r["model"], r["row"], f"{r['trainable_params'] / 1e6:.1f}M", f"{r['median_step_s']:.3f}", by_launch,
                  step_ratio, f"{rss:.0f}", rss_ratio, f"{r['bytes_per_step'] / 1e6:.2f}", *projected]  # fmt: skip
+        links = r.get("measured_link", {})
+        cells += [f"{links[gbit]['mean_step_s']:.3f}" if gbit in links else "–" for gbit in measured]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -285,9 +401,12 @@ def comparisons(results: list[dict], baselines=("trainer", "fp16"), draws: int =
     """
     The markdown table of GRPO's projected step minus each baseline's (ms, on the measured step and at each link
     speed), with 95% bootstrap intervals and what they say: `beats` (the interval is below zero), `loses` (above) or
-    `tie`. Seeded: the same results give the same table.
+    `tie`; then, where `--link_gbit` measured both rows under an emulated link, the difference of their measured
+    steps there (medians, the same bootstrap). Seeded: the same results give the same table.
     """
     header = ["model", "GRPO against", "measured step"] + [f"@ {g} Gbit/s" for g in LINKS_GBIT]
+    measured = sorted({gbit for r in results if r["row"] == "grpo" for gbit in r.get("measured_link", {})}, key=float)
+    header += [f"measured @ {gbit} Gbit/s" for gbit in measured]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     by_key = {(r["model"], r["row"]): r for r in results}
     for model in dict.fromkeys(r["model"] for r in results):
@@ -304,10 +423,26 @@ def comparisons(results: list[dict], baselines=("trainer", "fp16"), draws: int =
                 extra = 0.0 if gbit is None else (grpo["bytes_per_step"] - base["bytes_per_step"]) * 8 / (gbit * 1e9)
                 point = grpo["median_step_s"] - base["median_step_s"] + extra
                 low, high = spread[int(0.025 * draws)] + extra, spread[int(0.975 * draws) - 1] + extra
-                verdict = "beats" if high < 0 else "loses" if low > 0 else "tie"
-                cells.append(f"{1e3 * point:+.0f} ms [{1e3 * low:+.0f}, {1e3 * high:+.0f}] {verdict}")
+                cells.append(_difference(point, low, high))
+            for gbit in measured:
+                ours, theirs = grpo.get("measured_link", {}).get(gbit), base.get("measured_link", {}).get(gbit)
+                if ours is None or theirs is None:
+                    cells.append("–")
+                    continue
+                ours, theirs = {**ours, "row": grpo["row"]}, {**theirs, "row": base["row"]}  # (for the untimed steps)
+                rng = random.Random(0)
+                spread = sorted(a - b for a, b in zip(_resampled_medians(ours, rng, draws),
+                                                      _resampled_medians(theirs, rng, draws)))  # fmt: skip
+                point = ours["median_step_s"] - theirs["median_step_s"]
+                cells.append(_difference(point, spread[int(0.025 * draws)], spread[int(0.975 * draws) - 1]))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _difference(point: float, low: float, high: float) -> str:
+    """A difference of step times in ms, its interval and what it says (`beats`, `loses` or `tie`)."""
+    verdict = "beats" if high < 0 else "loses" if low > 0 else "tie"
+    return f"{1e3 * point:+.0f} ms [{1e3 * low:+.0f}, {1e3 * high:+.0f}] {verdict}"
 
 
 def report(results: list[dict]) -> str:
@@ -330,11 +465,19 @@ def main():
         f"step + bytes sent / link speed (a projection, not a measurement); load average at the end {load[0]:.2f} "
         f"{load[1]:.2f} {load[2]:.2f}"
     )
+    speeds = link_speeds(args.link_gbit)
+    if speeds:
+        note += (
+            f"; measured mean s = the mean of the timed steps of {args.repeats} more launches per row and speed under an "
+            "emulated link (each collective completes no earlier than its start + bytes sent / link speed)"
+        )
     text = f"{note}\n\n{report(results)}\n"
     print("\n" + text)
     (out / "step_cost.md").write_text(text)
     summary = {"command": "python -m benchmarks.bench_step_cost " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
                "note": note, "links_gbit": list(LINKS_GBIT), "load_average": list(load), "rows": results}  # fmt: skip
+    if speeds:
+        summary["measured_links_gbit"] = speeds
     (out / "step_cost.json").write_text(json.dumps(summary, indent=1))
 
 

@@ -15,7 +15,12 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPERS = ("tasks.py", "revision.py", "lr_grid.py")  # modules the scripts import, with no command line of their own
+HELPERS = (
+    "tasks.py",
+    "revision.py",
+    "lr_grid.py",
+    "emulated_link.py",
+)  # modules the scripts import, with no command line of their own
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.name not in HELPERS)
 
 
@@ -147,3 +152,38 @@ def test_hook_speed_buckets_are_ddps():
     assert [b.is_last() for b in split] == [False, False, True] and [b.index() for b in split] == [0, 1, 2]
     assert torch.equal(split[1].buffer(), torch.cat(grads[1:3]))
     assert len(buckets(params, grads, bucket_mb=0)) == 1
+
+
+def test_step_cost_table_adds_measured_links_only_where_measured():
+    """`--link_gbit`: a measured mean step per emulated link beside the projections; results without it render as
+    before (the committed ones: `python -m benchmarks.tables --check`)."""
+    from benchmarks.bench_step_cost import table
+
+    def row(name: str, step_s: float) -> dict:
+        return {"model": "m", "row": name, "trainable_params": 1e6, "median_step_s": step_s, "bytes_per_step": 1e6,
+                "peak_rss_mib_by_rank": [100.0, 100.0]}  # fmt: skip
+
+    plain = [row("trainer", 1.0), row("grpo", 1.1)]
+    assert "measured" not in table(plain)
+    measured = [row("trainer", 1.0), row("grpo", 1.1)]
+    measured[0]["measured_link"] = {"1": {"mean_step_s": 1.5}, "10": {"mean_step_s": 1.05}}
+    lines = table(measured).splitlines()
+    assert lines[0].endswith("| measured mean s @ 1 Gbit/s | measured mean s @ 10 Gbit/s |")
+    assert lines[2].endswith("| 1.500 | 1.050 |") and lines[3].endswith("| – | – |")
+    assert [line.rsplit(" | ", 2)[0] + " |" for line in lines[2:]] == table(plain).splitlines()[2:]
+
+
+def test_step_cost_comparisons_add_the_measured_links():
+    """Where both rows were measured under an emulated link, the comparison gains its measured difference."""
+    from benchmarks.bench_step_cost import comparisons
+
+    steady = [[1.00, 1.01, 0.99, 1.00, 1.02, 0.98] * 3] * 3
+    trainer, grpo = _cost_row("m", "trainer", steady, 1e9), _cost_row("m", "grpo", steady, 1e8)
+    plain = comparisons([trainer, grpo], draws=400)
+    slow = [[s + 0.5 for s in launch] for launch in steady]  # the trainer's all-reduce lands on its step
+    trainer["measured_link"] = {"1": _cost_row("m", "trainer", slow, 1e9)}
+    grpo["measured_link"] = {"1": _cost_row("m", "grpo", steady, 1e8)}
+    lines = comparisons([trainer, grpo], draws=400).splitlines()
+    assert lines[0].endswith("| measured @ 1 Gbit/s |")
+    assert lines[2].split(" | ")[-1].startswith("-500 ms") and lines[2].endswith("beats |")
+    assert [line.rsplit(" | ", 1)[0] + " |" for line in lines[2:]] == plain.splitlines()[2:]
