@@ -119,10 +119,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .codec import ENCODE_CHUNK, BlockMessages, all_safe, compile_kernels
-from .hook import Collectives
+from .hook import Collectives, from_owners, reduce_owned, to_owners
+from .layout import Run
 from .spec import CodecSpec
 from .state import RESIDUAL_DTYPE, RowStore
-from .traffic import StepStats, TrafficStats, allgather_bytes, allreduce_bytes
+from .traffic import StepStats, TrafficStats, allgather_bytes, allreduce_bytes, owner_reduction_bytes
 
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,9 @@ DEFAULT_SYNC_RAMP = True
 DEFAULT_SYNC_DELAY = 0
 DEFAULT_SYNC_MIX = 0.5  # α, provisional (not measured on the suite); torchft's `fragment_update_alpha` defaults to 0
 OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# From this many ranks a blocking sync's codes go through owners (the per-step hook's `allreduce` mode); at 2 the owners'
+# reduce-scatter and all-gather send the bytes of the all-gather, and would quantize `Δ̄` twice.
+OWNER_MIN_WORLD_SIZE = 3
 SYNC_BITS = (4, 8, 16)  # codes of fixed size; 32 bits and dense tensors go through an fp32 all-reduce
 _FLAG_BYTES = 8
 
@@ -269,6 +273,7 @@ class _Fragment:
         self.numel = sum(numels[name] for name in names)
         self.dense = [name for name in names if plan.get(name) is None]
         self.runs = []  # (spec, slots [(name, offset, numel)], length)
+        self.owners: dict[int, Run] = {}  # bits -> the run's row as a layout `Run`: who owns which blocks
         for bits in sorted({plan[name].bits for name in names if plan.get(name) is not None}):
             members = [name for name in names if plan.get(name) is not None and plan[name].bits == bits]
             spec, slots, offset = plan[members[0]], [], 0
@@ -276,6 +281,11 @@ class _Fragment:
                 slots.append((name, offset, numels[name]))
                 offset += -(-numels[name] // spec.block_size) * spec.block_size
             self.runs.append((spec, slots, offset))
+            # The row is the buffer of a run of the per-step hook (each tensor block-aligned, in place): its tensors'
+            # blocks are cut into owners' chunks exactly as the hook's `allreduce` mode cuts a bucket's.
+            offsets, sizes = tuple(o for _, o, _ in slots), tuple(n for _, _, n in slots)
+            self.owners[bits] = Run(spec, tuple(members), sizes, tuple(range(len(members))), offsets, offsets, offset,
+                                    True, tuple(zip(range(len(members)), offsets, sizes)))  # fmt: skip
 
 
 class _Exchange:
@@ -375,6 +385,7 @@ class OuterSyncState:
         "global_params",
         "momentum",
         "residuals",
+        "owner_residuals",
         "step",
         "last_sync",
         "hook_calls",
@@ -445,6 +456,7 @@ class OuterSyncState:
         self.global_params: dict[str, torch.Tensor] = {}
         self.momentum: dict[str, torch.Tensor] = {}
         self.residuals = RowStore(RESIDUAL_DTYPE)
+        self.owner_residuals = RowStore(RESIDUAL_DTYPE)  # from OWNER_MIN_WORLD_SIZE ranks: of the blocks it owns
         self.step = 0
         self.last_sync = [0] * len(self.fragments)
         self.hook_calls = 0
@@ -767,9 +779,88 @@ class OuterSyncState:
         return dense, rows
 
     def _exchange(self, comm: Collectives, fragment: _Fragment, run, row: torch.Tensor) -> torch.Tensor:
-        """Encode one run's `Δ` with error feedback, all-gather the messages, decode the `W` of them: the mean `Δ̄`."""
+        """
+        Encode one run's `Δ` with error feedback and exchange it: the mean `Δ̄`, in `row`. Below
+        `OWNER_MIN_WORLD_SIZE` ranks every rank's message is all-gathered and decoded; from it the owners reduce
+        ([`_owner_exchange`]).
+        """
+        if comm.world_size >= OWNER_MIN_WORLD_SIZE:
+            return self._owner_exchange(comm, fragment, run, row)
         started, _ = self._start_run(comm, fragment, run, row, in_place=True)
         return self._decode_run(run, row, started.wait())
+
+    # --- owner reduction (OWNER_MIN_WORLD_SIZE ranks and more; blocking syncs) ---
+    def _owner_exchange(self, comm: Collectives, fragment: _Fragment, run, row: torch.Tensor) -> torch.Tensor:
+        """
+        Step 4 with owners (the per-step hook's `allreduce` mode): this rank's codes of each owner's blocks go to
+        their owner (all-to-all); each owner averages the `W` contributions and compresses the mean again with its
+        own residual; the owners' messages are all-gathered and every rank decodes them, in owner order, into `row`.
+        """
+        world_size, rank = comm.world_size, comm.rank
+        send, sizes = self._to_owners(fragment, run, row, world_size)
+        received = comm.all_to_all(send, sizes, [sizes[rank]] * world_size)
+        longest = max(sizes)
+        payload = torch.zeros(longest, dtype=torch.uint8, device=row.device)
+        contributions = list(received.view(world_size, sizes[rank])) if sizes[rank] else []
+        self._reduce_owned(fragment, run, contributions, world_size, rank, payload[: sizes[rank]])
+        gathered = comm.all_gather(payload)
+        self.stats.bytes_sent += owner_reduction_bytes(sizes, world_size)
+        return self._from_owners(fragment, run, row, [gathered[j, : sizes[j]] for j in range(world_size)], world_size)
+
+    def _owned(self, fragment: _Fragment, run, world_size: int, device) -> list[tuple]:
+        """Per rank, the blocks of the run's row it owns: `(ranges, index)` as the hook's helpers take them."""
+        owners = fragment.owners[run[0].bits]
+        return [(r, i.to(device)) for r, i in zip(owners.owned_ranges(world_size), owners.owned_blocks(world_size))]
+
+    def _to_owners(self, fragment: _Fragment, run, row: torch.Tensor, world_size: int):
+        """
+        The sender's half: `Δ + residual` of the run encoded in one kernel call (the residual replaced in place), cut
+        into one message per owner. Returns the send buffer (the `W` messages one after the other) and their sizes.
+        """
+        spec, slots, length = run
+        nblocks, writer = length // spec.block_size, BlockMessages(spec)
+        owned = self._owned(fragment, run, world_size, row.device)
+        sizes = [writer.fixed_nbytes(ranges[1].numel()) for ranges in owned]
+        key = (OUTER_MODE, fragment.index, spec.bits)
+        residual = self.residuals.row(key, slots, length, row.device).view(nblocks, spec.block_size)
+        codes, absmax, new_residual = self.kernels.encode(row.view(nblocks, spec.block_size), residual, None,
+                                                          spec.bits, in_place=True)  # fmt: skip
+        self.residuals.replace(key, slots, new_residual)
+        send = torch.empty(sum(sizes), dtype=torch.uint8, device=row.device)
+        messages = list(torch.split(send, sizes))
+        to_owners(spec, codes, absmax, owned, messages)
+        return send, sizes
+
+    def _reduce_owned(self, fragment: _Fragment, run, contributions: list, world_size: int, rank: int,
+                      message: torch.Tensor) -> None:  # fmt: skip
+        """
+        The owner's half: the `W` contributions to the blocks `rank` owns (rank order) averaged and compressed again
+        with its owner residual (replaced in place), into `message`. Nothing when it owns no block of the run.
+        """
+        spec = run[0]
+        owners = fragment.owners[spec.bits]
+        slots = owners.owned_slots(world_size, rank)
+        count = owners.owned_blocks(world_size)[rank].numel()
+        if not count:
+            return
+        key = (OUTER_MODE, fragment.index, spec.bits, world_size, rank)
+        residual = self.owner_residuals.row(key, slots, count * spec.block_size, message.device)
+        _, new_residual = reduce_owned(self, spec, contributions, residual.view(count, spec.block_size),
+                                       message=message)  # fmt: skip
+        self.owner_residuals.replace(key, slots, new_residual)
+
+    def _from_owners(self, fragment: _Fragment, run, row: torch.Tensor, messages: list, world_size: int):
+        """Every rank's last half: the owners' messages (owner order) decoded into `row`, the mean `Δ̄`."""
+        spec, _, length = run
+        nblocks, block = length // spec.block_size, spec.block_size
+        owned = self._owned(fragment, run, world_size, row.device)
+        codes, absmax = from_owners(spec, messages, owned, nblocks, row.device)
+        rows = row.view(nblocks, block)
+        chunk = max(1, ENCODE_CHUNK // block)  # the decode's temporaries: a few chunks
+        for start in range(0, nblocks, chunk):
+            end = min(start + chunk, nblocks)
+            self.kernels.decode([codes[start:end]], [absmax[start:end]], None, spec.bits, 1, out=rows[start:end])
+        return row
 
     def _start_run(self, comm: Collectives, fragment: _Fragment, run, row: torch.Tensor, tag: int = 0,
                    in_place: bool = True):  # fmt: skip
@@ -879,7 +970,7 @@ class OuterSyncState:
         return {
             "global": size(self.global_params.values()),
             "momentum": size(self.momentum.values()),
-            "residuals": self.residuals.nbytes(),
+            "residuals": self.residuals.nbytes() + self.owner_residuals.nbytes(),
         }
 
     def warn_once(self, key: str, message: str) -> None:
@@ -934,6 +1025,7 @@ class OuterSyncState:
             "global": cpu(self.global_params) if self.rank == 0 else {},
             "momentum": cpu(self.momentum) if self.rank == 0 else {},
             "residuals": self.residuals.state_dict(),
+            "owner_residuals": self.owner_residuals.state_dict(),
             "local": cpu(self.params),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "totals": self.traffic.state_dict(),
@@ -972,6 +1064,7 @@ class OuterSyncState:
         else:  # other fragments: each holds local steps since the oldest saved sync
             self.last_sync = [min(state_dict["last_sync"])] * len(self.fragments)
         self.residuals.load_state_dict(state_dict.get("residuals", {}) if state_dict is not None else {})
+        self.owner_residuals.load_state_dict(state_dict.get("owner_residuals", {}) if state_dict is not None else {})
         source = state_dict if state_dict is not None else shared
         self.hook_calls = int(source.get("hook_calls", 0))
         self.traffic.load_state_dict(source.get("totals", {}))
