@@ -35,12 +35,23 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
    so that the bytes of one interval are spread over `F` steps. The last step of training syncs every fragment.
 3. **Pseudo-gradient.** Fragment by fragment, per parameter, `Δ = θ_global − θ_local` (fp32). One flag all-reduce: if
    any rank's `Δ` holds a NaN, an Inf or a value at or above `2**60`, every rank restarts the fragment from
-   `θ_global` (its local progress since the last sync is dropped; momentum and residuals are left unchanged).
+   `θ_global` (its local progress since the last sync is dropped; momentum and residuals, the owners' included,
+   are left unchanged).
 4. **Exchange** ([`~grpo_hf.compression.compression_plan`] decides each tensor's spec): tensors with a spec (8, 4 or
    16 bits) are encoded with the per-step hook's kernel (`Δ + residual`, block absmax, codes, new bf16 residual in
-   place), the fragment's messages are all-gathered and every rank decodes the `W` messages in rank order, its own
-   included, into the mean `Δ̄`: the same bits on every rank. Tensors without a spec (norms, biases, `grpo_bits=32`,
-   `grpo_compression="none"`) go through one fp32 all-reduce.
+   place), one padded row per bit width. Then, by the world size `W`:
+   - `W = 2`: the messages are all-gathered and every rank decodes the `W` of them in rank order, its own included,
+     into the mean `Δ̄`.
+   - `W >= 3` (`OWNER_MIN_WORLD_SIZE`; blocking syncs): owner reduction, as the per-step hook's `allreduce` mode does
+     it and with its functions (`to_owners`, `reduce_owned`, `from_owners`): each tensor's blocks are cut into `W`
+     contiguous chunks, chunk `j` owned by rank `(j + crc32(name)) mod W` (`layout.Run.owned_blocks`). Each rank
+     sends each owner the codes of its blocks (one all-to-all); each owner decodes its `W` contributions in rank
+     order, averages them and encodes the mean again with its own error feedback (the owner residual, bf16, of the
+     blocks it owns only); the owners' messages are all-gathered and every rank decodes them, in owner order, into
+     `Δ̄`. Both ways every rank decodes the same messages in the same order: the same bits of `Δ̄` on every rank.
+     At `W = 2` both would send the same bytes, and the owners would quantize `Δ̄` twice.
+   Tensors without a spec (norms, biases, `grpo_bits=32`, `grpo_compression="none"`) go through one fp32
+   all-reduce.
 5. **Outer step** ([`outer_step`], torch's `SGD(nesterov=True)` on `Δ̄`): `m = μ m + Δ̄`, `θ_global -= lr (Δ̄ + μ m)`;
    with `μ = 0` the momentum is not kept.
 6. **Restart.** Every rank copies `θ_global` into its parameters in place (`p.copy_`: never
@@ -76,8 +87,11 @@ delay does, and drops those steps; `α > 0` keeps that share of them (and of the
   step in a resumed run as in an uninterrupted one; saving does not change training. `θ_global` is only written
   when an exchange is applied, on the training thread, so evaluation and `save_model` read the `θ_global` of the
   last applied outer step.
-- **Bytes.** The same, counted in the step that starts the exchange (the flag's and the messages', also when the flag
-  turns out set: with a delay they are sent before the flag is known).
+- **Bytes.** Counted in the step that starts the exchange (the flag's and the messages', also when the flag turns out
+  set: with a delay they are sent before the flag is known). A delayed exchange always all-gathers the messages: owner
+  reduction (`W >= 3`) serves the blocking syncs only (the ramp's, the last step's, those without delay), since its
+  owners can only start their half once the all-to-all has arrived. From 3 ranks a delayed sync therefore sends
+  `(W − 1) s` where a blocking one sends about `2 (W − 1) / W s`.
 - **Memory.** The fragment's `Δ` row, the `W` messages and its new bf16 residual live for `τ` steps.
 - **Process group.** Under DDP the exchanges run in a process group of their own (the same ranks, made at
   [`OuterSyncState.bind`] on every rank): NCCL runs the collectives of one group in order, and the next steps' norm
@@ -86,8 +100,12 @@ delay does, and drops those steps; `α > 0` keeps that share of them (and of the
 ## Bytes per rank (ring model, [`~grpo_hf.compression.traffic`]; `grpo/comm/bytes_sent`)
 
 - Every step: `2 (W − 1) / W × 8 G` for the agreed group norms (`G` groups).
-- Per fragment synced: `2 (W − 1) / W × 8` for the flag, `(W − 1) × s` for its messages (`s` = `4 + bits × 128 / 8` bytes per block of 128 entries,
-  padded to 16 bytes) plus `2 (W − 1) / W × 4 n_dense` for its dense tensors.
+- Per fragment synced: `2 (W − 1) / W × 8` for the flag, plus `2 (W − 1) / W × 4 n_dense` for its dense tensors,
+  plus for its codes (`s` = `4 + bits × 128 / 8` bytes per block of 128 entries, padded to 16 bytes):
+  - `W = 2`, and delayed exchanges: `(W − 1) × s`, the all-gather of the messages;
+  - `W >= 3`, blocking: `(W − 1) / W × S + (W − 1) × s_owner` ([`~grpo_hf.compression.traffic.owner_reduction_bytes`]):
+    the all-to-all of this rank's `W` parts (`S` bytes in all, about `s`) and the all-gather of the owners' messages
+    (about `s / W` each, padded to the longest). About `2 (W − 1) / W × s`: never more than `2 s`, whatever `W`.
 - `grpo/comm/bytes_peak`: the most bytes of any one step of the window; the per-step average is `bytes_sent`.
 
 The baselines `grpo/comm/bytes_dense_fp32` / `_fp16` are DDP's all-reduce of every gradient at every step.
@@ -104,8 +122,9 @@ Under DDP the control's bytes are DDP's fp32 all-reduce of the gradients at ever
 - Register the hook once per DDP object and [`OuterSyncState.bind`] before the first backward; the plan, the
   fragments and the settings must be identical on every rank.
 - Memory per trainable entry and rank: `θ_global` and the momentum (4 bytes each, 2 in `bfloat16`; no momentum when
-  `μ = 0`), the bf16 residual of the compressed tensors (2 bytes), and during a sync the fragment's `Δ` (4 bytes per
-  entry) and every rank's messages: `F` fragments divide the sync's work memory by `F`.
+  `μ = 0`), the bf16 residual of the compressed tensors (2 bytes; from 3 ranks also the owner residual of the blocks
+  it owns, `2 / W` bytes), and during a sync the fragment's `Δ` (4 bytes per entry) and the messages (every rank's,
+  or about two of them with owners): `F` fragments divide the sync's work memory by `F`.
 - Sparse gradients, FSDP and DeepSpeed are not supported; fp16 mixed precision is not (its `GradScaler` would skip
   steps on one rank and not on another).
 """
@@ -1000,7 +1019,8 @@ class OuterSyncState:
         """
         What a resumed run needs to continue bit for bit, on cpu: the step, each fragment's last sync, the settings
         and fragments; on rank 0 only `θ_global` and the momentum (the same on every rank); on every rank its own bf16
-        residuals, its local parameters and its optimizer's state (the Trainer saves rank 0's only).
+        residuals (`residuals`; from 3 ranks also `owner_residuals`: per parameter name, the chunk of it this rank
+        owns), its local parameters and its optimizer's state (the Trainer saves rank 0's only).
 
         With an exchange under way (`delay > 0`) it is waited for here, not applied: the state holds its agreed flag
         and mean `Δ̄` (`in_flight`), and the outer step and merge still happen at its due step, in the resumed run as
@@ -1037,7 +1057,7 @@ class OuterSyncState:
         Restore [`state_dict`] at the next [`bind`] (at once when bound already). `state_dict` is this rank's saved
         state, `shared` rank 0's (`θ_global`, momentum; defaults to `state_dict`). `state_dict=None` restarts every
         rank from rank 0's `θ_global` with its momentum, step and schedule, without residuals or local steps (a
-        checkpoint of another world size).
+        checkpoint of another world size; the owner residuals, cut per world size, go with the residuals).
         """
         shared = state_dict if shared is None else shared
         for saved in (state_dict, shared):
