@@ -1,6 +1,7 @@
 """
 The sync every H steps under 2-process gloo DDP: `torchrun` runs `tests/distributed/outer_sync_ddp.py` once (about a
-minute on 2 cores), each rank writes a JSON result, and the assertions live here.
+minute on 2 cores), each rank writes a JSON result, and the assertions live here. A second launch runs three of its
+scenarios on 4 processes, where the sync's codes go through owners.
 """
 
 import json
@@ -15,16 +16,25 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = Path(__file__).resolve().parent / "distributed" / "outer_sync_ddp.py"
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("outer_sync")
-    run = run_torchrun(SCRIPT, out_dir, nproc=2, timeout=480, cwd=ROOT)
+def _launch(tmp_path_factory, nproc, *scenarios, timeout=480):
+    out_dir = tmp_path_factory.mktemp(f"outer_sync_w{nproc}")
+    run = run_torchrun(SCRIPT, out_dir, *scenarios, nproc=nproc, timeout=timeout, cwd=ROOT)
     if run.timed_out:
         pytest.fail(f"outer_sync_ddp.py did not finish\n{run.logs()}")
     assert run.returncode == 0, run.logs()
-    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
-    assert all(r["world_size"] == 2 and r["nan_free"] for r in ranks)
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+    assert all(r["world_size"] == nproc and r["nan_free"] for r in ranks)
     return ranks
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _launch(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def results4(tmp_path_factory):
+    return _launch(tmp_path_factory, 4, "sync", "resume", "delay", timeout=900)
 
 
 def test_inner_steps_are_local_and_every_sync_leaves_identical_replicas(results):
@@ -45,6 +55,7 @@ def test_inner_steps_are_local_and_every_sync_leaves_identical_replicas(results)
         assert run["multipliers_identical"] and len(set(run["multipliers"])) > 1  # the agreed norms acted
         assert all(run["changed"])
         assert run["residual_names"]  # 4-bit Δ with error feedback
+        assert run["owner_residual_names"] == []  # at 2 ranks the messages are all-gathered: no owners
     assert results[0]["sync"]["digest"] == results[1]["sync"]["digest"]
     assert results[0]["sync"]["residual_digest"] != results[1]["sync"]["residual_digest"]  # residuals are per rank
 
@@ -67,7 +78,8 @@ def test_resume_is_bit_identical(results):
     for result in results:
         straight, resumed = result["resume"]["straight"], result["resume"]["resumed"]
         assert resumed["steps"] == list(range(7, 13))  # resumed from checkpoint-6, mid-interval
-        for key in ("digest", "global_digest", "momentum_digest", "optimizer_digest", "residual_digest"):
+        for key in ("digest", "global_digest", "momentum_digest", "optimizer_digest", "residual_digest",
+                    "owner_residual_digest"):  # fmt: skip
             assert resumed[key] == straight[key], key
         assert resumed["totals"]["syncs"] == straight["totals"]["syncs"]
         assert resumed["totals"]["bytes_sent"] == straight["totals"]["bytes_sent"]
@@ -135,3 +147,64 @@ def test_resume_with_an_exchange_in_flight_is_bit_identical(results):
             assert resumed[key] == straight[key], key
         assert resumed["totals"]["syncs"] == straight["totals"]["syncs"]
         assert resumed["totals"]["bytes_sent"] == straight["totals"]["bytes_sent"]
+
+
+# --- 4 processes: the codes of Δ go through owners ------------------------------------------------------------
+
+
+def test_at_four_ranks_owners_reduce_and_every_sync_leaves_the_same_global_model(results4):
+    for result in results4:
+        run = result["sync"]
+        assert run["is_ddp"] and run["exchange"] and run["global_step"] == 14
+        assert run["hook_calls"] >= run["global_step"]  # the local-gradient hook ran at every step
+        assert all(run["global_identical_after_step"])  # θ_global bit-identical on every rank after every step
+        for step, due, identical, fragments in zip(
+            run["steps"], run["due"], run["identical_after_step"], run["identical_fragments"]
+        ):
+            for index, same in enumerate(fragments):
+                if index in due:
+                    assert same, f"fragment {index} differs across ranks right after its sync at step {step}"
+            if len(due) < 2:
+                assert not identical, f"the replicas agree at step {step} although a fragment did not sync"
+        assert run["identical"] and run["global_is_params"] and run["last_sync"] == [14, 14]
+        assert run["owner_residual_names"]  # the owner path ran: each rank keeps the residual of its chunks
+        # the bytes are the owners' (all-to-all + all-gather of the owners' messages), not the all-gather's
+        assert run["bytes_per_step"] == run["expected_bytes"]
+        assert run["totals"]["bytes_sent"] == sum(run["bytes_per_step"]) == run["cost_comm_bytes"]
+    for key in ("digest", "global_digest", "momentum_digest"):
+        assert len({r["sync"][key] for r in results4}) == 1, key
+    assert len({r["sync"]["owner_residual_digest"] for r in results4}) == 4  # owner residuals are per rank
+
+
+def test_owner_bytes_per_rank_stay_flat_beyond_two_ranks(results, results4):
+    two, four = results[0]["sync"], results4[0]["sync"]
+    assert two["codec_numel"] == four["codec_numel"]  # the same model and fragments
+    per_entry = {w: sum(run["codec_bytes"]) / sum(run["codec_numel"]) for w, run in ((2, two), (4, four))}
+    # 4-bit codes and a 4-byte absmax per 128 entries: s = 0.53 bytes per entry and rank's message
+    message = 0.5 + 4 / 128
+    assert message <= per_entry[2] <= 1.05 * message  # (W - 1) s, padding included
+    # the owners': 2 (W - 1) / W s = 1.5 s at W = 4 (2 s at most, whatever W), against the all-gather's 3 s
+    assert per_entry[4] <= 1.1 * 2 * 3 / 4 * per_entry[2]
+    assert per_entry[4] < 0.55 * 3 * per_entry[2]
+
+
+def test_at_four_ranks_resume_is_bit_identical(results4):
+    for result in results4:
+        straight, resumed = result["resume"]["straight"], result["resume"]["resumed"]
+        assert resumed["steps"] == list(range(7, 13))
+        assert straight["owner_residual_names"] and resumed["owner_residual_names"] == straight["owner_residual_names"]
+        for key in ("digest", "global_digest", "momentum_digest", "optimizer_digest", "residual_digest",
+                    "owner_residual_digest"):  # fmt: skip
+            assert resumed[key] == straight[key], key
+        assert resumed["totals"]["bytes_sent"] == straight["totals"]["bytes_sent"]
+
+
+def test_at_four_ranks_a_delayed_sync_keeps_the_all_gather_and_the_blocking_ones_use_owners(results4):
+    for result in results4:
+        run = result["delay"]
+        assert run["is_ddp"] and run["own_exchange_group"] and run["global_step"] == 14
+        assert all(run["global_identical_after_step"])
+        assert run["bytes_per_step"] == run["expected_bytes"]  # owners for the ramp and the last step only
+        assert run["identical"] and run["global_is_params"]
+    for key in ("digest", "global_digest", "momentum_digest"):
+        assert len({r["delay"][key] for r in results4}) == 1, key

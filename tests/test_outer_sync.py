@@ -11,7 +11,9 @@ from testing_utils import tiny_test_llama
 from grpo_hf import ConfigError, GRPOTrainer
 from grpo_hf.compression import CodecSpec
 from grpo_hf.compression.codec import BlockMessages
+from grpo_hf.compression.hook import _put
 from grpo_hf.compression.outer_sync import (
+    OUTER_MODE,
     OuterSyncState,
     fragment_offsets,
     fragments_due,
@@ -20,7 +22,7 @@ from grpo_hf.compression.outer_sync import (
     pack_fragments,
     ramp_points,
 )
-from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes
+from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes, owner_reduction_bytes
 
 
 # --- schedule ---------------------------------------------------------------------------------------------------
@@ -182,6 +184,109 @@ def test_bytes_of_a_step_and_the_peak_are_counted():
     assert stats["grpo/comm/bytes_sent"] == 200.0 and stats["grpo/comm/bytes_peak"] == 300.0
     assert stats["grpo/comm/bytes_dense_fp32"] == 2000.0  # one fp32 all-reduce per step (DDP), averaged
     assert stats["grpo/comm/ratio_fp32"] == pytest.approx(4000.0 / 400.0)
+
+
+# --- owner reduction (3 ranks and more): W ranks emulated in one process ------------------------------------------
+
+
+class TwoMatrices(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Linear(64, 64, bias=False)  # 4096 entries: 32 blocks, 8 per owner at W=4
+        self.odd = torch.nn.Parameter(torch.zeros(1000))  # padded to 8 blocks: a short last block
+        self.norm = torch.nn.LayerNorm(64)  # fp32, dense
+
+
+def _owner_ranks(world_size, seed=0):
+    """`world_size` bound states on copies of one model whose local steps differ, and each rank's fragment Δ row."""
+    torch.manual_seed(seed)
+    base = TwoMatrices()
+    spec = CodecSpec(bits=4)
+    states, deltas = [], []
+    for rank in range(world_size):
+        model = TwoMatrices()
+        model.load_state_dict(base.state_dict())
+        state = _state(model, {"big.weight": spec, "odd": spec}, every=1, ramp=False)
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(100 + rank)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=generator) * 1e-2)
+        _, rows = state._deltas(state.layouts[0])
+        states.append(state)
+        deltas.append(rows[0])
+    return states, deltas
+
+
+def _owner_round(states, deltas):
+    """One owner-reduced exchange of the fragment's 4-bit run, its collectives played by hand in rank order."""
+    world_size = len(states)
+    fragment = states[0].layouts[0]
+    run = fragment.runs[0]
+    sends = [state._to_owners(fragment, run, row.clone(), world_size) for state, row in zip(states, deltas)]
+    sizes = sends[0][1]
+    assert all(s == sizes for _, s in sends)  # every rank cuts the row the same way
+    parts = [torch.split(send, sizes) for send, _ in sends]  # the all-to-all
+    owner_messages = []
+    for owner, state in enumerate(states):
+        message = torch.zeros(sizes[owner], dtype=torch.uint8)
+        state._reduce_owned(fragment, run, [parts[r][owner] for r in range(world_size)], world_size, owner, message)
+        owner_messages.append(message)
+    # the all-gather: every rank decodes the same messages
+    means = [s._from_owners(fragment, run, torch.zeros_like(row), owner_messages, world_size)
+             for s, row in zip(states, deltas)]  # fmt: skip
+    return means, sizes
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 8])
+def test_owners_reduce_delta_to_the_same_bits_on_every_rank(world_size):
+    states, deltas = _owner_ranks(world_size)
+    means, _ = _owner_round(states, deltas)
+    for mean in means[1:]:
+        assert torch.equal(mean, means[0])
+    # error feedback twice: mean Δ = Δ̄ + mean of the senders' residuals + the owners' residuals, up to bf16 rounding
+    fragment, run = states[0].layouts[0], states[0].layouts[0].runs[0]
+    spec, slots, length = run
+    sender = torch.stack([s.residuals.row((OUTER_MODE, 0, 4), slots, length, "cpu").float() for s in states]).mean(0)
+    owners = torch.zeros(length // spec.block_size, spec.block_size)
+    for rank, state in enumerate(states):
+        owned = state._owned(fragment, run, world_size, "cpu")[rank]
+        count = owned[1].numel()
+        key = (OUTER_MODE, 0, 4, world_size, rank)
+        slots_owned = fragment.owners[4].owned_slots(world_size, rank)
+        row = state.owner_residuals.row(key, slots_owned, count * spec.block_size, "cpu").float()
+        _put(owners, owned, row.view(count, spec.block_size))
+        assert count and set(state.owner_residuals.values) == {"big.weight", "odd"}  # a chunk of each, by name
+    target = torch.stack(deltas).mean(0)
+    rounding = 2**-8 * (sender.abs().max() + owners.abs().max())  # bf16 keeps 8 significant bits
+    torch.testing.assert_close(means[0] + sender + owners.view(-1), target, rtol=0, atol=float(rounding))
+    assert not torch.equal(means[0], target)  # 4-bit codes are lossy: what they left out waits in the residuals
+
+
+def test_owner_reduction_sends_about_twice_a_message_whatever_the_world_size():
+    message = None
+    for world_size in (3, 4, 8):
+        states, deltas = _owner_ranks(world_size)
+        _, sizes = _owner_round(states, deltas)
+        spec, _, length = states[0].layouts[0].runs[0]
+        message = BlockMessages(spec).fixed_nbytes(length // spec.block_size)  # the all-gather's per-rank message
+        sent = owner_reduction_bytes(sizes, world_size)
+        assert sent == (world_size - 1) / world_size * sum(sizes) + (world_size - 1) * max(sizes)
+        # 2 (W - 1) / W of a message, plus the owners' padding (one 16-byte alignment per tensor chunk)
+        assert sum(sizes) <= message + 16 * 2 * world_size
+        assert sent <= 2 * (world_size - 1) / world_size * message * 1.1 < allgather_bytes(message, world_size)
+
+
+def test_owner_residuals_are_checkpointed_per_rank_and_dropped_for_another_world_size():
+    states, deltas = _owner_ranks(4)
+    _owner_round(states, deltas)
+    saved = states[1].state_dict()
+    assert set(saved["owner_residuals"]) == {"big.weight", "odd"}
+    fresh, _ = _owner_ranks(4, seed=1)
+    fresh[1].load_state_dict(saved)
+    for name, value in saved["owner_residuals"].items():
+        assert torch.equal(fresh[1].owner_residuals.values[name], value)
+    fresh[2].load_state_dict(None, saved)  # another world size: every rank restarts from θ_global
+    assert fresh[2].owner_residuals.values == {} and fresh[2].residuals.values == {}
 
 
 # --- overlap: the delayed sync (grpo_sync_delay > 0) -------------------------------------------------------------

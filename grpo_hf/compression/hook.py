@@ -569,7 +569,54 @@ def _decode(state: GRPOCommState, spec, messages, nblocks: int, scale, divide, o
         return out, new_ema
     reader = BlockMessages(spec)
     codes, absmax = zip(*(reader.unpack(message, nblocks) for message in messages))
-    return state.kernels.decode(codes, absmax, scale, spec.bits, divide, out, ema, state.scale_beta)
+    beta = state.scale_beta if ema is not None else 0.0  # (a state without gradient scales has no EMA factor)
+    return state.kernels.decode(codes, absmax, scale, spec.bits, divide, out, ema, beta)
+
+
+def to_owners(spec, codes: torch.Tensor, absmax: torch.Tensor, owned: list[tuple], messages: list[torch.Tensor]):
+    """
+    The owner side's first half, shared by the `allreduce` mode and the sync every H steps: write each owner's blocks
+    of a run's `codes` / `absmax` (one kernel call's output, in block order) into its fixed-size message
+    (`messages[owner]`, [`BlockMessages.fixed_nbytes`] of its block count; `owned[owner]` is `(ranges, index)`).
+    """
+    writer = BlockMessages(spec)
+    for owner, ranges in enumerate(owned):
+        count = _count(ranges)
+        if count:
+            codes_view, absmax_view = writer.unpack(messages[owner], count)
+            _take(codes, ranges, out=codes_view)
+            _take(absmax, ranges, out=absmax_view)
+            writer.clear_padding(messages[owner], count)
+
+
+def reduce_owned(state, spec, contributions: list, residual: torch.Tensor, scale=None, k: int | None = None,
+                 message=None, in_place: bool = True):  # fmt: skip
+    """
+    The owner's step, shared by the `allreduce` mode and the sync every H steps: decode the `W` contributions to the
+    blocks it owns (`contributions`, in rank order), average them, and compress the mean again with the owner's own
+    error feedback (`residual`, `[n, B]`). Returns `(message, new_residual)` as [`_encode`] does (`k`: the values a
+    top-k message keeps; every value at density 1).
+    """
+    nblocks = residual.shape[0]
+    mean, _ = _decode(state, spec, contributions, nblocks, scale, len(contributions))
+    k = nblocks * spec.block_size if k is None else k
+    return _encode(state, spec, mean, residual, scale, k, message, in_place=in_place)
+
+
+def from_owners(spec, messages: list[torch.Tensor], owned: list[tuple], nblocks: int, device):
+    """
+    Inverse of [`to_owners`] for the owners' messages (`messages[owner]`, e.g. the all-gathered ones): the codes and
+    absmax of the run's `nblocks` blocks back in block order, for one decode.
+    """
+    shape, dtype = code_shape(nblocks, spec.block_size, spec.bits)
+    codes, absmax = torch.empty(shape, dtype=dtype, device=device), torch.empty(nblocks, device=device)
+    reader = BlockMessages(spec)
+    for owner, ranges in enumerate(owned):
+        if _count(ranges):
+            owner_codes, owner_absmax = reader.unpack(messages[owner], _count(ranges))
+            _put(codes, ranges, owner_codes)
+            _put(absmax, ranges, owner_absmax)
+    return codes, absmax
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -670,18 +717,13 @@ def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
             clip = state.scale_clip if scale is not None else None
             codes, absmax, new_residual = state.kernels.encode(rows, residual, scale, run.spec.bits, clip,
                                                                in_place=True)  # fmt: skip
-            writer = BlockMessages(run.spec)
-            for owner, ranges in enumerate(owned):
-                count = _count(ranges)
-                if known:
-                    if count:
-                        codes_view, absmax_view = writer.unpack(to_rank[owner][index], count)
-                        _take(codes, ranges, out=codes_view)
-                        _take(absmax, ranges, out=absmax_view)
-                        writer.clear_padding(to_rank[owner][index], count)
-                else:
+            if known:
+                to_owners(run.spec, codes, absmax, owned, [messages[index] for messages in to_rank])
+            else:
+                writer = BlockMessages(run.spec)
+                for owner, ranges in enumerate(owned):
                     message = writer.pack(_take(codes, ranges), _take(absmax, ranges))
-                    to_rank[owner].append(message if count else empty)
+                    to_rank[owner].append(message if _count(ranges) else empty)
             stats.kept += min(run.num_values(), run.numel)
         else:  # top-k within each owner's blocks (disjoint: each is read before it is written)
             new_residual = residual
@@ -729,13 +771,11 @@ def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
             out_messages.append(empty)
             continue
         mine = None if scale is None else _take(scale, owned[rank])
-        mean, _ = _decode(state, run.spec, [contributions[s][index] for s in range(world_size)], nblocks, mine,
-                          world_size)  # fmt: skip
         key, owner_slots = (run.key, world_size, rank), run.owned_slots(world_size, rank)
-        residual = state.owner_residuals.row(key, owner_slots, nblocks * run.spec.block_size, device).view(mean.shape)
+        residual = state.owner_residuals.row(key, owner_slots, nblocks * run.spec.block_size, device)
         k = run.num_values(nblocks * run.spec.block_size, run.owned_numel(world_size, rank))
-        message, new_residual = _encode(state, run.spec, mean, residual, mine, k, slots[index] if known else None,
-                                        in_place=True)  # fmt: skip
+        message, new_residual = reduce_owned(state, run.spec, [contributions[s][index] for s in range(world_size)],
+                                             residual.view(nblocks, -1), mine, k, slots[index] if known else None)  # fmt: skip
         state.owner_residuals.replace(key, owner_slots, new_residual)
         out_messages.append(message)
 
@@ -758,14 +798,8 @@ def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
     ]
     for index, (run, owned, (scale, ema)) in enumerate(zip(layout.runs, block_rows, scales)):
         if run.spec.density >= 1.0:  # the owners' codes back in block order, then one decode into the bucket
-            shape, dtype = code_shape(run.num_blocks, run.spec.block_size, run.spec.bits)
-            codes, absmax = torch.empty(shape, dtype=dtype, device=device), torch.empty(run.num_blocks, device=device)
-            reader = BlockMessages(run.spec)
-            for owner, ranges in enumerate(owned):
-                if _count(ranges):
-                    owner_codes, owner_absmax = reader.unpack(per_owner[owner][index], _count(ranges))
-                    _put(codes, ranges, owner_codes)
-                    _put(absmax, ranges, owner_absmax)
+            codes, absmax = from_owners(run.spec, [per_owner[r][index] for r in range(world_size)], owned,
+                                        run.num_blocks, device)  # fmt: skip
             out = run.rows(bucket.buffer) if run.in_place else None
             values, new_ema = state.kernels.decode([codes], [absmax], scale, run.spec.bits, 1, out, ema,
                                                    state.scale_beta)  # fmt: skip

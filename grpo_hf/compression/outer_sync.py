@@ -35,12 +35,23 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
    so that the bytes of one interval are spread over `F` steps. The last step of training syncs every fragment.
 3. **Pseudo-gradient.** Fragment by fragment, per parameter, `Δ = θ_global − θ_local` (fp32). One flag all-reduce: if
    any rank's `Δ` holds a NaN, an Inf or a value at or above `2**60`, every rank restarts the fragment from
-   `θ_global` (its local progress since the last sync is dropped; momentum and residuals are left unchanged).
+   `θ_global` (its local progress since the last sync is dropped; momentum and residuals, the owners' included,
+   are left unchanged).
 4. **Exchange** ([`~grpo_hf.compression.compression_plan`] decides each tensor's spec): tensors with a spec (8, 4 or
    16 bits) are encoded with the per-step hook's kernel (`Δ + residual`, block absmax, codes, new bf16 residual in
-   place), the fragment's messages are all-gathered and every rank decodes the `W` messages in rank order, its own
-   included, into the mean `Δ̄`: the same bits on every rank. Tensors without a spec (norms, biases, `grpo_bits=32`,
-   `grpo_compression="none"`) go through one fp32 all-reduce.
+   place), one padded row per bit width. Then, by the world size `W`:
+   - `W = 2`: the messages are all-gathered and every rank decodes the `W` of them in rank order, its own included,
+     into the mean `Δ̄`.
+   - `W >= 3` (`OWNER_MIN_WORLD_SIZE`; blocking syncs): owner reduction, as the per-step hook's `allreduce` mode does
+     it and with its functions (`to_owners`, `reduce_owned`, `from_owners`): each tensor's blocks are cut into `W`
+     contiguous chunks, chunk `j` owned by rank `(j + crc32(name)) mod W` (`layout.Run.owned_blocks`). Each rank
+     sends each owner the codes of its blocks (one all-to-all); each owner decodes its `W` contributions in rank
+     order, averages them and encodes the mean again with its own error feedback (the owner residual, bf16, of the
+     blocks it owns only); the owners' messages are all-gathered and every rank decodes them, in owner order, into
+     `Δ̄`. Both ways every rank decodes the same messages in the same order: the same bits of `Δ̄` on every rank.
+     At `W = 2` both would send the same bytes, and the owners would quantize `Δ̄` twice.
+   Tensors without a spec (norms, biases, `grpo_bits=32`, `grpo_compression="none"`) go through one fp32
+   all-reduce.
 5. **Outer step** ([`outer_step`], torch's `SGD(nesterov=True)` on `Δ̄`): `m = μ m + Δ̄`, `θ_global -= lr (Δ̄ + μ m)`;
    with `μ = 0` the momentum is not kept.
 6. **Restart.** Every rank copies `θ_global` into its parameters in place (`p.copy_`: never
@@ -76,8 +87,11 @@ delay does, and drops those steps; `α > 0` keeps that share of them (and of the
   step in a resumed run as in an uninterrupted one; saving does not change training. `θ_global` is only written
   when an exchange is applied, on the training thread, so evaluation and `save_model` read the `θ_global` of the
   last applied outer step.
-- **Bytes.** The same, counted in the step that starts the exchange (the flag's and the messages', also when the flag
-  turns out set: with a delay they are sent before the flag is known).
+- **Bytes.** Counted in the step that starts the exchange (the flag's and the messages', also when the flag turns out
+  set: with a delay they are sent before the flag is known). A delayed exchange always all-gathers the messages: owner
+  reduction (`W >= 3`) serves the blocking syncs only (the ramp's, the last step's, those without delay), since its
+  owners can only start their half once the all-to-all has arrived. From 3 ranks a delayed sync therefore sends
+  `(W − 1) s` where a blocking one sends about `2 (W − 1) / W s`.
 - **Memory.** The fragment's `Δ` row, the `W` messages and its new bf16 residual live for `τ` steps.
 - **Process group.** Under DDP the exchanges run in a process group of their own (the same ranks, made at
   [`OuterSyncState.bind`] on every rank): NCCL runs the collectives of one group in order, and the next steps' norm
@@ -86,8 +100,12 @@ delay does, and drops those steps; `α > 0` keeps that share of them (and of the
 ## Bytes per rank (ring model, [`~grpo_hf.compression.traffic`]; `grpo/comm/bytes_sent`)
 
 - Every step: `2 (W − 1) / W × 8 G` for the agreed group norms (`G` groups).
-- Per fragment synced: `2 (W − 1) / W × 8` for the flag, `(W − 1) × s` for its messages (`s` = `4 + bits × 128 / 8` bytes per block of 128 entries,
-  padded to 16 bytes) plus `2 (W − 1) / W × 4 n_dense` for its dense tensors.
+- Per fragment synced: `2 (W − 1) / W × 8` for the flag, plus `2 (W − 1) / W × 4 n_dense` for its dense tensors,
+  plus for its codes (`s` = `4 + bits × 128 / 8` bytes per block of 128 entries, padded to 16 bytes):
+  - `W = 2`, and delayed exchanges: `(W − 1) × s`, the all-gather of the messages;
+  - `W >= 3`, blocking: `(W − 1) / W × S + (W − 1) × s_owner` ([`~grpo_hf.compression.traffic.owner_reduction_bytes`]):
+    the all-to-all of this rank's `W` parts (`S` bytes in all, about `s`) and the all-gather of the owners' messages
+    (about `s / W` each, padded to the longest). About `2 (W − 1) / W × s`: never more than `2 s`, whatever `W`.
 - `grpo/comm/bytes_peak`: the most bytes of any one step of the window; the per-step average is `bytes_sent`.
 
 The baselines `grpo/comm/bytes_dense_fp32` / `_fp16` are DDP's all-reduce of every gradient at every step.
@@ -104,8 +122,9 @@ Under DDP the control's bytes are DDP's fp32 all-reduce of the gradients at ever
 - Register the hook once per DDP object and [`OuterSyncState.bind`] before the first backward; the plan, the
   fragments and the settings must be identical on every rank.
 - Memory per trainable entry and rank: `θ_global` and the momentum (4 bytes each, 2 in `bfloat16`; no momentum when
-  `μ = 0`), the bf16 residual of the compressed tensors (2 bytes), and during a sync the fragment's `Δ` (4 bytes per
-  entry) and every rank's messages: `F` fragments divide the sync's work memory by `F`.
+  `μ = 0`), the bf16 residual of the compressed tensors (2 bytes; from 3 ranks also the owner residual of the blocks
+  it owns, `2 / W` bytes), and during a sync the fragment's `Δ` (4 bytes per entry) and the messages (every rank's,
+  or about two of them with owners): `F` fragments divide the sync's work memory by `F`.
 - Sparse gradients, FSDP and DeepSpeed are not supported; fp16 mixed precision is not (its `GradScaler` would skip
   steps on one rank and not on another).
 """
@@ -119,10 +138,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .codec import ENCODE_CHUNK, BlockMessages, all_safe, compile_kernels
-from .hook import Collectives
+from .hook import Collectives, from_owners, reduce_owned, to_owners
+from .layout import Run
 from .spec import CodecSpec
 from .state import RESIDUAL_DTYPE, RowStore
-from .traffic import StepStats, TrafficStats, allgather_bytes, allreduce_bytes
+from .traffic import StepStats, TrafficStats, allgather_bytes, allreduce_bytes, owner_reduction_bytes
 
 
 logger = logging.getLogger(__name__)
@@ -135,6 +155,9 @@ DEFAULT_SYNC_RAMP = True
 DEFAULT_SYNC_DELAY = 0
 DEFAULT_SYNC_MIX = 0.5  # α, provisional (not measured on the suite); torchft's `fragment_update_alpha` defaults to 0
 OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# From this many ranks a blocking sync's codes go through owners (the per-step hook's `allreduce` mode); at 2 the owners'
+# reduce-scatter and all-gather send the bytes of the all-gather, and would quantize `Δ̄` twice.
+OWNER_MIN_WORLD_SIZE = 3
 SYNC_BITS = (4, 8, 16)  # codes of fixed size; 32 bits and dense tensors go through an fp32 all-reduce
 _FLAG_BYTES = 8
 
@@ -269,6 +292,7 @@ class _Fragment:
         self.numel = sum(numels[name] for name in names)
         self.dense = [name for name in names if plan.get(name) is None]
         self.runs = []  # (spec, slots [(name, offset, numel)], length)
+        self.owners: dict[int, Run] = {}  # bits -> the run's row as a layout `Run`: who owns which blocks
         for bits in sorted({plan[name].bits for name in names if plan.get(name) is not None}):
             members = [name for name in names if plan.get(name) is not None and plan[name].bits == bits]
             spec, slots, offset = plan[members[0]], [], 0
@@ -276,6 +300,11 @@ class _Fragment:
                 slots.append((name, offset, numels[name]))
                 offset += -(-numels[name] // spec.block_size) * spec.block_size
             self.runs.append((spec, slots, offset))
+            # The row is the buffer of a run of the per-step hook (each tensor block-aligned, in place): its tensors'
+            # blocks are cut into owners' chunks exactly as the hook's `allreduce` mode cuts a bucket's.
+            offsets, sizes = tuple(o for _, o, _ in slots), tuple(n for _, _, n in slots)
+            self.owners[bits] = Run(spec, tuple(members), sizes, tuple(range(len(members))), offsets, offsets, offset,
+                                    True, tuple(zip(range(len(members)), offsets, sizes)))  # fmt: skip
 
 
 class _Exchange:
@@ -375,6 +404,7 @@ class OuterSyncState:
         "global_params",
         "momentum",
         "residuals",
+        "owner_residuals",
         "step",
         "last_sync",
         "hook_calls",
@@ -445,6 +475,7 @@ class OuterSyncState:
         self.global_params: dict[str, torch.Tensor] = {}
         self.momentum: dict[str, torch.Tensor] = {}
         self.residuals = RowStore(RESIDUAL_DTYPE)
+        self.owner_residuals = RowStore(RESIDUAL_DTYPE)  # from OWNER_MIN_WORLD_SIZE ranks: of the blocks it owns
         self.step = 0
         self.last_sync = [0] * len(self.fragments)
         self.hook_calls = 0
@@ -767,9 +798,88 @@ class OuterSyncState:
         return dense, rows
 
     def _exchange(self, comm: Collectives, fragment: _Fragment, run, row: torch.Tensor) -> torch.Tensor:
-        """Encode one run's `Δ` with error feedback, all-gather the messages, decode the `W` of them: the mean `Δ̄`."""
+        """
+        Encode one run's `Δ` with error feedback and exchange it: the mean `Δ̄`, in `row`. Below
+        `OWNER_MIN_WORLD_SIZE` ranks every rank's message is all-gathered and decoded; from it the owners reduce
+        ([`_owner_exchange`]).
+        """
+        if comm.world_size >= OWNER_MIN_WORLD_SIZE:
+            return self._owner_exchange(comm, fragment, run, row)
         started, _ = self._start_run(comm, fragment, run, row, in_place=True)
         return self._decode_run(run, row, started.wait())
+
+    # --- owner reduction (OWNER_MIN_WORLD_SIZE ranks and more; blocking syncs) ---
+    def _owner_exchange(self, comm: Collectives, fragment: _Fragment, run, row: torch.Tensor) -> torch.Tensor:
+        """
+        Step 4 with owners (the per-step hook's `allreduce` mode): this rank's codes of each owner's blocks go to
+        their owner (all-to-all); each owner averages the `W` contributions and compresses the mean again with its
+        own residual; the owners' messages are all-gathered and every rank decodes them, in owner order, into `row`.
+        """
+        world_size, rank = comm.world_size, comm.rank
+        send, sizes = self._to_owners(fragment, run, row, world_size)
+        received = comm.all_to_all(send, sizes, [sizes[rank]] * world_size)
+        longest = max(sizes)
+        payload = torch.zeros(longest, dtype=torch.uint8, device=row.device)
+        contributions = list(received.view(world_size, sizes[rank])) if sizes[rank] else []
+        self._reduce_owned(fragment, run, contributions, world_size, rank, payload[: sizes[rank]])
+        gathered = comm.all_gather(payload)
+        self.stats.bytes_sent += owner_reduction_bytes(sizes, world_size)
+        return self._from_owners(fragment, run, row, [gathered[j, : sizes[j]] for j in range(world_size)], world_size)
+
+    def _owned(self, fragment: _Fragment, run, world_size: int, device) -> list[tuple]:
+        """Per rank, the blocks of the run's row it owns: `(ranges, index)` as the hook's helpers take them."""
+        owners = fragment.owners[run[0].bits]
+        return [(r, i.to(device)) for r, i in zip(owners.owned_ranges(world_size), owners.owned_blocks(world_size))]
+
+    def _to_owners(self, fragment: _Fragment, run, row: torch.Tensor, world_size: int):
+        """
+        The sender's half: `Δ + residual` of the run encoded in one kernel call (the residual replaced in place), cut
+        into one message per owner. Returns the send buffer (the `W` messages one after the other) and their sizes.
+        """
+        spec, slots, length = run
+        nblocks, writer = length // spec.block_size, BlockMessages(spec)
+        owned = self._owned(fragment, run, world_size, row.device)
+        sizes = [writer.fixed_nbytes(ranges[1].numel()) for ranges in owned]
+        key = (OUTER_MODE, fragment.index, spec.bits)
+        residual = self.residuals.row(key, slots, length, row.device).view(nblocks, spec.block_size)
+        codes, absmax, new_residual = self.kernels.encode(row.view(nblocks, spec.block_size), residual, None,
+                                                          spec.bits, in_place=True)  # fmt: skip
+        self.residuals.replace(key, slots, new_residual)
+        send = torch.empty(sum(sizes), dtype=torch.uint8, device=row.device)
+        messages = list(torch.split(send, sizes))
+        to_owners(spec, codes, absmax, owned, messages)
+        return send, sizes
+
+    def _reduce_owned(self, fragment: _Fragment, run, contributions: list, world_size: int, rank: int,
+                      message: torch.Tensor) -> None:  # fmt: skip
+        """
+        The owner's half: the `W` contributions to the blocks `rank` owns (rank order) averaged and compressed again
+        with its owner residual (replaced in place), into `message`. Nothing when it owns no block of the run.
+        """
+        spec = run[0]
+        owners = fragment.owners[spec.bits]
+        slots = owners.owned_slots(world_size, rank)
+        count = owners.owned_blocks(world_size)[rank].numel()
+        if not count:
+            return
+        key = (OUTER_MODE, fragment.index, spec.bits, world_size, rank)
+        residual = self.owner_residuals.row(key, slots, count * spec.block_size, message.device)
+        _, new_residual = reduce_owned(self, spec, contributions, residual.view(count, spec.block_size),
+                                       message=message)  # fmt: skip
+        self.owner_residuals.replace(key, slots, new_residual)
+
+    def _from_owners(self, fragment: _Fragment, run, row: torch.Tensor, messages: list, world_size: int):
+        """Every rank's last half: the owners' messages (owner order) decoded into `row`, the mean `Δ̄`."""
+        spec, _, length = run
+        nblocks, block = length // spec.block_size, spec.block_size
+        owned = self._owned(fragment, run, world_size, row.device)
+        codes, absmax = from_owners(spec, messages, owned, nblocks, row.device)
+        rows = row.view(nblocks, block)
+        chunk = max(1, ENCODE_CHUNK // block)  # the decode's temporaries: a few chunks
+        for start in range(0, nblocks, chunk):
+            end = min(start + chunk, nblocks)
+            self.kernels.decode([codes[start:end]], [absmax[start:end]], None, spec.bits, 1, out=rows[start:end])
+        return row
 
     def _start_run(self, comm: Collectives, fragment: _Fragment, run, row: torch.Tensor, tag: int = 0,
                    in_place: bool = True):  # fmt: skip
@@ -879,7 +989,7 @@ class OuterSyncState:
         return {
             "global": size(self.global_params.values()),
             "momentum": size(self.momentum.values()),
-            "residuals": self.residuals.nbytes(),
+            "residuals": self.residuals.nbytes() + self.owner_residuals.nbytes(),
         }
 
     def warn_once(self, key: str, message: str) -> None:
@@ -909,7 +1019,8 @@ class OuterSyncState:
         """
         What a resumed run needs to continue bit for bit, on cpu: the step, each fragment's last sync, the settings
         and fragments; on rank 0 only `θ_global` and the momentum (the same on every rank); on every rank its own bf16
-        residuals, its local parameters and its optimizer's state (the Trainer saves rank 0's only).
+        residuals (`residuals`; from 3 ranks also `owner_residuals`: per parameter name, the chunk of it this rank
+        owns), its local parameters and its optimizer's state (the Trainer saves rank 0's only).
 
         With an exchange under way (`delay > 0`) it is waited for here, not applied: the state holds its agreed flag
         and mean `Δ̄` (`in_flight`), and the outer step and merge still happen at its due step, in the resumed run as
@@ -934,6 +1045,7 @@ class OuterSyncState:
             "global": cpu(self.global_params) if self.rank == 0 else {},
             "momentum": cpu(self.momentum) if self.rank == 0 else {},
             "residuals": self.residuals.state_dict(),
+            "owner_residuals": self.owner_residuals.state_dict(),
             "local": cpu(self.params),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "totals": self.traffic.state_dict(),
@@ -945,7 +1057,7 @@ class OuterSyncState:
         Restore [`state_dict`] at the next [`bind`] (at once when bound already). `state_dict` is this rank's saved
         state, `shared` rank 0's (`θ_global`, momentum; defaults to `state_dict`). `state_dict=None` restarts every
         rank from rank 0's `θ_global` with its momentum, step and schedule, without residuals or local steps (a
-        checkpoint of another world size).
+        checkpoint of another world size; the owner residuals, cut per world size, go with the residuals).
         """
         shared = state_dict if shared is None else shared
         for saved in (state_dict, shared):
@@ -972,6 +1084,7 @@ class OuterSyncState:
         else:  # other fragments: each holds local steps since the oldest saved sync
             self.last_sync = [min(state_dict["last_sync"])] * len(self.fragments)
         self.residuals.load_state_dict(state_dict.get("residuals", {}) if state_dict is not None else {})
+        self.owner_residuals.load_state_dict(state_dict.get("owner_residuals", {}) if state_dict is not None else {})
         source = state_dict if state_dict is not None else shared
         self.hook_calls = int(source.get("hook_calls", 0))
         self.traffic.load_state_dict(source.get("totals", {}))

@@ -33,6 +33,16 @@ def alltoall_bytes(nbytes: float, world_size: int) -> float:
     return (world_size - 1) / world_size * nbytes
 
 
+def owner_reduction_bytes(owner_nbytes: list[float], world_size: int) -> float:
+    """
+    Bytes one rank sends when owners reduce a compressed message (the per-step hook's `allreduce` mode, the sync every
+    H steps from 3 ranks): the all-to-all of its parts for the `W` owners (`owner_nbytes[j]` bytes for owner `j`),
+    then the all-gather of the owners' messages, each padded to the longest: `(W - 1) / W * sum + (W - 1) * max`.
+    About `2 (W - 1) / W` times the whole message: flat in `W`.
+    """
+    return alltoall_bytes(sum(owner_nbytes), world_size) + allgather_bytes(max(owner_nbytes), world_size)
+
+
 def dense_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> float:
     """The uncompressed baseline: one ring all-reduce of `numel` gradient entries of `element_size` bytes."""
     return allreduce_bytes(element_size * numel, world_size)
@@ -208,4 +218,5 @@ __all__ = [
     "alltoall_bytes",
     "broadcast_bytes",
     "dense_allreduce_bytes",
+    "owner_reduction_bytes",
 ]

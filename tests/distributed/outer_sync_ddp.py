@@ -32,8 +32,9 @@ from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.compression.codec import BlockMessages
-from grpo_hf.compression.outer_sync import OuterSyncState, fragments_due
-from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes
+from grpo_hf.compression.layout import chunk_bounds, chunk_owner
+from grpo_hf.compression.outer_sync import OWNER_MIN_WORLD_SIZE, OuterSyncState, fragments_due, ramp_points
+from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes, alltoall_bytes
 
 
 SEQ_LEN = 16
@@ -85,15 +86,36 @@ class Replicas(TrainerCallback):
             self.in_flight.append(None if in_flight is None else [in_flight.fragment, in_flight.due])
 
 
-def expected_bytes(state: OuterSyncState, due: list[int], groups: int, world_size: int) -> float:
+def codec_bytes(state: OuterSyncState, index: int, world_size: int, blocking: bool = True) -> float:
+    """
+    The bytes of a fragment's codes in one sync: the all-gather of every rank's message, or from OWNER_MIN_WORLD_SIZE
+    ranks (blocking syncs) the all-to-all of each owner's blocks (each tensor's blocks cut into `W` chunks, chunk `j`
+    owned by rank `(j + crc32(name)) % W`) plus the all-gather of the owners' messages, padded to the longest.
+    """
+    sent = 0.0
+    for spec, slots, length in state.layouts[index].runs:
+        writer, block = BlockMessages(spec), spec.block_size
+        if world_size < OWNER_MIN_WORLD_SIZE or not blocking:
+            sent += allgather_bytes(writer.fixed_nbytes(length // block), world_size)
+            continue
+        counts = [0] * world_size
+        for name, _, numel in slots:
+            shift = chunk_owner(name, world_size)
+            for j, (start, end) in enumerate(chunk_bounds(-(-numel // block), world_size)):
+                counts[(j + shift) % world_size] += end - start
+        sizes = [writer.fixed_nbytes(count) for count in counts]
+        sent += alltoall_bytes(sum(sizes), world_size) + allgather_bytes(max(sizes), world_size)
+    return sent
+
+
+def expected_bytes(state: OuterSyncState, due: list[int], groups: int, world_size: int, blocking: bool) -> float:
     """The bytes a step sends by the formulas of the module docstring: norms, and per synced fragment its flag and
     messages."""
     sent = allreduce_bytes(8 * groups, world_size)
     for f in due:
         sent += allreduce_bytes(8, world_size)  # the fragment's NaN/Inf flag
         fragment = state.layouts[f]
-        for spec, _, length in fragment.runs:
-            sent += allgather_bytes(BlockMessages(spec).fixed_nbytes(length // spec.block_size), world_size)
+        sent += codec_bytes(state, f, world_size, blocking)
         sent += allreduce_bytes(4 * sum(state.numels[n] for n in fragment.dense), world_size)
     return sent
 
@@ -112,8 +134,13 @@ def train(args, resume=None):
     moments = [t for i in sorted(optimizer_state) for t in optimizer_state[i].values() if torch.is_tensor(t)]
     steps = list(range(trainer.state.global_step - len(replicas.identical) + 1, trainer.state.global_step + 1))
     due = [fragments_due(s, state.every, len(state.fragments), state.ramp) for s in steps]
-    if steps and steps[-1] == args.max_steps:
+    last = steps and steps[-1] == args.max_steps
+    if last:
         due[-1] = list(range(len(state.fragments)))  # the last step syncs every fragment
+    # which syncs block: all without delay; with one, the ramp's, the last step's and those of several fragments
+    ramp_end = max(ramp_points(state.every), default=0) if state.ramp else 0
+    blocking = [state.delay == 0 or len(d) != 1 or s <= ramp_end or s == args.max_steps for s, d in zip(steps, due)]
+    world_size = dist.get_world_size()
     record = {
         "is_ddp": isinstance(trainer.model_wrapped, DistributedDataParallel),
         "global_step": trainer.state.global_step,
@@ -127,7 +154,11 @@ def train(args, resume=None):
         "global_identical_after_step": replicas.global_identical,
         "in_flight_after_step": replicas.in_flight,
         "bytes_per_step": replicas.bytes,
-        "expected_bytes": [expected_bytes(state, d, len(trainer.grpo_groups), dist.get_world_size()) for d in due],
+        "expected_bytes": [
+            expected_bytes(state, d, len(trainer.grpo_groups), world_size, b) for d, b in zip(due, blocking)
+        ],
+        "codec_bytes": [codec_bytes(state, f, world_size) for f in range(len(state.fragments))],
+        "codec_numel": [sum(n for run in layout.runs for _, _, n in run[1]) for layout in state.layouts],
         "identical": all(same_on_all_ranks(p) for p in params),
         "global_is_params": all(torch.equal(p, state.global_params[n]) for n, p in trainer.model.named_parameters()),
         "multipliers_identical": same_on_all_ranks(trainer.grpo_callback.importance.multipliers),
@@ -138,6 +169,10 @@ def train(args, resume=None):
         "optimizer_digest": tensor_digest(moments),
         "residual_names": sorted(state.residuals.values),
         "residual_digest": tensor_digest([state.residuals.values[n] for n in sorted(state.residuals.values)]),
+        "owner_residual_names": sorted(state.owner_residuals.values),
+        "owner_residual_digest": tensor_digest(
+            [state.owner_residuals.values[n] for n in sorted(state.owner_residuals.values)]
+        ),
         "changed": [not torch.equal(a, b) for a, b in zip(initial, params)],
         "losses": [entry["loss"] for entry in logs],
         "comm_logs": [{k: v for k, v in e.items() if k.startswith("grpo/comm") or k == "grpo/density"} for e in logs],
