@@ -14,6 +14,9 @@ from pathlib import Path
 from benchmarks.tables import RESULTS, sweep_summary
 
 
+COLUMNS = 3  # panels per line of the figure
+
+
 def plot(sweep: dict, output: Path, baseline: str = "dense") -> Path:
     import matplotlib
 
@@ -21,8 +24,12 @@ def plot(sweep: dict, output: Path, baseline: str = "dense") -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    fig, axes = plt.subplots(1, len(sweep), figsize=(5.5 * len(sweep), 4.4), squeeze=False)
-    for ax, (task, rows) in zip(axes[0], sweep.items()):
+    columns = min(len(sweep), COLUMNS)
+    lines = -(-len(sweep) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(5.5 * columns, 4.4 * lines), squeeze=False)
+    for ax in axes.flat[len(sweep) :]:
+        ax.set_visible(False)
+    for ax, (task, rows) in zip(axes.flat, sweep.items()):
         for name, entry in rows.items():
             points = sorted((float(lr), ppl) for lr, ppl in entry["curve"].items())
             (line,) = ax.plot(*zip(*points), marker=".", label=name)
