@@ -14,8 +14,10 @@ from .compression.outer_sync import (
     DEFAULT_OUTER_MOMENTUM,
     DEFAULT_SYNC_DELAY,
     DEFAULT_SYNC_MIX,
+    DEFAULT_SYNC_MOMENTS,
     DEFAULT_SYNC_RAMP,
     OUTER_DTYPES,
+    SYNC_MOMENTS,
 )
 from .compression.plan import DEFAULT_MIN_NUMEL
 from .compression.spec import (
@@ -162,6 +164,13 @@ class GRPOConfig(CostFields, TrainingArguments):
             `α` in `[0, 1]` (torchft's `fragment_update_alpha`), with `grpo_sync_delay > 0`: a fragment's parameters
             become `(1 − α) θ_global + α θ_local` when its delayed outer step is applied, so the local steps taken
             while the exchange ran are kept in part. `0` restarts from `θ_global` (those steps are dropped).
+        grpo_sync_moments (`str`, *optional*, defaults to `"none"`):
+            The inner optimizer's moments averaged over the ranks at every sync of a fragment, for its parameters:
+            `"none"` (each rank's AdamW state stays its own), `"second"` (`exp_avg_sq`, as hivemind does) or `"both"`
+            (`exp_avg` and `exp_avg_sq`), in place, so that every rank continues from the same moments. One blocking
+            fp32 all-reduce per moment and sync (`2 (W − 1) / W × 4 n` bytes each, `n` the fragment's entries).
+            Needs `grpo_sync_every > 1`, `grpo_sync_delay=0` and an Adam-like optimizer of torch (Adam, AdamW, NAdam,
+            RAdam). Whether it helps is being measured on the suite.
         grpo_outer_lr (`float`, *optional*, defaults to `0.7`) and grpo_outer_momentum (`float`, *optional*, defaults
         to `0.5`):
             The outer step (Nesterov momentum). `1` and `0` is plain parameter averaging (accelerate's `LocalSGD`).
@@ -359,6 +368,15 @@ class GRPOConfig(CostFields, TrainingArguments):
             "theta_global + alpha theta_local (0: restart from theta_global, dropping the steps taken meanwhile)."
         },
     )
+    grpo_sync_moments: str = field(
+        default=DEFAULT_SYNC_MOMENTS,
+        metadata={
+            "help": "With grpo_sync_every > 1 (and grpo_sync_delay=0): the inner AdamW moments averaged over the ranks "
+            "at every sync of a fragment: 'none', 'second' (exp_avg_sq) or 'both' (exp_avg and exp_avg_sq); one fp32 "
+            "all-reduce per moment and sync.",
+            "choices": list(SYNC_MOMENTS),
+        },
+    )
     grpo_outer_lr: float = field(
         default=DEFAULT_OUTER_LR,
         metadata={
@@ -491,6 +509,19 @@ def _check_sync_fields(args) -> None:
             f"grpo_sync_delay={delay} with grpo_sync_every={every} and grpo_sync_fragments={args.grpo_sync_fragments}: "
             "a fragment's exchange must end before the next fragment's starts, so use a delay below "
             f"grpo_sync_every / grpo_sync_fragments = {every / args.grpo_sync_fragments:g}."
+        )
+    moments = args.grpo_sync_moments
+    if not isinstance(moments, str) or moments not in SYNC_MOMENTS:
+        raise ConfigError(f"grpo_sync_moments={moments!r}: use one of {tuple(SYNC_MOMENTS)}.")
+    if moments != "none" and every <= 1:
+        raise ConfigError(
+            f"grpo_sync_moments={moments!r} needs grpo_sync_every > 1: it averages the optimizer's moments at the sync "
+            f"every H steps, and grpo_sync_every={every} keeps them identical (DDP averages the gradients every step)."
+        )
+    if moments != "none" and delay > 0:
+        raise ConfigError(
+            f"grpo_sync_moments={moments!r} with grpo_sync_delay={delay}: the moments are averaged by the blocking syncs "
+            "only. Set grpo_sync_delay=0, or grpo_sync_moments='none'."
         )
     if every == 1:
         if args.grpo_outer_control:

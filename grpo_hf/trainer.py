@@ -243,6 +243,7 @@ class GRPOMixin:
                 exchange=exchange,
                 delay=args.grpo_sync_delay,
                 mix=args.grpo_sync_mix,
+                moments=args.grpo_sync_moments,
             )
         except ValueError as err:
             raise ConfigError(str(err)) from None

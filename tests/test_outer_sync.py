@@ -425,6 +425,114 @@ def test_delay_settings_the_state_and_the_config_refuse(tmp_path, make_args):
     assert (args.grpo_sync_delay, args.grpo_sync_mix) == (1, 0.0)
 
 
+# --- the optimizer's moments averaged at a sync (grpo_sync_moments) -------------------------------------------------
+
+
+class FakeRanks:
+    """The collectives of 2 ranks played by hand: each all-reduce combines this rank's tensor with the next of `others`
+    (the other rank's), as `Collectives.all_reduce` does in place."""
+
+    def __init__(self, others):
+        self.world_size, self.rank, self.others, self.calls = 2, 0, list(others), []
+
+    def all_reduce(self, tensor, op=torch.distributed.ReduceOp.SUM):
+        other = self.others.pop(0).to(tensor.dtype).view_as(tensor)
+        self.calls.append(tensor.numel())
+        return tensor.copy_(torch.maximum(tensor, other) if op == torch.distributed.ReduceOp.MAX else tensor + other)
+
+
+def _stepped(moments, seed=0, lr=1e-2):
+    """A `Tiny` model after one AdamW step on random gradients, its state bound with `moments` (every tensor dense)."""
+    torch.manual_seed(seed)
+    model = Tiny()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    names = [n for n, _ in model.named_parameters()]
+    state = OuterSyncState({n: None for n in names}, [names], every=1, ramp=False, outer_lr=1.0, outer_momentum=0.0,
+                           moments=moments).bind(model, optimizer)  # fmt: skip
+    return model, optimizer, state
+
+
+def _flat(optimizer, model, key):
+    return torch.cat([optimizer.state[p][key].view(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("moments", ["second", "both"])
+def test_a_sync_averages_the_chosen_moments_in_place_and_counts_their_all_reduce(moments, monkeypatch):
+    model, optimizer, state = _stepped(moments)
+    state.world_size = 2  # the exchange of 2 ranks, the other rank's tensors played by FakeRanks
+    numel = sum(p.numel() for p in model.parameters())
+    mine = {key: _flat(optimizer, model, key).clone() for key in ("exp_avg", "exp_avg_sq")}
+    theirs = {"exp_avg": torch.randn(numel), "exp_avg_sq": torch.rand(numel)}
+    keys = ("exp_avg_sq",) if moments == "second" else ("exp_avg", "exp_avg_sq")
+    fake = FakeRanks([torch.zeros(1), torch.zeros(numel)] + [theirs[key] for key in keys])  # flag, dense Δ, moments
+    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self: fake)
+    state.end_step()
+    assert fake.calls == [1, numel] + [numel] * len(keys) and not fake.others  # one fp32 all-reduce per moment
+    for key in ("exp_avg", "exp_avg_sq"):
+        expected = (mine[key] + theirs[key]) / 2 if key in keys else mine[key]
+        assert torch.equal(_flat(optimizer, model, key), expected), key
+    assert state.totals()["bytes_sent"] == allreduce_bytes(8, 2) + allreduce_bytes(4 * numel, 2) * (1 + len(keys))
+
+
+def test_a_nonfinite_moment_sets_the_flag_and_the_moments_are_left_alone(monkeypatch):
+    model, optimizer, state = _stepped("both")
+    state.world_size = 2
+    optimizer.state[model.norm.weight]["exp_avg_sq"][0] = float("inf")
+    before = {key: _flat(optimizer, model, key).clone() for key in ("exp_avg", "exp_avg_sq")}
+    with torch.no_grad():
+        model.big.weight.add_(1.0)
+    fake = FakeRanks([torch.zeros(1)])  # the other rank's flag is clear: this rank's sets the agreed one
+    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self: fake)
+    state.end_step()
+    assert fake.calls == [1] and state.totals()["nonfinite_syncs"] == 1  # the flag only: nothing exchanged
+    for key, value in before.items():
+        assert torch.equal(_flat(optimizer, model, key), value), key
+    assert all(torch.equal(p, state.global_params[n]) for n, p in model.named_parameters())  # restarted
+
+
+def test_without_moments_a_sync_sends_and_changes_what_it_did_before(monkeypatch):
+    model, optimizer, state = _stepped("none")
+    state.world_size = 2
+    numel = sum(p.numel() for p in model.parameters())
+    before = {key: _flat(optimizer, model, key).clone() for key in ("exp_avg", "exp_avg_sq")}
+    fake = FakeRanks([torch.zeros(1), torch.zeros(numel)])
+    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self: fake)
+    state.end_step()
+    assert fake.calls == [1, numel] and state.totals()["bytes_sent"] == allreduce_bytes(8, 2) + allreduce_bytes(
+        4 * numel, 2
+    )
+    for key, value in before.items():
+        assert torch.equal(_flat(optimizer, model, key), value), key
+
+
+def test_moment_settings_the_state_the_bind_and_the_config_refuse(tmp_path, make_args):
+    names = [["w"], ["v"]]
+    with pytest.raises(ValueError, match="moments='first'"):
+        OuterSyncState({"w": None, "v": None}, names, every=4, moments="first")
+    with pytest.raises(ValueError, match="moments='both' with delay=1"):
+        OuterSyncState({"w": None, "v": None}, names, every=4, delay=1, moments="both")
+    model = Tiny()
+    names = [[n for n, _ in model.named_parameters()]]
+    plan = {n: None for n in names[0]}
+    with pytest.raises(ConfigError, match=r"grpo_sync_moments='second'.*exp_avg_sq.*SGD does not keep"):
+        OuterSyncState(plan, names, moments="second").bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match="grpo_sync_moments='both'.*bind the optimizer"):
+        OuterSyncState(plan, names, moments="both").bind(model)
+    OuterSyncState(plan, names).bind(model, torch.optim.SGD(model.parameters(), lr=0.1))  # "none": any optimizer
+    OuterSyncState(plan, names, moments="both").bind(model, torch.optim.Adam(model.parameters()))
+    for fields, match in [
+        ({"grpo_sync_moments": "first"}, r"grpo_sync_moments='first': use one of \('none', 'second', 'both'\)"),
+        ({"grpo_sync_moments": "both", "grpo_sync_every": 1}, "grpo_sync_moments='both' needs grpo_sync_every > 1"),
+        ({"grpo_sync_moments": "second", "grpo_sync_delay": 1}, "grpo_sync_moments='second' with grpo_sync_delay=1"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            make_args(tmp_path, **fields)
+    assert make_args(tmp_path, grpo_sync_moments="both").grpo_sync_moments == "both"
+
+
 # --- GRPOTrainer ------------------------------------------------------------------------------------------------
 
 VOCAB = 96
@@ -472,6 +580,26 @@ def test_plain_averaging_without_exchange_is_the_plain_trainer(tmp_path, make_ar
     outer.train()
     for (name, a), b in zip(plain.model.named_parameters(), outer.model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_on_one_process_the_moments_are_checked_and_nothing_is_averaged(tmp_path, make_args):
+    """Nothing to exchange on one process: `"both"` trains bit for bit as `"none"`; the Trainer's optimizer (under
+    Accelerate's wrapper) passes the check, another is refused at the first step, naming the field and its class."""
+    runs = {}
+    for moments in ("none", "both"):
+        model = tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64)
+        trainer = GRPOTrainer(model=model, args=make_args(tmp_path / moments, max_steps=5, grpo_sync_moments=moments),
+                              train_dataset=token_dataset())  # fmt: skip
+        trainer.train()
+        runs[moments] = trainer
+    for (name, a), b in zip(runs["none"].model.named_parameters(), runs["both"].model.parameters()):
+        assert torch.equal(a, b), name
+    model = tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = GRPOTrainer(model=model, args=make_args(tmp_path / "sgd", max_steps=2, grpo_sync_moments="second"),
+                          train_dataset=token_dataset(), optimizers=(sgd, None))  # fmt: skip
+    with pytest.raises(ConfigError, match="grpo_sync_moments='second'.*SGD"):
+        trainer.train()
 
 
 def test_sync_settings_the_trainer_refuses(tmp_path, make_args):

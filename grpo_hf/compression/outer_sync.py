@@ -137,6 +137,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import ConfigError
 from .codec import ENCODE_CHUNK, BlockMessages, all_safe, compile_kernels
 from .hook import Collectives, from_owners, reduce_owned, to_owners
 from .layout import Run
@@ -155,6 +156,12 @@ DEFAULT_SYNC_RAMP = True
 DEFAULT_SYNC_DELAY = 0
 DEFAULT_SYNC_MIX = 0.5  # α, provisional (not measured on the suite); torchft's `fragment_update_alpha` defaults to 0
 OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# grpo_sync_moments: the inner optimizer's state averaged over ranks at a sync (hivemind averages Adam's exp_avg_sq)
+SYNC_MOMENTS = {"none": (), "second": ("exp_avg_sq",), "both": ("exp_avg", "exp_avg_sq")}
+DEFAULT_SYNC_MOMENTS = "none"
+# Optimizers whose state holds both moments, flat like their parameter (torch's Adam family; AdamW subclasses Adam in
+# recent torch, listed for older ones)
+MOMENT_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)
 # From this many ranks a blocking sync's codes go through owners (the per-step hook's `allreduce` mode); at 2 the owners'
 # reduce-scatter and all-gather send the bytes of the all-gather, and would quantize `Δ̄` twice.
 OWNER_MIN_WORLD_SIZE = 3
@@ -373,6 +380,11 @@ class OuterSyncState:
         mix (`float`, *optional*, defaults to `0.5`):
             `α` in `[0, 1]`: after a delayed sync a fragment's parameters become `(1 − α) θ_global + α θ_local`
             ([`merge_with_global`]); `0` restarts from `θ_global` as a sync without delay does. Unused when `delay=0`.
+        moments (`str`, *optional*, defaults to `"none"`):
+            The inner optimizer's moments averaged over ranks at every sync of a fragment, for its parameters, in place
+            in `optimizer.state` ([`SYNC_MOMENTS`]): `"none"`, `"second"` (`exp_avg_sq`) or `"both"` (`exp_avg` and
+            `exp_avg_sq`); one fp32 all-reduce per moment and fragment, blocking. Needs an optimizer of
+            [`MOMENT_OPTIMIZERS`] at [`bind`] and `delay=0`; nothing to average without an exchange.
     """
 
     __slots__ = (
@@ -385,6 +397,7 @@ class OuterSyncState:
         "fragments",
         "delay",
         "mix",
+        "moments",
         # --- seldom tuned ---
         "dtype",
         "exchange",
@@ -431,6 +444,7 @@ class OuterSyncState:
         process_group: dist.ProcessGroup | None = None,
         delay: int = DEFAULT_SYNC_DELAY,
         mix: float = DEFAULT_SYNC_MIX,
+        moments: str = DEFAULT_SYNC_MOMENTS,
     ):
         if every < 1:
             raise ValueError(f"every={every}: use 1 or more steps between syncs.")
@@ -443,6 +457,13 @@ class OuterSyncState:
             )
         if not 0 <= mix <= 1:
             raise ValueError(f"mix={mix}: use a value in [0, 1] (0 takes θ_global, 1 keeps the local parameters).")
+        if moments not in SYNC_MOMENTS:
+            raise ValueError(f"moments={moments!r}: use one of {tuple(SYNC_MOMENTS)}.")
+        if moments != "none" and delay > 0:
+            raise ValueError(
+                f"moments={moments!r} with delay={delay}: the moments are averaged by the blocking syncs only; use "
+                "delay=0 or moments='none'."
+            )
         if not outer_lr > 0 or not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_lr={outer_lr}, outer_momentum={outer_momentum}: use lr > 0, 0 <= momentum < 1.")
         if dtype not in OUTER_DTYPES.values():
@@ -461,7 +482,7 @@ class OuterSyncState:
         self.fragments = [list(names) for names in fragments]
         self.every, self.outer_lr, self.outer_momentum = int(every), float(outer_lr), float(outer_momentum)
         self.ramp, self.dtype, self.exchange = bool(ramp), dtype, bool(exchange)
-        self.delay, self.mix = int(delay), float(mix)
+        self.delay, self.mix, self.moments = int(delay), float(mix), moments
         self.process_group = process_group
         self.exchange_group: dist.ProcessGroup | None = None  # with delay > 0 under DDP: the exchanges' own group
         self.simulated_world_size = 2  # the per-step state's interface; one process exchanges and counts nothing
@@ -536,6 +557,7 @@ class OuterSyncState:
             self.world_size, self.rank = 1, 0
         self.kernels = compile_kernels(False)  # a sync every H steps: the eager kernels, the same on every rank
         self.optimizer = optimizer
+        self._check_moments(optimizer)
         self.in_flight = None  # a fresh θ_global: nothing of another binding is under way
         if self.delay > 0 and self.exchange and self.world_size > 1 and self.exchange_group is None:
             # The exchanges get a process group of their own (the same ranks, in order): NCCL runs the collectives of
@@ -551,7 +573,7 @@ class OuterSyncState:
                 self.pending = None
         logger.info(
             "GRPO sync every %d steps: %s, world size %d, %d fragments of %s entries, outer lr %g momentum %g, ramp %s, "
-            "delay %d (mix %g), θ_global in %s.",
+            "delay %d (mix %g), θ_global in %s, optimizer moments averaged: %s.",
             self.every,
             "exchange" if self.exchange else "no exchange (the outer step only)",
             self.world_size,
@@ -563,8 +585,31 @@ class OuterSyncState:
             self.delay,
             self.mix,
             str(self.dtype).replace("torch.", ""),
+            self.moments,
         )
         return self
+
+    def _check_moments(self, optimizer) -> None:
+        """
+        With `moments` other than `"none"`: refuse an optimizer that does not keep them (not one of
+        [`MOMENT_OPTIMIZERS`], under Accelerate's wrapper), or whose state of a trainable parameter lacks one.
+        """
+        keys = SYNC_MOMENTS[self.moments]
+        if not keys:
+            return
+        field = f"grpo_sync_moments={self.moments!r}"
+        inner = _unwrap_optimizer(optimizer)
+        if inner is None:
+            raise ConfigError(f"{field} averages the optimizer's {' and '.join(keys)}: bind the optimizer that steps.")
+        missing = [key for key in keys if not isinstance(inner, MOMENT_OPTIMIZERS)]
+        for param in self.params.values():
+            saved = inner.state.get(param)
+            missing += [key for key in keys if saved and key not in saved]
+        if missing:
+            raise ConfigError(
+                f"{field} averages the optimizer's {' and '.join(keys)}, which {type(inner).__name__} does not keep "
+                f"({', '.join(c.__name__ for c in MOMENT_OPTIMIZERS)} do): use one of them, or grpo_sync_moments='none'."
+            )
 
     # --- per step ---
     def _collectives(self) -> Collectives:
@@ -663,9 +708,13 @@ class OuterSyncState:
     def _sync(self, due: list[int]) -> None:
         """Steps 3-6 of the module docstring for the fragments `due`, one after the other (work memory: one)."""
         comm, world_size = self._collectives(), self.step_world_size
+        keys = SYNC_MOMENTS[self.moments] if self.optimizer is not None else ()
         for fragment in (self.layouts[f] for f in due):
             dense, rows = self._deltas(fragment)
-            unsafe = not all_safe([dense, *rows])
+            # the moments to average join the NaN/Inf check (read in place): set, the flag leaves them alone
+            moments = [t for key in keys if world_size > 1 for t in self._moments(fragment, key) if t is not None]
+            unsafe = not all_safe([dense, *rows, *moments])
+            del moments
             if world_size > 1:
                 flag = self._device_tensor(torch.tensor([int(unsafe)], dtype=torch.int64))
                 unsafe = bool(comm.all_reduce(flag, op=dist.ReduceOp.MAX).item())
@@ -683,8 +732,54 @@ class OuterSyncState:
             del dense, rows
             for name in fragment.names:
                 self.params[name].copy_(self.global_params[name])
+            if keys and world_size > 1 and not unsafe:
+                self._average_moments(comm, fragment, keys)
             self.last_sync[fragment.index] = self.step
             self._count_sync(fragment)
+
+    def _moments(self, fragment: _Fragment, key: str) -> list[torch.Tensor | None]:
+        """
+        The optimizer's `key` state of each of the fragment's parameters (`None` for a parameter without state: it never
+        had a gradient, on every rank under DDP, which agrees on the unused parameters).
+        """
+        state = _unwrap_optimizer(self.optimizer).state
+        tensors = []
+        for name in fragment.names:
+            param, saved = self.params[name], state.get(self.params[name])
+            moment = saved.get(key) if saved else None
+            if saved and (not torch.is_tensor(moment) or moment.numel() != param.numel()):
+                raise ConfigError(
+                    f"grpo_sync_moments={self.moments!r}: the optimizer's state of {name} has no {key} of its shape "
+                    f"({type(_unwrap_optimizer(self.optimizer)).__name__}); use grpo_sync_moments='none'."
+                )
+            tensors.append(moment)
+        return tensors
+
+    def _average_moments(self, comm: Collectives, fragment: _Fragment, keys: tuple[str, ...]) -> None:
+        """
+        Average the optimizer's moments `keys` of the fragment's parameters over the ranks, in place: per moment, the
+        fragment's tensors flat in one fp32 row (zeros for a parameter without state), one all-reduce, divided by `W`
+        and copied back in the moment's dtype. Every rank then holds the same bits. Work memory: one row at a time.
+        """
+        world_size = comm.world_size
+        device = next(iter(self.params.values())).device
+        for key in keys:
+            tensors = self._moments(fragment, key)
+            flat = torch.zeros(fragment.numel, device=device)
+            offset = 0
+            for name, moment in zip(fragment.names, tensors):
+                if moment is not None:
+                    flat[offset : offset + self.numels[name]].copy_(moment.view(-1))
+                offset += self.numels[name]
+            comm.all_reduce(flat)
+            flat /= world_size
+            self.stats.bytes_sent += allreduce_bytes(4 * flat.numel(), world_size)
+            offset = 0
+            for name, moment in zip(fragment.names, tensors):
+                if moment is not None:
+                    moment.copy_(flat[offset : offset + self.numels[name]].view_as(moment))
+                offset += self.numels[name]
+            del flat
 
     # --- overlap (delay > 0) ---
     @torch.no_grad()
@@ -1013,6 +1108,7 @@ class OuterSyncState:
             "exchange": self.exchange,
             "delay": self.delay,
             "mix": self.mix,
+            "moments": self.moments,
         }
 
     def state_dict(self) -> dict:
@@ -1143,9 +1239,19 @@ class OuterSyncState:
         return (
             f"OuterSyncState(every={self.every}, fragments={len(self.fragments)}, outer_lr={self.outer_lr}, "
             f"outer_momentum={self.outer_momentum}, ramp={self.ramp}, exchange={self.exchange}, delay={self.delay}, "
-            f"mix={self.mix}, step={self.step}, "
+            f"mix={self.mix}, moments={self.moments!r}, step={self.step}, "
             f"world_size={self.world_size})"
         )
+
+
+def _unwrap_optimizer(optimizer):
+    """The torch optimizer under Accelerate's `AcceleratedOptimizer` (itself an `Optimizer`); `None` stays `None`."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    return optimizer
 
 
 def local_gradient_hook(state: OuterSyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -1166,10 +1272,13 @@ __all__ = [
     "DEFAULT_OUTER_MOMENTUM",
     "DEFAULT_SYNC_DELAY",
     "DEFAULT_SYNC_MIX",
+    "DEFAULT_SYNC_MOMENTS",
     "DEFAULT_SYNC_RAMP",
+    "MOMENT_OPTIMIZERS",
     "OUTER_DTYPES",
     "OUTER_MODE",
     "OuterSyncState",
+    "SYNC_MOMENTS",
     "fragment_offsets",
     "fragments_due",
     "local_gradient_hook",
