@@ -33,6 +33,11 @@ def results(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def results_moments(tmp_path_factory):
+    return _launch(tmp_path_factory, 2, "moments", "moments_resume")
+
+
+@pytest.fixture(scope="module")
 def results4(tmp_path_factory):
     return _launch(tmp_path_factory, 4, "sync", "resume", "delay", timeout=900)
 
@@ -147,6 +152,46 @@ def test_resume_with_an_exchange_in_flight_is_bit_identical(results):
             assert resumed[key] == straight[key], key
         assert resumed["totals"]["syncs"] == straight["totals"]["syncs"]
         assert resumed["totals"]["bytes_sent"] == straight["totals"]["bytes_sent"]
+
+
+def test_averaged_moments_are_bit_identical_after_every_sync_and_their_bytes_follow_the_formula(results_moments):
+    for result in results_moments:
+        run = result["moments"]
+        assert run["is_ddp"] and run["exchange"] and run["global_step"] == 14
+        assert run["hook_calls"] >= run["global_step"]  # the local-gradient hook ran at every step
+        assert all(run["global_identical_after_step"])
+        drifted = False
+        for step, due, moments, params in zip(
+            run["steps"], run["due"], run["moments_identical_fragments"], run["identical_fragments"]
+        ):
+            for index, (same, same_params) in enumerate(zip(moments, params)):
+                if index in due:
+                    assert same and same_params, f"fragment {index}'s moments differ right after its sync at {step}"
+                else:
+                    drifted |= not same
+        assert drifted  # between syncs each rank's optimizer state is its own
+        assert run["identical"] and run["global_is_params"] and run["last_sync"] == [14, 14]
+        # one fp32 all-reduce per moment (exp_avg, exp_avg_sq) and synced fragment, on top of the sync's bytes
+        assert run["bytes_per_step"] == run["expected_bytes"]
+        for due, sent, without in zip(run["due"], run["bytes_per_step"], run["expected_bytes_without_moments"]):
+            numel = sum(run["fragment_numels"][f] for f in due)
+            assert sent - without == 2 * (2 * (2 - 1) / 2 * 4 * numel)
+        assert run["totals"]["bytes_sent"] == sum(run["bytes_per_step"]) == run["cost_comm_bytes"]
+    for key in ("digest", "global_digest", "momentum_digest"):
+        assert results_moments[0]["moments"][key] == results_moments[1]["moments"][key], key
+
+
+def test_resume_with_averaged_moments_is_bit_identical(results_moments):
+    for result in results_moments:
+        straight, resumed = result["moments_resume"]["straight"], result["moments_resume"]["resumed"]
+        assert resumed["steps"] == list(range(7, 13))
+        for key in ("digest", "global_digest", "momentum_digest", "optimizer_digest", "residual_digest"):
+            assert resumed[key] == straight[key], key
+        assert resumed["totals"]["bytes_sent"] == straight["totals"]["bytes_sent"]
+    # the last step synced (and averaged) every fragment: the optimizer states agree, the residuals do not
+    straight = [r["moments_resume"]["straight"] for r in results_moments]
+    assert straight[0]["optimizer_digest"] == straight[1]["optimizer_digest"]
+    assert straight[0]["residual_digest"] != straight[1]["residual_digest"]
 
 
 # --- 4 processes: the codes of Δ go through owners ------------------------------------------------------------

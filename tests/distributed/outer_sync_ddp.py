@@ -13,6 +13,9 @@ Scenarios, each recording per rank what the pytest side asserts:
 - `delay`: `sync` with `grpo_sync_delay=1` and `grpo_sync_mix=0.5`: each fragment's exchange runs behind one step;
   `θ_global` bit-identical on every rank after every step, bytes per step by the formulas (counted at the start).
 - `delay_resume`: `resume` with `grpo_sync_delay=1` and no ramp: checkpoint-6 holds fragment 0's exchange in flight.
+- `moments` (launched on its own): `sync` with `grpo_sync_moments="both"`: after every sync of a fragment every rank
+  holds the same `exp_avg` and `exp_avg_sq` of its parameters; bytes per step with one fp32 all-reduce per moment.
+- `moments_resume` (launched on its own): `resume` with `grpo_sync_moments="both"`.
 
 Usage: torchrun --nproc_per_node 2 outer_sync_ddp.py OUT_DIR [SCENARIO ...]
 """
@@ -33,7 +36,13 @@ from transformers import TrainerCallback
 from grpo_hf import GRPOTrainer
 from grpo_hf.compression.codec import BlockMessages
 from grpo_hf.compression.layout import chunk_bounds, chunk_owner
-from grpo_hf.compression.outer_sync import OWNER_MIN_WORLD_SIZE, OuterSyncState, fragments_due, ramp_points
+from grpo_hf.compression.outer_sync import (
+    OWNER_MIN_WORLD_SIZE,
+    SYNC_MOMENTS,
+    OuterSyncState,
+    fragments_due,
+    ramp_points,
+)
 from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes, alltoall_bytes
 
 
@@ -66,12 +75,13 @@ class Replicas(TrainerCallback):
 
     def __init__(self):
         self.identical, self.fragments, self.bytes, self.global_identical, self.in_flight = [], [], [], [], []
+        self.moments = []  # with grpo_sync_moments: per fragment, whether its optimizer moments agree across ranks
         self.state = None
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._before = self.state.totals()["bytes_sent"] if self.state is not None else 0.0
 
-    def on_step_end(self, args, state, control, model=None, **kwargs):
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         params = [p.detach() for p in model.parameters()]
         self.identical.append(all(same_on_all_ranks(p) for p in params))
         if self.state is not None:
@@ -84,6 +94,15 @@ class Replicas(TrainerCallback):
             self.global_identical.append(all(same_on_all_ranks(global_params[n]) for n in sorted(global_params)))
             in_flight = self.state.in_flight
             self.in_flight.append(None if in_flight is None else [in_flight.fragment, in_flight.due])
+            keys = SYNC_MOMENTS[self.state.moments]
+            if keys:
+                held = optimizer.state
+                self.moments.append(
+                    [
+                        all(same_on_all_ranks(held[named[n]][key]) for n in names for key in keys)
+                        for names in self.state.fragments
+                    ]
+                )
 
 
 def codec_bytes(state: OuterSyncState, index: int, world_size: int, blocking: bool = True) -> float:
@@ -108,15 +127,17 @@ def codec_bytes(state: OuterSyncState, index: int, world_size: int, blocking: bo
     return sent
 
 
-def expected_bytes(state: OuterSyncState, due: list[int], groups: int, world_size: int, blocking: bool) -> float:
+def expected_bytes(state: OuterSyncState, due: list[int], groups: int, world_size: int, blocking: bool,
+                   moments: int = 0) -> float:  # fmt: skip
     """The bytes a step sends by the formulas of the module docstring: norms, and per synced fragment its flag and
-    messages."""
+    messages, and `moments` fp32 all-reduces of its entries (grpo_sync_moments)."""
     sent = allreduce_bytes(8 * groups, world_size)
     for f in due:
         sent += allreduce_bytes(8, world_size)  # the fragment's NaN/Inf flag
         fragment = state.layouts[f]
         sent += codec_bytes(state, f, world_size, blocking)
         sent += allreduce_bytes(4 * sum(state.numels[n] for n in fragment.dense), world_size)
+        sent += moments * allreduce_bytes(4 * fragment.numel, world_size)
     return sent
 
 
@@ -155,8 +176,13 @@ def train(args, resume=None):
         "in_flight_after_step": replicas.in_flight,
         "bytes_per_step": replicas.bytes,
         "expected_bytes": [
+            expected_bytes(state, d, len(trainer.grpo_groups), world_size, b, len(SYNC_MOMENTS[state.moments]))
+            for d, b in zip(due, blocking)
+        ],
+        "expected_bytes_without_moments": [
             expected_bytes(state, d, len(trainer.grpo_groups), world_size, b) for d, b in zip(due, blocking)
         ],
+        "moments_identical_fragments": replicas.moments,
         "codec_bytes": [codec_bytes(state, f, world_size) for f in range(len(state.fragments))],
         "codec_numel": [sum(n for run in layout.runs for _, _, n in run[1]) for layout in state.layouts],
         "identical": all(same_on_all_ranks(p) for p in params),
@@ -258,6 +284,18 @@ def scenario_delay_resume(out_dir):
     return {"straight": straight, "resumed": resumed, "saved_in_flight": [saved["fragment"], saved["due"]]}
 
 
+def scenario_moments(out_dir):
+    return train(make_args(out_dir, "moments", grpo_sync_moments="both"))
+
+
+def scenario_moments_resume(out_dir):
+    args = make_args(out_dir, "moments_resume", max_steps=12, save_strategy="steps", save_steps=6,
+                     grpo_sync_moments="both")  # fmt: skip
+    straight = train(args)
+    resumed = train(args, resume=os.path.join(args.output_dir, "checkpoint-6"))
+    return {"straight": straight, "resumed": resumed}
+
+
 SCENARIOS = {
     "localsgd": scenario_localsgd,
     "sync": scenario_sync,
@@ -266,11 +304,14 @@ SCENARIOS = {
     "accum": scenario_accum,
     "delay": scenario_delay,
     "delay_resume": scenario_delay_resume,
+    "moments": scenario_moments,
+    "moments_resume": scenario_moments_resume,
 }
+ALONE = ("moments", "moments_resume")  # launched by their own test fixture, not by default
 
 
 def main():
-    out_dir, names = sys.argv[1], sys.argv[2:] or list(SCENARIOS)
+    out_dir, names = sys.argv[1], sys.argv[2:] or [name for name in SCENARIOS if name not in ALONE]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # Accelerate takes it over
     results = {name: SCENARIOS[name](out_dir) for name in names}
