@@ -56,6 +56,10 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
    with `μ = 0` the momentum is not kept.
 6. **Restart.** Every rank copies `θ_global` into its parameters in place (`p.copy_`: never
    `vector_to_parameters`, which would make the parameters views of a reused buffer).
+7. **Moments** (`moments="second"` or `"both"`, blocking syncs only): the inner optimizer's `exp_avg_sq` (and
+   `exp_avg`) of the fragment's parameters are averaged over the ranks in place in `optimizer.state`: per moment one
+   fp32 row of the fragment (as its dense tensors), one all-reduce, divided by `W`. They join step 3's NaN/Inf check;
+   with the flag set they are left as they are.
 
 ## Overlap (`delay = τ > 0`, Streaming DiLoCo)
 
@@ -101,6 +105,7 @@ delay does, and drops those steps; `α > 0` keeps that share of them (and of the
 
 - Every step: `2 (W − 1) / W × 8 G` for the agreed group norms (`G` groups).
 - Per fragment synced: `2 (W − 1) / W × 8` for the flag, plus `2 (W − 1) / W × 4 n_dense` for its dense tensors,
+  plus with `moments` `2 (W − 1) / W × 4 n` per moment averaged (`n` the fragment's entries),
   plus for its codes (`s` = `4 + bits × 128 / 8` bytes per block of 128 entries, padded to 16 bytes):
   - `W = 2`, and delayed exchanges: `(W − 1) × s`, the all-gather of the messages;
   - `W >= 3`, blocking: `(W − 1) / W × S + (W − 1) × s_owner` ([`~grpo_hf.compression.traffic.owner_reduction_bytes`]):
