@@ -774,7 +774,7 @@ class OuterSyncState:
             offset = 0
             for name, moment in zip(fragment.names, tensors):
                 if moment is not None:
-                    flat[offset : offset + self.numels[name]].copy_(moment.view(-1))
+                    flat[offset : offset + self.numels[name]].copy_(moment.reshape(-1))
                 offset += self.numels[name]
             comm.all_reduce(flat)
             flat /= world_size
