@@ -55,6 +55,8 @@ def test_sync_rows_resolve_to_typed_settings(suite):
         "grpo_bits": "8", "grpo_scale_gradients": False, "grpo_outer_lr": 0.5, "grpo_outer_momentum": 0.0,
         "grpo_outer_dtype": "bfloat16",
     }  # fmt: skip
+    assert suite.parse_row("comm", "sync32-q8-lr1-m0-momboth")["overrides"]["grpo_sync_moments"] == "both"
+    assert "grpo_sync_moments" not in suite.parse_row("comm", "sync32-q8-lr1-m0")["overrides"]
     # the peer: accelerate's LocalSGD is plain averaging of fp32 parameters every H steps, no ramp
     assert suite.parse_row("comm", "localsgd-h8")["overrides"] == {
         "grpo_sync_every": 8, "grpo_outer_lr": 1.0, "grpo_outer_momentum": 0.0, "grpo_compression": "none",
@@ -67,7 +69,16 @@ def test_sync_rows_resolve_to_typed_settings(suite):
     )  # fmt: skip
     assert typed == {"grpo_sync_every": 16, "grpo_sync_fragments": 2, "grpo_sync_ramp": False, "grpo_outer_lr": 0.5,
                      "grpo_outer_momentum": 0.0, "grpo_outer_dtype": "bfloat16", "grpo_outer_control": False}  # fmt: skip
-    for name in ("sync32", "sync16-q4", "sync32-q8", "sync16-fp32", "localsgd-h16", "outer-h16", "sync16-q4-f4-bf16"):
+    for name in (
+        "sync32",
+        "sync16-q4",
+        "sync32-q8",
+        "sync16-fp32",
+        "localsgd-h16",
+        "outer-h16",
+        "sync16-q4-f4-bf16",
+        "sync32-q8-lr1-m0-momsecond",
+    ):
         GRPOConfig(output_dir="/tmp/unused", **suite._typed(suite.parse_row("comm", name)["overrides"]))
 
 
