@@ -3,7 +3,7 @@
 | task | model | trained | data | metric |
 |---|---|---|---|---|
 | `llama-scratch` | Llama 2.6M (hidden 128, 4 layers), from scratch | all | stdlib source, 128 tokens | perplexity |
-| `gpt2-scratch` | GPT-2 1.3M (hidden 96, 3 layers, fused `c_attn`), from scratch, higher LR | all | stdlib source, 64 tokens | perplexity |
+| `gpt2-scratch` | GPT-2 1.3M (hidden 96, 3 layers, fused `c_attn`), from scratch | all | stdlib source, 64 tokens | perplexity |
 | `smollm2-lora` | SmolLM2-135M-Instruct (pretrained, offline) | LoRA r=8 | stdlib source, 128 tokens | perplexity |
 | `smollm2-full` | SmolLM2-135M-Instruct | every parameter (134.5M) | stdlib docstrings (prose), 64 tokens | perplexity |
 | `minilm-cls` | all-MiniLM-L6-v2 (pretrained encoder, offline) | LoRA r=8 + head | BBC News, 5 classes | accuracy, loss |
@@ -67,6 +67,9 @@ class Task:
         )
 
 
+# Each task's learning rate is dense DDP's best on the suite's ×2 grid (`suite.py --lrs`, benchmarks/LOG.md,
+# 2026-12-03 and 2026-12-04), so that rows still compared at one learning rate are compared where dense is tuned.
+# Re-centred from: llama-finetune 5e-4, gpt2-scratch 5e-3, smollm2-lora 1e-3, smollm2-full 5e-5.
 TASKS = {
     task.name: task
     for task in (
@@ -77,16 +80,16 @@ TASKS = {
         ),
         Task(
             "gpt2-scratch", "lm", "tiny-gpt2", False, max_steps=150, batch_size=16, seq_len=64,
-            learning_rate=5e-3, warmup_steps=10,
+            learning_rate=1.25e-3, warmup_steps=10,
             shape={"hidden_size": 96, "layers": 3, "heads": 4, "vocab_size": 4096},
         ),
         Task(
             "smollm2-lora", "lm", "smollm2", True, max_steps=24, batch_size=4, seq_len=128,
-            learning_rate=1e-3, warmup_steps=3, eval_size=16384,
+            learning_rate=2e-3, warmup_steps=3, eval_size=16384,
         ),
         Task(
             "smollm2-full", "lm", "smollm2", False, max_steps=16, batch_size=4, seq_len=64,
-            learning_rate=5e-5, warmup_steps=2, corpus="docstrings", eval_size=8192,
+            learning_rate=1e-4, warmup_steps=2, corpus="docstrings", eval_size=8192,
         ),
         Task(
             "minilm-cls", "cls", "minilm", True, max_steps=60, batch_size=16, seq_len=128,
@@ -97,8 +100,6 @@ TASKS = {
             learning_rate=3e-3, warmup_steps=20,
             shape={"hidden_size": 64, "layers": 2, "heads": 4, "vocab_size": 8192, "tie": False},
         ),
-        # learning rate re-centred on dense's best of the sweep (was 5e-4, far from it; benchmarks/LOG.md,
-        # 2026-12-03): rows compared at one learning rate are compared where dense is tuned
         Task(
             "llama-finetune", "lm", "tiny-llama", False, max_steps=120, batch_size=16, seq_len=128,
             learning_rate=4e-3, warmup_steps=10, corpus="docstrings",

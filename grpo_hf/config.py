@@ -171,10 +171,11 @@ class GRPOConfig(CostFields, TrainingArguments):
             fp32 all-reduce per moment and sync (`2 (W − 1) / W × 4 n` bytes each, `n` the fragment's entries).
             Needs `grpo_sync_every > 1`, `grpo_sync_delay=0` and an Adam-like optimizer of torch (Adam, AdamW, NAdam,
             RAdam). Whether it helps is being measured on the suite.
-        grpo_outer_lr (`float`, *optional*, defaults to `0.7`) and grpo_outer_momentum (`float`, *optional*, defaults
-        to `0.5`):
-            The outer step (Nesterov momentum). `1` and `0` is plain parameter averaging (accelerate's `LocalSGD`).
-            Provisional defaults, from a prototype on one tiny model (issue 28); the benchmark suite decides them.
+        grpo_outer_lr (`float`, *optional*, defaults to `1.0`) and grpo_outer_momentum (`float`, *optional*, defaults
+        to `0.0`):
+            The outer step (Nesterov momentum). The defaults, `1` and `0`, are plain parameter averaging (accelerate's
+            `LocalSGD`), chosen best against best on the benchmark suite over the outer step of the prototype (0.7,
+            0.5); DiLoCo's published `0.7` / `0.9` is for large models and many steps.
         grpo_outer_dtype (`str`, *optional*, defaults to `"float32"`):
             Of `θ_global` and the outer momentum, two copies of the trainable parameters: `"bfloat16"` halves them, and
             every sync restarts the model from bf16 values: for training from scratch; a fine-tune at a small learning

@@ -155,8 +155,8 @@ logger = logging.getLogger(__name__)
 
 OUTER_MODE = "outer-sync"  # the `mode` of this state in checkpoints (beside "allgather", "allreduce", FSDP's)
 STATE_VERSION = 1
-DEFAULT_OUTER_LR = 0.7  # provisional, from the prototype (docs/compression.md); chosen on the suite
-DEFAULT_OUTER_MOMENTUM = 0.5
+DEFAULT_OUTER_LR = 1.0  # plain averaging: best against best on the suite (benchmarks/LOG.md, 2026-12-04)
+DEFAULT_OUTER_MOMENTUM = 0.0
 DEFAULT_SYNC_RAMP = True
 DEFAULT_SYNC_DELAY = 0
 DEFAULT_SYNC_MIX = 0.5  # α, provisional (not measured on the suite); torchft's `fragment_update_alpha` defaults to 0
@@ -364,9 +364,9 @@ class OuterSyncState:
         every (`int`, *optional*, defaults to `16`):
             `H`: optimizer steps between two syncs of a fragment. Longer saves bytes and costs quality (small models
             and more workers most); tune it first.
-        outer_lr (`float`, *optional*, defaults to `0.7`) and outer_momentum (`float`, *optional*, defaults to `0.5`):
-            The outer SGD step (Nesterov). `1` and `0` is plain parameter averaging (accelerate's `LocalSGD`);
-            DiLoCo's published `0.7` / `0.9` was too strong for the small models of the prototype.
+        outer_lr (`float`, *optional*, defaults to `1.0`) and outer_momentum (`float`, *optional*, defaults to `0.0`):
+            The outer SGD step (Nesterov). `1` and `0` is plain parameter averaging (accelerate's `LocalSGD`), which
+            held best against best on the suite's tasks; DiLoCo publishes `0.7` / `0.9` for large models.
         ramp (`bool`, *optional*, defaults to `True`):
             Sync after steps 1, 3, 7, … (intervals doubling up to `H`) before the first full interval: the workers
             drift apart most at the start.
