@@ -42,19 +42,24 @@ def results4(tmp_path_factory):
     return _launch(tmp_path_factory, 4, "sync", "resume", "delay", timeout=900)
 
 
+def assert_fragments_identical_right_after_their_syncs(run: dict) -> None:
+    """Each fragment is identical across ranks right after its sync; the replicas differ while a fragment has not."""
+    for step, due, identical, fragments in zip(
+        run["steps"], run["due"], run["identical_after_step"], run["identical_fragments"]
+    ):
+        for index, same in enumerate(fragments):
+            if index in due:
+                assert same, f"fragment {index} differs across ranks right after its sync at step {step}"
+        if len(due) < 2:
+            assert not identical, f"the replicas agree at step {step} although a fragment did not sync"
+
+
 def test_inner_steps_are_local_and_every_sync_leaves_identical_replicas(results):
     for result in results:
         run = result["sync"]
         assert run["is_ddp"] and run["exchange"] and run["global_step"] == 14
         assert run["hook_calls"] >= run["global_step"]  # the local-gradient hook ran at every step
-        for step, due, identical, fragments in zip(
-            run["steps"], run["due"], run["identical_after_step"], run["identical_fragments"]
-        ):
-            for index, same in enumerate(fragments):
-                if index in due:
-                    assert same, f"fragment {index} differs across ranks right after its sync at step {step}"
-            if len(due) < 2:
-                assert not identical, f"the replicas agree at step {step} although a fragment did not sync"
+        assert_fragments_identical_right_after_their_syncs(run)
         assert run["identical"] and run["global_is_params"]  # the last step synced every fragment
         assert run["last_sync"] == [14, 14]
         assert run["multipliers_identical"] and len(set(run["multipliers"])) > 1  # the agreed norms acted
@@ -203,14 +208,7 @@ def test_at_four_ranks_owners_reduce_and_every_sync_leaves_the_same_global_model
         assert run["is_ddp"] and run["exchange"] and run["global_step"] == 14
         assert run["hook_calls"] >= run["global_step"]  # the local-gradient hook ran at every step
         assert all(run["global_identical_after_step"])  # θ_global bit-identical on every rank after every step
-        for step, due, identical, fragments in zip(
-            run["steps"], run["due"], run["identical_after_step"], run["identical_fragments"]
-        ):
-            for index, same in enumerate(fragments):
-                if index in due:
-                    assert same, f"fragment {index} differs across ranks right after its sync at step {step}"
-            if len(due) < 2:
-                assert not identical, f"the replicas agree at step {step} although a fragment did not sync"
+        assert_fragments_identical_right_after_their_syncs(run)
         assert run["identical"] and run["global_is_params"] and run["last_sync"] == [14, 14]
         assert run["owner_residual_names"]  # the owner path ran: each rank keeps the residual of its chunks
         # the bytes are the owners' (all-to-all + all-gather of the owners' messages), not the all-gather's
