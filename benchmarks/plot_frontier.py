@@ -2,17 +2,21 @@
 
     python -m benchmarks.plot_frontier                                   # benchmarks/results/suite_sync
     python -m benchmarks.plot_frontier --results runs/suite_sync --output /tmp/frontier.png
+    python -m benchmarks.plot_frontier --sweep --output docs/figures/sync-frontier-best.png  # best against best
 
 x: how many times fewer bytes than dense fp32 DDP a row sends over the whole run (log scale); y: its eval perplexity
 over dense's on the same seeds (geometric mean; the bar reaches the worst seed). GRPO's sync-every-H rows, the
 per-step codes, the peers (torch's PowerSGD, accelerate-style LocalSGD) and the outer-step control have their own
 markers; the dotted lines are issue 28's goal (100× fewer bytes, 1.01× on a fine-tune, 1.02× from scratch).
+
+With `--sweep` the points come from a learning-rate sweep (`benchmarks/results/suite_sweep`, `suite.py --lrs`):
+each row at its own best learning rate over dense at its own (best against best), for the tasks with sync rows.
 """
 
 import argparse
 from pathlib import Path
 
-from benchmarks.tables import RESULTS, _suite, _sync_kind
+from benchmarks.tables import RESULTS, _suite, _sync_kind, sweep_summary
 
 
 MARKERS = {
@@ -58,11 +62,18 @@ def plot(summary: dict, output: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", default=str(RESULTS / "suite_sync"), help="a suite output folder")
+    parser.add_argument("--results", default=None, help="a suite output folder (default: suite_sync, or suite_sweep)")
     parser.add_argument("--output", default="docs/figures/sync-frontier.png", help="the PNG to write")
+    parser.add_argument("--sweep", action="store_true", help="best against best, from a learning-rate sweep")
     args = parser.parse_args(argv)
-    results = Path(args.results)
-    summary, _ = _suite(results.name, root=results.resolve().parent)
+    results = Path(args.results or RESULTS / ("suite_sweep" if args.sweep else "suite_sync"))
+    if args.sweep:
+        sweep, _ = sweep_summary(results)
+        summary = {
+            task: rows for task, rows in sweep.items() if any(_sync_kind(row) == "GRPO sync every H" for row in rows)
+        }
+    else:
+        summary, _ = _suite(results.name, root=results.resolve().parent)
     print(f"wrote {plot(summary, Path(args.output))}")
 
 
