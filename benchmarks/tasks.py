@@ -69,7 +69,7 @@ class Task:
 
 # Each task's learning rate is dense DDP's best on the suite's ×2 grid (`suite.py --lrs`, benchmarks/LOG.md,
 # 2026-12-03 and 2026-12-04), so that rows still compared at one learning rate are compared where dense is tuned.
-# Re-centred from: llama-finetune 5e-4, gpt2-scratch 5e-3, smollm2-lora 1e-3, smollm2-full 5e-5.
+# Re-centred from: llama-finetune 5e-4, gpt2-scratch 5e-3, smollm2-lora 1e-3, smollm2-full 5e-5, minilm-cls 1e-3.
 TASKS = {
     task.name: task
     for task in (
@@ -93,7 +93,7 @@ TASKS = {
         ),
         Task(
             "minilm-cls", "cls", "minilm", True, max_steps=60, batch_size=16, seq_len=128,
-            learning_rate=1e-3, warmup_steps=6, eval_size=0,
+            learning_rate=2e-3, warmup_steps=6, eval_size=0,
         ),
         Task(
             "llama-untied", "lm", "tiny-llama", False, max_steps=300, batch_size=16, seq_len=64,
