@@ -90,7 +90,7 @@ def sync_row(name: str) -> dict | None:
         row = {"grpo_sync_every": int(match["every"]), "grpo_sync_fragments": int(match["fragments"] or 1),
                "grpo_sync_ramp": not match["noramp"]}  # fmt: skip
         if match["bits"]:
-            row.update(grpo_compression="quantize", grpo_bits=match["bits"], grpo_scale_gradients=False)
+            row.update(grpo_compression="quantize", grpo_sync_bits=match["bits"], grpo_scale_gradients=False)
         else:
             row.update(grpo_compression="none")
     if match:

@@ -12,6 +12,10 @@ COMM_MODE_CHOICES = ("auto", *MODES)
 DEFAULT_DENSITY = 0.15  # the article's top 15%, used when compression includes "sparse"
 DEFAULT_BITS = "8"
 DEFAULT_MODE = "auto"
+# grpo_sync_bits: the codes of the sync every H steps' pseudo-gradient (32: fp32). 4 bits: as good as 8 best against best
+# on the suite's fine-tune, at half the bytes (benchmarks/LOG.md, 2026-12-04).
+SYNC_BITS_CHOICES = ("4", "8", "16", "32")
+DEFAULT_SYNC_BITS = "4"
 
 
 __all__ = [
@@ -21,6 +25,8 @@ __all__ = [
     "DEFAULT_BITS",
     "DEFAULT_DENSITY",
     "DEFAULT_MODE",
+    "DEFAULT_SYNC_BITS",
     "MODES",
     "SUPPORTED_BITS",
+    "SYNC_BITS_CHOICES",
 ]

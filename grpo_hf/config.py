@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .choices import DEFAULT_SYNC_BITS, SYNC_BITS_CHOICES
 from .compression.fsdp import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES
 from .compression.outer_sync import (
     DEFAULT_OUTER_LR,
@@ -144,10 +145,16 @@ class GRPOConfig(CostFields, TrainingArguments):
         grpo_sync_every (`int`, *optional*, defaults to `1`):
             `H`. `1`: the gradients are exchanged at every step (as above). Above 1, under DDP: the inner steps
             exchange nothing, and every `H` optimizer steps the ranks average their pseudo-gradient
-            `Δ = θ_global − θ_local` (compressed as `grpo_compression` / `grpo_bits` say: 8, 4 or 16-bit codes with
-            error feedback, or fp32 with `"none"` / `grpo_bits=32`) and take an outer SGD step with Nesterov momentum;
-            every rank restarts from `θ_global`. On one process (nothing to exchange) only the outer step is added.
+            `Δ = θ_global − θ_local` (in `grpo_sync_bits` codes with error feedback) and take an outer SGD step with
+            Nesterov momentum; every rank restarts from `θ_global`. On one process (nothing to exchange) only the outer step is added.
             FSDP2, DeepSpeed and fp16 mixed precision are refused with `H > 1`.
+        grpo_sync_bits (`str`, *optional*, defaults to `"4"`):
+            Bits per entry of the pseudo-gradient `Δ` the ranks exchange at a sync: `4`, `8` or `16` (codes in blocks
+            of 128 with one scale each, and error feedback: what a sync did not send is added to the next one's `Δ`),
+            or `32` (fp32, no codes; so does `grpo_compression="none"`). Tensors below `grpo_min_compress_numel` and a
+            group file's `bits: 32` go in fp32. The default is the one that measured best for fine-tunes on the
+            benchmark suite (`docs/compression.md`): as good as 8 bits best against best, at half the bytes.
+            `grpo_bits` sets the per-step codes only, which the sync does not send.
         grpo_sync_fragments (`int`, *optional*, defaults to `1`):
             GRPO's groups packed into this many fragments of balanced size (a group larger than one fragment's share is
             split by parameter); each syncs at its own offset of the `H` steps, so the bytes of a sync are spread over
@@ -337,8 +344,16 @@ class GRPOConfig(CostFields, TrainingArguments):
         default=1,
         metadata={
             "help": "H: 1 exchanges the gradients every step; above 1 (DDP), inner steps exchange nothing and every H "
-            "optimizer steps the ranks average their pseudo-gradients (grpo_compression / grpo_bits codes with error "
-            "feedback) and take an outer Nesterov step (DiLoCo)."
+            "optimizer steps the ranks average their pseudo-gradients (grpo_sync_bits codes with error feedback) and "
+            "take an outer Nesterov step (DiLoCo)."
+        },
+    )
+    grpo_sync_bits: str = field(
+        default=DEFAULT_SYNC_BITS,
+        metadata={
+            "help": "With grpo_sync_every > 1: bits per entry of the pseudo-gradient the ranks exchange at a sync: 4, "
+            "8 or 16 (codes with error feedback) or 32 (fp32). grpo_bits sets the per-step codes only.",
+            "choices": list(SYNC_BITS_CHOICES),
         },
     )
     grpo_sync_fragments: int = field(
@@ -524,16 +539,37 @@ def _check_sync_fields(args) -> None:
             f"grpo_sync_moments={moments!r} with grpo_sync_delay={delay}: the moments are averaged by the blocking syncs "
             "only. Set grpo_sync_delay=0, or grpo_sync_moments='none'."
         )
+    sync_bits = str(args.grpo_sync_bits)
+    if sync_bits not in SYNC_BITS_CHOICES:
+        raise ConfigError(
+            f"grpo_sync_bits={args.grpo_sync_bits!r}: use one of {SYNC_BITS_CHOICES} (bits per entry of the "
+            "pseudo-gradient at a sync; 32 is fp32)."
+        )
     if every == 1:
         if args.grpo_outer_control:
             raise ConfigError("grpo_outer_control=True needs grpo_sync_every > 1 (the steps between outer steps).")
+        if sync_bits != DEFAULT_SYNC_BITS:
+            raise ConfigError(
+                f"grpo_sync_bits={sync_bits} needs grpo_sync_every > 1: it sets the codes of the sync every H steps. "
+                "For the codes exchanged at every step, set grpo_bits."
+            )
         return
-    lossy = args.grpo_compression != "none"
-    if "sparse" in args.grpo_compression or (lossy and str(args.grpo_bits) == "2"):
-        what = f"grpo_compression={args.grpo_compression!r}" if "sparse" in args.grpo_compression else "grpo_bits='2'"
+    if "sparse" in args.grpo_compression:
         raise ConfigError(
-            f"{what} with grpo_sync_every={every}: the sync sends every entry of the pseudo-gradient in codes of one "
-            "size. Use grpo_compression='quantize' with grpo_bits 8, 4, 16 or 'auto', or 'none' (fp32)."
+            f"grpo_compression={args.grpo_compression!r} with grpo_sync_every={every}: the sync sends every entry of "
+            "the pseudo-gradient in codes of one size. Use grpo_compression='auto' (codes of grpo_sync_bits) or "
+            "'none' (fp32)."
+        )
+    if str(args.grpo_bits) != DEFAULT_BITS:
+        raise ConfigError(
+            f"grpo_bits={args.grpo_bits!r} with grpo_sync_every={every}: grpo_bits sets the codes exchanged at every "
+            "step, and the sync every H steps exchanges none. Set the pseudo-gradient's codes with grpo_sync_bits "
+            f"({', '.join(SYNC_BITS_CHOICES)}), and leave grpo_bits at its default."
+        )
+    if args.grpo_compression == "none" and sync_bits != DEFAULT_SYNC_BITS:
+        raise ConfigError(
+            f"grpo_sync_bits={sync_bits} with grpo_compression='none': 'none' sends the pseudo-gradient in fp32. Use "
+            "one of the two: grpo_compression='auto' with grpo_sync_bits, or grpo_compression='none'."
         )
     if args.grpo_outer_control and args.grpo_compression not in ("none", "auto"):
         raise ConfigError(

@@ -169,16 +169,17 @@ class GRPOMixin:
         self.grpo_groups = groups
         self.grpo_lr_preset = preset.name  # `auto` resolved
         self.grpo_lr_ratios = lr_ratios(groups, self.args.grpo_lr_ratios, defaults=preset.ratios)
+        syncing = self.args.grpo_sync_every > 1  # the sync's pseudo-gradient has codes of its own
         self.grpo_plan = compression_plan(
             model,
             groups,
             compression=self.grpo_compression,
             density=self.args.grpo_density,
-            bits=self.args.grpo_bits,
+            bits=self.args.grpo_sync_bits if syncing else self.args.grpo_bits,
             min_numel=self.args.grpo_min_compress_numel,
         )
         self.grpo_comm_state = None
-        if self.args.grpo_sync_every > 1:
+        if syncing:
             self.grpo_comm_state = self._outer_sync_state(groups)
         elif self.grpo_compression != "none" and engine == "fsdp2":
             self.grpo_comm_state = FSDPCommState(

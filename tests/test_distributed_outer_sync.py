@@ -64,7 +64,7 @@ def test_inner_steps_are_local_and_every_sync_leaves_identical_replicas(results)
         assert run["last_sync"] == [14, 14]
         assert run["multipliers_identical"] and len(set(run["multipliers"])) > 1  # the agreed norms acted
         assert all(run["changed"])
-        assert run["residual_names"]  # 4-bit Δ with error feedback
+        assert run["residual_names"] and run["code_bits"] == [4]  # 4-bit Δ (the default) with error feedback
         assert run["owner_residual_names"] == []  # at 2 ranks the messages are all-gathered: no owners
     assert results[0]["sync"]["digest"] == results[1]["sync"]["digest"]
     assert results[0]["sync"]["residual_digest"] != results[1]["sync"]["residual_digest"]  # residuals are per rank

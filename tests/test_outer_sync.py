@@ -608,7 +608,18 @@ def test_sync_settings_the_trainer_refuses(tmp_path, make_args):
     with pytest.raises(ConfigError, match="bf16=True"):
         make_args(tmp_path, fp16=True)
     with pytest.raises(ConfigError, match="codes of one size"):
+        make_args(tmp_path, grpo_compression="sparse")
+    # grpo_bits is the per-step codes' setting: the sync's are grpo_sync_bits, and each refuses the other's place
+    with pytest.raises(ConfigError, match="grpo_bits='2' with grpo_sync_every=4: .* grpo_sync_bits"):
         make_args(tmp_path, grpo_compression="quantize", grpo_bits="2")
+    with pytest.raises(ConfigError, match="grpo_bits='auto' with grpo_sync_every=4"):
+        make_args(tmp_path, grpo_bits="auto")
+    with pytest.raises(ConfigError, match="grpo_sync_bits=8 needs grpo_sync_every > 1"):
+        make_args(tmp_path, grpo_sync_every=1, grpo_sync_bits="8")
+    with pytest.raises(ConfigError, match=r"grpo_sync_bits='2': use one of \('4', '8', '16', '32'\)"):
+        make_args(tmp_path, grpo_sync_bits="2")
+    with pytest.raises(ConfigError, match="grpo_sync_bits=8 with grpo_compression='none'"):
+        make_args(tmp_path, grpo_sync_bits="8", grpo_compression="none")
     with pytest.raises(ConfigError, match="grpo_outer_control"):
         make_args(tmp_path, grpo_outer_control=True, grpo_compression="quantize")
     with pytest.raises(ConfigError, match="only"):  # 4 fragments of a model with fewer groups and parameters

@@ -43,7 +43,7 @@ def test_sync_rows_resolve_to_typed_settings(suite):
 
     row = suite.parse_row("comm", "sync16-q4-f4")["overrides"]
     assert row == {"grpo_sync_every": 16, "grpo_sync_fragments": 4, "grpo_sync_ramp": True,
-                   "grpo_compression": "quantize", "grpo_bits": "4", "grpo_scale_gradients": False}  # fmt: skip
+                   "grpo_compression": "quantize", "grpo_sync_bits": "4", "grpo_scale_gradients": False}  # fmt: skip
     assert suite.parse_row("comm", "sync16-fp32")["overrides"]["grpo_compression"] == "none"
     # `sync<H>` alone: GRPOConfig's defaults but the interval (the one knob a user sets)
     assert suite.parse_row("comm", "sync32")["overrides"] == {"grpo_sync_every": 32}
@@ -52,7 +52,7 @@ def test_sync_rows_resolve_to_typed_settings(suite):
     }  # fmt: skip
     assert suite.parse_row("comm", "sync32-q8-noramp-lr0.5-m0-bf16")["overrides"] == {
         "grpo_sync_every": 32, "grpo_sync_fragments": 1, "grpo_sync_ramp": False, "grpo_compression": "quantize",
-        "grpo_bits": "8", "grpo_scale_gradients": False, "grpo_outer_lr": 0.5, "grpo_outer_momentum": 0.0,
+        "grpo_sync_bits": "8", "grpo_scale_gradients": False, "grpo_outer_lr": 0.5, "grpo_outer_momentum": 0.0,
         "grpo_outer_dtype": "bfloat16",
     }  # fmt: skip
     assert suite.parse_row("comm", "sync32-q8-lr1-m0-momboth")["overrides"]["grpo_sync_moments"] == "both"

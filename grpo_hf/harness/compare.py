@@ -568,8 +568,9 @@ def _measured_trainer(kind: str, args, model, prepared: Prepared, seq_len: int) 
         if comm_state is None:
             recorder.bytes_per_step = dense_allreduce_bytes_per_step(trainable, world)
         density = f"density {args.grpo_density:g}, " if "sparse" in trainer.grpo_compression else ""
+        bits = args.grpo_sync_bits if args.grpo_sync_every > 1 else args.grpo_bits
         comm_mode = (
-            f"{trainer.grpo_compression} ({comm_state.mode}, W={world}, {density}bits {args.grpo_bits}, error feedback)"
+            f"{trainer.grpo_compression} ({comm_state.mode}, W={world}, {density}bits {bits}, error feedback)"
             if comm_state is not None
             else f"dense fp32 all-reduce (W={world}, grpo_compression={trainer.grpo_compression})"
         )

@@ -63,9 +63,7 @@ def make_args(out_dir, name, **overrides):
         grpo_importance=True,  # the multipliers are applied: the ranks must agree on them between syncs
         grpo_lr_scale_warmup_steps=2,
         grpo_sync_every=4,
-        grpo_sync_fragments=2,
-        grpo_compression="quantize",
-        grpo_bits="4",
+        grpo_sync_fragments=2,  # the codes of Δ are GRPOConfig's defaults (grpo_sync_bits)
     )
     return worker_config(os.path.join(out_dir, name), **{**fields, **overrides})
 
@@ -206,6 +204,7 @@ def train(args, resume=None):
         "cost_comm_bytes": trainer.cost_callback.counted_metrics().get("cost/comm_bytes"),
         "last_sync": state.last_sync,
         "fragment_numels": [layout.numel for layout in state.layouts],
+        "code_bits": sorted({spec.bits for spec in state.plan.values() if spec is not None}),
     }
     trainer.accelerator.free_memory()
     del trainer
@@ -265,7 +264,7 @@ def scenario_accum(out_dir):
         make_args(
             out_dir, "accum", max_steps=9, grpo_sync_every=3, grpo_sync_fragments=3, grpo_sync_ramp=False,
             gradient_accumulation_steps=2, max_grad_norm=0.5, lr_scheduler_type="cosine", warmup_steps=2,
-            grpo_lr_ratios={"norms": 0.5}, grpo_bits="8", grpo_outer_dtype="bfloat16",
+            grpo_lr_ratios={"norms": 0.5}, grpo_sync_bits="8", grpo_outer_dtype="bfloat16",
         )
     )  # fmt: skip
 
