@@ -66,14 +66,16 @@ COMM_ROWS = {
 }
 DEFAULT_COMM_ROWS = "dense,q8s,q8,q4s,q4,fp16"  # q8: GRPOConfig's defaults at W=2
 # The sync every H steps (grpo_sync_every), named by pattern: `sync<H>` (GRPOConfig's defaults with that interval),
-# `sync<H>-q<bits>` (bits 4, 8 or 16: codes with error feedback) or `sync<H>-fp32`, then optionally `-f<F>` (F fragments), `-noramp`, `-lr<outer lr>`, `-m<momentum>`,
-# `-bf16` (θ_global in bf16), `-momboth` / `-momsecond` (the inner AdamW moments averaged at a sync:
-# grpo_sync_moments); `localsgd-h<H>`: plain averaging every H steps (outer lr 1, momentum 0, fp32, no ramp:
-# accelerate's LocalSGD); `outer-h<H>`: DDP's fp32 all-reduce every step plus the outer step every H steps (the
+# `sync<H>-q<bits>` (grpo_sync_bits 4, 8 or 16: codes with error feedback) or `sync<H>-fp32`, then optionally `-f<F>`
+# (F fragments), `-noramp`, `-lr<outer lr>`, `-m<momentum>`, `-bf16` (θ_global in bf16), `-momboth` / `-momsecond`
+# (the inner AdamW moments averaged at a sync: grpo_sync_moments), `-d<tau>` / `-mix<alpha>` (the overlap:
+# grpo_sync_delay, grpo_sync_mix); `localsgd-h<H>`: plain averaging every H steps (outer lr 1, momentum 0, fp32, no
+# ramp: accelerate's LocalSGD); `outer-h<H>`: DDP's fp32 all-reduce every step plus the outer step every H steps (the
 # control: no bytes saved). Other settings: `grpo:grpo_sync_every=16;grpo_outer_lr=0.5;...`.
 SYNC_ROW = re.compile(
     r"sync(?P<every>\d+)(?:-q(?P<bits>4|8|16)|(?P<fp32>-fp32))?(?:-f(?P<fragments>\d+))?(?P<noramp>-noramp)?"
     r"(?:-lr(?P<lr>[0-9.]+))?(?:-m(?P<momentum>[0-9.]+))?(?P<bf16>-bf16)?(?:-mom(?P<moments>both|second))?"
+    r"(?:-d(?P<delay>\d+))?(?:-mix(?P<mix>[0-9.]+))?"
 )
 
 
@@ -102,6 +104,10 @@ def sync_row(name: str) -> dict | None:
             row["grpo_outer_dtype"] = "bfloat16"
         if match["moments"]:
             row["grpo_sync_moments"] = match["moments"]
+        if match["delay"]:
+            row["grpo_sync_delay"] = int(match["delay"])
+        if match["mix"]:
+            row["grpo_sync_mix"] = float(match["mix"])
         return row
     match = re.fullmatch(r"localsgd-h(\d+)", name)
     if match:
@@ -151,7 +157,8 @@ class SuiteArguments:
         default="",
         metadata={
             "help": f"Comma-separated rows. comm: {', '.join(COMM_ROWS)}, fp16, powersgd-r<rank>, sync<H>-q<bits>, "
-            "sync<H>-fp32 (suffixes -f<F>, -noramp, -lr<x>, -m<x>, -bf16), localsgd-h<H>, outer-h<H>, or "
+            "sync<H>-fp32 (suffixes -f<F>, -noramp, -lr<x>, -m<x>, -bf16, -momboth, -momsecond, -d<tau>, -mix<alpha>), "
+            "localsgd-h<H>, outer-h<H>, or "
             "'grpo:field=value;...' (GRPOConfig fields, e.g. grpo:grpo_bits=4;grpo_scale_beta=0.9). lr: trainer, "
             f"trainer-lr<factor>, loraplus-<ratio>, {', '.join(LR_ROWS)}, grpo:field=value;.... "
             f"Default comm: {DEFAULT_COMM_ROWS}; lr: {DEFAULT_LR_ROWS}."

@@ -56,6 +56,8 @@ def test_sync_rows_resolve_to_typed_settings(suite):
         "grpo_outer_dtype": "bfloat16",
     }  # fmt: skip
     assert suite.parse_row("comm", "sync32-q8-lr1-m0-momboth")["overrides"]["grpo_sync_moments"] == "both"
+    overlap = suite.parse_row("comm", "sync32-q4-lr1-m0-d2-mix0")["overrides"]
+    assert (overlap["grpo_sync_delay"], overlap["grpo_sync_mix"], overlap["grpo_sync_bits"]) == (2, 0.0, "4")
     assert "grpo_sync_moments" not in suite.parse_row("comm", "sync32-q8-lr1-m0")["overrides"]
     # the peer: accelerate's LocalSGD is plain averaging of fp32 parameters every H steps, no ramp
     assert suite.parse_row("comm", "localsgd-h8")["overrides"] == {
