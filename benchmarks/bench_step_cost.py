@@ -2,8 +2,8 @@
 
     python -m benchmarks.bench_step_cost --output_dir runs/step_cost                      # tiny Llama and SmolLM2-135M
     python -m benchmarks.bench_step_cost --models tiny-llama --steps 6 --output_dir /tmp/x  # a quick check
-    python -m benchmarks.bench_step_cost --models tiny-llama --rows trainer,grpo,grpo-sync32 --steps 64 \
-        --link_gbit 1,10 --output_dir runs/step_cost_link                                # measured on a slow link
+    python -m benchmarks.bench_step_cost --models smollm2 --rows trainer,grpo,grpo-sync32,grpo-sync32-overlap \
+        --steps 24 --sync_steps 96 --repeats 1 --link_gbit 1,10 --output_dir runs/step_cost_link  # slow links
 
 Every row trains the same model on the same data under 2-process gloo DDP (`torchrun`, one thread per process), one
 launch per row and repeat, so that each row's peak memory is its own. The launches go in rounds over the rows
@@ -94,6 +94,13 @@ class CostArguments:
         metadata={"help": f"Comma-separated rows: {', '.join(ALL_ROWS)} (default: the first 5)."},
     )
     steps: int = field(default=20, metadata={"help": "Timed optimizer steps per launch (after the untimed ones)."})
+    sync_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Timed steps of the grpo-sync32 rows (0: --steps). Their ramp syncs after steps 1, 3, 7, 15 and 31, "
+            "so that only syncs from step 63 on are regular (and overlap): e.g. 96."
+        },
+    )
     repeats: int = field(
         default=2, metadata={"help": "Launches per row, in rounds over the rows; their timed steps are pooled."}
     )
@@ -297,7 +304,8 @@ def run_rows(args: CostArguments) -> list[dict]:
                 for row in rows:
                     name = f"{model}-{row}-{repeat}{_link_name(gbit)}"
                     job_path, result_path = out / f"{name}.job.json", out / f"{name}.json"
-                    job = {"model": model, "row": row, "steps": args.steps, "info": info, "output_dir": str(out),
+                    steps = args.sync_steps if row.startswith("grpo-sync") and args.sync_steps else args.steps
+                    job = {"model": model, "row": row, "steps": steps, "info": info, "output_dir": str(out),
                            "result_path": str(result_path), "commit": revision}  # fmt: skip
                     if gbit is not None:
                         job["link_gbit"] = gbit
@@ -381,6 +389,42 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _timed_mean(row: dict, key: str) -> float:
+    """The mean of `key` (`step_s` or `bytes`) over a pooled row's timed steps: a sync every H steps is one step in H."""
+    return statistics.fmean(s[key] for steps in row["per_step"] for s in steps[_skipped(row["row"]) :])
+
+
+def link_choice(results: list[dict]) -> str:
+    """
+    Which setting for which link: each row's mean step on loopback (almost all compute) plus its mean bytes per step
+    over 1, 10 and 100 Gbit/s (a projection: no overlap), the fastest in bold; then, where `--link_gbit` measured it,
+    the mean step under the emulated link and its ratio to the row's own loopback step.
+    """
+    measured = sorted({gbit for r in results for gbit in r.get("measured_link", {})}, key=float)
+    header = ["model", "row", "step s (loopback)", "MB sent/step (mean)"]
+    header += [f"projected s @ {g} Gbit/s" for g in LINKS_GBIT]
+    header += [f"measured s @ {g} Gbit/s (× loopback)" for g in measured]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 2 + "---:|" * (len(header) - 2)]
+    for model in dict.fromkeys(r["model"] for r in results):
+        rows = [r for r in results if r["model"] == model and "per_step" in r]
+        projected = {
+            r["row"]: [_timed_mean(r, "step_s") + _timed_mean(r, "bytes") * 8 / (g * 1e9) for g in LINKS_GBIT]
+            for r in rows
+        }
+        fastest = [min(projected, key=lambda name: projected[name][i]) for i in range(len(LINKS_GBIT))]
+        for r in rows:
+            step = _timed_mean(r, "step_s")
+            cells = [model, f"`{r['row']}`", f"{step:.3f}", f"{_timed_mean(r, 'bytes') / 1e6:.2f}"]
+            cells += [
+                f"**{s:.3f}**" if fastest[i] == r["row"] else f"{s:.3f}" for i, s in enumerate(projected[r["row"]])
+            ]
+            for gbit in measured:
+                link = r.get("measured_link", {}).get(gbit)
+                cells.append(f"{link['mean_step_s']:.3f} ({link['mean_step_s'] / step:.2f}×)" if link else "–")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _timed_steps(row: dict) -> list[list[float]]:
     """A pooled row's timed step times, one list per launch."""
     return [[s["step_s"] for s in steps[_skipped(row["row"]) :]] for steps in row["per_step"]]
@@ -461,7 +505,9 @@ def main():
     load = os.getloadavg()
     note = (
         f"2-process gloo DDP, one thread per process, {args.repeats} launches per row in rounds, median of their "
-        f"{args.steps * args.repeats} timed steps; projected = measured "
+        f"{args.steps * args.repeats} timed steps"
+        + (f" ({args.sync_steps * args.repeats} for the sync rows)" if args.sync_steps else "")
+        + "; projected = measured "
         f"step + bytes sent / link speed (a projection, not a measurement); load average at the end {load[0]:.2f} "
         f"{load[1]:.2f} {load[2]:.2f}"
     )
@@ -471,7 +517,8 @@ def main():
             f"; measured mean s = the mean of the timed steps of {args.repeats} more launches per row and speed under an "
             "emulated link (each collective completes no earlier than its start + bytes sent / link speed)"
         )
-    text = f"{note}\n\n{report(results)}\n"
+    choice = "Which setting for which link (mean step and mean bytes: a sync every H steps is one slow step in H):"
+    text = f"{note}\n\n{report(results)}\n\n{choice}\n\n{link_choice(results)}\n"
     print("\n" + text)
     (out / "step_cost.md").write_text(text)
     summary = {"command": "python -m benchmarks.bench_step_cost " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),

@@ -268,6 +268,14 @@ def step_cost() -> str:
     return f"{report(result['rows'])}\n\n`{_command(result)}` ({result['date']}; {result['note']})."
 
 
+def link_choice() -> str:
+    """`benchmarks/bench_step_cost.py` with the sync rows: which setting for which link (README, docs/compression.md)."""
+    from benchmarks.bench_step_cost import link_choice
+
+    result = _read(RESULTS / "step_cost_link.json")
+    return f"{link_choice(result['rows'])}\n\n`{runnable(result['command'])}` ({result['date']}; {result['note']})."
+
+
 def fsdp2() -> str:
     """`benchmarks/bench_fsdp2.py`: FSDP2's compressed reduce-scatter, quality against uncompressed FSDP2, bytes, memory."""
     from benchmarks.bench_fsdp2 import markdown
@@ -363,6 +371,7 @@ RENDERERS = {
     "suite-sync": suite_sync,
     "hook-speed": hook_speed,
     "step-cost": step_cost,
+    "link-choice": link_choice,
     "fsdp2": fsdp2,
     "fsdp2-summary": fsdp2_summary,
 }

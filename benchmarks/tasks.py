@@ -1,4 +1,4 @@
-"""The tasks of the benchmark suite: data, model and training settings of five fine-tuning jobs of different kinds.
+"""The tasks of the benchmark suite: data, model and training settings of its fine-tuning jobs, of different kinds.
 
 | task | model | trained | data | metric |
 |---|---|---|---|---|
@@ -9,14 +9,17 @@
 | `minilm-cls` | all-MiniLM-L6-v2 (pretrained encoder, offline) | LoRA r=8 + head | BBC News, 5 classes | accuracy, loss |
 | `llama-untied` | Llama 1.1M (hidden 64, 2 layers, **untied** embeddings, vocabulary 8192), from scratch, 300 steps | all | stdlib source, 64 tokens | perplexity |
 | `llama-finetune` | Llama 2.6M (hidden 128, 4 layers, **untied**), pre-trained on stdlib source, fine-tuned 120 steps | all | stdlib docstrings (prose), 128 tokens | perplexity |
+| `smollm2-finetune` | SmolLM2-135M-Instruct, fine-tuned 160 steps (5 intervals of the sync every 32 steps) | every parameter | stdlib docstrings (prose), 64 tokens | perplexity |
 
-The last two see what the first five cannot. `llama-untied` has the layout of most Llama, Mistral and Qwen models above
-1B (input embeddings not tied to the output layer), and a vocabulary 8 times a batch's 1,024 tokens: most input
-embedding rows get no gradient in a step, so their error-feedback residuals decay for many steps in a row (where the
-codec once underflowed). `llama-finetune` is a fine-tune long enough for error feedback to matter (120 optimizer
-steps; SmolLM2-135M for as many steps would take about eight minutes per run and row on this machine's two cores, too
-long for every row and seed): the pre-trained model is built once, in the launching process, by a plain `Trainer`
-(`pretrain_*` fields), and every row and seed fine-tunes that same model on another corpus.
+`llama-untied` and `llama-finetune` see what the first five cannot. `llama-untied` has the layout of most Llama,
+Mistral and Qwen models above 1B (input embeddings not tied to the output layer), and a vocabulary 8 times a batch's
+1,024 tokens: most input embedding rows get no gradient in a step, so their error-feedback residuals decay for many
+steps in a row (where the codec once underflowed). `llama-finetune` is a fine-tune long enough for error feedback to
+matter (120 optimizer steps; SmolLM2-135M for as many steps would take about eight minutes per run and row on this
+machine's two cores, too long for every row and seed): the pre-trained model is built once, in the launching process,
+by a plain `Trainer` (`pretrain_*` fields), and every row and seed fine-tunes that same model on another corpus.
+`smollm2-finetune` is the real model's fine-tune for the sync every H steps (about eight minutes per run here, so it
+is swept for the sync's rows only).
 
 Every task is built the same way for every row and seed: the same initialization for a seed (LoRA adapters and new
 heads included), the same data order, the same steps. `prepare` builds and saves the tokenized data once (in the
@@ -105,6 +108,10 @@ TASKS = {
             learning_rate=4e-3, warmup_steps=10, corpus="docstrings",
             shape={"hidden_size": 128, "layers": 4, "heads": 4, "vocab_size": 4096, "tie": False},
             pretrain_steps=400,
+        ),
+        Task(
+            "smollm2-finetune", "lm", "smollm2", False, max_steps=160, batch_size=4, seq_len=64,
+            learning_rate=1e-4, warmup_steps=10, corpus="docstrings", eval_size=8192,
         ),
     )
 }  # fmt: skip
