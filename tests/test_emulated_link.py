@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from testing_utils import free_port
 
-from grpo_hf.compression import hook
-from grpo_hf.compression.hook import Collectives, EmulatedLink
+from grpo_hf.compression import exchange as hook
+from grpo_hf.compression.exchange import Collectives, EmulatedLink
 from grpo_hf.compression.state import StepStats
 
 
