@@ -10,8 +10,9 @@ Every transport moves gradients (or pseudo-gradients) between ranks the same way
    [`message_nbytes`]) or [`walk_messages`] (sizes in the messages' headers); or owner reduction, in three halves:
    [`encode_to_owners`] (each owner's blocks as its own message), [`reduce_owned`] (the owner averages the `W`
    contributions and compresses the mean again) and [`decode_from_owners`] (the owners' messages back into rows).
-3. **Decode** ([`decode`], [`decode_rows`]; [`poison_rows`] makes a non-finite input decode to NaN): the messages, in rank order, summed and divided by the fused decode
-   kernel; every rank decodes the same messages in the same order, so every rank holds the same bits.
+3. **Decode** ([`decode`], [`decode_rows`]): the messages, in rank order, summed and divided by the fused decode
+   kernel; every rank decodes the same messages in the same order, so every rank holds the same bits. ([`poison_rows`]
+   makes the blocks of a non-finite input decode to NaN.)
 
 The bytes each collective sends are counted with the formulas of [`~grpo_hf.compression.traffic`], into the caller's
 [`~grpo_hf.compression.traffic.StepStats`]. What stays with each transport is what is its own: the DDP buckets and
@@ -350,6 +351,11 @@ def _blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
     return rows.reshape(-1, block_size)
 
 
+def row_message_nbytes(spec: CodecSpec, numel: int) -> int:
+    """Bytes of one message of [`encode_rows`], of a row of `numel` entries: `ceil(numel / B) * (4 + B * bits / 8)`."""
+    return BlockMessages(spec, align=1).fixed_nbytes(num_blocks(numel, spec.block_size))
+
+
 def encode_rows(kernels: Kernels, spec: CodecSpec, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     Encode `[n, S]` finite fp32 rows, each as its own message (blocks zero-padded at the row's end; the messages not
@@ -558,6 +564,7 @@ __all__ = [
     "poison_rows",
     "put_owned",
     "reduce_owned",
+    "row_message_nbytes",
     "split_messages",
     "take_owned",
     "walk_messages",

@@ -81,9 +81,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .codec import BlockMessages, compile_kernels
-from .exchange import decode_rows, encode_rows, poison_rows
-from .spec import DEFAULT_BLOCK_SIZE, CodecSpec, num_blocks
+from .codec import compile_kernels
+from .exchange import decode_rows, encode_rows, poison_rows, row_message_nbytes
+from .spec import DEFAULT_BLOCK_SIZE, CodecSpec
 from .traffic import StepStats, TrafficStats, alltoall_bytes, reduce_scatter_bytes
 
 
@@ -96,7 +96,7 @@ STATE_VERSION = 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Messages of the project's codec (`codec.py`: the same fused encode / decode kernels as the DDP hook)
+# Messages of the project's codec (`exchange.py`'s row messages: the DDP hook's kernels and message layout)
 # ----------------------------------------------------------------------------------------------------------------
 
 FSDP_BITS = (4, 8, 16, 32)  # 2-bit codes need a variable-size message; one all-to-all needs equal sizes
@@ -114,9 +114,7 @@ def message_nbytes(numel: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) 
     """Bytes of one encoded chunk of `numel` entries: `ceil(numel / B) * (4 + B * bits / 8)`, or `4 numel` at 32 bits."""
     if bits == 32:
         return 4 * numel
-    return BlockMessages(CodecSpec(bits=bits, block_size=block_size), align=1).fixed_nbytes(
-        num_blocks(numel, block_size)
-    )
+    return row_message_nbytes(CodecSpec(bits=bits, block_size=block_size), numel)
 
 
 def _encode(rows: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

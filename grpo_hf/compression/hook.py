@@ -71,8 +71,8 @@ entry; `ratio_* = baseline / bytes_sent` (higher is better).
 
 ## An emulated slow link (a benchmark tool)
 
-With the environment variable `GRPO_HF_EMULATED_LINK_GBIT` set, the hook's collectives ([`~grpo_hf.compression.exchange.Collectives`])
-wait for an emulated slow link: see `exchange.py`.
+With the environment variable `GRPO_HF_EMULATED_LINK_GBIT` set, the hook's collectives
+([`~grpo_hf.compression.exchange.Collectives`]) wait for an emulated slow link: see `exchange.py`.
 """
 
 import time
@@ -317,8 +317,9 @@ def _allgather(
         scale, ema = state.scales_for(run, _params(run, bucket), device, offset, lane)
         offset += run.length
         residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
+        slot = None if payload is None else slots[index]
         message, new_residual = encode(state.kernels, run.spec, rows, residual, scale, state.scale_clip,
-                                       run.num_values(), None if payload is None else slots[index], in_place=True)  # fmt: skip
+                                       run.num_values(), slot, in_place=True)  # fmt: skip
         state.residuals.replace(run.key, run.slots, new_residual)
         messages.append(message)
         scales.append((scale, ema))
@@ -378,18 +379,23 @@ def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         scale, ema = state.scales_for(run, _params(run, bucket), device, offset)
         offset += run.length
         residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
-        block, top_k = run.spec.block_size, run.spec.density < 1.0
-        ks = [run.num_values(n * block, run.owned_numel(world_size, r)) for r, n in enumerate(counts[index])]
-        messages, new_residual = encode_to_owners(state.kernels, run.spec, rows, residual, owned, scale,
-                                                  state.scale_clip, ks, [m[index] for m in to_rank] if known else None)  # fmt: skip
+        ks = None  # top-k: the values each owner's message keeps
+        if run.spec.density < 1.0:
+            block = run.spec.block_size
+            ks = [run.num_values(n * block, run.owned_numel(world_size, r)) for r, n in enumerate(counts[index])]
+        mine = [m[index] for m in to_rank] if known else None
+        messages, new_residual = encode_to_owners(
+            state.kernels, run.spec, rows, residual, owned, scale, state.scale_clip, ks, mine
+        )
         if not known:
             for owner, message in enumerate(messages):
                 to_rank[owner].append(message)
-        if not top_k:
+        if ks is None:
             stats.kept += min(run.num_values(), run.numel)
-        for owner, k in enumerate(ks if top_k else []):  # top-k: the values each owner's message keeps
-            if counts[index][owner]:
-                stats.kept += min(k, run.owned_numel(world_size, owner))
+        else:
+            for owner, k in enumerate(ks):
+                if counts[index][owner]:
+                    stats.kept += min(k, run.owned_numel(world_size, owner))
         state.residuals.replace(run.key, run.slots, new_residual)
         scales.append((scale, ema))
     dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
@@ -429,9 +435,9 @@ def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         key, owner_slots = (run.key, world_size, rank), run.owned_slots(world_size, rank)
         residual = state.owner_residuals.row(key, owner_slots, nblocks * run.spec.block_size, device)
         k = run.num_values(nblocks * run.spec.block_size, run.owned_numel(world_size, rank))
-        message, new_residual = reduce_owned(state.kernels, run.spec, [contributions[s][index] for s in range(world_size)],
-                                             residual.view(nblocks, -1), mine, state.scale_clip, k,
-                                             slots[index] if known else None)  # fmt: skip
+        parts = [contributions[s][index] for s in range(world_size)]
+        message, new_residual = reduce_owned(state.kernels, run.spec, parts, residual.view(nblocks, -1), mine,
+                                             state.scale_clip, k, slots[index] if known else None)  # fmt: skip
         state.owner_residuals.replace(key, owner_slots, new_residual)
         out_messages.append(message)
 
@@ -454,8 +460,9 @@ def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
     ]
     for index, (run, owned, (scale, ema)) in enumerate(zip(layout.runs, block_rows, scales)):
         out = run.rows(bucket.buffer) if run.in_place else None
-        values, new_ema = decode_from_owners(state.kernels, run.spec, [per_owner[r][index] for r in range(world_size)],
-                                             owned, run.num_blocks, scale, out, ema, state.scale_beta)  # fmt: skip
+        parts = [per_owner[r][index] for r in range(world_size)]
+        values, new_ema = decode_from_owners(state.kernels, run.spec, parts, owned, run.num_blocks, scale, out, ema,
+                                             state.scale_beta)  # fmt: skip
         if new_ema is not None:
             state.squares.replace(run.key, run.slots, new_ema)
             state.ema_updated = True

@@ -49,7 +49,8 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
      (`layout.Run.owned_blocks`). Each rank sends each owner the codes of its blocks (one all-to-all); each owner
      decodes its `W` contributions in rank order, averages them and encodes the mean again with its own error
      feedback (the owner residual, bf16, of the blocks it owns only); the owners' messages are all-gathered and every
-     rank decodes them, in owner order, into `Δ̄`. Both ways every rank decodes the same messages in the same order: the same bits of `Δ̄` on every rank.
+     rank decodes them, in owner order, into `Δ̄`. Both ways every rank decodes the same messages in the same order:
+     the same bits of `Δ̄` on every rank.
      At `W = 2` both would send the same bytes, and the owners would quantize `Δ̄` twice.
    Tensors without a spec (norms, biases, `grpo_bits=32`, `grpo_compression="none"`) go through one fp32
    all-reduce.
