@@ -36,7 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .codec import MESSAGE_ALIGN, BlockMessages, Kernels, code_shape
+from .codec import BlockMessages, Kernels, code_shape
 from .sparse import TopKMessages
 from .spec import CodecSpec, num_blocks
 from .traffic import allgather_bytes, allreduce_bytes, alltoall_bytes
@@ -218,12 +218,12 @@ class Started:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def message_nbytes(spec: CodecSpec, nblocks: int, align: int = MESSAGE_ALIGN) -> int | None:
+def message_nbytes(spec: CodecSpec, nblocks: int) -> int | None:
     """
-    Bytes of the message of `nblocks` blocks ([`~grpo_hf.compression.codec.BlockMessages`], padded to `align`
-    bytes); `None` when they depend on the data (2 bits, top-k).
+    Bytes of the message of `nblocks` blocks ([`~grpo_hf.compression.codec.BlockMessages`]); `None` when they depend
+    on the data (2 bits, top-k).
     """
-    return None if spec.density < 1.0 else BlockMessages(spec, align).fixed_nbytes(nblocks)
+    return None if spec.density < 1.0 else BlockMessages(spec).fixed_nbytes(nblocks)
 
 
 def split_messages(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -311,7 +311,8 @@ def decode(kernels: Kernels, spec: CodecSpec, messages, nblocks: int, scale=None
         scale (`torch.Tensor`, *optional*): `[n, B]` bf16 gradient scales.
         divide (`float`, *optional*, defaults to `1`): e.g. the world size, for the mean.
         out (`torch.Tensor`, *optional*): `[n, B]` to write into (any float dtype; a fresh fp32 tensor when `None`).
-        ema (`torch.Tensor`, *optional*): `[n, B]` fp32 EMA of the squared result, to update with factor `beta`.
+        ema (`torch.Tensor`, *optional*): `[n, B]` fp32 EMA of the squared result, to update.
+        beta (`float`, *optional*, defaults to `0.0`): the EMA's factor (`beta * ema + (1 - beta) * result**2`).
         max_blocks (`int`, *optional*): at most this many blocks per kernel call into `out` (no `ema`): the eager
             decode's temporaries stay a few chunks.
 
