@@ -1,12 +1,13 @@
 """The encode / exchange / decode seam of the three transports: the DDP hook, FSDP2's reduce-scatter, the outer sync.
 
-Every transport moves gradients (or pseudo-gradients) between ranks the same way, and only through this module:
+Every transport encodes and decodes its gradients (or pseudo-gradients) only through this module, and the DDP hook
+and the outer sync also exchange them through its collectives:
 
 1. **Encode** ([`encode`]): `[n, B]` rows plus the error-feedback residual become one message (the codes and absmax
    of [`~grpo_hf.compression.codec.BlockMessages`], or a top-k message of [`~grpo_hf.compression.sparse`]), the new
    residual written in place. [`encode_rows`] is the same for equal-size messages, one per row (FSDP2's all-to-all).
 2. **Exchange**, in the collectives of [`Collectives`] (timed, and slowed down by an [`EmulatedLink`] when a benchmark
-   asks for one): an all-gather of the messages, cut back into messages by [`split_messages`] (sizes known,
+   asks for one; FSDP2's one all-to-all is torch's own): an all-gather of the messages, cut back into messages by [`split_messages`] (sizes known,
    [`message_nbytes`]) or [`walk_messages`] (sizes in the messages' headers); or owner reduction, in three halves:
    [`encode_to_owners`] (each owner's blocks as its own message), [`reduce_owned`] (the owner averages the `W`
    contributions and compresses the mean again) and [`decode_from_owners`] (the owners' messages back into rows).
