@@ -261,3 +261,55 @@ def test_a_recipe_crosses_at_most_ten_application_files(tmp_path):
     print(f"\napplication: {len(application)} files\n  " + "\n  ".join(application))
     print(f"library: {len(library)} files\n  " + "\n  ".join(library))
     assert len(application) <= RECIPE_PATH_FILES, application
+
+
+# --- the library: a DDP bucket's path to the kernels ---
+
+# The most files of grpo_hf on the stack when a bucket's data reaches a kernel of `codec.py` from `grpo_comm_hook`.
+BUCKET_PATH_FILES = 5
+
+
+@pytest.mark.parametrize("mode, density", [("allgather", 1.0), ("allreduce", 1.0), ("allgather", 0.1)])
+def test_a_ddp_bucket_reaches_the_kernels_through_at_most_five_files(mode, density):
+    """
+    The files between `grpo_comm_hook` and the encode / decode kernels, read off the stack at every kernel call of one
+    compressed step: `hook.py` -> `exchange.py` (the seam of the three transports) -> `codec.py`, with `sparse.py`
+    between the last two for top-k. Run with `-s` to see them, and every file the step enters (`layout.py` and
+    `state.py` give the rows and residuals, `traffic.py` counts the bytes).
+    """
+    import torch
+    from testing_utils import FakeBucket
+    from torch import nn
+
+    from grpo_hf.compression import CodecSpec, GRPOCommState, grpo_comm_hook
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.Linear(256, 256))
+    plan = {n: CodecSpec(density=density, bits=8) if p.dim() == 2 else None for n, p in model.named_parameters()}
+    state = GRPOCommState(plan, mode=mode, dense_warmup_steps=0, compile_codec=False).bind(model)
+    params = list(model.parameters())
+    root = str(PACKAGE) + "/"
+    entered, stacks = set(), set()
+
+    def profile(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event != "call" or not name.startswith(root):
+            return
+        entered.add(name[len(root) :])
+        if frame.f_code.co_name in ("encode_blocks", "decode_blocks"):
+            files = []
+            while frame is not None:
+                if frame.f_code.co_filename.startswith(root) and frame.f_code.co_filename[len(root) :] not in files:
+                    files.append(frame.f_code.co_filename[len(root) :])
+                frame = frame.f_back
+            stacks.add(tuple(reversed(files)))
+
+    sys.setprofile(profile)
+    try:
+        grpo_comm_hook(state, FakeBucket(params, [torch.randn_like(p) for p in params])).wait()
+    finally:
+        sys.setprofile(None)
+    assert state.last_step == "compressed" and stacks
+    print(f"\n{mode}, density {density}: " + "; ".join(" -> ".join(files) for files in sorted(stacks)))
+    print("  entered: " + ", ".join(sorted(entered)))
+    assert all(len(files) <= BUCKET_PATH_FILES for files in stacks), stacks
+    assert all(files[0] == "compression/hook.py" and "compression/exchange.py" in files for files in stacks), stacks

@@ -11,7 +11,7 @@ from testing_utils import tiny_test_llama
 from grpo_hf import ConfigError, GRPOTrainer
 from grpo_hf.compression import CodecSpec
 from grpo_hf.compression.codec import BlockMessages
-from grpo_hf.compression.hook import _put
+from grpo_hf.compression.exchange import put_owned as _put
 from grpo_hf.compression.outer_sync import (
     OUTER_MODE,
     OuterSyncState,

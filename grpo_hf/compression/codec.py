@@ -414,9 +414,9 @@ def compile_kernels(compiled: bool) -> Kernels:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def padded_nbytes(nbytes: int) -> int:
-    """`nbytes` rounded up to a multiple of `MESSAGE_ALIGN`."""
-    return -(-nbytes // MESSAGE_ALIGN) * MESSAGE_ALIGN
+def padded_nbytes(nbytes: int, align: int = MESSAGE_ALIGN) -> int:
+    """`nbytes` rounded up to a multiple of `align` (`MESSAGE_ALIGN` by default)."""
+    return -(-nbytes // align) * align
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -440,10 +440,16 @@ class BlockMessages:
     """
     How [`Kernels`] output travels for one [`CodecSpec`] of density 1: [`pack`] turns codes and absmax into a `uint8`
     message, [`unpack`] reads them back. [`fixed_nbytes`] is the message size (`None` at 2 bits, where it depends on
-    the data).
+    the data). [`pack_rows`] / [`unpack_rows`] do the same for equal-size messages held as the rows of one tensor.
+
+    Args:
+        spec (`CodecSpec`): bits (2, 4, 8 or 16) and block size.
+        align (`int`, *optional*, defaults to `MESSAGE_ALIGN`): messages are padded to a multiple of this many bytes
+            (`1`: not padded, FSDP2's messages, whose size the all-to-all fixes).
     """
 
     spec: CodecSpec
+    align: int = MESSAGE_ALIGN
 
     @property
     def code_bytes(self) -> int:
@@ -454,7 +460,7 @@ class BlockMessages:
         """Padded bytes of the message of `nblocks` blocks; `None` when data-dependent (2 bits)."""
         if self.spec.bits == 2:
             return None
-        return padded_nbytes(4 * nblocks + int(self.code_bytes * nblocks))
+        return padded_nbytes(4 * nblocks + int(self.code_bytes * nblocks), self.align)
 
     def pack(self, codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
         """The padded message of `[n, ...]` codes and `[n]` absmax."""
@@ -470,10 +476,31 @@ class BlockMessages:
         else:
             parts = [_as_bytes(absmax), _as_bytes(codes)]
         used = sum(p.numel() for p in parts)
-        parts.append(torch.zeros(padded_nbytes(used) - used, dtype=torch.uint8, device=absmax.device))
+        parts.append(torch.zeros(padded_nbytes(used, self.align) - used, dtype=torch.uint8, device=absmax.device))
         message = torch.cat(parts)
         assert self.spec.bits == 2 or message.numel() == self.fixed_nbytes(nblocks)
         return message
+
+    def pack_rows(self, codes: torch.Tensor, absmax: torch.Tensor, count: int) -> torch.Tensor:
+        """
+        `[count, fixed_nbytes(n)]`: the codes and absmax of `count * n` blocks (one kernel call's output) as `count`
+        messages of `n` blocks each, one per row, written in one concatenation (4, 8 and 16 bits).
+        """
+        nblocks = absmax.numel() // count
+        parts = [absmax.reshape(count, -1).view(torch.uint8), codes.reshape(count, -1).view(torch.uint8)]
+        used = 4 * nblocks + int(self.code_bytes * nblocks)
+        if self.fixed_nbytes(nblocks) > used:
+            padding = self.fixed_nbytes(nblocks) - used
+            parts.append(torch.zeros(count, padding, dtype=torch.uint8, device=absmax.device))
+        return torch.cat(parts, dim=1)
+
+    def unpack_rows(self, messages: torch.Tensor, nblocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of [`pack_rows`]: the `(codes, absmax)` of the `[count, nbytes]` messages' blocks, in order (copies)."""
+        count, code_nbytes = messages.shape[0], int(self.code_bytes * nblocks)
+        absmax = messages[:, : 4 * nblocks].contiguous().view(torch.float32).reshape(-1)
+        shape, dtype = code_shape(count * nblocks, self.spec.block_size, self.spec.bits)
+        codes = messages[:, 4 * nblocks : 4 * nblocks + code_nbytes].contiguous().view(dtype).reshape(shape)
+        return codes, absmax
 
     def read_nbytes(self, buffer: torch.Tensor, nblocks: int) -> int:
         """Bytes of the message at the start of `buffer` (read from its 16-byte header at 2 bits)."""

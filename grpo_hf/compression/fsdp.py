@@ -74,7 +74,6 @@ reduce-scatter: the owner's shard is not finite, and so is every rank's global g
 """
 
 import logging
-import math
 import os
 import time
 
@@ -82,9 +81,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .codec import code_shape, compile_kernels
-from .spec import DEFAULT_BLOCK_SIZE
-from .traffic import StepStats, TrafficStats
+from .codec import compile_kernels
+from .exchange import decode_rows, encode_rows, poison_rows, row_message_nbytes
+from .spec import DEFAULT_BLOCK_SIZE, CodecSpec
+from .traffic import StepStats, TrafficStats, alltoall_bytes, reduce_scatter_bytes
 
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ STATE_VERSION = 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Messages of the project's codec (`codec.py`: the same fused encode / decode kernels as the DDP hook)
+# Messages of the project's codec (`exchange.py`'s row messages: the DDP hook's kernels and message layout)
 # ----------------------------------------------------------------------------------------------------------------
 
 FSDP_BITS = (4, 8, 16, 32)  # 2-bit codes need a variable-size message; one all-to-all needs equal sizes
@@ -114,56 +114,31 @@ def message_nbytes(numel: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) 
     """Bytes of one encoded chunk of `numel` entries: `ceil(numel / B) * (4 + B * bits / 8)`, or `4 numel` at 32 bits."""
     if bits == 32:
         return 4 * numel
-    blocks = -(-numel // block_size)
-    return blocks * (4 + block_size * bits // 8)
-
-
-def _blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`[n, S]` rows -> `[n * ceil(S / B), B]` blocks (zero-padded: a block never spans two rows)."""
-    n, numel = rows.shape
-    pad = -numel % block_size
-    if pad:
-        rows = torch.nn.functional.pad(rows, (0, pad))
-    return rows.reshape(-1, block_size)
+    return row_message_nbytes(CodecSpec(bits=bits, block_size=block_size), numel)
 
 
 def _encode(rows: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """
     Encode `[n, S]` finite fp32 rows into `[n, message_nbytes(S)]` uint8 messages (the fp32 absmax of the blocks, then
-    their codes) and return them with the values the receivers decode (`[n, S]` fp32).
+    their codes: [`~grpo_hf.compression.exchange.encode_rows`]) and return them with the values the receivers decode
+    (`[n, S]` fp32).
     """
     n, numel = rows.shape
     if bits == 32:
         return rows.contiguous().view(torch.uint8).reshape(n, 4 * numel), rows
-    kernels = _kernels()
-    blocks = _blocks(rows, block_size)
-    codes, absmax, _ = kernels.encode(blocks, None, None, bits)
-    decoded, _ = kernels.decode([codes], [absmax], None, bits, 1.0)
-    messages = torch.cat([absmax.reshape(n, -1).view(torch.uint8), codes.reshape(n, -1).view(torch.uint8)], dim=1)
-    return messages, decoded.reshape(n, -1)[:, :numel]
+    return encode_rows(_kernels(), CodecSpec(bits=bits, block_size=block_size), rows)
 
 
 def _decode(messages: torch.Tensor, numel: int, bits: int, block_size: int) -> torch.Tensor:
     """Inverse of [`_encode`]: `[n, message_nbytes(S)]` uint8 -> `[n, S]` fp32 (`code * step`, one multiply each)."""
-    n = messages.shape[0]
     if bits == 32:
         return messages.contiguous().view(torch.float32)
-    blocks = -(-numel // block_size)
-    absmax = messages[:, : 4 * blocks].contiguous().view(torch.float32).reshape(-1)  # [n * nb]
-    shape, dtype = code_shape(n * blocks, block_size, bits)
-    codes = messages[:, 4 * blocks :].contiguous().view(dtype).reshape(shape)
-    decoded, _ = _kernels().decode([codes], [absmax], None, bits, 1.0)
-    return decoded.reshape(n, -1)[:, :numel]
+    return decode_rows(_kernels(), CodecSpec(bits=bits, block_size=block_size), messages, numel)
 
 
 def _poison(messages: torch.Tensor, bad_rows: torch.Tensor, numel: int, bits: int, block_size: int) -> None:
     """Make the blocks of `[n, S]` rows that held a NaN/Inf (`bad_rows`, bool `[n, S]`) decode to NaN (below 32 bits)."""
-    blocks = -(-numel // block_size)
-    pad = blocks * block_size - numel
-    bad_blocks = torch.nn.functional.pad(bad_rows, (0, pad)).reshape(bad_rows.shape[0], blocks, -1).any(dim=2)
-    scales = messages[:, : 4 * blocks].contiguous().view(torch.float32)
-    scales[bad_blocks] = math.nan
-    messages[:, : 4 * blocks] = scales.view(torch.uint8)
+    poison_rows(CodecSpec(bits=bits, block_size=block_size), messages, bad_rows)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -314,11 +289,10 @@ class FSDPCommState:
             total /= world_size
         output.copy_(total.view_as(output))
         self.hook_calls += 1
-        sent = (world_size - 1) * messages.shape[1]
         stats = self.stats
-        stats.bytes_sent += sent
-        stats.bytes_dense_fp32 += (world_size - 1) * 4 * numel
-        stats.bytes_dense_fp16 += (world_size - 1) * 2 * numel
+        stats.bytes_sent += alltoall_bytes(world_size * messages.shape[1], world_size)  # a message to each other rank
+        stats.bytes_dense_fp32 += reduce_scatter_bytes(4 * input.numel(), world_size)
+        stats.bytes_dense_fp16 += reduce_scatter_bytes(2 * input.numel(), world_size)
         stats.numel += input.numel()
         stats.comm_ms += comm_ms
         stats.hook_ms += (time.perf_counter() - start) * 1000
@@ -474,13 +448,6 @@ def install_compressed_reduce_scatter(model: nn.Module, state: FSDPCommState) ->
             )
         module.set_custom_reduce_scatter(GRPOReduceScatter(state, name or "<root>"))
     return len(units)
-
-
-def reduce_scatter_bytes(nbytes: float, world_size: int) -> float:
-    """Bytes one rank sends in a ring reduce-scatter of an `nbytes` buffer: `(W - 1) / W * nbytes`."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}.")
-    return (world_size - 1) / world_size * nbytes
 
 
 __all__ = [

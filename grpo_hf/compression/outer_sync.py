@@ -4,7 +4,8 @@ With `grpo_sync_every = H > 1`, DDP exchanges nothing at the inner steps: [`loca
 back as it is, so each rank steps its own optimizer on its own gradients. Every `H` optimizer steps (per fragment, at
 its own offset) the ranks agree on one global model `θ_global` through the codec of the per-step hook, with error
 feedback, and an outer SGD step with Nesterov momentum. Read it the way torch's `powerSGD_hook.py` reads: one state,
-one hook, the codec (`codec.py`) and the byte formulas (`traffic.py`) shared with the per-step hook.
+one hook, and the encode / exchange / decode seam (`exchange.py`) and byte formulas (`traffic.py`) the per-step hook
+uses too.
 
 Example:
 
@@ -43,12 +44,13 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
    - `W = 2`: the messages are all-gathered and every rank decodes the `W` of them in rank order, its own included,
      into the mean `Δ̄`.
    - `W >= 3` (`OWNER_MIN_WORLD_SIZE`; blocking syncs): owner reduction, as the per-step hook's `allreduce` mode does
-     it and with its functions (`to_owners`, `reduce_owned`, `from_owners`): each tensor's blocks are cut into `W`
-     contiguous chunks, chunk `j` owned by rank `(j + crc32(name)) mod W` (`layout.Run.owned_blocks`). Each rank
-     sends each owner the codes of its blocks (one all-to-all); each owner decodes its `W` contributions in rank
-     order, averages them and encodes the mean again with its own error feedback (the owner residual, bf16, of the
-     blocks it owns only); the owners' messages are all-gathered and every rank decodes them, in owner order, into
-     `Δ̄`. Both ways every rank decodes the same messages in the same order: the same bits of `Δ̄` on every rank.
+     it and with the same functions (`encode_to_owners`, `reduce_owned`, `decode_from_owners` of `exchange.py`): each
+     tensor's blocks are cut into `W` contiguous chunks, chunk `j` owned by rank `(j + crc32(name)) mod W`
+     (`layout.Run.owned_blocks`). Each rank sends each owner the codes of its blocks (one all-to-all); each owner
+     decodes its `W` contributions in rank order, averages them and encodes the mean again with its own error
+     feedback (the owner residual, bf16, of the blocks it owns only); the owners' messages are all-gathered and every
+     rank decodes them, in owner order, into `Δ̄`. Both ways every rank decodes the same messages in the same order:
+     the same bits of `Δ̄` on every rank.
      At `W = 2` both would send the same bytes, and the owners would quantize `Δ̄` twice.
    Tensors without a spec (norms, biases, `grpo_bits=32`, `grpo_compression="none"`) go through one fp32
    all-reduce.
@@ -143,12 +145,22 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
-from .codec import ENCODE_CHUNK, BlockMessages, all_safe, compile_kernels
-from .hook import Collectives, from_owners, reduce_owned, to_owners
+from .codec import ENCODE_CHUNK, all_safe, compile_kernels
+from .exchange import (
+    Collectives,
+    decode,
+    decode_from_owners,
+    encode,
+    encode_to_owners,
+    message_nbytes,
+    owned_blocks,
+    reduce_owned,
+    split_messages,
+)
 from .layout import Run
 from .spec import CodecSpec
 from .state import RESIDUAL_DTYPE, RowStore
-from .traffic import StepStats, TrafficStats, allgather_bytes, allreduce_bytes, owner_reduction_bytes
+from .traffic import FLAG_BYTES, StepStats, TrafficStats, allgather_bytes, allreduce_bytes, owner_reduction_bytes
 
 
 logger = logging.getLogger(__name__)
@@ -171,7 +183,6 @@ MOMENT_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, tor
 # reduce-scatter and all-gather send the bytes of the all-gather, and would quantize `Δ̄` twice.
 OWNER_MIN_WORLD_SIZE = 3
 SYNC_BITS = (4, 8, 16)  # codes of fixed size; 32 bits and dense tensors go through an fp32 all-reduce
-_FLAG_BYTES = 8
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -723,7 +734,7 @@ class OuterSyncState:
             if world_size > 1:
                 flag = self._device_tensor(torch.tensor([int(unsafe)], dtype=torch.int64))
                 unsafe = bool(comm.all_reduce(flag, op=dist.ReduceOp.MAX).item())
-                self.stats.bytes_sent += allreduce_bytes(_FLAG_BYTES, world_size)
+                self.stats.bytes_sent += allreduce_bytes(FLAG_BYTES, world_size)
             if unsafe:
                 self._warn_nonfinite("its local steps are dropped")
             else:
@@ -805,7 +816,7 @@ class OuterSyncState:
             comm = exchange.comm = Collectives(self, group=self.exchange_group)
             flag = self._device_tensor(torch.tensor([int(exchange.unsafe)], dtype=torch.int64))
             exchange.flag = comm.start_all_reduce(flag, op=dist.ReduceOp.MAX)
-            self.stats.bytes_sent += allreduce_bytes(_FLAG_BYTES, world_size)
+            self.stats.bytes_sent += allreduce_bytes(FLAG_BYTES, world_size)
             exchange.gathers = [
                 self._start_run(comm, fragment, run, row, tag=tag, in_place=False)
                 for tag, (run, row) in enumerate(zip(fragment.runs, exchange.rows))
@@ -927,9 +938,8 @@ class OuterSyncState:
         return self._from_owners(fragment, run, row, [gathered[j, : sizes[j]] for j in range(world_size)], world_size)
 
     def _owned(self, fragment: _Fragment, run, world_size: int, device) -> list[tuple]:
-        """Per rank, the blocks of the run's row it owns: `(ranges, index)` as the hook's helpers take them."""
-        owners = fragment.owners[run[0].bits]
-        return [(r, i.to(device)) for r, i in zip(owners.owned_ranges(world_size), owners.owned_blocks(world_size))]
+        """Per rank, the blocks of the run's row it owns: `(ranges, index)` as the exchange's functions take them."""
+        return owned_blocks(fragment.owners[run[0].bits], world_size, device)
 
     def _to_owners(self, fragment: _Fragment, run, row: torch.Tensor, world_size: int):
         """
@@ -937,17 +947,15 @@ class OuterSyncState:
         into one message per owner. Returns the send buffer (the `W` messages one after the other) and their sizes.
         """
         spec, slots, length = run
-        nblocks, writer = length // spec.block_size, BlockMessages(spec)
+        nblocks = length // spec.block_size
         owned = self._owned(fragment, run, world_size, row.device)
-        sizes = [writer.fixed_nbytes(ranges[1].numel()) for ranges in owned]
+        sizes = [message_nbytes(spec, index.numel()) for _, index in owned]
         key = (OUTER_MODE, fragment.index, spec.bits)
         residual = self.residuals.row(key, slots, length, row.device).view(nblocks, spec.block_size)
-        codes, absmax, new_residual = self.kernels.encode(row.view(nblocks, spec.block_size), residual, None,
-                                                          spec.bits, in_place=True)  # fmt: skip
-        self.residuals.replace(key, slots, new_residual)
         send = torch.empty(sum(sizes), dtype=torch.uint8, device=row.device)
-        messages = list(torch.split(send, sizes))
-        to_owners(spec, codes, absmax, owned, messages)
+        _, new_residual = encode_to_owners(self.kernels, spec, row.view(nblocks, spec.block_size), residual, owned,
+                                           messages=split_messages(send, sizes))  # fmt: skip
+        self.residuals.replace(key, slots, new_residual)
         return send, sizes
 
     def _reduce_owned(self, fragment: _Fragment, run, contributions: list, world_size: int, rank: int,
@@ -964,7 +972,7 @@ class OuterSyncState:
             return
         key = (OUTER_MODE, fragment.index, spec.bits, world_size, rank)
         residual = self.owner_residuals.row(key, slots, count * spec.block_size, message.device)
-        _, new_residual = reduce_owned(self, spec, contributions, residual.view(count, spec.block_size),
+        _, new_residual = reduce_owned(self.kernels, spec, contributions, residual.view(count, spec.block_size),
                                        message=message)  # fmt: skip
         self.owner_residuals.replace(key, slots, new_residual)
 
@@ -973,12 +981,9 @@ class OuterSyncState:
         spec, _, length = run
         nblocks, block = length // spec.block_size, spec.block_size
         owned = self._owned(fragment, run, world_size, row.device)
-        codes, absmax = from_owners(spec, messages, owned, nblocks, row.device)
-        rows = row.view(nblocks, block)
-        chunk = max(1, ENCODE_CHUNK // block)  # the decode's temporaries: a few chunks
-        for start in range(0, nblocks, chunk):
-            end = min(start + chunk, nblocks)
-            self.kernels.decode([codes[start:end]], [absmax[start:end]], None, spec.bits, 1, out=rows[start:end])
+        # the decode's temporaries: a few chunks
+        decode_from_owners(self.kernels, spec, messages, owned, nblocks, out=row.view(nblocks, block),
+                           max_blocks=max(1, ENCODE_CHUNK // block))  # fmt: skip
         return row
 
     def _start_run(self, comm: Collectives, fragment: _Fragment, run, row: torch.Tensor, tag: int = 0,
@@ -990,18 +995,13 @@ class OuterSyncState:
         spec, slots, length = run
         world_size, block = comm.world_size, spec.block_size
         nblocks = length // block
-        writer = BlockMessages(spec)
-        size = writer.fixed_nbytes(nblocks)
+        size = message_nbytes(spec, nblocks)
         gathered = torch.empty(world_size * size, dtype=torch.uint8, device=row.device)
         message = gathered[comm.rank * size : (comm.rank + 1) * size]
-        codes_view, absmax_view = writer.unpack(message, nblocks)
         key = (OUTER_MODE, fragment.index, spec.bits)
         residual = self.residuals.row(key, slots, length, row.device).view(nblocks, block)
-        _, absmax, new_residual = self.kernels.encode(
-            row.view(nblocks, block), residual, None, spec.bits, codes_out=codes_view, in_place=in_place
-        )
-        absmax_view.copy_(absmax)
-        writer.clear_padding(message, nblocks)
+        _, new_residual = encode(self.kernels, spec, row.view(nblocks, block), residual, message=message,
+                                 in_place=in_place)  # fmt: skip
         if in_place:
             self.residuals.replace(key, slots, new_residual)
             new_residual = None
@@ -1014,14 +1014,9 @@ class OuterSyncState:
         spec, _, length = run
         block = spec.block_size
         nblocks, world_size = length // block, parts.shape[0]
-        writer = BlockMessages(spec)
-        rows = row.view(nblocks, block)
-        codes, absmaxes = zip(*(writer.unpack(parts[r], nblocks) for r in range(world_size)))
-        chunk = max(1, ENCODE_CHUNK // block)  # the eager decode's temporaries: a few chunks, not a few fragments
-        for start in range(0, nblocks, chunk):
-            end = min(start + chunk, nblocks)
-            self.kernels.decode([c[start:end] for c in codes], [a[start:end] for a in absmaxes], None, spec.bits,
-                                world_size, out=rows[start:end])  # fmt: skip
+        # the eager decode's temporaries: a few chunks, not a few fragments
+        decode(self.kernels, spec, [parts[r] for r in range(world_size)], nblocks, divide=world_size,
+               out=row.view(nblocks, block), max_blocks=max(1, ENCODE_CHUNK // block))  # fmt: skip
         return row
 
     def _outer_step(self, fragment: _Fragment, dense: torch.Tensor, rows: list[torch.Tensor]) -> None:

@@ -3,6 +3,9 @@ Every byte formula of grpo_hf (what one rank sends per collective under the ring
 the one statistics window of the three transports: [`StepStats`] (one step's traffic) summed by [`TrafficStats`].
 """
 
+FLAG_BYTES = 8  # a step's (or a sync's) non-finite flag: one int64, all-reduced
+SIZE_BYTES = 8  # one message size announced before messages whose sizes depend on the data: one int64
+
 
 def _check_world_size(world_size: int) -> None:
     if world_size < 1:
@@ -29,6 +32,12 @@ def broadcast_bytes(nbytes: float, world_size: int) -> float:
 
 def alltoall_bytes(nbytes: float, world_size: int) -> float:
     """Average bytes per rank of an all-to-all of `nbytes`-byte buffers split over `W` ranks: `(W - 1) / W * nbytes`."""
+    _check_world_size(world_size)
+    return (world_size - 1) / world_size * nbytes
+
+
+def reduce_scatter_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes one rank sends in a ring reduce-scatter of an `nbytes` buffer: `(W - 1) / W * nbytes`."""
     _check_world_size(world_size)
     return (world_size - 1) / world_size * nbytes
 
@@ -211,6 +220,8 @@ class TrafficStats:
 
 
 __all__ = [
+    "FLAG_BYTES",
+    "SIZE_BYTES",
     "StepStats",
     "TrafficStats",
     "allgather_bytes",
@@ -219,4 +230,5 @@ __all__ = [
     "broadcast_bytes",
     "dense_allreduce_bytes",
     "owner_reduction_bytes",
+    "reduce_scatter_bytes",
 ]
