@@ -405,19 +405,26 @@ def test_warm_up_compiles_what_the_hook_runs():
     assert new_residual.data_ptr() == residual.data_ptr() and residual[:37].any()
 
 
-def test_in_place_encode_is_the_plain_one_in_chunks(monkeypatch):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_encode_in_chunks_is_the_plain_one(monkeypatch, bits):
     """
-    `encode(..., in_place=True)` writes the new residual into the residual a few blocks per call (here 3 of 128
-    entries, so the last call has one block): the same codes, absmax and residual as one call of `encode_blocks`.
+    `encode` with a residual runs a few blocks per call (here 3 of 128 entries, so the last call has one block), in
+    place (the new residual written into the residual) or not (into a fresh tensor, the residual left alone): the same
+    codes, absmax and residual as one call of `encode_blocks`.
     """
     monkeypatch.setattr(codec, "ENCODE_CHUNK", 3 * 128)
     grad, residual = _randn(10, 128), (_randn(10, 128) * 0.01).to(torch.bfloat16)
     scale = entry_scales(_randn(10, 128) ** 2)
-    codes_ref = torch.empty(10, 128, dtype=torch.int8)
-    absmax_ref, residual_ref = encode_blocks(grad, residual, scale, codes_ref, 8, 4.0)
+    shape, dtype = codec.code_shape(10, 128, bits)
+    codes_ref = torch.empty(shape, dtype=dtype)
+    absmax_ref, residual_ref = encode_blocks(grad, residual, scale, codes_ref, bits, 4.0)
     kept = residual.clone()
-    codes, absmax, new_residual = compile_kernels(False).encode(grad, kept, scale, 8, 4.0, in_place=True)
+    codes, absmax, new_residual = compile_kernels(False).encode(grad, kept, scale, bits, 4.0, in_place=True)
     assert new_residual is kept and torch.equal(kept, residual_ref)
+    assert torch.equal(codes, codes_ref) and torch.equal(absmax, absmax_ref)
+    kept = residual.clone()
+    codes, absmax, new_residual = compile_kernels(False).encode(grad, kept, scale, bits, 4.0, in_place=False)
+    assert torch.equal(kept, residual) and torch.equal(new_residual, residual_ref)
     assert torch.equal(codes, codes_ref) and torch.equal(absmax, absmax_ref)
 
 

@@ -320,18 +320,28 @@ class Kernels:
     def encode(self, grad, residual, scale, bits: int, clip: float | None = None, codes_out=None, in_place=False):
         """
         [`encode_blocks`] of `[n, B]` rows; returns `(codes, absmax, new_residual)`, the codes written into `codes_out`
-        (see [`code_shape`]) or a fresh tensor. With `in_place`, the new residual is written into `residual` (and
-        returned): [`ENCODE_CHUNK`] entries per kernel call, through a scratch that stays in cache.
+        (see [`code_shape`]) or a fresh tensor. With a residual, [`ENCODE_CHUNK`] entries per kernel call (the eager
+        kernel's temporaries stay a chunk's, not a whole model's); with `in_place` the new residual is written into
+        `residual` (and returned) through a scratch that stays in cache, otherwise into a fresh tensor.
         """
         if codes_out is None:
             shape, dtype = code_shape(grad.shape[0], grad.shape[1], bits)
             codes_out = torch.empty(shape, dtype=dtype, device=grad.device)
         clip = None if clip is None else float(clip)
-        if not in_place or residual is None:
-            absmax, new_residual = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip, None))
-            return codes_out, absmax, new_residual
         nblocks, block = grad.shape
         rows = max(1, min(nblocks, ENCODE_CHUNK // block))
+        if residual is None or (not in_place and rows == nblocks):
+            absmax, new_residual = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip, None))
+            return codes_out, absmax, new_residual
+        if not in_place:  # chunks written straight into the new residual
+            new_residual = torch.empty_like(residual)
+            absmax = torch.empty(nblocks, dtype=torch.float32, device=grad.device)
+            for start in range(0, nblocks, rows):
+                end = min(start + rows, nblocks)
+                args = (grad[start:end], residual[start:end], None if scale is None else scale[start:end],
+                        codes_out[start:end], clip, new_residual[start:end])  # fmt: skip
+                absmax[start:end], _ = self._call(_ENCODERS, bits, args)
+            return codes_out, absmax, new_residual
         key = (residual.dtype, residual.device)
         scratch = self._scratch.get(key)
         if scratch is None or scratch.numel() < rows * block:
