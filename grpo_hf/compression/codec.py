@@ -333,20 +333,17 @@ class Kernels:
         if residual is None or (not in_place and rows == nblocks):
             absmax, new_residual = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip, None))
             return codes_out, absmax, new_residual
-        if not in_place:  # chunks written straight into the new residual
+        if in_place:  # through a scratch that stays in cache, then into the residual
+            key = (residual.dtype, residual.device)
+            scratch = self._scratch.get(key)
+            if scratch is None or scratch.numel() < rows * block:
+                scratch = self._scratch[key] = torch.empty(rows * block, dtype=residual.dtype, device=residual.device)
+            new_residual = residual
+        else:  # straight into the new residual
             new_residual = torch.empty_like(residual)
-            absmax = torch.empty(nblocks, dtype=torch.float32, device=grad.device)
-            for start in range(0, nblocks, rows):
-                end = min(start + rows, nblocks)
-                args = (grad[start:end], residual[start:end], None if scale is None else scale[start:end],
-                        codes_out[start:end], clip, new_residual[start:end])  # fmt: skip
-                absmax[start:end], _ = self._call(_ENCODERS, bits, args)
-            return codes_out, absmax, new_residual
-        key = (residual.dtype, residual.device)
-        scratch = self._scratch.get(key)
-        if scratch is None or scratch.numel() < rows * block:
-            scratch = self._scratch[key] = torch.empty(rows * block, dtype=residual.dtype, device=residual.device)
-        if rows == nblocks:  # one call (most runs): no slices, which cost more than the kernel on small runs
+        if (
+            in_place and rows == nblocks
+        ):  # one call (most runs): no slices, which cost more than the kernel on small runs
             part = scratch[: nblocks * block].view(nblocks, block)
             absmax, _ = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip, part))
             residual.copy_(part)
@@ -354,12 +351,13 @@ class Kernels:
         absmax = torch.empty(nblocks, dtype=torch.float32, device=grad.device)
         for start in range(0, nblocks, rows):
             end = min(start + rows, nblocks)
-            part = scratch[: (end - start) * block].view(end - start, block)
+            part = scratch[: (end - start) * block].view(end - start, block) if in_place else new_residual[start:end]
             args = (grad[start:end], residual[start:end], None if scale is None else scale[start:end],
                     codes_out[start:end], clip, part)  # fmt: skip
             absmax[start:end], _ = self._call(_ENCODERS, bits, args)
-            residual[start:end].copy_(part)
-        return codes_out, absmax, residual
+            if in_place:
+                residual[start:end].copy_(part)
+        return codes_out, absmax, new_residual
 
     def decode(self, codes, absmax, scale, bits: int, divide: float, out=None, ema=None, beta: float = 0.0):
         """
