@@ -10,7 +10,8 @@ and the outer sync also exchange them through its collectives:
    asks for one; FSDP2's one all-to-all is torch's own): an all-gather of the messages, cut back into messages by [`split_messages`] (sizes known,
    [`message_nbytes`]) or [`walk_messages`] (sizes in the messages' headers); or owner reduction, in three halves:
    [`encode_to_owners`] (each owner's blocks as its own message), [`reduce_owned`] (the owner averages the `W`
-   contributions and compresses the mean again) and [`decode_from_owners`] (the owners' messages back into rows).
+   contributions and compresses the mean again) and [`decode_from_owners`] (the owners' messages back into rows),
+   with the collectives between them, and their bytes, in [`exchange_with_owners`] (sizes known in advance).
 3. **Decode** ([`decode`], [`decode_rows`]): the messages, in rank order, summed and divided by the fused decode
    kernel; every rank decodes the same messages in the same order, so every rank holds the same bits. ([`poison_rows`]
    makes the blocks of a non-finite input decode to NaN.)
@@ -33,6 +34,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,7 +42,7 @@ import torch.distributed as dist
 from .codec import BlockMessages, Kernels, code_shape
 from .sparse import TopKMessages
 from .spec import CodecSpec, num_blocks
-from .traffic import allgather_bytes, allreduce_bytes, alltoall_bytes
+from .traffic import allgather_bytes, allreduce_bytes, alltoall_bytes, owner_reduction_bytes
 
 
 LINK_ENV = "GRPO_HF_EMULATED_LINK_GBIT"
@@ -549,6 +551,46 @@ def decode_from_owners(kernels: Kernels, spec: CodecSpec, messages: list, owned:
     return _decode_codes(kernels, spec.bits, [codes], [absmax], scale, 1, out, ema, beta, max_blocks)
 
 
+def exchange_with_owners(comm: Collectives, send: torch.Tensor, sizes: list[int],
+                         reduce_into: Callable[[list[torch.Tensor], torch.Tensor], object],
+                         payload: torch.Tensor | None = None,
+                         count_as: int | None = None) -> tuple[list[torch.Tensor], float]:  # fmt: skip
+    """
+    The collectives of owner reduction when the messages' sizes are known in advance (no top-k, no 2 bits): the
+    all-to-all of this rank's part for each owner, the owner's half on this rank, the all-gather of the owners'
+    messages, padded to the longest.
+
+    Args:
+        comm (`Collectives`): the collectives of the `W` ranks.
+        send (`torch.Tensor`): `uint8`, this rank's parts for the owners one after the other (`sizes[j]` bytes for
+            owner `j`), e.g. written by [`encode_to_owners`].
+        sizes (`list[int]`): the bytes of each owner's part, the same on every rank; an owner's message is as long as
+            each part it receives (the same blocks, compressed again).
+        reduce_into (`Callable`): the owner's half, called once as `reduce_into(contributions, message)` with the `W`
+            parts this rank received (rank order) and its message of `sizes[rank]` bytes to write, e.g. with
+            [`reduce_owned`].
+        payload (`torch.Tensor`, *optional*): `max(sizes)` bytes to write the message into and gather from (a work
+            buffer kept from step to step); fresh zeros when `None`.
+        count_as (`int`, *optional*): the world size the bytes are counted for, when one process stands for that many
+            ranks (`compress_locally`); `comm.world_size` when `None`.
+
+    Returns:
+        `(messages, nbytes)`: the owners' messages (owner order, `sizes[j]` bytes each, views of the gathered
+        buffer: for [`decode_from_owners`]) and the bytes one rank sends
+        ([`~grpo_hf.compression.traffic.owner_reduction_bytes`]).
+    """
+    world_size, rank = comm.world_size, comm.rank
+    received = comm.all_to_all(send, sizes, [sizes[rank]] * world_size)
+    if payload is None:
+        payload = torch.zeros(max(sizes), dtype=torch.uint8, device=send.device)
+    else:
+        payload[sizes[rank] :].zero_()  # the padding up to the longest owner's message
+    reduce_into(split_messages(received, [sizes[rank]] * world_size), payload[: sizes[rank]])
+    gathered = comm.all_gather(payload)
+    messages = [gathered[owner, : sizes[owner]] for owner in range(world_size)]
+    return messages, owner_reduction_bytes(sizes, world_size if count_as is None else count_as)
+
+
 __all__ = [
     "EMULATED_LINK",
     "LINK_ENV",
@@ -561,6 +603,7 @@ __all__ = [
     "encode",
     "encode_rows",
     "encode_to_owners",
+    "exchange_with_owners",
     "message_nbytes",
     "owned_blocks",
     "poison_rows",

@@ -48,8 +48,12 @@ def owner_reduction_bytes(owner_nbytes: list[float], world_size: int) -> float:
     H steps from 3 ranks): the all-to-all of its parts for the `W` owners (`owner_nbytes[j]` bytes for owner `j`),
     then the all-gather of the owners' messages, each padded to the longest: `(W - 1) / W * sum + (W - 1) * max`.
     About `2 (W - 1) / W` times the whole message: flat in `W`.
+
+    One process standing for `W` ranks (`compress_locally`) owns every block: its one part counts as the `W` owners'
+    messages of a `W`-th of it each, `(W - 1) / W * S + (W - 1) * S / W`.
     """
-    return alltoall_bytes(sum(owner_nbytes), world_size) + allgather_bytes(max(owner_nbytes), world_size)
+    longest = max(owner_nbytes) if len(owner_nbytes) > 1 else owner_nbytes[0] / world_size
+    return alltoall_bytes(sum(owner_nbytes), world_size) + allgather_bytes(longest, world_size)
 
 
 def dense_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> float:
