@@ -91,6 +91,7 @@ from .exchange import (
     decode_from_owners,
     encode,
     encode_to_owners,
+    exchange_with_owners,
     message_nbytes,
     owned_blocks,
     reduce_owned,
@@ -397,10 +398,40 @@ def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         scales.append((scale, ema))
     dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
 
-    # All-to-all: each owner receives every rank's messages for its blocks.
-    if known:
-        send_splits, recv_totals = send_sizes, [send_sizes[rank]] * world_size
-        stats.bytes_sent += alltoall_bytes(send.numel(), count_as)
+    def reduce_into(contributions: list[torch.Tensor], message: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """
+        The owner's half: per run, the `W` contributions (rank order, each this rank's messages of every run) to the
+        blocks this rank owns averaged and compressed again with its owner residual; into `message` (the runs'
+        messages one after the other) when sizes are known. Returns the message of each run.
+        """
+        if known:
+            parts = [split_messages(c, fixed[rank]) for c in contributions]
+            slots = split_messages(message, fixed[rank])
+        else:
+            mine_runs = [(run.spec, count[rank]) for run, count in zip(layout.runs, counts)]
+            parts, slots = [walk_messages(c, mine_runs) for c in contributions], [None] * len(layout.runs)
+        out_messages = []
+        for index, (run, owned, (scale, _)) in enumerate(zip(layout.runs, block_rows, scales)):
+            nblocks = counts[index][rank]
+            if nblocks == 0:
+                out_messages.append(empty)
+                continue
+            mine = None if scale is None else take_owned(scale, owned[rank])
+            key, owner_slots = (run.key, world_size, rank), run.owned_slots(world_size, rank)
+            residual = state.owner_residuals.row(key, owner_slots, nblocks * run.spec.block_size, device)
+            k = run.num_values(nblocks * run.spec.block_size, run.owned_numel(world_size, rank))
+            message, new_residual = reduce_owned(state.kernels, run.spec, [p[index] for p in parts],
+                                                 residual.view(nblocks, -1), mine, state.scale_clip, k,
+                                                 slots[index])  # fmt: skip
+            state.owner_residuals.replace(key, owner_slots, new_residual)
+            out_messages.append(message)
+        return out_messages
+
+    if known:  # the owner's message written in place into the all-gather's payload
+        payload = state.buffer("owned", max(send_sizes), device, torch.uint8)
+        owner_messages, nbytes = exchange_with_owners(comm, send, send_sizes, reduce_into, payload, count_as)
+        stats.bytes_sent += nbytes
+        per_owner = [split_messages(message, sizes) for message, sizes in zip(owner_messages, fixed)]
     else:  # sizes depend on the data: announce them (every rank learns every rank's total, to count the same bytes)
         sends = [torch.cat(parts) if parts else empty for parts in to_rank]
         send, send_splits = torch.cat(sends), [s.numel() for s in sends]
@@ -409,52 +440,19 @@ def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bu
         totals = comm.all_gather(meta.sum().view(1)).view(-1).tolist()
         stats.bytes_sent += alltoall_bytes(SIZE_BYTES * world_size, count_as) + allgather_bytes(SIZE_BYTES, count_as)
         stats.bytes_sent += alltoall_bytes(sum(totals) / world_size, count_as)
-    received = comm.all_to_all(send, send_splits, recv_totals)
-    mine_runs = [(run.spec, count[rank]) for run, count in zip(layout.runs, counts)]
-    contributions = [
-        split_messages(c, fixed[rank]) if known else walk_messages(c, mine_runs)
-        for c in split_messages(received, recv_totals)
-    ]
-
-    # Owner: average the W contributions to the blocks it owns, add its residual, compress the mean again.
-    out_messages = []
-    if known:  # written in place into the payload of the all-gather, padded to the longest owner's
-        longest = max(sum(sizes) for sizes in fixed)
-        payload = state.buffer("owned", longest, device, torch.uint8)
-        payload[sum(fixed[rank]) :].zero_()
-        slots = split_messages(payload, fixed[rank])
-    for index, (run, owned, (scale, _)) in enumerate(zip(layout.runs, block_rows, scales)):
-        nblocks = counts[index][rank]
-        if nblocks == 0:
-            out_messages.append(empty)
-            continue
-        mine = None if scale is None else take_owned(scale, owned[rank])
-        key, owner_slots = (run.key, world_size, rank), run.owned_slots(world_size, rank)
-        residual = state.owner_residuals.row(key, owner_slots, nblocks * run.spec.block_size, device)
-        k = run.num_values(nblocks * run.spec.block_size, run.owned_numel(world_size, rank))
-        parts = [contributions[s][index] for s in range(world_size)]
-        message, new_residual = reduce_owned(state.kernels, run.spec, parts, residual.view(nblocks, -1), mine,
-                                             state.scale_clip, k, slots[index] if known else None)  # fmt: skip
-        state.owner_residuals.replace(key, owner_slots, new_residual)
-        out_messages.append(message)
-
-    # All-gather of the owners' messages (padded to the longest), decoded in owner order on every rank.
-    if not known:
-        payload = torch.cat(out_messages)
+        received = comm.all_to_all(send, send_splits, recv_totals)
+        payload = torch.cat(reduce_into(split_messages(received, recv_totals)))
         totals = comm.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device)).view(-1).tolist()
         stats.bytes_sent += allgather_bytes(SIZE_BYTES, count_as)
         longest = max(totals)
-        payload = torch.nn.functional.pad(payload, (0, longest - payload.numel()))
-    gathered = comm.all_gather(payload)
-    stats.bytes_sent += (
-        allgather_bytes(longest, count_as) if world_size > 1 else allgather_bytes(longest / count_as, count_as)
-    )
-    per_owner = [
-        split_messages(gathered[r], fixed[r])
-        if known
-        else walk_messages(gathered[r], [(run.spec, count[r]) for run, count in zip(layout.runs, counts)])
-        for r in range(world_size)
-    ]
+        gathered = comm.all_gather(torch.nn.functional.pad(payload, (0, longest - payload.numel())))
+        stats.bytes_sent += allgather_bytes(longest if world_size > 1 else longest / count_as, count_as)
+        per_owner = [
+            walk_messages(gathered[r], [(run.spec, count[r]) for run, count in zip(layout.runs, counts)])
+            for r in range(world_size)
+        ]
+
+    # Every rank decodes the owners' messages, in owner order.
     for index, (run, owned, (scale, ema)) in enumerate(zip(layout.runs, block_rows, scales)):
         out = run.rows(bucket.buffer) if run.in_place else None
         parts = [per_owner[r][index] for r in range(world_size)]

@@ -44,13 +44,13 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
    - `W = 2`: the messages are all-gathered and every rank decodes the `W` of them in rank order, its own included,
      into the mean `Δ̄`.
    - `W >= 3` (`OWNER_MIN_WORLD_SIZE`; blocking syncs): owner reduction, as the per-step hook's `allreduce` mode does
-     it and with the same functions (`encode_to_owners`, `reduce_owned`, `decode_from_owners` of `exchange.py`): each
-     tensor's blocks are cut into `W` contiguous chunks, chunk `j` owned by rank `(j + crc32(name)) mod W`
-     (`layout.Run.owned_blocks`). Each rank sends each owner the codes of its blocks (one all-to-all); each owner
-     decodes its `W` contributions in rank order, averages them and encodes the mean again with its own error
-     feedback (the owner residual, bf16, of the blocks it owns only); the owners' messages are all-gathered and every
-     rank decodes them, in owner order, into `Δ̄`. Both ways every rank decodes the same messages in the same order:
-     the same bits of `Δ̄` on every rank.
+     it and with the same functions (`encode_to_owners`, `exchange_with_owners`, `reduce_owned`, `decode_from_owners`
+     of `exchange.py`): each tensor's blocks are cut into `W` contiguous chunks, chunk `j` owned by rank
+     `(j + crc32(name)) mod W` (`layout.Run.owned_blocks`). Each rank sends each owner the codes of its blocks (one
+     all-to-all); each owner decodes its `W` contributions in rank order, averages them and encodes the mean again
+     with its own error feedback (the owner residual, bf16, of the blocks it owns only); the owners' messages are
+     all-gathered and every rank decodes them, in owner order, into `Δ̄`. Both ways every rank decodes the same
+     messages in the same order: the same bits of `Δ̄` on every rank.
      At `W = 2` both would send the same bytes, and the owners would quantize `Δ̄` twice.
    Tensors without a spec (norms, biases, `grpo_bits=32`, `grpo_compression="none"`) go through one fp32
    all-reduce.
@@ -152,6 +152,7 @@ from .exchange import (
     decode_from_owners,
     encode,
     encode_to_owners,
+    exchange_with_owners,
     message_nbytes,
     owned_blocks,
     reduce_owned,
@@ -160,7 +161,7 @@ from .exchange import (
 from .layout import Run
 from .spec import CodecSpec
 from .state import RESIDUAL_DTYPE, RowStore
-from .traffic import FLAG_BYTES, StepStats, TrafficStats, allgather_bytes, allreduce_bytes, owner_reduction_bytes
+from .traffic import FLAG_BYTES, StepStats, TrafficStats, allgather_bytes, allreduce_bytes
 
 
 logger = logging.getLogger(__name__)
@@ -925,17 +926,17 @@ class OuterSyncState:
         Step 4 with owners (the per-step hook's `allreduce` mode): this rank's codes of each owner's blocks go to
         their owner (all-to-all); each owner averages the `W` contributions and compresses the mean again with its
         own residual; the owners' messages are all-gathered and every rank decodes them, in owner order, into `row`.
+        The collectives and their bytes: [`~grpo_hf.compression.exchange.exchange_with_owners`].
         """
         world_size, rank = comm.world_size, comm.rank
         send, sizes = self._to_owners(fragment, run, row, world_size)
-        received = comm.all_to_all(send, sizes, [sizes[rank]] * world_size)
-        longest = max(sizes)
-        payload = torch.zeros(longest, dtype=torch.uint8, device=row.device)
-        contributions = list(received.view(world_size, sizes[rank])) if sizes[rank] else []
-        self._reduce_owned(fragment, run, contributions, world_size, rank, payload[: sizes[rank]])
-        gathered = comm.all_gather(payload)
-        self.stats.bytes_sent += owner_reduction_bytes(sizes, world_size)
-        return self._from_owners(fragment, run, row, [gathered[j, : sizes[j]] for j in range(world_size)], world_size)
+
+        def reduce_into(contributions: list, message: torch.Tensor) -> None:
+            self._reduce_owned(fragment, run, contributions, world_size, rank, message)
+
+        messages, nbytes = exchange_with_owners(comm, send, sizes, reduce_into)
+        self.stats.bytes_sent += nbytes
+        return self._from_owners(fragment, run, row, messages, world_size)
 
     def _owned(self, fragment: _Fragment, run, world_size: int, device) -> list[tuple]:
         """Per rank, the blocks of the run's row it owns: `(ranges, index)` as the exchange's functions take them."""
