@@ -147,7 +147,9 @@ class GRPOConfig(CostFields, TrainingArguments):
             exchange nothing, and every `H` optimizer steps the ranks average their pseudo-gradient
             `Δ = θ_global − θ_local` (in `grpo_sync_bits` codes with error feedback) and take an outer SGD step with
             Nesterov momentum; every rank restarts from `θ_global`. On one process (nothing to exchange) only the outer step is added.
-            FSDP2, DeepSpeed and fp16 mixed precision are refused with `H > 1`.
+            FSDP2, DeepSpeed and fp16 mixed precision are refused with `H > 1`. For fine-tunes `32`, the other sync
+            fields at their defaults; from scratch `8` (`docs/compression.md`, "Sync every H steps", has the measured
+            cost of both).
         grpo_sync_bits (`str`, *optional*, defaults to `"4"`):
             Bits per entry of the pseudo-gradient `Δ` the ranks exchange at a sync: `4`, `8` or `16` (codes in blocks
             of 128 with one scale each, and error feedback: what a sync did not send is added to the next one's `Δ`),
@@ -345,7 +347,8 @@ class GRPOConfig(CostFields, TrainingArguments):
         metadata={
             "help": "H: 1 exchanges the gradients every step; above 1 (DDP), inner steps exchange nothing and every H "
             "optimizer steps the ranks average their pseudo-gradients (grpo_sync_bits codes with error feedback) and "
-            "take an outer Nesterov step (DiLoCo)."
+            "take an outer Nesterov step (DiLoCo). Fine-tunes: 32, the other sync fields at their defaults; from scratch: 8 "
+            "(docs/compression.md, 'Sync every H steps')."
         },
     )
     grpo_sync_bits: str = field(
