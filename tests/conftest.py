@@ -25,6 +25,21 @@ from testing_utils import tiny_test_llama  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.fixture(autouse=True)
+def _environment_of_one_test():
+    """
+    Every test starts from the same environment variables. A Trainer built with `deepspeed` (accelerate's
+    `Accelerator` with a DeepSpeed plugin) sets `ACCELERATE_USE_DEEPSPEED=true` in `os.environ` for the rest of the
+    process, one with FSDP `ACCELERATE_USE_FSDP`: left there, every later Trainer of the session, and every worker it
+    launches, takes that path. The fuzz tests' `more` examples (random) build such Trainers now and then.
+    """
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture
 def tiny_model():
     """
