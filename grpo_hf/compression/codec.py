@@ -341,9 +341,8 @@ class Kernels:
             new_residual = residual
         else:  # straight into the new residual
             new_residual = torch.empty_like(residual)
-        if (
-            in_place and rows == nblocks
-        ):  # one call (most runs): no slices, which cost more than the kernel on small runs
+        # one call (most runs): no slices, which cost more than the kernel on small runs
+        if in_place and rows == nblocks:
             part = scratch[: nblocks * block].view(nblocks, block)
             absmax, _ = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip, part))
             residual.copy_(part)
