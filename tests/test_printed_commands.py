@@ -463,6 +463,8 @@ def check_pytest(args: list[str], command: str) -> None:
 
 def check_bash(args: list[str], command: str) -> None:
     script = ROOT / args[0]
+    if not script.resolve().is_relative_to(ROOT.resolve()):  # a tool beside the repository (`../shared/...`), as for
+        return  # the paths `_repo_paths` checks: not in a clone made elsewhere, and not the repository's to check
     _require(script.is_file(), f"`{command}`: no script {args[0]} in the repository")
     done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
     _require(done.returncode == 0, f"`{command}`: bash -n: {done.stderr}")
@@ -577,6 +579,13 @@ def test_a_renamed_script_flag_or_file_fails(command, problem):
     (printed,) = commands_in_markdown(f"`{command}`", "x.md")
     with pytest.raises(AssertionError, match=re.escape(problem)):
         check(printed)
+
+
+def test_a_script_beside_the_repository_is_not_checked():
+    """A LOG names the development tools kept beside the repository (`../shared/...`); a clone made anywhere else,
+    without them, must still pass."""
+    (printed,) = commands_in_markdown("`bash ../no_such_folder/run.sh`", "x.md")
+    check(printed)
 
 
 def test_a_printed_error_must_be_the_error_the_command_gives():
