@@ -463,8 +463,10 @@ def check_pytest(args: list[str], command: str) -> None:
 
 def check_bash(args: list[str], command: str) -> None:
     script = ROOT / args[0]
-    if not script.resolve().is_relative_to(ROOT.resolve()):  # a tool beside the repository (`../shared/...`), as for
-        return  # the paths `_repo_paths` checks: not in a clone made elsewhere, and not the repository's to check
+    # A tool beside the repository (`../shared/...`) is not the repository's to check, as `_repo_paths` does not check
+    # such paths either; a clone made elsewhere does not have it.
+    if not script.resolve().is_relative_to(ROOT.resolve()):
+        return
     _require(script.is_file(), f"`{command}`: no script {args[0]} in the repository")
     done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
     _require(done.returncode == 0, f"`{command}`: bash -n: {done.stderr}")
