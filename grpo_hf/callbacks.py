@@ -29,6 +29,7 @@ from .engines import (
 from .errors import GRPOError
 from .grouping import ParameterGroup
 from .importance import ImportanceState
+from .optim.moments import first_moment
 
 
 logger = logging.getLogger(__name__)
@@ -266,27 +267,24 @@ class GRPOCallback(TrainerCallback):
 
     def group_coherence(self, optimizer) -> torch.Tensor:
         """
-        Cosine between each group's gradient and its optimizer momentum (`exp_avg` of Adam-like optimizers, from the
-        steps before this one); 1 for a group without momentum yet (the first step).
+        Cosine between each group's gradient and its optimizer momentum (the first moment, as
+        [`~grpo_hf.optim.moments.first_moment`] reads it, from the steps before this one); 1 for a group without
+        momentum yet (the first step).
         """
-        state = optimizer.state
         if self._sharded():
 
             def products(param):
-                moment = state.get(param, {}).get("exp_avg")
+                moment = first_moment(optimizer, param)
                 if param.grad is None or moment is None:
                     return torch.zeros(4, dtype=torch.float64)
-                g, m = local_tensor(param.grad).double(), local_tensor(moment).double()
+                g, m = local_tensor(param.grad).double(), moment.double()
                 return torch.stack([(g * m).sum(), (g * g).sum(), (m * m).sum(), torch.ones((), dtype=torch.float64)])
 
             return self._cosines(self._group_sums(products))
         values = []
         for group in self.groups:
-            pairs = [
-                (p.grad, state[p]["exp_avg"])
-                for p in group.params
-                if p.grad is not None and "exp_avg" in state.get(p, {})
-            ]
+            moments = [(p.grad, first_moment(optimizer, p)) for p in group.params if p.grad is not None]
+            pairs = [(grad, moment) for grad, moment in moments if moment is not None]
             if not pairs:
                 values.append(1.0)
                 continue

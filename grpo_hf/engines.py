@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ConfigError
+from .optim.moments import first_moment
 
 
 logger = logging.getLogger(__name__)
@@ -311,9 +312,7 @@ def follow_parameters(groups, model: nn.Module) -> bool:
     return changed
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a `DTensor` (its shard), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+from .optim.moments import local_tensor  # noqa: E402  (this rank's part of a DTensor; defined where moments are read)
 
 
 def shard_groups(param: torch.Tensor) -> tuple:
@@ -402,7 +401,7 @@ class OptimizerStepProbe:
                     continue
                 grad = param.grad.detach().float()
                 row[0] += float(torch.linalg.vector_norm(grad)) ** 2
-                moment = optimizer.state.get(param, {}).get("exp_avg") if self.coherence else None
+                moment = first_moment(optimizer, param) if self.coherence else None
                 if moment is not None:
                     row[1] += float((grad * moment.float()).sum())
                     row[2] += float(torch.linalg.vector_norm(moment.float())) ** 2

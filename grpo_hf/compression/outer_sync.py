@@ -137,6 +137,7 @@ Under DDP the control's bytes are DDP's fp32 all-reduce of the gradients at ever
 """
 
 import contextlib
+import itertools
 import logging
 import time
 
@@ -145,6 +146,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..optim.moments import averaging_refusal, moment_numel, moment_tensors
 from .codec import ENCODE_CHUNK, all_safe, compile_kernels
 from .exchange import (
     Collectives,
@@ -175,11 +177,8 @@ DEFAULT_SYNC_DELAY = 0
 DEFAULT_SYNC_MIX = 0.5  # α, provisional (not measured on the suite); torchft's `fragment_update_alpha` defaults to 0
 OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # grpo_sync_moments: the inner optimizer's state averaged over ranks at a sync (hivemind averages Adam's exp_avg_sq)
-SYNC_MOMENTS = {"none": (), "second": ("exp_avg_sq",), "both": ("exp_avg", "exp_avg_sq")}
+SYNC_MOMENTS = {"none": (), "second": ("second",), "both": ("first", "second")}
 DEFAULT_SYNC_MOMENTS = "none"
-# Optimizers whose state holds both moments, flat like their parameter (torch's Adam family; AdamW subclasses Adam in
-# recent torch, listed for older ones)
-MOMENT_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)
 # From this many ranks a blocking sync's codes go through owners (the per-step hook's `allreduce` mode); at 2 the owners'
 # reduce-scatter and all-gather send the bytes of the all-gather, and would quantize `Δ̄` twice.
 OWNER_MIN_WORLD_SIZE = 3
@@ -399,9 +398,10 @@ class OuterSyncState:
             ([`merge_with_global`]); `0` restarts from `θ_global` as a sync without delay does. Unused when `delay=0`.
         moments (`str`, *optional*, defaults to `"none"`):
             The inner optimizer's moments averaged over ranks at every sync of a fragment, for its parameters, in place
-            in `optimizer.state` ([`SYNC_MOMENTS`]): `"none"`, `"second"` (`exp_avg_sq`) or `"both"` (`exp_avg` and
-            `exp_avg_sq`); one fp32 all-reduce per moment and fragment, blocking. Needs an optimizer of
-            [`MOMENT_OPTIMIZERS`] at [`bind`] and `delay=0`; nothing to average without an exchange.
+            in the optimizer's state ([`SYNC_MOMENTS`]): `"none"`, `"second"` or `"both"` (first and second), as
+            [`~grpo_hf.optim.moments`] reads them (AdamW's `exp_avg_sq`, Adafactor's factors, GroupedAdamW's blocks);
+            one fp32 all-reduce per moment and fragment, blocking. Needs an optimizer that keeps them in fp32 at
+            [`bind`] and `delay=0`; nothing to average without an exchange.
     """
 
     __slots__ = (
@@ -608,25 +608,20 @@ class OuterSyncState:
 
     def _check_moments(self, optimizer) -> None:
         """
-        With `moments` other than `"none"`: refuse an optimizer that does not keep them (not one of
-        [`MOMENT_OPTIMIZERS`], under Accelerate's wrapper), or whose state of a trainable parameter lacks one.
+        With `moments` other than `"none"`: refuse an optimizer that does not keep them as fp32 tensors
+        ([`~grpo_hf.optim.moments.averaging_refusal`]).
         """
-        keys = SYNC_MOMENTS[self.moments]
-        if not keys:
-            return
         field = f"grpo_sync_moments={self.moments!r}"
-        inner = _unwrap_optimizer(optimizer)
-        if inner is None:
-            raise ConfigError(f"{field} averages the optimizer's {' and '.join(keys)}: bind the optimizer that steps.")
-        missing = [key for key in keys if not isinstance(inner, MOMENT_OPTIMIZERS)]
-        for param in self.params.values():
-            saved = inner.state.get(param)
-            missing += [key for key in keys if saved and key not in saved]
-        if missing:
-            raise ConfigError(
-                f"{field} averages the optimizer's {' and '.join(keys)}, which {type(inner).__name__} does not keep "
-                f"({', '.join(c.__name__ for c in MOMENT_OPTIMIZERS)} do): use one of them, or grpo_sync_moments='none'."
-            )
+        for which in SYNC_MOMENTS[self.moments]:
+            if optimizer is None:
+                raise ConfigError(f"{field} averages the optimizer's moments: bind the optimizer that steps.")
+            refusal = averaging_refusal(optimizer, which)
+            if refusal is not None:
+                adam_key = "exp_avg" if which == "first" else "exp_avg_sq"
+                raise ConfigError(
+                    f"{field} averages the optimizer's {which} moment ({adam_key} in AdamW), which {refusal}. Use "
+                    "torch's AdamW, grpo_sync_moments='second' (or 'none'), or a grpo_optimizer_state that keeps it in fp32."
+                )
 
     # --- per step ---
     def _collectives(self) -> Collectives:
@@ -729,7 +724,7 @@ class OuterSyncState:
         for fragment in (self.layouts[f] for f in due):
             dense, rows = self._deltas(fragment)
             # the moments to average join the NaN/Inf check (read in place): set, the flag leaves them alone
-            moments = [t for key in keys if world_size > 1 for t in self._moments(fragment, key) if t is not None]
+            moments = [t for key in keys if world_size > 1 for held in self._moments(fragment, key) for t in held]
             unsafe = not all_safe([dense, *rows, *moments])
             del moments
             if world_size > 1:
@@ -754,48 +749,36 @@ class OuterSyncState:
             self.last_sync[fragment.index] = self.step
             self._count_sync(fragment)
 
-    def _moments(self, fragment: _Fragment, key: str) -> list[torch.Tensor | None]:
+    def _moments(self, fragment: _Fragment, which: str) -> list[list[torch.Tensor]]:
         """
-        The optimizer's `key` state of each of the fragment's parameters (`None` for a parameter without state: it never
-        had a gradient, on every rank under DDP, which agrees on the unused parameters).
+        The tensors that hold the optimizer's `which` moment of each of the fragment's parameters (`[]` for a parameter
+        without state: it never had a gradient, on every rank under DDP, which agrees on the unused parameters).
         """
-        state = _unwrap_optimizer(self.optimizer).state
-        tensors = []
-        for name in fragment.names:
-            param, saved = self.params[name], state.get(self.params[name])
-            moment = saved.get(key) if saved else None
-            if saved and (not torch.is_tensor(moment) or moment.numel() != param.numel()):
-                raise ConfigError(
-                    f"grpo_sync_moments={self.moments!r}: the optimizer's state of {name} has no {key} of its shape "
-                    f"({type(_unwrap_optimizer(self.optimizer)).__name__}); use grpo_sync_moments='none'."
-                )
-            tensors.append(moment)
-        return tensors
+        return [moment_tensors(self.optimizer, self.params[name], which) for name in fragment.names]
 
     def _average_moments(self, comm: Collectives, fragment: _Fragment, keys: tuple[str, ...]) -> None:
         """
         Average the optimizer's moments `keys` of the fragment's parameters over the ranks, in place: per moment, the
-        fragment's tensors flat in one fp32 row (zeros for a parameter without state), one all-reduce, divided by `W`
-        and copied back in the moment's dtype. Every rank then holds the same bits. Work memory: one row at a time.
+        tensors that hold it flat in one fp32 row (zeros for a parameter without state), one all-reduce, divided by
+        `W` and copied back. Every rank then holds the same bits. Work memory: one row at a time.
         """
         world_size = comm.world_size
         device = next(iter(self.params.values())).device
         for key in keys:
             tensors = self._moments(fragment, key)
-            flat = torch.zeros(fragment.numel, device=device)
-            offset = 0
-            for name, moment in zip(fragment.names, tensors):
-                if moment is not None:
-                    flat[offset : offset + self.numels[name]].copy_(moment.reshape(-1))
-                offset += self.numels[name]
+            sizes = [moment_numel(self.optimizer, self.params[name], key) for name in fragment.names]
+            flat = torch.zeros(sum(sizes), device=device)
+            for start, held in zip(itertools.accumulate([0, *sizes]), tensors):
+                for moment in held:
+                    flat[start : start + moment.numel()].copy_(moment.reshape(-1))
+                    start += moment.numel()
             comm.all_reduce(flat)
             flat /= world_size
             self.stats.bytes_sent += allreduce_bytes(4 * flat.numel(), world_size)
-            offset = 0
-            for name, moment in zip(fragment.names, tensors):
-                if moment is not None:
-                    moment.copy_(flat[offset : offset + self.numels[name]].view_as(moment))
-                offset += self.numels[name]
+            for start, held in zip(itertools.accumulate([0, *sizes]), tensors):
+                for moment in held:
+                    moment.copy_(flat[start : start + moment.numel()].view_as(moment))
+                    start += moment.numel()
             del flat
 
     # --- overlap (delay > 0) ---
@@ -1275,7 +1258,6 @@ __all__ = [
     "DEFAULT_SYNC_MIX",
     "DEFAULT_SYNC_MOMENTS",
     "DEFAULT_SYNC_RAMP",
-    "MOMENT_OPTIMIZERS",
     "OUTER_DTYPES",
     "OUTER_MODE",
     "OuterSyncState",

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..optim.moments import per_entry_second_moment
 from .codec import Kernels, compile_kernels
 from .layout import BucketLayout, Run, bucket_layout
 from .spec import MODES, CodecSpec
@@ -378,27 +379,28 @@ class GRPOCommState:
     # --- gradient scales ---
     def optimizer_squares(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
         """
-        The optimizer's `exp_avg_sq` of each parameter (flat views), or `None` unless every one of them has one.
+        The optimizer's per-entry second moment of each parameter (AdamW's `exp_avg_sq`, read by
+        [`~grpo_hf.optim.moments.per_entry_second_moment`]; flat views), or `None` unless every one of them has one.
         Remembered per list of parameters while the optimizer keeps its state objects (Adam updates them in place;
         loading a state dict replaces them, which is noticed).
         """
         if self.optimizer is None or not self.scale_gradients or not params:
             return None
-        state = self.optimizer.state
         key = (id(params[0]), id(params[-1]), len(params))
         cached = self.sources.get(key)
-        if cached is not None and cached[0] is state:
-            first, last = state.get(params[0]), state.get(params[-1])
-            if first and last and first.get("exp_avg_sq") is cached[1] and last.get("exp_avg_sq") is cached[2]:
-                return cached[3]
+        if cached is not None:
+            first = per_entry_second_moment(self.optimizer, params[0])
+            last = per_entry_second_moment(self.optimizer, params[-1])
+            if first is cached[0] and last is cached[1]:
+                return cached[2]
         found = []
         for param in params:
-            squares = state[param].get("exp_avg_sq") if param in state else None
-            if not isinstance(squares, torch.Tensor) or squares.numel() != param.numel():
+            squares = per_entry_second_moment(self.optimizer, param)
+            if squares is None:
                 return None
             found.append(squares)
-        self.sources[key] = (state, found[0], found[-1], [squares.view(-1) for squares in found])
-        return self.sources[key][3]
+        self.sources[key] = (found[0], found[-1], [squares.view(-1) for squares in found])
+        return self.sources[key][2]
 
     def scales_for(self, run: Run, params: list[nn.Parameter], device, offset: int = 0, lane: int = 0):
         """
