@@ -37,6 +37,16 @@ from .errors import ConfigError
 from .grouping import check_lr_ratios, load_group_spec
 from .importance import SCORE_KINDS as SCORE_CHOICES
 from .lr_presets import DEFAULT_PRESET, PRESET_CHOICES, check_preset
+from .optim.builder import check_optimizer_state_settings
+from .optim.layout import (
+    DEFAULT_MIN_STATE_NUMEL,
+    DEFAULT_OPTIMIZER_STATE,
+    OPTIMIZER_STATE_CHOICES,
+    check_optimizer_state,
+)
+from .optim.layout import (
+    PRESETS as STATE_PRESETS,
+)
 
 
 @dataclass
@@ -193,6 +203,20 @@ class GRPOConfig(CostFields, TrainingArguments):
             Keep DDP's fp32 all-reduce of the gradients at every step and add only the outer step every `H` steps:
             a control that saves no bytes (it separates the outer optimizer's effect from the savings). Needs
             `grpo_sync_every > 1` and `grpo_compression` `"none"` or `"auto"`.
+
+    Parameters that control the optimizer's memory (see `docs/memory.md` and [`~grpo_hf.optim`]):
+
+        grpo_optimizer_state (`str`, *optional*, defaults to `"full"`):
+            `"full"`: the optimizer the arguments choose (`optim`), with its own state, as the Trainer builds it.
+            Otherwise GRPO's [`~grpo_hf.optim.GroupedAdamW`] with AdamW's settings (`learning_rate`, `adam_beta1`,
+            `adam_beta2`, `adam_epsilon`, `weight_decay`) keeps less state, chosen per group: `"mini"` (one second
+            moment per attention head in Q/K, per output row in V/O, FFN, embeddings and the output layer; Adam-mini's
+            blocks), `"mini8"` (`"mini"` with the large groups' first moment in 8-bit codes). A group file's `state`
+            and `state_bits` override the preset per group. Norms, biases, LoRA and tensors under
+            `grpo_min_state_numel` entries keep a full state. Needs `optim` `"adamw_torch"` (or `"adamw_torch_fused"`);
+            refused under DeepSpeed. What each setting measured, in state bytes and quality: `docs/memory.md`.
+        grpo_min_state_numel (`int`, *optional*, defaults to `4096`):
+            Tensors with fewer entries keep a full fp32 state whatever `grpo_optimizer_state` says.
 
     Parameters that control cost accounting (declared once, in [`~grpo_hf.cost.CostSettings`], which says more):
 
@@ -423,6 +447,22 @@ class GRPOConfig(CostFields, TrainingArguments):
         },
     )
 
+    # --- optimizer state (grpo_hf.optim) ---
+    grpo_optimizer_state: str = field(
+        default=DEFAULT_OPTIMIZER_STATE,
+        metadata={
+            "help": "'full': the optimizer optim chooses, with its own state. Otherwise GRPO's AdamW keeping less state, "
+            "per group: "
+            + "; ".join(f"'{name}': {preset.help}" for name, preset in STATE_PRESETS.items())
+            + " A group file's state / state_bits override it per group (docs/memory.md).",
+            "choices": list(OPTIMIZER_STATE_CHOICES),
+        },
+    )
+    grpo_min_state_numel: int = field(
+        default=DEFAULT_MIN_STATE_NUMEL,
+        metadata={"help": "Tensors with fewer entries keep a full fp32 optimizer state (norms, biases)."},
+    )
+
     def __post_init__(self):
         check_backends(self.fsdp, self.fsdp_config, self.deepspeed)  # before transformers sets the backend up
         validate_grpo_fields(self)
@@ -646,6 +686,10 @@ def validate_grpo_fields(args) -> None:
         )
     if args.grpo_min_compress_numel < 0:
         raise ConfigError(f"grpo_min_compress_numel={args.grpo_min_compress_numel}: use 0 or more.")
+    check_optimizer_state(args.grpo_optimizer_state)
+    if args.grpo_min_state_numel < 0:
+        raise ConfigError(f"grpo_min_state_numel={args.grpo_min_state_numel}: use 0 or more.")
+    check_optimizer_state_settings(args)
     if args.grpo_max_consecutive_skips < 0:
         raise ConfigError(f"grpo_max_consecutive_skips={args.grpo_max_consecutive_skips}: use 0 (never stop) or more.")
     _check_sync_fields(args)

@@ -27,8 +27,11 @@ _WARNED_EMPTY: set[str] = set()
 
 DEFAULT_GROUP = "default"
 RULE_KEYS = {
-    "name", "pattern", "density", "sparsity", "bits", "lr_ratio", "lr_scale_min", "lr_scale_max", "importance"
+    "name", "pattern", "density", "sparsity", "bits", "lr_ratio", "lr_scale_min", "lr_scale_max", "importance",
+    "state", "state_bits",
 }  # fmt: skip
+STATE_KINDS = ("full", "head", "row", "tensor", "factored")  # how a group's optimizer keeps its second moment
+STATE_BITS = (32, 16, 8, 0)  # bits of its first moment (0: none)
 FILE_KEYS = {"groups", "split_by_shape"}
 
 
@@ -54,6 +57,13 @@ class GroupRule:
             Bounds of this group's importance multiplier. `None` uses `grpo_lr_scale_min` / `grpo_lr_scale_max`.
         importance (`bool`, *optional*, defaults to `True`):
             Whether importance scaling applies; `False` pins the multiplier to 1.
+        state (`str`, *optional*):
+            How the optimizer keeps this group's second moment when `grpo_optimizer_state` is not `"full"`: `"full"`,
+            `"head"`, `"row"`, `"tensor"` or `"factored"` (see [`~grpo_hf.optim.StateLayout`]). `None` uses the
+            preset's choice for each parameter's kind.
+        state_bits (`int`, *optional*):
+            Bits of this group's first moment under the same condition: 32, 16, 8 or 0 (none). `None` uses the
+            preset's.
     """
 
     name: str
@@ -64,6 +74,8 @@ class GroupRule:
     lr_scale_min: float | None = None
     lr_scale_max: float | None = None
     importance: bool = True
+    state: str | None = None
+    state_bits: int | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +178,14 @@ def validate_rule(rule: GroupRule, where: str = "") -> GroupRule:
         raise GroupConfigError(
             f"{at}importance={rule.importance!r} is not a boolean; use true (scale this group's learning rate by its "
             "importance, the default) or false (keep its multiplier at 1)."
+        )
+    if rule.state is not None and rule.state not in STATE_KINDS:
+        raise GroupConfigError(
+            f"{at}state={rule.state!r}: use one of {STATE_KINDS} (how the optimizer keeps this group's second moment)."
+        )
+    if rule.state_bits is not None and (isinstance(rule.state_bits, bool) or rule.state_bits not in STATE_BITS):
+        raise GroupConfigError(
+            f"{at}state_bits={rule.state_bits!r}: use one of {STATE_BITS} (bits of the first moment; 0 keeps none)."
         )
     lo, hi = rule.lr_scale_min, rule.lr_scale_max
     for key, value in (("lr_scale_min", lo), ("lr_scale_max", hi)):

@@ -29,6 +29,7 @@ from .engines import (
     deepspeed_zero_stage,
     detect_engine,
     engine_from_environment,
+    follow_parameters,
     has_fsdp2_units,
     process_rank,
 )
@@ -38,6 +39,7 @@ from .hub_guards import check_push_settings, hub_errors
 from .importance import ImportanceState
 from .lr_presets import apply_preset
 from .model_card import write_run_summary, write_trainer_model_card
+from .optim.builder import grouped_adamw, grpo_param_groups, keep_embeddings_in_32_bits
 
 
 logger = logging.get_logger(__name__)
@@ -328,13 +330,27 @@ class GRPOMixin:
 
     # --- Trainer overrides ---
     def create_optimizer(self, model=None):
-        """Build the optimizer chosen in the arguments with one param group per GRPO group and weight-decay flag."""
+        """
+        Build the optimizer chosen in the arguments with one param group per GRPO group and weight-decay flag; with
+        `grpo_optimizer_state` other than `"full"`, [`~grpo_hf.optim.GroupedAdamW`] with the state layouts the groups
+        choose.
+        """
         opt_model = self.model if model is None else model
         if self.optimizer is not None:
             return self.optimizer
         if opt_model is not self._grpo_model:  # e.g. built by `model_init` at `train()`: GRPO follows the new model
             validate_grpo_fields(self.args)  # a hyperparameter-search trial sets fields without the config's checks
             self._bind_grpo(opt_model)
+        follow_parameters(self.grpo_groups, opt_model)  # an engine may have replaced them (FSDP2's `fully_shard`)
+        decay = self.get_decay_parameter_names(opt_model)
+        if self.args.grpo_optimizer_state != "full":
+            if self.optimizer_cls_and_kwargs is not None:
+                raise ConfigError(
+                    f"grpo_optimizer_state={self.args.grpo_optimizer_state!r} builds GRPO's own optimizer, and "
+                    "optimizer_cls_and_kwargs gives another. Drop one of the two."
+                )
+            self.optimizer = grouped_adamw(self.args, opt_model, self.grpo_groups, decay)
+            return self.optimizer
         if self.optimizer_cls_and_kwargs is not None:
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
         else:
@@ -347,21 +363,9 @@ class GRPOMixin:
                     "its own learning rate. Choose another optimizer (e.g. adamw_torch) or set grpo_importance=False."
                 )
             return super().create_optimizer(model)
-        decay = set(self.get_decay_parameter_names(opt_model))
-        param_groups = []
-        for group in self.grpo_groups:
-            for decayed in (True, False):
-                pairs = [(n, p) for n, p in zip(group.param_names, group.params) if (n in decay) == decayed]
-                if pairs:
-                    param_groups.append(
-                        {
-                            "params": [p for _, p in pairs],
-                            "param_names": [n for n, _ in pairs],
-                            "weight_decay": self.args.weight_decay if decayed else 0.0,
-                            "grpo_group": group.name,
-                        }
-                    )
+        param_groups = grpo_param_groups(self.grpo_groups, decay, self.args.weight_decay)
         self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
+        keep_embeddings_in_32_bits(optimizer_cls, optimizer_kwargs, opt_model)  # the Trainer's rule for bnb 8-bit
         self._probe_deepspeed_steps(self.optimizer)
         return self.optimizer
 

@@ -1,0 +1,339 @@
+"""[`GroupedAdamW`]: AdamW whose state each parameter keeps as its [`~grpo_hf.optim.StateLayout`] says.
+
+Per parameter `p` with gradient `g` at step `t` (learning rate `lr`, weight decay `λ`, `β1`, `β2`, `ε` of its param
+group), where `reduce` averages over the layout's blocks (nothing for `full`; the head, the row, the tensor; the row and
+the column for `factored`, whose estimate is `v̂ = r cᵀ / mean(r)`):
+
+1. `p ← p (1 − lr λ)` (decoupled weight decay, as AdamW).
+2. `β2_t = β2` with Adam's bias correction `1 − β2^t`, or, with `beta2_decay = d` (Adafactor's schedule),
+   `β2_t = 1 − t^d` and no correction; `v ← β2_t v + (1 − β2_t) reduce(g² + ε₁)`, with `ε₁ = 1e-30` in Adafactor's
+   form only.
+3. `momentum="gradient"` (Adam's form): `m ← β1 m + (1 − β1) g`, `p ← p − lr (m / (1 − β1^t)) / (sqrt(v̂) + ε)`.
+   `momentum="update"` (Adafactor's form): `u = g / sqrt(v̂)`, clipped to an RMS of at most `clip_threshold`,
+   `m ← β1 m + (1 − β1) lr u` (or `lr u` itself without a first moment), `p ← p − m`.
+
+With every layout `full/32` and Adam's form it is torch's AdamW (the tests compare them); with `factored/0`, Adafactor's
+form and `beta2_decay=-0.8`, `clip_threshold=1` it is transformers' `Adafactor(scale_parameter=False,
+relative_step=False)`, the Trainer's `optim="adafactor"`, on matrices.
+
+An 8-bit first moment is held as int8 codes in blocks of 128 entries with one fp32 scale (the block's largest
+magnitude) each; a code `c` stands for `sign(c) (c / 127)² scale`, so that small entries of a block keep a resolution of
+`scale / 127²` rather than `scale / 127`.
+
+Every rank computes the same update from the same gradients (no collective, no randomness), so DDP replicas never
+drift. Under FSDP2 each rank updates its local shards: `row` and `head` state is local to the rows a rank holds;
+`factored` keeps the row and column means of the local shard.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .layout import FIRST_MOMENT_BITS, FIRST_MOMENT_BLOCK, SECOND_MOMENT_KINDS, StateLayout
+from .moments import local_tensor
+
+
+ADAFACTOR_EPS = 1e-30  # Adafactor's ε₁, added to the squared gradient
+
+
+def quantize_moment(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Write `values` (flat, fp32) as 8-bit companded codes into `codes` (`[n_padded]` int8) and `scales` (`[blocks]`)."""
+    if values.numel() != codes.numel():
+        values = torch.nn.functional.pad(values, (0, codes.numel() - values.numel()))
+    blocks = values.view(-1, FIRST_MOMENT_BLOCK)
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    scales.copy_(absmax.view(-1))
+    ratio = blocks.abs().div_(absmax.clamp(min=torch.finfo(torch.float32).tiny)).sqrt_()
+    codes.view_as(blocks).copy_(ratio.mul_(127.0).round_().mul_(blocks.sign()))
+
+
+def dequantize_moment(codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
+    """The fp32 values (flat, `numel` entries) of 8-bit companded codes and their block scales."""
+    ratio = codes.view(-1, FIRST_MOMENT_BLOCK).float().div_(127.0)
+    values = ratio.abs().mul_(ratio).mul_(scales.view(-1, 1))
+    return values.view(-1)[:numel]
+
+
+class GroupedAdamW(torch.optim.Optimizer):
+    r"""
+    AdamW with a state layout per parameter ([`~grpo_hf.optim.StateLayout`]): one second moment per head, row,
+    tensor, or factored into rows and columns; the first moment in 32, 16 or 8 bits, or none.
+
+    Example:
+
+    ```python
+    >>> from grpo_hf.optim import GroupedAdamW
+
+    >>> layouts = ["row/32" if p.dim() == 2 and p.numel() >= 4096 else "full/32" for p in model.parameters()]
+    >>> optimizer = GroupedAdamW([{"params": list(model.parameters()), "state_layouts": layouts}], lr=1e-3)
+    ```
+
+    `GRPOTrainer` builds it from `grpo_optimizer_state` with one param group per GRPO group, and the layouts the group
+    and the preset choose ([`~grpo_hf.optim.resolve_layouts`]).
+
+    Args:
+        params (iterable): parameters, or param groups (dicts); each group may hold `state_layouts`, one layout (a
+            [`StateLayout`] or its string form, e.g. `"head:64/8"`) per parameter. Without it: `full/32`.
+        lr (`float`, *optional*, defaults to `1e-3`): learning rate.
+        betas (`tuple[float, float]`, *optional*, defaults to `(0.9, 0.999)`): `β1` (of the first moment) and `β2`.
+        eps (`float`, *optional*, defaults to `1e-8`): added to `sqrt(v̂)` in Adam's form.
+        weight_decay (`float`, *optional*, defaults to `0.0`): decoupled weight decay.
+        beta2_decay (`float`, *optional*): Adafactor's schedule `β2_t = 1 − t^beta2_decay` (e.g. `-0.8`) in place of
+            a constant `β2` with bias correction.
+        clip_threshold (`float`, *optional*): in Adafactor's form, the largest RMS of a tensor's normalized update.
+        momentum (`str`, *optional*, defaults to `"gradient"`): `"gradient"` (Adam's form: `m` averages gradients) or
+            `"update"` (Adafactor's form: `m` averages normalized, clipped updates).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        beta2_decay: float | None = None,
+        clip_threshold: float | None = None,
+        momentum: str = "gradient",
+    ):
+        if not 0.0 <= lr:
+            raise ValueError(f"lr={lr}: use a learning rate of 0 or more.")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas={betas}: use values in [0, 1).")
+        if momentum not in ("gradient", "update"):
+            raise ValueError(f"momentum={momentum!r}: use 'gradient' (Adam's form) or 'update' (Adafactor's).")
+        if beta2_decay is not None and not beta2_decay < 0:
+            raise ValueError(f"beta2_decay={beta2_decay}: use a negative exponent, e.g. -0.8 (Adafactor's).")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            beta2_decay=beta2_decay,
+            clip_threshold=clip_threshold,
+            momentum=momentum,
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        layouts = param_group.get("state_layouts")
+        if layouts is None:
+            layouts = ["full/32"] * len(params)
+        layouts = [str(layout) for layout in layouts]
+        if len(layouts) != len(params):
+            raise ValueError(f"a param group has {len(params)} parameters and {len(layouts)} state_layouts.")
+        for layout in layouts:
+            parsed = StateLayout.parse(layout)
+            if parsed.second not in SECOND_MOMENT_KINDS or parsed.first_bits not in FIRST_MOMENT_BITS:
+                raise ValueError(f"state layout {layout!r}: unknown second-moment kind or first-moment bits.")
+        param_group["state_layouts"] = layouts
+        super().add_param_group(param_group)
+
+    def layout_of(self, param: torch.Tensor) -> StateLayout:
+        """The [`StateLayout`] `param` is kept with."""
+        for group in self.param_groups:
+            for p, layout in zip(group["params"], group["state_layouts"]):
+                if p is param:
+                    return StateLayout.parse(layout)
+        raise KeyError("the parameter is not optimized by this optimizer.")
+
+    # --- state ---
+    def _init_state(self, state: dict, param: torch.Tensor, layout: StateLayout) -> None:
+        local = local_tensor(param)
+        state["step"] = torch.tensor(0.0)
+        if layout.first_bits == 32:
+            state["exp_avg"] = torch.zeros_like(local, memory_format=torch.preserve_format)
+        elif layout.first_bits == 16:
+            state["exp_avg"] = torch.zeros_like(local, dtype=torch.bfloat16)
+        elif layout.first_bits == 8:
+            padded = -(-local.numel() // FIRST_MOMENT_BLOCK) * FIRST_MOMENT_BLOCK
+            state["exp_avg_codes"] = torch.zeros(padded, dtype=torch.int8, device=local.device)
+            state["exp_avg_scales"] = torch.zeros(padded // FIRST_MOMENT_BLOCK, device=local.device)
+        shapes = layout.second_shape(local.shape)
+        if layout.second == "factored":
+            state["exp_avg_sq_row"] = torch.zeros(shapes[0], device=local.device)
+            state["exp_avg_sq_col"] = torch.zeros(shapes[1], device=local.device)
+        elif layout.second == "full":
+            state["exp_avg_sq"] = torch.zeros_like(local, memory_format=torch.preserve_format)
+        else:
+            state["exp_avg_sq"] = torch.zeros(shapes[0], device=local.device)
+
+    def first_moment(self, param: torch.Tensor) -> torch.Tensor | None:
+        """`param`'s first moment as an fp32 tensor of its (local) shape (a copy when stored in 8 or 16 bits)."""
+        state = self.state.get(param)
+        if not state:
+            return None
+        local = local_tensor(param)
+        if "exp_avg" in state:
+            return state["exp_avg"].float() if state["exp_avg"].dtype != torch.float32 else state["exp_avg"]
+        if "exp_avg_codes" in state:
+            return dequantize_moment(state["exp_avg_codes"], state["exp_avg_scales"], local.numel()).view_as(local)
+        return None
+
+    def second_moment(self, param: torch.Tensor) -> torch.Tensor | None:
+        """
+        `param`'s second-moment estimate, broadcastable to its (local) shape: the stored tensor for `full`, a view of
+        it for `head`, `row` and `tensor` (no copy), `r cᵀ / mean(r)` for `factored` (a new tensor). Not bias-corrected.
+        """
+        state = self.state.get(param)
+        if not state:
+            return None
+        local = local_tensor(param)
+        layout = self.layout_of(param)
+        if layout.second == "full":
+            return state["exp_avg_sq"]
+        if layout.second == "factored":
+            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+            return _unblocks(torch.outer(row / row.mean().clamp(min=ADAFACTOR_EPS), col), local.shape, layout)
+        return _expand(state["exp_avg_sq"], local.shape, layout)
+
+    # --- the step ---
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param, layout in zip(group["params"], group["state_layouts"]):
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                parsed = StateLayout.parse(layout)
+                if not state:
+                    self._init_state(state, param, parsed)
+                self._update(param, state, parsed, group)
+        return loss
+
+    def _update(self, param: torch.Tensor, state: dict, layout: StateLayout, group: dict) -> None:
+        p, grad = local_tensor(param), local_tensor(param.grad)
+        if grad.is_sparse:
+            raise RuntimeError("GroupedAdamW does not support sparse gradients.")
+        beta1, beta2 = group["betas"]
+        lr, decay = group["lr"], group["beta2_decay"]
+        state["step"] += 1
+        step = float(state["step"])
+        if group["weight_decay"]:
+            p.mul_(1 - lr * group["weight_decay"])
+        if decay is None:
+            beta2_t, correction2 = beta2, 1 - beta2**step
+        else:
+            beta2_t, correction2 = 1.0 - step**decay, 1.0
+        if grad.dtype != p.dtype:
+            grad = grad.to(p.dtype)
+        if group["momentum"] == "update":
+            self._adafactor_update(p, grad, state, layout, group, beta2_t)
+            return
+        # Adam's form: the first moment averages gradients; the step divides it by sqrt(v̂) + ε.
+        numerator = self._average(state, grad, beta1, p, lerp=True) if layout.first_bits else grad
+        step_size = lr / (1 - beta1**step) if layout.first_bits else lr
+        if layout.second == "full":  # torch's AdamW, operation for operation
+            v = state["exp_avg_sq"]
+            v.mul_(beta2_t).addcmul_(grad, grad, value=1 - beta2_t)
+            denominator = (v.sqrt() / math.sqrt(correction2)).add_(group["eps"])
+            p.addcdiv_(numerator, denominator, value=-step_size)
+            return
+        squares = _blocks(grad * grad, layout)
+        if layout.second == "factored":
+            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+            row.mul_(beta2_t).add_(squares.mean(dim=1), alpha=1 - beta2_t)
+            col.mul_(beta2_t).add_(squares.mean(dim=0), alpha=1 - beta2_t)
+            del squares
+            estimate = torch.outer(row / row.mean().clamp(min=ADAFACTOR_EPS), col)
+            denominator = estimate.sqrt_().div_(math.sqrt(correction2)).add_(group["eps"])
+        else:
+            v = state["exp_avg_sq"]
+            v.mul_(beta2_t).add_(squares.mean(dim=1, keepdim=True).view_as(v), alpha=1 - beta2_t)
+            del squares
+            denominator = (v.sqrt() / math.sqrt(correction2)).add_(group["eps"]).view(-1, 1)
+        _blocks(p, layout).addcdiv_(_blocks(numerator, layout), denominator, value=-step_size)
+
+    def _adafactor_update(self, p, grad, state: dict, layout: StateLayout, group: dict, beta2_t: float) -> None:
+        """Adafactor's form (transformers' `Adafactor`, operation for operation on matrices)."""
+        squares = grad**2 + ADAFACTOR_EPS
+        if layout.second == "full":
+            v = state["exp_avg_sq"]
+            v.mul_(beta2_t).add_(squares, alpha=1.0 - beta2_t)
+            del squares
+            update = v.rsqrt().mul_(grad)
+        elif layout.second == "factored":
+            matrix = _blocks(squares, layout)
+            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+            row.mul_(beta2_t).add_(matrix.mean(dim=-1), alpha=1.0 - beta2_t)
+            col.mul_(beta2_t).add_(matrix.mean(dim=-2), alpha=1.0 - beta2_t)
+            del matrix, squares
+            row_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+            update = _unblocks(torch.mul(row_factor, col.unsqueeze(-2).rsqrt()), p.shape, layout).mul_(grad)
+        else:
+            v = state["exp_avg_sq"]
+            v.mul_(beta2_t).add_(_blocks(squares, layout).mean(dim=1, keepdim=True).view_as(v), alpha=1.0 - beta2_t)
+            del squares
+            update = _unblocks(_blocks(grad, layout) * v.rsqrt().view(-1, 1), p.shape, layout)
+        clip = group["clip_threshold"]
+        if clip is not None:
+            update.div_((update.norm(2) / (update.numel() ** 0.5) / clip).clamp_(min=1.0))
+        update.mul_(group["lr"])
+        if layout.first_bits:
+            update = self._average(state, update, group["betas"][0], p, lerp=False)
+        p.add_(-update)
+
+    def _average(self, state: dict, target: torch.Tensor, beta1: float, p: torch.Tensor, lerp: bool) -> torch.Tensor:
+        """
+        The first moment `m ← β1 m + (1 − β1) target` in its storage (`lerp`: as torch's AdamW computes it); returns `m`
+        as a tensor of the parameter's shape and dtype.
+        """
+        if "exp_avg" in state and state["exp_avg"].dtype == p.dtype:
+            moment = state["exp_avg"]
+            return moment.lerp_(target, 1 - beta1) if lerp else moment.mul_(beta1).add_(target, alpha=1 - beta1)
+        if "exp_avg" in state:  # 16 bits
+            values = state["exp_avg"].to(p.dtype)
+        else:
+            values = dequantize_moment(state["exp_avg_codes"], state["exp_avg_scales"], p.numel()).view(p.shape)
+        values = values.lerp_(target, 1 - beta1) if lerp else values.mul_(beta1).add_(target, alpha=1 - beta1)
+        if "exp_avg" in state:
+            state["exp_avg"].copy_(values)
+        else:
+            quantize_moment(values.reshape(-1), state["exp_avg_codes"], state["exp_avg_scales"])
+        return values
+
+
+def _blocks(tensor: torch.Tensor, layout: StateLayout) -> torch.Tensor:
+    """
+    A parameter-shaped tensor as `[blocks, entries]` for its layout, a view (the parameter's storage, for in-place
+    updates): output units for `row` and `factored` (transposed for an `[in, out]` weight), heads for `head`, one block
+    for `tensor`.
+    """
+    if layout.second == "tensor":
+        return tensor.view(1, -1)
+    matrix = tensor.t() if layout.axis == 1 else tensor.view(tensor.shape[0], -1)
+    if layout.second == "head":
+        return matrix.view(matrix.shape[0] // layout.block, -1)
+    return matrix
+
+
+def _unblocks(blocks: torch.Tensor, shape: torch.Size, layout: StateLayout) -> torch.Tensor:
+    """The inverse of [`_blocks`]."""
+    return blocks.t() if layout.axis == 1 else blocks.view(shape)
+
+
+def _expand(values: torch.Tensor, shape: torch.Size, layout: StateLayout) -> torch.Tensor:
+    """A `head` / `row` / `tensor` state as a view of the parameter's shape (no copy: stride 0 where it repeats)."""
+    if layout.second == "full":
+        return values
+    if layout.second == "tensor":
+        return values.view([1] * len(shape)).expand(shape)
+    rows, cols = shape[layout.axis], shape.numel() // shape[layout.axis]
+    if layout.second == "head":
+        matrix = values.view(-1, 1, 1).expand(-1, layout.block, cols).reshape(rows, cols)
+    else:
+        matrix = values.view(rows, 1).expand(rows, cols)
+    if layout.axis == 1:
+        return matrix.t()
+    return matrix.view(shape)
+
+
+__all__ = ["GroupedAdamW", "dequantize_moment", "quantize_moment"]

@@ -1,0 +1,308 @@
+"""Where the optimizer's memory goes: one [`StateLayout`] per parameter, chosen by its semantic group.
+
+AdamW keeps two fp32 tensors the size of every parameter (8 bytes per entry). A layout says, per parameter, how much
+of that it keeps:
+
+| second moment (`state`) | one value per ...                                      | Adam-mini's block        |
+|---|---|---|
+| `full`                  | entry (AdamW's)                                        | biases                   |
+| `head`                  | attention head: `head_dim` output rows                 | Q, K                     |
+| `row`                   | output unit (a row of `nn.Linear`, a column of GPT-2's `Conv1D`, an embedding's token) | V, O, FFN, embeddings, output layer |
+| `tensor`                | tensor                                                 | norms                    |
+| `factored`              | row and column (Adafactor's: `v ≈ r cᵀ / mean(r)`)     | –                        |
+
+and the first moment (`state_bits`) in 32, 16 or 8 bits (8: signed codes in blocks of 128 with one fp32 scale each),
+or `0` (none: the update is the normalized gradient itself).
+
+The presets of `grpo_optimizer_state` ([`PRESETS`]) choose a layout by the parameter's semantic kind (attention Q/K,
+V/O, FFN, embeddings, norms, LoRA; [`semantic_kind`], from its name, whatever the group file). A group file's rule
+can override `state` and `state_bits` for its group. Whatever the preset, these keep a full fp32 state: tensors under
+`min_numel` entries (norms, biases: bitsandbytes and torchao draw the same line at 4,096), 1-D tensors, LoRA's A and
+B, and a tensor whose blocks a layout cannot split evenly (a head split across shards falls back to `row`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..grouping import STATE_BITS, STATE_KINDS
+
+
+logger = logging.getLogger(__name__)
+
+SECOND_MOMENT_KINDS = STATE_KINDS
+FIRST_MOMENT_BITS = STATE_BITS
+DEFAULT_MIN_STATE_NUMEL = 4096
+DEFAULT_OPTIMIZER_STATE = "full"
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """
+    How the optimizer keeps one parameter's state.
+
+    Args:
+        second (`str`, *optional*, defaults to `"full"`): one of [`SECOND_MOMENT_KINDS`].
+        first_bits (`int`, *optional*, defaults to `32`): bits per entry of the first moment (`0`: no first moment).
+        block (`int`, *optional*, defaults to `0`): with `second="head"`, the output rows of one head (`head_dim`).
+        axis (`int`, *optional*, defaults to `0`): the output axis of a 2-D weight (`1` for GPT-2's `Conv1D`,
+            stored `[in, out]`); `"row"` keeps one value per index along it.
+    """
+
+    second: str = "full"
+    first_bits: int = 32
+    block: int = 0
+    axis: int = 0
+
+    def __str__(self) -> str:
+        second = f"head:{self.block}" if self.second == "head" else self.second
+        return f"{second}{'^T' if self.axis else ''}/{self.first_bits}"
+
+    @classmethod
+    def parse(cls, text: str) -> StateLayout:
+        """The inverse of `str(layout)`, e.g. `"head:64/8"` or `"row^T/32"`."""
+        second, _, bits = text.partition("/")
+        axis = 1 if second.endswith("^T") else 0
+        second = second.removesuffix("^T")
+        kind, _, block = second.partition(":")
+        return cls(kind, int(bits or 32), int(block or 0), axis)
+
+    def second_shape(self, shape: torch.Size) -> list[tuple[int, ...]]:
+        """The shapes of the tensors that hold the second moment of a parameter of `shape`."""
+        if self.second == "full":
+            return [tuple(shape)]
+        if self.second == "tensor":
+            return [(1,)]
+        rows, cols = _matrix(shape, self.axis)
+        if self.second == "head":
+            return [(rows // self.block, 1)]
+        if self.second == "row":
+            return [(rows, 1)]
+        return [(rows,), (cols,)]  # factored
+
+    def state_nbytes(self, shape: torch.Size) -> int:
+        """Bytes this layout keeps for a parameter of `shape` (both moments; the step counter left out)."""
+        numel = shape.numel()
+        second = sum(4 * torch.Size(s).numel() for s in self.second_shape(shape))
+        if self.first_bits == 8:
+            first = _padded(numel) + 4 * (_padded(numel) // FIRST_MOMENT_BLOCK)
+        else:
+            first = numel * self.first_bits // 8
+        return second + first
+
+
+FIRST_MOMENT_BLOCK = 128  # entries per fp32 scale of an 8-bit first moment
+
+
+def _padded(numel: int) -> int:
+    return -(-numel // FIRST_MOMENT_BLOCK) * FIRST_MOMENT_BLOCK
+
+
+def _matrix(shape: torch.Size, axis: int) -> tuple[int, int]:
+    """`(output units, entries per unit)` of a weight of `shape` whose output axis is `axis`."""
+    rows = shape[axis]
+    return rows, shape.numel() // max(rows, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Presets: a layout per semantic kind
+# ----------------------------------------------------------------------------------------------------------------
+
+_KINDS = (
+    ("lora", r"\.lora_(embedding_)?[AB]\b|\.lora_magnitude_vector\b"),
+    ("embeddings", r"(embed_tokens|\bwte\b|\bwpe\b|embeddings|\bshared\b|lm_head|embed_positions)"),
+    ("norms", r"(norm|ln_\d|ln_f|LayerNorm)"),
+    ("attn_qkv", r"(c_attn|qkv_proj|query_key_value|Wqkv|\.qkv\b)"),
+    ("attn_qk", r"(q_proj|k_proj|\.query\b|\.key\b|Attention\.[qk]\b)"),
+    ("attn_vo", r"(v_proj|o_proj|out_proj|\.value\b|attention\.output\.dense|attn\.c_proj|Attention\.[vo]\b)"),
+    ("ffn", r"(mlp|gate_proj|up_proj|down_proj|intermediate|\.output\.dense|DenseReluDense|\.wi\b|\.wi_\d|\.wo\b|fc1|fc2|ffn)"),
+    ("head", r"(classifier|\bscore\b|pooler|qa_outputs)"),
+)  # fmt: skip
+_KIND_PATTERNS = [(kind, re.compile(pattern)) for kind, pattern in _KINDS]
+
+
+def semantic_kind(name: str) -> str:
+    """The semantic kind of a parameter by its full name (`"other"` when no kind matches)."""
+    return next((kind for kind, pattern in _KIND_PATTERNS if pattern.search(name)), "other")
+
+
+@dataclass(frozen=True)
+class StatePreset:
+    """
+    One value of `grpo_optimizer_state`: a second-moment kind and first-moment bits per semantic kind (kinds not
+    named keep a full fp32 state), and the update rule of [`~grpo_hf.optim.GroupedAdamW`] it runs with.
+    """
+
+    name: str
+    second: dict[str, str]
+    first_bits: dict[str, int]
+    update: dict  # GroupedAdamW's per-group options: beta2_decay, clip_threshold, momentum
+    help: str
+    small_bits: int = 32  # first-moment bits of the kinds not named and of the tensors kept full (small, 1-D, LoRA)
+
+
+_LARGE = ("attn_qk", "attn_qkv", "attn_vo", "ffn", "embeddings", "head")
+_MINI = {"attn_qk": "head", "attn_qkv": "row", "attn_vo": "row", "ffn": "row", "embeddings": "row", "head": "row"}
+PRESETS = {
+    preset.name: preset
+    for preset in (
+        StatePreset(
+            "mini",
+            second=_MINI,
+            first_bits={},
+            update={},
+            help="AdamW with one second moment per block (Adam-mini's): per head in attn_qk, per output row in "
+            "attn_vo, ffn, embeddings and the output layer; the first moment full.",
+        ),
+        StatePreset(
+            "mini8",
+            second=_MINI,
+            first_bits={kind: 8 for kind in _LARGE},
+            update={},
+            help="'mini' with the first moment of the large groups in 8-bit block codes.",
+        ),
+    )
+}
+_ADAFACTOR = {"momentum": "update", "beta2_decay": -0.8, "clip_threshold": 1.0}
+_FACTORED = {kind: "factored" for kind in _LARGE}
+_ROW = {kind: "row" for kind in _LARGE}
+for _preset in (
+    StatePreset("x-af0", _FACTORED, {}, _ADAFACTOR, "exp", small_bits=0),
+    StatePreset("x-af8", _FACTORED, {kind: 8 for kind in _LARGE}, _ADAFACTOR, "exp", small_bits=32),
+    StatePreset("x-ar0", _ROW, {}, _ADAFACTOR, "exp", small_bits=0),
+    StatePreset("x-ar8", _ROW, {kind: 8 for kind in _LARGE}, _ADAFACTOR, "exp", small_bits=32),
+    StatePreset("x-fac8", _FACTORED, {kind: 8 for kind in _LARGE}, {}, "exp"),
+    StatePreset("x-mini-af", _MINI, {}, _ADAFACTOR, "exp"),
+):
+    PRESETS[_preset.name] = _preset
+OPTIMIZER_STATE_CHOICES = ("full", *PRESETS)
+
+
+def check_optimizer_state(value) -> None:
+    """Refuse a `grpo_optimizer_state` that is not a preset name."""
+    if value not in OPTIMIZER_STATE_CHOICES:
+        raise ConfigError(
+            f"grpo_optimizer_state={value!r}: use one of {OPTIMIZER_STATE_CHOICES} ('full' keeps the optimizer's own "
+            "state; the others keep less, see docs/memory.md)."
+        )
+
+
+def head_dim(config) -> int | None:
+    """Rows of one attention head in the model's Q/K weights, from its config (`None` when it does not say)."""
+    if config is None:
+        return None
+    for key in ("head_dim", "d_kv", "attention_head_size"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None
+
+
+def _output_axes(model: nn.Module) -> dict[str, int]:
+    """`{parameter name: 1}` for the weights stored `[in, out]` (transformers' `Conv1D`, GPT-2's linear layers)."""
+    axes = {}
+    for module_name, module in model.named_modules():
+        if type(module).__name__ == "Conv1D":
+            axes[f"{module_name}.weight" if module_name else "weight"] = 1
+    return axes
+
+
+def resolve_layouts(
+    model: nn.Module,
+    groups,
+    preset: str,
+    min_numel: int = DEFAULT_MIN_STATE_NUMEL,
+) -> dict[str, StateLayout]:
+    """
+    The [`StateLayout`] of every grouped parameter, by name.
+
+    Args:
+        model (`nn.Module`): the model (its config gives the heads' size; GPT-2's `Conv1D` weights are found in it).
+        groups (`list[ParameterGroup]`): GRPO's groups; a rule's `state` / `state_bits` override the preset's.
+        preset (`str`): a value of `grpo_optimizer_state`.
+        min_numel (`int`, *optional*, defaults to `4096`): tensors with fewer entries keep a full fp32 state.
+    """
+    check_optimizer_state(preset)
+    table = PRESETS.get(preset)
+    config = getattr(model, "config", None)
+    rows_per_head = head_dim(config)
+    axes = _output_axes(model)
+    layouts = {}
+    for group in groups:
+        for name, param in zip(group.param_names, group.params):
+            kind = semantic_kind(name)
+            small_bits = table.small_bits if table else 32
+            second = table.second.get(kind, "full") if table else "full"
+            bits = table.first_bits.get(kind, small_bits) if table else 32
+            if group.rule.state is not None:
+                second = group.rule.state
+            if group.rule.state_bits is not None:
+                bits = group.rule.state_bits
+            layout = StateLayout(second, bits, rows_per_head or 0, axes.get(name, 0))
+            layouts[name] = fit_layout(layout, _local_shape(param), name, min_numel, kind, small_bits)
+    return layouts
+
+
+def _local_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of this rank's part of a parameter (its shard under FSDP2)."""
+    return param.to_local().shape if hasattr(param, "to_local") else param.shape
+
+
+def fit_layout(
+    layout: StateLayout, shape: torch.Size, name: str, min_numel: int, kind: str = "", small_bits: int = 32
+) -> StateLayout:
+    """
+    `layout` as it applies to a tensor of `shape`: a full second moment (and `small_bits` of first moment) for small,
+    1-D and LoRA tensors; `head` becomes `row` where the rows do not split into whole heads (no head size known, a
+    shard that cuts a head, a transposed weight).
+    """
+    if shape.numel() < min_numel or len(shape) < 2 or kind == "lora":
+        return StateLayout("full", small_bits)
+    if layout.second == "head":
+        rows = shape[layout.axis]
+        if layout.block <= 0 or rows % layout.block or layout.axis:
+            _say_once(
+                name,
+                f"{name}: its {rows} output rows do not split into heads of {layout.block or 'unknown'} rows; one "
+                "second moment per row instead.",
+            )
+            return StateLayout("row", layout.first_bits, 0, layout.axis)
+    if layout.second != "head":
+        layout = StateLayout(layout.second, layout.first_bits, 0, layout.axis)
+    return layout
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.info(message)
+
+
+__all__ = [
+    "DEFAULT_MIN_STATE_NUMEL",
+    "DEFAULT_OPTIMIZER_STATE",
+    "FIRST_MOMENT_BITS",
+    "OPTIMIZER_STATE_CHOICES",
+    "PRESETS",
+    "SECOND_MOMENT_KINDS",
+    "StateLayout",
+    "StatePreset",
+    "check_optimizer_state",
+    "fit_layout",
+    "head_dim",
+    "resolve_layouts",
+    "semantic_kind",
+]
