@@ -138,6 +138,18 @@ LR_ROWS = {  # GRPOTrainer settings measured in the lr suite (one process: no co
     "grpo-emb0.5": {**_STATIC, "grpo_lr_ratios": {"embeddings": 0.5}},
 }  # fmt: skip
 DEFAULT_LR_ROWS = "trainer,trainer-lr0.5,trainer-lr2,loraplus-16,loraplus-4,grpo"
+# The memory suite (one process): the Trainer's own optimizers (`optim=`), Adam-mini's package (`optimizers=`) and
+# GRPOTrainer's `grpo_optimizer_state` presets; `adamw` (the Trainer's default) is the baseline.
+MEMORY_ROWS = {
+    "adamw": {"kind": "optim", "optim": "adamw_torch"},
+    "adamw-fused": {"kind": "optim", "optim": "adamw_torch_fused"},
+    "adamw-bnb8": {"kind": "optim", "optim": "adamw_bnb_8bit"},
+    "adamw-ao8": {"kind": "optim", "optim": "adamw_torch_8bit"},
+    "adamw-ao4": {"kind": "optim", "optim": "adamw_torch_4bit"},
+    "adafactor": {"kind": "optim", "optim": "adafactor"},
+    "adam-mini": {"kind": "adam-mini"},
+}
+DEFAULT_MEMORY_ROWS = "adamw,adamw-bnb8,adafactor,adam-mini,mini,mini8"
 POWERSGD_START = 10  # start_powerSGD_iter: torch's docs and our earlier measurements
 
 
@@ -145,8 +157,9 @@ POWERSGD_START = 10  # start_powerSGD_iter: torch's docs and our earlier measure
 class SuiteArguments:
     suite: str = field(
         metadata={
-            "help": "'comm' (compression under DDP) or 'lr' (per-group learning rates).",
-            "choices": ["comm", "lr"],
+            "help": "'comm' (compression under DDP), 'lr' (per-group learning rates) or 'memory' (optimizer state: "
+            "the Trainer's own low-memory optimizers against grpo_optimizer_state, one process).",
+            "choices": ["comm", "lr", "memory"],
         }
     )
     output_dir: str = field(
@@ -161,7 +174,8 @@ class SuiteArguments:
             "localsgd-h<H>, outer-h<H>, or "
             "'grpo:field=value;...' (GRPOConfig fields, e.g. grpo:grpo_bits=4;grpo_scale_beta=0.9). lr: trainer, "
             f"trainer-lr<factor>, loraplus-<ratio>, {', '.join(LR_ROWS)}, grpo:field=value;.... "
-            f"Default comm: {DEFAULT_COMM_ROWS}; lr: {DEFAULT_LR_ROWS}."
+            f"memory: {', '.join(MEMORY_ROWS)}, a grpo_optimizer_state value, grpo:field=value;.... "
+            f"Default comm: {DEFAULT_COMM_ROWS}; lr: {DEFAULT_LR_ROWS}; memory: {DEFAULT_MEMORY_ROWS}."
         },
     )
     seeds: str = field(default="0,1,2,3", metadata={"help": "Comma-separated seeds."})
@@ -210,7 +224,14 @@ def parse_row(suite: str, name: str) -> dict:
             key, _, value = item.partition("=")
             overrides[key] = value
         return {"name": name, "kind": "grpo", "overrides": overrides}
-    if suite == "comm":
+    if suite == "memory":
+        from grpo_hf.optim import OPTIMIZER_STATE_CHOICES
+
+        if name in MEMORY_ROWS:
+            return {"name": name, **MEMORY_ROWS[name]}
+        if name in OPTIMIZER_STATE_CHOICES:
+            return {"name": name, "kind": "grpo", "overrides": {"grpo_optimizer_state": name}}
+    elif suite == "comm":
         if name in COMM_ROWS:
             return {"name": name, "kind": "grpo", "overrides": dict(COMM_ROWS[name])}
         if sync_row(name) is not None:
@@ -393,6 +414,18 @@ def run_row(
         extra = {"grpo_importance": False} if distributed else {}  # comm rows: only the communication differs
         extra.update(_typed(row["overrides"]))
         trainer = GRPOTrainer(args=GRPOConfig(**common, **extra), **kwargs)
+    elif row["kind"] == "optim":
+        trainer = Trainer(args=TrainingArguments(**common, optim=row["optim"]), **kwargs)
+    elif row["kind"] == "adam-mini":
+        from adam_mini import Adam_mini
+
+        config = getattr(model, "config", None)
+        optimizer = Adam_mini(
+            model.named_parameters(), lr=common["learning_rate"], weight_decay=common["weight_decay"],
+            dim=config.hidden_size, n_heads=config.num_attention_heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None), verbose=False,
+        )  # fmt: skip
+        trainer = Trainer(args=TrainingArguments(**common), optimizers=(optimizer, None), **kwargs)
     elif row["kind"] == "loraplus":
         import torch
         from peft.optimizers import create_loraplus_optimizer
@@ -425,10 +458,17 @@ def run_row(
         def on_step_begin(self, args, state, control, **kw):
             self._start, self._before = time.perf_counter(), self._bytes()
 
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            self._optimizer_start = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            self._optimizer_s = time.perf_counter() - self._optimizer_start
+
         def on_step_end(self, args, state, control, **kw):
             after = self._bytes()
             sent = dense_bytes if after is None else after - self._before
-            per_step.append({"step_s": time.perf_counter() - self._start, "bytes": sent})
+            per_step.append({"step_s": time.perf_counter() - self._start, "bytes": sent,
+                             "optimizer_s": getattr(self, "_optimizer_s", None)})  # fmt: skip
 
     trainer.add_callback(StepRecorder())
     start = time.perf_counter()
@@ -470,10 +510,21 @@ def run_row(
         result["grpo_mode"] = comm_state.mode
     if row["kind"] == "grpo":
         result["skipped_steps"] = trainer.grpo_callback.nonfinite_steps  # optimizer steps skipped as NaN/Inf
+    result.update(_memory_figures(trainer))
     trainer.accelerator.free_memory()
     del trainer, model
     gc.collect()
     return result
+
+
+def _memory_figures(trainer) -> dict:
+    """The optimizer's state bytes (per GRPO group where its param groups say, and in all), the process's peak memory."""
+    from grpo_hf.optim.builder import state_nbytes
+    from grpo_hf.optim.memory import peak_memory_bytes
+
+    by_group = state_nbytes(trainer.optimizer)
+    return {"optimizer_state_bytes": sum(by_group.values()), "optimizer_state_bytes_by_group": by_group,
+            "peak_memory_bytes": peak_memory_bytes()}  # fmt: skip
 
 
 def result_path(results: Path, row: str, seed: int, learning_rate: float | None = None) -> Path:
@@ -861,8 +912,9 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.quick:
         seeds, tasks = seeds[:2], [t for t in tasks if t.endswith("scratch")]
-    args.row_list = (args.rows or (DEFAULT_COMM_ROWS if args.suite == "comm" else DEFAULT_LR_ROWS)).split(",")
-    baseline = "dense" if args.suite == "comm" else "trainer"
+    default_rows = {"comm": DEFAULT_COMM_ROWS, "lr": DEFAULT_LR_ROWS, "memory": DEFAULT_MEMORY_ROWS}[args.suite]
+    args.row_list = (args.rows or default_rows).split(",")
+    baseline = {"comm": "dense", "lr": "trainer", "memory": "adamw"}[args.suite]
     if baseline not in args.row_list:
         args.row_list.insert(0, baseline)
     world_size = args.world_size if args.suite == "comm" else 1
