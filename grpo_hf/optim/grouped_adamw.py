@@ -33,6 +33,7 @@ import torch
 
 from .layout import FIRST_MOMENT_BITS, FIRST_MOMENT_BLOCK, SECOND_MOMENT_KINDS, StateLayout
 from .moments import local_tensor
+from .resume import check_layouts
 
 
 ADAFACTOR_EPS = 1e-30  # Adafactor's ε₁, added to the squared gradient
@@ -132,6 +133,24 @@ class GroupedAdamW(torch.optim.Optimizer):
                 raise ValueError(f"state layout {layout!r}: unknown second-moment kind or first-moment bits.")
         param_group["state_layouts"] = layouts
         super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """
+        [`torch.optim.Optimizer.load_state_dict`], after checking that the saved state keeps every parameter as this
+        optimizer does ([`~grpo_hf.optim.resume.check_layouts`]): another optimizer's state, or other layouts, are
+        refused with a [`~grpo_hf.errors.CheckpointError`] before anything is copied.
+        """
+        check_layouts(state_dict["param_groups"], self.param_groups)
+        super().load_state_dict(state_dict)
+        # torch casts every loaded state tensor to its parameter's dtype: the codes go back to int8, a 16-bit first
+        # moment back to bf16 (exactly: the values are those of the saved dtype).
+        for group in self.param_groups:
+            for param, layout in zip(group["params"], group["state_layouts"]):
+                state = self.state.get(param, {})
+                if "exp_avg_codes" in state:
+                    state["exp_avg_codes"] = state["exp_avg_codes"].to(torch.int8)
+                if StateLayout.parse(layout).first_bits == 16 and "exp_avg" in state:
+                    state["exp_avg"] = state["exp_avg"].to(torch.bfloat16)
 
     def layout_of(self, param: torch.Tensor) -> StateLayout:
         """The [`StateLayout`] `param` is kept with."""
