@@ -427,3 +427,46 @@ def test_a_loaded_state_keeps_its_8_and_16_bit_dtypes():
     again = GroupedAdamW([{"params": [other], "state_layouts": ["row/16"]}])
     again.load_state_dict(half.state_dict())
     assert again.state[other]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_the_compiled_8bit_moment_kernel_computes_what_the_eager_one_does():
+    from grpo_hf.optim.kernels import MomentKernel
+
+    torch.manual_seed(0)
+    codes = torch.randint(-127, 128, (64, 128), dtype=torch.int8)
+    scales = torch.rand(64, 1)
+    target = torch.randn(64, 128)
+    for lerp in (True, False):
+        eager = MomentKernel(False)(codes, scales, target, 0.9, lerp)
+        compiled = MomentKernel(True)(codes, scales, target, 0.9, lerp)
+        torch.testing.assert_close(compiled[0], eager[0])
+        assert (compiled[1].int() - eager[1].int()).abs().max() <= 1  # a code may round the other way by an ulp
+        torch.testing.assert_close(compiled[2], eager[2])
+
+
+def test_the_trainers_adafactor_keeps_grpos_groups_and_ratios(train_config):
+    from grpo_hf import GRPOTrainer
+
+    args = train_config(optim="adafactor", grpo_lr_ratios={"norms": 0.5}, max_steps=3, learning_rate=1e-3)
+    trainer = GRPOTrainer(model=tiny_test_llama(), args=args, train_dataset=_dataset())
+    trainer.train()
+    optimizer = trainer.optimizer.optimizer
+    assert isinstance(optimizer, Adafactor)
+    assert {g["grpo_group"] for g in optimizer.param_groups} == {g.name for g in trainer.grpo_groups}
+    rates = {h["grpo/lr/norms"] / h["grpo/lr/ffn"] for h in trainer.state.log_history if "grpo/lr/norms" in h}
+    assert rates == {0.5}
+    assert "grpo/memory/optimizer_state_bytes/ffn" in trainer.state.log_history[0]
+
+
+@pytest.mark.parametrize("optim,moments,refused", [("adafactor", "second", None), ("adafactor", "both", "beta1=None")])
+def test_the_sync_averages_adafactors_factors_or_refuses_what_it_does_not_keep(optim, moments, refused, train_config):
+    from grpo_hf import GRPOTrainer
+
+    args = train_config(optim=optim, grpo_sync_every=4, grpo_sync_moments=moments, max_steps=2)
+    trainer = GRPOTrainer(model=tiny_test_llama(), args=args, train_dataset=_dataset())
+    if refused is None:
+        trainer.train()
+        return
+    with pytest.raises(ConfigError, match=f"grpo_sync_moments='{moments}'.*{refused}"):
+        trainer.train()
+    assert trainer.state.global_step == 0
