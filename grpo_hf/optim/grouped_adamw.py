@@ -32,7 +32,7 @@ import math
 import torch
 
 from .kernels import FIRST_MOMENT_BLOCK, decode, encode, moment_kernel, padded_numel
-from .layout import FIRST_MOMENT_BITS, SECOND_MOMENT_KINDS, StateLayout
+from .layout import FIRST_MOMENT_BITS, SECOND_MOMENT_KINDS, StateLayout, whole_heads_per_shard
 from .moments import local_tensor
 from .resume import check_layouts
 
@@ -158,6 +158,21 @@ class GroupedAdamW(torch.optim.Optimizer):
         raise KeyError("the parameter is not optimized by this optimizer.")
 
     # --- state ---
+    @staticmethod
+    def _fit_to_shard(group: dict, index: int, param: torch.Tensor, layout: StateLayout) -> StateLayout:
+        """
+        A `head` layout chosen on the whole parameter, for the shard this rank holds (FSDP2 swaps the parameters after
+        the optimizer is built): one second moment per row where the shards do not start on head boundaries (the same
+        choice on every rank), written back into the param group, which its state dict carries.
+        """
+        if layout.second != "head" or not hasattr(param, "to_local"):
+            return layout
+        if whole_heads_per_shard(param, layout.block):
+            return layout
+        fitted = StateLayout("row", layout.first_bits, 0, layout.axis)
+        group["state_layouts"][index] = str(fitted)
+        return fitted
+
     def _init_state(self, state: dict, param: torch.Tensor, layout: StateLayout) -> None:
         local = local_tensor(param)
         state["step"] = torch.tensor(0.0)
@@ -215,12 +230,13 @@ class GroupedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for param, layout in zip(group["params"], group["state_layouts"]):
+            for index, (param, layout) in enumerate(zip(group["params"], group["state_layouts"])):
                 if param.grad is None:
                     continue
                 state = self.state[param]
                 parsed = StateLayout.parse(layout)
                 if not state:
+                    parsed = self._fit_to_shard(group, index, param, parsed)
                     self._init_state(state, param, parsed)
                 self._update(param, state, parsed, group)
         return loss

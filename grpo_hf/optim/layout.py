@@ -246,9 +246,26 @@ def resolve_layouts(
                 second = group.rule.state
             if group.rule.state_bits is not None:
                 bits = group.rule.state_bits
-            layout = StateLayout(second, bits, rows_per_head or 0, axes.get(name, 0))
+            block = rows_per_head if rows_per_head and whole_heads_per_shard(param, rows_per_head) else 0
+            layout = StateLayout(second, bits, block, axes.get(name, 0))
             layouts[name] = fit_layout(layout, _local_shape(param), name, min_numel, kind, small_bits)
     return layouts
+
+
+def whole_heads_per_shard(param: torch.Tensor, rows_per_head: int) -> bool:
+    """
+    Whether every rank's rows of `param` start and end on a head boundary: always for a whole tensor; for a `DTensor`
+    sharded along its rows (FSDP2's `Shard(0)`), when the shards' row count (`ceil(rows / shards)`) is a multiple of
+    `rows_per_head`, so that every rank makes the same choice.
+    """
+    placements = getattr(param, "placements", None)
+    if not placements:
+        return True
+    shards = 1
+    for dim, placement in enumerate(placements):
+        if getattr(placement, "dim", None) == 0:
+            shards *= param.device_mesh.size(dim)
+    return shards == 1 or (-(-param.shape[0] // shards)) % rows_per_head == 0
 
 
 def _local_shape(param: torch.Tensor) -> torch.Size:
@@ -301,6 +318,7 @@ __all__ = [
     "check_optimizer_state",
     "fit_layout",
     "head_dim",
+    "whole_heads_per_shard",
     "resolve_layouts",
     "semantic_kind",
 ]
