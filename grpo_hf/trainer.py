@@ -550,6 +550,8 @@ class GRPOMixin:
         peak = peak_memory_bytes(self.args.device)
         if peak is not None:
             output.metrics["grpo/memory/peak_bytes"] = float(peak)
+        if hasattr(self.grpo_comm_state, "memory_bytes"):  # GRPO's own: residuals, θ_global, outer momentum
+            output.metrics["grpo/memory/grpo_bytes"] = float(sum(self.grpo_comm_state.memory_bytes().values()))
         return output
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, *args, **kwargs):
