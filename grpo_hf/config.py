@@ -211,7 +211,9 @@ class GRPOConfig(CostFields, TrainingArguments):
             Otherwise GRPO's [`~grpo_hf.optim.GroupedAdamW`] with AdamW's settings (`learning_rate`, `adam_beta1`,
             `adam_beta2`, `adam_epsilon`, `weight_decay`) keeps less state, chosen per group: `"mini"` (one second
             moment per attention head in Q/K, per output row in V/O, FFN, embeddings and the output layer; Adam-mini's
-            blocks), `"mini8"` (`"mini"` with the large groups' first moment in 8-bit codes). A group file's `state`
+            blocks), `"mini8"` (`"mini"` with the large groups' first moment in 8-bit codes), `"factored8"` (the large
+            groups' second moment factored into row and column means, Adafactor's estimate, and their first moment in
+            8-bit codes). A group file's `state`
             and `state_bits` override the preset per group. Norms, biases, LoRA and tensors under
             `grpo_min_state_numel` entries keep a full state. Needs `optim` `"adamw_torch"` (or `"adamw_torch_fused"`);
             refused under DeepSpeed. What each setting measured, in state bytes and quality: `docs/memory.md`.

@@ -326,7 +326,7 @@ def test_optimizer_state_settings_that_cannot_work_are_refused_before_any_work(t
 # --- checkpoints ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", ["mini", "mini8"])
+@pytest.mark.parametrize("preset", ["mini", "mini8", "factored8"])
 def test_a_resumed_run_continues_exactly_where_it_stopped(preset, tmp_path, train_config):
     from grpo_hf import GRPOTrainer
 

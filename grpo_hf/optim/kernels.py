@@ -25,7 +25,6 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 FIRST_MOMENT_BLOCK = 128  # entries per fp32 scale of an 8-bit first moment
-_TINY = torch.finfo(torch.float32).tiny
 
 
 def padded_numel(numel: int) -> int:
@@ -42,7 +41,7 @@ def decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def encode(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (int8) and scales `[blocks, 1]` of fp32 values `[blocks, 128]`."""
     absmax = values.abs().amax(dim=1, keepdim=True)
-    ratio = torch.sqrt(values.abs() / absmax.clamp(min=_TINY))
+    ratio = torch.sqrt(values.abs() / torch.where(absmax > 0, absmax, 1.0))  # in [0, 1], subnormal blocks included
     return (torch.round(ratio * 127.0) * torch.sign(values)).to(torch.int8), absmax
 
 

@@ -161,24 +161,16 @@ PRESETS = {
             update={},
             help="'mini' with the first moment of the large groups in 8-bit block codes.",
         ),
+        StatePreset(
+            "factored8",
+            second={kind: "factored" for kind in _LARGE},
+            first_bits={kind: 8 for kind in _LARGE},
+            update={},
+            help="AdamW whose second moment is factored into row and column means (Adafactor's estimate) and whose "
+            "first moment is in 8-bit block codes, for attention, FFN, embeddings and the output layer.",
+        ),
     )
 }
-_ADAFACTOR = {"momentum": "update", "beta2_decay": -0.8, "clip_threshold": 1.0}
-_FACTORED = {kind: "factored" for kind in _LARGE}
-_ROW = {kind: "row" for kind in _LARGE}
-for _preset in (
-    StatePreset("x-af0", _FACTORED, {}, _ADAFACTOR, "exp", small_bits=0),
-    StatePreset("x-af8", _FACTORED, {kind: 8 for kind in _LARGE}, _ADAFACTOR, "exp", small_bits=32),
-    StatePreset("x-ar0", _ROW, {}, _ADAFACTOR, "exp", small_bits=0),
-    StatePreset("x-ar8", _ROW, {kind: 8 for kind in _LARGE}, _ADAFACTOR, "exp", small_bits=32),
-    StatePreset("x-fac8", _FACTORED, {kind: 8 for kind in _LARGE}, {}, "exp"),
-    StatePreset("x-mini-af", _MINI, {}, _ADAFACTOR, "exp"),
-    StatePreset("x-fac32", _FACTORED, {}, {}, "exp"),
-    StatePreset("x-fac8d", _FACTORED, {kind: 8 for kind in _LARGE}, {"beta2_decay": -0.8}, "exp"),
-    StatePreset("x-fac8r", {**_FACTORED, "embeddings": "row"}, {kind: 8 for kind in _LARGE}, {}, "exp"),
-    StatePreset("x-fac0", _FACTORED, {}, {}, "exp", small_bits=0),
-):
-    PRESETS[_preset.name] = _preset
 OPTIMIZER_STATE_CHOICES = ("full", *PRESETS)
 
 
