@@ -79,7 +79,11 @@ GRPO_ROWS = {  # the GRPOConfig fields of each GRPOTrainer row
     "grpo-sync32": {"grpo_sync_every": 32},
     "grpo-sync32-overlap": {"grpo_sync_every": 32, "grpo_sync_delay": 1},
 }
-ALL_ROWS = (*ROWS, "grpo-sync32", "grpo-sync32-overlap")
+# Less memory (issue 43): GRPO's default codec with each grpo_optimizer_state preset, and the Trainer's own fused and
+# 8-bit AdamW (bitsandbytes), on request.
+GRPO_ROWS.update({f"grpo-{preset}": {"grpo_optimizer_state": preset} for preset in ("mini", "mini8", "factored8")})
+TRAINER_OPTIMS = {"trainer-fused": "adamw_torch_fused", "trainer-bnb8": "adamw_bnb_8bit"}
+ALL_ROWS = (*ROWS, "grpo-sync32", "grpo-sync32-overlap", *TRAINER_OPTIMS, "grpo-mini", "grpo-mini8", "grpo-factored8")
 LINKS_GBIT = (1, 10, 100)
 BOOTSTRAP_DRAWS = 2000
 GRPO_WARMUP = 3  # GRPOConfig's 2 dense steps, then the first compressed one (it compiles the codec if needed)
@@ -141,6 +145,7 @@ def worker(job_path: str) -> None:
     from grpo_hf import GRPOConfig, GRPOTrainer
     from grpo_hf.compression import exchange
     from grpo_hf.compression.traffic import dense_allreduce_bytes
+    from grpo_hf.optim.builder import state_nbytes
 
     job = json.loads(Path(job_path).read_text())
     task, row, world_size = MODELS[job["model"]], job["row"], int(os.environ["WORLD_SIZE"])
@@ -169,8 +174,9 @@ def worker(job_path: str) -> None:
     if row in GRPO_ROWS:
         trainer = GRPOTrainer(args=GRPOConfig(**common, **GRPO_ROWS[row]), **kwargs)
     else:
-        kind = parse_row("comm", row) if row != "trainer" else {"kind": "trainer"}
-        trainer = torch_hook_trainer(kind, TrainingArguments(**common), world_size, hook_bytes, **kwargs)
+        kind = parse_row("comm", row) if not row.startswith("trainer") else {"kind": "trainer"}
+        optim = {"optim": TRAINER_OPTIMS[row]} if row in TRAINER_OPTIMS else {}
+        trainer = torch_hook_trainer(kind, TrainingArguments(**common, **optim), world_size, hook_bytes, **kwargs)
         if link is not None and trainer.comm_hook is not None:  # torch's fp16 / PowerSGD hook behind the link
             trainer.comm_hook = delayed(
                 trainer.comm_hook,
@@ -181,7 +187,7 @@ def worker(job_path: str) -> None:
     comm_state = getattr(trainer, "grpo_comm_state", None)
     steps = []
 
-    dense = row in ("trainer", "grpo-none")  # DDP's own fp32 all-reduce
+    dense = row in ("trainer", "grpo-none", *TRAINER_OPTIMS)  # DDP's own fp32 all-reduce
 
     def sent() -> float:
         if comm_state is not None:
@@ -194,8 +200,15 @@ def worker(job_path: str) -> None:
         def on_step_begin(self, args, state, control, **kw):
             self.start, self.before = time.perf_counter(), sent()
 
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            self.optimizer_start = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            self.optimizer_s = time.perf_counter() - self.optimizer_start
+
         def on_step_end(self, args, state, control, **kw):
-            steps.append({"step_s": time.perf_counter() - self.start, "bytes": sent() - self.before})
+            steps.append({"step_s": time.perf_counter() - self.start, "bytes": sent() - self.before,
+                          "optimizer_s": self.optimizer_s})  # fmt: skip
 
     class LinkUnderDDP(TrainerCallback):
         """DDP's own all-reduce behind the emulated link: registered on the DDP model before the first backward."""
@@ -231,6 +244,8 @@ def worker(job_path: str) -> None:
             "mean_step_s": statistics.fmean(s["step_s"] for s in timed),
             "bytes_per_step": statistics.median(s["bytes"] for s in timed),
             "peak_rss_mib_by_rank": peak,
+            "optimizer_state_bytes": sum(state_nbytes(trainer.optimizer).values()),
+            "median_optimizer_s": statistics.median(s["optimizer_s"] for s in timed),
             "per_step": steps,
         }
         if link_gbit is not None:
@@ -354,6 +369,9 @@ def pooled(launches: list[dict]) -> dict:
         "mean_step_s": statistics.fmean(s["step_s"] for s in timed),
         "median_step_s_by_launch": [launch["median_step_s"] for launch in launches],
         "bytes_per_step": statistics.median(s["bytes"] for s in timed),
+        "median_optimizer_s": statistics.median(s["optimizer_s"] for s in timed)
+        if "optimizer_s" in timed[0]
+        else None,
         "peak_rss_mib_by_rank": [
             max(ranks) for ranks in zip(*(launch["peak_rss_mib_by_rank"] for launch in launches))
         ],
@@ -385,6 +403,33 @@ def table(results: list[dict]) -> str:
                  step_ratio, f"{rss:.0f}", rss_ratio, f"{r['bytes_per_step'] / 1e6:.2f}", *projected]  # fmt: skip
         links = r.get("measured_link", {})
         cells += [f"{links[gbit]['mean_step_s']:.3f}" if gbit in links else "–" for gbit in measured]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def memory_table(results: list[dict]) -> str:
+    """
+    Less memory (issue 43): per row, the step, the optimizer's own step, the peak RSS per process and the optimizer's
+    state, each against the plain Trainer (AdamW) of the same model, and the bytes sent.
+    """
+    lines = [
+        "| model | row | step s | × trainer | optimizer step ms | × trainer | peak RSS MiB per process | × trainer | "
+        "optimizer state MB | × trainer | MB sent/step |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    plain = {r["model"]: r for r in results if r["row"] == "trainer"}
+    for r in results:
+        base = plain[r["model"]]
+        rss, base_rss = max(r["peak_rss_mib_by_rank"]), max(base["peak_rss_mib_by_rank"])
+        optimizer_s, base_optimizer_s = r.get("median_optimizer_s"), base.get("median_optimizer_s")
+        state, base_state = r.get("optimizer_state_bytes"), base.get("optimizer_state_bytes")
+        cells = [r["model"], f"`{r['row']}`", f"{r['median_step_s']:.3f}", f"{r['median_step_s'] / base['median_step_s']:.2f}",
+                 f"{optimizer_s * 1e3:.0f}" if optimizer_s else "–",
+                 f"{optimizer_s / base_optimizer_s:.2f}" if optimizer_s and base_optimizer_s else "–",
+                 f"{rss:.0f}", f"{rss / base_rss:.2f}",
+                 f"{state / 1e6:.0f}" if state is not None else "–",
+                 f"{state / base_state:.3f}" if state is not None and base_state else "–",
+                 f"{r['bytes_per_step'] / 1e6:.2f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

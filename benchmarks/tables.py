@@ -22,6 +22,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from benchmarks import lr_grid
+
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -268,6 +270,14 @@ def step_cost() -> str:
     return f"{report(result['rows'])}\n\n`{_command(result)}` ({result['date']}; {result['note']})."
 
 
+def step_cost_memory() -> str:
+    """`benchmarks/bench_step_cost.py` with the memory rows: peak memory, optimizer state and step against the Trainer."""
+    from benchmarks.bench_step_cost import memory_table
+
+    result = _read(RESULTS / "step_cost_memory.json")
+    return f"{memory_table(result['rows'])}\n\n`{_command(result)}` ({result['date']}; {result['note']})."
+
+
 def link_choice() -> str:
     """`benchmarks/bench_step_cost.py` with the sync rows: which setting for which link (README, docs/compression.md)."""
     from benchmarks.bench_step_cost import link_choice
@@ -357,6 +367,63 @@ def sync_sweep() -> str:
     return "\n".join(lines)
 
 
+def memory_sweep() -> str:
+    """The memory suite: every optimizer row at its own best learning rate against the Trainer's AdamW at its own, with
+    its state bytes, peak memory and optimizer step (docs/memory.md, README's "Less memory")."""
+    from benchmarks import suite
+
+    sweep, meta = sweep_summary(RESULTS / "suite_memory")
+    commands = " && ".join(f"`{runnable(command)}`" for command in meta["commands"])
+    return f"{suite.memory_markdown(sweep, meta['baseline'])}\n\n{commands} ({meta['date']}, {meta['machine']})."
+
+
+# The rows the documented memory setting must beat, each at its own best learning rate (issue 43): the Trainer's
+# AdamW, its 8-bit AdamW, its Adafactor, and Adam-mini's package.
+MEMORY_PEERS = ("adamw", "adamw-bnb8", "adafactor", "adam-mini")
+FULL_FINE_TUNES = ("llama-untied", "llama-finetune", "gpt2-scratch", "smollm2-full", "smollm2-finetune")
+
+
+def memory_summary() -> str:
+    """
+    The memory suite in one line per row (README, "Less memory"), over the full fine-tunes: the optimizer's state and
+    step against the Trainer's AdamW (their range over tasks), perplexity best against best against AdamW and against
+    the best of AdamW, 8-bit AdamW, Adafactor and Adam-mini on each task (geometric mean over tasks, worst task, worst
+    seed).
+    """
+    sweep, meta = sweep_summary(RESULTS / "suite_memory")
+    tasks = [t for t in FULL_FINE_TUNES if t in sweep and sweep[t]]
+    rows = dict.fromkeys(name for t in tasks for name in sweep[t])
+    best_peer = {t: min(sweep[t][n]["geomean"] for n in MEMORY_PEERS if n in sweep[t]) for t in tasks}
+    lines = [
+        "| row | state / AdamW | optimizer step / AdamW | ppl / AdamW, best vs best: geomean over tasks (worst task) "
+        "| ppl / best of the four | worst seed / AdamW |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+
+    def span(values):
+        return (
+            f"{min(values):.3g}–{max(values):.3g}" if len(set(f"{v:.3g}" for v in values)) > 1 else f"{values[0]:.3g}"
+        )
+
+    for name in rows:
+        done = [t for t in tasks if name in sweep[t]]
+        entries = [sweep[t][name] for t in done]
+        ratios = [e["geomean"] for e in entries]
+        versus_best = [sweep[t][name]["geomean"] / best_peer[t] for t in done]
+        worst_task = max(done, key=lambda t: sweep[t][name]["geomean"])
+        steps = [e["optimizer_s_ratio"] for e in entries if e.get("optimizer_s_ratio")]
+        lines.append(
+            f"| `{name}` | {span([e['state_bytes_ratio'] for e in entries])} | {span(steps) if steps else '–'} | "
+            f"{lr_grid.geomean(ratios):.3f} ({worst_task} {sweep[worst_task][name]['geomean']:.3f}) | "
+            f"{max(versus_best):.3f} | {max(e['worst'] for e in entries):.3f} |"
+        )
+    seeds = sorted({len(sweep[t][n]["best_vs_best"]) for t in tasks for n in sweep[t]})
+    lines += ["", f"Full fine-tunes: {', '.join(tasks)} ({'/'.join(map(str, seeds))} seeds at each row's best); "
+              "`ppl / best of the four`: the worst task's ratio to the best of AdamW, 8-bit AdamW, Adafactor and "
+              "Adam-mini there. Every figure per task, the LoRA task and the commands: [memory](docs/memory.md)."]  # fmt: skip
+    return "\n".join(lines)
+
+
 def lr_sweep_presets() -> str:
     """The learning-rate presets at their own best learning rate against the plain Trainer at its own
     (docs/groups-and-learning-rates.md)."""
@@ -367,6 +434,8 @@ RENDERERS = {
     "lr-sweep": lr_sweep,
     "lr-sweep-presets": lr_sweep_presets,
     "sync-sweep": sync_sweep,
+    "memory-sweep": memory_sweep,
+    "memory-summary": memory_summary,
     "settings": settings,
     "recipe-settings": recipe_settings,
     "conformance": conformance,
@@ -377,6 +446,7 @@ RENDERERS = {
     "suite-sync": suite_sync,
     "hook-speed": hook_speed,
     "step-cost": step_cost,
+    "step-cost-memory": step_cost_memory,
     "link-choice": link_choice,
     "fsdp2": fsdp2,
     "fsdp2-summary": fsdp2_summary,
