@@ -209,6 +209,13 @@ class SuiteArguments:
         metadata={"help": "Summarize the results already on disk; launch nothing (missing seeds are left out)."},
     )
     timeout: int = field(default=14400, metadata={"help": "Seconds before one launch (a task and a seed) is killed."})
+    threads: int = field(
+        default=2,
+        metadata={
+            "help": "Intra-op threads of a one-process run (lr and memory suites; DDP runs use one per process). "
+            "Results can differ in the last bits between thread counts: compare rows run with the same."
+        },
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -596,7 +603,12 @@ def launch(job: dict, job_path: Path, timeout: int) -> None:
                            env={"GRPO_SUITE_JOB": str(job_path)}, cwd=ROOT, log_path=log_path)  # fmt: skip
         text, rc = run.stdout, ("timeout" if run.timed_out else run.returncode)
     else:
-        env = {**os.environ, **WORKER_ENV, "OMP_NUM_THREADS": "2", "GRPO_SUITE_JOB": str(job_path)}
+        env = {
+            **os.environ,
+            **WORKER_ENV,
+            "OMP_NUM_THREADS": str(job.get("threads", 2)),
+            "GRPO_SUITE_JOB": str(job_path),
+        }
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
         with open(log_path, "w") as log:
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=ROOT, stdout=log,
@@ -1002,14 +1014,15 @@ def main() -> None:
         if args.lrs:
             job = {"suite": args.suite, "task": name, "info": info, "results_dir": str(results_dir),
                    "output_dir": str(out), "world_size": world_size, "eval_points": args.eval_points,
-                   "task_overrides": {"max_steps": args.max_steps} if args.max_steps else {}, "commit": revision}  # fmt: skip
+                   "task_overrides": {"max_steps": args.max_steps} if args.max_steps else {}, "commit": revision,
+                   "threads": args.threads}  # fmt: skip
             sweep_task(args, task, rows, seeds, job, results_dir)
             continue
         for seed in seeds:  # one launch per seed: a crash loses one seed's rows at most
             job = {"suite": args.suite, "task": name, "info": info, "rows": rows, "seeds": [seed],
                    "results_dir": str(results_dir), "output_dir": str(out), "world_size": world_size,
                    "task_overrides": {"max_steps": args.max_steps} if args.max_steps else {},
-                   "eval_points": args.eval_points, "commit": revision}  # fmt: skip
+                   "eval_points": args.eval_points, "commit": revision, "threads": args.threads}  # fmt: skip
             launch(job, results_dir / f"_job-seed{seed}.json", args.timeout)
     if args.lrs:
         return sweep_report(args, tasks, seeds, baseline, out, start)
