@@ -15,8 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from .checkpoints import STATE_FILE, STATE_VERSION, restore_grpo_state, write_grpo_state
-from .compression.fsdp import FSDPCommState
-from .compression.outer_sync import OuterSyncState
+from .compression.transport import CommState
 from .cost.callback import CostCallback
 from .engines import (
     OptimizerStepProbe,
@@ -121,6 +120,7 @@ class GRPOCallback(TrainerCallback):
         self._backward_end: float | None = None
         self._nonfinite_params: list[tuple[str, str]] | None = None  # see mark_backward_end
         self._clips = True  # the Trainer clips gradients (max_grad_norm > 0): set at on_train_begin
+        self._step_finite = True  # this step's gradients were finite on every rank (see on_pre_optimizer_step)
         self._latencies_ms: deque[float] = deque(maxlen=100)
         self._warned: set[str] = set()
         self.probe: OptimizerStepProbe | None = None
@@ -220,7 +220,7 @@ class GRPOCallback(TrainerCallback):
             not loss_finite
             or self.consecutive_skips > 0
             or self.nonfinite_streak > 0
-            or getattr(self.comm_state, "last_step", None) == "nonfinite"
+            or (self.comm_state is not None and self.comm_state.last_step == "nonfinite")
         )
         self._nonfinite_params = self._find_nonfinite_params() if suspect else None
 
@@ -307,12 +307,10 @@ class GRPOCallback(TrainerCallback):
             self._after_probed_step(optimizer)
             return
         norms = self.group_grad_norms()
-        outer = self.comm_state if isinstance(self.comm_state, OuterSyncState) else None
-        if outer is not None:  # between syncs every rank has its own gradients: the ranks agree on one set of norms
-            norms = outer.agree_norms(norms)
-        finite = bool(torch.isfinite(norms).all())
-        if isinstance(self.comm_state, FSDPCommState):
-            self.comm_state.end_step(finite)  # its residuals count only if the step is taken
+        comm = self.comm_state
+        if comm is not None:  # the sync every H steps: every rank has its own gradients, the ranks agree on the norms
+            norms = comm.agree_norms(norms)
+        finite = self._step_finite = bool(torch.isfinite(norms).all())  # the compression state's end_step needs it
         if not finite:
             if self.skips_nonfinite:
                 self._skip_nonfinite_step(state, norms)
@@ -326,8 +324,8 @@ class GRPOCallback(TrainerCallback):
             if optimizer is None:
                 raise ValueError("grpo_importance_score='coherence' needs the optimizer's momentum; none was passed.")
             coherence = self.group_coherence(optimizer)
-            if outer is not None:
-                coherence = outer.agree_mean(coherence)
+            if comm is not None:
+                coherence = comm.agree_mean(coherence)
         multipliers = self.importance.update(norms, coherence)
         if optimizer is None:
             return
@@ -371,7 +369,7 @@ class GRPOCallback(TrainerCallback):
         self.nonfinite_steps += 1
         self.consecutive_skips += 1
         bad = [name for name, norm in zip(self.importance.names, norms.tolist()) if not math.isfinite(norm)]
-        sent = getattr(self.comm_state, "last_step", None)  # the DDP hook's and compress_locally's state only
+        sent = self.comm_state.last_step if self.comm_state is not None else None  # where the transport knows
         codec_made_it = sent == "compressed"
         if codec_made_it or 0 < self.max_consecutive_skips <= self.consecutive_skips:
             raise GRPOError(self._nonfinite_report(state, bad, sent))
@@ -479,18 +477,8 @@ class GRPOCallback(TrainerCallback):
             )
         elif sent == "dense":
             origin = "They were NaN/Inf before the codec (a dense warm-up step: no compression)"
-        elif isinstance(self.comm_state, OuterSyncState):
-            origin = (
-                "They were NaN/Inf as the backward pass made them (the sync every H steps exchanges no gradient; its "
-                "outer step would have carried them into the global model)"
-            )
-        elif isinstance(self.comm_state, FSDPCommState):
-            origin = (
-                "They were NaN/Inf as the backward pass and FSDP2's compressed reduce-scatter delivered them (its "
-                "residuals stay unchanged for such a step)"
-            )
-        else:
-            origin = "They were NaN/Inf as the backward pass and gradient synchronization made them (no GRPO codec)"
+        else:  # what the transport did to them (or the engine's plain exchange)
+            origin = (self.comm_state if self.comm_state is not None else CommState).nonfinite_origin
         return (
             f"GRPO: {self.consecutive_skips} optimizer steps in a row had NaN/Inf gradients and were skipped, up to "
             f"step {step} ({where}): the run cannot progress. {origin}. Lower the learning rate, check the data and "
@@ -505,9 +493,10 @@ class GRPOCallback(TrainerCallback):
         if self._backward_end is not None:
             self._latencies_ms.append((time.perf_counter() - self._backward_end) * 1000)
             self._backward_end = None
-        if isinstance(self.comm_state, OuterSyncState):  # the sync every H steps, after the inner step
+        if self.comm_state is not None:  # the step closed (the sync every H steps syncs here, after the inner step)
             last = state is not None and 0 < state.max_steps <= state.global_step + 1
-            sent = self.comm_state.end_step(last=last)
+            sent = self.comm_state.end_step(finite=self._step_finite, last=last)
+            self._step_finite = True
             if self.cost_callback is not None:
                 self.cost_callback.add_comm_bytes(sent)
 

@@ -8,18 +8,21 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .choices import DEFAULT_SYNC_BITS, SYNC_BITS_CHOICES
-from .compression.fsdp import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES
-from .compression.outer_sync import (
+from .choices import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
+    DEFAULT_SYNC_BITS,
     DEFAULT_SYNC_DELAY,
+    DEFAULT_SYNC_DTYPE,
     DEFAULT_SYNC_MIX,
     DEFAULT_SYNC_MOMENTS,
     DEFAULT_SYNC_RAMP,
-    OUTER_DTYPES,
+    SYNC_BITS_CHOICES,
+    SYNC_DTYPE_CHOICES,
     SYNC_MOMENTS,
+    check_sync_settings,
 )
+from .compression.fsdp import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES
 from .compression.plan import DEFAULT_MIN_NUMEL
 from .compression.spec import (
     BITS_CHOICES,
@@ -431,12 +434,12 @@ class GRPOConfig(CostFields, TrainingArguments):
         metadata={"help": "With grpo_sync_every > 1: Nesterov momentum of the outer step, in [0, 1)."},
     )
     grpo_outer_dtype: str = field(
-        default="float32",
+        default=DEFAULT_SYNC_DTYPE,
         metadata={
             "help": "With grpo_sync_every > 1: dtype of the global model and the outer momentum (two copies of the "
             "trainable parameters); bfloat16 halves their memory but rounds the model to bf16 at every sync (not for "
             "fine-tunes at small learning rates).",
-            "choices": list(OUTER_DTYPES),
+            "choices": list(SYNC_DTYPE_CHOICES),
         },
     )
     grpo_outer_control: bool = field(
@@ -525,63 +528,41 @@ def _check_types(args) -> None:
             raise ConfigError(f"{name}={value!r}: use a number{quoted}.")
 
 
+# The sync's settings as `check_sync_settings` names them, and their fields.
+_SYNC_FIELDS = {
+    "every": "grpo_sync_every",
+    "fragments": "grpo_sync_fragments",
+    "delay": "grpo_sync_delay",
+    "mix": "grpo_sync_mix",
+    "moments": "grpo_sync_moments",
+    "outer_lr": "grpo_outer_lr",
+    "outer_momentum": "grpo_outer_momentum",
+    "dtype": "grpo_outer_dtype",
+}
+
+
 def _check_sync_fields(args) -> None:
-    """The `grpo_sync_*` / `grpo_outer_*` fields, and what a sync every H steps cannot run with."""
-    for name in ("grpo_sync_every", "grpo_sync_fragments"):
-        value = getattr(args, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r}: use a whole number, 1 or more.")
-    delay = args.grpo_sync_delay
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
-        raise ConfigError(f"grpo_sync_delay={delay!r}: use a whole number of steps, 0 (no overlap) or more.")
-    for name in ("grpo_sync_ramp", "grpo_outer_control"):
-        if not isinstance(getattr(args, name), bool):
-            raise ConfigError(f"{name}={getattr(args, name)!r}: use true or false.")
-    for name in ("grpo_outer_lr", "grpo_outer_momentum", "grpo_sync_mix"):
-        value = getattr(args, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise ConfigError(f"{name}={value!r}: use a number.")
-    every = args.grpo_sync_every
-    if not 0 < args.grpo_outer_lr < float("inf"):
-        raise ConfigError(f"grpo_outer_lr={args.grpo_outer_lr}: use a positive number (1 with momentum 0 averages).")
-    if not 0 <= args.grpo_outer_momentum < 1:
-        raise ConfigError(f"grpo_outer_momentum={args.grpo_outer_momentum}: use a value in [0, 1), e.g. 0.5.")
-    if args.grpo_outer_dtype not in OUTER_DTYPES:
-        raise ConfigError(f"grpo_outer_dtype={args.grpo_outer_dtype!r}: use one of {tuple(OUTER_DTYPES)}.")
-    if args.grpo_sync_fragments > every:
-        raise ConfigError(
-            f"grpo_sync_fragments={args.grpo_sync_fragments} with grpo_sync_every={every}: each fragment syncs at its "
-            "own step of the H steps, so use at most grpo_sync_every fragments."
-        )
-    if not 0 <= args.grpo_sync_mix <= 1:
-        raise ConfigError(
-            f"grpo_sync_mix={args.grpo_sync_mix}: use a value in [0, 1] (0 takes the global model, 1 keeps the local "
-            "parameters, 0.5 weighs them equally)."
-        )
-    if delay > 0 and every <= 1:
+    """
+    The sync's own fields (checked where the sync's settings are, [`~grpo_hf.choices.check_sync_settings`], by their
+    field names), what `grpo_sync_every=1` (no sync) leaves no room for, and what a sync every H steps cannot run with.
+    """
+    every, delay, moments = args.grpo_sync_every, args.grpo_sync_delay, args.grpo_sync_moments
+    if every == 1 and delay != 0:
         raise ConfigError(
             f"grpo_sync_delay={delay} needs grpo_sync_every > 1: it delays the sync every H steps, and "
             f"grpo_sync_every={every} exchanges the gradients at every step."
         )
-    if delay > 0 and delay * args.grpo_sync_fragments >= every:
-        raise ConfigError(
-            f"grpo_sync_delay={delay} with grpo_sync_every={every} and grpo_sync_fragments={args.grpo_sync_fragments}: "
-            "a fragment's exchange must end before the next fragment's starts, so use a delay below "
-            f"grpo_sync_every / grpo_sync_fragments = {every / args.grpo_sync_fragments:g}."
-        )
-    moments = args.grpo_sync_moments
-    if not isinstance(moments, str) or moments not in SYNC_MOMENTS:
-        raise ConfigError(f"grpo_sync_moments={moments!r}: use one of {tuple(SYNC_MOMENTS)}.")
-    if moments != "none" and every <= 1:
+    if every == 1 and moments in SYNC_MOMENTS and moments != "none":
         raise ConfigError(
             f"grpo_sync_moments={moments!r} needs grpo_sync_every > 1: it averages the optimizer's moments at the sync "
             f"every H steps, and grpo_sync_every={every} keeps them identical (DDP averages the gradients every step)."
         )
-    if moments != "none" and delay > 0:
-        raise ConfigError(
-            f"grpo_sync_moments={moments!r} with grpo_sync_delay={delay}: the moments are averaged by the blocking syncs "
-            "only. Set grpo_sync_delay=0, or grpo_sync_moments='none'."
+    try:
+        check_sync_settings(
+            **{key: getattr(args, field) for key, field in _SYNC_FIELDS.items()}, name=_SYNC_FIELDS.get
         )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     sync_bits = str(args.grpo_sync_bits)
     if sync_bits not in SYNC_BITS_CHOICES:
         raise ConfigError(

@@ -755,9 +755,9 @@ def test_owned_rows_are_taken_and_put_back_exactly(dtype, width, skew):
     `_take` / `_put` of many owned ranges (the allreduce mode's index path, words of 8 bytes where the rows allow) move
     exactly the rows `index_select` / `index_copy_` move, misaligned views (`skew`) and odd widths included.
     """
-    from grpo_hf.compression.exchange import _MAX_SLICES
-    from grpo_hf.compression.exchange import put_owned as _put
-    from grpo_hf.compression.exchange import take_owned as _take
+    from grpo_hf.compression.layout import _MAX_SLICES
+    from grpo_hf.compression.layout import put_owned as _put
+    from grpo_hf.compression.layout import take_owned as _take
 
     generator = torch.Generator().manual_seed(0)
     storage = torch.randint(0, 100, (40 * width + skew,), generator=generator).to(dtype)
