@@ -19,10 +19,9 @@ An exchange moves compressed rows among the `W` ranks of a transport's
 3. **Decode the mean**: every rank decodes the same messages in the same (rank) order, so every rank holds the same
    bits. ([`Exchange.start_mean`] averages the tensors sent dense in fp32, [`Exchange.agree_flag`] the NaN/Inf flag.)
 
-Every byte is counted once, here, with the formulas of [`~grpo_hf.compression.traffic`], into the
-[`~grpo_hf.compression.traffic.StepStats`] of the exchange's collectives. What stays with each transport is its own:
-the DDP buckets, their scales and lanes (`hook.py`), FSDP2's units and residual format (`fsdp.py`), the fragments,
-schedule and outer step (`outer_sync.py`).
+Every byte is counted once, here ([`~grpo_hf.compression.traffic`]'s formulas), into the `StepStats` of the exchange's
+collectives. What stays with each transport is its own: the DDP buckets, scales and lanes (`hook.py`), FSDP2's units
+and residual format (`fsdp.py`), the fragments, schedule and outer step (`outer_sync.py`, `fragment.py`).
 """
 
 import math
@@ -335,8 +334,7 @@ def _decode_from_owners(kernels: Kernels, spec: CodecSpec, messages: list, owned
 
 
 class Residual(Protocol):
-    """Where a run's error feedback lives: [`read`] the `[n, B]` bf16 row the encode adds (and may overwrite in place),
-    [`write`] the new one (the same tensor after an in-place encode)."""
+    """Where a run's error feedback lives: `read` the `[n, B]` bf16 row (the encode may write it in place), `write`."""
 
     def read(self, block_size: int) -> torch.Tensor: ...
 
@@ -559,11 +557,9 @@ class Exchange:
 
     def _with_owners(self, send: torch.Tensor, sizes: list[int], reduce_into, payload=None) -> list[torch.Tensor]:
         """
-        The collectives of owner reduction when the sizes are known (no top-k, no 2 bits): the all-to-all of this
-        rank's part for each owner (`sizes[j]` bytes for owner `j`, the same on every rank), the owner's half on this
-        rank (`reduce_into(contributions, message)`), the all-gather of the owners' messages, padded to the longest.
-        Returns the owners' messages (views of the gathered buffer); counts
-        [`~grpo_hf.compression.traffic.owner_reduction_bytes`].
+        Owner reduction's collectives, sizes known (no top-k, no 2 bits): the all-to-all of this rank's part for each
+        owner (`sizes[j]` bytes for owner `j`), the owner's half here (`reduce_into(contributions, message)`), the
+        all-gather of the owners' messages padded to the longest. Returns the owners' messages (views).
         """
         comm = self.comm
         world_size, rank = comm.world_size, comm.rank

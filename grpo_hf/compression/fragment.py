@@ -69,7 +69,9 @@ import itertools
 
 import torch
 
-from ..optim.moments import local_tensor, moment_numel, moment_tensors
+from ..choices import SYNC_MOMENTS
+from ..errors import ConfigError
+from ..optim.moments import averaging_refusal, local_tensor, moment_numel, moment_tensors
 from .codec import all_safe
 from .exchange import Exchange, Part
 from .layout import Run
@@ -157,6 +159,24 @@ def merge_with_global(local: torch.Tensor, global_param: torch.Tensor, mix: floa
     if mix == 0:
         return global_param.to(local.dtype, copy=True)
     return torch.lerp(global_param.float(), local.float(), mix).to(local.dtype)
+
+
+def check_moments(optimizer, moments: str) -> None:
+    """
+    With `moments` other than `"none"` (`grpo_sync_moments`): refuse an optimizer that does not keep them as fp32
+    tensors ([`~grpo_hf.optim.moments.averaging_refusal`]), which [`Fragment.average_moments`] could not average.
+    """
+    field = f"grpo_sync_moments={moments!r}"
+    for which in SYNC_MOMENTS[moments]:
+        if optimizer is None:
+            raise ConfigError(f"{field} averages the optimizer's moments: bind the optimizer that steps.")
+        refusal = averaging_refusal(optimizer, which)
+        if refusal is not None:
+            adam_key = "exp_avg" if which == "first" else "exp_avg_sq"
+            raise ConfigError(
+                f"{field} averages the optimizer's {which} moment ({adam_key} in AdamW), which {refusal}. Use "
+                "torch's AdamW, grpo_sync_moments='second' (or 'none'), or a grpo_optimizer_state that keeps it in fp32."
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -533,4 +553,4 @@ class Fragment:
                 "residuals": size(self.residuals) + size(owners)}  # fmt: skip
 
 
-__all__ = ["Fragment", "InFlight", "merge_with_global", "outer_step", "pack_fragments"]
+__all__ = ["Fragment", "InFlight", "check_moments", "merge_with_global", "outer_step", "pack_fragments"]

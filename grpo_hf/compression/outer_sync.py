@@ -35,7 +35,7 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
 2. **Due fragments** ([`fragments_due`]): with the ramp, every fragment syncs after steps 1, 3, 7, 15, … (intervals
    1, 2, 4, … below `H`); after the ramp, fragment `f` of `F` syncs every `H` steps at offset `ceil((f + 1) H / F)`,
    so that the bytes of one interval are spread over `F` steps. The last step of training syncs every fragment.
-3. **Pseudo-gradient.** Fragment by fragment, per parameter, `Δ = θ_global − θ_local` (fp32). One flag all-reduce: if
+3. **Pseudo-gradient.** Fragment by fragment, one row at a time, `Δ = θ_global − θ_local` (fp32). One flag all-reduce: if
    any rank's `Δ` holds a NaN, an Inf or a value at or above `2**60`, every rank restarts the fragment from
    `θ_global` (its local progress since the last sync is dropped; momentum and residuals, the owners' included,
    are left unchanged).
@@ -44,21 +44,18 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
    place), one padded row per bit width. Then, by the world size `W`:
    - `W = 2`: the messages are all-gathered and every rank decodes the `W` of them in rank order, its own included,
      into the mean `Δ̄`.
-   - `W >= 3` (`OWNER_MIN_WORLD_SIZE`; blocking syncs): owner reduction, as the per-step hook's `allreduce` mode does
-     it, through the same `Exchange.reduce_with_owners` of `exchange.py`: each tensor's blocks are cut into `W`
-     contiguous chunks, chunk `j` owned by rank
-     `(j + crc32(name)) mod W` (`layout.Run.owned_blocks`). Each rank sends each owner the codes of its blocks (one
-     all-to-all); each owner decodes its `W` contributions in rank order, averages them and encodes the mean again
-     with its own error feedback (the owner residual, bf16, of the blocks it owns only); the owners' messages are
-     all-gathered and every rank decodes them, in owner order, into `Δ̄`. Both ways every rank decodes the same
-     messages in the same order: the same bits of `Δ̄` on every rank.
+   - `W >= 3` (`OWNER_MIN_WORLD_SIZE`; blocking syncs): owner reduction, the per-step hook's `allreduce` mode
+     (`Exchange.reduce_with_owners`): chunk `j` of each tensor's blocks is owned by rank `(j + crc32(name)) mod W`;
+     each owner averages the `W` contributions to its blocks and encodes the mean again with its own error feedback
+     (the owner residual, of the blocks it owns only); the owners' messages are all-gathered and decoded in owner
+     order. Both ways every rank decodes the same messages in the same order: the same bits of `Δ̄` on every rank.
      At `W = 2` both would send the same bytes, and the owners would quantize `Δ̄` twice.
    Tensors without a spec (norms, biases, `grpo_bits=32`, `grpo_compression="none"`) go through one fp32
    all-reduce.
 5. **Outer step** ([`outer_step`], torch's `SGD(nesterov=True)` on `Δ̄`): `m = μ m + Δ̄`, `θ_global -= lr (Δ̄ + μ m)`;
    with `μ = 0` the momentum is not kept.
-6. **Restart.** Every rank copies `θ_global` into its parameters in place (`p.copy_`: never
-   `vector_to_parameters`, which would make the parameters views of a reused buffer).
+6. **Restart.** Every rank copies `θ_global` into its parameters in place (never `vector_to_parameters`, which would
+   make the parameters views of a reused buffer).
 7. **Moments** (`moments="second"` or `"both"`, blocking syncs only): the inner optimizer's `exp_avg_sq` (and
    `exp_avg`) of the fragment's parameters are averaged over the ranks in place in `optimizer.state`: per moment one
    fp32 row of the fragment (as its dense tensors), one all-reduce, divided by `W`. They join step 3's NaN/Inf check;
@@ -82,20 +79,18 @@ runs; `τ` steps later its outer step is applied and the fragment merged with th
     the all-to-all of this rank's `W` parts (`S` bytes in all, about `s`) and the all-gather of the owners' messages
     (about `s / W` each, padded to the longest). About `2 (W − 1) / W × s`: never more than `2 s`, whatever `W`.
 - `grpo/comm/bytes_peak`: the most bytes of any one step of the window; the per-step average is `bytes_sent`.
-
-The baselines `grpo/comm/bytes_dense_fp32` / `_fp16` are DDP's all-reduce of every gradient at every step.
+- The baselines `grpo/comm/bytes_dense_fp32` / `_fp16`: DDP's all-reduce of every gradient at every step.
 
 ## Warnings
 
-- Register the hook once per DDP object and [`OuterSyncState.bind`] before the first backward; the plan, the
-  fragments and the settings must be identical on every rank.
+- Attach the state ([`OuterSyncState.attach`]: bind and register the hook) once per DDP object, before the first
+  backward; the plan, the fragments and the settings must be identical on every rank.
 - Memory per trainable entry and rank: `θ_global` and the momentum (4 bytes each, 2 in `bfloat16`; no momentum when
   `μ = 0`), the bf16 residual of the compressed tensors (2 bytes; from 3 ranks also the owner residual of the blocks
   it owns, `2 / W` bytes), and during a sync the fragment's `Δ` (4 bytes per entry) and the messages (every rank's,
   or about two of them with owners): `F` fragments divide the sync's work memory by `F`.
-- Sparse gradients, FSDP and DeepSpeed are not supported (a fragment of FSDP2's local shards is the next step: the
-  whole model is the one-shard case); fp16 mixed precision is not (its `GradScaler` would skip
-  steps on one rank and not on another).
+- Sparse gradients, FSDP and DeepSpeed are not supported (a fragment is the one-shard case of FSDP2's local shards);
+  nor is fp16 mixed precision (its `GradScaler` would skip steps on one rank and not on another).
 """
 
 import contextlib
@@ -116,12 +111,10 @@ from ..choices import (
     SYNC_MOMENTS,
     check_sync_settings,
 )
-from ..errors import ConfigError
-from ..optim.moments import averaging_refusal
 from .codec import ENCODE_CHUNK, all_safe, compile_kernels
 from .collectives import Collectives
 from .exchange import Exchange
-from .fragment import Fragment, InFlight, merge_with_global, outer_step, pack_fragments
+from .fragment import Fragment, InFlight, check_moments, merge_with_global, outer_step, pack_fragments
 from .spec import CodecSpec
 from .traffic import StepStats, TrafficStats, allreduce_bytes
 from .transport import OUTER_MODE, CommState, SavedComms
@@ -382,7 +375,7 @@ class OuterSyncState(CommState):
             self.world_size, self.rank = 1, 0
         self.kernels = compile_kernels(False)  # a sync every H steps: the eager kernels, the same on every rank
         self.optimizer = optimizer
-        self._check_moments(optimizer)
+        check_moments(optimizer, self.moments)
         if self.delay > 0 and self.exchange and self.world_size > 1 and self.exchange_group is None:
             # The exchanges get a process group of their own (the same ranks, in order): NCCL runs the collectives of
             # one group in order, and the next steps' norm all-reduce must not queue behind an exchange under way.
@@ -395,21 +388,13 @@ class OuterSyncState(CommState):
             with torch.no_grad():
                 self._apply(self.pending)
             self.pending = None
+        exchanged = "exchange" if self.exchange else "no exchange (the outer step only)"
         logger.info(
-            "GRPO sync every %d steps: %s, world size %d, %d fragments of %s entries, outer lr %g momentum %g, ramp %s, "
-            "delay %d (mix %g), θ_global in %s, optimizer moments averaged: %s.",
-            self.every,
-            "exchange" if self.exchange else "no exchange (the outer step only)",
-            self.world_size,
-            len(self.fragments),
-            "/".join(str(f.numel) for f in self.fragments),
-            self.outer_lr,
-            self.outer_momentum,
-            "on" if self.ramp else "off",
-            self.delay,
-            self.mix,
-            str(self.dtype).replace("torch.", ""),
-            self.moments,
+            f"GRPO sync every {self.every} steps: {exchanged}, world size {self.world_size}, {len(self.fragments)} "
+            f"fragments of {'/'.join(str(f.numel) for f in self.fragments)} entries, outer lr {self.outer_lr:g} "
+            f"momentum {self.outer_momentum:g}, ramp {'on' if self.ramp else 'off'}, delay {self.delay} (mix "
+            f"{self.mix:g}), θ_global in {str(self.dtype).replace('torch.', '')}, optimizer moments averaged: "
+            f"{self.moments}."
         )
         return self
 
@@ -420,23 +405,6 @@ class OuterSyncState(CommState):
         self.bind(model, optimizer)
         if isinstance(wrapped, nn.parallel.DistributedDataParallel) and self.exchange:
             wrapped.register_comm_hook(self, local_gradient_hook)
-
-    def _check_moments(self, optimizer) -> None:
-        """
-        With `moments` other than `"none"`: refuse an optimizer that does not keep them as fp32 tensors
-        ([`~grpo_hf.optim.moments.averaging_refusal`]).
-        """
-        field = f"grpo_sync_moments={self.moments!r}"
-        for which in SYNC_MOMENTS[self.moments]:
-            if optimizer is None:
-                raise ConfigError(f"{field} averages the optimizer's moments: bind the optimizer that steps.")
-            refusal = averaging_refusal(optimizer, which)
-            if refusal is not None:
-                adam_key = "exp_avg" if which == "first" else "exp_avg_sq"
-                raise ConfigError(
-                    f"{field} averages the optimizer's {which} moment ({adam_key} in AdamW), which {refusal}. Use "
-                    "torch's AdamW, grpo_sync_moments='second' (or 'none'), or a grpo_optimizer_state that keeps it in fp32."
-                )
 
     # --- per step ---
     def _collectives(self, group=None) -> Collectives:
@@ -627,10 +595,6 @@ class OuterSyncState(CommState):
         held = [fragment.nbytes() for fragment in self.fragments]
         return {key: sum(h[key] for h in held) for key in ("global", "momentum", "residuals")}
 
-    def warn_once(self, key: str, message: str) -> None:
-        """Log `message` as a warning the first time `key` is seen."""
-        self._warn_once(key, message)
-
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -816,17 +780,11 @@ def local_gradient_hook(state: OuterSyncState, bucket: dist.GradBucket) -> torch
 
 
 __all__ = [
-    "DEFAULT_OUTER_LR",
-    "DEFAULT_OUTER_MOMENTUM",
-    "DEFAULT_SYNC_DELAY",
-    "DEFAULT_SYNC_MIX",
-    "DEFAULT_SYNC_MOMENTS",
-    "DEFAULT_SYNC_RAMP",
     "OUTER_DTYPES",
     "OUTER_MODE",
-    "OuterSyncState",
+    "OWNER_MIN_WORLD_SIZE",
     "SYNC_MOMENTS",
-    "check_sync_settings",
+    "OuterSyncState",
     "fragment_offsets",
     "fragments_due",
     "local_gradient_hook",
