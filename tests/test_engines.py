@@ -194,7 +194,7 @@ def test_group_norms_of_plain_parameters_are_unchanged(tiny_model):
     callback = GRPOCallback(groups, None)
     expected = [float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in g.params))) for g in groups]
     assert callback.group_grad_norms().tolist() == pytest.approx(expected, rel=1e-6)
-    assert not callback._sharded()
+    assert not callback.stats.sharded()
 
 
 # --- DeepSpeed step probe ------------------------------------------------------------------------------------------
