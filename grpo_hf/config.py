@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import json
 import typing
+import warnings
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -193,19 +194,23 @@ class GRPOConfig(CostFields, TrainingArguments):
             fp32 all-reduce per moment and sync (`2 (W − 1) / W × 4 n` bytes each, `n` the fragment's entries).
             Needs `grpo_sync_every > 1`, `grpo_sync_delay=0` and an Adam-like optimizer of torch (Adam, AdamW, NAdam,
             RAdam). Opt-in: on the suite it narrows the gap to DDP at many more bytes (docs/compression.md).
-        grpo_outer_lr (`float`, *optional*, defaults to `1.0`) and grpo_outer_momentum (`float`, *optional*, defaults
-        to `0.0`):
+        grpo_sync_outer_lr (`float`, *optional*, defaults to `1.0`) and grpo_sync_outer_momentum (`float`, *optional*,
+        defaults to `0.0`):
             The outer step (Nesterov momentum). The defaults, `1` and `0`, are plain parameter averaging (accelerate's
             `LocalSGD`), chosen best against best on the benchmark suite over the outer step of the prototype (0.7,
             0.5); DiLoCo's published `0.7` / `0.9` is for large models and many steps.
-        grpo_outer_dtype (`str`, *optional*, defaults to `"float32"`):
+        grpo_sync_global_dtype (`str`, *optional*, defaults to `"float32"`):
             Of `θ_global` and the outer momentum, two copies of the trainable parameters: `"bfloat16"` halves them, and
             every sync restarts the model from bf16 values: for training from scratch; a fine-tune at a small learning
             rate loses its pretrained weights' low bits and updates smaller than bf16's spacing.
-        grpo_outer_control (`bool`, *optional*, defaults to `False`):
+        grpo_sync_outer_only (`bool`, *optional*, defaults to `False`):
             Keep DDP's fp32 all-reduce of the gradients at every step and add only the outer step every `H` steps:
             a control that saves no bytes (it separates the outer optimizer's effect from the savings). Needs
             `grpo_sync_every > 1` and `grpo_compression` `"none"` or `"auto"`.
+
+        The names these four fields had before (`grpo_outer_lr`, `grpo_outer_momentum`, `grpo_outer_dtype`,
+        `grpo_outer_control`) are deprecated aliases, accepted for one more release with a `FutureWarning`
+        ([`DEPRECATED_FIELDS`]).
 
     Parameters that control the optimizer's memory (see `docs/memory.md` and [`~grpo_hf.optim`]):
 
@@ -423,17 +428,17 @@ class GRPOConfig(CostFields, TrainingArguments):
             "choices": list(SYNC_MOMENTS),
         },
     )
-    grpo_outer_lr: float = field(
+    grpo_sync_outer_lr: float = field(
         default=DEFAULT_OUTER_LR,
         metadata={
             "help": "With grpo_sync_every > 1: learning rate of the outer SGD step (1 with momentum 0: averaging)."
         },
     )
-    grpo_outer_momentum: float = field(
+    grpo_sync_outer_momentum: float = field(
         default=DEFAULT_OUTER_MOMENTUM,
         metadata={"help": "With grpo_sync_every > 1: Nesterov momentum of the outer step, in [0, 1)."},
     )
-    grpo_outer_dtype: str = field(
+    grpo_sync_global_dtype: str = field(
         default=DEFAULT_SYNC_DTYPE,
         metadata={
             "help": "With grpo_sync_every > 1: dtype of the global model and the outer momentum (two copies of the "
@@ -442,12 +447,30 @@ class GRPOConfig(CostFields, TrainingArguments):
             "choices": list(SYNC_DTYPE_CHOICES),
         },
     )
-    grpo_outer_control: bool = field(
+    grpo_sync_outer_only: bool = field(
         default=False,
         metadata={
             "help": "With grpo_sync_every > 1: keep DDP's all-reduce of the gradients every step and add only the outer "
             "step every H steps (a control that saves no bytes)."
         },
+    )
+
+    # --- deprecated names of the sync's fields (one release; see DEPRECATED_FIELDS) ---
+    grpo_outer_lr: float | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the old name of grpo_sync_outer_lr (removed in the next release)."},
+    )
+    grpo_outer_momentum: float | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the old name of grpo_sync_outer_momentum (removed in the next release)."},
+    )
+    grpo_outer_dtype: str | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the old name of grpo_sync_global_dtype (removed in the next release)."},
+    )
+    grpo_outer_control: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the old name of grpo_sync_outer_only (removed in the next release)."},
     )
 
     # --- optimizer state (grpo_hf.optim) ---
@@ -472,9 +495,21 @@ class GRPOConfig(CostFields, TrainingArguments):
         super().__post_init__()
 
 
+# Deprecated field -> its new name: accepted for one release (a FutureWarning), then removed.
+DEPRECATED_FIELDS = {
+    "grpo_outer_lr": "grpo_sync_outer_lr",
+    "grpo_outer_momentum": "grpo_sync_outer_momentum",
+    "grpo_outer_dtype": "grpo_sync_global_dtype",
+    "grpo_outer_control": "grpo_sync_outer_only",
+}
+
+
 def grpo_field_names() -> list[str]:
-    """Names of the fields that `GRPOConfig` adds to `TrainingArguments`: the `grpo_*` fields, then the `cost_*` ones."""
-    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    """
+    Names of the fields that `GRPOConfig` adds to `TrainingArguments`: the `grpo_*` fields, then the `cost_*` ones (the
+    deprecated names of [`DEPRECATED_FIELDS`] left out: they are no settings of their own).
+    """
+    base = {f.name for f in dataclasses.fields(TrainingArguments)} | set(DEPRECATED_FIELDS)
     names = [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in base]
     return sorted(names, key=lambda name: name.startswith("cost_"))  # stable: declaration order within each
 
@@ -509,6 +544,33 @@ def _field_kinds() -> dict[str, tuple[type | None, bool]]:
     return kinds
 
 
+def _resolve_deprecated_fields(args) -> None:
+    """
+    A deprecated field that is set ([`DEPRECATED_FIELDS`]) gives its value to the field of its new name, with a
+    `FutureWarning`, and is set back to `None` (so that a second check warns no more).
+
+    Raises:
+        [`~grpo_hf.errors.ConfigError`]: both names set, to different values.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    for old, new in DEPRECATED_FIELDS.items():
+        value = getattr(args, old, None)
+        if value is None:
+            continue
+        current = getattr(args, new, defaults[new])
+        if current != defaults[new] and current != value:
+            raise ConfigError(
+                f"{old}={value!r} and {new}={current!r}: {old} is the deprecated name of {new}; set {new} alone."
+            )
+        warnings.warn(
+            f"{old} is deprecated and will be removed in the next release: use {new} (the same setting).",
+            FutureWarning,
+            stacklevel=4,
+        )
+        setattr(args, new, value)
+        setattr(args, old, None)
+
+
 def _check_types(args) -> None:
     """
     The type of every boolean and numeric field `GRPOConfig` adds, by name, whatever built the object (Python, a JSON
@@ -535,9 +597,9 @@ _SYNC_FIELDS = {
     "delay": "grpo_sync_delay",
     "mix": "grpo_sync_mix",
     "moments": "grpo_sync_moments",
-    "outer_lr": "grpo_outer_lr",
-    "outer_momentum": "grpo_outer_momentum",
-    "dtype": "grpo_outer_dtype",
+    "outer_lr": "grpo_sync_outer_lr",
+    "outer_momentum": "grpo_sync_outer_momentum",
+    "dtype": "grpo_sync_global_dtype",
 }
 
 
@@ -570,8 +632,8 @@ def _check_sync_fields(args) -> None:
             "pseudo-gradient at a sync; 32 is fp32)."
         )
     if every == 1:
-        if args.grpo_outer_control:
-            raise ConfigError("grpo_outer_control=True needs grpo_sync_every > 1 (the steps between outer steps).")
+        if args.grpo_sync_outer_only:
+            raise ConfigError("grpo_sync_outer_only=True needs grpo_sync_every > 1 (the steps between outer steps).")
         if sync_bits != DEFAULT_SYNC_BITS:
             raise ConfigError(
                 f"grpo_sync_bits={sync_bits} needs grpo_sync_every > 1: it sets the codes of the sync every H steps. "
@@ -595,9 +657,9 @@ def _check_sync_fields(args) -> None:
             f"grpo_sync_bits={sync_bits} with grpo_compression='none': 'none' sends the pseudo-gradient in fp32. Use "
             "one of the two: grpo_compression='auto' with grpo_sync_bits, or grpo_compression='none'."
         )
-    if args.grpo_outer_control and args.grpo_compression not in ("none", "auto"):
+    if args.grpo_sync_outer_only and args.grpo_compression not in ("none", "auto"):
         raise ConfigError(
-            f"grpo_outer_control=True with grpo_compression={args.grpo_compression!r}: the control keeps DDP's own "
+            f"grpo_sync_outer_only=True with grpo_compression={args.grpo_compression!r}: the control keeps DDP's own "
             "fp32 all-reduce of the gradients. Set grpo_compression='none'."
         )
     if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
@@ -622,6 +684,7 @@ def validate_grpo_fields(args) -> None:
         [`~grpo_hf.errors.ConfigError`]: a field's value is invalid; the message names the field and the fix.
         [`~grpo_hf.errors.GroupConfigError`]: the group file is missing or invalid; the message names the file.
     """
+    _resolve_deprecated_fields(args)
     _check_types(args)
     if isinstance(args.grpo_lr_ratios, str):
         try:

@@ -210,7 +210,7 @@ class GRPOMixin:
         """
         The sync every `grpo_sync_every` steps ([`~grpo_hf.compression.outer_sync`]): the `Δ` codec from
         `self.grpo_plan`, GRPO's groups packed into `grpo_sync_fragments` fragments. Under DDP the ranks exchange their
-        `Δ` (unless `grpo_outer_control`); on one process only the outer step is added (with a warning).
+        `Δ` (unless `grpo_sync_outer_only`); on one process only the outer step is added (with a warning).
 
         Raises:
             [`~grpo_hf.errors.ConfigError`]: FSDP2 or DeepSpeed, too many fragments for the groups, or a group file's
@@ -223,7 +223,7 @@ class GRPOMixin:
                 "every H steps runs under DDP only (each rank holds the whole model). Train with DDP, or set "
                 "grpo_sync_every=1." + engine_from_environment(engine, args)
             )
-        exchange = engine == "ddp" and not args.grpo_outer_control
+        exchange = engine == "ddp" and not args.grpo_sync_outer_only
         if not exchange:  # the gradients are averaged every step (DDP) or there is one process: no Δ codec
             self.grpo_compression = "none"
             self.grpo_plan = {name: None for name in self.grpo_plan}
@@ -238,10 +238,10 @@ class GRPOMixin:
                 self.grpo_plan,
                 pack_fragments(units, args.grpo_sync_fragments),
                 every=args.grpo_sync_every,
-                outer_lr=args.grpo_outer_lr,
-                outer_momentum=args.grpo_outer_momentum,
+                outer_lr=args.grpo_sync_outer_lr,
+                outer_momentum=args.grpo_sync_outer_momentum,
                 ramp=args.grpo_sync_ramp,
-                dtype=OUTER_DTYPES[args.grpo_outer_dtype],
+                dtype=OUTER_DTYPES[args.grpo_sync_global_dtype],
                 exchange=exchange,
                 delay=args.grpo_sync_delay,
                 mix=args.grpo_sync_mix,

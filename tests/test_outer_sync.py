@@ -620,7 +620,7 @@ def test_plain_averaging_without_exchange_is_the_plain_trainer(tmp_path, make_ar
                         args=make_args(tmp_path / "a", grpo_sync_every=1), train_dataset=token_dataset())  # fmt: skip
     plain.train()
     outer = GRPOTrainer(model=tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64),
-                        args=make_args(tmp_path / "b", grpo_outer_lr=1.0, grpo_outer_momentum=0.0),
+                        args=make_args(tmp_path / "b", grpo_sync_outer_lr=1.0, grpo_sync_outer_momentum=0.0),
                         train_dataset=token_dataset())  # fmt: skip
     outer.train()
     for (name, a), b in zip(plain.model.named_parameters(), outer.model.parameters()):
@@ -665,8 +665,8 @@ def test_sync_settings_the_trainer_refuses(tmp_path, make_args):
         make_args(tmp_path, grpo_sync_bits="2")
     with pytest.raises(ConfigError, match="grpo_sync_bits=8 with grpo_compression='none'"):
         make_args(tmp_path, grpo_sync_bits="8", grpo_compression="none")
-    with pytest.raises(ConfigError, match="grpo_outer_control"):
-        make_args(tmp_path, grpo_outer_control=True, grpo_compression="quantize")
+    with pytest.raises(ConfigError, match="grpo_sync_outer_only"):
+        make_args(tmp_path, grpo_sync_outer_only=True, grpo_compression="quantize")
     with pytest.raises(ConfigError, match="only"):  # 4 fragments of a model with fewer groups and parameters
         GRPOTrainer(model=torch.nn.Sequential(torch.nn.Linear(4, 4)), args=make_args(tmp_path, grpo_sync_fragments=4),
                     train_dataset=token_dataset())  # fmt: skip

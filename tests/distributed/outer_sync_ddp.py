@@ -8,7 +8,7 @@ Scenarios, each recording per rank what the pytest side asserts:
   sync of both fragments and at the end; bytes per step against the formulas.
 - `resume`: 12 steps straight (checkpoints at 6, mid-interval) against the run resumed from checkpoint-6.
 - `localsgd`: one sync at outer lr 1, momentum 0, fp32 Δ against accelerate's `LocalSGD` on the same local models.
-- `control`: `grpo_outer_control`: DDP's all-reduce every step (replicas identical at every step) plus the outer step.
+- `control`: `grpo_sync_outer_only`: DDP's all-reduce every step (replicas identical at every step) plus the outer step.
 - `accum`: gradient accumulation, clipping, a cosine schedule and LR ratios, with a sync every 3 steps.
 - `delay`: `sync` with `grpo_sync_delay=1` and `grpo_sync_mix=0.5`: each fragment's exchange runs behind one step;
   `θ_global` bit-identical on every rank after every step, bytes per step by the formulas (counted at the start).
@@ -270,7 +270,7 @@ def scenario_localsgd(out_dir):
 
 
 def scenario_control(out_dir):
-    return train(make_args(out_dir, "control", grpo_outer_control=True, grpo_compression="none", max_steps=10))
+    return train(make_args(out_dir, "control", grpo_sync_outer_only=True, grpo_compression="none", max_steps=10))
 
 
 def scenario_accum(out_dir):
@@ -278,7 +278,7 @@ def scenario_accum(out_dir):
         make_args(
             out_dir, "accum", max_steps=9, grpo_sync_every=3, grpo_sync_fragments=3, grpo_sync_ramp=False,
             gradient_accumulation_steps=2, max_grad_norm=0.5, lr_scheduler_type="cosine", warmup_steps=2,
-            grpo_lr_ratios={"norms": 0.5}, grpo_sync_bits="8", grpo_outer_dtype="bfloat16",
+            grpo_lr_ratios={"norms": 0.5}, grpo_sync_bits="8", grpo_sync_global_dtype="bfloat16",
         )
     )  # fmt: skip
 
