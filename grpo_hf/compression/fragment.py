@@ -75,10 +75,8 @@ from ..optim.moments import averaging_refusal, local_tensor, moment_numel, momen
 from .codec import all_safe
 from .exchange import Exchange, Part
 from .layout import Run
+from .row_store import RESIDUAL_DTYPE
 from .spec import CodecSpec
-
-
-RESIDUAL_DTYPE = torch.bfloat16
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -507,13 +505,13 @@ class Fragment:
         return {
             "global": shaped(self.theta),
             "momentum": shaped(self.momentum),
-            "residuals": self.deltas_by_name([held for held in self.residuals], codec_only=True),
+            "residuals": self.by_name(self.residuals),
             "owner_residuals": owners,
         }
 
-    def deltas_by_name(self, rows: list[torch.Tensor | None], codec_only: bool = False) -> dict[str, torch.Tensor]:
-        """Each parameter's flat entries in `rows` (one per row of the fragment; `None`: none)."""
-        return {name: view for row, held in zip(self.rows, rows) if held is not None and (row.spec or not codec_only)
+    def by_name(self, rows: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Each parameter's flat entries in `rows` (one per row of the fragment; `None`: none), views."""
+        return {name: view for row, held in zip(self.rows, rows) if held is not None
                 for name, view in zip(row.names, row.split(held))}  # fmt: skip
 
     def rows_from(self, by_name: dict[str, torch.Tensor], dtype=torch.float32) -> list[torch.Tensor]:

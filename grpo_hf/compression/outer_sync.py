@@ -659,7 +659,7 @@ class OuterSyncState(CommState):
                 "started": flight.started,
                 "due": flight.due,
                 "unsafe": flight.unsafe,
-                "delta": cpu(self.fragments[flight.fragment].deltas_by_name(flight.deltas)),
+                "delta": cpu(self.fragments[flight.fragment].by_name(flight.deltas)),
             },
         }  # fmt: skip
 
@@ -735,9 +735,12 @@ class OuterSyncState(CommState):
         elif saved is not None and not saved["unsafe"]:  # another world size or other fragments: its outer step now
             for fragment in self.fragments:
                 fragment.apply_outer_step_by_name(saved["delta"], self.outer_lr, self.outer_momentum)
-        source = own["local"] if own is not None else None
-        for name, p in self.params.items():  # the local parameters (by name: the fragments may differ)
-            p.copy_(source[name].view_as(p) if source is not None else self.global_params[name])
+        if own is None:  # every rank restarts from θ_global
+            for fragment in self.fragments:
+                fragment.show_global()
+        else:  # this rank's local parameters (by name: the fragments may differ)
+            for name, p in self.params.items():
+                p.copy_(own["local"][name].view_as(p))
         if own is not None and self.optimizer is not None and own.get("optimizer") is not None:
             self.optimizer.load_state_dict(own["optimizer"])
 

@@ -9,6 +9,9 @@ as [`~grpo_hf.compression.exchange.Exchange`] reads and replaces it (the `Residu
 import torch
 
 
+RESIDUAL_DTYPE = torch.bfloat16  # the error-feedback residuals of every transport (2 bytes per entry)
+
+
 class RowStore:
     """
     Named vectors (one per tensor, keyed by parameter name) kept as slices of one flat row per run, in one dtype.
@@ -125,4 +128,4 @@ class StoredRow:
         self.store.replace(self.key, self.slots, row)
 
 
-__all__ = ["RowStore", "StoredRow"]
+__all__ = ["RESIDUAL_DTYPE", "RowStore", "StoredRow"]

@@ -14,7 +14,7 @@ from .codec import Kernels, compile_kernels
 from .hook import compress_locally, grpo_comm_hook
 from .layout import BucketLayout, Run, bucket_layout
 from .reshard import STATE_VERSION, reshard_comm_state
-from .row_store import RowStore
+from .row_store import RESIDUAL_DTYPE, RowStore
 from .spec import MODES, CodecSpec
 from .traffic import StepStats, TrafficStats
 from .transport import CommState, SavedComms, world_size_message
@@ -25,7 +25,6 @@ logger = logging.getLogger(__name__)
 _PER_TENSOR_SCALES = 64  # runs of at most this many tensors compute their scales tensor by tensor (no gather)
 DEFAULT_SCALE_BETA = 0.99
 DEFAULT_SCALE_GRADIENTS = False  # chosen on the benchmark suite: without scales, 8-bit codes kept dense quality
-RESIDUAL_DTYPE = torch.bfloat16
 
 
 class GRPOCommState(CommState):
