@@ -18,6 +18,9 @@ DEFAULT_MODE = "auto"
 # on the suite's fine-tune, at half the bytes (benchmarks/LOG.md, 2026-12-04).
 SYNC_BITS_CHOICES = ("4", "8", "16", "32")
 DEFAULT_SYNC_BITS = "4"
+# grpo_fsdp_error_feedback: where FSDP2's compressed reduce-scatter keeps what it did not send.
+ERROR_FEEDBACK_CHOICES = ("none", "worker-bf16", "worker-int8")
+DEFAULT_FSDP_ERROR_FEEDBACK = "none"
 DEFAULT_OUTER_LR = 1.0  # plain averaging: best against best on the suite (benchmarks/LOG.md, 2026-12-04)
 DEFAULT_OUTER_MOMENTUM = 0.0
 DEFAULT_SYNC_RAMP = True
@@ -28,6 +31,28 @@ DEFAULT_SYNC_DTYPE = "float32"
 # grpo_sync_moments: the inner optimizer's state averaged over ranks at a sync (hivemind averages Adam's exp_avg_sq)
 SYNC_MOMENTS = {"none": (), "second": ("second",), "both": ("first", "second")}
 DEFAULT_SYNC_MOMENTS = "none"
+
+
+def check_comm_settings(name=str, **settings) -> None:
+    """
+    The one check of the compression's settings that its states take as arguments, each given one named as `name(key)`
+    says: `dense_warmup_steps`, `scale_beta`, `scale_clip` ([`~grpo_hf.compression.GRPOCommState`]'s arguments) and
+    `error_feedback` ([`~grpo_hf.compression.fsdp.FSDPCommState`]'s); `GRPOConfig` passes its field names.
+
+    Raises:
+        `ValueError`: a value outside its range; the message names it.
+    """
+    if "dense_warmup_steps" in settings and settings["dense_warmup_steps"] < 0:
+        raise ValueError(f"{name('dense_warmup_steps')}={settings['dense_warmup_steps']}: use 0 or more.")
+    if "scale_beta" in settings and not 0 <= settings["scale_beta"] < 1:
+        raise ValueError(f"{name('scale_beta')}={settings['scale_beta']}: use a value in [0, 1), e.g. 0.99.")
+    clip = settings.get("scale_clip")
+    if clip is not None and not clip > 0:
+        raise ValueError(f"{name('scale_clip')}={clip}: use a positive number of scales (e.g. 4) or None.")
+    if "error_feedback" in settings and settings["error_feedback"] not in ERROR_FEEDBACK_CHOICES:
+        raise ValueError(
+            f"{name('error_feedback')}={settings['error_feedback']!r}: use one of {ERROR_FEEDBACK_CHOICES}."
+        )
 
 
 def check_sync_settings(every, fragments, delay, mix, moments, outer_lr, outer_momentum, dtype, name=str) -> None:
@@ -81,6 +106,9 @@ def check_sync_settings(every, fragments, delay, mix, moments, outer_lr, outer_m
 
 __all__ = [
     "BITS_CHOICES",
+    "DEFAULT_FSDP_ERROR_FEEDBACK",
+    "ERROR_FEEDBACK_CHOICES",
+    "check_comm_settings",
     "DEFAULT_OUTER_LR",
     "DEFAULT_OUTER_MOMENTUM",
     "DEFAULT_SYNC_DELAY",

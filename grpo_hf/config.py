@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .choices import (
+    DEFAULT_FSDP_ERROR_FEEDBACK,
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     DEFAULT_SYNC_BITS,
@@ -18,13 +19,14 @@ from .choices import (
     DEFAULT_SYNC_MIX,
     DEFAULT_SYNC_MOMENTS,
     DEFAULT_SYNC_RAMP,
+    ERROR_FEEDBACK_CHOICES,
     SYNC_BITS_CHOICES,
     SYNC_DTYPE_CHOICES,
     SYNC_MOMENTS,
+    check_comm_settings,
     check_sync_settings,
 )
-from .compression.fsdp import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES
-from .compression.plan import DEFAULT_MIN_NUMEL
+from .compression.plan import DEFAULT_MIN_NUMEL, resolve_compression, resolve_mode
 from .compression.spec import (
     BITS_CHOICES,
     COMM_MODE_CHOICES,
@@ -590,6 +592,13 @@ def _check_types(args) -> None:
             raise ConfigError(f"{name}={value!r}: use a number{quoted}.")
 
 
+# The compression's settings as `check_comm_settings` names them, and their fields.
+_COMM_FIELDS = {
+    "dense_warmup_steps": "grpo_dense_warmup_steps",
+    "scale_beta": "grpo_scale_beta",
+    "scale_clip": "grpo_scale_clip",
+    "error_feedback": "grpo_fsdp_error_feedback",
+}
 # The sync's settings as `check_sync_settings` names them, and their fields.
 _SYNC_FIELDS = {
     "every": "grpo_sync_every",
@@ -707,8 +716,11 @@ def validate_grpo_fields(args) -> None:
         raise ConfigError(f"grpo_lr_scale_ema={args.grpo_lr_scale_ema}: use a value in [0, 1), e.g. 0.9.")
     if args.grpo_lr_scale_warmup_steps < 0:
         raise ConfigError(f"grpo_lr_scale_warmup_steps={args.grpo_lr_scale_warmup_steps}: use 0 or more.")
-    if args.grpo_compression not in COMPRESSION_CHOICES:
-        raise ConfigError(f"grpo_compression={args.grpo_compression!r}: use one of {COMPRESSION_CHOICES}.")
+    try:  # checked where they are resolved
+        resolve_compression(args.grpo_compression, distributed=True)
+        resolve_mode(args.grpo_comm_mode, 2)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if not 0 < args.grpo_density <= 1:
         raise ConfigError(
             f"grpo_density={args.grpo_density}: the density is the kept fraction of gradient entries and must lie in "
@@ -716,18 +728,16 @@ def validate_grpo_fields(args) -> None:
         )
     if str(args.grpo_bits) not in BITS_CHOICES:
         raise ConfigError(f"grpo_bits={args.grpo_bits!r}: use one of {BITS_CHOICES}.")
-    if args.grpo_comm_mode not in COMM_MODE_CHOICES:
-        raise ConfigError(f"grpo_comm_mode={args.grpo_comm_mode!r}: use one of {COMM_MODE_CHOICES}.")
-    if args.grpo_scale_clip is not None and not args.grpo_scale_clip > 0:
-        raise ConfigError(f"grpo_scale_clip={args.grpo_scale_clip}: use a positive number of scales (e.g. 4) or None.")
-    if not 0 <= args.grpo_scale_beta < 1:
-        raise ConfigError(f"grpo_scale_beta={args.grpo_scale_beta}: use a value in [0, 1), e.g. 0.99.")
-    if args.grpo_dense_warmup_steps < 0:
-        raise ConfigError(f"grpo_dense_warmup_steps={args.grpo_dense_warmup_steps}: use 0 or more (2 under DDP).")
-    if args.grpo_fsdp_error_feedback not in ERROR_FEEDBACK_CHOICES:
-        raise ConfigError(
-            f"grpo_fsdp_error_feedback={args.grpo_fsdp_error_feedback!r}: use one of {ERROR_FEEDBACK_CHOICES}."
+    try:  # checked where the compression states check their arguments, by the fields' names
+        check_comm_settings(
+            dense_warmup_steps=args.grpo_dense_warmup_steps,
+            scale_beta=args.grpo_scale_beta,
+            scale_clip=args.grpo_scale_clip,
+            error_feedback=args.grpo_fsdp_error_feedback,
+            name=_COMM_FIELDS.get,
         )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if args.grpo_min_compress_numel < 0:
         raise ConfigError(f"grpo_min_compress_numel={args.grpo_min_compress_numel}: use 0 or more.")
     check_optimizer_state(args.grpo_optimizer_state)

@@ -83,6 +83,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..choices import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES, check_comm_settings
 from .codec import compile_kernels
 from .collectives import Collectives
 from .exchange import Exchange, decode_rows, encode_rows
@@ -93,8 +94,6 @@ from .transport import FSDP_MODE, CommState, SavedComms
 
 logger = logging.getLogger(__name__)
 
-ERROR_FEEDBACK_CHOICES = ("none", "worker-bf16", "worker-int8")
-DEFAULT_FSDP_ERROR_FEEDBACK = "none"
 STATE_VERSION = 1
 FSDP_BITS = (4, 8, 16, 32)  # 2-bit codes need a variable-size message; one all-to-all needs equal sizes
 
@@ -193,10 +192,7 @@ class FSDPCommState(CommState):
                 f"bits={bits!r}: FSDP2's compressed reduce-scatter sends {FSDP_BITS} bits per entry (its all-to-all "
                 "needs messages of one size; 2-bit codes vary); use grpo_bits=8 (the default) or 4."
             )
-        if error_feedback not in ERROR_FEEDBACK_CHOICES:
-            raise ValueError(f"error_feedback={error_feedback!r}: use one of {ERROR_FEEDBACK_CHOICES}.")
-        if dense_warmup_steps < 0:
-            raise ValueError(f"dense_warmup_steps={dense_warmup_steps}: use 0 or more.")
+        check_comm_settings(error_feedback=error_feedback, dense_warmup_steps=dense_warmup_steps)
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size={block_size}: use a power of two, e.g. 128.")
         self.bits, self.error_feedback = int(bits), error_feedback

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..choices import check_comm_settings
 from ..optim.moments import per_entry_second_moment
 from .codec import Kernels, compile_kernels
 from .hook import compress_locally, grpo_comm_hook
@@ -135,10 +136,7 @@ class GRPOCommState(CommState):
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: use one of {MODES} (`compression_plan` resolves 'auto').")
-        if dense_warmup_steps < 0:
-            raise ValueError(f"dense_warmup_steps={dense_warmup_steps}: use 0 or more.")
-        if not 0 <= scale_beta < 1:
-            raise ValueError(f"scale_beta={scale_beta}: use a value in [0, 1), e.g. 0.99.")
+        check_comm_settings(dense_warmup_steps=dense_warmup_steps, scale_beta=scale_beta, scale_clip=scale_clip)
         if simulated_world_size < 1:
             raise ValueError(f"simulated_world_size={simulated_world_size}: use 1 or more (2 is the default).")
         bad = sorted(name for name, spec in plan.items() if spec is not None and not isinstance(spec, CodecSpec))
@@ -146,8 +144,6 @@ class GRPOCommState(CommState):
             raise ValueError(
                 f"plan[{bad[0]!r}] is not a CodecSpec or None; build the plan with grpo_hf.compression.compression_plan."
             )
-        if scale_clip is not None and not scale_clip > 0:
-            raise ValueError(f"scale_clip={scale_clip}: use a positive number of scales (e.g. 4) or None.")
         self.plan = dict(plan)
         self.mode = mode
         self.dense_warmup_steps = int(dense_warmup_steps)
