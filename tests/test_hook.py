@@ -363,6 +363,15 @@ def test_pop_stats_window_and_totals(params):
     assert totals["steps"] == 3 and totals["dense_steps"] == 1 and totals["numel"] == 3 * numel
 
 
+@pytest.mark.parametrize("mode", ["allreduce", "allgather"])
+def test_a_bucket_of_dense_tensors_only_is_sent_dense_beside_compressed_ones(params, mode):
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0).bind(params)
+    g = grads(0)
+    out = run_step(state, params, g, layout=(("norm",), ("attn", "mlp")))  # the first bucket has nothing to compress
+    assert torch.equal(out["norm"], g["norm"]) and state.last_step == "compressed"
+    assert set(state.residuals.values) == {"attn", "mlp"}
+
+
 # --- checkpointing ---------------------------------------------------------------------------------------------
 
 

@@ -326,6 +326,21 @@ def test_owner_residuals_are_checkpointed_per_rank_and_dropped_for_another_world
     assert held["owner_residuals"] == {} and held["residuals"] == {}
 
 
+def test_a_state_loaded_and_not_bound_yet_saves_what_it_loaded():
+    """A resume that trains no step (its checkpoint holds every step) never binds the state: what it saves, or shows,
+    is still the checkpoint's (residuals by name, the owners' chunks, each fragment's last sync)."""
+    states, deltas = _owner_ranks(4)
+    _owner_round(states, deltas)
+    saved = states[1].state_dict()
+    unbound = OuterSyncState(states[1].plan, states[1].fragment_names, every=1, ramp=False)
+    unbound.load_state_dict(saved)
+    again = unbound.state_dict()
+    assert again["last_sync"] == saved["last_sync"] and again["step"] == saved["step"]
+    for key in ("residuals", "owner_residuals"):
+        assert saved[key] and set(again[key]) == set(saved[key])
+        assert all(torch.equal(again[key][name], value) for name, value in saved[key].items())
+
+
 # --- overlap: the delayed sync (grpo_sync_delay > 0) -------------------------------------------------------------
 
 

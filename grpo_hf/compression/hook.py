@@ -221,6 +221,9 @@ def _run_step(state, comm: Collectives, buckets: list[_Bucket], count_as: int) -
         lane = index % _IN_FLIGHT if state.mode == "allgather" else 0
         parts = _parts(state, comm, layout, bucket, lane)
         dense = _DenseTensors(exchange, bucket.buffer, layout.dense)  # read before the decode writes the bucket
+        if not parts:  # nothing in the bucket to compress: its tensors go dense alone
+            dense.write()
+            continue
         if state.mode == "allreduce":
             _finish(state, parts, exchange.reduce_with_owners(parts), dense)
             continue

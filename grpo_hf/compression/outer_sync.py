@@ -632,9 +632,11 @@ class OuterSyncState(CommState):
 
         self._complete()  # before the residuals are read: the exchange's new ones are committed
         held = [fragment.state_by_name() for fragment in self.fragments]
+        pending = self.pending or {"own": None, "last_sync": [0] * len(self.fragment_names)}
+        own = pending["own"] or {}  # loaded and not bound yet: what the checkpoint held
 
         def merged(key):
-            return {name: value for h in held for name, value in h[key].items()}
+            return {name: value for h in held for name, value in h[key].items()} if held else own.get(key, {})
 
         flight = self.in_flight
         return {
@@ -643,7 +645,7 @@ class OuterSyncState(CommState):
             "world_size": self.world_size,
             "rank": self.rank,
             "step": self.step,
-            "last_sync": list(self.last_sync) if self.fragments else [0] * len(self.fragment_names),
+            "last_sync": self.last_sync if self.fragments else pending["last_sync"],
             "hook_calls": self.hook_calls,
             "settings": self.settings(),
             "fragments": [list(names) for names in self.fragment_names],
@@ -700,8 +702,15 @@ class OuterSyncState(CommState):
                 f"the checkpoint's global model and this run's trainable parameters differ (e.g. {other[0]}); resume "
                 "with the same model and adapters as the run that wrote it."
             )
-        self.pending = {"own": state_dict, "shared": shared}
         self.step = int(shared["step"])
+        count = len(self.fragment_names)
+        if state_dict is None:  # every rank restarts from θ_global: in sync
+            last_sync = [self.step] * count
+        elif len(state_dict["last_sync"]) == count:
+            last_sync = list(state_dict["last_sync"])
+        else:  # other fragments: each holds local steps since the oldest saved sync
+            last_sync = [min(state_dict["last_sync"])] * count
+        self.pending = {"own": state_dict, "shared": shared, "last_sync": last_sync}
         source = state_dict if state_dict is not None else shared
         self.hook_calls = int(source.get("hook_calls", 0))
         self.traffic.load_state_dict(source.get("totals", {}))
@@ -715,15 +724,9 @@ class OuterSyncState(CommState):
         """A saved state into the bound fragments, the parameters and the optimizer."""
         own, shared = pending["own"], pending["shared"]
         same_fragments = own is not None and own["fragments"] == self.fragment_names
-        if own is None:  # every rank restarts from θ_global: in sync
-            last_sync = [self.step] * len(self.fragments)
-        elif len(own["last_sync"]) == len(self.fragments):
-            last_sync = list(own["last_sync"])
-        else:  # other fragments: each holds local steps since the oldest saved sync
-            last_sync = [min(own["last_sync"])] * len(self.fragments)
         residuals = own.get("residuals", {}) if own is not None else {}
         owner_residuals = own.get("owner_residuals", {}) if own is not None else {}
-        for fragment, last in zip(self.fragments, last_sync):
+        for fragment, last in zip(self.fragments, pending["last_sync"]):
             fragment.load(shared["global"], shared["momentum"], residuals, owner_residuals)
             fragment.last_sync, fragment.in_flight = last, None
         saved = (own if own is not None else shared).get("in_flight")
@@ -764,8 +767,7 @@ class OuterSyncState(CommState):
         return (
             f"OuterSyncState(every={self.every}, fragments={len(self.fragment_names)}, outer_lr={self.outer_lr}, "
             f"outer_momentum={self.outer_momentum}, ramp={self.ramp}, exchange={self.exchange}, delay={self.delay}, "
-            f"mix={self.mix}, moments={self.moments!r}, step={self.step}, "
-            f"world_size={self.world_size})"
+            f"mix={self.mix}, moments={self.moments!r}, step={self.step}, world_size={self.world_size})"
         )
 
 
