@@ -519,8 +519,8 @@ def run_row(
 
 def _memory_figures(trainer) -> dict:
     """The optimizer's state bytes (per GRPO group where its param groups say, and in all), the process's peak memory."""
+    from grpo_hf.cost.prices import peak_memory_bytes
     from grpo_hf.optim.builder import state_nbytes
-    from grpo_hf.optim.memory import peak_memory_bytes
 
     by_group = state_nbytes(trainer.optimizer)
     return {"optimizer_state_bytes": sum(by_group.values()), "optimizer_state_bytes_by_group": by_group,
@@ -822,8 +822,78 @@ def summarize_sweep(runs: dict, nominal: float, baseline: str, search_seed: int)
             "skipped_steps": best_record.get("skipped_steps"),
         }
         entry["earns_default"] = lr_grid.earns_default(entry["window"], base_window, entry["geomean"])
+        if "optimizer_state_bytes" in best_record:  # the memory suite: each row's figures against the baseline's
+            entry.update(_memory_ratios(by_seed, best_lr, runs[baseline], base_lr))
         summary[name] = entry
     return summary
+
+
+def _median_optimizer_s(record: dict) -> float | None:
+    """The median time of one `optimizer.step` of a run (the first 2 steps, allocation and compilation, left out)."""
+    times = [s["optimizer_s"] for s in record["per_step"][2:] if s.get("optimizer_s") is not None]
+    return statistics.median(times) if times else None
+
+
+def _memory_ratios(by_seed: dict, best_lr: float, base_by_seed: dict, base_lr: float) -> dict:
+    """
+    A memory-suite row at its best learning rate against the baseline at its own, over the seeds both ran: the
+    optimizer's state bytes, the process's peak memory and the median optimizer step (each a ratio of the medians
+    over seeds), with the row's own figures.
+    """
+    seeds = [s for s in sorted(by_seed) if best_lr in by_seed[s] and base_lr in base_by_seed.get(s, {})]
+    mine = [by_seed[s][best_lr] for s in seeds]
+    theirs = [base_by_seed[s][base_lr] for s in seeds]
+
+    def median(records, read):
+        values = [read(r) for r in records]
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    out = {}
+    for key, read in (
+        ("state_bytes", lambda r: r["optimizer_state_bytes"]),
+        ("peak_memory_bytes", lambda r: r.get("peak_memory_bytes")),
+        ("optimizer_s", _median_optimizer_s),
+    ):
+        value, base = median(mine, read), median(theirs, read)
+        out[key] = value
+        out[f"{key}_ratio"] = value / base if value is not None and base else None
+    return out
+
+
+def memory_markdown(sweep: dict[str, dict], baseline: str = "adamw") -> str:
+    """The memory suite's table: per task and row, state bytes, peak memory, optimizer step and quality, best against
+    best."""
+    lines = [
+        f"| task | row | optimizer state (x {baseline}) | peak memory (x {baseline}) | optimizer step (x {baseline}) | "
+        f"ppl / {baseline}, best vs best: geomean (seeds) | worst seed | best lr | window (log10 lr within 1% of "
+        f"{baseline}'s best) |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for task, rows in sweep.items():
+        for name, e in rows.items():
+            if "state_bytes" not in e:
+                continue
+            state = f"{e['state_bytes'] / 1e6:,.2f} MB ({e['state_bytes_ratio']:.3f})"
+            peak = (
+                "-"
+                if e["peak_memory_bytes"] is None
+                else f"{e['peak_memory_bytes'] / 2**20:,.0f} MiB ({e['peak_memory_bytes_ratio']:.2f})"
+            )
+            step = (
+                "-" if e["optimizer_s"] is None else f"{e['optimizer_s'] * 1e3:,.1f} ms ({e['optimizer_s_ratio']:.2f})"
+            )
+            edge = "" if e["best_inside"] else " (edge)"
+            span = f"{e['window']:.2f}" + ("" if e["window_closed"] else "+")
+            lines.append(f"| {task} | `{name}` | {state} | {peak} | {step} | {e['geomean']:.3f} ({len(e['best_vs_best'])}) "
+                         f"| {e['worst']:.3f} | {e['best_lr']:.3g}{edge} | {span} |")  # fmt: skip
+    lines += [
+        "",
+        "Optimizer state: the bytes of every tensor the optimizer keeps (median over seeds), against the baseline's; peak "
+        "memory: the process's (peak RSS on CPU); optimizer step: the median `optimizer.step` of a run (first 2 steps "
+        "left out). `(edge)`: the best learning rate is at the grid's edge; a window ending in + reaches it.",
+    ]
+    return "\n".join(lines)
 
 
 def sweep_markdown(sweep: dict[str, dict], nominal: dict[str, float], baseline: str = "dense") -> str:
@@ -890,9 +960,8 @@ def sweep_report(args, tasks: list[str], seeds: list[int], baseline: str, out: P
         sweep[name] = summarize_sweep(runs, TASKS[name].learning_rate, baseline, seeds[0])
     nominal = {name: TASKS[name].learning_rate for name in tasks}
     command = "python -m benchmarks.suite " + " ".join(sys.argv[1:])
-    report = f"`{command}` ({time.time() - start:.0f} s, {time.strftime('%Y-%m-%d')})\n\n" + sweep_markdown(
-        sweep, nominal, baseline
-    )
+    table = memory_markdown(sweep, baseline) if args.suite == "memory" else sweep_markdown(sweep, nominal, baseline)
+    report = f"`{command}` ({time.time() - start:.0f} s, {time.strftime('%Y-%m-%d')})\n\n" + table
     (out / "results.json").write_text(
         json.dumps({"sweep": sweep, "nominal_lr": nominal, "command": command}, indent=1)
     )

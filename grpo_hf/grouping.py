@@ -397,11 +397,14 @@ def group_table(
     plan: dict | None = None,
     ratios: dict[str, float] | None = None,
     defaults: dict[str, float] | None = None,
+    layouts: dict | None = None,
 ) -> list[dict]:
     """
     One row per group: name, rule, #tensors, #parameters, share of parameters, its LR ratio ([`lr_ratios`] of
     `ratios` over a preset's `defaults`), and, given a compression plan (`{name: CodecSpec | None}`), the densities
-    and bits its tensors are sent with.
+    and bits its tensors are sent with; given the optimizer's state layouts (`{name: StateLayout}`, see
+    [`~grpo_hf.optim.resolve_layouts`]), how its state is kept and its bytes (`state_bytes`) against AdamW's
+    (`adamw_state_bytes`, 8 per entry).
     """
     total = sum(g.numel for g in groups) or 1
     factors = lr_ratios(groups, ratios, defaults)
@@ -413,18 +416,23 @@ def group_table(
             specs = [plan.get(name) for name in group.param_names]
             densities = sorted({1.0 if s is None else s.density for s in specs})
             bits = sorted({32 if s is None else s.bits for s in specs})
-        rows.append(
-            {
-                "group": group.name,
-                "rule": group.rule.pattern,
-                "tensors": len(group.params),
-                "parameters": group.numel,
-                "share": group.numel / total,
-                "lr_ratio": factors[group.name],
-                "density": "/".join("-" if d is None else f"{d:g}" for d in densities),
-                "bits": "/".join("-" if b is None else str(b) for b in bits),
-            }
-        )
+        row = {
+            "group": group.name,
+            "rule": group.rule.pattern,
+            "tensors": len(group.params),
+            "parameters": group.numel,
+            "share": group.numel / total,
+            "lr_ratio": factors[group.name],
+            "density": "/".join("-" if d is None else f"{d:g}" for d in densities),
+            "bits": "/".join("-" if b is None else str(b) for b in bits),
+        }
+        if layouts is not None:
+            kept = [layouts[name] for name in group.param_names]
+            kinds = sorted({str(layout) for layout in kept})
+            row["state"] = ", ".join(f"{kind} x{[str(k) for k in kept].count(kind)}" for kind in kinds)
+            row["state_bytes"] = sum(k.state_nbytes(p.shape) for k, p in zip(kept, group.params))
+            row["adamw_state_bytes"] = 8 * group.numel
+        rows.append(row)
     return rows
 
 

@@ -22,6 +22,7 @@ from .compression.plan import resolve_compression, resolve_mode
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args, validate_grpo_fields
 from .cost.callback import CostCallback
+from .cost.prices import peak_memory_bytes
 from .engines import (
     OptimizerStepProbe,
     check_backends,
@@ -38,7 +39,8 @@ from .hub_guards import check_push_settings, hub_errors
 from .importance import ImportanceState
 from .lr_presets import apply_preset
 from .model_card import write_run_summary, write_trainer_model_card
-from .optim.builder import grouped_adamw, grpo_param_groups, keep_embeddings_in_32_bits
+from .optim.builder import grouped_adamw, grpo_param_groups, keep_embeddings_in_32_bits, memory_metrics
+from .optim.resume import check_checkpoint_optimizer_state
 
 
 logger = logging.get_logger(__name__)
@@ -132,6 +134,10 @@ class GRPOMixin:
         )
         self.grpo_callback.cost_callback = self.cost_callback
         self.add_callback(self.grpo_callback)
+        # DDP's gradients become views of its communication buckets: one copy of the gradients instead of two (the
+        # same bits; `ddp_handler` is what `accelerator.prepare` builds the DDP wrapper from).
+        if getattr(self.accelerator, "ddp_handler", None) is not None:
+            self.accelerator.ddp_handler.gradient_as_bucket_view = True
         self._grpo_hooked_models = weakref.WeakSet()
         self._grpo_model = None
         self._grpo_loss_finite = True  # over the micro-batches of the current optimizer step (see training_step)
@@ -443,6 +449,8 @@ class GRPOMixin:
             logs.update(self.cost_callback.counted_metrics())
         if "loss" in logs:
             logs.update(self.grpo_callback.pop_metrics())
+            if self.optimizer is not None:
+                logs.update(memory_metrics(self.optimizer))
         super().log(logs, *args, **kwargs)
 
     # --- Hub: grpo_hf's card, and one clear error instead of a network traceback ---
@@ -512,17 +520,24 @@ class GRPOMixin:
 
         Raises:
             [`~grpo_hf.errors.CheckpointError`]: the checkpoint is missing, incomplete, corrupt or from another setup
-                (a `ValueError` whose message starts as the Trainer's own), before any work.
+                (a `ValueError` whose message starts as the Trainer's own; its optimizer state written with another
+                `grpo_optimizer_state`), before any work.
         """
         checkpoint = resolve_resume_checkpoint(self.args.output_dir, resume_from_checkpoint)
         if checkpoint is not None:
             check_grpo_state_files(checkpoint)
+            check_checkpoint_optimizer_state(checkpoint, self.args.grpo_optimizer_state)
         self.grpo_callback.resume_from = checkpoint  # restored at `on_train_begin`, after the Trainer's own state
         output = super().train(checkpoint, *args, **kwargs)
         sent = self.grpo_comm_state.finish() if self.grpo_comm_state is not None else None  # e.g. the sync's last one
         if sent is not None:
             self.cost_callback.add_comm_bytes(sent)
         output.metrics.update(self.grpo_callback.measured_metrics())
+        peak = peak_memory_bytes(self.args.device)
+        if peak is not None:
+            output.metrics["grpo/memory/peak_bytes"] = float(peak)
+        if self.grpo_comm_state is not None:  # GRPO's own: residuals, θ_global, outer momentum
+            output.metrics["grpo/memory/grpo_bytes"] = float(sum(self.grpo_comm_state.memory_bytes().values()))
         return output
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, *args, **kwargs):

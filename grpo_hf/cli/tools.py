@@ -56,6 +56,8 @@ GROUPS_FIELDS = {
     "grpo_density": float,
     "grpo_bits": str,
     "grpo_min_compress_numel": int,
+    "grpo_optimizer_state": str,
+    "grpo_min_state_numel": int,
 }
 TINY_BUILDERS = ("tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-t5")
 
@@ -130,12 +132,18 @@ def _load_any_model(name: str):
 
 
 def groups_rich_table(
-    groups, plan, title: str = "GRPO groups", ratios: dict | None = None, defaults: dict | None = None
+    groups,
+    plan,
+    title: str = "GRPO groups",
+    ratios: dict | None = None,
+    defaults: dict | None = None,
+    layouts: dict | None = None,
 ):
     """
     The table `grpo-hf groups` prints, as a [`rich.table.Table`] (it renders in a terminal and in Jupyter): one row per
-    group with its rule, tensors, parameters, share, LR ratio (`ratios` over a preset's `defaults`) and what
-    compression would send.
+    group with its rule, tensors, parameters, share, LR ratio (`ratios` over a preset's `defaults`), what
+    compression would send, and, given the optimizer's state layouts, how its state is kept and its bytes against
+    AdamW's.
 
     Example:
 
@@ -149,13 +157,16 @@ def groups_rich_table(
 
     from ..grouping import group_table
 
+    rows = group_table(groups, plan, ratios, defaults, layouts)
     table = Table(title=title)
-    for column in ("group", "rule", "tensors", "parameters", "share", "lr ratio", "density", "bits"):
-        table.add_column(
-            column, justify="right" if column in ("tensors", "parameters", "share", "lr ratio") else "left"
-        )
-    for row in group_table(groups, plan, ratios, defaults):
-        table.add_row(
+    numeric = ("tensors", "parameters", "share", "lr ratio", "state MB", "x AdamW")
+    columns = ["group", "rule", "tensors", "parameters", "share", "lr ratio", "density", "bits"]
+    if layouts is not None:
+        columns += ["state", "state MB", "x AdamW"]
+    for column in columns:
+        table.add_column(column, justify="right" if column in numeric else "left")
+    for row in rows:
+        cells = [
             row["group"],
             escape(row["rule"]),  # a rule such as `Attention\.[qk]` is not rich markup
             str(row["tensors"]),
@@ -164,7 +175,18 @@ def groups_rich_table(
             f"{row['lr_ratio']:g}",
             row["density"],
             row["bits"],
-        )
+        ]
+        if layouts is not None:
+            cells += [
+                row["state"],
+                f"{row['state_bytes'] / 1e6:,.2f}",
+                f"{row['state_bytes'] / row['adamw_state_bytes']:.3f}",
+            ]
+        table.add_row(*cells)
+    if layouts is not None:
+        state, adamw = sum(r["state_bytes"] for r in rows), sum(r["adamw_state_bytes"] for r in rows)
+        table.add_row("total", "", "", f"{sum(r['parameters'] for r in rows):,}", "", "", "", "", "",
+                      f"{state / 1e6:,.2f}", f"{state / adamw:.3f}")  # fmt: skip
     return table
 
 
@@ -175,6 +197,7 @@ def groups_command(args) -> int:
     from ..config import grpo_defaults, validate_grpo_fields
     from ..grouping import assign_groups, load_group_spec
     from ..lr_presets import apply_preset
+    from ..optim import resolve_layouts
 
     # The same checks as GRPOConfig (so as `train`), before the model is loaded: fields, then the group file.
     checked = argparse.Namespace(**{**grpo_defaults(), **{k: getattr(args, k) for k in GROUPS_FIELDS}})
@@ -192,8 +215,10 @@ def groups_command(args) -> int:
     plan = compression_plan(
         model, groups, compression, args.grpo_density, args.grpo_bits, args.grpo_min_compress_numel
     )
+    layouts = resolve_layouts(model, groups, args.grpo_optimizer_state, args.grpo_min_state_numel)
     title = f"GRPO groups of {args.model} ({spec.source}" + (f", preset {preset.name})" if preset.ratios else ")")
-    table = groups_rich_table(groups, plan, title, ratios=checked.grpo_lr_ratios, defaults=preset.ratios)
+    title += f"; optimizer state {args.grpo_optimizer_state!r}, bytes before any training"
+    table = groups_rich_table(groups, plan, title, checked.grpo_lr_ratios, preset.ratios, layouts)
     Console(width=200).print(table)
     return 0
 

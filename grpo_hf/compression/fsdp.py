@@ -220,6 +220,10 @@ class FSDPCommState(CommState):
         """Bytes this rank holds in error-feedback residuals (committed ones; a step's staged ones double it briefly)."""
         return sum(t.numel() * t.element_size() for t in self.residuals.values())
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this state holds: `residuals` (committed)."""
+        return {"residuals": self.residual_nbytes()}
+
     def _residual_spec(self) -> CodecSpec:
         return CodecSpec(bits=8, block_size=self.block_size)  # "worker-int8": the residual as 8-bit blocks
 

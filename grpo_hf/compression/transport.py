@@ -137,6 +137,19 @@ class CommState:
         """Restore this rank's state from `saved` (a checkpoint this transport [`resumes`])."""
         raise NotImplementedError
 
+    # --- statistics (each transport's `TrafficStats`), memory ---
+    def pop_stats(self) -> dict[str, float]:
+        """The logged window's `grpo/comm/*` figures since the last call (then cleared)."""
+        raise NotImplementedError
+
+    def totals(self) -> dict[str, float]:
+        """The run's totals (checkpointed): `bytes_sent`, `steps`, `hook_ms`, ..."""
+        raise NotImplementedError
+
+    def memory_bytes(self) -> dict[str, int]:
+        """The bytes this transport holds, by kind (residuals, work buffers, `θ_global`, ...)."""
+        raise NotImplementedError
+
 
 def restore_comm_state(comm_state: CommState | None, saved: SavedComms) -> None:
     """

@@ -597,6 +597,7 @@ def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, ev
     from torch.nn.parallel import DistributedDataParallel
 
     from ..cost import CostSettings, comm_time_seconds, cost_per_quality
+    from ..optim.builder import state_nbytes
 
     trainer, world, trainable = run.trainer, run.world, run.trainable
     summary = run.cost.summary()
@@ -627,6 +628,7 @@ def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, ev
         "tokens_per_second": metrics.get("cost/tokens_per_second"),
         "peak_memory_gb": metrics.get("cost/peak_memory_gb"),
         "peak_memory_reset": timing["memory_reset"],
+        "optimizer_state_bytes": sum(state_nbytes(trainer.optimizer).values()) if trainer.optimizer else None,
         # 1-minute load average at the end of training: above the core count, other processes shared the CPUs and
         # the times (and the estimated energy and cost) are inflated.
         "load_average": timing["load_average"],

@@ -66,6 +66,7 @@ TABLE_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
     ("train_seconds", "Training time (s)", _fixed(1)),
     ("tokens_per_second", "Tokens/s", _fixed(0)),
     ("peak_memory_gb", "Peak memory (GB)", _fixed(2)),
+    ("optimizer_state_bytes", "Optimizer state", format_bytes),
     ("comm_bytes", "Bytes sent per worker (total)", format_bytes),
     ("comm_bytes_per_step", "Bytes sent per worker per step", format_bytes),
     ("comm_seconds_projected", "Comm time projected (s)", lambda v: f"{v:.3f}"),

@@ -17,8 +17,10 @@ ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
 
 def optim_name(args) -> str:
-    """`args.optim` as a string (an `OptimizerNames` member once `TrainingArguments` is built)."""
-    return str(getattr(args.optim, "value", args.optim))
+    """`args.optim` as a string (an `OptimizerNames` member once `TrainingArguments` is built; the Trainer's default
+    where `args` has none, as the namespace of `grpo-hf groups`)."""
+    optim = getattr(args, "optim", "adamw_torch")
+    return str(getattr(optim, "value", optim))
 
 
 def check_optimizer_state_settings(args) -> None:
@@ -124,6 +126,18 @@ def state_nbytes(optimizer) -> dict[str, int]:
     return totals
 
 
+def memory_metrics(optimizer) -> dict[str, float]:
+    """
+    The optimizer's state bytes as logged metrics: `grpo/memory/optimizer_state_bytes` in all and
+    `grpo/memory/optimizer_state_bytes/<group>` per GRPO group ([`state_nbytes`]). Counted, not measured: a resumed
+    run logs the same.
+    """
+    by_group = state_nbytes(optimizer)
+    logs = {"grpo/memory/optimizer_state_bytes": float(sum(by_group.values()))}
+    logs.update({f"grpo/memory/optimizer_state_bytes/{name}": float(n) for name, n in by_group.items()})
+    return logs
+
+
 def _tensor_nbytes(value, seen: set[int]) -> int:
     if not torch.is_tensor(value):
         return 0
@@ -145,6 +159,7 @@ __all__ = [
     "grouped_adamw",
     "grpo_param_groups",
     "keep_embeddings_in_32_bits",
+    "memory_metrics",
     "optim_name",
     "state_nbytes",
 ]

@@ -31,29 +31,27 @@ import math
 
 import torch
 
-from .layout import FIRST_MOMENT_BITS, FIRST_MOMENT_BLOCK, SECOND_MOMENT_KINDS, StateLayout
+from .kernels import FIRST_MOMENT_BLOCK, decode, encode, moment_kernel, padded_numel
+from .layout import FIRST_MOMENT_BITS, SECOND_MOMENT_KINDS, StateLayout, whole_heads_per_shard
 from .moments import local_tensor
+from .resume import check_layouts
 
 
 ADAFACTOR_EPS = 1e-30  # Adafactor's ε₁, added to the squared gradient
 
 
 def quantize_moment(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """Write `values` (flat, fp32) as 8-bit companded codes into `codes` (`[n_padded]` int8) and `scales` (`[blocks]`)."""
+    """Write `values` (flat, fp32) as 8-bit codes into `codes` (`[n_padded]` int8) and `scales` (`[blocks]`)."""
     if values.numel() != codes.numel():
         values = torch.nn.functional.pad(values, (0, codes.numel() - values.numel()))
-    blocks = values.view(-1, FIRST_MOMENT_BLOCK)
-    absmax = blocks.abs().amax(dim=1, keepdim=True)
-    scales.copy_(absmax.view(-1))
-    ratio = blocks.abs().div_(absmax.clamp(min=torch.finfo(torch.float32).tiny)).sqrt_()
-    codes.view_as(blocks).copy_(ratio.mul_(127.0).round_().mul_(blocks.sign()))
+    new_codes, new_scales = encode(values.view(-1, FIRST_MOMENT_BLOCK))
+    codes.copy_(new_codes.view(-1))
+    scales.copy_(new_scales.view(-1))
 
 
 def dequantize_moment(codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
-    """The fp32 values (flat, `numel` entries) of 8-bit companded codes and their block scales."""
-    ratio = codes.view(-1, FIRST_MOMENT_BLOCK).float().div_(127.0)
-    values = ratio.abs().mul_(ratio).mul_(scales.view(-1, 1))
-    return values.view(-1)[:numel]
+    """The fp32 values (flat, `numel` entries) of 8-bit codes and their block scales."""
+    return decode(codes.view(-1, FIRST_MOMENT_BLOCK), scales.view(-1, 1)).view(-1)[:numel]
 
 
 class GroupedAdamW(torch.optim.Optimizer):
@@ -133,6 +131,24 @@ class GroupedAdamW(torch.optim.Optimizer):
         param_group["state_layouts"] = layouts
         super().add_param_group(param_group)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """
+        [`torch.optim.Optimizer.load_state_dict`], after checking that the saved state keeps every parameter as this
+        optimizer does ([`~grpo_hf.optim.resume.check_layouts`]): another optimizer's state, or other layouts, are
+        refused with a [`~grpo_hf.errors.CheckpointError`] before anything is copied.
+        """
+        check_layouts(state_dict["param_groups"], self.param_groups)
+        super().load_state_dict(state_dict)
+        # torch casts every loaded state tensor to its parameter's dtype: the codes go back to int8, a 16-bit first
+        # moment back to bf16 (exactly: the values are those of the saved dtype).
+        for group in self.param_groups:
+            for param, layout in zip(group["params"], group["state_layouts"]):
+                state = self.state.get(param, {})
+                if "exp_avg_codes" in state:
+                    state["exp_avg_codes"] = state["exp_avg_codes"].to(torch.int8)
+                if StateLayout.parse(layout).first_bits == 16 and "exp_avg" in state:
+                    state["exp_avg"] = state["exp_avg"].to(torch.bfloat16)
+
     def layout_of(self, param: torch.Tensor) -> StateLayout:
         """The [`StateLayout`] `param` is kept with."""
         for group in self.param_groups:
@@ -142,6 +158,21 @@ class GroupedAdamW(torch.optim.Optimizer):
         raise KeyError("the parameter is not optimized by this optimizer.")
 
     # --- state ---
+    @staticmethod
+    def _fit_to_shard(group: dict, index: int, param: torch.Tensor, layout: StateLayout) -> StateLayout:
+        """
+        A `head` layout chosen on the whole parameter, for the shard this rank holds (FSDP2 swaps the parameters after
+        the optimizer is built): one second moment per row where the shards do not start on head boundaries (the same
+        choice on every rank), written back into the param group, which its state dict carries.
+        """
+        if layout.second != "head" or not hasattr(param, "to_local"):
+            return layout
+        if whole_heads_per_shard(param, layout.block):
+            return layout
+        fitted = StateLayout("row", layout.first_bits, 0, layout.axis)
+        group["state_layouts"][index] = str(fitted)
+        return fitted
+
     def _init_state(self, state: dict, param: torch.Tensor, layout: StateLayout) -> None:
         local = local_tensor(param)
         state["step"] = torch.tensor(0.0)
@@ -150,7 +181,7 @@ class GroupedAdamW(torch.optim.Optimizer):
         elif layout.first_bits == 16:
             state["exp_avg"] = torch.zeros_like(local, dtype=torch.bfloat16)
         elif layout.first_bits == 8:
-            padded = -(-local.numel() // FIRST_MOMENT_BLOCK) * FIRST_MOMENT_BLOCK
+            padded = padded_numel(local.numel())
             state["exp_avg_codes"] = torch.zeros(padded, dtype=torch.int8, device=local.device)
             state["exp_avg_scales"] = torch.zeros(padded // FIRST_MOMENT_BLOCK, device=local.device)
         shapes = layout.second_shape(local.shape)
@@ -199,12 +230,13 @@ class GroupedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for param, layout in zip(group["params"], group["state_layouts"]):
+            for index, (param, layout) in enumerate(zip(group["params"], group["state_layouts"])):
                 if param.grad is None:
                     continue
                 state = self.state[param]
                 parsed = StateLayout.parse(layout)
                 if not state:
+                    parsed = self._fit_to_shard(group, index, param, parsed)
                     self._init_state(state, param, parsed)
                 self._update(param, state, parsed, group)
         return loss
@@ -237,19 +269,20 @@ class GroupedAdamW(torch.optim.Optimizer):
             denominator = (v.sqrt() / math.sqrt(correction2)).add_(group["eps"])
             p.addcdiv_(numerator, denominator, value=-step_size)
             return
-        squares = _blocks(grad * grad, layout)
+        # One pass over the gradient per reduction (no squared copy), then the denominator of the blocks, which the
+        # update broadcasts: the passes over whole tensors are the reductions, the first moment's and the update.
+        matrix = _blocks(grad, layout)
+        scale = 1.0 / math.sqrt(correction2)
         if layout.second == "factored":
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-            row.mul_(beta2_t).add_(squares.mean(dim=1), alpha=1 - beta2_t)
-            col.mul_(beta2_t).add_(squares.mean(dim=0), alpha=1 - beta2_t)
-            del squares
-            estimate = torch.outer(row / row.mean().clamp(min=ADAFACTOR_EPS), col)
-            denominator = estimate.sqrt_().div_(math.sqrt(correction2)).add_(group["eps"])
+            row.mul_(beta2_t).add_(_mean_square(matrix, dim=1), alpha=1 - beta2_t)
+            col.mul_(beta2_t).add_(_mean_square(matrix, dim=0), alpha=1 - beta2_t)
+            row_factor = (row / row.mean().clamp(min=ADAFACTOR_EPS)).sqrt_().mul_(scale)
+            denominator = torch.outer(row_factor, col.sqrt()).add_(group["eps"])
         else:
             v = state["exp_avg_sq"]
-            v.mul_(beta2_t).add_(squares.mean(dim=1, keepdim=True).view_as(v), alpha=1 - beta2_t)
-            del squares
-            denominator = (v.sqrt() / math.sqrt(correction2)).add_(group["eps"]).view(-1, 1)
+            v.mul_(beta2_t).add_(_mean_square(matrix, dim=1).view_as(v), alpha=1 - beta2_t)
+            denominator = v.sqrt().mul_(scale).add_(group["eps"]).view(-1, 1)
         _blocks(p, layout).addcdiv_(_blocks(numerator, layout), denominator, value=-step_size)
 
     def _adafactor_update(self, p, grad, state: dict, layout: StateLayout, group: dict, beta2_t: float) -> None:
@@ -286,18 +319,24 @@ class GroupedAdamW(torch.optim.Optimizer):
         The first moment `m ← β1 m + (1 − β1) target` in its storage (`lerp`: as torch's AdamW computes it); returns `m`
         as a tensor of the parameter's shape and dtype.
         """
-        if "exp_avg" in state and state["exp_avg"].dtype == p.dtype:
-            moment = state["exp_avg"]
+        if "exp_avg_codes" in state:  # 8 bits: one kernel decodes, averages and encodes again
+            codes, scales = state["exp_avg_codes"], state["exp_avg_scales"]
+            flat = target.reshape(-1).float()
+            if flat.numel() != codes.numel():
+                flat = torch.nn.functional.pad(flat, (0, codes.numel() - flat.numel()))
+            kernel = moment_kernel(p.device)
+            moment, new_codes, new_scales = kernel(
+                codes.view(-1, FIRST_MOMENT_BLOCK), scales.view(-1, 1), flat.view(-1, FIRST_MOMENT_BLOCK), beta1, lerp
+            )
+            codes.copy_(new_codes.view(-1))
+            scales.copy_(new_scales.view(-1))
+            return moment.view(-1)[: p.numel()].view(p.shape).to(p.dtype)
+        moment = state["exp_avg"]
+        if moment.dtype == p.dtype:
             return moment.lerp_(target, 1 - beta1) if lerp else moment.mul_(beta1).add_(target, alpha=1 - beta1)
-        if "exp_avg" in state:  # 16 bits
-            values = state["exp_avg"].to(p.dtype)
-        else:
-            values = dequantize_moment(state["exp_avg_codes"], state["exp_avg_scales"], p.numel()).view(p.shape)
+        values = moment.to(p.dtype)  # 16 bits
         values = values.lerp_(target, 1 - beta1) if lerp else values.mul_(beta1).add_(target, alpha=1 - beta1)
-        if "exp_avg" in state:
-            state["exp_avg"].copy_(values)
-        else:
-            quantize_moment(values.reshape(-1), state["exp_avg_codes"], state["exp_avg_scales"])
+        moment.copy_(values)
         return values
 
 
@@ -313,6 +352,11 @@ def _blocks(tensor: torch.Tensor, layout: StateLayout) -> torch.Tensor:
     if layout.second == "head":
         return matrix.view(matrix.shape[0] // layout.block, -1)
     return matrix
+
+
+def _mean_square(matrix: torch.Tensor, dim: int) -> torch.Tensor:
+    """The mean of the squares of `matrix` along `dim`, in one pass (no squared copy of it)."""
+    return torch.linalg.vector_norm(matrix, dim=dim).square_().div_(matrix.shape[dim])
 
 
 def _unblocks(blocks: torch.Tensor, shape: torch.Size, layout: StateLayout) -> torch.Tensor:

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..grouping import STATE_BITS, STATE_KINDS
+from .kernels import FIRST_MOMENT_BLOCK, padded_numel
 
 
 logger = logging.getLogger(__name__)
@@ -91,17 +92,10 @@ class StateLayout:
         numel = shape.numel()
         second = sum(4 * torch.Size(s).numel() for s in self.second_shape(shape))
         if self.first_bits == 8:
-            first = _padded(numel) + 4 * (_padded(numel) // FIRST_MOMENT_BLOCK)
+            first = padded_numel(numel) + 4 * (padded_numel(numel) // FIRST_MOMENT_BLOCK)
         else:
             first = numel * self.first_bits // 8
         return second + first
-
-
-FIRST_MOMENT_BLOCK = 128  # entries per fp32 scale of an 8-bit first moment
-
-
-def _padded(numel: int) -> int:
-    return -(-numel // FIRST_MOMENT_BLOCK) * FIRST_MOMENT_BLOCK
 
 
 def _matrix(shape: torch.Size, axis: int) -> tuple[int, int]:
@@ -179,6 +173,10 @@ for _preset in (
     StatePreset("x-ar8", _ROW, {kind: 8 for kind in _LARGE}, _ADAFACTOR, "exp", small_bits=32),
     StatePreset("x-fac8", _FACTORED, {kind: 8 for kind in _LARGE}, {}, "exp"),
     StatePreset("x-mini-af", _MINI, {}, _ADAFACTOR, "exp"),
+    StatePreset("x-fac32", _FACTORED, {}, {}, "exp"),
+    StatePreset("x-fac8d", _FACTORED, {kind: 8 for kind in _LARGE}, {"beta2_decay": -0.8}, "exp"),
+    StatePreset("x-fac8r", {**_FACTORED, "embeddings": "row"}, {kind: 8 for kind in _LARGE}, {}, "exp"),
+    StatePreset("x-fac0", _FACTORED, {}, {}, "exp", small_bits=0),
 ):
     PRESETS[_preset.name] = _preset
 OPTIMIZER_STATE_CHOICES = ("full", *PRESETS)
@@ -248,9 +246,26 @@ def resolve_layouts(
                 second = group.rule.state
             if group.rule.state_bits is not None:
                 bits = group.rule.state_bits
-            layout = StateLayout(second, bits, rows_per_head or 0, axes.get(name, 0))
+            block = rows_per_head if rows_per_head and whole_heads_per_shard(param, rows_per_head) else 0
+            layout = StateLayout(second, bits, block, axes.get(name, 0))
             layouts[name] = fit_layout(layout, _local_shape(param), name, min_numel, kind, small_bits)
     return layouts
+
+
+def whole_heads_per_shard(param: torch.Tensor, rows_per_head: int) -> bool:
+    """
+    Whether every rank's rows of `param` start and end on a head boundary: always for a whole tensor; for a `DTensor`
+    sharded along its rows (FSDP2's `Shard(0)`), when the shards' row count (`ceil(rows / shards)`) is a multiple of
+    `rows_per_head`, so that every rank makes the same choice.
+    """
+    placements = getattr(param, "placements", None)
+    if not placements:
+        return True
+    shards = 1
+    for dim, placement in enumerate(placements):
+        if getattr(placement, "dim", None) == 0:
+            shards *= param.device_mesh.size(dim)
+    return shards == 1 or (-(-param.shape[0] // shards)) % rows_per_head == 0
 
 
 def _local_shape(param: torch.Tensor) -> torch.Size:
@@ -303,6 +318,7 @@ __all__ = [
     "check_optimizer_state",
     "fit_layout",
     "head_dim",
+    "whole_heads_per_shard",
     "resolve_layouts",
     "semantic_kind",
 ]
