@@ -92,7 +92,7 @@ def worker(job_path: str) -> None:
             total = comm.totals()["hook_ms"]
             self.hook_ms.append(total - self.last_hook_total)
             self.last_hook_total = total
-            latencies = self.trainer.grpo_callback._latencies_ms
+            latencies = self.trainer.grpo_callback.step_metrics.latencies_ms
             if latencies:
                 self.update_ms.append(latencies[-1])
             if state.global_step % job["window"] == 0:
@@ -117,7 +117,7 @@ def worker(job_path: str) -> None:
                 "grpo_state_bytes": buffer.getbuffer().nbytes,
                 "containers": {
                     "metric_keys": len(callback.metrics),
-                    "latency_buffer": len(callback._latencies_ms),
+                    "latency_buffer": len(callback.step_metrics.latencies_ms),
                     "comm_window_keys": len(comm.traffic.window),
                     "bucket_layouts": len(comm.layouts),
                     "residual_rows": comm.residuals.num_rows,

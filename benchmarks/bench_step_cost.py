@@ -32,7 +32,7 @@ speed, at 1, 10 and 100 Gbit/s (loopback transfers are nearly free, so the measu
 projection ignores any overlap of communication with the backward pass). Ratios are to `trainer` of the same model.
 
 `--link_gbit 1,10` measures instead of projecting: every row is launched again per speed under an emulated link
-(`GRPO_HF_EMULATED_LINK_GBIT`, see `EmulatedLink` in `grpo_hf/compression/exchange.py`; the baselines' DDP hooks are
+(`GRPO_HF_EMULATED_LINK_GBIT`, see `EmulatedLink` in `grpo_hf/compression/collectives.py`; the baselines' DDP hooks are
 delayed by `benchmarks/emulated_link.py`): each collective completes no earlier than its start plus the bytes this
 rank sends in it over the link's speed, and what the step does meanwhile overlaps with it. The table then gains a
 column per speed: the **measured** mean step time (a mean, not a median: a sync every H steps is one slow step in H),
@@ -143,16 +143,16 @@ def worker(job_path: str) -> None:
     from transformers import TrainerCallback, TrainingArguments
 
     from grpo_hf import GRPOConfig, GRPOTrainer
-    from grpo_hf.compression import exchange
+    from grpo_hf.compression import collectives
     from grpo_hf.compression.traffic import dense_allreduce_bytes
     from grpo_hf.optim.builder import state_nbytes
 
     job = json.loads(Path(job_path).read_text())
     task, row, world_size = MODELS[job["model"]], job["row"], int(os.environ["WORLD_SIZE"])
-    link, link_gbit = exchange.EMULATED_LINK, job.get("link_gbit")
+    link, link_gbit = collectives.EMULATED_LINK, job.get("link_gbit")
     if (link is None) != (link_gbit is None) or (link is not None and link.gbit != link_gbit):
         raise RuntimeError(
-            f"the job asks for a link of {link_gbit} Gbit/s, {exchange.LINK_ENV} for {link and link.gbit}."
+            f"the job asks for a link of {link_gbit} Gbit/s, {collectives.LINK_ENV} for {link and link.gbit}."
         )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # Accelerate takes it over
@@ -300,7 +300,7 @@ def run_rows(args: CostArguments) -> list[dict]:
     Every launch, in rounds (per repeat: each link, loopback first, then each row), and the pooled rows; a row measured
     under emulated links holds them in `measured_link` (`{"<gbit>": pooled launches}`).
     """
-    from grpo_hf.compression.exchange import LINK_ENV
+    from grpo_hf.compression.collectives import LINK_ENV
     from tests.testing_utils import run_torchrun
 
     if args.repeats < 1:

@@ -1,6 +1,6 @@
 """The emulated slow link for the collectives that do not go through GRPO's `Collectives` (`bench_step_cost.py --link_gbit`).
 
-GRPO's own collectives wait for the link in `grpo_hf/compression/exchange.py` ([`~grpo_hf.compression.exchange.EmulatedLink`],
+GRPO's own collectives wait for the link in `grpo_hf/compression/collectives.py` ([`~grpo_hf.compression.collectives.EmulatedLink`],
 turned on by `GRPO_HF_EMULATED_LINK_GBIT`). The baselines send through DDP: its built-in all-reduce, or torch's
 `fp16_compress_hook` / `powerSGD_hook`. Here a DDP comm hook is wrapped so that its future completes no earlier than
 the same link carries the bytes the hook sends (ring model): the hook returns at once, as before, and DDP waits for
@@ -27,7 +27,7 @@ def delayed(hook: Callable, sent_bytes: Callable, link) -> Callable:
         hook (`Callable`): the DDP comm hook, `hook(state, bucket) -> torch.futures.Future`.
         sent_bytes (`Callable`): `sent_bytes(state, bucket) -> float`, what this rank sends for the bucket, computed
             before the hook runs (PowerSGD's counts depend on its iteration, which the hook advances).
-        link ([`~grpo_hf.compression.exchange.EmulatedLink`]): the link, shared with GRPO's collectives.
+        link ([`~grpo_hf.compression.collectives.EmulatedLink`]): the link, shared with GRPO's collectives.
 
     Returns:
         `Callable`: the wrapped hook. Its future is completed from a timer thread, never from the caller's: a future

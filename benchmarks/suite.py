@@ -71,7 +71,7 @@ DEFAULT_COMM_ROWS = "dense,q8s,q8,q4s,q4,fp16"  # q8: GRPOConfig's defaults at W
 # (the inner AdamW moments averaged at a sync: grpo_sync_moments), `-d<tau>` / `-mix<alpha>` (the overlap:
 # grpo_sync_delay, grpo_sync_mix); `localsgd-h<H>`: plain averaging every H steps (outer lr 1, momentum 0, fp32, no
 # ramp: accelerate's LocalSGD); `outer-h<H>`: DDP's fp32 all-reduce every step plus the outer step every H steps (the
-# control: no bytes saved). Other settings: `grpo:grpo_sync_every=16;grpo_outer_lr=0.5;...`.
+# control: no bytes saved). Other settings: `grpo:grpo_sync_every=16;grpo_sync_outer_lr=0.5;...`.
 SYNC_ROW = re.compile(
     r"sync(?P<every>\d+)(?:-q(?P<bits>4|8|16)|(?P<fp32>-fp32))?(?:-f(?P<fragments>\d+))?(?P<noramp>-noramp)?"
     r"(?:-lr(?P<lr>[0-9.]+))?(?:-m(?P<momentum>[0-9.]+))?(?P<bf16>-bf16)?(?:-mom(?P<moments>both|second))?"
@@ -97,11 +97,11 @@ def sync_row(name: str) -> dict | None:
             row.update(grpo_compression="none")
     if match:
         if match["lr"]:
-            row["grpo_outer_lr"] = float(match["lr"])
+            row["grpo_sync_outer_lr"] = float(match["lr"])
         if match["momentum"]:
-            row["grpo_outer_momentum"] = float(match["momentum"])
+            row["grpo_sync_outer_momentum"] = float(match["momentum"])
         if match["bf16"]:
-            row["grpo_outer_dtype"] = "bfloat16"
+            row["grpo_sync_global_dtype"] = "bfloat16"
         if match["moments"]:
             row["grpo_sync_moments"] = match["moments"]
         if match["delay"]:
@@ -111,11 +111,11 @@ def sync_row(name: str) -> dict | None:
         return row
     match = re.fullmatch(r"localsgd-h(\d+)", name)
     if match:
-        return {"grpo_sync_every": int(match[1]), "grpo_outer_lr": 1.0, "grpo_outer_momentum": 0.0,
+        return {"grpo_sync_every": int(match[1]), "grpo_sync_outer_lr": 1.0, "grpo_sync_outer_momentum": 0.0,
                 "grpo_compression": "none", "grpo_sync_ramp": False}  # fmt: skip
     match = re.fullmatch(r"outer-h(\d+)", name)
     if match:
-        return {"grpo_sync_every": int(match[1]), "grpo_outer_control": True, "grpo_compression": "none"}
+        return {"grpo_sync_every": int(match[1]), "grpo_sync_outer_only": True, "grpo_compression": "none"}
     return None
 
 

@@ -1,5 +1,11 @@
 """[`GRPOCallback`]: GRPO's learning rates, health metrics and checkpoint state, applied at every optimizer step.
 
+The callback wires the events of an optimizer step to its jobs, each a class of its own: [`LearningRates`] (each
+group's ratio and importance multiplier on the scheduler's learning rate, for one step), [`NonfiniteSteps`] (a step
+whose gradients hold NaN/Inf: skipped or taken, counted, reported), [`StepMetrics`] (the logged window, the measured
+latency) and the checkpoint state; the group norms come from [`~grpo_hf.group_stats.GroupStatistics`], and the
+transport (the compression state) from the protocol of [`~grpo_hf.compression.transport.CommState`].
+
 [`CostCallback`], which measures what training costs, lives in `grpo_hf.cost.callback` and is re-exported here.
 """
 
@@ -15,21 +21,13 @@ import torch
 from transformers import TrainerCallback
 
 from .checkpoints import STATE_FILE, STATE_VERSION, restore_grpo_state, write_grpo_state
-from .compression.fsdp import FSDPCommState
-from .compression.outer_sync import OuterSyncState
+from .compression.transport import CommState
 from .cost.callback import CostCallback
-from .engines import (
-    OptimizerStepProbe,
-    follow_parameters,
-    local_tensor,
-    process_rank,
-    shard_groups,
-    sum_over_shards,
-)
+from .engines import OptimizerStepProbe, local_tensor, process_rank
 from .errors import GRPOError
+from .group_stats import GroupStatistics
 from .grouping import ParameterGroup
 from .importance import ImportanceState
-from .optim.moments import first_moment
 
 
 logger = logging.getLogger(__name__)
@@ -39,6 +37,373 @@ LOAD_BALANCE_STD_TARGET = 0.15
 UPDATE_LATENCY_P99_MS_TARGET = 50.0
 # Timings of the compression state's per-window stats: measured, so reported at the end of training, not per step.
 MEASURED_COMM_KEYS = ("grpo/comm/hook_ms",)
+
+
+def _warn_once(warned: set[str], key: str, message: str) -> None:
+    if key not in warned:
+        warned.add(key)
+        logger.warning(message)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The learning rates of one optimizer step
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class LearningRates:
+    """
+    Each optimizer param group tagged `grpo_group` gets, for one step, its scheduled learning rate times its group's
+    fixed ratio and (when applied) its importance multiplier; [`restore`] puts the scheduler's values back, so that
+    nothing compounds. Under DeepSpeed the same factors go through a step probe ([`probe_factors`]).
+
+    Args:
+        names (`list[str]`): the groups' names, in the order of the importance state.
+        apply_multipliers (`bool`): scale by the importance multipliers (else the ratios only).
+        lr_ratios (`dict[str, float]`): each group's fixed ratio (1 when missing).
+    """
+
+    def __init__(self, names: list[str], apply_multipliers: bool, lr_ratios: dict[str, float]):
+        self.index = {name: i for i, name in enumerate(names)}
+        self.apply_multipliers, self.lr_ratios = apply_multipliers, dict(lr_ratios)
+        self._scheduler_lrs: list[float] | None = None
+
+    def apply(self, optimizer, multipliers: torch.Tensor) -> dict[str, int]:
+        """
+        Each param group tagged `grpo_group` gets its scheduled LR times its ratio and (when applied) its multiplier,
+        for this step only ([`restore`] puts the scheduler's values back). Returns the group index by name.
+        """
+        self._scheduler_lrs = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            name = group.get("grpo_group")
+            if name is None:
+                continue
+            factor = self.lr_ratios.get(name, 1.0)
+            if self.apply_multipliers:
+                factor *= float(multipliers[self.index[name]])
+            if factor != 1.0:
+                group["lr"] = group["lr"] * factor
+        return dict(self.index)
+
+    def restore(self, optimizer) -> None:
+        """After the optimizer step: the scheduler's learning rates back."""
+        if optimizer is not None and self._scheduler_lrs is not None:
+            for group, lr in zip(optimizer.param_groups, self._scheduler_lrs):
+                group["lr"] = lr
+            self._scheduler_lrs = None
+
+    def probe_factors(self, probe: OptimizerStepProbe, multipliers: torch.Tensor | None) -> None:
+        """Each group's LR factor for the next step ZeRO takes: its ratio times its current multiplier."""
+        factors = {}
+        for name in probe.index:
+            applied = self.apply_multipliers and name in self.index and multipliers is not None
+            factors[name] = self.lr_ratios.get(name, 1.0) * (float(multipliers[self.index[name]]) if applied else 1.0)
+        probe.factors = factors
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Steps whose gradients hold NaN/Inf
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class NonfiniteSteps:
+    """
+    What an optimizer step whose gradients hold NaN/Inf does (see [`GRPOCallback`], step 1): skipped where GRPO's
+    codec or sync is in the gradients' path (or an fp16 `GradScaler` skips it), else taken as the Trainer takes it;
+    counted, warned about, and the run stopped when it cannot progress, naming the groups and parameters.
+
+    Args:
+        drop_nonfinite_gradients (`bool`): drop the gradients of a skipped step (so that the optimizer skips it).
+        max_consecutive_skips (`int`): stop the run at this many skipped steps in a row (`0`: never).
+    """
+
+    def __init__(self, drop_nonfinite_gradients: bool = True, max_consecutive_skips: int = 8):
+        self.drop_nonfinite_gradients = drop_nonfinite_gradients
+        self.max_consecutive_skips = max_consecutive_skips
+        self.clips = True  # the Trainer clips gradients (max_grad_norm > 0): set at on_train_begin
+        self.reset([], [])
+
+    def reset(self, groups: list[ParameterGroup], names: list[str]) -> None:
+        """Follow `groups` (`names`: the importance state's order); the counts restart."""
+        self.groups, self.names = groups, list(names)
+        self.steps = 0  # non-finite steps of the run, skipped or taken
+        self.consecutive_skips = 0
+        self.streak = 0  # non-finite steps in a row taken as the Trainer takes them (see skips)
+        self._streak_first_step = 0
+        self.noted: list[tuple[str, str]] | None = None  # see note_backward_end
+
+    def skips(self, comm_state: CommState | None) -> bool:
+        """
+        Whether a non-finite optimizer step is skipped (GRPO's codec or sync is in the gradients' path, or an fp16
+        `GradScaler` skips it) rather than taken as the Trainer takes it (nothing of GRPO touched the gradients).
+        """
+        return comm_state is not None or not self.drop_nonfinite_gradients
+
+    def note_backward_end(self, loss_finite: bool, comm_state: CommState | None) -> None:
+        """
+        After the backward of the last micro-batch, before clipping: when this step's gradients may hold NaN/Inf
+        (`loss_finite=False` for a NaN/Inf training loss, the codec saw them, or the step before was non-finite),
+        note which parameters hold them now: clipping by a NaN norm spreads it to every gradient, so a later report
+        could not name them. One fused pass over the gradients, only then.
+        """
+        suspect = (
+            not loss_finite
+            or self.consecutive_skips > 0
+            or self.streak > 0
+            or (comm_state is not None and comm_state.last_step == "nonfinite")
+        )
+        self.noted = self._find() if suspect else None
+
+    def _find(self) -> list[tuple[str, str]]:
+        """
+        `(group, parameter)` names of the gradients holding a NaN or an Inf (this rank's shards under FSDP2), from one
+        fused max-abs pass (it overflows for no finite value, and NaN propagates through it).
+        """
+        entries = [
+            (group.name, name, local_tensor(param.grad).detach())
+            for group in self.groups
+            for name, param in zip(group.param_names, group.params)
+            if param.grad is not None
+        ]
+        entries = [entry for entry in entries if entry[2].numel()]
+        if not entries:
+            return []
+        peaks = torch._foreach_norm([grad for _, _, grad in entries], math.inf)
+        try:
+            finite = torch.isfinite(torch.stack([peak.float() for peak in peaks])).tolist()
+        except RuntimeError:  # gradients on several devices
+            finite = [bool(torch.isfinite(peak)) for peak in peaks]
+        return [(group, name) for (group, name, _), ok in zip(entries, finite) if not ok]
+
+    def finite(self, state) -> None:
+        """A finite step: the skips in a row restart; a streak of steps taken as the Trainer takes them ends."""
+        self.consecutive_skips = 0
+        streak, self.streak = self.streak, 0
+        if streak > 1 and (state is None or state.is_world_process_zero):
+            last = self._streak_first_step + streak - 1
+            logger.warning(
+                f"GRPO: {streak} optimizer steps in a row had NaN/Inf gradients (steps {self._streak_first_step} to "
+                f"{last}) and were taken as the Trainer takes them; {self.steps} such step(s) in this run."
+            )
+
+    def skip(self, state, norms: torch.Tensor, comm_state: CommState | None) -> None:
+        """
+        Skip the step: its gradients dropped (so that `optimizer.step` changes nothing), a warning; the run stops with
+        a [`~grpo_hf.errors.GRPOError`] at `max_consecutive_skips` in a row, or when the codec made NaN/Inf of finite
+        gradients (a bug).
+        """
+        self.steps += 1
+        self.consecutive_skips += 1
+        bad = [name for name, norm in zip(self.names, norms.tolist()) if not math.isfinite(norm)]
+        sent = comm_state.last_step if comm_state is not None else None  # where the transport knows
+        codec_made_it = sent == "compressed"
+        if codec_made_it or 0 < self.max_consecutive_skips <= self.consecutive_skips:
+            raise GRPOError(self._report(state, bad, sent, comm_state))
+        warn = state is None or state.is_world_process_zero
+        where, spread = self._where(norms) if warn else ("", "")  # before the gradients are dropped
+        if self.drop_nonfinite_gradients:
+            for group in self.groups:
+                for param in group.params:
+                    param.grad = None
+        if warn:
+            logger.warning(
+                f"GRPO: NaN/Inf gradients at optimizer step {state.global_step + 1 if state else '?'} ({where}){spread}: "
+                "the step is skipped (no parameter, optimizer state, importance score or compression residual "
+                f"changes); {self.steps} step(s) skipped so far."
+            )
+
+    def take(self, state, norms: torch.Tensor) -> None:
+        """
+        A non-finite step that nothing of GRPO touched: the Trainer's `optimizer.step` runs on the gradients as they
+        are (with the learning rates of a finite step, which the callback applies); the importance state is not
+        updated. Warned once per streak (see [`skips`]).
+        """
+        self.steps += 1
+        self.streak += 1
+        step = state.global_step + 1 if state else 0
+        if self.streak == 1:
+            self._streak_first_step = step
+        if self.streak > 1 or not (state is None or state.is_world_process_zero):
+            return
+        where, spread = self._where(norms)
+        logger.warning(
+            f"GRPO: NaN/Inf gradients at optimizer step {step or '?'} ({where}){spread}. No GRPO codec or sync touches "
+            "the gradients in this run, so the step is taken as the Trainer takes it: optimizer.step runs on them "
+            "(the parameters it updates may hold NaN from now on); only GRPO's importance state is left as it was. "
+            "Further steps of this streak are not warned about one by one: grpo/nonfinite_steps counts them (the "
+            "Trainer's logging_nan_inf_filter hides NaN losses in the logs). Lower the learning rate, check the data "
+            "and the loss, or use bf16 instead of fp16."
+        )
+
+    def train_end(self, state) -> None:
+        """Training ended inside a streak of non-finite steps taken as the Trainer takes them: say so."""
+        if self.streak > 1 and state.is_world_process_zero:
+            logger.warning(
+                f"GRPO: training ended inside a streak of {self.streak} optimizer steps with NaN/Inf "
+                f"gradients (from step {self._streak_first_step} on), each taken as the Trainer takes it: the "
+                "model's parameters may hold NaN or Inf. Check them before using the model."
+            )
+
+    def _where(self, norms: torch.Tensor) -> tuple[str, str]:
+        """
+        `("groups ...; parameters ...", note)` for the gradients holding NaN/Inf: those noted before clipping when
+        they were (see [`note_backward_end`]), else those found now; when clipping has multiplied every gradient by a
+        NaN norm, all groups and a note saying why no parameter can be named.
+        """
+        found = self.noted
+        with_grad = sum(p.grad is not None for group in self.groups for p in group.params)
+        if found is None:
+            found = self._find()
+            if self.clips and len(found) > 1 and len(found) == with_grad:
+                return f"every gradient, all {len(self.groups)} groups", (
+                    ": gradient clipping multiplied every gradient by the NaN norm, so the parameters where it began "
+                    "cannot be told apart at this step (max_grad_norm=0 would leave them as they were)"
+                )
+        bad = [name for name, norm in zip(self.names, norms.tolist()) if not math.isfinite(norm)]
+        if found:
+            bad = list(dict.fromkeys(group for group, _ in found))
+        params = [name for _, name in found]
+        shown = ", ".join(params[:8]) + (f" and {len(params) - 8} more" if len(params) > 8 else "")
+        if len(params) > 1 and len(params) == with_grad:
+            shown = f"all {len(params)} of them"
+        return f"groups {', '.join(bad)}" + (f"; parameters {shown}" if params else ""), ""
+
+    def _report(self, state, bad_groups: list[str], sent: str | None, comm_state: CommState | None) -> str:
+        """Why the run stops: the step, the groups and parameters holding NaN/Inf, before or after the codec."""
+        step = state.global_step + 1 if state else "?"
+        found = self.noted  # before clipping, when noted (see note_backward_end)
+        if not found:
+            found = self._find()
+        if found:
+            bad_groups = list(dict.fromkeys(group for group, _ in found))
+        params = [name for _, name in found]
+        shown = ", ".join(params[:8]) + (f" and {len(params) - 8} more" if len(params) > 8 else "")
+        where = f"groups {', '.join(bad_groups)}" + (f"; parameters {shown}" if params else "")
+        if sent == "compressed":
+            return (
+                f"GRPO: the compression codec made NaN/Inf gradients from finite ones at optimizer step {step} "
+                f"({where}). This is a bug of grpo_hf, not of your run: please report it with your GRPOConfig's "
+                "grpo_* fields. grpo_compression='none' trains without the codec meanwhile."
+            )
+        if sent == "nonfinite":
+            origin = (
+                "They were NaN/Inf (or of magnitude 2**60 or more) before the codec, as the backward pass made them on "
+                "at least one rank, and were sent uncompressed"
+            )
+        elif sent == "dense":
+            origin = "They were NaN/Inf before the codec (a dense warm-up step: no compression)"
+        else:  # what the transport did to them (or the engine's plain exchange)
+            origin = (comm_state if comm_state is not None else CommState).nonfinite_origin
+        return (
+            f"GRPO: {self.consecutive_skips} optimizer steps in a row had NaN/Inf gradients and were skipped, up to "
+            f"step {step} ({where}): the run cannot progress. {origin}. Lower the learning rate, check the data and "
+            "the loss, or use bf16 instead of fp16; grpo_max_consecutive_skips=0 skips such steps without stopping."
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The metrics of each step
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class StepMetrics:
+    """
+    GRPO's figures of each optimizer step, summed per key over the logging window (memory stays constant however long
+    the window), and what is measured rather than counted: the update latency (end of backward to end of
+    `optimizer.step`, the last 100 steps).
+    """
+
+    def __init__(self):
+        self.window: dict[str, list[float]] = {}  # key -> [sum, count] over the logging window
+        self.latencies_ms: deque[float] = deque(maxlen=100)
+        self._backward_end: float | None = None
+        self._warned: set[str] = set()
+
+    def clear(self) -> None:
+        self.window.clear()
+        self.latencies_ms.clear()
+
+    def backward_ended(self) -> None:
+        self._backward_end = time.perf_counter()
+
+    def step_ended(self) -> None:
+        if self._backward_end is not None:
+            self.latencies_ms.append((time.perf_counter() - self._backward_end) * 1000)
+            self._backward_end = None
+
+    def add(self, key: str, value: float) -> None:
+        entry = self.window.setdefault(key, [0.0, 0])
+        entry[0] += value
+        entry[1] += 1
+
+    def record(self, optimizer, importance: ImportanceState, multipliers: torch.Tensor, index: dict[str, int],
+               apply_multipliers: bool, factors=None) -> None:  # fmt: skip
+        """
+        The metrics of one optimizer step, as it was taken: `grpo/lr/<group>` is read from the optimizer's param groups
+        (times the probe's factors under DeepSpeed, which applies them inside its step); `grpo/lr_scale/<group>` and the
+        load balance only for multipliers that were applied (importance on, and on for that group). The score inputs
+        (`grpo/grad_norm`, `grpo/importance`, `grpo/update_count`) are logged either way.
+        """
+        imp = importance
+        factors = factors or {}
+        used_lr: dict[str, float] = {}
+        for group in optimizer.param_groups:
+            name = group.get("grpo_group")
+            if name is not None and name not in used_lr:  # a group's decayed and undecayed params share one rate
+                used_lr[name] = float(group["lr"]) * factors.get(name, 1.0)
+        for name, i in index.items():
+            if apply_multipliers and bool(imp.scaled[i]):
+                self.add(f"grpo/lr_scale/{name}", float(multipliers[i]))
+            self.add(f"grpo/grad_norm/{name}", float(imp.last_grad_norms[i]))
+            self.add(f"grpo/importance/{name}", float(imp.last_scores[i]))
+            self.add(f"grpo/update_count/{name}", float(imp.update_counts[i]))
+            if name in used_lr:
+                self.add(f"grpo/lr/{name}", used_lr[name])
+        if not apply_multipliers:
+            return
+        balance = imp.load_balance_std()
+        self.add("grpo/load_balance_std", balance)
+        if imp.steps > imp.warmup_steps and balance > LOAD_BALANCE_STD_TARGET:
+            _warn_once(
+                self._warned,
+                "balance",
+                f"GRPO load balance: the parameter-weighted std of the applied LR multipliers is {balance:.3f}, above "
+                f"the article's target of {LOAD_BALANCE_STD_TARGET}. Some groups get far more learning rate than "
+                "others; narrow grpo_lr_scale_min/max if that hurts quality.",
+            )
+
+    def pop(self, nonfinite_steps: int, comm_state: CommState | None) -> dict[str, float]:
+        """The window's averages (then cleared), the run's non-finite steps, and the compression state's window."""
+        logs = {key: total / count for key, (total, count) in self.window.items() if count}
+        self.window.clear()
+        logs["grpo/nonfinite_steps"] = float(nonfinite_steps)
+        if comm_state is not None:
+            stats = comm_state.pop_stats()
+            logs.update({k: v for k, v in stats.items() if k not in MEASURED_COMM_KEYS})
+        return logs
+
+    def measured(self, comm_state: CommState | None) -> dict[str, float]:
+        """The update latency p99 and the time in the compression hook per step (whole run)."""
+        out = {}
+        if self.latencies_ms:
+            p99 = float(torch.quantile(torch.tensor(list(self.latencies_ms), dtype=torch.float64), 0.99))
+            out["grpo/update_latency_p99_ms"] = p99
+            if p99 > UPDATE_LATENCY_P99_MS_TARGET:
+                _warn_once(
+                    self._warned,
+                    "latency",
+                    f"GRPO update latency p99 is {p99:.1f} ms (end of backward to end of optimizer.step), above the "
+                    f"article's target of {UPDATE_LATENCY_P99_MS_TARGET:.0f} ms.",
+                )
+        if comm_state is not None:
+            totals = comm_state.totals()
+            if totals.get("steps"):
+                out["grpo/comm/hook_ms"] = totals["hook_ms"] / totals["steps"]
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The callback
+# ----------------------------------------------------------------------------------------------------------------
 
 
 class GRPOCallback(TrainerCallback):
@@ -74,7 +439,14 @@ class GRPOCallback(TrainerCallback):
        tagged `grpo_group` gets `lr = scheduler_lr * ratio_g * m_g` (`ratio_g` the group's fixed LR ratio, `m_g` its
        importance multiplier, 1 when importance scaling is off).
     2. `on_optimizer_step`: the scheduler's learning rates are put back, so multipliers never compound, whatever the
-       scheduler (including `ReduceLROnPlateau`, which reads the current LR).
+       scheduler (including `ReduceLROnPlateau`, which reads the current LR); the compression state closes the step
+       ([`~grpo_hf.compression.transport.CommState.end_step`]: the sync every H steps syncs here) and its bytes go to
+       the cost callback.
+
+    Its jobs are parts of their own, called in this order: [`GroupStatistics`] (the norms and cosines),
+    [`LearningRates`] (ratios and multipliers, put back after the step), [`NonfiniteSteps`] (what a NaN/Inf step does),
+    [`StepMetrics`] (the logged window and the measured figures), and the checkpoint state ([`state_dict`],
+    [`load_checkpoint`], written and read by [`~grpo_hf.checkpoints`]).
 
     The metrics are summed per key over the logging window (memory stays constant however long the window);
     [`GRPOMixin.log`] takes their averages into the Trainer's logs.
@@ -112,18 +484,12 @@ class GRPOCallback(TrainerCallback):
         drop_nonfinite_gradients: bool = True,
         max_consecutive_skips: int = 8,
     ):
-        self.drop_nonfinite_gradients = drop_nonfinite_gradients
-        self.max_consecutive_skips = max_consecutive_skips
         self.cost_callback = None  # set by GRPOMixin: its counted figures are checkpointed with the GRPO state
         self.resume_from: str | None = None
-        self.metrics: dict[str, list[float]] = {}  # key -> [sum, count] over the logging window
-        self._scheduler_lrs: list[float] | None = None
-        self._backward_end: float | None = None
-        self._nonfinite_params: list[tuple[str, str]] | None = None  # see mark_backward_end
-        self._clips = True  # the Trainer clips gradients (max_grad_norm > 0): set at on_train_begin
-        self._latencies_ms: deque[float] = deque(maxlen=100)
-        self._warned: set[str] = set()
+        self.nonfinite = NonfiniteSteps(drop_nonfinite_gradients, max_consecutive_skips)
+        self.step_metrics = StepMetrics()
         self.probe: OptimizerStepProbe | None = None
+        self._step_finite = True  # this step's gradients were finite on every rank (see on_pre_optimizer_step)
         self.bind(groups or [], importance, apply_multipliers, lr_ratios)
 
     def bind(
@@ -136,25 +502,51 @@ class GRPOCallback(TrainerCallback):
     ) -> None:
         """
         Follow `groups` (the parameters of the model being trained) with a fresh `importance` state, LR ratios and
-        compression state ([`~grpo_hf.compression.GRPOCommState`] or `None`); the count of skipped steps restarts.
+        compression state (a [`~grpo_hf.compression.transport.CommState`] or `None`); the count of skipped steps
+        restarts.
         """
+        names = importance.names if importance is not None else []
         self.groups = groups
         self.importance = importance
         self.apply_multipliers = apply_multipliers
         self.lr_ratios = dict(lr_ratios or {})
         self.comm_state = comm_state
-        self.nonfinite_steps = 0
-        self.consecutive_skips = 0
-        self.nonfinite_streak = 0  # non-finite steps in a row taken as the Trainer takes them (see skips_nonfinite)
-        self._streak_first_step = 0
-        self.metrics.clear()
-        self._latencies_ms.clear()
-        self._shard_keys: list[list[tuple]] | None = None  # per group and parameter: its shard process groups
+        self.stats = GroupStatistics(groups)
+        self.learning_rates = LearningRates(names, apply_multipliers, self.lr_ratios)
+        self.nonfinite.reset(groups, names)
+        self.step_metrics.clear()
+
+    # --- what the other parts read and a checkpoint restores ---
+    @property
+    def metrics(self) -> dict[str, list[float]]:
+        """The logging window: key -> `[sum, count]`."""
+        return self.step_metrics.window
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Optimizer steps of the run whose gradients held NaN/Inf (skipped or taken)."""
+        return self.nonfinite.steps
+
+    @nonfinite_steps.setter
+    def nonfinite_steps(self, value: int) -> None:
+        self.nonfinite.steps = int(value)
+
+    @property
+    def consecutive_skips(self) -> int:
+        return self.nonfinite.consecutive_skips
+
+    @consecutive_skips.setter
+    def consecutive_skips(self, value: int) -> None:
+        self.nonfinite.consecutive_skips = int(value)
+
+    @property
+    def skips_nonfinite(self) -> bool:
+        """Whether a non-finite optimizer step is skipped rather than taken (see [`NonfiniteSteps.skips`])."""
+        return self.nonfinite.skips(self.comm_state)
 
     def follow(self, model) -> None:
         """Point the groups at `model`'s parameters of the same names (FSDP2 replaced them; see [`~grpo_hf.engines`])."""
-        follow_parameters(self.groups, model)
-        self._shard_keys = None
+        self.stats.follow(model)
 
     def use_step_probe(self, probe: OptimizerStepProbe) -> None:
         """
@@ -167,190 +559,57 @@ class GRPOCallback(TrainerCallback):
         self._set_probe_factors()
 
     def _set_probe_factors(self) -> None:
-        """Each group's LR factor for the next step ZeRO takes: its ratio times its current multiplier."""
-        index = {name: i for i, name in enumerate(self.importance.names)} if self.importance is not None else {}
-        factors = {}
-        for name in self.probe.index:
-            multiplier = (
-                float(self.importance.multipliers[index[name]]) if self.apply_multipliers and name in index else 1.0
-            )
-            factors[name] = self.lr_ratios.get(name, 1.0) * multiplier
-        self.probe.factors = factors
-
-    def _keys(self) -> list[list[tuple]]:
-        if self._shard_keys is None:
-            self._shard_keys = [[shard_groups(p) for p in group.params] for group in self.groups]
-        return self._shard_keys
-
-    def _sharded(self) -> bool:
-        return any(key for keys in self._keys() for key in keys)
-
-    def _group_sums(self, values) -> torch.Tensor:
-        """
-        `[G, K]` float64 sums over the whole (sharded) parameters of `values(group_index, param) -> [K] local sums`,
-        identical on every rank ([`~grpo_hf.engines.sum_over_shards`]).
-        """
-        partials: dict[tuple, torch.Tensor] = {}
-        for i, (group, keys) in enumerate(zip(self.groups, self._keys())):
-            for param, key in zip(group.params, keys):
-                local = values(param)
-                if key not in partials:
-                    partials[key] = torch.zeros(len(self.groups), local.numel(), dtype=torch.float64)
-                partials[key][i] += local
-        return sum_over_shards(partials)
-
-    # --- per step ---
-    @property
-    def skips_nonfinite(self) -> bool:
-        """
-        Whether a non-finite optimizer step is skipped (GRPO's codec or sync is in the gradients' path, or an fp16
-        `GradScaler` skips it) rather than taken as the Trainer takes it (nothing of GRPO touched the gradients).
-        """
-        return self.comm_state is not None or not self.drop_nonfinite_gradients
-
-    def mark_backward_end(self, loss_finite: bool = True) -> None:
-        """
-        Called by the trainer after the backward of the last micro-batch (communication included), before clipping.
-        When this step's gradients may hold NaN/Inf (`loss_finite=False` for a NaN/Inf training loss, the codec saw
-        them, or the step before was non-finite), notes which parameters hold them now: clipping by a NaN norm spreads
-        it to every gradient, so a later report could not name them. One fused pass over the gradients, only then.
-        """
-        self._backward_end = time.perf_counter()
-        suspect = (
-            not loss_finite
-            or self.consecutive_skips > 0
-            or self.nonfinite_streak > 0
-            or getattr(self.comm_state, "last_step", None) == "nonfinite"
-        )
-        self._nonfinite_params = self._find_nonfinite_params() if suspect else None
-
-    def _find_nonfinite_params(self) -> list[tuple[str, str]]:
-        """
-        `(group, parameter)` names of the gradients holding a NaN or an Inf (this rank's shards under FSDP2), from one
-        fused max-abs pass (it overflows for no finite value, and NaN propagates through it).
-        """
-        entries = [
-            (group.name, name, local_tensor(param.grad).detach())
-            for group in self.groups
-            for name, param in zip(group.param_names, group.params)
-            if param.grad is not None
-        ]
-        entries = [entry for entry in entries if entry[2].numel()]
-        if not entries:
-            return []
-        peaks = torch._foreach_norm([grad for _, _, grad in entries], math.inf)
-        try:
-            finite = torch.isfinite(torch.stack([peak.float() for peak in peaks])).tolist()
-        except RuntimeError:  # gradients on several devices
-            finite = [bool(torch.isfinite(peak)) for peak in peaks]
-        return [(group, name) for (group, name, _), ok in zip(entries, finite) if not ok]
+        multipliers = self.importance.multipliers if self.importance is not None else None
+        self.learning_rates.probe_factors(self.probe, multipliers)
 
     def group_grad_norms(self) -> torch.Tensor:
         """L2 norm of each group's gradient (float64; 0 for a group without gradients this step)."""
-        if self._sharded():
-
-            def squares(param):
-                grad = param.grad
-                value = 0.0 if grad is None else float(torch.linalg.vector_norm(local_tensor(grad).float())) ** 2
-                return torch.tensor([value], dtype=torch.float64)
-
-            return self._group_sums(squares)[:, 0].sqrt()
-        norms = []
-        for group in self.groups:
-            grads = [p.grad.detach() for p in group.params if p.grad is not None]
-            if not grads:
-                norms.append(0.0)
-                continue
-            per_tensor = torch.stack(torch._foreach_norm(grads)).double()  # one fused kernel per group
-            norms.append(float(torch.linalg.vector_norm(per_tensor)))
-        return torch.tensor(norms, dtype=torch.float64)
+        return self.stats.grad_norms()
 
     def group_coherence(self, optimizer) -> torch.Tensor:
+        """Cosine between each group's gradient and its optimizer momentum (see [`GroupStatistics.coherence`])."""
+        return self.stats.coherence(optimizer)
+
+    # --- per step ---
+    def mark_backward_end(self, loss_finite: bool = True) -> None:
         """
-        Cosine between each group's gradient and its optimizer momentum (the first moment, as
-        [`~grpo_hf.optim.moments.first_moment`] reads it, from the steps before this one); 1 for a group without
-        momentum yet (the first step).
+        Called by the trainer after the backward of the last micro-batch (communication included), before clipping:
+        the update latency starts, and parameters holding NaN/Inf are noted when there may be some
+        ([`NonfiniteSteps.note_backward_end`]).
         """
-        if self._sharded():
-
-            def products(param):
-                moment = first_moment(optimizer, param)
-                if param.grad is None or moment is None:
-                    return torch.zeros(4, dtype=torch.float64)
-                g, m = local_tensor(param.grad).double(), moment.double()
-                return torch.stack([(g * m).sum(), (g * g).sum(), (m * m).sum(), torch.ones((), dtype=torch.float64)])
-
-            return self._cosines(self._group_sums(products))
-        values = []
-        for group in self.groups:
-            moments = [(p.grad, first_moment(optimizer, p)) for p in group.params if p.grad is not None]
-            pairs = [(grad, moment) for grad, moment in moments if moment is not None]
-            if not pairs:
-                values.append(1.0)
-                continue
-            grads, moments = [g.detach().float() for g, _ in pairs], [m.float() for _, m in pairs]
-            dot = sum(float((g * m).sum()) for g, m in zip(grads, moments))
-            norm_g = math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(grads)))
-            norm_m = math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(moments)))
-            values.append(dot / (norm_g * norm_m) if norm_g > 0 and norm_m > 0 else 1.0)
-        return torch.tensor(values, dtype=torch.float64)
-
-    @staticmethod
-    def _cosines(sums: torch.Tensor) -> torch.Tensor:
-        """Cosines from `[G, 4]` sums (g . m, |g|^2, |m|^2, tensors with a moment); 1 where there is no moment."""
-        dot, gg, mm, count = sums.unbind(dim=1)
-        ok = (count > 0) & (gg > 0) & (mm > 0)
-        return torch.where(ok, dot / (gg.sqrt() * mm.sqrt()).clamp(min=1e-300), torch.ones_like(dot))
+        self.step_metrics.backward_ended()
+        self.nonfinite.note_backward_end(loss_finite, self.comm_state)
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self.probe is not None:
             self._after_probed_step(optimizer)
             return
         norms = self.group_grad_norms()
-        outer = self.comm_state if isinstance(self.comm_state, OuterSyncState) else None
-        if outer is not None:  # between syncs every rank has its own gradients: the ranks agree on one set of norms
-            norms = outer.agree_norms(norms)
-        finite = bool(torch.isfinite(norms).all())
-        if isinstance(self.comm_state, FSDPCommState):
-            self.comm_state.end_step(finite)  # its residuals count only if the step is taken
+        comm = self.comm_state
+        if comm is not None:  # the sync every H steps: every rank has its own gradients, the ranks agree on the norms
+            norms = comm.agree_norms(norms)
+        finite = self._step_finite = bool(torch.isfinite(norms).all())  # the compression state's end_step needs it
         if not finite:
             if self.skips_nonfinite:
-                self._skip_nonfinite_step(state, norms)
+                self.nonfinite.skip(state, norms, comm)
             else:
-                self._take_nonfinite_step(state, norms, optimizer)
+                self.nonfinite.take(state, norms)
+                if optimizer is not None:  # the learning rates of a finite step (ratios, current multipliers)
+                    self.learning_rates.apply(optimizer, self.importance.multipliers)
             return
-        self.consecutive_skips = 0
-        self._end_nonfinite_streak(state)
+        self.nonfinite.finite(state)
         coherence = None
         if self.importance.kind == "coherence":
             if optimizer is None:
                 raise ValueError("grpo_importance_score='coherence' needs the optimizer's momentum; none was passed.")
             coherence = self.group_coherence(optimizer)
-            if outer is not None:
-                coherence = outer.agree_mean(coherence)
+            if comm is not None:
+                coherence = comm.agree_mean(coherence)
         multipliers = self.importance.update(norms, coherence)
         if optimizer is None:
             return
-        index = self._apply_lr_factors(optimizer, multipliers)
-        self._record(optimizer, multipliers, index)
-
-    def _apply_lr_factors(self, optimizer, multipliers: torch.Tensor) -> dict[str, int]:
-        """
-        Each param group tagged `grpo_group` gets its scheduled LR times its ratio and (when applied) its multiplier,
-        for this step only (`on_optimizer_step` puts the scheduler's values back). Returns the group index by name.
-        """
-        index = {name: i for i, name in enumerate(self.importance.names)}
-        self._scheduler_lrs = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            name = group.get("grpo_group")
-            if name is None:
-                continue
-            factor = self.lr_ratios.get(name, 1.0)
-            if self.apply_multipliers:
-                factor *= float(multipliers[index[name]])
-            if factor != 1.0:
-                group["lr"] = group["lr"] * factor
-        return index
+        index = self.learning_rates.apply(optimizer, multipliers)
+        self.step_metrics.record(optimizer, self.importance, multipliers, index, self.apply_multipliers)
 
     def _after_probed_step(self, optimizer) -> None:
         """DeepSpeed: importance from the step ZeRO just took; its multipliers go into the probe's factors."""
@@ -360,209 +619,35 @@ class GRPOCallback(TrainerCallback):
         norms = sums[:, 0].sqrt()
         coherence = None
         if self.importance.kind == "coherence":
-            coherence = self._cosines(torch.stack([sums[:, 1], sums[:, 0], sums[:, 2], sums[:, 3]], dim=1))
+            coherence = GroupStatistics.cosines(torch.stack([sums[:, 1], sums[:, 0], sums[:, 2], sums[:, 3]], dim=1))
         multipliers = self.importance.update(norms, coherence)
         if optimizer is not None:
             index = {name: i for i, name in enumerate(self.importance.names)}
-            self._record(optimizer, multipliers, index, factors=self.probe.factors)  # the factors this step used
+            self.step_metrics.record(optimizer, self.importance, multipliers, index, self.apply_multipliers,
+                                     factors=self.probe.factors)  # the factors this step used  # fmt: skip
         self._set_probe_factors()
 
-    def _skip_nonfinite_step(self, state, norms: torch.Tensor) -> None:
-        self.nonfinite_steps += 1
-        self.consecutive_skips += 1
-        bad = [name for name, norm in zip(self.importance.names, norms.tolist()) if not math.isfinite(norm)]
-        sent = getattr(self.comm_state, "last_step", None)  # the DDP hook's and compress_locally's state only
-        codec_made_it = sent == "compressed"
-        if codec_made_it or 0 < self.max_consecutive_skips <= self.consecutive_skips:
-            raise GRPOError(self._nonfinite_report(state, bad, sent))
-        warn = state is None or state.is_world_process_zero
-        where, spread = self._nonfinite_where(norms) if warn else ("", "")  # before the gradients are dropped
-        if self.drop_nonfinite_gradients:
-            for group in self.groups:
-                for param in group.params:
-                    param.grad = None
-        if warn:
-            logger.warning(
-                f"GRPO: NaN/Inf gradients at optimizer step {state.global_step + 1 if state else '?'} ({where}){spread}: "
-                "the step is skipped (no parameter, optimizer state, importance score or compression residual "
-                f"changes); {self.nonfinite_steps} step(s) skipped so far."
-            )
-
-    def _take_nonfinite_step(self, state, norms: torch.Tensor, optimizer) -> None:
-        """
-        A non-finite step that nothing of GRPO touched: the Trainer's `optimizer.step` runs on the gradients as they
-        are, with the learning rates of a finite step (ratios, current multipliers); the importance state is not
-        updated. Warned once per streak (see [`~GRPOCallback.skips_nonfinite`]).
-        """
-        self.nonfinite_steps += 1
-        self.nonfinite_streak += 1
-        step = state.global_step + 1 if state else 0
-        if self.nonfinite_streak == 1:
-            self._streak_first_step = step
-        if optimizer is not None:
-            self._apply_lr_factors(optimizer, self.importance.multipliers)
-        if self.nonfinite_streak > 1 or not (state is None or state.is_world_process_zero):
-            return
-        where, spread = self._nonfinite_where(norms)
-        logger.warning(
-            f"GRPO: NaN/Inf gradients at optimizer step {step or '?'} ({where}){spread}. No GRPO codec or sync touches "
-            "the gradients in this run, so the step is taken as the Trainer takes it: optimizer.step runs on them "
-            "(the parameters it updates may hold NaN from now on); only GRPO's importance state is left as it was. "
-            "Further steps of this streak are not warned about one by one: grpo/nonfinite_steps counts them (the "
-            "Trainer's logging_nan_inf_filter hides NaN losses in the logs). Lower the learning rate, check the data "
-            "and the loss, or use bf16 instead of fp16."
-        )
-
-    def _nonfinite_where(self, norms: torch.Tensor) -> tuple[str, str]:
-        """
-        `("groups ...; parameters ...", note)` for the gradients holding NaN/Inf: those noted before clipping when
-        they were (see [`~GRPOCallback.mark_backward_end`]), else those found now; when clipping has multiplied every
-        gradient by a NaN norm, all groups and a note saying why no parameter can be named.
-        """
-        found = self._nonfinite_params
-        with_grad = sum(p.grad is not None for group in self.groups for p in group.params)
-        if found is None:
-            found = self._find_nonfinite_params()
-            if self._clips and len(found) > 1 and len(found) == with_grad:
-                return f"every gradient, all {len(self.groups)} groups", (
-                    ": gradient clipping multiplied every gradient by the NaN norm, so the parameters where it began "
-                    "cannot be told apart at this step (max_grad_norm=0 would leave them as they were)"
-                )
-        bad = [name for name, norm in zip(self.importance.names, norms.tolist()) if not math.isfinite(norm)]
-        if found:
-            bad = list(dict.fromkeys(group for group, _ in found))
-        params = [name for _, name in found]
-        shown = ", ".join(params[:8]) + (f" and {len(params) - 8} more" if len(params) > 8 else "")
-        if len(params) > 1 and len(params) == with_grad:
-            shown = f"all {len(params)} of them"
-        return f"groups {', '.join(bad)}" + (f"; parameters {shown}" if params else ""), ""
-
-    def _end_nonfinite_streak(self, state) -> None:
-        """After a streak of several non-finite steps taken as the Trainer takes them: say how long it was."""
-        streak, self.nonfinite_streak = self.nonfinite_streak, 0
-        if streak > 1 and (state is None or state.is_world_process_zero):
-            last = self._streak_first_step + streak - 1
-            logger.warning(
-                f"GRPO: {streak} optimizer steps in a row had NaN/Inf gradients (steps {self._streak_first_step} to "
-                f"{last}) and were taken as the Trainer takes them; {self.nonfinite_steps} such step(s) in this run."
-            )
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.nonfinite_streak > 1 and state.is_world_process_zero:
-            logger.warning(
-                f"GRPO: training ended inside a streak of {self.nonfinite_streak} optimizer steps with NaN/Inf "
-                f"gradients (from step {self._streak_first_step} on), each taken as the Trainer takes it: the "
-                "model's parameters may hold NaN or Inf. Check them before using the model."
-            )
-
-    def _nonfinite_report(self, state, bad_groups: list[str], sent: str | None) -> str:
-        """Why the run stops: the step, the groups and parameters holding NaN/Inf, before or after the codec."""
-        step = state.global_step + 1 if state else "?"
-        found = self._nonfinite_params  # before clipping, when noted (see mark_backward_end)
-        if not found:
-            found = self._find_nonfinite_params()
-        if found:
-            bad_groups = list(dict.fromkeys(group for group, _ in found))
-        params = [name for _, name in found]
-        shown = ", ".join(params[:8]) + (f" and {len(params) - 8} more" if len(params) > 8 else "")
-        where = f"groups {', '.join(bad_groups)}" + (f"; parameters {shown}" if params else "")
-        if sent == "compressed":
-            return (
-                f"GRPO: the compression codec made NaN/Inf gradients from finite ones at optimizer step {step} "
-                f"({where}). This is a bug of grpo_hf, not of your run: please report it with your GRPOConfig's "
-                "grpo_* fields. grpo_compression='none' trains without the codec meanwhile."
-            )
-        if sent == "nonfinite":
-            origin = (
-                "They were NaN/Inf (or of magnitude 2**60 or more) before the codec, as the backward pass made them on "
-                "at least one rank, and were sent uncompressed"
-            )
-        elif sent == "dense":
-            origin = "They were NaN/Inf before the codec (a dense warm-up step: no compression)"
-        elif isinstance(self.comm_state, OuterSyncState):
-            origin = (
-                "They were NaN/Inf as the backward pass made them (the sync every H steps exchanges no gradient; its "
-                "outer step would have carried them into the global model)"
-            )
-        elif isinstance(self.comm_state, FSDPCommState):
-            origin = (
-                "They were NaN/Inf as the backward pass and FSDP2's compressed reduce-scatter delivered them (its "
-                "residuals stay unchanged for such a step)"
-            )
-        else:
-            origin = "They were NaN/Inf as the backward pass and gradient synchronization made them (no GRPO codec)"
-        return (
-            f"GRPO: {self.consecutive_skips} optimizer steps in a row had NaN/Inf gradients and were skipped, up to "
-            f"step {step} ({where}): the run cannot progress. {origin}. Lower the learning rate, check the data and "
-            "the loss, or use bf16 instead of fp16; grpo_max_consecutive_skips=0 skips such steps without stopping."
-        )
-
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        if optimizer is not None and self._scheduler_lrs is not None:
-            for group, lr in zip(optimizer.param_groups, self._scheduler_lrs):
-                group["lr"] = lr
-            self._scheduler_lrs = None
-        if self._backward_end is not None:
-            self._latencies_ms.append((time.perf_counter() - self._backward_end) * 1000)
-            self._backward_end = None
-        if isinstance(self.comm_state, OuterSyncState):  # the sync every H steps, after the inner step
+        self.learning_rates.restore(optimizer)
+        self.step_metrics.step_ended()
+        if self.comm_state is not None:  # the step closed (the sync every H steps syncs here, after the inner step)
             last = state is not None and 0 < state.max_steps <= state.global_step + 1
-            sent = self.comm_state.end_step(last=last)
+            sent = self.comm_state.end_step(finite=self._step_finite, last=last)
+            self._step_finite = True
             if self.cost_callback is not None:
                 self.cost_callback.add_comm_bytes(sent)
 
-    def _add(self, key: str, value: float) -> None:
-        entry = self.metrics.setdefault(key, [0.0, 0])
-        entry[0] += value
-        entry[1] += 1
+    def on_train_end(self, args, state, control, **kwargs):
+        self.nonfinite.train_end(state)
 
-    def _record(self, optimizer, multipliers: torch.Tensor, index: dict[str, int], factors=None) -> None:
-        """
-        The metrics of one optimizer step, as it was taken: `grpo/lr/<group>` is read from the optimizer's param groups
-        (times the probe's factors under DeepSpeed, which applies them inside its step); `grpo/lr_scale/<group>` and the
-        load balance only for multipliers that were applied (importance on, and on for that group). The score inputs
-        (`grpo/grad_norm`, `grpo/importance`, `grpo/update_count`) are logged either way.
-        """
-        imp = self.importance
-        factors = factors or {}
-        used_lr: dict[str, float] = {}
-        for group in optimizer.param_groups:
-            name = group.get("grpo_group")
-            if name is not None and name not in used_lr:  # a group's decayed and undecayed params share one rate
-                used_lr[name] = float(group["lr"]) * factors.get(name, 1.0)
-        for name, i in index.items():
-            if self.apply_multipliers and bool(imp.scaled[i]):
-                self._add(f"grpo/lr_scale/{name}", float(multipliers[i]))
-            self._add(f"grpo/grad_norm/{name}", float(imp.last_grad_norms[i]))
-            self._add(f"grpo/importance/{name}", float(imp.last_scores[i]))
-            self._add(f"grpo/update_count/{name}", float(imp.update_counts[i]))
-            if name in used_lr:
-                self._add(f"grpo/lr/{name}", used_lr[name])
-        if not self.apply_multipliers:
-            return
-        balance = imp.load_balance_std()
-        self._add("grpo/load_balance_std", balance)
-        if imp.steps > imp.warmup_steps and balance > LOAD_BALANCE_STD_TARGET:
-            self._warn_once(
-                "balance",
-                f"GRPO load balance: the parameter-weighted std of the applied LR multipliers is {balance:.3f}, above "
-                f"the article's target of {LOAD_BALANCE_STD_TARGET}. Some groups get far more learning rate than "
-                "others; narrow grpo_lr_scale_min/max if that hurts quality.",
-            )
-
+    # --- metrics ---
     def pop_metrics(self) -> dict[str, float]:
         """
         Average of every metric since the last call and the count of skipped non-finite steps of the whole run
         (`grpo/nonfinite_steps`); clears the window. Adds the compression state's window (`grpo/comm/*` bytes and
         ratios, `grpo/density`) when there is one. Counted figures only: a resumed run logs the same.
         """
-        logs = {key: total / count for key, (total, count) in self.metrics.items() if count}
-        self.metrics.clear()
-        logs["grpo/nonfinite_steps"] = float(self.nonfinite_steps)
-        if self.comm_state is not None:
-            stats = self.comm_state.pop_stats()
-            logs.update({k: v for k, v in stats.items() if k not in MEASURED_COMM_KEYS})
-        return logs
+        return self.step_metrics.pop(self.nonfinite_steps, self.comm_state)
 
     def measured_metrics(self) -> dict[str, float]:
         """
@@ -570,26 +655,7 @@ class GRPOCallback(TrainerCallback):
         backward to end of `optimizer.step`, over the last 100 steps) and the time spent in the compression hook per
         step (`grpo/comm/hook_ms`, whole run).
         """
-        out = {}
-        if self._latencies_ms:
-            p99 = float(torch.quantile(torch.tensor(list(self._latencies_ms), dtype=torch.float64), 0.99))
-            out["grpo/update_latency_p99_ms"] = p99
-            if p99 > UPDATE_LATENCY_P99_MS_TARGET:
-                self._warn_once(
-                    "latency",
-                    f"GRPO update latency p99 is {p99:.1f} ms (end of backward to end of optimizer.step), above the "
-                    f"article's target of {UPDATE_LATENCY_P99_MS_TARGET:.0f} ms.",
-                )
-        if self.comm_state is not None:
-            totals = self.comm_state.totals()
-            if totals.get("steps"):
-                out["grpo/comm/hook_ms"] = totals["hook_ms"] / totals["steps"]
-        return out
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message)
+        return self.step_metrics.measured(self.comm_state)
 
     # --- checkpoint state (files: grpo_hf.checkpoints) ---
     def state_dict(self, world_size: int = 1, rank: int = 0) -> dict:
@@ -605,8 +671,8 @@ class GRPOCallback(TrainerCallback):
         }
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._clips = args.max_grad_norm is not None and args.max_grad_norm > 0
-        self.nonfinite_streak = 0
+        self.nonfinite.clips = args.max_grad_norm is not None and args.max_grad_norm > 0
+        self.nonfinite.streak = 0
         if self.resume_from is not None:
             rank, world_size = process_rank(args)
             self.load_checkpoint(
@@ -643,4 +709,4 @@ class GRPOCallback(TrainerCallback):
         return True
 
 
-__all__ = ["STATE_FILE", "CostCallback", "GRPOCallback"]
+__all__ = ["STATE_FILE", "CostCallback", "GRPOCallback", "LearningRates", "NonfiniteSteps", "StepMetrics"]

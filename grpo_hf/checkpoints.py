@@ -26,9 +26,7 @@ import re
 
 import torch
 
-from .compression.fsdp import FSDP_MODE
-from .compression.outer_sync import OUTER_MODE
-from .compression.reshard import reshard_comm_state
+from .compression.transport import SavedComms, restore_comm_state
 from .errors import CheckpointError
 from .files import atomic_write, checkpoint_folders
 
@@ -355,156 +353,20 @@ def restore_grpo_state(
         importance.load_state_dict(states[0]["importance"])
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from None
-    comms = [state["comm"] for state in states]
-    outer_saved = any(comm is not None and comm.get("mode") == OUTER_MODE for comm in comms)
-    if outer_saved or (comm_state is not None and comm_state.mode == OUTER_MODE):
-        _restore_outer_sync(folder, path, rank, world_size, states, comm_state)
-        return states[0]
-    fsdp_saved = any(comm is not None and comm.get("mode") == FSDP_MODE for comm in comms)
-    if fsdp_saved or (comm_state is not None and comm_state.mode == FSDP_MODE):
-        _restore_fsdp_comm(folder, path, rank, world_size, states, comm_state)
-        return states[0]
-    dropped = comm_state is None and any(comm is not None for comm in comms)
-    if dropped:
-        if rank == 0:
-            logger.warning(_dropped_residuals_message(folder, states, world_size, compression))
-        comms = []
-    if any(comm is not None for comm in comms):
-        try:
-            if len(states) == 1:
-                comm_state.load_state_dict(comms[0])
-            else:
-                comm_state.load_state_dict(
-                    reshard_comm_state(comms, numels, comm_state.plan, comm_state.mode, world_size, rank)
-                )
-        except CheckpointError as err:
-            raise CheckpointError(f"{folder}: {err}") from None
-        except ValueError as err:
-            raise CheckpointError(f"{path}: {err}") from None
-    if len(states) > 1 and rank == 0 and not dropped:
-        saved_mode = next((c["mode"] for c in comms if c is not None), None)
-        logger.warning(
-            f"{folder} was written by {len(states)} ranks"
-            + (f" in {saved_mode!r} mode" if saved_mode else "")
-            + f" and is resumed by {world_size}"
-            + (f" in {comm_state.mode!r} mode" if comm_state is not None else "")
-            + ": the LR importance state and gradient scales come from rank 0 (they are the same on every rank); "
-            + (
-                "the error-feedback residuals of every saved rank are merged (their mean plus the owners' residuals) "
-                "and every rank resumes with that: nothing they held back is lost, but the run no longer matches one "
-                "that kept its world size bit for bit."
-                if any(c is not None for c in comms)
-                else "there is no compression state to move."
-            )
-        )
+    saved = SavedComms(
+        folder=folder,
+        path=path,
+        rank=rank,
+        world_size=world_size,
+        comms=[state["comm"] for state in states],
+        saved_world_size=_world_size_of(folder, states[0]),
+        numels=numels,
+        compression=compression,
+        read_rank0=lambda: read_grpo_state(state_path(folder, 0))["comm"],
+        log=logger,
+    )
+    restore_comm_state(comm_state, saved)  # the transport that runs now restores, or what it cannot is dropped
     return states[0]
-
-
-def _dropped_residuals_message(folder: str, states: list[dict], world_size: int, compression: str | None) -> str:
-    """What a resume without compression drops from a checkpoint written with it, and why (see restore_grpo_state)."""
-    saved_world_size = _world_size_of(folder, states[0])
-    comms = [state["comm"] for state in states if state.get("comm") is not None]
-    tensors = len(comms[0].get("residuals") or {}) if comms else 0
-    owners = len(comms[0].get("owner_residuals") or {}) if comms else 0
-    what = f"the error-feedback residuals of {tensors} compressed tensor(s)" + (
-        f" (and {owners} owner residual(s))" if owners else ""
-    )
-    what += f" saved by each of its {saved_world_size} rank(s)" if saved_world_size > 1 else " it saved"
-    if compression == "none":
-        why = "this run sets grpo_compression='none'"
-    elif compression == "auto" and world_size == 1:
-        why = "grpo_compression='auto' compresses nothing on one process, which sends no gradient"
-    elif compression == "auto":
-        why = "grpo_compression='auto' turns compression off on this engine"
-    else:
-        why = "compression is off in this run"
-    moved = (
-        f"; it was written by {saved_world_size} rank(s) and is resumed by {world_size} process(es)"
-        if saved_world_size != world_size
-        else ""
-    )
-    keep = (
-        "grpo_compression='quantize' (on one process too: the residuals of every saved rank are then merged)"
-        if world_size == 1
-        else "grpo_compression='quantize'"
-    )
-    if not tensors and not owners:  # saved during the dense warm-up: only counters
-        return (
-            f"{folder} holds the compression state of a run that compressed its gradients, with no error-feedback "
-            f"residual yet (it was saved during the dense warm-up): it is not carried over, because compression is "
-            f"off in this run ({why}){moved}. Nothing the model is owed is lost; resume with {keep} to compress."
-        )
-    return (
-        f"{folder} holds {what}, what gradient compression held back and still owed the model: they are dropped, "
-        f"because compression is off in this run ({why}){moved}. The run continues correctly without them (the "
-        f"model, optimizer and scheduler come from the Trainer's resume); to keep them, resume with {keep}."
-    )
-
-
-def _restore_outer_sync(folder: str, path: str, rank: int, world_size: int, states: list[dict], comm_state) -> None:
-    """
-    The sync every H steps: this rank's own state and rank 0's `θ_global` when the checkpoint was written by as many
-    ranks; from another world size every rank restarts from rank 0's `θ_global` (see the module docstring). Between
-    the per-step exchange and the sync every H steps nothing carries over but the model, with a warning.
-    """
-    comms = [state["comm"] for state in states]
-    saved = comms[0] is not None and comms[0].get("mode") == OUTER_MODE
-    current = comm_state is not None and comm_state.mode == OUTER_MODE
-    if not (saved and current):
-        if rank == 0:
-            sizes = f"by {_world_size_of(folder, states[0])} rank(s) "
-            logger.warning(
-                f"{folder} was written {sizes}"
-                + (f"with grpo_sync_every > 1 and is resumed by {world_size} without it: every rank continues from "
-                   "the saved global model with rank 0's optimizer state; the local steps since the last sync are "
-                   "dropped."
-                   if saved else
-                   f"without grpo_sync_every > 1 and is resumed by {world_size} with it: the sync starts from the "
-                   "saved model, and what the per-step compression held back (its error-feedback residuals) is "
-                   "dropped.")
-            )  # fmt: skip
-        return
-    try:
-        if len(states) == 1:  # the same world size: this rank's own state, rank 0's global model
-            shared = comms[0] if rank == 0 else read_grpo_state(state_path(folder, 0))["comm"]
-            comm_state.load_state_dict(comms[0], shared)
-            return
-        comm_state.load_state_dict(None, comms[0])
-    except (KeyError, ValueError) as err:
-        raise CheckpointError(f"{path}: {err}") from None
-    if rank == 0:
-        logger.warning(
-            f"{folder} was written by {len(states)} ranks syncing every H steps and is resumed by {world_size}: every "
-            "rank restarts from rank 0's global model, outer momentum and schedule; the local steps since the last "
-            "sync, the error-feedback residuals and the local optimizer states are dropped (rank 0's optimizer state "
-            "goes to every rank). Resume with the same world size to continue bit for bit."
-        )
-
-
-def _restore_fsdp_comm(folder: str, path: str, rank: int, world_size: int, states: list[dict], comm_state) -> None:
-    """
-    The FSDP2 reduce-scatter's state: this rank's own when the checkpoint was written by as many ranks with the same
-    compression; otherwise its residuals are dropped with a warning (their chunks are laid out per world size: they
-    cannot be re-split as the DDP hook's can), keeping the counters when the saved state is an FSDP2 one.
-    """
-    comms = [state["comm"] for state in states]
-    try:
-        if comm_state is not None and len(states) == 1 and comms[0] is not None:
-            comm_state.load_state_dict(comms[0])
-            return
-        if comm_state is not None and comms[0] is not None and comms[0].get("mode") == FSDP_MODE:
-            comm_state.load_state_dict(comms[0], residuals=False)
-    except ValueError as err:
-        raise CheckpointError(f"{path}: {err}") from None
-    if rank == 0 and any(comm is not None for comm in comms):
-        saved_world_size = _world_size_of(folder, states[0])
-        saved_mode = next((c["mode"] for c in comms if c is not None), None)
-        logger.warning(
-            f"{folder} was written by {saved_world_size} rank(s) with compression mode {saved_mode!r} and is resumed "
-            f"by {world_size} in mode {comm_state.mode if comm_state is not None else None!r}: the error-feedback "
-            "residuals are dropped (the FSDP2 reduce-scatter lays them out per world size). Resume with the same "
-            "world size and compression to keep them."
-        )
 
 
 __all__ = [

@@ -1,7 +1,9 @@
-"""The values the compression settings take, shared by `grouping.py` (a group file's `bits`) and `compression/`.
+"""The values the compression and sync settings take, shared by `config.py`, `grouping.py` (a group file's `bits`) and
+`compression/`, and the one check of the sync's own settings ([`check_sync_settings`]).
 
-Kept apart from both so that each imports it at its top level: `compression/plan.py` builds on `grouping.py`, which
-checks group files against these values, and neither imports the other back.
+Kept apart from all of them so that each imports it at its top level: `compression/plan.py` builds on `grouping.py`,
+which checks group files against these values, and neither imports the other back; `config.py` reads the defaults here
+without importing torch's side of `compression/`.
 """
 
 SUPPORTED_BITS = (2, 4, 8, 16, 32)
@@ -16,10 +18,107 @@ DEFAULT_MODE = "auto"
 # on the suite's fine-tune, at half the bytes (benchmarks/LOG.md, 2026-12-04).
 SYNC_BITS_CHOICES = ("4", "8", "16", "32")
 DEFAULT_SYNC_BITS = "4"
+# grpo_fsdp_error_feedback: where FSDP2's compressed reduce-scatter keeps what it did not send.
+ERROR_FEEDBACK_CHOICES = ("none", "worker-bf16", "worker-int8")
+DEFAULT_FSDP_ERROR_FEEDBACK = "none"
+DEFAULT_OUTER_LR = 1.0  # plain averaging: best against best on the suite (benchmarks/LOG.md, 2026-12-04)
+DEFAULT_OUTER_MOMENTUM = 0.0
+DEFAULT_SYNC_RAMP = True
+DEFAULT_SYNC_DELAY = 0
+DEFAULT_SYNC_MIX = 0.5  # α, provisional (not measured on the suite); torchft's `fragment_update_alpha` defaults to 0
+SYNC_DTYPE_CHOICES = ("float32", "bfloat16")  # of θ_global and the outer momentum
+DEFAULT_SYNC_DTYPE = "float32"
+# grpo_sync_moments: the inner optimizer's state averaged over ranks at a sync (hivemind averages Adam's exp_avg_sq)
+SYNC_MOMENTS = {"none": (), "second": ("second",), "both": ("first", "second")}
+DEFAULT_SYNC_MOMENTS = "none"
+
+
+def check_comm_settings(name=str, **settings) -> None:
+    """
+    The one check of the compression's settings that its states take as arguments, each given one named as `name(key)`
+    says: `dense_warmup_steps`, `scale_beta`, `scale_clip` ([`~grpo_hf.compression.GRPOCommState`]'s arguments) and
+    `error_feedback` ([`~grpo_hf.compression.fsdp.FSDPCommState`]'s); `GRPOConfig` passes its field names.
+
+    Raises:
+        `ValueError`: a value outside its range; the message names it.
+    """
+    if "dense_warmup_steps" in settings and settings["dense_warmup_steps"] < 0:
+        raise ValueError(f"{name('dense_warmup_steps')}={settings['dense_warmup_steps']}: use 0 or more.")
+    if "scale_beta" in settings and not 0 <= settings["scale_beta"] < 1:
+        raise ValueError(f"{name('scale_beta')}={settings['scale_beta']}: use a value in [0, 1), e.g. 0.99.")
+    clip = settings.get("scale_clip")
+    if clip is not None and not clip > 0:
+        raise ValueError(f"{name('scale_clip')}={clip}: use a positive number of scales (e.g. 4) or None.")
+    if "error_feedback" in settings and settings["error_feedback"] not in ERROR_FEEDBACK_CHOICES:
+        raise ValueError(
+            f"{name('error_feedback')}={settings['error_feedback']!r}: use one of {ERROR_FEEDBACK_CHOICES}."
+        )
+
+
+def check_sync_settings(every, fragments, delay, mix, moments, outer_lr, outer_momentum, dtype, name=str) -> None:
+    """
+    The one check of the sync's own settings, each named as `name(key)` says: `"every"`, `"fragments"` (a count),
+    `"delay"`, `"mix"`, `"moments"`, `"outer_lr"`, `"outer_momentum"` and `"dtype"` (a name of `SYNC_DTYPE_CHOICES`,
+    or a torch dtype) are the arguments of [`~grpo_hf.compression.outer_sync.OuterSyncState`]; `GRPOConfig` passes
+    its field names.
+
+    Raises:
+        `ValueError`: a value outside its range, or two that do not fit together; the message names them.
+    """
+    for key, value in (("every", every), ("fragments", fragments)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name(key)}={value!r}: use a whole number, 1 or more.")
+    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+        raise ValueError(f"{name('delay')}={delay!r}: use a whole number of steps, 0 (no overlap) or more.")
+    for key, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum), ("mix", mix)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ValueError(f"{name(key)}={value!r}: use a number.")
+    if not 0 < outer_lr < float("inf"):
+        raise ValueError(f"{name('outer_lr')}={outer_lr}: use a positive number (1 with momentum 0 averages).")
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(f"{name('outer_momentum')}={outer_momentum}: use a value in [0, 1), e.g. 0.5.")
+    if str(dtype).replace("torch.", "") not in SYNC_DTYPE_CHOICES:
+        raise ValueError(f"{name('dtype')}={dtype!r}: use one of {SYNC_DTYPE_CHOICES}.")
+    if fragments > every:
+        raise ValueError(
+            f"{name('fragments')}={fragments} with {name('every')}={every}: each fragment syncs at its own step of the "
+            f"H steps, so use at most {name('every')} fragments."
+        )
+    if not 0 <= mix <= 1:
+        raise ValueError(
+            f"{name('mix')}={mix}: use a value in [0, 1] (0 takes the global model, 1 keeps the local parameters, 0.5 "
+            "weighs them equally)."
+        )
+    if delay > 0 and delay * fragments >= every:
+        raise ValueError(
+            f"{name('delay')}={delay} with {name('every')}={every} and {name('fragments')}={fragments}: a fragment's "
+            "exchange must end before the next fragment's starts, so use a delay below "
+            f"{name('every')} / {name('fragments')} = {every / fragments:g}."
+        )
+    if not isinstance(moments, str) or moments not in SYNC_MOMENTS:
+        raise ValueError(f"{name('moments')}={moments!r}: use one of {tuple(SYNC_MOMENTS)}.")
+    if moments != "none" and delay > 0:
+        raise ValueError(
+            f"{name('moments')}={moments!r} with {name('delay')}={delay}: the moments are averaged by the blocking "
+            f"syncs only. Set {name('delay')}=0, or {name('moments')}='none'."
+        )
 
 
 __all__ = [
     "BITS_CHOICES",
+    "DEFAULT_FSDP_ERROR_FEEDBACK",
+    "ERROR_FEEDBACK_CHOICES",
+    "check_comm_settings",
+    "DEFAULT_OUTER_LR",
+    "DEFAULT_OUTER_MOMENTUM",
+    "DEFAULT_SYNC_DELAY",
+    "DEFAULT_SYNC_DTYPE",
+    "DEFAULT_SYNC_MIX",
+    "DEFAULT_SYNC_MOMENTS",
+    "DEFAULT_SYNC_RAMP",
+    "SYNC_DTYPE_CHOICES",
+    "SYNC_MOMENTS",
+    "check_sync_settings",
     "COMM_MODE_CHOICES",
     "COMPRESSION_CHOICES",
     "DEFAULT_BITS",

@@ -4,23 +4,29 @@ import dataclasses
 import functools
 import json
 import typing
+import warnings
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .choices import DEFAULT_SYNC_BITS, SYNC_BITS_CHOICES
-from .compression.fsdp import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES
-from .compression.outer_sync import (
+from .choices import (
+    DEFAULT_FSDP_ERROR_FEEDBACK,
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
+    DEFAULT_SYNC_BITS,
     DEFAULT_SYNC_DELAY,
+    DEFAULT_SYNC_DTYPE,
     DEFAULT_SYNC_MIX,
     DEFAULT_SYNC_MOMENTS,
     DEFAULT_SYNC_RAMP,
-    OUTER_DTYPES,
+    ERROR_FEEDBACK_CHOICES,
+    SYNC_BITS_CHOICES,
+    SYNC_DTYPE_CHOICES,
     SYNC_MOMENTS,
+    check_comm_settings,
+    check_sync_settings,
 )
-from .compression.plan import DEFAULT_MIN_NUMEL
+from .compression.plan import DEFAULT_MIN_NUMEL, resolve_compression, resolve_mode
 from .compression.spec import (
     BITS_CHOICES,
     COMM_MODE_CHOICES,
@@ -190,19 +196,23 @@ class GRPOConfig(CostFields, TrainingArguments):
             fp32 all-reduce per moment and sync (`2 (W − 1) / W × 4 n` bytes each, `n` the fragment's entries).
             Needs `grpo_sync_every > 1`, `grpo_sync_delay=0` and an Adam-like optimizer of torch (Adam, AdamW, NAdam,
             RAdam). Opt-in: on the suite it narrows the gap to DDP at many more bytes (docs/compression.md).
-        grpo_outer_lr (`float`, *optional*, defaults to `1.0`) and grpo_outer_momentum (`float`, *optional*, defaults
-        to `0.0`):
+        grpo_sync_outer_lr (`float`, *optional*, defaults to `1.0`) and grpo_sync_outer_momentum (`float`, *optional*,
+        defaults to `0.0`):
             The outer step (Nesterov momentum). The defaults, `1` and `0`, are plain parameter averaging (accelerate's
             `LocalSGD`), chosen best against best on the benchmark suite over the outer step of the prototype (0.7,
             0.5); DiLoCo's published `0.7` / `0.9` is for large models and many steps.
-        grpo_outer_dtype (`str`, *optional*, defaults to `"float32"`):
+        grpo_sync_global_dtype (`str`, *optional*, defaults to `"float32"`):
             Of `θ_global` and the outer momentum, two copies of the trainable parameters: `"bfloat16"` halves them, and
             every sync restarts the model from bf16 values: for training from scratch; a fine-tune at a small learning
             rate loses its pretrained weights' low bits and updates smaller than bf16's spacing.
-        grpo_outer_control (`bool`, *optional*, defaults to `False`):
+        grpo_sync_outer_only (`bool`, *optional*, defaults to `False`):
             Keep DDP's fp32 all-reduce of the gradients at every step and add only the outer step every `H` steps:
             a control that saves no bytes (it separates the outer optimizer's effect from the savings). Needs
             `grpo_sync_every > 1` and `grpo_compression` `"none"` or `"auto"`.
+
+        The names these four fields had before (`grpo_outer_lr`, `grpo_outer_momentum`, `grpo_outer_dtype`,
+        `grpo_outer_control`) are deprecated aliases, accepted for one more release with a `FutureWarning`
+        ([`DEPRECATED_FIELDS`]).
 
     Parameters that control the optimizer's memory (see `docs/memory.md` and [`~grpo_hf.optim`]):
 
@@ -422,31 +432,49 @@ class GRPOConfig(CostFields, TrainingArguments):
             "choices": list(SYNC_MOMENTS),
         },
     )
-    grpo_outer_lr: float = field(
+    grpo_sync_outer_lr: float = field(
         default=DEFAULT_OUTER_LR,
         metadata={
             "help": "With grpo_sync_every > 1: learning rate of the outer SGD step (1 with momentum 0: averaging)."
         },
     )
-    grpo_outer_momentum: float = field(
+    grpo_sync_outer_momentum: float = field(
         default=DEFAULT_OUTER_MOMENTUM,
         metadata={"help": "With grpo_sync_every > 1: Nesterov momentum of the outer step, in [0, 1)."},
     )
-    grpo_outer_dtype: str = field(
-        default="float32",
+    grpo_sync_global_dtype: str = field(
+        default=DEFAULT_SYNC_DTYPE,
         metadata={
             "help": "With grpo_sync_every > 1: dtype of the global model and the outer momentum (two copies of the "
             "trainable parameters); bfloat16 halves their memory but rounds the model to bf16 at every sync (not for "
             "fine-tunes at small learning rates).",
-            "choices": list(OUTER_DTYPES),
+            "choices": list(SYNC_DTYPE_CHOICES),
         },
     )
-    grpo_outer_control: bool = field(
+    grpo_sync_outer_only: bool = field(
         default=False,
         metadata={
             "help": "With grpo_sync_every > 1: keep DDP's all-reduce of the gradients every step and add only the outer "
             "step every H steps (a control that saves no bytes)."
         },
+    )
+
+    # --- deprecated names of the sync's fields (one release; see DEPRECATED_FIELDS) ---
+    grpo_outer_lr: float | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the old name of grpo_sync_outer_lr (removed in the next release)."},
+    )
+    grpo_outer_momentum: float | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the old name of grpo_sync_outer_momentum (removed in the next release)."},
+    )
+    grpo_outer_dtype: str | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the old name of grpo_sync_global_dtype (removed in the next release)."},
+    )
+    grpo_outer_control: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the old name of grpo_sync_outer_only (removed in the next release)."},
     )
 
     # --- optimizer state (grpo_hf.optim) ---
@@ -471,9 +499,21 @@ class GRPOConfig(CostFields, TrainingArguments):
         super().__post_init__()
 
 
+# Deprecated field -> its new name: accepted for one release (a FutureWarning), then removed.
+DEPRECATED_FIELDS = {
+    "grpo_outer_lr": "grpo_sync_outer_lr",
+    "grpo_outer_momentum": "grpo_sync_outer_momentum",
+    "grpo_outer_dtype": "grpo_sync_global_dtype",
+    "grpo_outer_control": "grpo_sync_outer_only",
+}
+
+
 def grpo_field_names() -> list[str]:
-    """Names of the fields that `GRPOConfig` adds to `TrainingArguments`: the `grpo_*` fields, then the `cost_*` ones."""
-    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    """
+    Names of the fields that `GRPOConfig` adds to `TrainingArguments`: the `grpo_*` fields, then the `cost_*` ones (the
+    deprecated names of [`DEPRECATED_FIELDS`] left out: they are no settings of their own).
+    """
+    base = {f.name for f in dataclasses.fields(TrainingArguments)} | set(DEPRECATED_FIELDS)
     names = [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in base]
     return sorted(names, key=lambda name: name.startswith("cost_"))  # stable: declaration order within each
 
@@ -508,6 +548,33 @@ def _field_kinds() -> dict[str, tuple[type | None, bool]]:
     return kinds
 
 
+def _resolve_deprecated_fields(args) -> None:
+    """
+    A deprecated field that is set ([`DEPRECATED_FIELDS`]) gives its value to the field of its new name, with a
+    `FutureWarning`, and is set back to `None` (so that a second check warns no more).
+
+    Raises:
+        [`~grpo_hf.errors.ConfigError`]: both names set, to different values.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    for old, new in DEPRECATED_FIELDS.items():
+        value = getattr(args, old, None)
+        if value is None:
+            continue
+        current = getattr(args, new, defaults[new])
+        if current != defaults[new] and current != value:
+            raise ConfigError(
+                f"{old}={value!r} and {new}={current!r}: {old} is the deprecated name of {new}; set {new} alone."
+            )
+        warnings.warn(
+            f"{old} is deprecated and will be removed in the next release: use {new} (the same setting).",
+            FutureWarning,
+            stacklevel=4,
+        )
+        setattr(args, new, value)
+        setattr(args, old, None)
+
+
 def _check_types(args) -> None:
     """
     The type of every boolean and numeric field `GRPOConfig` adds, by name, whatever built the object (Python, a JSON
@@ -527,63 +594,48 @@ def _check_types(args) -> None:
             raise ConfigError(f"{name}={value!r}: use a number{quoted}.")
 
 
+# The compression's settings as `check_comm_settings` names them, and their fields.
+_COMM_FIELDS = {
+    "dense_warmup_steps": "grpo_dense_warmup_steps",
+    "scale_beta": "grpo_scale_beta",
+    "scale_clip": "grpo_scale_clip",
+    "error_feedback": "grpo_fsdp_error_feedback",
+}
+# The sync's settings as `check_sync_settings` names them, and their fields.
+_SYNC_FIELDS = {
+    "every": "grpo_sync_every",
+    "fragments": "grpo_sync_fragments",
+    "delay": "grpo_sync_delay",
+    "mix": "grpo_sync_mix",
+    "moments": "grpo_sync_moments",
+    "outer_lr": "grpo_sync_outer_lr",
+    "outer_momentum": "grpo_sync_outer_momentum",
+    "dtype": "grpo_sync_global_dtype",
+}
+
+
 def _check_sync_fields(args) -> None:
-    """The `grpo_sync_*` / `grpo_outer_*` fields, and what a sync every H steps cannot run with."""
-    for name in ("grpo_sync_every", "grpo_sync_fragments"):
-        value = getattr(args, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r}: use a whole number, 1 or more.")
-    delay = args.grpo_sync_delay
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
-        raise ConfigError(f"grpo_sync_delay={delay!r}: use a whole number of steps, 0 (no overlap) or more.")
-    for name in ("grpo_sync_ramp", "grpo_outer_control"):
-        if not isinstance(getattr(args, name), bool):
-            raise ConfigError(f"{name}={getattr(args, name)!r}: use true or false.")
-    for name in ("grpo_outer_lr", "grpo_outer_momentum", "grpo_sync_mix"):
-        value = getattr(args, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise ConfigError(f"{name}={value!r}: use a number.")
-    every = args.grpo_sync_every
-    if not 0 < args.grpo_outer_lr < float("inf"):
-        raise ConfigError(f"grpo_outer_lr={args.grpo_outer_lr}: use a positive number (1 with momentum 0 averages).")
-    if not 0 <= args.grpo_outer_momentum < 1:
-        raise ConfigError(f"grpo_outer_momentum={args.grpo_outer_momentum}: use a value in [0, 1), e.g. 0.5.")
-    if args.grpo_outer_dtype not in OUTER_DTYPES:
-        raise ConfigError(f"grpo_outer_dtype={args.grpo_outer_dtype!r}: use one of {tuple(OUTER_DTYPES)}.")
-    if args.grpo_sync_fragments > every:
-        raise ConfigError(
-            f"grpo_sync_fragments={args.grpo_sync_fragments} with grpo_sync_every={every}: each fragment syncs at its "
-            "own step of the H steps, so use at most grpo_sync_every fragments."
-        )
-    if not 0 <= args.grpo_sync_mix <= 1:
-        raise ConfigError(
-            f"grpo_sync_mix={args.grpo_sync_mix}: use a value in [0, 1] (0 takes the global model, 1 keeps the local "
-            "parameters, 0.5 weighs them equally)."
-        )
-    if delay > 0 and every <= 1:
+    """
+    The sync's own fields (checked where the sync's settings are, [`~grpo_hf.choices.check_sync_settings`], by their
+    field names), what `grpo_sync_every=1` (no sync) leaves no room for, and what a sync every H steps cannot run with.
+    """
+    every, delay, moments = args.grpo_sync_every, args.grpo_sync_delay, args.grpo_sync_moments
+    if every == 1 and delay != 0:
         raise ConfigError(
             f"grpo_sync_delay={delay} needs grpo_sync_every > 1: it delays the sync every H steps, and "
             f"grpo_sync_every={every} exchanges the gradients at every step."
         )
-    if delay > 0 and delay * args.grpo_sync_fragments >= every:
-        raise ConfigError(
-            f"grpo_sync_delay={delay} with grpo_sync_every={every} and grpo_sync_fragments={args.grpo_sync_fragments}: "
-            "a fragment's exchange must end before the next fragment's starts, so use a delay below "
-            f"grpo_sync_every / grpo_sync_fragments = {every / args.grpo_sync_fragments:g}."
-        )
-    moments = args.grpo_sync_moments
-    if not isinstance(moments, str) or moments not in SYNC_MOMENTS:
-        raise ConfigError(f"grpo_sync_moments={moments!r}: use one of {tuple(SYNC_MOMENTS)}.")
-    if moments != "none" and every <= 1:
+    if every == 1 and moments in SYNC_MOMENTS and moments != "none":
         raise ConfigError(
             f"grpo_sync_moments={moments!r} needs grpo_sync_every > 1: it averages the optimizer's moments at the sync "
             f"every H steps, and grpo_sync_every={every} keeps them identical (DDP averages the gradients every step)."
         )
-    if moments != "none" and delay > 0:
-        raise ConfigError(
-            f"grpo_sync_moments={moments!r} with grpo_sync_delay={delay}: the moments are averaged by the blocking syncs "
-            "only. Set grpo_sync_delay=0, or grpo_sync_moments='none'."
+    try:
+        check_sync_settings(
+            **{key: getattr(args, field) for key, field in _SYNC_FIELDS.items()}, name=_SYNC_FIELDS.get
         )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     sync_bits = str(args.grpo_sync_bits)
     if sync_bits not in SYNC_BITS_CHOICES:
         raise ConfigError(
@@ -591,8 +643,8 @@ def _check_sync_fields(args) -> None:
             "pseudo-gradient at a sync; 32 is fp32)."
         )
     if every == 1:
-        if args.grpo_outer_control:
-            raise ConfigError("grpo_outer_control=True needs grpo_sync_every > 1 (the steps between outer steps).")
+        if args.grpo_sync_outer_only:
+            raise ConfigError("grpo_sync_outer_only=True needs grpo_sync_every > 1 (the steps between outer steps).")
         if sync_bits != DEFAULT_SYNC_BITS:
             raise ConfigError(
                 f"grpo_sync_bits={sync_bits} needs grpo_sync_every > 1: it sets the codes of the sync every H steps. "
@@ -616,9 +668,9 @@ def _check_sync_fields(args) -> None:
             f"grpo_sync_bits={sync_bits} with grpo_compression='none': 'none' sends the pseudo-gradient in fp32. Use "
             "one of the two: grpo_compression='auto' with grpo_sync_bits, or grpo_compression='none'."
         )
-    if args.grpo_outer_control and args.grpo_compression not in ("none", "auto"):
+    if args.grpo_sync_outer_only and args.grpo_compression not in ("none", "auto"):
         raise ConfigError(
-            f"grpo_outer_control=True with grpo_compression={args.grpo_compression!r}: the control keeps DDP's own "
+            f"grpo_sync_outer_only=True with grpo_compression={args.grpo_compression!r}: the control keeps DDP's own "
             "fp32 all-reduce of the gradients. Set grpo_compression='none'."
         )
     if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
@@ -643,6 +695,7 @@ def validate_grpo_fields(args) -> None:
         [`~grpo_hf.errors.ConfigError`]: a field's value is invalid; the message names the field and the fix.
         [`~grpo_hf.errors.GroupConfigError`]: the group file is missing or invalid; the message names the file.
     """
+    _resolve_deprecated_fields(args)
     _check_types(args)
     if isinstance(args.grpo_lr_ratios, str):
         try:
@@ -665,8 +718,11 @@ def validate_grpo_fields(args) -> None:
         raise ConfigError(f"grpo_lr_scale_ema={args.grpo_lr_scale_ema}: use a value in [0, 1), e.g. 0.9.")
     if args.grpo_lr_scale_warmup_steps < 0:
         raise ConfigError(f"grpo_lr_scale_warmup_steps={args.grpo_lr_scale_warmup_steps}: use 0 or more.")
-    if args.grpo_compression not in COMPRESSION_CHOICES:
-        raise ConfigError(f"grpo_compression={args.grpo_compression!r}: use one of {COMPRESSION_CHOICES}.")
+    try:  # checked where they are resolved
+        resolve_compression(args.grpo_compression, distributed=True)
+        resolve_mode(args.grpo_comm_mode, 2)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if not 0 < args.grpo_density <= 1:
         raise ConfigError(
             f"grpo_density={args.grpo_density}: the density is the kept fraction of gradient entries and must lie in "
@@ -674,18 +730,16 @@ def validate_grpo_fields(args) -> None:
         )
     if str(args.grpo_bits) not in BITS_CHOICES:
         raise ConfigError(f"grpo_bits={args.grpo_bits!r}: use one of {BITS_CHOICES}.")
-    if args.grpo_comm_mode not in COMM_MODE_CHOICES:
-        raise ConfigError(f"grpo_comm_mode={args.grpo_comm_mode!r}: use one of {COMM_MODE_CHOICES}.")
-    if args.grpo_scale_clip is not None and not args.grpo_scale_clip > 0:
-        raise ConfigError(f"grpo_scale_clip={args.grpo_scale_clip}: use a positive number of scales (e.g. 4) or None.")
-    if not 0 <= args.grpo_scale_beta < 1:
-        raise ConfigError(f"grpo_scale_beta={args.grpo_scale_beta}: use a value in [0, 1), e.g. 0.99.")
-    if args.grpo_dense_warmup_steps < 0:
-        raise ConfigError(f"grpo_dense_warmup_steps={args.grpo_dense_warmup_steps}: use 0 or more (2 under DDP).")
-    if args.grpo_fsdp_error_feedback not in ERROR_FEEDBACK_CHOICES:
-        raise ConfigError(
-            f"grpo_fsdp_error_feedback={args.grpo_fsdp_error_feedback!r}: use one of {ERROR_FEEDBACK_CHOICES}."
+    try:  # checked where the compression states check their arguments, by the fields' names
+        check_comm_settings(
+            dense_warmup_steps=args.grpo_dense_warmup_steps,
+            scale_beta=args.grpo_scale_beta,
+            scale_clip=args.grpo_scale_clip,
+            error_feedback=args.grpo_fsdp_error_feedback,
+            name=_COMM_FIELDS.get,
         )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if args.grpo_min_compress_numel < 0:
         raise ConfigError(f"grpo_min_compress_numel={args.grpo_min_compress_numel}: use 0 or more.")
     check_optimizer_state(args.grpo_optimizer_state)

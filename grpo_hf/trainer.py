@@ -5,7 +5,6 @@ import os
 import weakref
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer
 from transformers.utils import logging
 
@@ -16,9 +15,9 @@ from .checkpoints import (
     resolve_resume_checkpoint,
     warn_overwritten_checkpoints,
 )
-from .compression import GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
-from .compression.fsdp import FSDPCommState, install_compressed_reduce_scatter, reduce_scatter_bytes
-from .compression.outer_sync import OUTER_DTYPES, OuterSyncState, local_gradient_hook, pack_fragments
+from .compression import GRPOCommState, compression_plan
+from .compression.fsdp import FSDPCommState, reduce_scatter_bytes
+from .compression.outer_sync import OUTER_DTYPES, OuterSyncState, pack_fragments
 from .compression.plan import resolve_compression, resolve_mode
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args, validate_grpo_fields
@@ -217,7 +216,7 @@ class GRPOMixin:
         """
         The sync every `grpo_sync_every` steps ([`~grpo_hf.compression.outer_sync`]): the `Δ` codec from
         `self.grpo_plan`, GRPO's groups packed into `grpo_sync_fragments` fragments. Under DDP the ranks exchange their
-        `Δ` (unless `grpo_outer_control`); on one process only the outer step is added (with a warning).
+        `Δ` (unless `grpo_sync_outer_only`); on one process only the outer step is added (with a warning).
 
         Raises:
             [`~grpo_hf.errors.ConfigError`]: FSDP2 or DeepSpeed, too many fragments for the groups, or a group file's
@@ -230,7 +229,7 @@ class GRPOMixin:
                 "every H steps runs under DDP only (each rank holds the whole model). Train with DDP, or set "
                 "grpo_sync_every=1." + engine_from_environment(engine, args)
             )
-        exchange = engine == "ddp" and not args.grpo_outer_control
+        exchange = engine == "ddp" and not args.grpo_sync_outer_only
         if not exchange:  # the gradients are averaged every step (DDP) or there is one process: no Δ codec
             self.grpo_compression = "none"
             self.grpo_plan = {name: None for name in self.grpo_plan}
@@ -245,10 +244,10 @@ class GRPOMixin:
                 self.grpo_plan,
                 pack_fragments(units, args.grpo_sync_fragments),
                 every=args.grpo_sync_every,
-                outer_lr=args.grpo_outer_lr,
-                outer_momentum=args.grpo_outer_momentum,
+                outer_lr=args.grpo_sync_outer_lr,
+                outer_momentum=args.grpo_sync_outer_momentum,
                 ramp=args.grpo_sync_ramp,
-                dtype=OUTER_DTYPES[args.grpo_outer_dtype],
+                dtype=OUTER_DTYPES[args.grpo_sync_global_dtype],
                 exchange=exchange,
                 delay=args.grpo_sync_delay,
                 mix=args.grpo_sync_mix,
@@ -386,9 +385,11 @@ class GRPOMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """
-        Before the first backward of a prepared model: under DDP register the compression hook on the DDP wrapper;
-        under FSDP2 point GRPO's groups at the sharded parameters and install the compressed reduce-scatter. Then train
-        as usual.
+        Before the first backward of a prepared model: attach the compression state to it (a DDP comm hook, FSDP2's
+        compressed reduce-scatter, the sync's global model; see [`~grpo_hf.compression.transport.CommState`]), and
+        under FSDP2 point GRPO's groups at the sharded parameters. Then train as usual; after the backward of an
+        optimizer step's last micro-batch the compression state takes its turn (the one-process preview compresses
+        the gradients there).
         """
         comm_state = self.grpo_comm_state
         if model not in self._grpo_hooked_models:
@@ -397,8 +398,6 @@ class GRPOMixin:
             ids = inputs["input_ids"]
             self.cost_callback.add_tokens(ids.numel(), seq_len=ids.shape[-1])
         sync_step = self.accelerator.sync_gradients
-        per_step = comm_state is not None and not isinstance(comm_state, OuterSyncState)
-        sent_before = comm_state.totals()["bytes_sent"] if per_step and sync_step else 0.0
         loss = super().training_step(model, inputs, num_items_in_batch)
         if comm_state is None and self.args.max_grad_norm and torch.is_tensor(loss):
             # Nothing of GRPO sees these gradients: a NaN/Inf loss is the cue to note, before clipping spreads a NaN
@@ -406,16 +405,15 @@ class GRPOMixin:
             # reads the loss at this point itself (logging_nan_inf_filter).
             self._grpo_loss_finite = self._grpo_loss_finite and bool(torch.isfinite(loss).all())
         if sync_step:
-            if per_step and self.grpo_engine == "single":
-                compress_locally(comm_state, self.model)  # the article's sparse updates on one process
-            if not isinstance(comm_state, OuterSyncState):  # the sync's bytes are counted after optimizer.step
-                self._count_comm_bytes(sent_before)
+            if comm_state is not None:
+                comm_state.after_backward(self.model)  # its bytes are counted when the step ends (GRPOCallback)
+            else:
+                self._count_dense_bytes()
             self.grpo_callback.mark_backward_end(loss_finite=self._grpo_loss_finite)
             self._grpo_loss_finite = True
         return loss
 
     def _attach_to_prepared_model(self, model) -> None:
-        comm_state = self.grpo_comm_state
         if self.grpo_engine == "fsdp2":
             if not has_fsdp2_units(model):
                 raise ConfigError(
@@ -423,31 +421,18 @@ class GRPOMixin:
                     f"{type(model).__name__}: check the FSDP settings (fsdp_config={{'version': 2}})."
                 )
             self.grpo_callback.follow(self.model)  # fully_shard replaced the parameters: follow them by name
-            if comm_state is not None:
-                install_compressed_reduce_scatter(model, comm_state)
-        elif isinstance(comm_state, OuterSyncState):
-            comm_state.bind(
-                self.model, self.optimizer
-            )  # θ_global; a checkpoint's local parameters and optimizer state
-            if isinstance(model, DistributedDataParallel) and comm_state.exchange:
-                model.register_comm_hook(comm_state, local_gradient_hook)  # inner steps: no collective
-        elif comm_state is not None:
-            comm_state.attach_optimizer(self.optimizer)  # gradient scales from AdamW's exp_avg_sq: no memory of ours
-            comm_state.bind(self.model)
-            if isinstance(model, DistributedDataParallel):  # `model` is the wrapper Accelerate built
-                model.register_comm_hook(comm_state, grpo_comm_hook)
+        if self.grpo_comm_state is not None:  # `model` is the wrapper the engine built
+            self.grpo_comm_state.attach(model, self.model, self.optimizer)
         self._grpo_hooked_models.add(model)
 
-    def _count_comm_bytes(self, sent_before: float) -> None:
+    def _count_dense_bytes(self) -> None:
         """
-        Give the cost callback the bytes of gradient communication this rank sent in this optimizer step: counted by
-        the compression, else the engine's fp32 reduction in the ring model (DDP and DeepSpeed: an all-reduce; FSDP2: a
-        reduce-scatter; FSDP2's parameter all-gathers are not counted).
+        Without a compression state, give the cost callback the bytes of gradient communication this rank sent in this
+        optimizer step: the engine's fp32 reduction in the ring model (DDP and DeepSpeed: an all-reduce; FSDP2: a
+        reduce-scatter; FSDP2's parameter all-gathers are not counted). A compression state counts its own.
         """
         world_size = process_rank(self.args)[1]
-        if self.grpo_comm_state is not None:
-            self.cost_callback.add_comm_bytes(self.grpo_comm_state.totals()["bytes_sent"] - sent_before)
-        elif world_size > 1:
+        if world_size > 1:
             numel = sum(g.numel for g in self.grpo_groups)
             if self.grpo_engine == "fsdp2":
                 self.cost_callback.add_comm_bytes(reduce_scatter_bytes(4 * numel, world_size))
@@ -503,7 +488,7 @@ class GRPOMixin:
         each rank's parameters are its own), its local parameters put back after it; nothing to do with
         `grpo_sync_every=1`. `evaluate`, `predict` and `save_model` (checkpoints too) run in it.
         """
-        if isinstance(self.grpo_comm_state, OuterSyncState):
+        if self.grpo_comm_state is not None:
             return self.grpo_comm_state.global_weights()
         return contextlib.nullcontext()
 
@@ -544,13 +529,14 @@ class GRPOMixin:
             check_checkpoint_optimizer_state(checkpoint, self.args.grpo_optimizer_state)
         self.grpo_callback.resume_from = checkpoint  # restored at `on_train_begin`, after the Trainer's own state
         output = super().train(checkpoint, *args, **kwargs)
-        if isinstance(self.grpo_comm_state, OuterSyncState):  # stopped before its last step: every rank to θ_global
-            self.cost_callback.add_comm_bytes(self.grpo_comm_state.finish())
+        sent = self.grpo_comm_state.finish() if self.grpo_comm_state is not None else None  # e.g. the sync's last one
+        if sent is not None:
+            self.cost_callback.add_comm_bytes(sent)
         output.metrics.update(self.grpo_callback.measured_metrics())
         peak = peak_memory_bytes(self.args.device)
         if peak is not None:
             output.metrics["grpo/memory/peak_bytes"] = float(peak)
-        if hasattr(self.grpo_comm_state, "memory_bytes"):  # GRPO's own: residuals, θ_global, outer momentum
+        if self.grpo_comm_state is not None:  # GRPO's own: residuals, θ_global, outer momentum
             output.metrics["grpo/memory/grpo_bytes"] = float(sum(self.grpo_comm_state.memory_bytes().values()))
         return output
 

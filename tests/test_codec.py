@@ -286,14 +286,18 @@ def test_one_gradient_then_zeros_for_200_steps(request, compiled, bits):
 
 @pytest.mark.parametrize("compiled", (pytest.param(False, id="eager"), COMPILED))
 @pytest.mark.parametrize("bits", (8, 4))
-def test_fsdp2_messages_of_tiny_rows_stay_finite(request, monkeypatch, compiled, bits):
+def test_fsdp2_messages_of_tiny_rows_stay_finite(request, compiled, bits):
     """FSDP2's reduce-scatter encodes `rows + residual` with the same kernels: tiny blocks beside zeros decode finite."""
-    from grpo_hf.compression import fsdp
-    from grpo_hf.compression.fsdp import _decode as fsdp_decode
-    from grpo_hf.compression.fsdp import _encode as fsdp_encode
+    from grpo_hf.compression.exchange import decode_rows, encode_rows
 
     # the process's kernels (compiled where a compiler works, as under torchrun), or the eager ones
-    monkeypatch.setattr(fsdp, "_KERNELS", [request.getfixturevalue("compiled_kernels") if compiled else EAGER])
+    kernels = request.getfixturevalue("compiled_kernels") if compiled else EAGER
+
+    def fsdp_encode(rows, bits, block_size):  # FSDP2's row messages, as its reduce-scatter sends them
+        return encode_rows(kernels, CodecSpec(bits=bits, block_size=block_size), rows)
+
+    def fsdp_decode(messages, numel, bits, block_size):
+        return decode_rows(kernels, CodecSpec(bits=bits, block_size=block_size), messages, numel)
 
     rows = torch.zeros(2, 300)
     rows[0, 1::2] = 1e-38

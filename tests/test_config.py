@@ -185,3 +185,34 @@ def test_every_field_is_declared_once_and_used_by_the_library():
 def test_bad_command_fields_name_the_field(tmp_path, field, value, message):
     with pytest.raises(ConfigError, match=message):
         RecipeConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **{field: value})
+
+
+# --- the sync's fields under one prefix; their old names stay for one release ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "old, new, value, conflict",
+    [
+        ("grpo_outer_lr", "grpo_sync_outer_lr", 0.7, 0.3),
+        ("grpo_outer_momentum", "grpo_sync_outer_momentum", 0.5, 0.2),
+        ("grpo_outer_dtype", "grpo_sync_global_dtype", "bfloat16", None),  # the only other value is the default
+        ("grpo_outer_control", "grpo_sync_outer_only", True, None),
+    ],
+)
+def test_the_old_names_of_the_sync_fields_still_work_and_warn(grpo_config, old, new, value, conflict):
+    from transformers import HfArgumentParser
+
+    from grpo_hf.config import DEPRECATED_FIELDS
+
+    assert DEPRECATED_FIELDS[old] == new and old not in grpo_field_names()
+    fields = {"grpo_sync_every": 4, "grpo_compression": "none"}
+    with pytest.warns(FutureWarning, match=rf"{old} is deprecated .* use {new}"):
+        config = grpo_config(**fields, **{old: value})
+    assert getattr(config, new) == value and getattr(config, old) is None  # the new field holds it, once
+    if conflict is not None:
+        with pytest.raises(ConfigError, match=rf"{old}={value!r} and {new}={conflict!r}: .* set {new} alone"):
+            grpo_config(**fields, **{old: value, new: conflict})
+    argv = ["--output_dir", "unused", "--use_cpu", "true", "--grpo_sync_every", "4", "--grpo_compression", "none"]
+    with pytest.warns(FutureWarning, match=old):  # the command line and a recipe (HfArgumentParser) take it too
+        (parsed,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses([*argv, f"--{old}", str(value)])
+    assert getattr(parsed, new) == value

@@ -1,4 +1,4 @@
-"""The emulated slow link of the step-cost benchmark: GRPO's `Collectives` (`grpo_hf/compression/exchange.py`) and the
+"""The emulated slow link of the step-cost benchmark: GRPO's `Collectives` (`grpo_hf/compression/collectives.py`) and the
 baselines' DDP hooks (`benchmarks/emulated_link.py`) complete no earlier than the link carries their bytes."""
 
 import time
@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from testing_utils import free_port
 
-from grpo_hf.compression import exchange
-from grpo_hf.compression.exchange import Collectives, EmulatedLink
-from grpo_hf.compression.state import StepStats
+from grpo_hf.compression import collectives
+from grpo_hf.compression.collectives import Collectives, EmulatedLink
+from grpo_hf.compression.traffic import StepStats
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def _collectives(world_size: int) -> Collectives:
 def test_started_all_reduce_waits_for_the_link(one_rank_group, monkeypatch):
     """Starting returns at once; `wait()` returns no earlier than start + bytes sent / speed, the result unchanged."""
     link = EmulatedLink(gbit=8 * 2e6 / 1e9)  # 2 MB/s
-    monkeypatch.setattr(exchange, "EMULATED_LINK", link)
+    monkeypatch.setattr(collectives, "EMULATED_LINK", link)
     comm = _collectives(world_size=2)
     tensor = torch.arange(100_000, dtype=torch.float32)  # 400 kB: a ring all-reduce at W=2 sends 400 kB, 0.2 s
     start = time.perf_counter()
@@ -47,7 +47,7 @@ def test_started_all_reduce_waits_for_the_link(one_rank_group, monkeypatch):
 
 
 def test_collectives_without_a_link_are_unchanged(one_rank_group, monkeypatch):
-    monkeypatch.setattr(exchange, "EMULATED_LINK", None)
+    monkeypatch.setattr(collectives, "EMULATED_LINK", None)
     comm = _collectives(world_size=2)
     assert comm.link is None
     started = comm.start_all_reduce(torch.ones(10))
@@ -67,15 +67,15 @@ def test_link_carries_one_transfer_at_a_time():
 
 
 def test_link_from_environment(monkeypatch):
-    monkeypatch.delenv(exchange.LINK_ENV, raising=False)
+    monkeypatch.delenv(collectives.LINK_ENV, raising=False)
     assert EmulatedLink.from_environment() is None
-    monkeypatch.setenv(exchange.LINK_ENV, "")
+    monkeypatch.setenv(collectives.LINK_ENV, "")
     assert EmulatedLink.from_environment() is None
-    monkeypatch.setenv(exchange.LINK_ENV, "2.5")
+    monkeypatch.setenv(collectives.LINK_ENV, "2.5")
     assert EmulatedLink.from_environment().bytes_per_second == 2.5e9 / 8
     for bad in ("fast", "0", "-1"):
-        monkeypatch.setenv(exchange.LINK_ENV, bad)
-        with pytest.raises(ValueError, match=exchange.LINK_ENV):
+        monkeypatch.setenv(collectives.LINK_ENV, bad)
+        with pytest.raises(ValueError, match=collectives.LINK_ENV):
             EmulatedLink.from_environment()
 
 
@@ -111,7 +111,7 @@ def test_ddp_steps_wait_for_the_emulated_link(tmp_path):
 
     from testing_utils import ROOT, TESTS, run_torchrun
 
-    env = {exchange.LINK_ENV: "0.04", "GRPO_HF_COMPILE_CODEC": "0"}  # 5 MB/s: 0.21 s per step for DDP's 1.05 MB
+    env = {collectives.LINK_ENV: "0.04", "GRPO_HF_COMPILE_CODEC": "0"}  # 5 MB/s: 0.21 s per step for DDP's 1.05 MB
     run = run_torchrun(TESTS / "distributed" / "emulated_link_ddp.py", tmp_path, env=env, cwd=ROOT, timeout=240)
     assert run.returncode == 0, run.logs()
     for rank in range(2):

@@ -15,15 +15,10 @@ from torch import nn
 from grpo_hf import ConfigError
 from grpo_hf.callbacks import GRPOCallback
 from grpo_hf.checkpoints import restore_grpo_state, write_grpo_state
-from grpo_hf.compression.fsdp import (
-    FSDP_MODE,
-    FSDPCommState,
-    _decode,
-    _encode,
-    _poison,
-    message_nbytes,
-    reduce_scatter_bytes,
-)
+from grpo_hf.compression.codec import compile_kernels
+from grpo_hf.compression.exchange import decode_rows, encode_rows, poison_rows, row_message_nbytes
+from grpo_hf.compression.fsdp import FSDP_MODE, FSDPCommState, reduce_scatter_bytes
+from grpo_hf.compression.spec import CodecSpec
 from grpo_hf.engines import (
     OptimizerStepProbe,
     canonical_name,
@@ -43,10 +38,27 @@ from grpo_hf.importance import ImportanceState
 def eager_fsdp_kernels(monkeypatch):
     """FSDP2's codec on the eager kernels here (no torch.compile in the default set): the compiled kernels are held
     to the eager ones, FSDP2's tiny rows included, in the slow tests of tests/test_codec.py."""
-    from grpo_hf.compression import fsdp
-    from grpo_hf.compression.codec import compile_kernels
+    monkeypatch.setenv("GRPO_HF_COMPILE_CODEC", "0")
 
-    monkeypatch.setattr(fsdp, "_KERNELS", [compile_kernels(False)])
+
+# FSDP2's row messages (`exchange.py`'s, as its reduce-scatter sends them), on the eager kernels
+EAGER = compile_kernels(False)
+
+
+def _encode(rows, bits, block_size):
+    return encode_rows(EAGER, CodecSpec(bits=bits, block_size=block_size), rows)
+
+
+def _decode(messages, numel, bits, block_size):
+    return decode_rows(EAGER, CodecSpec(bits=bits, block_size=block_size), messages, numel)
+
+
+def _poison(messages, bad_rows, numel, bits, block_size):
+    poison_rows(CodecSpec(bits=bits, block_size=block_size), messages, bad_rows)
+
+
+def message_nbytes(numel, bits, block_size=128):
+    return row_message_nbytes(CodecSpec(bits=bits, block_size=block_size), numel)
 
 
 # --- settings ------------------------------------------------------------------------------------------------------
@@ -182,7 +194,7 @@ def test_group_norms_of_plain_parameters_are_unchanged(tiny_model):
     callback = GRPOCallback(groups, None)
     expected = [float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in g.params))) for g in groups]
     assert callback.group_grad_norms().tolist() == pytest.approx(expected, rel=1e-6)
-    assert not callback._sharded()
+    assert not callback.stats.sharded()
 
 
 # --- DeepSpeed step probe ------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import pytest
 import torch
 from testing_utils import ROOT, run_accelerate_launch, run_torchrun
 
-from grpo_hf.compression.fsdp import message_nbytes
+from grpo_hf.compression.exchange import row_message_nbytes
+from grpo_hf.compression.spec import CodecSpec
 
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -119,7 +120,9 @@ def test_compressed_runs_agree_and_count_their_bytes(pieces, setting):
             if setting.endswith("bf16"):  # (W - 1) chunks of S entries per unit, 2 bytes each
                 assert record["residual_nbytes"] == 2 * record["residual_entries"]
             else:  # stored as 8-bit blocks: the message format
-                assert record["residual_nbytes"] == sum(message_nbytes(n // 2, 8) for n in record["flat_sizes"])
+                assert record["residual_nbytes"] == sum(
+                    row_message_nbytes(CodecSpec(bits=8), n // 2) for n in record["flat_sizes"]
+                )
 
 
 def test_compressed_loss_stays_near_uncompressed(pieces):

@@ -363,6 +363,15 @@ def test_pop_stats_window_and_totals(params):
     assert totals["steps"] == 3 and totals["dense_steps"] == 1 and totals["numel"] == 3 * numel
 
 
+@pytest.mark.parametrize("mode", ["allreduce", "allgather"])
+def test_a_bucket_of_dense_tensors_only_is_sent_dense_beside_compressed_ones(params, mode):
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0).bind(params)
+    g = grads(0)
+    out = run_step(state, params, g, layout=(("norm",), ("attn", "mlp")))  # the first bucket has nothing to compress
+    assert torch.equal(out["norm"], g["norm"]) and state.last_step == "compressed"
+    assert set(state.residuals.values) == {"attn", "mlp"}
+
+
 # --- checkpointing ---------------------------------------------------------------------------------------------
 
 
@@ -755,9 +764,9 @@ def test_owned_rows_are_taken_and_put_back_exactly(dtype, width, skew):
     `_take` / `_put` of many owned ranges (the allreduce mode's index path, words of 8 bytes where the rows allow) move
     exactly the rows `index_select` / `index_copy_` move, misaligned views (`skew`) and odd widths included.
     """
-    from grpo_hf.compression.exchange import _MAX_SLICES
-    from grpo_hf.compression.exchange import put_owned as _put
-    from grpo_hf.compression.exchange import take_owned as _take
+    from grpo_hf.compression.layout import _MAX_SLICES
+    from grpo_hf.compression.layout import put_owned as _put
+    from grpo_hf.compression.layout import take_owned as _take
 
     generator = torch.Generator().manual_seed(0)
     storage = torch.randint(0, 100, (40 * width + skew,), generator=generator).to(dtype)

@@ -313,3 +313,161 @@ def test_a_ddp_bucket_reaches_the_kernels_through_at_most_five_files(mode, densi
     print("  entered: " + ", ".join(sorted(entered)))
     assert all(len(files) <= BUCKET_PATH_FILES for files in stacks), stacks
     assert all(files[0] == "compression/hook.py" and "compression/exchange.py" in files for files in stacks), stacks
+
+
+class _Loopback:
+    """`Collectives`' interface for `W` ranks that all send what this one sends: the shapes of every collective, without
+    a process group (what the path tests need; the values are checked by the distributed tests)."""
+
+    def __init__(self, world_size, stats):
+        self.world_size, self.rank, self.stats = world_size, 0, stats
+
+    @staticmethod
+    def _done(result):
+        return type("Done", (), {"wait": lambda _: result})()
+
+    def start_all_reduce(self, tensor, op=None):
+        import torch.distributed as dist
+
+        return self._done(tensor if op == dist.ReduceOp.MAX else tensor.mul_(self.world_size))
+
+    def all_reduce(self, tensor, op=None):
+        return self.start_all_reduce(tensor, op).wait()
+
+    def start_all_gather(self, tensor, out=None, tag=0):
+        parts = tensor.reshape(1, -1).repeat(self.world_size, 1)
+        if out is not None:
+            out.view(self.world_size, -1).copy_(parts)
+        return self._done(parts.view(self.world_size, *tensor.shape))
+
+    def all_gather(self, tensor, out=None, tag=0):
+        return self.start_all_gather(tensor, out, tag).wait()
+
+    def all_to_all(self, send, send_splits, recv_splits):
+        import torch
+
+        return torch.cat([torch.split(send, send_splits)[self.rank]] * self.world_size)
+
+
+def _kernel_stacks(run) -> tuple[set, set]:
+    """Every grpo_hf file `run()` enters, and the files on the stack at each encode / decode kernel call."""
+    root = str(PACKAGE) + "/"
+    entered, stacks = set(), set()
+
+    def profile(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event != "call" or not name.startswith(root):
+            return
+        entered.add(name[len(root) :])
+        if frame.f_code.co_name in ("encode_blocks", "decode_blocks"):
+            files = []
+            while frame is not None:
+                if frame.f_code.co_filename.startswith(root) and frame.f_code.co_filename[len(root) :] not in files:
+                    files.append(frame.f_code.co_filename[len(root) :])
+                frame = frame.f_back
+            stacks.add(tuple(reversed(files)))
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return entered, stacks
+
+
+# The most files of grpo_hf on the stack when a sync's data reaches a kernel of `codec.py` from `end_step`.
+SYNC_PATH_FILES = 5
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_sync_reaches_the_kernels_through_at_most_five_files(world_size, monkeypatch):
+    """
+    The files between `OuterSyncState.end_step` and the encode / decode kernels, read off the stack at every kernel
+    call of one sync (all-gathered at 2 ranks, reduced by owners from 3): `outer_sync.py` (the schedule) ->
+    `fragment.py` (the fragment's Δ) -> `exchange.py` (the seam of the three transports) -> `codec.py`. Run with `-s`
+    to see them and every file the sync enters.
+    """
+    import torch
+    from torch import nn
+
+    from grpo_hf.compression import CodecSpec
+    from grpo_hf.compression.outer_sync import OuterSyncState
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.Linear(256, 256))
+    plan = {n: CodecSpec(bits=4) if p.dim() == 2 else None for n, p in model.named_parameters()}
+    state = OuterSyncState(plan, [list(plan)], every=1, ramp=False).bind(model)
+    state.world_size = world_size  # W ranks that all moved alike (the collectives played by `_Loopback`)
+    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self, group=None: _Loopback(world_size, self.stats))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    entered, stacks = _kernel_stacks(state.end_step)
+    assert state.totals()["syncs"] == 1 and stacks
+    print(f"\nW={world_size}: " + "; ".join(" -> ".join(files) for files in sorted(stacks)))
+    print("  entered: " + ", ".join(sorted(entered)))
+    assert all(len(files) <= SYNC_PATH_FILES for files in stacks), stacks
+    assert all(files[0] == "compression/outer_sync.py" and "compression/exchange.py" in files for files in stacks)
+
+
+def test_fsdp2s_reduce_scatter_reaches_the_kernels_through_the_exchange(monkeypatch):
+    """FSDP2's compressed reduce-scatter (2 ranks, played by `_Loopback`): `fsdp.py` -> `exchange.py` -> `codec.py`."""
+    import torch
+    import torch.distributed as dist
+
+    from grpo_hf.compression import fsdp
+
+    state = fsdp.FSDPCommState(bits=8, compile_codec=False)
+    monkeypatch.setattr(fsdp.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(fsdp.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(fsdp, "Collectives", lambda state, world_size, rank, group: _Loopback(world_size, state.stats))
+    output, flat = torch.empty(256), torch.randn(512)
+    _, stacks = _kernel_stacks(lambda: state.reduce_scatter("unit", output, flat, None, dist.ReduceOp.AVG))
+    assert stacks and state.stats.bytes_sent > 0
+    assert all(files == ("compression/fsdp.py", "compression/exchange.py", "compression/codec.py") for files in stacks)
+
+
+# --- the transports: built from the settings, then never asked which one they are ---
+
+# What tells a transport apart: its class, its name in checkpoints.
+TRANSPORTS = ("GRPOCommState", "FSDPCommState", "OuterSyncState", "CommState")
+TRANSPORT_MODES = ("OUTER_MODE", "FSDP_MODE", "MODES", "outer-sync", "fsdp-reduce-scatter", "allgather", "allreduce")
+
+
+def _names(node: ast.AST) -> set[str]:
+    """The names, attributes and string constants in `node`."""
+    found = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name):
+            found.add(child.id)
+        elif isinstance(child, ast.Attribute):
+            found.add(child.attr)
+        elif isinstance(child, ast.Constant) and isinstance(child.value, str):
+            found.add(child.value)
+    return found
+
+
+@pytest.mark.parametrize("module", [name for name in MODULES if not name.startswith("grpo_hf.compression")])
+def test_no_code_outside_the_comm_states_chooses_a_transport_by_type(module):
+    """
+    The trainer, its callback, the checkpoints and the application talk to any transport through its protocol
+    (`grpo_hf.compression.transport.CommState`): none asks which one it holds, by class (`isinstance`, `type`), by name
+    in checkpoints (a `mode` compared), or by what it happens to have (`hasattr` / `getattr` with a default).
+    """
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        if call and node.func.id in ("isinstance", "issubclass", "type") and _names(node) & set(TRANSPORTS):
+            found.append(ast.unparse(node))
+        elif call and node.func.id in ("hasattr", "getattr") and len(node.args) > 1 and "comm_state" in _names(node):
+            found.append(ast.unparse(node))
+        elif isinstance(node, ast.Compare):  # a transport's mode (`comm_state.mode`, a saved state's "mode")
+            operands = [node.left, *node.comparators]
+            modes = any(
+                isinstance(o, (ast.Attribute, ast.Subscript))
+                and "mode" in _names(o)
+                and any("comm" in n for n in _names(o))
+                for o in operands
+            )
+            if modes or _names(node) & set(TRANSPORT_MODES):
+                found.append(ast.unparse(node))
+    assert not found, f"{module} chooses a transport by type: {found}"

@@ -2,6 +2,7 @@
 GRPOTrainer with `grpo_sync_every > 1` (the multi-process checks are in tests/test_distributed_outer_sync.py)."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -11,9 +12,10 @@ from testing_utils import tiny_test_llama
 from grpo_hf import ConfigError, GRPOTrainer
 from grpo_hf.compression import CodecSpec
 from grpo_hf.compression.codec import BlockMessages
-from grpo_hf.compression.exchange import put_owned as _put
+from grpo_hf.compression.exchange import Exchange
+from grpo_hf.compression.layout import owned_blocks
+from grpo_hf.compression.layout import put_owned as _put
 from grpo_hf.compression.outer_sync import (
-    OUTER_MODE,
     OuterSyncState,
     fragment_offsets,
     fragments_due,
@@ -22,7 +24,7 @@ from grpo_hf.compression.outer_sync import (
     pack_fragments,
     ramp_points,
 )
-from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes, owner_reduction_bytes
+from grpo_hf.compression.traffic import StepStats, allgather_bytes, allreduce_bytes, owner_reduction_bytes
 
 
 # --- schedule ---------------------------------------------------------------------------------------------------
@@ -150,17 +152,16 @@ def test_the_codec_keeps_what_it_did_not_send_and_counts_the_bytes():
     model = Tiny()
     spec = CodecSpec(bits=4)
     state = _state(model, {"big.weight": spec}, every=1, outer_lr=1.0, outer_momentum=0.0)
-    state.world_size = 2  # count the bytes of a 2-worker sync; the exchange itself is of one rank
     before = model.big.weight.detach().clone()
     with torch.no_grad():
         model.big.weight.add_(torch.randn(64, 64) * 1e-2)
         target = model.big.weight.detach().clone()
-    layout = state.layouts[0]
-    ((_, slots, length),) = layout.runs
-    dense, rows = state._deltas(layout)
-    state.world_size = 1
-    mean = state._exchange(state._collectives(), layout, layout.runs[0], rows[0].clone())
-    residual = state.residuals.values["big.weight"].float()
+    fragment = state.fragments[0]
+    assert [row.spec for row in fragment.rows] == [None, spec]  # the dense row, then the 4-bit one
+    deltas = fragment.take_delta()
+    fragment.exchange(state._exchange(), deltas, owners=False)  # one rank: the mean is its own decoded codes
+    mean = deltas[1]
+    residual = fragment.state_by_name()["residuals"]["big.weight"].float()
     delta = (before - target).view(-1)
     torch.testing.assert_close(mean + residual, delta, rtol=0, atol=2e-5)  # sent + residual = Δ (bf16 residual)
     assert not torch.equal(mean, delta)  # 4-bit codes are lossy
@@ -173,7 +174,6 @@ def test_the_codec_keeps_what_it_did_not_send_and_counts_the_bytes():
 
 def test_bytes_of_a_step_and_the_peak_are_counted():
     state = OuterSyncState({"w": CodecSpec(bits=8)}, [["w"]], every=4, ramp=False)
-    state.numels = {"w": 1000}
     state.world_size = 2
     state.stats.bytes_sent += 100.0
     state.stats.baseline(1000, 2)
@@ -198,7 +198,7 @@ class TwoMatrices(torch.nn.Module):
 
 
 def _owner_ranks(world_size, seed=0):
-    """`world_size` bound states on copies of one model whose local steps differ, and each rank's fragment Δ row."""
+    """`world_size` bound states on copies of one model whose local steps differ, and each rank's fragment Δ rows."""
     torch.manual_seed(seed)
     base = TwoMatrices()
     spec = CodecSpec(bits=4)
@@ -211,30 +211,67 @@ def _owner_ranks(world_size, seed=0):
             generator = torch.Generator().manual_seed(100 + rank)
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=generator) * 1e-2)
-        _, rows = state._deltas(state.layouts[0])
         states.append(state)
-        deltas.append(rows[0])
+        deltas.append(state.fragments[0].take_delta())
     return states, deltas
 
 
+class ThreadedRanks:
+    """`W` ranks played by `W` threads of one process: their collectives meet at a barrier, in rank order."""
+
+    def __init__(self, world_size):
+        self.world_size, self.barrier = world_size, threading.Barrier(world_size)
+        self.held, self.sizes = [None] * world_size, [None] * world_size
+
+    def comm(self, rank):
+        return _RankComm(self, rank)
+
+
+class _RankComm:
+    """Rank `rank`'s collectives (`Collectives`' interface) among `ThreadedRanks`."""
+
+    def __init__(self, ranks, rank):
+        self.ranks, self.rank, self.world_size, self.stats = ranks, rank, ranks.world_size, StepStats()
+
+    def _meet(self, value):
+        self.ranks.held[self.rank] = value
+        self.ranks.barrier.wait()
+        everyone = list(self.ranks.held)
+        self.ranks.barrier.wait()
+        return everyone
+
+    def all_to_all(self, send, send_splits, recv_splits):
+        self.ranks.sizes[self.rank] = list(send_splits)
+        parts = self._meet(torch.split(send, send_splits))
+        return torch.cat([parts[r][self.rank] for r in range(self.world_size)])
+
+    def all_gather(self, tensor, out=None, tag=0):
+        return torch.stack(self._meet(tensor.clone()))
+
+    def start_all_reduce(self, tensor, op=None):
+        total = torch.stack(self._meet(tensor.clone())).sum(0)
+        tensor.copy_(total)
+        return type("Done", (), {"wait": lambda _: tensor})()
+
+
 def _owner_round(states, deltas):
-    """One owner-reduced exchange of the fragment's 4-bit run, its collectives played by hand in rank order."""
+    """One owner-reduced exchange of the fragment (its 4-bit row and its dense row), each rank in its own thread."""
     world_size = len(states)
-    fragment = states[0].layouts[0]
-    run = fragment.runs[0]
-    sends = [state._to_owners(fragment, run, row.clone(), world_size) for state, row in zip(states, deltas)]
-    sizes = sends[0][1]
-    assert all(s == sizes for _, s in sends)  # every rank cuts the row the same way
-    parts = [torch.split(send, sizes) for send, _ in sends]  # the all-to-all
-    owner_messages = []
-    for owner, state in enumerate(states):
-        message = torch.zeros(sizes[owner], dtype=torch.uint8)
-        state._reduce_owned(fragment, run, [parts[r][owner] for r in range(world_size)], world_size, owner, message)
-        owner_messages.append(message)
-    # the all-gather: every rank decodes the same messages
-    means = [s._from_owners(fragment, run, torch.zeros_like(row), owner_messages, world_size)
-             for s, row in zip(states, deltas)]  # fmt: skip
-    return means, sizes
+    ranks = ThreadedRanks(world_size)
+    rows = [[row.clone() for row in delta] for delta in deltas]
+
+    def run(rank):
+        state = states[rank]
+        state.fragments[0].exchange(Exchange(state.kernels, ranks.comm(rank)), rows[rank], owners=True)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    sizes = ranks.sizes[0]
+    assert all(s == sizes for s in ranks.sizes)  # every rank cuts the row the same way
+    return [row[1] for row in rows], sizes
 
 
 @pytest.mark.parametrize("world_size", [3, 4, 8])
@@ -244,19 +281,18 @@ def test_owners_reduce_delta_to_the_same_bits_on_every_rank(world_size):
     for mean in means[1:]:
         assert torch.equal(mean, means[0])
     # error feedback twice: mean Δ = Δ̄ + mean of the senders' residuals + the owners' residuals, up to bf16 rounding
-    fragment, run = states[0].layouts[0], states[0].layouts[0].runs[0]
-    spec, slots, length = run
-    sender = torch.stack([s.residuals.row((OUTER_MODE, 0, 4), slots, length, "cpu").float() for s in states]).mean(0)
+    row = states[0].fragments[0].rows[1]  # the 4-bit row
+    spec, length = row.spec, row.length
+    sender = torch.stack([s.fragments[0].residuals[1].float() for s in states]).mean(0)
     owners = torch.zeros(length // spec.block_size, spec.block_size)
     for rank, state in enumerate(states):
-        owned = state._owned(fragment, run, world_size, "cpu")[rank]
+        owned = owned_blocks(row.run, world_size, "cpu")[rank]
         count = owned[1].numel()
-        key = (OUTER_MODE, 0, 4, world_size, rank)
-        slots_owned = fragment.owners[4].owned_slots(world_size, rank)
-        row = state.owner_residuals.row(key, slots_owned, count * spec.block_size, "cpu").float()
-        _put(owners, owned, row.view(count, spec.block_size))
-        assert count and set(state.owner_residuals.values) == {"big.weight", "odd"}  # a chunk of each, by name
-    target = torch.stack(deltas).mean(0)
+        held_world_size, held_rank, values = state.fragments[0].owner_residuals[1]
+        assert (held_world_size, held_rank, values.numel()) == (world_size, rank, count * spec.block_size)
+        _put(owners, owned, values.float().view(count, spec.block_size))
+        assert count and set(state.fragments[0].state_by_name()["owner_residuals"]) == {"big.weight", "odd"}
+    target = torch.stack([delta[1] for delta in deltas]).mean(0)
     rounding = 2**-8 * (sender.abs().max() + owners.abs().max())  # bf16 keeps 8 significant bits
     torch.testing.assert_close(means[0] + sender + owners.view(-1), target, rtol=0, atol=float(rounding))
     assert not torch.equal(means[0], target)  # 4-bit codes are lossy: what they left out waits in the residuals
@@ -267,7 +303,7 @@ def test_owner_reduction_sends_about_twice_a_message_whatever_the_world_size():
     for world_size in (3, 4, 8):
         states, deltas = _owner_ranks(world_size)
         _, sizes = _owner_round(states, deltas)
-        spec, _, length = states[0].layouts[0].runs[0]
+        spec, length = states[0].fragments[0].rows[1].spec, states[0].fragments[0].rows[1].length
         message = BlockMessages(spec).fixed_nbytes(length // spec.block_size)  # the all-gather's per-rank message
         sent = owner_reduction_bytes(sizes, world_size)
         assert sent == (world_size - 1) / world_size * sum(sizes) + (world_size - 1) * max(sizes)
@@ -284,9 +320,25 @@ def test_owner_residuals_are_checkpointed_per_rank_and_dropped_for_another_world
     fresh, _ = _owner_ranks(4, seed=1)
     fresh[1].load_state_dict(saved)
     for name, value in saved["owner_residuals"].items():
-        assert torch.equal(fresh[1].owner_residuals.values[name], value)
+        assert torch.equal(fresh[1].fragments[0].state_by_name()["owner_residuals"][name], value)
     fresh[2].load_state_dict(None, saved)  # another world size: every rank restarts from θ_global
-    assert fresh[2].owner_residuals.values == {} and fresh[2].residuals.values == {}
+    held = fresh[2].fragments[0].state_by_name()
+    assert held["owner_residuals"] == {} and held["residuals"] == {}
+
+
+def test_a_state_loaded_and_not_bound_yet_saves_what_it_loaded():
+    """A resume that trains no step (its checkpoint holds every step) never binds the state: what it saves, or shows,
+    is still the checkpoint's (residuals by name, the owners' chunks, each fragment's last sync)."""
+    states, deltas = _owner_ranks(4)
+    _owner_round(states, deltas)
+    saved = states[1].state_dict()
+    unbound = OuterSyncState(states[1].plan, states[1].fragment_names, every=1, ramp=False)
+    unbound.load_state_dict(saved)
+    again = unbound.state_dict()
+    assert again["last_sync"] == saved["last_sync"] and again["step"] == saved["step"]
+    for key in ("residuals", "owner_residuals"):
+        assert saved[key] and set(again[key]) == set(saved[key])
+        assert all(torch.equal(again[key][name], value) for name, value in saved[key].items())
 
 
 # --- overlap: the delayed sync (grpo_sync_delay > 0) -------------------------------------------------------------
@@ -369,7 +421,7 @@ def test_a_late_nonfinite_flag_restarts_the_fragment_from_the_global_model():
     assert state.totals()["nonfinite_syncs"] == 1 and state.in_sync
     for name, p in model.named_parameters():
         assert torch.equal(p, start[name]) and torch.equal(state.global_params[name], start[name])
-        assert not state.momentum[name].any()
+        assert not state.fragments[0].state_by_name()["momentum"][name].any()
 
 
 def test_a_checkpoint_during_a_delayed_sync_resumes_bit_for_bit():
@@ -430,15 +482,23 @@ def test_delay_settings_the_state_and_the_config_refuse(tmp_path, make_args):
 
 class FakeRanks:
     """The collectives of 2 ranks played by hand: each all-reduce combines this rank's tensor with the next of `others`
-    (the other rank's), as `Collectives.all_reduce` does in place."""
+    (the other rank's), as `Collectives.all_reduce` does in place; the bytes go into the state's step (`of`)."""
 
     def __init__(self, others):
         self.world_size, self.rank, self.others, self.calls = 2, 0, list(others), []
+
+    def of(self, state):
+        self.stats = state.stats
+        return self
 
     def all_reduce(self, tensor, op=torch.distributed.ReduceOp.SUM):
         other = self.others.pop(0).to(tensor.dtype).view_as(tensor)
         self.calls.append(tensor.numel())
         return tensor.copy_(torch.maximum(tensor, other) if op == torch.distributed.ReduceOp.MAX else tensor + other)
+
+    def start_all_reduce(self, tensor, op=torch.distributed.ReduceOp.SUM):
+        reduced = self.all_reduce(tensor, op)
+        return type("Done", (), {"wait": lambda _: reduced})()
 
 
 def _stepped(moments, seed=0, lr=1e-2):
@@ -468,7 +528,7 @@ def test_a_sync_averages_the_chosen_moments_in_place_and_counts_their_all_reduce
     theirs = {"exp_avg": torch.randn(numel), "exp_avg_sq": torch.rand(numel)}
     keys = ("exp_avg_sq",) if moments == "second" else ("exp_avg", "exp_avg_sq")
     fake = FakeRanks([torch.zeros(1), torch.zeros(numel)] + [theirs[key] for key in keys])  # flag, dense Δ, moments
-    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self: fake)
+    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self, group=None: fake.of(self))
     state.end_step()
     assert fake.calls == [1, numel] + [numel] * len(keys) and not fake.others  # one fp32 all-reduce per moment
     for key in ("exp_avg", "exp_avg_sq"):
@@ -485,7 +545,7 @@ def test_a_nonfinite_moment_sets_the_flag_and_the_moments_are_left_alone(monkeyp
     with torch.no_grad():
         model.big.weight.add_(1.0)
     fake = FakeRanks([torch.zeros(1)])  # the other rank's flag is clear: this rank's sets the agreed one
-    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self: fake)
+    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self, group=None: fake.of(self))
     state.end_step()
     assert fake.calls == [1] and state.totals()["nonfinite_syncs"] == 1  # the flag only: nothing exchanged
     for key, value in before.items():
@@ -499,7 +559,7 @@ def test_without_moments_a_sync_sends_and_changes_what_it_did_before(monkeypatch
     numel = sum(p.numel() for p in model.parameters())
     before = {key: _flat(optimizer, model, key).clone() for key in ("exp_avg", "exp_avg_sq")}
     fake = FakeRanks([torch.zeros(1), torch.zeros(numel)])
-    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self: fake)
+    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self, group=None: fake.of(self))
     state.end_step()
     assert fake.calls == [1, numel] and state.totals()["bytes_sent"] == allreduce_bytes(8, 2) + allreduce_bytes(
         4 * numel, 2
@@ -575,7 +635,7 @@ def test_plain_averaging_without_exchange_is_the_plain_trainer(tmp_path, make_ar
                         args=make_args(tmp_path / "a", grpo_sync_every=1), train_dataset=token_dataset())  # fmt: skip
     plain.train()
     outer = GRPOTrainer(model=tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64),
-                        args=make_args(tmp_path / "b", grpo_outer_lr=1.0, grpo_outer_momentum=0.0),
+                        args=make_args(tmp_path / "b", grpo_sync_outer_lr=1.0, grpo_sync_outer_momentum=0.0),
                         train_dataset=token_dataset())  # fmt: skip
     outer.train()
     for (name, a), b in zip(plain.model.named_parameters(), outer.model.parameters()):
@@ -620,8 +680,8 @@ def test_sync_settings_the_trainer_refuses(tmp_path, make_args):
         make_args(tmp_path, grpo_sync_bits="2")
     with pytest.raises(ConfigError, match="grpo_sync_bits=8 with grpo_compression='none'"):
         make_args(tmp_path, grpo_sync_bits="8", grpo_compression="none")
-    with pytest.raises(ConfigError, match="grpo_outer_control"):
-        make_args(tmp_path, grpo_outer_control=True, grpo_compression="quantize")
+    with pytest.raises(ConfigError, match="grpo_sync_outer_only"):
+        make_args(tmp_path, grpo_sync_outer_only=True, grpo_compression="quantize")
     with pytest.raises(ConfigError, match="only"):  # 4 fragments of a model with fewer groups and parameters
         GRPOTrainer(model=torch.nn.Sequential(torch.nn.Linear(4, 4)), args=make_args(tmp_path, grpo_sync_fragments=4),
                     train_dataset=token_dataset())  # fmt: skip

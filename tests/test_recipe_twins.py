@@ -71,7 +71,7 @@ def test_sync_recipes_turn_one_knob_of_their_per_step_recipe(name):
     assert shared == {key: value for key, value in per_step.items() if key in shared}  # model, data, optimizer alike
     assert set(per_step) - set(synced) <= {"grpo_compression", "grpo_lr_scale_warmup_steps"}
     _, _, args = builtin_recipe(name)
-    assert (args.grpo_sync_fragments, args.grpo_sync_ramp, args.grpo_outer_control) == (1, True, False)
+    assert (args.grpo_sync_fragments, args.grpo_sync_ramp, args.grpo_sync_outer_only) == (1, True, False)
 
 
 def test_twins_share_the_data_and_the_pipeline_of_their_recipe():

@@ -52,8 +52,8 @@ def test_sync_rows_resolve_to_typed_settings(suite):
     }  # fmt: skip
     assert suite.parse_row("comm", "sync32-q8-noramp-lr0.5-m0-bf16")["overrides"] == {
         "grpo_sync_every": 32, "grpo_sync_fragments": 1, "grpo_sync_ramp": False, "grpo_compression": "quantize",
-        "grpo_sync_bits": "8", "grpo_scale_gradients": False, "grpo_outer_lr": 0.5, "grpo_outer_momentum": 0.0,
-        "grpo_outer_dtype": "bfloat16",
+        "grpo_sync_bits": "8", "grpo_scale_gradients": False, "grpo_sync_outer_lr": 0.5, "grpo_sync_outer_momentum": 0.0,
+        "grpo_sync_global_dtype": "bfloat16",
     }  # fmt: skip
     assert suite.parse_row("comm", "sync32-q8-lr1-m0-momboth")["overrides"]["grpo_sync_moments"] == "both"
     overlap = suite.parse_row("comm", "sync32-q4-lr1-m0-d2-mix0")["overrides"]
@@ -61,16 +61,16 @@ def test_sync_rows_resolve_to_typed_settings(suite):
     assert "grpo_sync_moments" not in suite.parse_row("comm", "sync32-q8-lr1-m0")["overrides"]
     # the peer: accelerate's LocalSGD is plain averaging of fp32 parameters every H steps, no ramp
     assert suite.parse_row("comm", "localsgd-h8")["overrides"] == {
-        "grpo_sync_every": 8, "grpo_outer_lr": 1.0, "grpo_outer_momentum": 0.0, "grpo_compression": "none",
+        "grpo_sync_every": 8, "grpo_sync_outer_lr": 1.0, "grpo_sync_outer_momentum": 0.0, "grpo_compression": "none",
         "grpo_sync_ramp": False,
     }  # fmt: skip
-    assert suite.parse_row("comm", "outer-h16")["overrides"]["grpo_outer_control"] is True
+    assert suite.parse_row("comm", "outer-h16")["overrides"]["grpo_sync_outer_only"] is True
     typed = suite._typed(
         suite.parse_row("comm", "grpo:grpo_sync_every=16;grpo_sync_fragments=2;grpo_sync_ramp=false;"
-                        "grpo_outer_lr=0.5;grpo_outer_momentum=0;grpo_outer_dtype=bfloat16;grpo_outer_control=0")["overrides"]
+                        "grpo_sync_outer_lr=0.5;grpo_sync_outer_momentum=0;grpo_sync_global_dtype=bfloat16;grpo_sync_outer_only=0")["overrides"]
     )  # fmt: skip
-    assert typed == {"grpo_sync_every": 16, "grpo_sync_fragments": 2, "grpo_sync_ramp": False, "grpo_outer_lr": 0.5,
-                     "grpo_outer_momentum": 0.0, "grpo_outer_dtype": "bfloat16", "grpo_outer_control": False}  # fmt: skip
+    assert typed == {"grpo_sync_every": 16, "grpo_sync_fragments": 2, "grpo_sync_ramp": False, "grpo_sync_outer_lr": 0.5,
+                     "grpo_sync_outer_momentum": 0.0, "grpo_sync_global_dtype": "bfloat16", "grpo_sync_outer_only": False}  # fmt: skip
     for name in (
         "sync32",
         "sync16-q4",

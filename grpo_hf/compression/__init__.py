@@ -1,14 +1,15 @@
-"""Compressed gradient communication: the DDP hook and its state, the codec, and the compression plan.
+"""Compressed gradient communication: three transports behind one protocol, one exchange, the codec and the plan.
 
-Read it the way torch's `powerSGD_hook.py` reads: [`GRPOCommState`] (`state.py`) holds the settings, the bf16
-error-feedback residuals and the gradient scales; [`grpo_comm_hook`] (`hook.py`) takes DDP's buckets and exchanges
-them ([`compress_locally`] does the same in one process); `layout.py` cuts a bucket into runs of tensors that share a
-[`CodecSpec`]; `exchange.py` is the one encode / exchange / decode seam of the DDP hook, FSDP2's reduce-scatter
-(`fsdp.py`) and the sync every H steps (`outer_sync.py`); `codec.py` holds the two fused kernels (encode, decode;
-compiled for CPU and CUDA from one source) and their messages, `sparse.py` the top-k messages;
-[`compression_plan`] (`plan.py`) decides each parameter's spec.
+Read it the way torch's `powerSGD_hook.py` reads, a state and a hook per transport: [`GRPOCommState`] (`state.py`) and
+[`grpo_comm_hook`] (`hook.py`) for DDP's buckets at every step ([`compress_locally`] in one process); `fsdp.py` for
+FSDP2's reduce-scatter; `outer_sync.py` (the schedule) and `fragment.py` (each fragment's state) for the sync every H
+steps. The trainer, its callback and its checkpoints talk to any of them through `transport.py`'s `CommState`. Every
+transport encodes, exchanges and decodes through one [`~grpo_hf.compression.exchange.Exchange`] (`exchange.py`; its
+collectives, timed, in `collectives.py`); `codec.py` holds the two fused kernels (encode, decode; compiled for CPU and
+CUDA from one source) and their messages, `sparse.py` the top-k messages; `layout.py` cuts a bucket into runs of
+tensors that share a [`CodecSpec`]; [`compression_plan`] (`plan.py`) decides each parameter's spec.
 Every byte is counted by the formulas of `traffic.py`, and summed by its `TrafficStats` (the one statistics window of
-the hook, FSDP2 and the outer sync); `reshard.py` re-splits saved state for another world size.
+the three transports); `reshard.py` re-splits the hook's saved state for another world size.
 """
 
 from .hook import compress_locally, grpo_comm_hook

@@ -46,6 +46,7 @@ are dynamic (`maybe_mark_dynamic` on the block dimension): each kernel variant c
 """
 
 import logging
+import threading
 import time
 import types
 import warnings
@@ -257,7 +258,8 @@ class Kernels:
     def __init__(self, compiled: bool):
         self.compiled = compiled
         self._cache: dict = {}
-        self._scratch: dict = {}  # (dtype, device) -> the in-place encode's scratch rows
+        self._scratch: dict = {}  # (dtype, device, thread) -> the in-place encode's scratch rows (one set per thread:
+        # the kernels are the process's, shared by its transports)
 
     @staticmethod
     def _variant(args) -> tuple:
@@ -334,7 +336,7 @@ class Kernels:
             absmax, new_residual = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip, None))
             return codes_out, absmax, new_residual
         if in_place:  # through a scratch that stays in cache, then into the residual
-            key = (residual.dtype, residual.device)
+            key = (residual.dtype, residual.device, threading.get_ident())
             scratch = self._scratch.get(key)
             if scratch is None or scratch.numel() < rows * block:
                 scratch = self._scratch[key] = torch.empty(rows * block, dtype=residual.dtype, device=residual.device)
@@ -409,11 +411,20 @@ def _fall_back(error: Exception) -> None:
         )
 
 
+_PROCESS_KERNELS: dict[bool, Kernels] = {}  # one set per choice, shared by every transport of the process
+
+
 def compile_kernels(compiled: bool) -> Kernels:
-    """The kernels of this process: compiled when `compiled` and `torch.compile` is available, else eager."""
+    """
+    The kernels of this process: compiled when `compiled` and `torch.compile` is available, else eager. One set per
+    choice, shared by every transport (the DDP hook, FSDP2's reduce-scatter, the sync every H steps), so that each
+    variant compiles once per process.
+    """
     if compiled and not hasattr(torch, "compile"):
         compiled = False
-    return Kernels(compiled)
+    if compiled not in _PROCESS_KERNELS:
+        _PROCESS_KERNELS[compiled] = Kernels(compiled)
+    return _PROCESS_KERNELS[compiled]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,219 +1,43 @@
-"""The encode / exchange / decode seam of the three transports: the DDP hook, FSDP2's reduce-scatter, the outer sync.
+"""`Exchange`: the one encode / exchange / decode of the three transports, the DDP hook, FSDP2's reduce-scatter and the
+sync every H steps.
 
-Every transport encodes and decodes its gradients (or pseudo-gradients) only through this module, and the DDP hook
-and the outer sync also exchange them through its collectives:
+An exchange moves compressed rows among the `W` ranks of a transport's
+[`~grpo_hf.compression.collectives.Collectives`]:
 
-1. **Encode** ([`encode`]): `[n, B]` rows plus the error-feedback residual become one message (the codes and absmax
-   of [`~grpo_hf.compression.codec.BlockMessages`], or a top-k message of [`~grpo_hf.compression.sparse`]), the new
-   residual written in place. [`encode_rows`] is the same for equal-size messages, one per row (FSDP2's all-to-all).
-2. **Exchange**, in the collectives of [`Collectives`] (timed, and slowed down by an [`EmulatedLink`] when a benchmark
-   asks for one; FSDP2's one all-to-all is torch's own): an all-gather of the messages, cut back into messages by [`split_messages`] (sizes known,
-   [`message_nbytes`]) or [`walk_messages`] (sizes in the messages' headers); or owner reduction, in three halves:
-   [`encode_to_owners`] (each owner's blocks as its own message), [`reduce_owned`] (the owner averages the `W`
-   contributions and compresses the mean again) and [`decode_from_owners`] (the owners' messages back into rows),
-   with the collectives between them, and their bytes, in [`exchange_with_owners`] (sizes known in advance).
-3. **Decode** ([`decode`], [`decode_rows`]): the messages, in rank order, summed and divided by the fused decode
-   kernel; every rank decodes the same messages in the same order, so every rank holds the same bits. ([`poison_rows`]
-   makes the blocks of a non-finite input decode to NaN.)
+1. **Encode, with error feedback.** Each [`Part`] (a run of `[n, B]` rows sharing one
+   [`~grpo_hf.compression.spec.CodecSpec`]: a DDP bucket's run, a fragment's row of `Δ`) is encoded with its residual
+   added, and the residual is replaced by what the codes did not carry: read, encode, write, in one place
+   ([`Exchange`]'s `_with_feedback`), whatever keeps the residual (a [`Residual`]).
+2. **Exchange**, one of three:
+   - [`Exchange.start_all_gather`]: every rank's messages to every rank, started ([`Gathered.finish`] waits and decodes,
+     so that the caller computes while they travel);
+   - [`Exchange.reduce_with_owners`] (DeepSpeed's compressed all-reduce): each owner's blocks go to it (one
+     all-to-all); it averages the `W` contributions and compresses the mean again with its own residual; the owners'
+     messages are all-gathered. About `2 (W - 1) / W` messages per rank, whatever `W`;
+   - [`Exchange.reduce_scatter`] (FSDP2): each owner's chunk goes to it as a row message ([`encode_rows`], one
+     all-to-all); it sums the `W` contributions, its own exact.
+3. **Decode the mean**: every rank decodes the same messages in the same (rank) order, so every rank holds the same
+   bits. ([`Exchange.start_mean`] averages the tensors sent dense in fp32, [`Exchange.agree_flag`] the NaN/Inf flag.)
 
-The bytes each collective sends are counted with the formulas of [`~grpo_hf.compression.traffic`], into the caller's
-[`~grpo_hf.compression.traffic.StepStats`]. What stays with each transport is what is its own: the DDP buckets and
-their runs (`hook.py`), FSDP2's shard layout (`fsdp.py`), the fragments, schedule and outer step (`outer_sync.py`).
-
-## An emulated slow link (a benchmark tool)
-
-With the environment variable `GRPO_HF_EMULATED_LINK_GBIT` set (e.g. `1`) when the process starts, every collective of
-[`Collectives`] (the per-step hook's, and the sync every H steps') completes no earlier than the link would have
-carried the bytes this rank sends in it ([`EmulatedLink`]); the wait is in `Started.wait()`, so that what runs between
-the start and the wait overlaps with it. `benchmarks/bench_step_cost.py --link_gbit` sets it, and delays the
-baselines' DDP hooks the same way (`benchmarks/emulated_link.py`). Not a training setting. FSDP2's compressed
-reduce-scatter (`fsdp.py`) calls torch's collectives itself and is not emulated, nor are FSDP2's own.
+Every byte is counted once, here ([`~grpo_hf.compression.traffic`]'s formulas), into the `StepStats` of the exchange's
+collectives. What stays with each transport is its own: the DDP buckets, scales and lanes (`hook.py`), FSDP2's units
+and residual format (`fsdp.py`), the fragments, schedule and outer step (`outer_sync.py`, `fragment.py`).
 """
 
 import math
-import os
-import threading
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from .codec import BlockMessages, Kernels, code_shape
+from .collectives import Collectives, Started
+from .layout import Run, owned_blocks, put_owned, take_owned
 from .sparse import TopKMessages
 from .spec import CodecSpec, num_blocks
-from .traffic import allgather_bytes, allreduce_bytes, alltoall_bytes, owner_reduction_bytes
-
-
-LINK_ENV = "GRPO_HF_EMULATED_LINK_GBIT"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Collectives (with an emulated slow link, for benchmarks)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class EmulatedLink:
-    r"""
-    A slow link between the ranks, emulated on a fast one (loopback) so that a benchmark measures what the link costs,
-    overlap included, instead of adding `bytes / speed` to a step measured without it.
-
-    One transfer at a time, as one network interface sends: a collective started at `t` with `nbytes` to send (what
-    this rank sends under the ring model of [`~grpo_hf.compression.traffic`], the same count as
-    `grpo/comm/bytes_sent`) arrives at `max(t, end of the transfers already on the link) + nbytes / bytes_per_second`.
-    Its handle's wait blocks until then, and until the real collective is done. Latency is not emulated, only
-    bandwidth; so the emulated wire time of a step is its `bytes_sent` divided by the speed, the projection's figure.
-
-    A benchmark tool, not a training setting: it is turned on by the environment variable `GRPO_HF_EMULATED_LINK_GBIT`
-    (Gbit/s), read once when this module is imported, rather than by a `GRPOConfig` field. The variable reaches every
-    rank of a `torchrun` launch and any training script unchanged, with no code in the workers; and a setting read
-    once costs nothing per collective when it is off ([`EMULATED_LINK`] is then `None`). `benchmarks/` delays the
-    collectives that do not go through [`Collectives`] (DDP's own all-reduce, torch's hooks) on the same object.
-
-    Args:
-        gbit (`float`): the link's speed in Gbit/s (10^9 bits per second), above 0.
-    """
-
-    def __init__(self, gbit: float):
-        if not gbit > 0:
-            raise ValueError(f"the emulated link's speed must be above 0 Gbit/s, got {gbit}.")
-        self.gbit = gbit
-        self.bytes_per_second = gbit * 1e9 / 8
-        self.free_at = 0.0  # `time.perf_counter()` at which the transfers already on the link are done
-        self._lock = threading.Lock()  # DDP may call a hook on the autograd engine's threads
-
-    @classmethod
-    def from_environment(cls) -> "EmulatedLink | None":
-        """The link `GRPO_HF_EMULATED_LINK_GBIT` asks for; `None` when it is unset or empty."""
-        value = os.environ.get(LINK_ENV, "").strip()
-        if not value:
-            return None
-        try:
-            return cls(float(value))
-        except ValueError as err:
-            raise ValueError(f"{LINK_ENV}={value!r}: use a speed in Gbit/s above 0, e.g. 1 or 10 ({err}).") from None
-
-    def reserve(self, nbytes: float) -> float:
-        """Put `nbytes` on the link now; returns the `time.perf_counter()` time at which they have arrived."""
-        with self._lock:
-            self.free_at = max(time.perf_counter(), self.free_at) + nbytes / self.bytes_per_second
-            return self.free_at
-
-    @staticmethod
-    def wait_until(deadline: float) -> None:
-        """Sleep until `time.perf_counter()` reaches `deadline` (at once if it has)."""
-        remaining = deadline - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
-
-
-EMULATED_LINK: EmulatedLink | None = EmulatedLink.from_environment()
-
-
-class Collectives:
-    """
-    The collectives of one process group, timed; at world size 1 every call returns its input. Under an
-    [`EmulatedLink`] (read from [`EMULATED_LINK`] when built) each one also waits for the link.
-
-    Args:
-        state: the transport's state: its `process_group`, `world_size`, `rank` and `stats` (the
-            [`~grpo_hf.compression.traffic.StepStats`] the time spent communicating is added to).
-        world_size (`int`, *optional*) and rank (`int`, *optional*): instead of the state's.
-        group (`torch.distributed.ProcessGroup`, *optional*): instead of the state's (the same ranks in the same order).
-    """
-
-    def __init__(self, state, world_size: int | None = None, rank: int | None = None, group=None):
-        self.group = state.process_group if group is None else group
-        self.world_size = state.world_size if world_size is None else world_size
-        self.rank = state.rank if rank is None else rank
-        self.stats = state.stats
-        self.link = EMULATED_LINK
-        # gloo's all-gather moves large tensors several times slower than its send/recv (benchmarks/LOG.md)
-        self.point_to_point = self.world_size > 1 and dist.get_backend(self.group) == "gloo"
-
-    def _timed(self, start: float) -> None:
-        self.stats.comm_ms += (time.perf_counter() - start) * 1000
-
-    def _on_link(self, nbytes: float) -> float | None:
-        """When `nbytes` sent now arrive over the emulated link; `None` without one."""
-        return None if self.link is None else self.link.reserve(nbytes)
-
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        return self.start_all_reduce(tensor, op).wait()
-
-    def start_all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> "Started":
-        """An in-place all-reduce of `tensor`, under way; `wait()` returns `tensor`."""
-        if self.world_size == 1:
-            return Started(self, [], tensor)
-        start = time.perf_counter()
-        not_before = self._on_link(allreduce_bytes(tensor.numel() * tensor.element_size(), self.world_size))
-        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        self._timed(start)
-        return Started(self, [work], tensor, not_before)
-
-    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None, tag: int = 0) -> torch.Tensor:
-        """
-        `[W, *tensor.shape]`: every rank's `tensor`, in rank order (equal sizes on every rank), written into `out`
-        (`W * tensor.numel()` entries) when given; `tensor` may be this rank's part of `out` (gathered in place).
-        """
-        return self.start_all_gather(tensor, out, tag).wait()
-
-    def start_all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None, tag: int = 0) -> "Started":
-        """[`all_gather`], under way; `wait()` returns its result. `tag` tells apart send/recv pairs under way at once."""
-        if self.world_size == 1:
-            return Started(self, [], tensor.unsqueeze(0) if out is None else out.view(1, *tensor.shape))
-        start = time.perf_counter()
-        if out is None:
-            out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        mine = tensor.contiguous().view(-1)
-        not_before = self._on_link(allgather_bytes(mine.numel() * mine.element_size(), self.world_size))
-        if self.point_to_point and mine.device.type == "cpu":  # each rank's part to every other: a ring's bytes
-            parts = out.view(self.world_size, -1)
-            if mine.data_ptr() != parts[self.rank].data_ptr():
-                parts[self.rank].copy_(mine)
-            works = []
-            for peer in range(self.world_size):
-                if peer != self.rank:
-                    works.append(dist.isend(mine, group=self.group, group_dst=peer, tag=tag))
-                    works.append(dist.irecv(parts[peer], group=self.group, group_src=peer, tag=tag))
-        else:
-            works = [dist.all_gather_into_tensor(out, mine, group=self.group, async_op=True)]
-        self._timed(start)
-        return Started(self, works, out.view(self.world_size, *tensor.shape), not_before)
-
-    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
-        """`all_to_all_single` with uneven splits: `send_splits[j]` elements go to rank `j`."""
-        if self.world_size == 1:
-            return send
-        start = time.perf_counter()
-        recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
-        not_before = self._on_link(alltoall_bytes(send.numel() * send.element_size(), self.world_size))
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
-        if not_before is not None:
-            EmulatedLink.wait_until(not_before)
-        self._timed(start)
-        return recv
-
-
-class Started:
-    """
-    A collective under way: [`wait`] returns its result; the time spent waiting counts as communication. Under an
-    [`EmulatedLink`], `not_before` is when its bytes have crossed the link: [`wait`] returns no earlier.
-    """
-
-    def __init__(self, collectives: Collectives, works: list, result: torch.Tensor, not_before: float | None = None):
-        self.collectives, self.works, self.result, self.not_before = collectives, works, result, not_before
-
-    def wait(self) -> torch.Tensor:
-        if self.works or self.not_before is not None:
-            start = time.perf_counter()
-            for work in self.works:
-                work.wait()
-            if self.not_before is not None:
-                EmulatedLink.wait_until(self.not_before)
-            self.works, self.not_before = [], None
-            self.collectives._timed(start)
-        return self.result
+from .traffic import FLAG_BYTES, SIZE_BYTES, allgather_bytes, allreduce_bytes, alltoall_bytes, owner_reduction_bytes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -356,7 +180,12 @@ def _blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def row_message_nbytes(spec: CodecSpec, numel: int) -> int:
-    """Bytes of one message of [`encode_rows`], of a row of `numel` entries: `ceil(numel / B) * (4 + B * bits / 8)`."""
+    """
+    Bytes of one message of [`encode_rows`], of a row of `numel` entries: `ceil(numel / B) * (4 + B * bits / 8)`, or
+    `4 numel` at 32 bits (the fp32 values as they are).
+    """
+    if spec.bits == 32:
+        return 4 * numel
     return BlockMessages(spec, align=1).fixed_nbytes(num_blocks(numel, spec.block_size))
 
 
@@ -368,13 +197,15 @@ def encode_rows(kernels: Kernels, spec: CodecSpec, rows: torch.Tensor) -> tuple[
 
     Args:
         kernels (`Kernels`): the codec's kernels of the transport.
-        spec (`CodecSpec`): bits (4, 8 or 16) and block size.
+        spec (`CodecSpec`): bits (4, 8 or 16; 32: the fp32 values as they are) and block size.
         rows (`torch.Tensor`): `[n, S]` fp32, finite.
 
     Returns:
         `(messages, decoded)`: `[n, nbytes]` uint8 messages and the `[n, S]` fp32 values the receivers decode.
     """
     n, numel = rows.shape
+    if spec.bits == 32:
+        return rows.contiguous().view(torch.uint8).reshape(n, 4 * numel), rows
     codes, absmax, _ = kernels.encode(_blocks(rows, spec.block_size), None, None, spec.bits)
     decoded, _ = kernels.decode([codes], [absmax], None, spec.bits, 1.0)
     return BlockMessages(spec, align=1).pack_rows(codes, absmax, n), decoded.reshape(n, -1)[:, :numel]
@@ -393,6 +224,8 @@ def poison_rows(spec: CodecSpec, messages: torch.Tensor, nonfinite: torch.Tensor
 
 def decode_rows(kernels: Kernels, spec: CodecSpec, messages: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of [`encode_rows`]: `[n, nbytes]` uint8 messages -> `[n, S]` fp32 (`code * step`, one multiply each)."""
+    if spec.bits == 32:
+        return messages.contiguous().view(torch.float32)
     n = messages.shape[0]
     codes, absmax = BlockMessages(spec, align=1).unpack_rows(messages, num_blocks(numel, spec.block_size))
     decoded, _ = kernels.decode([codes], [absmax], None, spec.bits, 1.0)
@@ -400,75 +233,19 @@ def decode_rows(kernels: Kernels, spec: CodecSpec, messages: torch.Tensor, numel
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Owner reduction (DeepSpeed's compressed all-reduce: the per-step hook's `allreduce` mode, the sync from 3 ranks)
+# The halves of owner reduction (the sender's, the owner's, every rank's last)
 # ----------------------------------------------------------------------------------------------------------------
-
-_MAX_SLICES = 8  # owned blocks in more ranges than this are gathered with an index instead of slices
-
-
-def owned_blocks(run, world_size: int, device) -> list[tuple]:
-    """
-    Per rank, the blocks of a [`~grpo_hf.compression.layout.Run`] it owns, as `(ranges, index)` on `device`: the
-    `owned` argument of the functions below.
-    """
-    return [(r, index.to(device)) for r, index in zip(run.owned_ranges(world_size), run.owned_blocks(world_size))]
-
-
-def _as_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """
-    Two `[n, m]` tensors of narrow entries (codes, bf16) seen as int64 words when the bytes of both allow, else as
-    they are: the same memory, and `index_select` / `index_copy_` move 8 bytes per element instead of 1 or 2 (several
-    times faster on CPU).
-    """
-
-    def fits(t: torch.Tensor) -> bool:
-        nbytes = t.shape[-1] * t.element_size() if t.dim() == 2 else 0
-        return t.element_size() < 8 and nbytes > 0 and nbytes % 8 == 0 and t.is_contiguous() and t.data_ptr() % 8 == 0
-
-    if fits(a) and fits(b):
-        return a.view(torch.int64), b.view(torch.int64)
-    return a, b
-
-
-def take_owned(rows: torch.Tensor, owned: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The rows of `owned` (`(ranges, index)`), one after the other (a view when there is one range and no `out`)."""
-    ranges, index = owned
-    if len(ranges) > _MAX_SLICES:
-        if out is None:
-            out = torch.empty(index.numel(), *rows.shape[1:], dtype=rows.dtype, device=rows.device)
-        rows_words, out_words = _as_words(rows, out)
-        torch.index_select(rows_words, 0, index, out=out_words)
-        return out
-    if out is None and len(ranges) == 1:
-        return rows[ranges[0][0] : ranges[0][1]]
-    pieces = [rows[start:end] for start, end in ranges]
-    if out is None:
-        return torch.cat(pieces) if pieces else rows[:0]
-    return torch.cat(pieces, out=out) if pieces else out
-
-
-def put_owned(rows: torch.Tensor, owned: tuple, values: torch.Tensor) -> None:
-    """Inverse of [`take_owned`]: write `values` into the rows of `owned`."""
-    ranges, index = owned
-    if len(ranges) > _MAX_SLICES:
-        rows_words, values_words = _as_words(rows, values.contiguous())
-        rows_words.index_copy_(0, index, values_words)
-        return
-    offset = 0
-    for start, end in ranges:
-        rows[start:end].copy_(values[offset : offset + end - start])
-        offset += end - start
 
 
 def _count(owned: tuple) -> int:
     return owned[1].numel()
 
 
-def encode_to_owners(kernels: Kernels, spec: CodecSpec, rows, residual, owned: list[tuple], scale=None,
-                     clip: float | None = None, ks: list[int] | None = None, messages=None):  # fmt: skip
+def _encode_to_owners(kernels: Kernels, spec: CodecSpec, rows, residual, owned: list[tuple], scale=None,
+                      clip: float | None = None, ks: list[int] | None = None, messages=None):  # fmt: skip
     """
     The sender's half of owner reduction: this rank's `rows + residual` as one message per owner, of the blocks it
-    owns (`owned[owner]`, `(ranges, index)` as [`owned_blocks`] gives them); the residual is replaced in place.
+    owns (`owned[owner]`, `(ranges, index)` as [`~grpo_hf.compression.layout.owned_blocks`] gives them); the residual is replaced in place.
 
     At density 1 the rows are encoded in one kernel call and each owner's codes and absmax are cut out, into
     `messages[owner]` when given (fixed sizes) or packed (2 bits); below it each owner's blocks are a top-k message of
@@ -507,8 +284,8 @@ def encode_to_owners(kernels: Kernels, spec: CodecSpec, rows, residual, owned: l
     return messages, new_residual
 
 
-def reduce_owned(kernels: Kernels, spec: CodecSpec, contributions: list, residual: torch.Tensor, scale=None,
-                 clip: float | None = None, k: int | None = None, message=None):  # fmt: skip
+def _reduce_owned(kernels: Kernels, spec: CodecSpec, contributions: list, residual: torch.Tensor, scale=None,
+                  clip: float | None = None, k: int | None = None, message=None):  # fmt: skip
     """
     The owner's half: decode the `W` contributions to the blocks it owns (`contributions`, in rank order), average
     them, and compress the mean again with the owner's own error feedback (`residual`, `[n, B]`, replaced in place).
@@ -519,8 +296,8 @@ def reduce_owned(kernels: Kernels, spec: CodecSpec, contributions: list, residua
     return encode(kernels, spec, mean, residual, scale, clip, k, message, in_place=True)
 
 
-def decode_from_owners(kernels: Kernels, spec: CodecSpec, messages: list, owned: list[tuple], nblocks: int,
-                       scale=None, out=None, ema=None, beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
+def _decode_from_owners(kernels: Kernels, spec: CodecSpec, messages: list, owned: list[tuple], nblocks: int,
+                        scale=None, out=None, ema=None, beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
     """
     Every rank's last half: the owners' messages (`messages[owner]`, e.g. the all-gathered ones) decoded into the
     `[nblocks, B]` rows of the run, the same bits on every rank. At density 1 the owners' codes are put back in block
@@ -551,66 +328,373 @@ def decode_from_owners(kernels: Kernels, spec: CodecSpec, messages: list, owned:
     return _decode_codes(kernels, spec.bits, [codes], [absmax], scale, 1, out, ema, beta, max_blocks)
 
 
-def exchange_with_owners(comm: Collectives, send: torch.Tensor, sizes: list[int],
-                         reduce_into: Callable[[list[torch.Tensor], torch.Tensor], object],
-                         payload: torch.Tensor | None = None,
-                         count_as: int | None = None) -> tuple[list[torch.Tensor], float]:  # fmt: skip
+# ----------------------------------------------------------------------------------------------------------------
+# The exchange
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Residual(Protocol):
+    """Where a run's error feedback lives: `read` the `[n, B]` bf16 row (the encode may write it in place), `write`."""
+
+    def read(self, block_size: int) -> torch.Tensor: ...
+
+    def write(self, row: torch.Tensor) -> None: ...
+
+
+@dataclass(eq=False)
+class Part:
     """
-    The collectives of owner reduction when the messages' sizes are known in advance (no top-k, no 2 bits): the
-    all-to-all of this rank's part for each owner, the owner's half on this rank, the all-gather of the owners'
-    messages, padded to the longest.
+    One run of an exchange: its layout, the rows it sends, where its error feedback lives and where its mean goes.
 
     Args:
-        comm (`Collectives`): the collectives of the `W` ranks.
-        send (`torch.Tensor`): `uint8`, this rank's parts for the owners one after the other (`sizes[j]` bytes for
-            owner `j`), e.g. written by [`encode_to_owners`].
-        sizes (`list[int]`): the bytes of each owner's part, the same on every rank; an owner's message is as long as
-            each part it receives (the same blocks, compressed again).
-        reduce_into (`Callable`): the owner's half, called once as `reduce_into(contributions, message)` with the `W`
-            parts this rank received (rank order) and its message of `sizes[rank]` bytes to write, e.g. with
-            [`reduce_owned`].
-        payload (`torch.Tensor`, *optional*): `max(sizes)` bytes to write the message into and gather from (a work
-            buffer kept from step to step); fresh zeros when `None`.
+        run (`~grpo_hf.compression.layout.Run`): spec, blocks, the values a message keeps and who owns which blocks.
+        rows (`torch.Tensor`): `[n, B]`, any float dtype: what this rank sends (a gradient, a pseudo-gradient).
+        residual (`Residual`): this rank's error feedback of the run.
+        out (`torch.Tensor`, *optional*): `[n, B]` to decode the mean into (it may be `rows`); `None`: `write` is
+            called with a fresh fp32 tensor.
+        write (`Callable`, *optional*): takes the decoded mean when there is no `out`.
+        scale (`torch.Tensor`, *optional*): `[n, B]` bf16 gradient scales, the same on every rank.
+        ema (`torch.Tensor`, *optional*): `[n, B]` fp32 EMA of the squared mean, updated by the decode.
+        owner_residual (`Residual`, *optional*): owner reduction: the error feedback of the blocks this rank owns.
+    """
+
+    run: Run
+    rows: torch.Tensor
+    residual: Residual
+    out: torch.Tensor | None = None
+    write: Callable[[torch.Tensor], None] | None = None
+    scale: torch.Tensor | None = None
+    ema: torch.Tensor | None = None
+    owner_residual: Residual | None = None
+
+
+class Exchange:
+    r"""
+    One transport's exchange of compressed rows among the ranks of `comm` (see the module docstring).
+
+    Example (what the sync every H steps does with one run of `Δ`):
+
+    ```python
+    >>> exchange = Exchange(kernels, Collectives(state))
+    >>> exchange.start_all_gather([Part(run, delta_rows, residual, out=delta_rows)]).finish()  # delta_rows: the mean
+    ```
+
+    Args:
+        kernels (`~grpo_hf.compression.codec.Kernels`): the codec's kernels.
+        comm (`~grpo_hf.compression.collectives.Collectives`): the collectives; their `stats` receive the bytes.
         count_as (`int`, *optional*): the world size the bytes are counted for, when one process stands for that many
             ranks (`compress_locally`); `comm.world_size` when `None`.
-
-    Returns:
-        `(messages, nbytes)`: the owners' messages (owner order, `sizes[j]` bytes each, views of the gathered
-        buffer: for [`decode_from_owners`]) and the bytes one rank sends
-        ([`~grpo_hf.compression.traffic.owner_reduction_bytes`]).
+        clip (`float`, *optional*): with gradient scales, the most scales an entry sends per step.
+        beta (`float`, *optional*, defaults to `0.0`): the EMA factor of the parts' `ema`.
+        workspace (`Callable`, *optional*): `workspace(kind, length, device, dtype)` gives a work buffer kept from step
+            to step (the DDP hook's); fresh tensors when `None`.
+        decode_chunk (`int`, *optional*): decode at most this many entries per kernel call (the eager kernel's
+            temporaries stay a chunk's).
+        count_kept (`bool`, *optional*, defaults to `False`): count the values sent into `stats.kept`.
     """
-    world_size, rank = comm.world_size, comm.rank
-    received = comm.all_to_all(send, sizes, [sizes[rank]] * world_size)
-    if payload is None:
-        payload = torch.zeros(max(sizes), dtype=torch.uint8, device=send.device)
-    else:
-        payload[sizes[rank] :].zero_()  # the padding up to the longest owner's message
-    reduce_into(split_messages(received, [sizes[rank]] * world_size), payload[: sizes[rank]])
-    gathered = comm.all_gather(payload)
-    messages = [gathered[owner, : sizes[owner]] for owner in range(world_size)]
-    return messages, owner_reduction_bytes(sizes, world_size if count_as is None else count_as)
+
+    def __init__(self, kernels: Kernels, comm: Collectives, count_as: int | None = None, clip: float | None = None,
+                 beta: float = 0.0, workspace: Callable | None = None, decode_chunk: int | None = None,
+                 count_kept: bool = False):  # fmt: skip
+        self.kernels, self.comm, self.clip, self.beta = kernels, comm, clip, beta
+        self.count_as = comm.world_size if count_as is None else count_as
+        self.workspace, self.decode_chunk, self.count_kept = workspace, decode_chunk, count_kept
+
+    @property
+    def stats(self):
+        return self.comm.stats
+
+    def _max_blocks(self, spec: CodecSpec) -> int | None:
+        return None if self.decode_chunk is None else max(1, self.decode_chunk // spec.block_size)
+
+    def _buffer(self, kind, length: int, device, dtype) -> torch.Tensor:
+        if self.workspace is None:
+            return torch.empty(length, dtype=dtype, device=device)
+        return self.workspace(kind, length, device, dtype)
+
+    def _with_feedback(self, residual: Residual, spec: CodecSpec, encoder, rows, *args, keep: bool = False, **kwargs):
+        """
+        The error feedback of every encode: the residual row read, `encoder(kernels, spec, rows, residual_row, ...)`
+        (which adds it and returns `(message, new_row)`), the new row written; with `keep` it is returned instead, for
+        the caller to write once the exchange's outcome is known.
+        """
+        message, new_row = encoder(self.kernels, spec, rows, residual.read(spec.block_size), *args, **kwargs)
+        if keep:
+            return message, new_row
+        residual.write(new_row)
+        return message, None
+
+    # --- small collectives: the NaN/Inf flag, the tensors sent dense ---
+    def agree_flag(self, flag: bool, device) -> "Started":
+        """Start the all-reduce (max) of this rank's NaN/Inf `flag`; `wait()` gives the agreed one as a 1-tensor."""
+        started = self.comm.start_all_reduce(torch.tensor([int(flag)], device=device), op=dist.ReduceOp.MAX)
+        self.stats.bytes_sent += allreduce_bytes(FLAG_BYTES, self.count_as)
+        return started
+
+    def start_mean(self, vector: torch.Tensor) -> "Mean":
+        """Start the all-reduce of `vector` (sent as it is, e.g. fp32); `wait()` divides it by `W` in place."""
+        started = self.comm.start_all_reduce(vector)
+        self.stats.bytes_sent += allreduce_bytes(vector.numel() * vector.element_size(), self.count_as)
+        if self.count_kept:
+            self.stats.kept += vector.numel()
+        return Mean(started, self.comm.world_size)
+
+    # --- all-gather ---
+    def start_all_gather(self, parts: list[Part], tag: int = 0, keep_residuals: bool = False) -> "Gathered":
+        """
+        Encode the parts with their residuals and start the all-gather of this rank's messages (one collective for all
+        of them; `tag` tells apart the send/recv pairs of exchanges under way at once). With `keep_residuals` the new
+        residuals are written only by [`Gathered.finish`] (an exchange whose outcome is not known yet). Sizes known
+        (density 1, 4 to 16 bits): encoded straight into this rank's part of the gather; else each rank's total is
+        announced and every rank's messages are padded to the longest.
+        """
+        comm, stats, device = self.comm, self.stats, parts[0].rows.device
+        fixed = [message_nbytes(part.run.spec, part.run.num_blocks) for part in parts]
+        fixed = fixed if all(size is not None for size in fixed) else None
+        if fixed is not None:  # in place: this rank's part of the output
+            total = sum(fixed)
+            gathered = self._buffer(("gathered", tag), comm.world_size * total, device, torch.uint8)
+            payload = gathered[comm.rank * total : (comm.rank + 1) * total]
+            slots = split_messages(payload, fixed)
+        messages, kept = [], []
+        for index, part in enumerate(parts):
+            slot = None if fixed is None else slots[index]
+            message, new_residual = self._with_feedback(part.residual, part.run.spec, encode, part.rows, part.scale,
+                                                        self.clip, part.run.num_values(), slot,
+                                                        in_place=not keep_residuals, keep=keep_residuals)  # fmt: skip
+            messages.append(message)
+            kept.append(new_residual)
+            if self.count_kept:
+                stats.kept += min(part.run.num_values(), part.run.numel)
+        if fixed is not None:
+            started = comm.start_all_gather(payload, gathered, tag=tag)
+            stats.bytes_sent += allgather_bytes(payload.numel(), self.count_as)
+        else:
+            payload = torch.cat(messages)
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+            totals = comm.all_gather(size, tag=tag).view(-1).tolist()  # (another tag's may be under way)
+            stats.bytes_sent += allgather_bytes(SIZE_BYTES, self.count_as)
+            longest = max(totals)
+            started = comm.start_all_gather(torch.nn.functional.pad(payload, (0, longest - payload.numel())), tag=tag)
+            stats.bytes_sent += allgather_bytes(longest, self.count_as)
+        return Gathered(self, parts, started, fixed, kept if keep_residuals else None)
+
+    # --- owner reduction ---
+    def reduce_with_owners(self, parts: list[Part]) -> list[torch.Tensor | None]:
+        """
+        Owner reduction of the parts (blocking): this rank's blocks of every part go to their owners (one all-to-all),
+        each owner averages the `W` contributions to its blocks and compresses the mean again with its own residual
+        (the parts' `owner_residual`), the owners' messages are all-gathered and every rank decodes them in owner
+        order. Returns each part's new EMA (`None` without one).
+        """
+        comm, stats, kernels = self.comm, self.stats, self.kernels
+        world_size, rank, device = comm.world_size, comm.rank, parts[0].rows.device
+        block_rows = [owned_blocks(part.run, world_size, device) for part in parts]  # per part and rank
+        counts = [[index.numel() for _, index in owned] for owned in block_rows]  # per part and rank: blocks owned
+        fixed = [[message_nbytes(part.run.spec, count[r]) for part, count in zip(parts, counts)]
+                 for r in range(world_size)]  # fmt: skip
+        known = all(size is not None for sizes in fixed for size in sizes)
+        empty = torch.zeros(0, dtype=torch.uint8, device=device)
+        to_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+        if known:  # sizes known: every message is written in place into one send buffer
+            send_sizes = [sum(sizes) for sizes in fixed]
+            send = self._buffer("send", sum(send_sizes), device, torch.uint8)
+            to_rank = [split_messages(piece, sizes) for piece, sizes in zip(split_messages(send, send_sizes), fixed)]
+        for index, (part, owned) in enumerate(zip(parts, block_rows)):
+            run = part.run
+            ks = None  # top-k: the values each owner's message keeps
+            if run.spec.density < 1.0:
+                block = run.spec.block_size
+                ks = [run.num_values(n * block, run.owned_numel(world_size, r)) for r, n in enumerate(counts[index])]
+            mine = [m[index] for m in to_rank] if known else None
+            messages, _ = self._with_feedback(part.residual, run.spec, _encode_to_owners, part.rows, owned, part.scale,
+                                              self.clip, ks, mine)  # fmt: skip
+            if not known:
+                for owner, message in enumerate(messages):
+                    to_rank[owner].append(message)
+            if self.count_kept and ks is None:
+                stats.kept += min(run.num_values(), run.numel)
+            elif self.count_kept:
+                stats.kept += sum(min(k, run.owned_numel(world_size, o)) for o, k in enumerate(ks) if counts[index][o])
+
+        def reduce_into(contributions: list[torch.Tensor], message: torch.Tensor | None = None) -> list[torch.Tensor]:
+            """The owner's half of every part, into `message` (the parts' messages one after the other) when sizes are
+            known; returns the message of each part."""
+            if known:
+                received = [split_messages(c, fixed[rank]) for c in contributions]
+                slots = split_messages(message, fixed[rank])
+            else:
+                mine_runs = [(part.run.spec, count[rank]) for part, count in zip(parts, counts)]
+                received, slots = [walk_messages(c, mine_runs) for c in contributions], [None] * len(parts)
+            out = []
+            for index, (part, owned) in enumerate(zip(parts, block_rows)):
+                run, nblocks = part.run, counts[index][rank]
+                if nblocks == 0:
+                    out.append(empty)
+                    continue
+                mine = None if part.scale is None else take_owned(part.scale, owned[rank])
+                k = run.num_values(nblocks * run.spec.block_size, run.owned_numel(world_size, rank))
+                message, _ = self._with_feedback(part.owner_residual, run.spec, _reduce_owned,
+                                                 [r[index] for r in received], mine, self.clip, k, slots[index])  # fmt: skip
+                out.append(message)
+            return out
+
+        if known:  # the owner's message written in place into the all-gather's payload
+            payload = None if self.workspace is None else self._buffer("owned", max(send_sizes), device, torch.uint8)
+            owner_messages = self._with_owners(send, send_sizes, reduce_into, payload)
+            per_owner = [split_messages(message, sizes) for message, sizes in zip(owner_messages, fixed)]
+        else:
+            per_owner = self._with_owners_announced(to_rank, reduce_into, parts, counts, empty)
+        emas = []
+        for index, (part, owned) in enumerate(zip(parts, block_rows)):
+            values, new_ema = _decode_from_owners(kernels, part.run.spec, [per_owner[r][index] for r in range(world_size)],
+                                                  owned, part.run.num_blocks, part.scale, part.out, part.ema,
+                                                  self.beta, self._max_blocks(part.run.spec))  # fmt: skip
+            if part.out is None:
+                part.write(values)
+            emas.append(new_ema)
+        return emas
+
+    def _with_owners(self, send: torch.Tensor, sizes: list[int], reduce_into, payload=None) -> list[torch.Tensor]:
+        """
+        Owner reduction's collectives, sizes known (no top-k, no 2 bits): the all-to-all of this rank's part for each
+        owner (`sizes[j]` bytes for owner `j`), the owner's half here (`reduce_into(contributions, message)`), the
+        all-gather of the owners' messages padded to the longest. Returns the owners' messages (views).
+        """
+        comm = self.comm
+        world_size, rank = comm.world_size, comm.rank
+        received = comm.all_to_all(send, sizes, [sizes[rank]] * world_size)
+        if payload is None:
+            payload = torch.zeros(max(sizes), dtype=torch.uint8, device=send.device)
+        else:
+            payload[sizes[rank] :].zero_()  # the padding up to the longest owner's message
+        reduce_into(split_messages(received, [sizes[rank]] * world_size), payload[: sizes[rank]])
+        gathered = comm.all_gather(payload)
+        self.stats.bytes_sent += owner_reduction_bytes(sizes, self.count_as)
+        return [gathered[owner, : sizes[owner]] for owner in range(world_size)]
+
+    def _with_owners_announced(self, to_rank, reduce_into, parts, counts, empty) -> list[list[torch.Tensor]]:
+        """The collectives of owner reduction when sizes depend on the data: announced first (every rank learns every
+        rank's total, to count the same bytes); returns the owners' messages of each part."""
+        comm, stats, count_as = self.comm, self.stats, self.count_as
+        world_size, device = comm.world_size, empty.device
+        sends = [torch.cat(messages) if messages else empty for messages in to_rank]
+        send, send_splits = torch.cat(sends), [s.numel() for s in sends]
+        meta = torch.tensor(send_splits, dtype=torch.int64, device=device)
+        recv_totals = comm.all_to_all(meta, [1] * world_size, [1] * world_size).tolist()
+        totals = comm.all_gather(meta.sum().view(1)).view(-1).tolist()
+        stats.bytes_sent += alltoall_bytes(SIZE_BYTES * world_size, count_as) + allgather_bytes(SIZE_BYTES, count_as)
+        stats.bytes_sent += alltoall_bytes(sum(totals) / world_size, count_as)
+        received = comm.all_to_all(send, send_splits, recv_totals)
+        payload = torch.cat(reduce_into(split_messages(received, recv_totals)))
+        totals = comm.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device)).view(-1).tolist()
+        stats.bytes_sent += allgather_bytes(SIZE_BYTES, count_as)
+        longest = max(totals)
+        gathered = comm.all_gather(torch.nn.functional.pad(payload, (0, longest - payload.numel())))
+        stats.bytes_sent += allgather_bytes(longest if world_size > 1 else longest / count_as, count_as)
+        return [walk_messages(gathered[r], [(part.run.spec, count[r]) for part, count in zip(parts, counts)])
+                for r in range(world_size)]  # fmt: skip
+
+    # --- FSDP2's reduce-scatter ---
+    def reduce_scatter(self, chunks: torch.Tensor, spec: CodecSpec, residual=None, average: bool = True):
+        """
+        Each rank's chunk `j` of `chunks` (`[W, S]`, chunk `j` what rank `j` owns) to its owner as one row message
+        ([`encode_rows`]; `spec.bits == 32`: fp32 as it is), in one all-to-all of equal-size messages; the owner sums
+        the `W` contributions in rank order, its own chunk exact, and divides by `W` when `average`.
+
+        A row holding a NaN/Inf reaches its owner as NaN ([`poison_rows`]). With a `residual` (`read()`: the fp32
+        `[W - 1, S]` values to add, `None` at first; `write(values)`: what was not sent, for a finite step only), the
+        rows sent carry error feedback.
+
+        Returns:
+            `(total, finite)`: this rank's `[S]` fp32 chunk of the result, and whether the rows it sent were finite.
+        """
+        comm, stats = self.comm, self.stats
+        world_size, rank = comm.world_size, comm.rank
+        numel = chunks.shape[1]
+        others = [j for j in range(world_size) if j != rank]
+        rows = chunks[others].float()  # [W - 1, S]: a copy
+        stored = residual.read() if residual is not None else None
+        if stored is not None:
+            rows += stored
+        finite = bool(torch.isfinite(rows).all())
+        bad = None if finite or spec.bits == 32 else ~torch.isfinite(rows)
+        messages, decoded = encode_rows(self.kernels, spec, rows if bad is None else torch.where(bad, 0.0, rows))
+        if bad is not None:
+            poison_rows(spec, messages, bad)
+        if residual is not None and finite:
+            residual.write(rows - decoded)
+        size = messages.shape[1]
+        send = torch.zeros(world_size, size, dtype=torch.uint8, device=chunks.device)
+        send[others] = messages
+        received = comm.all_to_all(send.view(-1), [size] * world_size, [size] * world_size).view(world_size, size)
+        stats.bytes_sent += alltoall_bytes(world_size * size, self.count_as)  # a message to each other rank
+        incoming = decode_rows(self.kernels, spec, received[others], numel)
+        total = chunks[0].float() if rank == 0 else incoming[0].clone()
+        for source in range(1, world_size):
+            total += chunks[rank].float() if source == rank else incoming[source - (source > rank)]
+        if average:
+            total /= world_size
+        return total, finite
+
+
+class Gathered:
+    """
+    An all-gather of [`Exchange.start_all_gather`] under way: [`wait`] waits for it, [`finish`] also decodes every part
+    (its mean into `out`, or handed to `write`), after writing the residuals kept for later, and returns each part's
+    new EMA (`None` without one).
+    """
+
+    def __init__(self, exchange: Exchange, parts: list[Part], started: Started, fixed, kept):
+        self.exchange, self.parts, self.started, self.fixed, self.kept = exchange, parts, started, fixed, kept
+
+    def wait(self) -> torch.Tensor:
+        return self.started.wait()
+
+    def finish(self) -> list[torch.Tensor | None]:
+        exchange, gathered = self.exchange, self.wait()
+        world_size = gathered.shape[0]
+        for part, new_residual in zip(self.parts, self.kept or ()):
+            part.residual.write(new_residual)
+        if self.fixed is not None:
+            per_rank = [split_messages(gathered[r], self.fixed) for r in range(world_size)]
+        else:
+            runs = [(part.run.spec, part.run.num_blocks) for part in self.parts]
+            per_rank = [walk_messages(gathered[r], runs) for r in range(world_size)]
+        emas = []
+        for index, part in enumerate(self.parts):
+            values, new_ema = decode(exchange.kernels, part.run.spec, [per_rank[r][index] for r in range(world_size)],
+                                     part.run.num_blocks, part.scale, world_size, part.out, part.ema, exchange.beta,
+                                     exchange._max_blocks(part.run.spec))  # fmt: skip
+            if part.out is None:
+                part.write(values)
+            emas.append(new_ema)
+        return emas
+
+
+class Mean:
+    """The all-reduce of [`Exchange.start_mean`] under way: [`wait`] returns the vector, divided by `W` in place."""
+
+    def __init__(self, started: Started, world_size: int):
+        self.started, self.world_size = started, world_size
+
+    def wait(self) -> torch.Tensor:
+        return self.started.wait().div_(self.world_size)
 
 
 __all__ = [
-    "EMULATED_LINK",
-    "LINK_ENV",
-    "Collectives",
-    "EmulatedLink",
-    "Started",
+    "Exchange",
+    "Gathered",
+    "Mean",
+    "Part",
+    "Residual",
     "decode",
-    "decode_from_owners",
     "decode_rows",
     "encode",
     "encode_rows",
-    "encode_to_owners",
-    "exchange_with_owners",
     "message_nbytes",
-    "owned_blocks",
     "poison_rows",
-    "put_owned",
-    "reduce_owned",
     "row_message_nbytes",
     "split_messages",
-    "take_owned",
     "walk_messages",
 ]

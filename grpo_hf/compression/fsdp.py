@@ -15,7 +15,7 @@ Example:
 ...     fully_shard(layer)
 >>> fully_shard(model)
 >>> state = FSDPCommState(bits=8, error_feedback="none")
->>> install_compressed_reduce_scatter(model, state)  # before the first backward
+>>> install_compressed_reduce_scatter(model, state)  # before the first backward (or `state.attach(model, model, opt)`)
 >>> for batch in batches:
 ...     model(**batch).loss.backward()
 ...     optimizer.step()
@@ -31,7 +31,9 @@ padding included) is what rank `j` owns. On rank `r`:
 1. The `W - 1` chunks it does not own are encoded: with error feedback, the residual of the chunk is added first and
    what the codec does not transmit becomes the new residual. The codec cuts a chunk into blocks of `block_size`
    entries, each sent as one fp32 absmax scale and `bits`-bit codes (`bits=32`: the fp32 values as they are).
-2. One `all_to_all_single` of equal-sized byte messages: rank `r` receives the `W - 1` messages for its own chunk.
+2. One all-to-all of equal-sized byte messages ([`~grpo_hf.compression.exchange.Exchange.reduce_scatter`], through
+   the timed [`~grpo_hf.compression.collectives.Collectives`], an emulated slow link included): rank `r` receives the
+   `W - 1` messages for its own chunk.
 3. The owner decodes them and sums the `W` contributions in rank order, its own chunk exact (it never travels); with
    `op=AVG` (FSDP's default for fp32 and bf16 gradients) it divides by `W`, with `op=SUM` not (FSDP then divides by
    its `gradient_divide_factor` itself), exactly as the built-in reduce-scatter does. The sum is written into
@@ -81,64 +83,46 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..choices import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES, check_comm_settings
 from .codec import compile_kernels
-from .exchange import decode_rows, encode_rows, poison_rows, row_message_nbytes
+from .collectives import Collectives
+from .exchange import Exchange, decode_rows, encode_rows
 from .spec import DEFAULT_BLOCK_SIZE, CodecSpec
-from .traffic import StepStats, TrafficStats, alltoall_bytes, reduce_scatter_bytes
+from .traffic import StepStats, TrafficStats, reduce_scatter_bytes
+from .transport import FSDP_MODE, CommState, SavedComms
 
 
 logger = logging.getLogger(__name__)
 
-FSDP_MODE = "fsdp-reduce-scatter"
-ERROR_FEEDBACK_CHOICES = ("none", "worker-bf16", "worker-int8")
-DEFAULT_FSDP_ERROR_FEEDBACK = "none"
 STATE_VERSION = 1
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Messages of the project's codec (`exchange.py`'s row messages: the DDP hook's kernels and message layout)
-# ----------------------------------------------------------------------------------------------------------------
-
 FSDP_BITS = (4, 8, 16, 32)  # 2-bit codes need a variable-size message; one all-to-all needs equal sizes
-_KERNELS: list = []
 
 
-def _kernels():
-    """The codec's kernels of this process (compiled where a compiler works; every rank makes the same choice)."""
-    if not _KERNELS:
-        _KERNELS.append(compile_kernels(os.environ.get("GRPO_HF_COMPILE_CODEC", "1") != "0"))
-    return _KERNELS[0]
-
-
-def message_nbytes(numel: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Bytes of one encoded chunk of `numel` entries: `ceil(numel / B) * (4 + B * bits / 8)`, or `4 numel` at 32 bits."""
-    if bits == 32:
-        return 4 * numel
-    return row_message_nbytes(CodecSpec(bits=bits, block_size=block_size), numel)
-
-
-def _encode(rows: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+class _StagedResidual:
     """
-    Encode `[n, S]` finite fp32 rows into `[n, message_nbytes(S)]` uint8 messages (the fp32 absmax of the blocks, then
-    their codes: [`~grpo_hf.compression.exchange.encode_rows`]) and return them with the values the receivers decode
-    (`[n, S]` fp32).
+    One unit's error feedback as [`~grpo_hf.compression.exchange.Exchange.reduce_scatter`] reads and writes it: the
+    committed residual of its `W - 1` chunks (bf16, or 8-bit blocks), and the new one staged until [`FSDPCommState.end_step`].
     """
-    n, numel = rows.shape
-    if bits == 32:
-        return rows.contiguous().view(torch.uint8).reshape(n, 4 * numel), rows
-    return encode_rows(_kernels(), CodecSpec(bits=bits, block_size=block_size), rows)
 
+    __slots__ = ("state", "key", "numel")
 
-def _decode(messages: torch.Tensor, numel: int, bits: int, block_size: int) -> torch.Tensor:
-    """Inverse of [`_encode`]: `[n, message_nbytes(S)]` uint8 -> `[n, S]` fp32 (`code * step`, one multiply each)."""
-    if bits == 32:
-        return messages.contiguous().view(torch.float32)
-    return decode_rows(_kernels(), CodecSpec(bits=bits, block_size=block_size), messages, numel)
+    def __init__(self, state: "FSDPCommState", key: str, numel: int):
+        self.state, self.key, self.numel = state, key, numel
 
+    def read(self) -> torch.Tensor | None:
+        stored = self.state.residuals.get(self.key)
+        if stored is None:
+            return None
+        if self.state.error_feedback == "worker-int8":
+            return decode_rows(self.state.kernels, self.state._residual_spec(), stored, self.numel)
+        return stored.float()
 
-def _poison(messages: torch.Tensor, bad_rows: torch.Tensor, numel: int, bits: int, block_size: int) -> None:
-    """Make the blocks of `[n, S]` rows that held a NaN/Inf (`bad_rows`, bool `[n, S]`) decode to NaN (below 32 bits)."""
-    poison_rows(CodecSpec(bits=bits, block_size=block_size), messages, bad_rows)
+    def write(self, values: torch.Tensor) -> None:
+        if self.state.error_feedback == "worker-int8":
+            stored = encode_rows(self.state.kernels, self.state._residual_spec(), values)[0].clone()
+        else:
+            stored = values.to(torch.bfloat16)
+        self.state._staged[self.key] = stored
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,7 +130,7 @@ def _poison(messages: torch.Tensor, bad_rows: torch.Tensor, numel: int, bits: in
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class FSDPCommState:
+class FSDPCommState(CommState):
     r"""
     Settings, error-feedback residuals and traffic statistics of [`GRPOReduceScatter`] (see the module docstring for
     the algorithm, the bytes and the warnings).
@@ -161,6 +145,9 @@ class FSDPCommState:
             Optimizer steps sent as fp32 before compression starts.
         block_size (`int`, *optional*, defaults to `128`):
             Entries per scale.
+        compile_codec (`bool`, *optional*):
+            Run the codec's kernels compiled by `torch.compile` (`True`) or eagerly (`False`). `None` (default):
+            compiled unless the environment variable `GRPO_HF_COMPILE_CODEC=0` is set.
     """
 
     __slots__ = (
@@ -170,6 +157,7 @@ class FSDPCommState:
         "dense_warmup_steps",
         # --- seldom tuned ---
         "block_size",
+        "compile_codec",
         # --- internal state (checkpointed) ---
         "mode",
         "world_size",
@@ -178,12 +166,17 @@ class FSDPCommState:
         "step",
         "hook_calls",
         # --- per step ---
+        "kernels",
         "_staged",
         "_nonfinite",
         "stats",
         # --- statistics ---
         "traffic",
         "_logged",
+    )
+    nonfinite_origin = (
+        "They were NaN/Inf as the backward pass and FSDP2's compressed reduce-scatter delivered them (its residuals "
+        "stay unchanged for such a step)"
     )
 
     def __init__(
@@ -192,22 +185,22 @@ class FSDPCommState:
         error_feedback: str = DEFAULT_FSDP_ERROR_FEEDBACK,
         dense_warmup_steps: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        compile_codec: bool | None = None,
     ):
         if isinstance(bits, bool) or bits not in FSDP_BITS:
             raise ValueError(
                 f"bits={bits!r}: FSDP2's compressed reduce-scatter sends {FSDP_BITS} bits per entry (its all-to-all "
                 "needs messages of one size; 2-bit codes vary); use grpo_bits=8 (the default) or 4."
             )
-        if error_feedback not in ERROR_FEEDBACK_CHOICES:
-            raise ValueError(f"error_feedback={error_feedback!r}: use one of {ERROR_FEEDBACK_CHOICES}.")
-        if dense_warmup_steps < 0:
-            raise ValueError(f"dense_warmup_steps={dense_warmup_steps}: use 0 or more.")
+        check_comm_settings(error_feedback=error_feedback, dense_warmup_steps=dense_warmup_steps)
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size={block_size}: use a power of two, e.g. 128.")
         self.bits, self.error_feedback = int(bits), error_feedback
         self.dense_warmup_steps, self.block_size = int(dense_warmup_steps), int(block_size)
+        self.compile_codec = compile_codec
         self.mode = FSDP_MODE
         self.world_size, self.rank = 1, 0
+        self.kernels = None  # made at the first reduce-scatter (see `compile_codec`)
         self.residuals: dict[str, torch.Tensor] = {}  # "<unit>:<flat size>" -> this rank's residual of its W-1 chunks
         self.step = 0
         self.hook_calls = 0
@@ -226,6 +219,13 @@ class FSDPCommState:
     def residual_nbytes(self) -> int:
         """Bytes this rank holds in error-feedback residuals (committed ones; a step's staged ones double it briefly)."""
         return sum(t.numel() * t.element_size() for t in self.residuals.values())
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this state holds: `residuals` (committed)."""
+        return {"residuals": self.residual_nbytes()}
+
+    def _residual_spec(self) -> CodecSpec:
+        return CodecSpec(bits=8, block_size=self.block_size)  # "worker-int8": the residual as 8-bit blocks
 
     # --- the reduce-scatter ---
     def reduce_scatter(self, unit: str, output: torch.Tensor, input: torch.Tensor, group, op) -> None:
@@ -254,58 +254,25 @@ class FSDPCommState:
         if numel * world_size != input.numel() or output.numel() != numel:
             raise ValueError(f"reduce-scatter of {input.numel()} entries into {output.numel()} on {world_size} ranks.")
         self._log_once(world_size, rank)
-        chunks = input.view(world_size, numel)
-        others = [j for j in range(world_size) if j != rank]
-        rows = chunks[others].float()  # [W - 1, S]: a copy
+        if self.kernels is None:
+            wanted = self.compile_codec
+            self.kernels = compile_kernels(
+                os.environ.get("GRPO_HF_COMPILE_CODEC", "1") != "0" if wanted is None else wanted
+            )
         dense = self.warming_up or self.bits == 32
-        key = f"{unit}:{input.numel()}"
+        spec = CodecSpec(bits=32 if dense else self.bits, block_size=self.block_size)
         feedback = self.error_feedback != "none" and not dense
-        if feedback and key in self.residuals:
-            rows += self._residual_values(self.residuals[key], numel)
-        finite = bool(torch.isfinite(rows).all())
-        if dense:
-            messages, decoded = _encode(rows, 32, self.block_size)
-        else:
-            bad = None if finite else ~torch.isfinite(rows)
-            clean = rows if finite else torch.where(bad, 0.0, rows)
-            messages, decoded = _encode(clean, self.bits, self.block_size)
-            if not finite:
-                _poison(messages, bad, numel, self.bits, self.block_size)
-        if feedback and finite:
-            self._staged[key] = self._stored_residual(rows - decoded)
+        residual = _StagedResidual(self, f"{unit}:{input.numel()}", numel) if feedback else None
+        exchange = Exchange(self.kernels, Collectives(self, world_size=world_size, rank=rank, group=group))
+        total, finite = exchange.reduce_scatter(input.view(world_size, numel), spec, residual, op == dist.ReduceOp.AVG)
         self._nonfinite |= not finite
-        send = torch.zeros(world_size, messages.shape[1], dtype=torch.uint8, device=input.device)
-        send[others] = messages
-        received = torch.empty_like(send)
-        comm_start = time.perf_counter()
-        dist.all_to_all_single(received, send, group=group)
-        comm_ms = (time.perf_counter() - comm_start) * 1000
-        bits = 32 if dense else self.bits
-        incoming = _decode(received[others], numel, bits, self.block_size)
-        total = chunks[0].float() if rank == 0 else incoming[0].clone()
-        for source in range(1, world_size):
-            total += chunks[rank].float() if source == rank else incoming[source - (source > rank)]
-        if op == dist.ReduceOp.AVG:
-            total /= world_size
         output.copy_(total.view_as(output))
         self.hook_calls += 1
         stats = self.stats
-        stats.bytes_sent += alltoall_bytes(world_size * messages.shape[1], world_size)  # a message to each other rank
         stats.bytes_dense_fp32 += reduce_scatter_bytes(4 * input.numel(), world_size)
         stats.bytes_dense_fp16 += reduce_scatter_bytes(2 * input.numel(), world_size)
         stats.numel += input.numel()
-        stats.comm_ms += comm_ms
         stats.hook_ms += (time.perf_counter() - start) * 1000
-
-    def _residual_values(self, stored: torch.Tensor, numel: int) -> torch.Tensor:
-        if self.error_feedback == "worker-int8":
-            return _decode(stored, numel, 8, self.block_size)
-        return stored.float()
-
-    def _stored_residual(self, residual: torch.Tensor) -> torch.Tensor:
-        if self.error_feedback == "worker-int8":
-            return _encode(residual, 8, self.block_size)[0].clone()
-        return residual.to(torch.bfloat16)
 
     def _log_once(self, world_size: int, rank: int) -> None:
         self.world_size, self.rank = world_size, rank
@@ -321,11 +288,16 @@ class FSDPCommState:
                 world_size,
             )
 
-    # --- steps ---
-    def end_step(self, finite: bool = True) -> None:
+    # --- the transports' protocol ---
+    def attach(self, wrapped: nn.Module, model: nn.Module, optimizer) -> None:
+        """Give every FSDP2 unit of `wrapped` this state's reduce-scatter ([`install_compressed_reduce_scatter`])."""
+        install_compressed_reduce_scatter(wrapped, self)
+
+    def end_step(self, finite: bool = True, last: bool = False) -> float:
         """
         Close an optimizer step: commit the residuals staged by its reduce-scatters when the step was finite on every
-        rank (`finite`) and on this one, drop them otherwise, and add the step to the statistics.
+        rank (`finite`) and on this one, drop them otherwise, and add the step to the statistics. Returns the bytes
+        this rank sent in the step.
         """
         nonfinite = self._nonfinite or not finite
         if not nonfinite:
@@ -333,9 +305,33 @@ class FSDPCommState:
         self._staged = {}
         dense = self.warming_up or nonfinite or self.bits == 32
         self._nonfinite = False
-        self.traffic.close_step(self.stats, dense_steps=dense, nonfinite_steps=nonfinite)
-        self.stats = StepStats()
+        record, self.stats = self.stats, StepStats()
+        self.traffic.close_step(record, dense_steps=dense, nonfinite_steps=nonfinite)
         self.step += 1
+        return record.bytes_sent
+
+    def resumes(self, mode: str | None) -> bool:
+        return mode is None or mode == FSDP_MODE
+
+    def restore(self, saved: SavedComms) -> None:
+        """
+        This rank's own state when the checkpoint was written by as many ranks; otherwise its residuals are dropped
+        with a warning (their chunks are laid out per world size: they cannot be re-split as the DDP hook's can),
+        keeping the counters.
+        """
+        comms = saved.comms
+        if len(comms) == 1 and comms[0] is not None:
+            self.load_state_dict(comms[0])
+            return
+        if comms[0] is not None:
+            self.load_state_dict(comms[0], residuals=False)
+        if any(comm is not None for comm in comms):
+            saved.warn(
+                f"{saved.folder} was written by {saved.saved_world_size} rank(s) with compression mode {saved.mode!r} "
+                f"and is resumed by {saved.world_size} in mode {self.mode!r}: the error-feedback residuals are dropped "
+                "(the FSDP2 reduce-scatter lays them out per world size). Resume with the same world size and "
+                "compression to keep them."
+            )
 
     # --- statistics ---
     def pop_stats(self) -> dict[str, float]:
@@ -458,6 +454,5 @@ __all__ = [
     "GRPOReduceScatter",
     "fsdp_units",
     "install_compressed_reduce_scatter",
-    "message_nbytes",
     "reduce_scatter_bytes",
 ]

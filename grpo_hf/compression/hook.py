@@ -2,8 +2,9 @@
 
 It replaces DDP's dense all-reduce (register it on the DDP model, see [`GRPOCommState`]); [`compress_locally`] runs the
 same steps in one process on a model's gradients. A bucket's path: this module (the DDP buckets) -> `layout.py` (its
-runs of tensors) -> `state.py` (residuals, scales) -> `exchange.py` (encode, exchange, decode: the seam the three
-transports share) -> `codec.py` (the kernels and messages; `sparse.py` for top-k).
+runs of tensors) -> `state.py` (residuals, scales) -> `exchange.py` ([`~grpo_hf.compression.exchange.Exchange`]:
+encode with error feedback, exchange, decode; the one exchange of the three transports) -> `codec.py` (the kernels and
+messages; `sparse.py` for top-k).
 
 Example:
 
@@ -72,12 +73,11 @@ entry; `ratio_* = baseline / bytes_sent` (higher is better).
 ## An emulated slow link (a benchmark tool)
 
 With the environment variable `GRPO_HF_EMULATED_LINK_GBIT` set, the hook's collectives
-([`~grpo_hf.compression.exchange.Collectives`]) wait for an emulated slow link: see `exchange.py`.
+([`~grpo_hf.compression.collectives.Collectives`]) wait for an emulated slow link: see `collectives.py`.
 """
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,23 +85,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .codec import all_safe
-from .exchange import (
-    Collectives,
-    decode,
-    decode_from_owners,
-    encode,
-    encode_to_owners,
-    exchange_with_owners,
-    message_nbytes,
-    owned_blocks,
-    reduce_owned,
-    split_messages,
-    take_owned,
-    walk_messages,
-)
+from .collectives import Collectives
+from .exchange import Exchange, Part
 from .layout import BucketLayout, Run
-from .state import GRPOCommState
-from .traffic import FLAG_BYTES, SIZE_BYTES, allgather_bytes, allreduce_bytes, alltoall_bytes
+from .row_store import StoredRow
 
 
 # Buckets whose all-gather may be under way at once (`allgather` mode): while one bucket's messages travel, the next
@@ -131,7 +118,7 @@ def _offsets(buffer: torch.Tensor, grads: list[torch.Tensor]) -> list[int]:
     return starts
 
 
-def grpo_comm_hook(state: GRPOCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def grpo_comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     r"""
     DDP communication hook: the bucket's gradients averaged over the ranks, compressed with error feedback as
     `state.plan` and `state.mode` say (see the module docstring).
@@ -175,7 +162,7 @@ def grpo_comm_hook(state: GRPOCommState, bucket: dist.GradBucket) -> torch.futur
     return future
 
 
-def compress_locally(state: GRPOCommState, model: nn.Module) -> None:
+def compress_locally(state, model: nn.Module) -> None:
     """
     The hook's compression in one process (the article's sparse updates): replace every `p.grad` by its compressed
     and decoded value, with error feedback. Call it after the backward of the last micro-batch, before clipping and
@@ -209,36 +196,44 @@ def compress_locally(state: GRPOCommState, model: nn.Module) -> None:
     state.commit_step(dense=dense, compressed=compressed)
 
 
-def _run_step(state: GRPOCommState, comm: Collectives, buckets: list[_Bucket], count_as: int) -> tuple[bool, bool]:
+def _run_step(state, comm: Collectives, buckets: list[_Bucket], count_as: int) -> tuple[bool, bool]:
     """
     One optimizer step over its buckets (see the module docstring); `count_as`: the world size bytes count for.
     Returns `(dense, compressed)`: whether the step counts as dense (warm-up, or a NaN/Inf on some rank) and whether
     any gradient went through the codec.
     """
     stats = state.stats
+    exchange = Exchange(
+        state.kernels, comm, count_as, state.scale_clip, state.scale_beta, state.buffer, count_kept=True
+    )
     layouts = [state.layout(b.names, b.numels, b.starts) for b in buckets]
     plain = state.warming_up or not any(layout.runs for layout in layouts)  # nothing to compress: as DDP does
     unsafe = False
     if not plain:
-        flag = torch.tensor([int(not all_safe([b.buffer for b in buckets]))], device=buckets[0].buffer.device)
-        unsafe = bool(comm.all_reduce(flag, op=dist.ReduceOp.MAX).item())
-        stats.bytes_sent += allreduce_bytes(FLAG_BYTES, count_as)
-    under_way = deque()  # the finishing steps of the buckets whose all-gather is under way, oldest first
+        flag = exchange.agree_flag(not all_safe([b.buffer for b in buckets]), buckets[0].buffer.device)
+        unsafe = bool(flag.wait().item())
+    under_way = deque()  # the all-gathers under way and what finishes their buckets, oldest first
     for index, (bucket, layout) in enumerate(zip(buckets, layouts)):
         stats.baseline(bucket.buffer.numel(), count_as)
-        if plain or unsafe:
-            comm.all_reduce(bucket.buffer).div_(comm.world_size)
-            stats.bytes_sent += allreduce_bytes(bucket.buffer.numel() * bucket.buffer.element_size(), count_as)
-            stats.kept += bucket.buffer.numel()
+        if plain or unsafe:  # the bucket as it is, in its dtype
+            exchange.start_mean(bucket.buffer).wait()
+            continue
+        lane = index % _IN_FLIGHT if state.mode == "allgather" else 0
+        parts = _parts(state, comm, layout, bucket, lane)
+        dense = _DenseTensors(exchange, bucket.buffer, layout.dense)  # read before the decode writes the bucket
+        if not parts:  # nothing in the bucket to compress: its tensors go dense alone
+            dense.write()
             continue
         if state.mode == "allreduce":
-            _allreduce(state, comm, layout, bucket, count_as)
+            _finish(state, parts, exchange.reduce_with_owners(parts), dense)
             continue
-        under_way.append(_allgather(state, comm, layout, bucket, count_as, lane=index % _IN_FLIGHT))
+        under_way.append((exchange.start_all_gather(parts, tag=lane), parts, dense))
         if len(under_way) == _IN_FLIGHT:  # its lane is the next bucket's
-            under_way.popleft()()
+            gathered, parts, dense = under_way.popleft()
+            _finish(state, parts, gathered.finish(), dense)
     while under_way:
-        under_way.popleft()()
+        gathered, parts, dense = under_way.popleft()
+        _finish(state, parts, gathered.finish(), dense)
     if plain:
         if not all_safe([b.buffer for b in buckets]):  # the same answer on every rank: the buffers are averaged
             unsafe = True
@@ -249,24 +244,62 @@ def _run_step(state: GRPOCommState, comm: Collectives, buckets: list[_Bucket], c
     return state.warming_up or unsafe, not (plain or unsafe)
 
 
-class _DenseTensors:
-    """The tensors of a bucket sent dense: read before the decode (which may write over them), written after it."""
+def _parts(state, comm: Collectives, layout: BucketLayout, bucket: _Bucket, lane: int) -> list[Part]:
+    """
+    The bucket's runs as parts of the exchange: the rows (a view of the bucket, or a padded copy), the bf16 residual
+    and owner residual rows of the state, the gradient scales and their EMA (written into the work buffers of `lane`,
+    one per bucket under way).
+    """
+    parts, offset, device = [], 0, bucket.buffer.device
+    for run in layout.runs:
+        scale, ema = state.scales_for(run, _params(run, bucket), device, offset, lane)
+        offset += run.length
+        owner = None
+        if state.mode == "allreduce":
+            owned = run.owned_blocks(comm.world_size)[comm.rank].numel() * run.spec.block_size
+            key = (run.key, comm.world_size, comm.rank)
+            owner = StoredRow(state.owner_residuals, key, run.owned_slots(comm.world_size, comm.rank), owned, device)
+        parts.append(
+            Part(
+                run,
+                run.rows(bucket.buffer),
+                StoredRow(state.residuals, run.key, run.slots, run.length, device),
+                run.rows(bucket.buffer) if run.in_place else None,
+                lambda values, run=run: run.write(bucket.buffer, values),
+                scale,
+                ema,
+                owner,
+            )  # fmt: skip
+        )
+    return parts
 
-    def __init__(self, comm: Collectives, stats, buffer: torch.Tensor, dense: tuple, count_as: int):
+
+def _finish(state, parts: list[Part], emas: list, dense: "_DenseTensors") -> None:
+    """After a bucket's decode: the EMA rows of its gradient scales kept, its tensors sent dense written back."""
+    for part, new_ema in zip(parts, emas):
+        if new_ema is not None:
+            state.squares.replace(part.run.key, part.run.slots, new_ema)
+            state.ema_updated = True
+    dense.write()
+
+
+class _DenseTensors:
+    """The tensors of a bucket sent dense (one fp32 all-reduce): read before the decode (which may write over them),
+    written after it."""
+
+    def __init__(self, exchange: Exchange, buffer: torch.Tensor, dense: tuple):
         self.pieces = [buffer[start : start + numel] for start, numel in dense]
         self.vector = torch.cat(self.pieces).float() if self.pieces else None  # (a copy: the pieces are views)
-        self.world_size = comm.world_size
         if self.vector is not None:
-            self.reduced = comm.start_all_reduce(self.vector)
-            stats.dense(self.vector.numel(), count_as)
+            self.mean = exchange.start_mean(self.vector)
 
     def write(self) -> None:
         if self.vector is not None:
-            self.reduced.wait().div_(self.world_size)
+            self.mean.wait()
             torch._foreach_copy_(self.pieces, list(torch.split(self.vector, [p.numel() for p in self.pieces])))
 
 
-def _track_dense_scales(state: GRPOCommState, buckets: list[_Bucket]) -> None:
+def _track_dense_scales(state, buckets: list[_Bucket]) -> None:
     """
     Warm-up steps: the scales' EMA takes in the (already averaged) dense gradients, in place. Not while an optimizer
     is attached: its `exp_avg_sq` will be the scales (should it have none, the EMA starts with compression).
@@ -288,182 +321,4 @@ def _params(run: Run, bucket: _Bucket) -> list[nn.Parameter]:
     return [bucket.params[index] for index, _, _ in run.covered]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The two exchanges
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _allgather(
-    state: GRPOCommState, comm: Collectives, layout: BucketLayout, bucket: _Bucket, count_as: int, lane: int = 0
-) -> Callable[[], None]:
-    """
-    Every rank's messages to every rank; each rank decodes them all in rank order, into the bucket. Encodes the bucket
-    and starts its all-gather (into the work buffers of its `lane`, one per bucket under way); returns the function
-    that waits for it and decodes.
-    """
-    stats, world_size, device = state.stats, comm.world_size, bucket.buffer.device
-    fixed = [message_nbytes(run.spec, run.num_blocks) for run in layout.runs]
-    payload, fixed_sizes = None, all(size is not None for size in fixed)
-    if fixed_sizes:  # sizes known: encode straight into this rank's part of the gather
-        total = sum(fixed)
-        gathered = state.buffer(("gathered", lane), world_size * total, device, torch.uint8)
-        payload = gathered[comm.rank * total : (comm.rank + 1) * total]
-        slots = split_messages(payload, fixed)
-    messages, scales, offset = [], [], 0
-    for index, run in enumerate(layout.runs):
-        rows = run.rows(bucket.buffer)
-        scale, ema = state.scales_for(run, _params(run, bucket), device, offset, lane)
-        offset += run.length
-        residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
-        slot = None if payload is None else slots[index]
-        message, new_residual = encode(state.kernels, run.spec, rows, residual, scale, state.scale_clip,
-                                       run.num_values(), slot, in_place=True)  # fmt: skip
-        state.residuals.replace(run.key, run.slots, new_residual)
-        messages.append(message)
-        scales.append((scale, ema))
-        stats.kept += min(run.num_values(), run.numel)
-    dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
-    if fixed_sizes:  # in place: the input is this rank's part of the output
-        exchange = comm.start_all_gather(payload, gathered, tag=lane)
-        stats.bytes_sent += allgather_bytes(payload.numel(), count_as)
-    else:  # sizes depend on the data: announce each rank's total, pad to the longest, read the messages' headers
-        payload = torch.cat(messages)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-        totals = comm.all_gather(size, tag=lane).view(-1).tolist()  # (the other lane's tag may be under way)
-        stats.bytes_sent += allgather_bytes(SIZE_BYTES, count_as)
-        longest = max(totals)
-        exchange = comm.start_all_gather(torch.nn.functional.pad(payload, (0, longest - payload.numel())), tag=lane)
-        stats.bytes_sent += allgather_bytes(longest, count_as)
-
-    def finish() -> None:
-        gathered = exchange.wait()
-        if fixed_sizes:
-            per_rank = [split_messages(gathered[r], fixed) for r in range(world_size)]
-        else:
-            runs = [(run.spec, run.num_blocks) for run in layout.runs]
-            per_rank = [walk_messages(gathered[r], runs) for r in range(world_size)]
-        for index, (run, (scale, ema)) in enumerate(zip(layout.runs, scales)):
-            out = run.rows(bucket.buffer) if run.in_place else None
-            values, new_ema = decode(state.kernels, run.spec, [per_rank[r][index] for r in range(world_size)],
-                                     run.num_blocks, scale, world_size, out, ema, state.scale_beta)  # fmt: skip
-            if out is None:
-                run.write(bucket.buffer, values)
-            if new_ema is not None:
-                state.squares.replace(run.key, run.slots, new_ema)
-                state.ema_updated = True
-        dense.write()
-
-    return finish
-
-
-def _allreduce(state: GRPOCommState, comm: Collectives, layout: BucketLayout, bucket: _Bucket, count_as: int):
-    """Owners average and re-compress the blocks they own (with their own residual); their messages are gathered."""
-    stats, world_size, rank, device = state.stats, comm.world_size, comm.rank, bucket.buffer.device
-    block_rows = [owned_blocks(run, world_size, device) for run in layout.runs]  # per run and rank: (ranges, index)
-    counts = [[index.numel() for _, index in owned] for owned in block_rows]  # per run and rank: blocks owned
-    fixed = [
-        [message_nbytes(run.spec, count[r]) for run, count in zip(layout.runs, counts)] for r in range(world_size)
-    ]
-    known = all(size is not None for sizes in fixed for size in sizes)
-    empty = torch.zeros(0, dtype=torch.uint8, device=device)
-    to_rank: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
-    if known:  # sizes known: every message is written in place into one send buffer
-        send_sizes = [sum(sizes) for sizes in fixed]
-        send = state.buffer("send", sum(send_sizes), device, torch.uint8)
-        to_rank = [split_messages(piece, sizes) for piece, sizes in zip(split_messages(send, send_sizes), fixed)]
-    scales, offset = [], 0
-    for index, (run, owned) in enumerate(zip(layout.runs, block_rows)):
-        rows = run.rows(bucket.buffer)
-        scale, ema = state.scales_for(run, _params(run, bucket), device, offset)
-        offset += run.length
-        residual = state.residuals.row(run.key, run.slots, run.length, device).view(rows.shape)
-        ks = None  # top-k: the values each owner's message keeps
-        if run.spec.density < 1.0:
-            block = run.spec.block_size
-            ks = [run.num_values(n * block, run.owned_numel(world_size, r)) for r, n in enumerate(counts[index])]
-        mine = [m[index] for m in to_rank] if known else None
-        messages, new_residual = encode_to_owners(
-            state.kernels, run.spec, rows, residual, owned, scale, state.scale_clip, ks, mine
-        )
-        if not known:
-            for owner, message in enumerate(messages):
-                to_rank[owner].append(message)
-        if ks is None:
-            stats.kept += min(run.num_values(), run.numel)
-        else:
-            for owner, k in enumerate(ks):
-                if counts[index][owner]:
-                    stats.kept += min(k, run.owned_numel(world_size, owner))
-        state.residuals.replace(run.key, run.slots, new_residual)
-        scales.append((scale, ema))
-    dense = _DenseTensors(comm, stats, bucket.buffer, layout.dense, count_as)
-
-    def reduce_into(contributions: list[torch.Tensor], message: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """
-        The owner's half: per run, the `W` contributions (rank order, each this rank's messages of every run) to the
-        blocks this rank owns averaged and compressed again with its owner residual; into `message` (the runs'
-        messages one after the other) when sizes are known. Returns the message of each run.
-        """
-        if known:
-            parts = [split_messages(c, fixed[rank]) for c in contributions]
-            slots = split_messages(message, fixed[rank])
-        else:
-            mine_runs = [(run.spec, count[rank]) for run, count in zip(layout.runs, counts)]
-            parts, slots = [walk_messages(c, mine_runs) for c in contributions], [None] * len(layout.runs)
-        out_messages = []
-        for index, (run, owned, (scale, _)) in enumerate(zip(layout.runs, block_rows, scales)):
-            nblocks = counts[index][rank]
-            if nblocks == 0:
-                out_messages.append(empty)
-                continue
-            mine = None if scale is None else take_owned(scale, owned[rank])
-            key, owner_slots = (run.key, world_size, rank), run.owned_slots(world_size, rank)
-            residual = state.owner_residuals.row(key, owner_slots, nblocks * run.spec.block_size, device)
-            k = run.num_values(nblocks * run.spec.block_size, run.owned_numel(world_size, rank))
-            message, new_residual = reduce_owned(state.kernels, run.spec, [p[index] for p in parts],
-                                                 residual.view(nblocks, -1), mine, state.scale_clip, k,
-                                                 slots[index])  # fmt: skip
-            state.owner_residuals.replace(key, owner_slots, new_residual)
-            out_messages.append(message)
-        return out_messages
-
-    if known:  # the owner's message written in place into the all-gather's payload
-        payload = state.buffer("owned", max(send_sizes), device, torch.uint8)
-        owner_messages, nbytes = exchange_with_owners(comm, send, send_sizes, reduce_into, payload, count_as)
-        stats.bytes_sent += nbytes
-        per_owner = [split_messages(message, sizes) for message, sizes in zip(owner_messages, fixed)]
-    else:  # sizes depend on the data: announce them (every rank learns every rank's total, to count the same bytes)
-        sends = [torch.cat(parts) if parts else empty for parts in to_rank]
-        send, send_splits = torch.cat(sends), [s.numel() for s in sends]
-        meta = torch.tensor(send_splits, dtype=torch.int64, device=device)
-        recv_totals = comm.all_to_all(meta, [1] * world_size, [1] * world_size).tolist()
-        totals = comm.all_gather(meta.sum().view(1)).view(-1).tolist()
-        stats.bytes_sent += alltoall_bytes(SIZE_BYTES * world_size, count_as) + allgather_bytes(SIZE_BYTES, count_as)
-        stats.bytes_sent += alltoall_bytes(sum(totals) / world_size, count_as)
-        received = comm.all_to_all(send, send_splits, recv_totals)
-        payload = torch.cat(reduce_into(split_messages(received, recv_totals)))
-        totals = comm.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device)).view(-1).tolist()
-        stats.bytes_sent += allgather_bytes(SIZE_BYTES, count_as)
-        longest = max(totals)
-        gathered = comm.all_gather(torch.nn.functional.pad(payload, (0, longest - payload.numel())))
-        stats.bytes_sent += allgather_bytes(longest if world_size > 1 else longest / count_as, count_as)
-        per_owner = [
-            walk_messages(gathered[r], [(run.spec, count[r]) for run, count in zip(layout.runs, counts)])
-            for r in range(world_size)
-        ]
-
-    # Every rank decodes the owners' messages, in owner order.
-    for index, (run, owned, (scale, ema)) in enumerate(zip(layout.runs, block_rows, scales)):
-        out = run.rows(bucket.buffer) if run.in_place else None
-        parts = [per_owner[r][index] for r in range(world_size)]
-        values, new_ema = decode_from_owners(state.kernels, run.spec, parts, owned, run.num_blocks, scale, out, ema,
-                                             state.scale_beta)  # fmt: skip
-        if new_ema is not None:
-            state.squares.replace(run.key, run.slots, new_ema)
-            state.ema_updated = True
-        if out is None:
-            run.write(bucket.buffer, values.to(bucket.buffer.dtype))
-    dense.write()
-
-
-__all__ = ["GRPOCommState", "compress_locally", "grpo_comm_hook"]
+__all__ = ["compress_locally", "grpo_comm_hook"]

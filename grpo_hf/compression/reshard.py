@@ -22,7 +22,9 @@ import torch
 from ..errors import CheckpointError
 from .layout import chunk_bounds, chunk_owner
 from .spec import CodecSpec, num_blocks
-from .state import STATE_VERSION
+
+
+STATE_VERSION = 2  # of the per-step hook's saved state ([`~grpo_hf.compression.GRPOCommState.state_dict`])
 
 
 def owed_residuals(
@@ -121,4 +123,4 @@ def reshard_comm_state(
     }
 
 
-__all__ = ["owed_residuals", "reshard_comm_state"]
+__all__ = ["STATE_VERSION", "owed_residuals", "reshard_comm_state"]

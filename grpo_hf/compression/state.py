@@ -1,4 +1,6 @@
-"""`GRPOCommState`: the settings, error-feedback residuals, gradient scales and traffic statistics of the compression."""
+"""`GRPOCommState`: the settings, error-feedback residuals, gradient scales and traffic statistics of DDP's compressed
+exchange at every step (the transport of [`~grpo_hf.compression.grpo_comm_hook`], and of
+[`~grpo_hf.compression.compress_locally`] on one process)."""
 
 import logging
 import os
@@ -7,114 +9,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..choices import check_comm_settings
 from ..optim.moments import per_entry_second_moment
 from .codec import Kernels, compile_kernels
+from .hook import compress_locally, grpo_comm_hook
 from .layout import BucketLayout, Run, bucket_layout
+from .reshard import STATE_VERSION, reshard_comm_state
+from .row_store import RESIDUAL_DTYPE, RowStore
 from .spec import MODES, CodecSpec
 from .traffic import StepStats, TrafficStats
+from .transport import CommState, SavedComms, world_size_message
 
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 2
 _PER_TENSOR_SCALES = 64  # runs of at most this many tensors compute their scales tensor by tensor (no gather)
 DEFAULT_SCALE_BETA = 0.99
 DEFAULT_SCALE_GRADIENTS = False  # chosen on the benchmark suite: without scales, 8-bit codes kept dense quality
-RESIDUAL_DTYPE = torch.bfloat16
 
 
-class RowStore:
-    """
-    Named vectors (one per tensor, keyed by parameter name) kept as slices of one flat row per run, in one dtype.
-
-    The hook reads a run's row (assembled from the vectors the first time a layout is seen: zeros for tensors it has
-    not seen) and [`replace`]s it with the kernel's new row; nothing is staged. [`values`] maps each name to its vector
-    (a view of the row that holds it).
-    """
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        self._rows: dict[tuple, tuple[torch.Tensor, list]] = {}  # run key -> (row, its slots)
-        self._holder: dict[str, tuple] = {}  # name -> key of the row that holds its vector
-        self._loose: dict[str, torch.Tensor] = {}  # vectors not (yet) in a row: loaded from a checkpoint
-        self._values: dict[str, torch.Tensor] | None = None  # built on demand
-
-    @property
-    def values(self) -> dict[str, torch.Tensor]:
-        """Name -> vector (flat, this store's dtype; a view of the row that holds it)."""
-        if self._values is None:
-            values = dict(self._loose)
-            for key, (row, slots) in self._rows.items():
-                for name, offset, size in slots:
-                    if self._holder.get(name) == key:
-                        values[name] = row[offset : offset + size]
-            self._values = values
-        return self._values
-
-    def row(self, key: tuple, slots: list[tuple[str, int, int]], length: int, device) -> torch.Tensor:
-        """The `[length]` row of `slots` (`(name, offset, size)`), assembled from the vectors when needed."""
-        held = self._rows.get(key)
-        if held is not None and held[0].device == device and held[1] is slots:
-            return held[0]
-        if held is not None and held[0].device == device and all(self._holder.get(n) == key for n, _, _ in slots):
-            self._rows[key] = (held[0], slots)
-            return held[0]
-        values = self.values
-        row = torch.zeros(length, dtype=self.dtype, device=device)
-        for name, offset, size in slots:
-            value = values.get(name)
-            if value is not None:
-                row[offset : offset + size] = value.to(device).reshape(-1)[:size]
-        self.replace(key, slots, row)
-        return row
-
-    def replace(self, key: tuple, slots: list[tuple[str, int, int]], row: torch.Tensor) -> None:
-        """Make `row` (this store's dtype, `[length]` or `[blocks, B]`) the row of `key` (`slots` as in [`row`])."""
-        row = row.reshape(-1)
-        held = self._rows.get(key)
-        self._rows[key] = (row, slots)
-        self._values = None
-        if held is not None and held[1] is slots:  # the same layout as last step: nothing moves
-            return
-        for name, _, _ in slots:
-            self._loose.pop(name, None)
-            old = self._holder.get(name)
-            self._holder[name] = key
-            if old is not None and old != key:
-                self._drop_if_unused(old)
-
-    def _drop_if_unused(self, key: tuple) -> None:
-        if key in self._rows and key not in self._holder.values():
-            del self._rows[key]
-
-    def drop(self, names) -> None:
-        """Forget the vectors of `names` (and the rows that no longer hold any)."""
-        for name in names:
-            self._loose.pop(name, None)
-            key = self._holder.pop(name, None)
-            if key is not None:
-                self._drop_if_unused(key)
-        self._values = None
-
-    @property
-    def num_rows(self) -> int:
-        """Rows held (one per run layout seen and still in use)."""
-        return len(self._rows)
-
-    def nbytes(self) -> int:
-        """Bytes of the rows and vectors held."""
-        tensors = [row for row, _ in self._rows.values()] + list(self._loose.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: value.detach().to("cpu", copy=True) for name, value in self.values.items()}
-
-    def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
-        self._loose = {name: value.reshape(-1).to(self.dtype, copy=True) for name, value in values.items()}
-        self._rows, self._holder, self._values = {}, {}, None
-
-
-class GRPOCommState:
+class GRPOCommState(CommState):
     r"""
     Settings, error-feedback residuals, gradient scales and traffic statistics of
     [`~grpo_hf.compression.grpo_comm_hook`] and [`~grpo_hf.compression.compress_locally`].
@@ -129,6 +43,8 @@ class GRPOCommState:
     >>> state.bind(model)  # names, world size, the codec's kernels compiled
     >>> ddp_model.register_comm_hook(state, grpo_comm_hook)
     ```
+
+    ([`attach`] does the three, as the transports' protocol, [`~grpo_hf.compression.transport.CommState`], asks.)
 
     Args:
         plan (`dict[str, CodecSpec | None]`):
@@ -182,6 +98,7 @@ class GRPOCommState:
         "kernels",
         "compile_seconds",
         "optimizer",
+        "hooked",
         # --- internal state (checkpointed) ---
         "residuals",
         "owner_residuals",
@@ -194,6 +111,7 @@ class GRPOCommState:
         "nonfinite",
         "ema_updated",
         "last_step",
+        "step_bytes",
         "layouts",
         "bucket_starts",
         "sources",
@@ -218,10 +136,7 @@ class GRPOCommState:
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: use one of {MODES} (`compression_plan` resolves 'auto').")
-        if dense_warmup_steps < 0:
-            raise ValueError(f"dense_warmup_steps={dense_warmup_steps}: use 0 or more.")
-        if not 0 <= scale_beta < 1:
-            raise ValueError(f"scale_beta={scale_beta}: use a value in [0, 1), e.g. 0.99.")
+        check_comm_settings(dense_warmup_steps=dense_warmup_steps, scale_beta=scale_beta, scale_clip=scale_clip)
         if simulated_world_size < 1:
             raise ValueError(f"simulated_world_size={simulated_world_size}: use 1 or more (2 is the default).")
         bad = sorted(name for name, spec in plan.items() if spec is not None and not isinstance(spec, CodecSpec))
@@ -229,8 +144,6 @@ class GRPOCommState:
             raise ValueError(
                 f"plan[{bad[0]!r}] is not a CodecSpec or None; build the plan with grpo_hf.compression.compression_plan."
             )
-        if scale_clip is not None and not scale_clip > 0:
-            raise ValueError(f"scale_clip={scale_clip}: use a positive number of scales (e.g. 4) or None.")
         self.plan = dict(plan)
         self.mode = mode
         self.dense_warmup_steps = int(dense_warmup_steps)
@@ -245,6 +158,7 @@ class GRPOCommState:
         self.kernels: Kernels | None = None
         self.compile_seconds = 0.0
         self.optimizer = None
+        self.hooked = False  # a DDP comm hook is registered (else `after_backward` compresses on one process)
         self.residuals = RowStore(RESIDUAL_DTYPE)  # this rank's error feedback, per parameter
         self.owner_residuals = RowStore(RESIDUAL_DTYPE)  # all-reduce mode: the error feedback of the owned chunks
         self.squares = RowStore(torch.float32)  # EMA of the squared averaged gradient (optimizers without exp_avg_sq)
@@ -255,6 +169,7 @@ class GRPOCommState:
         self.nonfinite = False
         self.ema_updated = False
         self.last_step = "none"  # how the last closed step was sent: see commit_step
+        self.step_bytes = 0.0  # bytes of the steps closed since the last `end_step`
         self.layouts: dict[tuple, BucketLayout] = {}  # bucket (names, sizes, offsets) -> its layout
         self.bucket_starts: dict[tuple, list[int]] = {}  # bucket (names, sizes) -> each gradient's offset in it
         self.sources: dict[tuple, tuple] = {}  # parameters -> their optimizer's exp_avg_sq (see optimizer_squares)
@@ -439,6 +354,49 @@ class GRPOCommState:
             return None, ema
         return self.kernels.scales(ema, out=scale), ema
 
+    # --- the transports' protocol ---
+    def attach(self, wrapped: nn.Module, model: nn.Module, optimizer) -> None:
+        """
+        [`attach_optimizer`] (AdamW's `exp_avg_sq` become the gradient scales: no memory of ours), [`bind`] `model`,
+        and register [`~grpo_hf.compression.grpo_comm_hook`] on `wrapped` when it is the DDP model (on one process
+        [`after_backward`] compresses instead).
+        """
+        self.attach_optimizer(optimizer)
+        self.bind(model)
+        if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+            wrapped.register_comm_hook(self, grpo_comm_hook)
+            self.hooked = True
+
+    def count_bytes_for(self, world_size: int) -> None:
+        """[`~grpo_hf.compression.compress_locally`] counts the bytes one of `world_size` workers would send."""
+        self.simulated_world_size = int(world_size)
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Without a DDP hook (one process): the article's sparse updates, [`~grpo_hf.compression.compress_locally`]."""
+        if not self.hooked:
+            compress_locally(self, model)
+
+    def end_step(self, finite: bool = True, last: bool = False) -> float:
+        """The bytes of the step the hook closed (at its last bucket); nothing else is left to do."""
+        sent, self.step_bytes = self.step_bytes, 0.0
+        return sent
+
+    def resumes(self, mode: str | None) -> bool:
+        return mode is None or mode in MODES
+
+    def restore(self, saved: SavedComms) -> None:
+        """This rank's state, or every saved rank's residuals re-split for this world size and mode (a warning says so)."""
+        comms = saved.comms
+        if any(comm is not None for comm in comms):
+            if len(comms) == 1:
+                self.load_state_dict(comms[0])
+            else:
+                self.load_state_dict(
+                    reshard_comm_state(comms, saved.numels, self.plan, self.mode, saved.world_size, saved.rank)
+                )
+        if len(comms) > 1:
+            saved.warn(world_size_message(saved, self.mode))
+
     # --- steps ---
     def mark_nonfinite(self) -> None:
         """Flag the current optimizer step as not finite (it was sent dense and raw; nothing was updated)."""
@@ -462,6 +420,7 @@ class GRPOCommState:
             self.scale_updates += 1
         self.nonfinite = self.ema_updated = False
         self.traffic.close_step(self.stats, dense_steps=dense or nonfinite, nonfinite_steps=nonfinite)
+        self.step_bytes += self.stats.bytes_sent
         self.stats = StepStats()
         self.step += 1
 
@@ -550,6 +509,7 @@ class GRPOCommState:
         self.squares.load_state_dict(state_dict.get("squares", {}))
         self.nonfinite = self.ema_updated = False
         self.last_step = "none"
+        self.step_bytes = 0.0
         self.pending = []
         self.stats = StepStats()
         self.traffic.load_state_dict(state_dict.get("totals", {}))
@@ -577,4 +537,4 @@ class GRPOCommState:
         )
 
 
-__all__ = ["DEFAULT_SCALE_BETA", "DEFAULT_SCALE_GRADIENTS", "RESIDUAL_DTYPE", "GRPOCommState", "RowStore"]
+__all__ = ["DEFAULT_SCALE_BETA", "DEFAULT_SCALE_GRADIENTS", "RESIDUAL_DTYPE", "STATE_VERSION", "GRPOCommState"]

@@ -129,8 +129,8 @@ def make_trainer(kind: str, args, model, prepared, seq_len: int | None = None, c
     trainer = GRPOTrainer(args=args, **common)
     for callback in callbacks:  # after GRPOTrainer's own callbacks
         trainer.add_callback(callback)
-    if trainer.grpo_comm_state is not None:  # bytes one of W workers would send (GRPOCommState counts W=2 by default)
-        trainer.grpo_comm_state.simulated_world_size = world
+    if trainer.grpo_comm_state is not None:  # on one process: the bytes one of W workers would send (2 by default)
+        trainer.grpo_comm_state.count_bytes_for(world)
     return trainer, trainer.cost_callback, world
 
 

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.emulated_link import delayed_allreduce
 from grpo_hf.compression import GRPOCommState, compression_plan, grpo_comm_hook
-from grpo_hf.compression.exchange import EMULATED_LINK
+from grpo_hf.compression.collectives import EMULATED_LINK
 from grpo_hf.compression.traffic import allreduce_bytes
 
 

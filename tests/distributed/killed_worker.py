@@ -91,7 +91,7 @@ def run(out_dir, name, callbacks=()):
         "global_step": trainer.state.global_step,
         "restart": RESTART,
         "digest": tensor_digest(params.values()),
-        "residual_digest": tensor_digest([comm.residuals.values[n] for n in sorted(comm.residuals.values)]),
+        "residual_digest": tensor_digest([v for _, v in sorted(comm.state_dict()["residuals"].items())]),  # by name
         "hook_steps": comm.step,
     }
     trainer.accelerator.free_memory()

@@ -8,7 +8,7 @@ Scenarios, each recording per rank what the pytest side asserts:
   sync of both fragments and at the end; bytes per step against the formulas.
 - `resume`: 12 steps straight (checkpoints at 6, mid-interval) against the run resumed from checkpoint-6.
 - `localsgd`: one sync at outer lr 1, momentum 0, fp32 Δ against accelerate's `LocalSGD` on the same local models.
-- `control`: `grpo_outer_control`: DDP's all-reduce every step (replicas identical at every step) plus the outer step.
+- `control`: `grpo_sync_outer_only`: DDP's all-reduce every step (replicas identical at every step) plus the outer step.
 - `accum`: gradient accumulation, clipping, a cosine schedule and LR ratios, with a sync every 3 steps.
 - `delay`: `sync` with `grpo_sync_delay=1` and `grpo_sync_mix=0.5`: each fragment's exchange runs behind one step;
   `θ_global` bit-identical on every rank after every step, bytes per step by the formulas (counted at the start).
@@ -44,6 +44,7 @@ from grpo_hf.compression.outer_sync import (
     ramp_points,
 )
 from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes, alltoall_bytes
+from grpo_hf.optim.moments import moment_tensors
 
 
 SEQ_LEN = 16
@@ -86,7 +87,10 @@ class Replicas(TrainerCallback):
             self.bytes.append(self.state.totals()["bytes_sent"] - self._before)
             named = dict(model.named_parameters())
             self.fragments.append(
-                [all(same_on_all_ranks(named[n].detach()) for n in names) for names in self.state.fragments]
+                [
+                    all(same_on_all_ranks(named[f].detach()) for f in fragment.names)
+                    for fragment in self.state.fragments
+                ]
             )
             global_params = self.state.global_params
             self.global_identical.append(all(same_on_all_ranks(global_params[n]) for n in sorted(global_params)))
@@ -94,13 +98,22 @@ class Replicas(TrainerCallback):
             self.in_flight.append(None if in_flight is None else [in_flight.fragment, in_flight.due])
             keys = SYNC_MOMENTS[self.state.moments]
             if keys:
-                held = optimizer.state
                 self.moments.append(
                     [
-                        all(same_on_all_ranks(held[named[n]][key]) for n in names for key in keys)
-                        for names in self.state.fragments
+                        all(
+                            same_on_all_ranks(moment)
+                            for n in fragment.names
+                            for key in keys
+                            for moment in moment_tensors(optimizer, named[n], key)
+                        )  # fmt: skip
+                        for fragment in self.state.fragments
                     ]
                 )
+
+
+def by_name(state: OuterSyncState, key: str) -> dict:
+    """What the fragments keep under `key` (`global`, `momentum`, `residuals`, `owner_residuals`), by parameter name."""
+    return {name: value for fragment in state.fragments for name, value in fragment.state_by_name()[key].items()}
 
 
 def codec_bytes(state: OuterSyncState, index: int, world_size: int, blocking: bool = True) -> float:
@@ -110,7 +123,8 @@ def codec_bytes(state: OuterSyncState, index: int, world_size: int, blocking: bo
     owned by rank `(j + crc32(name)) % W`) plus the all-gather of the owners' messages, padded to the longest.
     """
     sent = 0.0
-    for spec, slots, length in state.layouts[index].runs:
+    for row in state.fragments[index].rows[1:]:  # the codec rows (the first is sent dense)
+        spec, slots, length = row.spec, zip(row.names, row.offsets, row.numels), row.length
         writer, block = BlockMessages(spec), spec.block_size
         if world_size < OWNER_MIN_WORLD_SIZE or not blocking:
             sent += allgather_bytes(writer.fixed_nbytes(length // block), world_size)
@@ -132,9 +146,9 @@ def expected_bytes(state: OuterSyncState, due: list[int], groups: int, world_siz
     sent = allreduce_bytes(8 * groups, world_size)
     for f in due:
         sent += allreduce_bytes(8, world_size)  # the fragment's NaN/Inf flag
-        fragment = state.layouts[f]
+        fragment = state.fragments[f]
         sent += codec_bytes(state, f, world_size, blocking)
-        sent += allreduce_bytes(4 * sum(state.numels[n] for n in fragment.dense), world_size)
+        sent += allreduce_bytes(4 * sum(fragment.rows[0].numels), world_size)
         sent += moments * allreduce_bytes(4 * fragment.numel, world_size)
     return sent
 
@@ -182,20 +196,20 @@ def train(args, resume=None):
         ],
         "moments_identical_fragments": replicas.moments,
         "codec_bytes": [codec_bytes(state, f, world_size) for f in range(len(state.fragments))],
-        "codec_numel": [sum(n for run in layout.runs for _, _, n in run[1]) for layout in state.layouts],
+        "codec_numel": [sum(sum(row.numels) for row in fragment.rows[1:]) for fragment in state.fragments],
         "identical": all(same_on_all_ranks(p) for p in params),
         "global_is_params": all(torch.equal(p, state.global_params[n]) for n, p in trainer.model.named_parameters()),
         "multipliers_identical": same_on_all_ranks(trainer.grpo_callback.importance.multipliers),
         "multipliers": trainer.grpo_callback.importance.multipliers.tolist(),
         "digest": tensor_digest(params),
         "global_digest": tensor_digest([state.global_params[n] for n in sorted(state.global_params)]),
-        "momentum_digest": tensor_digest([state.momentum[n] for n in sorted(state.momentum)]),
+        "momentum_digest": tensor_digest([value for _, value in sorted(by_name(state, "momentum").items())]),
         "optimizer_digest": tensor_digest(moments),
-        "residual_names": sorted(state.residuals.values),
-        "residual_digest": tensor_digest([state.residuals.values[n] for n in sorted(state.residuals.values)]),
-        "owner_residual_names": sorted(state.owner_residuals.values),
+        "residual_names": sorted(by_name(state, "residuals")),
+        "residual_digest": tensor_digest([value for _, value in sorted(by_name(state, "residuals").items())]),
+        "owner_residual_names": sorted(by_name(state, "owner_residuals")),
         "owner_residual_digest": tensor_digest(
-            [state.owner_residuals.values[n] for n in sorted(state.owner_residuals.values)]
+            [value for _, value in sorted(by_name(state, "owner_residuals").items())]
         ),
         "changed": [not torch.equal(a, b) for a, b in zip(initial, params)],
         "losses": [entry["loss"] for entry in logs],
@@ -203,7 +217,7 @@ def train(args, resume=None):
         "totals": state.totals(),
         "cost_comm_bytes": trainer.cost_callback.counted_metrics().get("cost/comm_bytes"),
         "last_sync": state.last_sync,
-        "fragment_numels": [layout.numel for layout in state.layouts],
+        "fragment_numels": [fragment.numel for fragment in state.fragments],
         "code_bits": sorted({spec.bits for spec in state.plan.values() if spec is not None}),
     }
     trainer.accelerator.free_memory()
@@ -256,7 +270,7 @@ def scenario_localsgd(out_dir):
 
 
 def scenario_control(out_dir):
-    return train(make_args(out_dir, "control", grpo_outer_control=True, grpo_compression="none", max_steps=10))
+    return train(make_args(out_dir, "control", grpo_sync_outer_only=True, grpo_compression="none", max_steps=10))
 
 
 def scenario_accum(out_dir):
@@ -264,7 +278,7 @@ def scenario_accum(out_dir):
         make_args(
             out_dir, "accum", max_steps=9, grpo_sync_every=3, grpo_sync_fragments=3, grpo_sync_ramp=False,
             gradient_accumulation_steps=2, max_grad_norm=0.5, lr_scheduler_type="cosine", warmup_steps=2,
-            grpo_lr_ratios={"norms": 0.5}, grpo_sync_bits="8", grpo_outer_dtype="bfloat16",
+            grpo_lr_ratios={"norms": 0.5}, grpo_sync_bits="8", grpo_sync_global_dtype="bfloat16",
         )
     )  # fmt: skip
 

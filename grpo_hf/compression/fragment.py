@@ -1,0 +1,554 @@
+"""`Fragment`: one fragment of the sync every H steps, an object that owns its state (torchft's
+`_StreamingDiLoCoFragment`), and the outer step's math.
+
+A fragment is a set of whole parameters (GRPO's groups, packed by [`pack_fragments`]).
+It holds its parameters' local views (here the parameters themselves: the whole model is the one-shard case; a replica
+sharded by FSDP2 would hold its local shards) and, as flat rows, `θ_global`, the outer momentum, its error-feedback
+residual and its owner residual; its last sync and its exchange in flight. Its methods are the algorithm's steps (see
+the module docstring of `outer_sync.py`, which schedules them):
+
+```python
+>>> delta = fragment.take_delta()  # Δ = θ_global − θ_local, one fp32 row per row of the fragment
+>>> fragment.exchange(exchange, delta, owners=False)  # Δ̄, the mean over the ranks, in place (blocking)
+>>> fragment.apply_outer_step(delta, lr, mu)  # θ_global −= lr (Δ̄ + μ m)
+>>> fragment.restart(step)  # θ_local ← θ_global
+
+>>> fragment.start(exchange, step, due)  # the same exchange, started: Δ taken, flag and messages under way
+>>> fragment.complete(stats)  # waited for: the agreed flag and Δ̄ (what a checkpoint saves of it)
+>>> fragment.apply_in_flight(step, lr, mu, mix)  # the outer step, then θ_local ← (1 − α) θ_global + α θ_local
+```
+
+**Rows.** One row of the tensors sent dense (an fp32 all-reduce; norms, biases), then one row per bit width of the
+codec, each tensor block-aligned and zero-padded: the row the [`~grpo_hf.compression.exchange.Exchange`] encodes as it
+is. Padding stays zero in every row (`Δ`, `θ_global`, the momentum, the residuals), so that a row's math, one operation
+per row, is its tensors' math. What is saved is keyed by parameter name ([`Fragment.state_by_name`]), so that a
+checkpoint resumes with other fragments.
+
+## An exchange in flight (`delay = τ > 0`, Streaming DiLoCo)
+
+Without delay the exchange (step 4 of `outer_sync.py`'s algorithm) blocks the step that syncs. With `τ > 0` (after the ramp, whose syncs stay
+blocking) a due fragment's exchange is only started at its sync step: `Δ` is taken, the flag's all-reduce, the
+messages' all-gathers and the dense all-reduce are started (`Fragment.start`), and the next `τ` inner steps
+compute while they run. After step `s + τ` every rank waits for them, takes the outer step (step 5) on `Δ̄` exactly as
+without delay (same `θ_global`, same momentum), and merges instead of restarting ([`merge_with_global`], torchft's
+`p.lerp_(local, fragment_update_alpha)` on the global weights):
+
+    θ_local ← (1 − α) θ_global + α θ_local          (α = `mix`)
+
+where `θ_local` holds the `τ` local steps taken while the exchange ran. `α = 0` takes `θ_global`, as a sync without
+delay does, and drops those steps; `α > 0` keeps that share of them (and of the local model's distance to the new
+`θ_global`): the late outer step does not throw away the work done meanwhile. The next `Δ` is measured from the new
+`θ_global`, so the sign is DiLoCo's: `Δ = θ_global − θ_local` points away from the local progress and the outer step
+`θ_global −= lr Δ̄` moves toward it.
+
+- **Bits.** The exchange is the same as without delay (the residuals are replaced when it completes, not when it
+  starts), `θ_global` and the momentum are identical on every rank, and each rank's merged parameters are a function
+  of that `θ_global` and its own local ones.
+- **NaN/Inf.** The flag travels with the exchange (a rank whose `Δ` is not safe sends zeros). Set, every rank restarts
+  the fragment from `θ_global` when the exchange is applied, dropping the local steps, those taken while the exchange
+  ran included; `θ_global`, momentum and residuals are unchanged, as without delay.
+- **When it is waited for.** At its due step; earlier when another fragment becomes due (never, with `τ < H / F`), at
+  the last step of training (whose sync of every fragment then blocks, so that training ends on `θ_global` with no
+  exchange in flight), in `OuterSyncState.finish`, and in `OuterSyncState.state_dict`, which waits without
+  applying: a checkpoint holds the completed exchange (flag and `Δ̄`), and the outer step and merge happen at the due
+  step in a resumed run as in an uninterrupted one; saving does not change training. `θ_global` is only written
+  when an exchange is applied, on the training thread, so evaluation and `save_model` read the `θ_global` of the
+  last applied outer step.
+- **Bytes.** Counted in the step that starts the exchange (the flag's and the messages', also when the flag turns out
+  set: with a delay they are sent before the flag is known). A delayed exchange always all-gathers the messages: owner
+  reduction (`W >= 3`) serves the blocking syncs only (the ramp's, the last step's, those without delay), since its
+  owners can only start their half once the all-to-all has arrived. From 3 ranks a delayed sync therefore sends
+  `(W − 1) s` where a blocking one sends about `2 (W − 1) / W s`.
+- **Memory.** The fragment's `Δ` row, the `W` messages and its new bf16 residual live for `τ` steps.
+- **Process group.** Under DDP the exchanges run in a process group of their own (the same ranks, made at
+  `OuterSyncState.bind` on every rank): NCCL runs the collectives of one group in order, and the next steps' norm
+  all-reduce must not queue behind the exchange under way.
+"""
+
+import itertools
+
+import torch
+
+from ..choices import SYNC_MOMENTS
+from ..errors import ConfigError
+from ..optim.moments import averaging_refusal, local_tensor, moment_numel, moment_tensors
+from .codec import all_safe
+from .exchange import Exchange, Part
+from .layout import Run
+from .row_store import RESIDUAL_DTYPE
+from .spec import CodecSpec
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The fragments of GRPO's groups, and the outer step (pure functions)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def pack_fragments(groups: list[tuple[str, list[str], list[int]]], count: int) -> list[list[str]]:
+    """
+    GRPO's groups packed into `count` fragments of balanced sizes: the parameter names of each fragment, in the order
+    of `groups`.
+
+    A group is kept whole unless it holds more than `1 / count` of the entries, in which case its parameters are
+    packed one by one. Units are placed largest first, each in the lightest fragment so far (ties: the first).
+
+    Args:
+        groups (`list[tuple[str, list[str], list[int]]]`): per group, its name, parameter names and sizes.
+        count (`int`): the number of fragments.
+
+    Raises:
+        `ValueError`: fewer groups and parameters than fragments.
+    """
+    order = {name: i for i, (_, names, _) in enumerate(groups) for name in names}
+    if count <= 1:
+        return [sorted(order, key=order.get)]
+    total = sum(sum(numels) for _, _, numels in groups)
+    units = []
+    for _, names, numels in groups:
+        if sum(numels) * count > total:
+            units += [([name], numel) for name, numel in zip(names, numels)]
+        else:
+            units.append((list(names), sum(numels)))
+    if len(units) < count:
+        raise ValueError(
+            f"grpo_sync_fragments={count}: the model has only {len(units)} groups and parameters to spread over "
+            "fragments. Use fewer fragments or a finer grouping (grpo_groups='semantic+shape', or a group file)."
+        )
+    loads, packed = [0] * count, [[] for _ in range(count)]
+    for names, numel in sorted(units, key=lambda unit: -unit[1]):  # stable: ties keep the order of the groups
+        lightest = min(range(count), key=lambda f: (loads[f], f))
+        loads[lightest] += numel
+        packed[lightest] += names
+    return [sorted(names, key=order.get) for names in packed]
+
+
+def outer_step(global_param: torch.Tensor, delta: torch.Tensor, momentum: torch.Tensor | None, lr: float, mu: float):
+    """
+    One outer SGD step with Nesterov momentum on the mean pseudo-gradient `delta` (fp32), in place, as torch's
+    `SGD(nesterov=True, dampening=0)` takes it: `m = mu * m + delta`, `θ -= lr * delta + lr * mu * m` (`θ -= lr *
+    delta` without momentum). In place for fp32 tensors; bf16 ones are updated through an fp32 copy.
+    """
+    buffer = None
+    if momentum is not None and mu > 0:
+        buffer = momentum if momentum.dtype == torch.float32 else momentum.float()
+        buffer.mul_(mu).add_(delta)
+        if buffer is not momentum:
+            momentum.copy_(buffer)
+    value = global_param if global_param.dtype == torch.float32 else global_param.float()
+    value.add_(delta, alpha=-lr)
+    if buffer is not None:
+        value.add_(buffer, alpha=-lr * mu)
+    if value is not global_param:
+        global_param.copy_(value)
+
+
+def merge_with_global(local: torch.Tensor, global_param: torch.Tensor, mix: float) -> torch.Tensor:
+    """
+    A fragment's new local parameters after a delayed sync (Streaming DiLoCo's merge): `(1 − mix) θ_global + mix
+    θ_local`, computed in fp32 as `torch.lerp(θ_global, θ_local, mix)` (torchft's `p.lerp_(local, alpha)` on the
+    global weights) and returned in `local`'s dtype. `mix = 0` is `θ_global` exactly (the restart of a sync without
+    delay, whatever `θ_local` holds); `mix = 1` keeps `θ_local`.
+
+    Args:
+        local (`torch.Tensor`): this rank's parameters now, after the steps taken while the exchange ran.
+        global_param (`torch.Tensor`): `θ_global` after the outer step on the averaged pseudo-gradient.
+        mix (`float`): `α` in `[0, 1]`, the share of the local parameters kept.
+    """
+    if mix == 0:
+        return global_param.to(local.dtype, copy=True)
+    return torch.lerp(global_param.float(), local.float(), mix).to(local.dtype)
+
+
+def check_moments(optimizer, moments: str) -> None:
+    """
+    With `moments` other than `"none"` (`grpo_sync_moments`): refuse an optimizer that does not keep them as fp32
+    tensors ([`~grpo_hf.optim.moments.averaging_refusal`]), which [`Fragment.average_moments`] could not average.
+    """
+    field = f"grpo_sync_moments={moments!r}"
+    for which in SYNC_MOMENTS[moments]:
+        if optimizer is None:
+            raise ConfigError(f"{field} averages the optimizer's moments: bind the optimizer that steps.")
+        refusal = averaging_refusal(optimizer, which)
+        if refusal is not None:
+            adam_key = "exp_avg" if which == "first" else "exp_avg_sq"
+            raise ConfigError(
+                f"{field} averages the optimizer's {which} moment ({adam_key} in AdamW), which {refusal}. Use "
+                "torch's AdamW, grpo_sync_moments='second' (or 'none'), or a grpo_optimizer_state that keeps it in fp32."
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A fragment
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _Row:
+    """
+    The layout of one row: its spec (`None`: sent dense), its tensors one after the other (block-aligned and
+    zero-padded under a spec) and, under a spec, the row as a layout `Run` (the owners of its blocks).
+    """
+
+    __slots__ = ("spec", "names", "numels", "offsets", "length", "pieces", "run")
+
+    def __init__(self, spec: CodecSpec | None, names: list[str], numels: list[int]):
+        block = 1 if spec is None else spec.block_size
+        self.spec, self.names, self.numels = spec, list(names), list(numels)
+        self.offsets, self.pieces, offset = [], [], 0
+        for numel in numels:
+            padded = -(-numel // block) * block
+            self.offsets.append(offset)
+            self.pieces += [numel, padded - numel]  # the tensor's entries, then its padding
+            offset += padded
+        self.length = offset
+        self.run = None
+        if spec is not None:  # each tensor in place in the row: its blocks cut into owners' chunks as a bucket's are
+            offsets, sizes, positions = tuple(self.offsets), tuple(numels), tuple(range(len(names)))
+            self.run = Run(spec, tuple(names), sizes, positions, offsets, offsets, offset, True,
+                           tuple(zip(positions, offsets, sizes)))  # fmt: skip
+
+    def split(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's entries in `row` (views), in order."""
+        return list(row.split(self.pieces)[::2])
+
+
+class _RowResidual:
+    """A fragment's residual of one row as the exchange reads and writes it: bf16 zeros until its first exchange."""
+
+    __slots__ = ("held", "index", "length", "device")
+
+    def __init__(self, held: list, index: int, length: int, device):
+        self.held, self.index, self.length, self.device = held, index, length, device
+
+    def read(self, block_size: int) -> torch.Tensor:
+        if self.held[self.index] is None:
+            self.held[self.index] = torch.zeros(self.length, dtype=RESIDUAL_DTYPE, device=self.device)
+        return self.held[self.index].view(-1, block_size)
+
+    def write(self, row: torch.Tensor) -> None:
+        self.held[self.index] = row.reshape(-1)
+
+
+class _OwnerResidual:
+    """The residual of the blocks of one row that this rank owns (owner reduction), at one world size: zeros at its
+    first exchange, but for the chunks a checkpoint saved."""
+
+    __slots__ = ("fragment", "index", "world_size", "rank")
+
+    def __init__(self, fragment: "Fragment", index: int, world_size: int, rank: int):
+        self.fragment, self.index, self.world_size, self.rank = fragment, index, world_size, rank
+
+    def read(self, block_size: int) -> torch.Tensor:
+        held = self.fragment.owner_residuals[self.index]
+        if held is None or held[:2] != (self.world_size, self.rank):
+            run = self.fragment.rows[self.index].run
+            count = run.owned_blocks(self.world_size)[self.rank].numel()
+            row = torch.zeros(count * block_size, dtype=RESIDUAL_DTYPE, device=self.fragment.device)
+            saved = self.fragment.saved_owner
+            for name, offset, size in run.owned_slots(self.world_size, self.rank):
+                if name in saved:
+                    row[offset : offset + size] = saved.pop(name).to(row.device).reshape(-1)[:size]
+            held = self.fragment.owner_residuals[self.index] = (self.world_size, self.rank, row)
+        return held[2].view(-1, block_size)
+
+    def write(self, row: torch.Tensor) -> None:
+        self.fragment.owner_residuals[self.index] = (self.world_size, self.rank, row.reshape(-1))
+
+
+class InFlight:
+    """
+    One fragment's exchange under way (`delay > 0`): started after step `started`, applied after step `due`. Until
+    [`Fragment.complete`] it holds the collectives in flight; after it, `unsafe` (the agreed NaN/Inf flag) and `deltas`
+    (the rows of the mean `Δ̄`), which is what a checkpoint saves of it.
+    """
+
+    __slots__ = ("fragment", "started", "due", "exchange", "flag", "gathers", "mean", "deltas", "unsafe", "completed")
+
+    def __init__(self, fragment: int, started: int, due: int):
+        self.fragment, self.started, self.due = fragment, started, due
+        self.exchange = self.flag = self.mean = None
+        self.gathers, self.deltas = [], []
+        self.unsafe, self.completed = False, False
+
+
+class Fragment:
+    r"""
+    One fragment of the sync every H steps and its state (see the module docstring).
+
+    Args:
+        index (`int`): its place among the fragments.
+        names (`list[str]`): its parameters' names.
+        params (`dict[str, torch.nn.Parameter]`): the trainable parameters by name (this fragment's among them).
+        plan (`dict[str, CodecSpec | None]`): how each parameter's `Δ` is sent (`None`: fp32 all-reduce).
+        dtype (`torch.dtype`): of `θ_global` and the momentum.
+        momentum (`bool`): whether the outer step keeps a momentum.
+    """
+
+    def __init__(self, index: int, names: list[str], params: dict, plan: dict, dtype: torch.dtype, momentum: bool):
+        self.index, self.names = index, list(names)
+        self.params = {name: params[name] for name in names}
+        self.numel = sum(local_tensor(p).numel() for p in self.params.values())
+        self.device = next(iter(self.params.values())).device
+        dense = [name for name in names if plan.get(name) is None]
+        self.rows = [_Row(None, dense, self._numels(dense))]
+        for bits in sorted({plan[name].bits for name in names if plan.get(name) is not None}):
+            members = [name for name in names if plan.get(name) is not None and plan[name].bits == bits]
+            self.rows.append(_Row(plan[members[0]], members, self._numels(members)))
+        with torch.no_grad():
+            self.theta = [self._gather(row, dtype) for row in self.rows]  # θ_global, from the parameters
+        self.momentum = [torch.zeros_like(theta) for theta in self.theta] if momentum else None
+        self.residuals: list[torch.Tensor | None] = [None] * len(self.rows)  # bf16, from the row's first exchange
+        self.owner_residuals: list[tuple | None] = [None] * len(self.rows)  # (world size, rank, row of owned blocks)
+        self.saved_owner: dict[str, torch.Tensor] = {}  # a checkpoint's owner residuals, until their first use
+        self.last_sync = 0  # the step at which the parameters last restarted from θ_global
+        self.in_flight: InFlight | None = None
+
+    def _numels(self, names: list[str]) -> list[int]:
+        return [local_tensor(self.params[name]).numel() for name in names]
+
+    def _locals(self, row: _Row) -> list[torch.Tensor]:
+        """This rank's tensors of the row (flat views of the parameters' local parts)."""
+        return [local_tensor(self.params[name]).detach().view(-1) for name in row.names]
+
+    def _gather(self, row: _Row, dtype: torch.dtype) -> torch.Tensor:
+        """The row's local tensors copied into one row of `dtype` (padding zero)."""
+        out = torch.zeros(row.length, dtype=dtype, device=self.device)
+        if row.names:
+            torch._foreach_copy_(row.split(out), self._locals(row))
+        return out
+
+    def _scatter(self, row: _Row, values: torch.Tensor) -> None:
+        """`values` (a row) copied into the row's local tensors."""
+        if row.names:
+            torch._foreach_copy_(self._locals(row), row.split(values))
+
+    @property
+    def codec_rows(self) -> list[int]:
+        """The indices of the rows sent in codes."""
+        return [index for index, row in enumerate(self.rows) if row.spec is not None]
+
+    # --- the algorithm ---
+    def take_delta(self) -> list[torch.Tensor]:
+        """`Δ = θ_global − θ_local`, one fp32 row per row of the fragment."""
+        deltas = [self._gather(row, torch.float32) for row in self.rows]
+        for theta, delta in zip(self.theta, deltas):
+            torch.sub(theta, delta, out=delta)
+        return deltas
+
+    def _part(self, index: int, delta: torch.Tensor, world_size: int, rank: int) -> Part:
+        """Row `index`'s `Δ` as a part of an exchange: its residuals, its mean decoded into it."""
+        row = self.rows[index]
+        rows = delta.view(-1, row.spec.block_size)
+        residual = _RowResidual(self.residuals, index, row.length, self.device)
+        return Part(row.run, rows, residual, out=rows, owner_residual=_OwnerResidual(self, index, world_size, rank))
+
+    def exchange(self, exchange: Exchange, deltas: list[torch.Tensor], owners: bool) -> None:
+        """
+        `Δ` becomes `Δ̄`, the mean over the ranks, in place (blocking): every codec row with its error feedback,
+        all-gathered, or (`owners`) reduced by the owners of its blocks; then the dense row, one fp32 all-reduce.
+        """
+        comm = exchange.comm
+        for index in self.codec_rows:
+            part = self._part(index, deltas[index], comm.world_size, comm.rank)
+            if owners:
+                exchange.reduce_with_owners([part])
+            else:
+                exchange.start_all_gather([part]).finish()
+        if deltas[0].numel():
+            exchange.start_mean(deltas[0]).wait()
+
+    def apply_outer_step(self, deltas: list[torch.Tensor], lr: float, mu: float) -> None:
+        """[`outer_step`] on every row: `θ_global −= lr (Δ̄ + μ m)`."""
+        momentum = self.momentum or [None] * len(self.rows)
+        for theta, delta, held in zip(self.theta, deltas, momentum):
+            outer_step(theta, delta, held, lr, mu)
+
+    def apply_outer_step_by_name(self, deltas: dict[str, torch.Tensor], lr: float, mu: float) -> None:
+        """[`outer_step`] on the tensors of `deltas` (flat `Δ̄` by name, e.g. a checkpoint's of other fragments) only."""
+        momentum = self.momentum or [None] * len(self.rows)
+        for row, theta, held in zip(self.rows, self.theta, momentum):
+            views = zip(row.names, row.split(theta), row.split(held) if held is not None else [None] * len(row.names))
+            for name, view, moment in views:
+                if name in deltas:
+                    outer_step(view, deltas[name].to(view.device).reshape(-1), moment, lr, mu)
+
+    def restart(self, step: int) -> None:
+        """The parameters become `θ_global` (in place), as at step `step`."""
+        self.show_global()
+        self.last_sync = step
+
+    def show_global(self) -> None:
+        """`θ_global` copied into the parameters (in place), the fragment's schedule unchanged."""
+        for row, theta in zip(self.rows, self.theta):
+            self._scatter(row, theta)
+
+    def merge(self, step: int, mix: float) -> None:
+        """The parameters become `(1 − mix) θ_global + mix θ_local` ([`merge_with_global`]); `mix = 0` restarts."""
+        if mix == 0:
+            self.restart(step)
+            return
+        for row, theta in zip(self.rows, self.theta):
+            self._scatter(row, merge_with_global(self._gather(row, torch.float32), theta, mix))
+
+    def start(self, exchange: Exchange | None, step: int, due: int) -> InFlight:
+        """
+        The exchange of [`exchange`], started and not waited for: `Δ` taken, then the flag's all-reduce, the codec
+        rows' all-gathers (a tag each: under way at once) and the dense row's all-reduce started; the new residuals
+        are kept apart until [`complete`]. A `Δ` that is not safe here is sent as zeros (the agreed flag then discards
+        the exchange). Without `exchange` (one rank) `Δ̄` is this rank's `Δ`.
+        """
+        flight = self.in_flight = InFlight(self.index, step, due)
+        flight.deltas = self.take_delta()
+        flight.unsafe = not all_safe(flight.deltas)  # this rank's; completed with the agreed one
+        if exchange is None:
+            return flight
+        if flight.unsafe:
+            for delta in flight.deltas:
+                delta.zero_()
+        comm = exchange.comm
+        flight.exchange = exchange
+        flight.flag = exchange.agree_flag(flight.unsafe, self.device)
+        flight.gathers = [
+            exchange.start_all_gather([self._part(index, flight.deltas[index], comm.world_size, comm.rank)], tag=tag,
+                                      keep_residuals=True)
+            for tag, index in enumerate(self.codec_rows)
+        ]  # fmt: skip
+        if flight.deltas[0].numel():
+            flight.mean = exchange.start_mean(flight.deltas[0])
+        return flight
+
+    def complete(self, stats) -> None:
+        """
+        Wait for the exchange in flight (the time counts into `stats`, the step's that waits); keep the agreed flag
+        and `Δ̄`, and, unless the flag is set, make the new residuals the fragment's. The outer step waits for
+        [`apply_in_flight`].
+        """
+        flight = self.in_flight
+        if flight is None or flight.completed:
+            return
+        if flight.exchange is not None:
+            flight.exchange.comm.stats = stats
+            flight.unsafe = bool(flight.flag.wait().item())
+            for gathered in flight.gathers:
+                gathered.wait()
+            if flight.mean is not None:
+                flight.mean.wait()
+            if not flight.unsafe:
+                for gathered in flight.gathers:
+                    gathered.finish()
+        flight.completed = True
+        flight.exchange = flight.flag = flight.mean = None
+        flight.gathers = []
+
+    def apply_in_flight(self, step: int, lr: float, mu: float, mix: float) -> bool:
+        """
+        The completed exchange applied at step `step`: the outer step on `Δ̄`, then the merge; with the flag set, the
+        restart from `θ_global` instead (returns `True`: its local steps are dropped).
+        """
+        flight, self.in_flight = self.in_flight, None
+        if flight.unsafe:
+            self.restart(step)
+            return True
+        self.apply_outer_step(flight.deltas, lr, mu)
+        self.merge(step, mix)
+        return False
+
+    # --- the inner optimizer's moments ---
+    def moments(self, optimizer, which: str) -> list[list[torch.Tensor]]:
+        """
+        The tensors that hold the optimizer's `which` moment of each parameter (`[]` for a parameter without state: it
+        never had a gradient, on every rank under DDP, which agrees on the unused parameters).
+        """
+        return [moment_tensors(optimizer, self.params[name], which) for name in self.names]
+
+    def average_moments(self, exchange: Exchange, optimizer, keys: tuple[str, ...]) -> None:
+        """
+        Average the optimizer's moments `keys` of the fragment's parameters over the ranks, in place: per moment, the
+        tensors that hold it flat in one fp32 row (zeros for a parameter without state), one all-reduce, divided by
+        `W`, copied back. Every rank then holds the same bits. Work memory: one row at a time.
+        """
+        for key in keys:
+            sizes = [moment_numel(optimizer, self.params[name], key) for name in self.names]
+            flat = torch.zeros(sum(sizes), device=self.device)
+            views, moments = [], []
+            for start, tensors in zip(itertools.accumulate([0, *sizes]), self.moments(optimizer, key)):
+                for moment in tensors:  # a parameter's tensors one after the other in its stretch
+                    views.append(flat[start : start + moment.numel()])
+                    moments.append(moment)
+                    start += moment.numel()
+            if moments:
+                torch._foreach_copy_(views, [moment.reshape(-1) for moment in moments])
+            exchange.start_mean(flat).wait()
+            if moments:
+                torch._foreach_copy_(moments, [view.view_as(moment) for view, moment in zip(views, moments)])
+            del flat, views
+
+    # --- saved by name ---
+    def state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
+        """
+        What a checkpoint keeps of the fragment, by parameter name (views): `global` and `momentum` (shaped as the
+        parameters' local parts), `residuals` (flat, the rows exchanged so far), `owner_residuals` (flat, the chunks
+        of the blocks this rank owns).
+        """
+
+        def shaped(rows: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
+            if rows is None:
+                return {}
+            return {name: view.view(local_tensor(self.params[name]).shape) for row, held in zip(self.rows, rows)
+                    for name, view in zip(row.names, row.split(held))}  # fmt: skip
+
+        owners = dict(self.saved_owner)
+        for index, held in enumerate(self.owner_residuals):
+            if held is not None:
+                world_size, rank, values = held
+                for name, offset, size in self.rows[index].run.owned_slots(world_size, rank):
+                    owners[name] = values[offset : offset + size]
+        return {
+            "global": shaped(self.theta),
+            "momentum": shaped(self.momentum),
+            "residuals": self.by_name(self.residuals),
+            "owner_residuals": owners,
+        }
+
+    def by_name(self, rows: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Each parameter's flat entries in `rows` (one per row of the fragment; `None`: none), views."""
+        return {name: view for row, held in zip(self.rows, rows) if held is not None
+                for name, view in zip(row.names, row.split(held))}  # fmt: skip
+
+    def rows_from(self, by_name: dict[str, torch.Tensor], dtype=torch.float32) -> list[torch.Tensor]:
+        """Rows of the fragment filled from flat tensors by name (zeros for names left out)."""
+        rows = [torch.zeros(row.length, dtype=dtype, device=self.device) for row in self.rows]
+        for row, held in zip(self.rows, rows):
+            for name, view in zip(row.names, row.split(held)):
+                if name in by_name:
+                    view.copy_(by_name[name].to(self.device).reshape(-1)[: view.numel()])
+        return rows
+
+    def load(self, values: dict, momentum: dict, residuals: dict, owner_residuals: dict) -> None:
+        """Restore what [`state_by_name`] gave (the names of this fragment that are there)."""
+        for rows, saved in ((self.theta, values), (self.momentum or [], momentum)):
+            for row, held in zip(self.rows, rows):
+                for name, view in zip(row.names, row.split(held)):
+                    if name in saved:
+                        view.copy_(saved[name].reshape(-1))
+        self.residuals = [None] * len(self.rows)
+        if any(name in residuals for index in self.codec_rows for name in self.rows[index].names):
+            loaded = self.rows_from(residuals, RESIDUAL_DTYPE)
+            for index in self.codec_rows:
+                if any(name in residuals for name in self.rows[index].names):
+                    self.residuals[index] = loaded[index]
+        self.owner_residuals = [None] * len(self.rows)
+        codec = {name for index in self.codec_rows for name in self.rows[index].names}
+        self.saved_owner = {name: value for name, value in owner_residuals.items() if name in codec}
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held: `global`, `momentum`, `residuals` (the owners' included)."""
+
+        def size(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+        owners = [held[2] for held in self.owner_residuals if held is not None] + list(self.saved_owner.values())
+        return {"global": size(self.theta), "momentum": size(self.momentum or []),
+                "residuals": size(self.residuals) + size(owners)}  # fmt: skip
+
+
+__all__ = ["Fragment", "InFlight", "check_moments", "merge_with_global", "outer_step", "pack_fragments"]
