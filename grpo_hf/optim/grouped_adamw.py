@@ -27,6 +27,7 @@ drift. Under FSDP2 each rank updates its local shards: `row` and `head` state is
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -36,6 +37,8 @@ from .layout import FIRST_MOMENT_BITS, SECOND_MOMENT_KINDS, StateLayout, whole_h
 from .moments import local_tensor
 from .resume import check_layouts
 
+
+logger = logging.getLogger(__name__)
 
 ADAFACTOR_EPS = 1e-30  # Adafactor's ε₁, added to the squared gradient
 
@@ -171,6 +174,12 @@ class GroupedAdamW(torch.optim.Optimizer):
             return layout
         fitted = StateLayout("row", layout.first_bits, 0, layout.axis)
         group["state_layouts"][index] = str(fitted)
+        names = group.get("param_names")
+        logger.info(
+            "GroupedAdamW: %s is sharded across heads of %d rows (FSDP2); one second moment per row instead.",
+            names[index] if names else f"a parameter of {group.get('grpo_group', 'a param group')}",
+            layout.block,
+        )
         return fitted
 
     def _init_state(self, state: dict, param: torch.Tensor, layout: StateLayout) -> None:
