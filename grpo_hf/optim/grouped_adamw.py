@@ -238,6 +238,7 @@ class GroupedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._make_kernel()
         for group in self.param_groups:
             for index, (param, layout) in enumerate(zip(group["params"], group["state_layouts"])):
                 if param.grad is None:
@@ -249,6 +250,18 @@ class GroupedAdamW(torch.optim.Optimizer):
                     self._init_state(state, param, parsed)
                 self._update(param, state, parsed, group)
         return loss
+
+    def _make_kernel(self) -> None:
+        """
+        At the first step, on every rank whatever its gradients: the 8-bit moments' kernel (its choice is agreed over
+        `torch.distributed`'s ranks, a collective that every rank must reach).
+        """
+        if getattr(self, "_kernel", None) is not None:
+            return
+        eight = [
+            p for g in self.param_groups for p, kept in zip(g["params"], g["state_layouts"]) if kept.endswith("/8")
+        ]
+        self._kernel = moment_kernel(eight[0].device) if eight else False
 
     def _update(self, param: torch.Tensor, state: dict, layout: StateLayout, group: dict) -> None:
         p, grad = local_tensor(param), local_tensor(param.grad)
@@ -335,8 +348,7 @@ class GroupedAdamW(torch.optim.Optimizer):
             flat = target.reshape(-1).float()
             if flat.numel() != codes.numel():
                 flat = torch.nn.functional.pad(flat, (0, codes.numel() - flat.numel()))
-            kernel = moment_kernel(p.device)
-            moment, new_codes, new_scales = kernel(
+            moment, new_codes, new_scales = self._kernel(
                 codes.view(-1, FIRST_MOMENT_BLOCK), scales.view(-1, 1), flat.view(-1, FIRST_MOMENT_BLOCK), beta1, lerp
             )
             codes.copy_(new_codes.view(-1))
