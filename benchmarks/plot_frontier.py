@@ -6,8 +6,10 @@
 
 x: how many times fewer bytes than dense fp32 DDP a row sends over the whole run (log scale); y: its eval perplexity
 over dense's on the same seeds (geometric mean; the bar reaches the worst seed). GRPO's sync-every-H rows, the
-per-step codes, the peers (torch's PowerSGD, accelerate-style LocalSGD) and the outer-step control have their own
-markers; the dotted lines are issue 28's goal (100× fewer bytes, 1.01× on a fine-tune, 1.02× from scratch).
+per-step codes, the peers (torch's PowerSGD, GRPO's emulation of LocalSGD), the peer syncs run by their own code
+(torchft's DiLoCo, accelerate's LocalSGD: `benchmarks/peers.py`) and the outer-step control have their own markers; a
+hollow triangle is torchft's row at the bytes of its quantized GPU path (an estimate, at the same perplexity); the
+dotted lines are issue 28's goal (100× fewer bytes, 1.01× on a fine-tune, 1.02× from scratch).
 
 With `--sweep` the points come from a learning-rate sweep (`benchmarks/results/suite_sweep`, `suite.py --lrs`):
 each row at its own best learning rate over dense at its own (best against best), for the tasks with sync rows.
@@ -23,6 +25,7 @@ MARKERS = {
     "GRPO sync every H": "o",
     "per-step codes": "s",
     "peer": "^",
+    "peer sync (torchft, accelerate)": "v",
     "control (no bytes saved)": "x",
     "baseline": "D",
 }
@@ -46,6 +49,11 @@ def plot(summary: dict, output: Path) -> Path:
             ax.errorbar(x, y, yerr=[[0] * len(y), above], fmt=marker, label=kind, capsize=2, alpha=0.85)
             for (row, _), xi, yi in zip(points, x, y):
                 ax.annotate(row, (xi, yi), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        estimates = [(e["quantized_estimate_bytes_ratio"], e["geomean"]) for e in rows.values()
+                     if e.get("quantized_estimate_bytes_ratio")]  # fmt: skip
+        if estimates:
+            ax.scatter(*zip(*estimates), marker="v", facecolors="none", edgecolors="gray",
+                       label="torchft quantized (GPU, estimate)")  # fmt: skip
         ax.set_xscale("log")
         ax.axvline(100, ls=":", c="gray")
         ax.axhline(1.02 if "finetune" not in task and "lora" not in task else 1.01, ls=":", c="gray")
