@@ -849,7 +849,9 @@ def summarize_sweep(runs: dict, nominal: float, baseline: str, search_seed: int)
             entry["quantized_estimate_bytes_ratio"] = (
                 best_record["dense_fp32_bytes_per_step"] * best_record["steps"] / estimate
             )
-        if "optimizer_state_bytes" in best_record:  # the memory suite: each row's figures against the baseline's
+        # the memory suite: each row's figures against the baseline's (a baseline run before they were recorded, as the
+        # comm suite's older files, has none)
+        if "optimizer_state_bytes" in best_record and "optimizer_state_bytes" in runs[baseline][search_seed][base_lr]:
             entry.update(_memory_ratios(by_seed, best_lr, runs[baseline], base_lr))
         summary[name] = entry
     return summary
