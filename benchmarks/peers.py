@@ -506,7 +506,7 @@ def what_it_sends(row: str) -> str:
         if peer["fragments"] > 1:
             text += f"; {peer['fragments']} fragments in turn"
         if peer["delay"]:
-            text += f", overlapped {peer['delay']} step(s), α {peer['mix']:g}"
+            text += f", overlapped (τ = {peer['delay']}, α = {peer['mix']:g})"
         return text
     sync = sync_row(row)
     if sync is None:
@@ -559,7 +559,8 @@ def comparison_markdown(sweep: dict, note: str = "") -> str:
         rows = sweep[task]
         for every in intervals:
             names = ["dense", grpo_default_sync(every), f"localsgd-h{every}"]
-            names += sorted(r for r in rows if is_peer_row(r) and peer_row(r)["every"] == every)
+            peers_here = [r for r in rows if is_peer_row(r) and peer_row(r)["every"] == every]
+            names += sorted(peers_here, key=lambda r: (peer_row(r)["peer"] != "torchft", r))  # torchft's, accelerate's
             for name in names:
                 if name not in rows:
                     continue
