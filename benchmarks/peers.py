@@ -23,8 +23,11 @@ How each runs (the plain `Trainer`, plus a callback):
    the launch's default process group. Every torchrun rank is a replica group of one: it starts its own `TCPStore` and
    a `Manager` (`ProcessGroupGloo`, `use_async_quorum=False`, `init_sync=False`: every rank starts from the same seed,
    and torchft's default would overwrite every replica but the first at the first quorum, which DiLoCo takes at step
-   H), advertised on `127.0.0.1` with `GLOO_SOCKET_IFNAME=lo`. torchft's `DiLoCo` then hooks the Trainer's optimizer;
-   each fragment has its own outer `SGD`. The fragments are GRPO's groups packed by GRPO's `pack_fragments`, so that a
+   H), advertised on `127.0.0.1` with `GLOO_SOCKET_IFNAME=lo`. torchft's `DiLoCo` then hooks the Trainer's optimizer.
+   Each fragment has its own outer `SGD`: torchft also accepts one outer optimizer for all fragments, but it syncs
+   inside the inner optimizer's step, while the inner gradients are still in `.grad`, so that one optimizer would also
+   step the other fragments' parameters on their inner gradients at every sync, silently (measured:
+   `benchmarks/LOG.md`, 2026-12-05). The fragments are GRPO's groups packed by GRPO's `pack_fragments`, so that a
    `-f<F>` row splits the model as GRPO's `sync<H>-...-f<F>` rows do.
 3. **accelerate** ([`LocalSGDCallback`]): `LocalSGD.step()` after every optimizer step; its exit (which averages once
    more) at the end of the last step.
@@ -34,7 +37,7 @@ How each runs (the plain `Trainer`, plus a callback):
    public call for it), then restores `θ_global` into the model.
 5. **Bytes** are counted with the suite's ring model (`grpo_hf.compression.traffic`), as the peers count none: torchft's
    `Manager.allreduce` is counted per call (`2 (W - 1) / W` × the tensor's bytes), accelerate's per parameter and sync.
-   The lighthouse's and managers' RPCs (quorum, commit: a few hundred bytes per sync) are not counted.
+   The lighthouse's and managers' RPCs (a quorum and a commit per sync) are not counted.
    With `should_quantize=True` on a GPU with triton, torchft sends each tensor as fp8 (or int8) rows with one fp32 scale
    per row, padded to 4 bytes, through an all-to-all and an all-gather ([`quantized_allreduce_bytes`]), with no error
    feedback. On CPU it sends fp32 without a word, so the suite cannot run it here: every torchft row also records
@@ -79,7 +82,7 @@ def peer_row(name: str) -> dict | None:
     if match:
         every = int(match["every"])
         if every < 1:
-            raise ValueError(f"{name}: H must be at least 1.")
+            raise ValueError(f"{name}: H must be at least 1, got {every}.")
         return {"peer": "accelerate", "every": every}
     match = DILOCO_ROW.fullmatch(name)
     if not match:
@@ -95,13 +98,18 @@ def peer_row(name: str) -> dict | None:
     }
     every, fragments, delay = row["every"], row["fragments"], row["delay"]
     if fragments < 1 or every < fragments or every % fragments:
-        raise ValueError(f"{name}: torchft's DiLoCo needs F fragments that divide H (H={every}, F={fragments}).")
+        raise ValueError(
+            f"{name}: torchft's DiLoCo needs F fragments that divide H (H={every}, F={fragments}); use -f<F> with F a "
+            "divisor of H, or no -f."
+        )
     if delay >= every // fragments:
-        raise ValueError(f"{name}: torchft needs tau < H / F (tau={delay}, H / F={every // fragments}).")
+        raise ValueError(
+            f"{name}: torchft needs tau < H / F (tau={delay}, H / F={every // fragments}); use a smaller -d<tau>."
+        )
     if not 0.0 <= row["mix"] <= 1.0:
-        raise ValueError(f"{name}: alpha (-mix) must be in [0, 1].")
+        raise ValueError(f"{name}: alpha (-mix) must be in [0, 1], got {row['mix']:g}.")
     if not 0.0 <= row["outer_momentum"] < 1.0:
-        raise ValueError(f"{name}: the outer momentum (-m) must be in [0, 1).")
+        raise ValueError(f"{name}: the outer momentum (-m) must be in [0, 1), got {row['outer_momentum']:g}.")
     return row
 
 
