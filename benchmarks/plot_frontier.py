@@ -6,8 +6,10 @@
 
 x: how many times fewer bytes than dense fp32 DDP a row sends over the whole run (log scale); y: its eval perplexity
 over dense's on the same seeds (geometric mean; the bar reaches the worst seed). GRPO's sync-every-H rows, the
-per-step codes, the peers (torch's PowerSGD, accelerate-style LocalSGD) and the outer-step control have their own
-markers; the dotted lines are issue 28's goal (100× fewer bytes, 1.01× on a fine-tune, 1.02× from scratch).
+per-step codes, the peers (torch's PowerSGD, GRPO's emulation of LocalSGD), the peer syncs run by their own code
+(torchft's DiLoCo, accelerate's LocalSGD: `benchmarks/peers.py`) and the outer-step control have their own markers; a
+hollow triangle is torchft's row at the bytes of its quantized GPU path (an estimate, at the same perplexity); the
+dotted lines are issue 28's goal (100× fewer bytes, 1.01× on a fine-tune, 1.02× from scratch).
 
 With `--sweep` the points come from a learning-rate sweep (`benchmarks/results/suite_sweep`, `suite.py --lrs`):
 each row at its own best learning rate over dense at its own (best against best), for the tasks with sync rows.
@@ -23,9 +25,11 @@ MARKERS = {
     "GRPO sync every H": "o",
     "per-step codes": "s",
     "peer": "^",
+    "peer sync (torchft, accelerate)": "v",
     "control (no bytes saved)": "x",
     "baseline": "D",
 }
+TOP = 1.3  # a row above this ratio is drawn at the panel's top edge, its value written beside it
 
 
 def plot(summary: dict, output: Path) -> Path:
@@ -35,17 +39,33 @@ def plot(summary: dict, output: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(summary), figsize=(6.5 * len(summary), 4.8), squeeze=False)
+    handles = {}
     for ax, (task, rows) in zip(axes[0], summary.items()):
+        top = min(TOP, max(e["worst"] for e in rows.values()) + 0.01)
         for kind, marker in MARKERS.items():
             points = [(row, e) for row, e in rows.items() if _sync_kind(row) == kind]
             if not points:
                 continue
             x = [e["bytes_ratio"] for _, e in points]
-            y = [e["geomean"] for _, e in points]
-            above = [e["worst"] - e["geomean"] for _, e in points]
-            ax.errorbar(x, y, yerr=[[0] * len(y), above], fmt=marker, label=kind, capsize=2, alpha=0.85)
-            for (row, _), xi, yi in zip(points, x, y):
-                ax.annotate(row, (xi, yi), fontsize=6, xytext=(3, 2), textcoords="offset points")
+            y = [min(e["geomean"], top) for _, e in points]
+            above = [max(0.0, min(e["worst"], top) - yi) for (_, e), yi in zip(points, y)]
+            handles[kind] = ax.errorbar(
+                x, y, yerr=[[0] * len(y), above], fmt=marker, label=kind, capsize=2, alpha=0.85
+            )
+            for (row, e), xi, yi in zip(points, x, y):
+                label = row if e["geomean"] <= top else f"{row}: {e['geomean']:.2f} (off the scale)"
+                ax.annotate(label, (xi, yi), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        estimates = [(e["quantized_estimate_bytes_ratio"], min(e["geomean"], top)) for e in rows.values()
+                     if e.get("quantized_estimate_bytes_ratio")]  # fmt: skip
+        if estimates:
+            handles["torchft quantized (GPU, estimate)"] = ax.scatter(
+                *zip(*estimates),
+                marker="v",
+                facecolors="none",
+                edgecolors="gray",
+                label="torchft quantized (GPU, estimate)",
+            )
+        ax.set_ylim(top=top + 0.01)
         ax.set_xscale("log")
         ax.axvline(100, ls=":", c="gray")
         ax.axhline(1.02 if "finetune" not in task and "lora" not in task else 1.01, ls=":", c="gray")
@@ -53,7 +73,7 @@ def plot(summary: dict, output: Path) -> Path:
         ax.set_xlabel("bytes: times fewer than dense fp32 (whole run)")
         ax.set_ylabel("eval perplexity / dense (geomean; bar: worst seed)")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    axes[0][0].legend(handles.values(), handles.keys(), fontsize=7)
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=120)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from benchmarks import lr_grid  # noqa: E402
+from benchmarks import lr_grid, peers  # noqa: E402
 from benchmarks.revision import commit  # noqa: E402
 from benchmarks.tasks import TASKS, Task, build_model, compute_accuracy, prepare  # noqa: E402
 
@@ -171,7 +171,8 @@ class SuiteArguments:
         metadata={
             "help": f"Comma-separated rows. comm: {', '.join(COMM_ROWS)}, fp16, powersgd-r<rank>, sync<H>-q<bits>, "
             "sync<H>-fp32 (suffixes -f<F>, -noramp, -lr<x>, -m<x>, -bf16, -momboth, -momsecond, -d<tau>, -mix<alpha>), "
-            "localsgd-h<H>, outer-h<H>, or "
+            "localsgd-h<H>, outer-h<H>, the peers running their own code (benchmarks/peers.py: torchft-diloco-h<H> "
+            "with -f<F>, -lr<x>, -m<x>, -d<tau>, -mix<alpha>; accelerate-localsgd-h<H>), or "
             "'grpo:field=value;...' (GRPOConfig fields, e.g. grpo:grpo_bits=4;grpo_scale_beta=0.9). lr: trainer, "
             f"trainer-lr<factor>, loraplus-<ratio>, {', '.join(LR_ROWS)}, grpo:field=value;.... "
             f"memory: {', '.join(MEMORY_ROWS)}, a grpo_optimizer_state value, grpo:field=value;.... "
@@ -243,6 +244,8 @@ def parse_row(suite: str, name: str) -> dict:
             return {"name": name, "kind": "grpo", "overrides": dict(COMM_ROWS[name])}
         if sync_row(name) is not None:
             return {"name": name, "kind": "grpo", "overrides": sync_row(name)}
+        if peers.peer_row(name) is not None:  # torchft's DiLoCo, accelerate's LocalSGD: their own code
+            return {"name": name, "kind": "peer", **peers.peer_row(name)}
         if name == "fp16":
             return {"name": name, "kind": "fp16"}
         match = re.fullmatch(r"powersgd-r(\d+)", name)
@@ -417,6 +420,7 @@ def run_row(
     if task.kind == "cls":
         kwargs["compute_metrics"] = compute_accuracy
     hook_bytes = {"bytes": 0.0, "seconds": 0.0}
+    traffic = peers.PeerTraffic()
     if row["kind"] == "grpo":
         extra = {"grpo_importance": False} if distributed else {}  # comm rows: only the communication differs
         extra.update(_typed(row["overrides"]))
@@ -445,6 +449,8 @@ def run_row(
             loraplus_weight_decay=common["weight_decay"],  # PEFT ignores a plain `weight_decay` here
         )
         trainer = Trainer(args=TrainingArguments(**common), optimizers=(optimizer, None), **kwargs)
+    elif row["kind"] == "peer":
+        trainer = peers.peer_trainer(row, TrainingArguments(**common), world_size, traffic, **kwargs)
     else:
         trainer = torch_hook_trainer(row, TrainingArguments(**common), world_size, hook_bytes, **kwargs)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -460,6 +466,8 @@ def run_row(
                 return comm_state.totals()["bytes_sent"]
             if row["kind"] in ("fp16", "powersgd"):
                 return hook_bytes["bytes"]
+            if row["kind"] == "peer":
+                return traffic.bytes
             return None
 
         def on_step_begin(self, args, state, control, **kw):
@@ -517,6 +525,8 @@ def run_row(
         result["grpo_mode"] = comm_state.mode
     if row["kind"] == "grpo":
         result["skipped_steps"] = trainer.grpo_callback.nonfinite_steps  # optimizer steps skipped as NaN/Inf
+    if row["kind"] == "peer":
+        result["peer"] = peers.record_fields(trainer)
     result.update(_memory_figures(trainer))
     trainer.accelerator.free_memory()
     del trainer, model
@@ -834,7 +844,14 @@ def summarize_sweep(runs: dict, nominal: float, baseline: str, search_seed: int)
             "skipped_steps": best_record.get("skipped_steps"),
         }
         entry["earns_default"] = lr_grid.earns_default(entry["window"], base_window, entry["geomean"])
-        if "optimizer_state_bytes" in best_record:  # the memory suite: each row's figures against the baseline's
+        if best_record.get("peer", {}).get("quantized_estimate_bytes"):  # torchft's quantized GPU path (an estimate)
+            estimate = best_record["peer"]["quantized_estimate_bytes"]
+            entry["quantized_estimate_bytes_ratio"] = (
+                best_record["dense_fp32_bytes_per_step"] * best_record["steps"] / estimate
+            )
+        # the memory suite: each row's figures against the baseline's (a baseline run before they were recorded, as the
+        # comm suite's older files, has none)
+        if "optimizer_state_bytes" in best_record and "optimizer_state_bytes" in runs[baseline][search_seed][base_lr]:
             entry.update(_memory_ratios(by_seed, best_lr, runs[baseline], base_lr))
         summary[name] = entry
     return summary
@@ -1006,6 +1023,7 @@ def main() -> None:
         rows = [r for r in args.row_list if not (r.startswith("loraplus") and not task.lora)]
         for row in rows:
             parse_row(args.suite, row)  # fail on a bad row name before any work
+        rows = peers.available_rows(rows)  # a peer row whose package is missing is skipped, with a line
         if args.report_only:
             continue
         info = prepare(task, out / "data", world_size)

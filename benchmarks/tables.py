@@ -201,6 +201,10 @@ def suite_w4() -> str:
 
 
 def _sync_kind(row: str) -> str:
+    from benchmarks.peers import is_peer_row
+
+    if is_peer_row(row):
+        return "peer sync (torchft, accelerate)"
     if row.startswith("sync"):
         return "GRPO sync every H"
     if row.startswith("outer-"):
@@ -367,6 +371,15 @@ def sync_sweep() -> str:
     return "\n".join(lines)
 
 
+def peer_comparison() -> str:
+    """GRPO's sync every H steps against torchft's DiLoCo and accelerate's LocalSGD, run by their own code, best against
+    best, with issue 46's bar (docs/compression.md): `benchmarks/peers.py` renders it from the sweep's result files."""
+    from benchmarks.peers import comparison_markdown
+
+    sweep, meta = sweep_summary(RESULTS / "suite_sweep")
+    return comparison_markdown(sweep, f"The sweep's commands: 'Best against best' above ({meta['date']}).")
+
+
 def memory_sweep() -> str:
     """The memory suite: every optimizer row at its own best learning rate against the Trainer's AdamW at its own, with
     its state bytes, peak memory and optimizer step (docs/memory.md, README's "Less memory")."""
@@ -434,6 +447,7 @@ RENDERERS = {
     "lr-sweep": lr_sweep,
     "lr-sweep-presets": lr_sweep_presets,
     "sync-sweep": sync_sweep,
+    "peer-comparison": peer_comparison,
     "memory-sweep": memory_sweep,
     "memory-summary": memory_summary,
     "settings": settings,

@@ -119,6 +119,24 @@ def test_sweep_summary_compares_best_against_best(tmp_path):
     assert not row["earns_default"] and row["window_ratio"] == 0.0
 
 
+def test_sweep_summary_mixes_new_rows_with_an_older_baseline(tmp_path):
+    """A row run today (it records the optimizer's state and peak memory) beside a baseline run before those figures
+    were recorded: compared best against best, without the memory suite's ratios."""
+    from benchmarks import suite
+
+    results = tmp_path / "llama-untied"
+    results.mkdir()
+    new = {"optimizer_state_bytes": 64, "optimizer_state_bytes_by_group": {}, "peak_memory_bytes": 1}
+    records = [_record("dense", 0, lr, 100.0 + abs(lr - 2e-3) * 1e4) for lr in (1e-3, 2e-3, 4e-3)]
+    records += [{**_record("torchft-diloco-h16-lr1-m0", 0, lr, 110.0 + abs(lr - 2e-3) * 1e4), **new}
+                for lr in (1e-3, 2e-3, 4e-3)]  # fmt: skip
+    for r in records:
+        suite.result_path(results, r["row"], r["seed"], r["learning_rate"]).write_text(json.dumps(r))
+    summary = suite.summarize_sweep(suite.load_sweep(results), nominal=2e-3, baseline="dense", search_seed=0)
+    assert summary["torchft-diloco-h16-lr1-m0"]["geomean"] == pytest.approx(1.1)
+    assert "state_bytes" not in summary["torchft-diloco-h16-lr1-m0"]
+
+
 def test_the_window_rule():
     """A default needs a window at least 2x the baseline's at no more than 1.005x best against best."""
     assert lr_grid.earns_default(0.8, 0.4, 1.005) and lr_grid.earns_default(0.9, 0.4, 0.99)
