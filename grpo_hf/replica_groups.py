@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .compression.replicas import REPLICATE_DIM, SHARD_DIM, ReplicaGroups
+from .engines import launched_fsdp_version
 from .errors import ConfigError
 
 
@@ -68,15 +69,20 @@ def machine_count(environ=None) -> tuple[int, int]:
 
 def parallelism_for_machines(args, environ=None):
     """
-    The replica groups of a launch on several machines when the arguments give none: Accelerate's
-    `ParallelismConfig(dp_replicate_size=machines, dp_shard_size=processes per machine)`, for FSDP2
-    (`fsdp` with `fsdp_config` version 2) with `grpo_sync_every > 1` and no `parallelism_config`; `None` otherwise (one
-    machine, no FSDP, or a `parallelism_config` given).
+    The replica groups of a launch on several machines when neither the arguments nor the launcher give any:
+    Accelerate's `ParallelismConfig(dp_replicate_size=machines, dp_shard_size=processes per machine)`, for FSDP2 (`fsdp`
+    in the arguments, or `accelerate launch` with `fsdp_version: 2`) with `grpo_sync_every > 1`; `None` otherwise (one
+    machine, no FSDP, or a `parallelism_config` given, by the arguments or by `accelerate launch
+    --parallelism_config_*`).
     """
+    environ = os.environ if environ is None else environ
     if getattr(args, "grpo_sync_every", 1) <= 1 or getattr(args, "parallelism_config", None) is not None:
         return None
+    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        return None  # accelerate launch --parallelism_config_dp_replicate_size ... gave one
     fsdp = getattr(args, "fsdp", None)
-    if not fsdp or str(fsdp).strip().lower() in ("", "false", "no", "none"):
+    by_arguments = fsdp and str(fsdp).strip().lower() not in ("", "false", "no", "none")
+    if not (by_arguments or launched_fsdp_version(environ) == "2"):
         return None
     machines, local = machine_count(environ)
     if machines < 2:
@@ -204,11 +210,12 @@ def _single_replica() -> ReplicaGroups:
     )
 
 
-def find_replica_groups(model, accelerator) -> ReplicaGroups:
+def find_replica_groups(model, accelerator, every: int = 2) -> ReplicaGroups:
     """
     The replica groups a Trainer's FSDP2 run syncs between: those [`shard_replica_groups`] gave the model, or those of
     Accelerate's `ParallelismConfig` (`dp_replicate_size`, whose `fully_shard` [`shard_within_replicas`] keeps inside
-    each replica); otherwise one replica (FSDP2 over every rank: nothing to sync).
+    each replica); otherwise one replica (FSDP2 over every rank: nothing to sync). `every`: `grpo_sync_every`, for the
+    messages.
 
     Raises:
         [`~grpo_hf.errors.ConfigError`]: tensor parallelism, or a model sharded at load time as HSDP
@@ -232,6 +239,7 @@ def find_replica_groups(model, accelerator) -> ReplicaGroups:
             "replicas=R) (docs/engines.md), or set grpo_sync_every=1 to train HSDP."
         )
     config = getattr(accelerator, "parallelism_config", None)
+    check_replica_parallelism(config, every)  # (one from `accelerate launch --parallelism_config_*` too)
     if config is not None and getattr(config, "dp_replicate_enabled", False):
         mesh = accelerator.torch_device_mesh
         return ReplicaGroups.from_mesh(mesh[(REPLICATE_DIM, SHARD_DIM)])

@@ -243,7 +243,9 @@ class GRPOMixin:
                 "at every step, so there are no replicas to sync. Train with DDP, or FSDP2 with replica groups "
                 "(docs/engines.md), or set grpo_sync_every=1." + engine_from_environment(engine, args)
             )
-        replicas = find_replica_groups(self.model, self.accelerator) if engine == "fsdp2" else None
+        replicas = (
+            find_replica_groups(self.model, self.accelerator, args.grpo_sync_every) if engine == "fsdp2" else None
+        )
         if replicas is not None:
             self._use_replica_groups(replicas)
         exchange = (
