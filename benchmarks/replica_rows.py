@@ -125,19 +125,51 @@ def delay_hsdp_all_reduce(model, replicas: int, link) -> None:
             module.set_all_reduce_hook(hook)
 
 
+def reset_peak_rss() -> bool:
+    """
+    Reset this process's peak resident set size (Linux: `5` into `/proc/self/clear_refs`), so that the peak read after
+    training is training's own, not the model's loading nor an earlier row's in the same process. `False` elsewhere.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int | None:
+    """The peak resident set size since the last [`reset_peak_rss`] (`VmHWM`), or `None` where it cannot be read."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _peak(record: dict) -> float:
+    """A run's peak memory per rank: training's own (the largest rank) where measured, else the process's."""
+    return max(
+        record.get("train_peak_rss_by_rank") or record.get("peak_memory_by_rank") or [record["peak_memory_bytes"]]
+    )
+
+
 def replica_markdown(records: dict, baseline: str) -> str:
     """
     The replica-group rows of a suite run (`records`: task -> row -> list of result records at each row's best or only
     learning rate): bytes between replicas against fp32 and bf16 HSDP, perplexity against `baseline` (HSDP, best
-    against best when the suite swept), and peak memory per rank (the largest rank, median over seeds) against the DDP
-    sync row of the same H (`rg2-sync32` against `sync32`).
+    against best when the suite swept), and peak memory per rank during training (the largest rank, median over seeds;
+    [`reset_peak_rss`] at train start) against the DDP sync row of the same H (`rg2-sync32` against `sync32`).
     """
     import math
     import statistics
 
     lines = [
         f"| task | row | seeds | bytes between replicas vs fp32 HSDP | vs bf16 HSDP | ppl / {baseline}: geomean | worst "
-        "seed | peak memory per rank (MiB) | x the DDP sync's |",
+        "seed | peak RSS per rank in training (MiB) | x the DDP sync's |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for task, rows in records.items():
@@ -149,13 +181,9 @@ def replica_markdown(records: dict, baseline: str) -> str:
             hsdp = statistics.fmean(r["dense_fp32_bytes_per_step"] * r["steps"] for r in runs)
             ratios = [math.exp(r["eval_loss"]) / base[r["seed"]] for r in runs if r["seed"] in base]
             geomean = math.exp(statistics.fmean(math.log(x) for x in ratios)) if ratios else math.nan
-            peak = statistics.median(max(r.get("peak_memory_by_rank") or [r["peak_memory_bytes"]]) for r in runs)
+            peak = statistics.median(_peak(r) for r in runs)
             ddp = rows.get(name.split("-", 1)[1]) if name.startswith("rg") else None
-            ddp_peak = (
-                statistics.median(max(r.get("peak_memory_by_rank") or [r["peak_memory_bytes"]]) for r in ddp)
-                if ddp
-                else None
-            )
+            ddp_peak = statistics.median(_peak(r) for r in ddp) if ddp else None
             cells = [task, name, str(len(runs)), f"{hsdp / sent:.1f}x", f"{hsdp / 2 / sent:.1f}x",
                      f"{geomean:.4f}" if ratios else "-", f"{max(ratios):.4f}" if ratios else "-",
                      f"{peak / 2**20:,.0f}", f"{peak / ddp_peak:.2f}" if ddp_peak else "-"]  # fmt: skip
@@ -201,6 +229,8 @@ def replica_step_markdown(results: list[dict]) -> str:
 
 __all__ = [
     "ROW",
+    "peak_rss_bytes",
+    "reset_peak_rss",
     "check_replica_run",
     "delay_hsdp_all_reduce",
     "replica_markdown",

@@ -35,9 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 from benchmarks import lr_grid  # noqa: E402
 from benchmarks.replica_rows import (  # noqa: E402
     check_replica_run,
+    peak_rss_bytes,
     replica_markdown,
     replica_row,
     replicate_bytes_per_step,
+    reset_peak_rss,
     shard_for_row,
 )
 from benchmarks.revision import commit  # noqa: E402
@@ -496,9 +498,11 @@ def run_row(
                              "optimizer_s": getattr(self, "_optimizer_s", None)})  # fmt: skip
 
     trainer.add_callback(StepRecorder())
+    reset_peak_rss()  # the peak of training itself (not the model's loading, nor an earlier row's in this process)
     start = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - start
+    train_peak_rss = peak_rss_bytes()
     if row["kind"] in ("hsdp", "replicas"):
         check_replica_run(trainer, row)
     elif distributed:
@@ -537,7 +541,7 @@ def run_row(
         result["grpo_mode"] = comm_state.mode
     if row["kind"] == "grpo":
         result["skipped_steps"] = trainer.grpo_callback.nonfinite_steps  # optimizer steps skipped as NaN/Inf
-    result.update(_memory_figures(trainer))
+    result.update(_memory_figures(trainer), train_peak_rss_bytes=train_peak_rss)
     trainer.accelerator.free_memory()
     del trainer, model
     gc.collect()
@@ -587,9 +591,10 @@ def worker(job_path: str) -> None:
                 gathered = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, sum(s["bytes"] for s in result["per_step"]))
                 result["bytes_by_rank"] = gathered
-                peaks = [None] * dist.get_world_size()
-                dist.all_gather_object(peaks, result["peak_memory_bytes"])
-                result["peak_memory_by_rank"] = peaks
+                for key in ("peak_memory", "train_peak_rss"):  # every rank's, for the peak per rank
+                    peaks = [None] * dist.get_world_size()
+                    dist.all_gather_object(peaks, result[f"{key}_bytes"])
+                    result[f"{key}_by_rank"] = peaks
             result["commit"] = job.get("commit")
             if rank == 0:
                 tmp = out.with_suffix(".tmp")
