@@ -155,3 +155,26 @@ def test_grids_on_one_lattice_meet_on_the_same_keys():
         lr_grid.key(3e-3 / 64) == 4.688e-05
         and lr_grid.extension({4.688e-05: 1.0, 9.375e-05: 2.0, 1.875e-4: 3.0}) == 2.344e-05
     )
+
+
+def test_the_memory_suite_compares_state_memory_and_step_best_against_best(tmp_path):
+    from benchmarks import suite
+
+    results = tmp_path / "llama-finetune"
+    results.mkdir()
+    lrs = lr_grid.grid(1e-3, 3)
+    adamw, factored = bowl(1e-3, 100.0, 0.5), bowl(2e-3, 100.4, 0.5)
+    rows = {"adamw": (adamw, 1e-3, 800, 3000, 0.010), "factored8": (factored, 2e-3, 100, 2000, 0.012)}
+    for row, (curve, best, state, peak, step) in rows.items():
+        for seed, lr in [(0, lr) for lr in lrs + ([4e-3] if row == "factored8" else [])] + [(s, best) for s in (1, 2, 3)]:
+            record = _record(row, seed, lr, curve(lr) * (1 + 0.01 * seed))
+            record["per_step"] = [{"bytes": 0.0, "step_s": 0.1, "optimizer_s": step}] * 6
+            record.update(optimizer_state_bytes=state, peak_memory_bytes=peak * 2**20)
+            suite.result_path(results, row, seed, lr).write_text(json.dumps(record))
+    summary = suite.summarize_sweep(suite.load_sweep(results), nominal=1e-3, baseline="adamw", search_seed=0)
+    row = summary["factored8"]
+    assert row["best_lr"] == pytest.approx(2e-3) and row["geomean"] == pytest.approx(1.004)
+    assert row["state_bytes_ratio"] == pytest.approx(0.125) and row["peak_memory_bytes_ratio"] == pytest.approx(2 / 3)
+    assert row["optimizer_s_ratio"] == pytest.approx(1.2)
+    table = suite.memory_markdown({"llama-finetune": summary})
+    assert "| llama-finetune | `factored8` | 0.00 MB (0.125) | 2,000 MiB (0.67) | 12.0 ms (1.20) | 1.004 (4) |" in table

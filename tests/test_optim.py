@@ -470,3 +470,18 @@ def test_the_sync_averages_adafactors_factors_or_refuses_what_it_does_not_keep(o
     with pytest.raises(ConfigError, match=f"grpo_sync_moments='{moments}'.*{refused}"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+@pytest.mark.peers
+def test_the_sync_refuses_to_average_8bit_moments_by_name(train_config):
+    pytest.importorskip("bitsandbytes")
+    from grpo_hf import GRPOTrainer
+
+    args = train_config(optim="adamw_bnb_8bit", grpo_sync_every=4, grpo_sync_moments="second", max_steps=2)
+    trainer = GRPOTrainer(model=tiny_test_llama(), args=args, train_dataset=_dataset())
+    with pytest.raises(
+        ConfigError,
+        match=r"grpo_sync_moments='second'.*bitsandbytes\.AdamW does not keep it as fp32 tensors.*grpo_sync_moments='none'",
+    ):
+        trainer.train()
+    assert trainer.state.global_step == 0

@@ -577,7 +577,7 @@ def test_moment_settings_the_state_the_bind_and_the_config_refuse(tmp_path, make
     model = Tiny()
     names = [[n for n, _ in model.named_parameters()]]
     plan = {n: None for n in names[0]}
-    with pytest.raises(ConfigError, match=r"grpo_sync_moments='second'.*exp_avg_sq.*SGD does not keep"):
+    with pytest.raises(ConfigError, match=r"grpo_sync_moments='second'.*exp_avg_sq.*torch\.SGD does not keep"):
         OuterSyncState(plan, names, moments="second").bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ConfigError, match="grpo_sync_moments='both'.*bind the optimizer"):
         OuterSyncState(plan, names, moments="both").bind(model)

@@ -162,3 +162,15 @@ def test_lr_suite_smoke_grpo_without_ratios_is_the_trainer(tmp_path):
     assert summary["grpo-off"]["ppl_ratio"] == {"0": 1.0}  # static GRPO without ratios: the Trainer, bit for bit
     assert summary["grpo-emb2"]["ppl_ratio"]["0"] != 1.0  # a ratio changes the run
     assert summary["trainer"]["steps_to_baseline"] == {"0": 2}  # the baseline reaches its own final loss
+
+
+@pytest.mark.slow  # one process, two learning rates of two short runs
+def test_memory_suite_smoke_records_state_bytes_and_compares_best_against_best(tmp_path):
+    _run_suite("memory", "--tasks", "gpt2-scratch", "--rows", "adamw,factored8", "--seeds", "0", "--lrs", "2",
+               "--max_lrs", "2", "--max_steps", "3", "--eval_points", "1", "--threads", "1",
+               "--output_dir", str(tmp_path))  # fmt: skip
+    sweep = json.loads((tmp_path / "results.json").read_text())["sweep"]["gpt2-scratch"]
+    assert sweep["adamw"]["state_bytes_ratio"] == 1.0
+    assert 0.05 < sweep["factored8"]["state_bytes_ratio"] < 0.3  # factored second moments and 8-bit first moments
+    assert sweep["factored8"]["peak_memory_bytes"] > 0 and sweep["factored8"]["optimizer_s"] > 0
+    assert "| gpt2-scratch | `factored8` |" in (tmp_path / "report.md").read_text()

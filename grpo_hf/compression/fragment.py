@@ -188,9 +188,11 @@ def check_moments(optimizer, moments: str) -> None:
         refusal = averaging_refusal(optimizer, which)
         if refusal is not None:
             adam_key = "exp_avg" if which == "first" else "exp_avg_sq"
+            fallback = "'second' (or 'none')" if which == "first" else "'none'"
             raise ConfigError(
-                f"{field} averages the optimizer's {which} moment ({adam_key} in AdamW), which {refusal}. Use "
-                "torch's AdamW, grpo_sync_moments='second' (or 'none'), or a grpo_optimizer_state that keeps it in fp32."
+                f"{field} averages the optimizer's {which} moment ({adam_key} in AdamW), and {refusal}. Use an "
+                f"optimizer that keeps it in fp32 (torch's AdamW; grpo_optimizer_state='mini'), or grpo_sync_moments="
+                f"{fallback}."
             )
 
 

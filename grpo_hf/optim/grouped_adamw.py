@@ -27,6 +27,7 @@ drift. Under FSDP2 each rank updates its local shards: `row` and `head` state is
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -36,6 +37,8 @@ from .layout import FIRST_MOMENT_BITS, SECOND_MOMENT_KINDS, StateLayout, whole_h
 from .moments import local_tensor
 from .resume import check_layouts
 
+
+logger = logging.getLogger(__name__)
 
 ADAFACTOR_EPS = 1e-30  # Adafactor's ε₁, added to the squared gradient
 
@@ -171,6 +174,12 @@ class GroupedAdamW(torch.optim.Optimizer):
             return layout
         fitted = StateLayout("row", layout.first_bits, 0, layout.axis)
         group["state_layouts"][index] = str(fitted)
+        names = group.get("param_names")
+        logger.info(
+            "GroupedAdamW: %s is sharded across heads of %d rows (FSDP2); one second moment per row instead.",
+            names[index] if names else f"a parameter of {group.get('grpo_group', 'a param group')}",
+            layout.block,
+        )
         return fitted
 
     def _init_state(self, state: dict, param: torch.Tensor, layout: StateLayout) -> None:
@@ -229,6 +238,7 @@ class GroupedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._make_kernel()
         for group in self.param_groups:
             for index, (param, layout) in enumerate(zip(group["params"], group["state_layouts"])):
                 if param.grad is None:
@@ -240,6 +250,18 @@ class GroupedAdamW(torch.optim.Optimizer):
                     self._init_state(state, param, parsed)
                 self._update(param, state, parsed, group)
         return loss
+
+    def _make_kernel(self) -> None:
+        """
+        At the first step, on every rank whatever its gradients: the 8-bit moments' kernel (its choice is agreed over
+        `torch.distributed`'s ranks, a collective that every rank must reach).
+        """
+        if getattr(self, "_kernel", None) is not None:
+            return
+        eight = [
+            p for g in self.param_groups for p, kept in zip(g["params"], g["state_layouts"]) if kept.endswith("/8")
+        ]
+        self._kernel = moment_kernel(eight[0].device) if eight else False
 
     def _update(self, param: torch.Tensor, state: dict, layout: StateLayout, group: dict) -> None:
         p, grad = local_tensor(param), local_tensor(param.grad)
@@ -326,8 +348,7 @@ class GroupedAdamW(torch.optim.Optimizer):
             flat = target.reshape(-1).float()
             if flat.numel() != codes.numel():
                 flat = torch.nn.functional.pad(flat, (0, codes.numel() - flat.numel()))
-            kernel = moment_kernel(p.device)
-            moment, new_codes, new_scales = kernel(
+            moment, new_codes, new_scales = self._kernel(
                 codes.view(-1, FIRST_MOMENT_BLOCK), scales.view(-1, 1), flat.view(-1, FIRST_MOMENT_BLOCK), beta1, lerp
             )
             codes.copy_(new_codes.view(-1))

@@ -123,12 +123,12 @@ def averaging_refusal(optimizer, which: str) -> str | None:
     from transformers.optimization import Adafactor
 
     inner = unwrap_optimizer(optimizer)
-    name = type(inner).__name__
+    name = f"{type(inner).__module__.split('.')[0]}.{type(inner).__name__}"  # bitsandbytes' AdamW is an "AdamW" too
     if isinstance(inner, ADAM_FAMILY):
         return None
     if isinstance(inner, Adafactor):
         if which == FIRST and any(group.get("beta1") is None for group in inner.param_groups):
-            return f"{name} does not keep it (beta1=None)"
+            return f"{name} keeps none (beta1=None)"
         return None
     if _grouped(inner):
         if which == FIRST:
@@ -139,7 +139,7 @@ def averaging_refusal(optimizer, which: str) -> str | None:
                 if not layout.endswith("/32")
             ]
             if short:
-                return f"{name} does not keep it in fp32 for {len(short)} tensors (their layouts, e.g. {short[0]})"
+                return f"{name} keeps it in 8 or 16 bits, or not at all, for {len(short)} tensors (e.g. {short[0]})"
         return None
     return f"{name} does not keep it as fp32 tensors that can be averaged in place"
 
