@@ -7,9 +7,9 @@ and each name of `__all__` imports its module (torch, transformers) when first u
 answers at once. `from grpo_hf import GRPOTrainer`, `dir(grpo_hf)` and type checkers see every name as usual.
 
 The library is this package's top level ([`GRPOConfig`], [`GRPOTrainer`], `callbacks`, `grouping`, `importance`,
-`replica_groups`, `checkpoints`, `errors`, `files`, `model_card`, `hub_guards`, `provenance`, `choices`, `compression/`, `cost/`); it
-never imports, nor names, the application around it: the `grpo-hf` command, its recipes, comparisons and reports, and
-`grpo-hf publish`, which live in sub-packages of their own (see `docs/architecture.md`).
+`replica_groups`, `checkpoints`, `errors`, `files`, `model_card`, `hub_guards`, `provenance`, `choices`,
+`compression/`, `cost/`); it never imports, nor names, the application around it: the `grpo-hf` command, its recipes,
+comparisons and reports, and `grpo-hf publish`, which live in sub-packages of their own (see `docs/architecture.md`).
 """
 
 import importlib

@@ -4,8 +4,8 @@
 A fragment is a set of whole parameters (GRPO's groups, packed by [`pack_fragments`]).
 It holds its parameters' local views (under DDP the parameters themselves, the whole model being the one-shard case;
 in a replica sharded by FSDP2 this rank's local shards, `DTensor.to_local()`) and, as flat rows, `θ_global`, the outer
-momentum, its error-feedback residual and its owner residual; its last sync and its exchange in flight. Its methods are the algorithm's steps (see
-the module docstring of `outer_sync.py`, which schedules them):
+momentum, its error-feedback residual and its owner residual; its last sync and its exchange in flight. Its methods
+are the algorithm's steps (see the module docstring of `outer_sync.py`, which schedules them):
 
 ```python
 >>> delta = fragment.take_delta()  # Δ = θ_global − θ_local, one fp32 row per row of the fragment

@@ -156,7 +156,8 @@ def local_optimizer_state(optimizer) -> dict:
     """
     `optimizer.state_dict()` with every `DTensor` replaced by this rank's local tensor (a copy on the CPU, so that
     `torch.load(weights_only=True)` reads it back and nothing of it is shared with another rank's file), and under
-    `"local_keys"` which state entries were `DTensor`s (with their global shape and stride); a plain optimizer's state dict is returned as it is.
+    `"local_keys"` which state entries were `DTensor`s (with their global shape and stride). A plain optimizer's state
+    dict is returned as torch gives it.
     """
     saved = optimizer.state_dict()
     saved["state"] = {index: dict(state) for index, state in saved["state"].items()}  # the optimizer's own dicts

@@ -24,10 +24,14 @@ STATE_VERSION = 1
 
 def restore_sync_state(state, saved: SavedComms) -> None:
     """
-    Restore `state` (an `OuterSyncState`) from `saved`: this rank's own state and rank 0's `θ_global` when the checkpoint was written by as many ranks; from another
-    world size every rank restarts from rank 0's `θ_global`, momentum and schedule (a warning says what is dropped).
-    Between replica groups `θ_global` of this rank's shard comes from replica 0's rank of the same shard, and
-    another layout is refused.
+    Restore `state` (an `OuterSyncState`) from `saved`: this rank's own state and rank 0's `θ_global` when the
+    checkpoint was written by as many ranks; from another world size every rank restarts from rank 0's `θ_global`,
+    momentum and schedule (a warning says what is dropped). Between replica groups `θ_global` of this rank's shard
+    comes from replica 0's rank of the same shard, and another layout is refused.
+
+    Raises:
+        [`~grpo_hf.errors.CheckpointError`]: the checkpoint was written in another layout (replica groups, or DDP
+            against replica groups).
     """
     layout = state.replicas.layout() if state.replicas is not None else None
     saved_layout = next((comm.get("layout") for comm in saved.comms if comm is not None), None)
@@ -60,9 +64,12 @@ def load_sync_state(state, state_dict: dict | None, shared: dict | None = None) 
     """
     Restore a saved state into `state` at its next `bind` (at once when bound already). `state_dict` is this rank's
     saved state, `shared` that of the rank holding `θ_global` and the momentum of this rank's shard (rank 0 under DDP,
-    replica 0's rank of the same shard between replica groups; defaults to `state_dict`). `state_dict=None` restarts every
-    rank from rank 0's `θ_global` with its momentum, step and schedule, without residuals or local steps (a
+    replica 0's rank of the same shard between replica groups; defaults to `state_dict`). `state_dict=None` restarts
+    every rank from rank 0's `θ_global` with its momentum, step and schedule, without residuals or local steps (a
     checkpoint of another world size; the owner residuals, cut per world size, go with the residuals).
+
+    Raises:
+        `ValueError`: a state written by another grpo_hf version, or for other trainable parameters.
     """
     shared = state_dict if shared is None else shared
     for saved in (state_dict, shared):
