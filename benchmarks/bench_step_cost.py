@@ -66,7 +66,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 from benchmarks.emulated_link import delayed, delayed_allreduce  # noqa: E402
-from benchmarks.replica_rows import (  # noqa: E402  # noqa: E402
+from benchmarks.replica_rows import (  # noqa: E402
     check_replica_run,
     delay_hsdp_all_reduce,
     replica_row,
