@@ -21,6 +21,12 @@ On request only (`--rows`), the sync every H steps of issue 35, best measured on
 - `grpo-sync32`: GRPOTrainer with `grpo_sync_every=32` (the sync blocks the step it falls on);
 - `grpo-sync32-overlap`: the same with `grpo_sync_delay=1`, the sync overlapping the next inner step.
 
+and replica groups (issue 45; `benchmarks/replica_rows.py`), on `2 R` processes (`R` replicas of 2 shards each, the
+model FSDP2-sharded before the Trainer), the emulated link on the replicate dimension only:
+
+- `hsdp2`: HSDP, FSDP2's all-reduce of the shards over the 2 replicas at every step;
+- `rg2-sync32`, `rg2-sync32-d1`: the sync every 32 steps between the 2 replicas, blocking and overlapping one step.
+
 Models: `tiny-llama` (a 10.8M Llama, hidden 352, 4 layers, vocab 8192, trained from scratch on the stdlib corpus,
 batch 16 x 128 tokens) and `smollm2` (SmolLM2-135M, every parameter trained, the suite's `smollm2-full` task).
 
@@ -60,8 +66,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 from benchmarks.emulated_link import delayed, delayed_allreduce  # noqa: E402
+from benchmarks.replica_rows import (  # noqa: E402
+    check_replica_run,
+    delay_hsdp_all_reduce,
+    replica_row,
+    replica_step_markdown,
+    replicate_bytes_per_step,
+    shard_for_row,
+)
 from benchmarks.revision import commit  # noqa: E402
-from benchmarks.suite import POWERSGD_START, _torch_hook_bytes, parse_row, torch_hook_trainer  # noqa: E402
+from benchmarks.suite import POWERSGD_START, _torch_hook_bytes, parse_row, sync_row, torch_hook_trainer  # noqa: E402
 from benchmarks.tasks import TASKS, Task, build_model, prepare  # noqa: E402
 
 
@@ -83,7 +97,9 @@ GRPO_ROWS = {  # the GRPOConfig fields of each GRPOTrainer row
 # 8-bit AdamW (bitsandbytes), on request.
 GRPO_ROWS.update({f"grpo-{preset}": {"grpo_optimizer_state": preset} for preset in ("mini", "mini8", "factored8")})
 TRAINER_OPTIMS = {"trainer-fused": "adamw_torch_fused", "trainer-bnb8": "adamw_bnb_8bit"}
-ALL_ROWS = (*ROWS, "grpo-sync32", "grpo-sync32-overlap", *TRAINER_OPTIMS, "grpo-mini", "grpo-mini8", "grpo-factored8")
+REPLICA_ROWS = ("hsdp2", "rg2-sync32", "rg2-sync32-d1")  # replica groups (issue 45): 2 replicas × 2 shards
+ALL_ROWS = (*ROWS, "grpo-sync32", "grpo-sync32-overlap", *TRAINER_OPTIMS, "grpo-mini", "grpo-mini8", "grpo-factored8",
+            *REPLICA_ROWS)  # fmt: skip
 LINKS_GBIT = (1, 10, 100)
 BOOTSTRAP_DRAWS = 2000
 GRPO_WARMUP = 3  # GRPOConfig's 2 dense steps, then the first compressed one (it compiles the codec if needed)
@@ -123,7 +139,7 @@ class CostArguments:
 
 def _skipped(row: str) -> int:
     """Untimed steps of a row: its dense warm-up (GRPO), PowerSGD's start iteration, one step otherwise."""
-    if row.startswith("grpo"):
+    if row.startswith(("grpo", "rg", "hsdp")):
         return GRPO_WARMUP
     if row.startswith("powersgd"):
         return POWERSGD_START + 1
@@ -156,7 +172,10 @@ def worker(job_path: str) -> None:
         )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # Accelerate takes it over
+    replica = replica_row(row, sync_row)  # replica groups: the model sharded before the Trainer
     model = build_model(task, job["info"], seed=0)
+    if replica is not None:
+        model = shard_for_row(model, replica)
     total_steps = _skipped(row) + job["steps"]
     common = dict(
         output_dir=os.path.join(job["output_dir"], "tmp", row),
@@ -171,7 +190,11 @@ def worker(job_path: str) -> None:
     )
     kwargs = dict(model=model, train_dataset=load_from_disk(job["info"]["train_path"]))
     hook_bytes = {"bytes": 0.0, "seconds": 0.0}
-    if row in GRPO_ROWS:
+    if replica is not None:
+        trainer = GRPOTrainer(args=GRPOConfig(**common, **replica["overrides"]), **kwargs)
+        if link is not None and replica["kind"] == "hsdp":  # HSDP's replicate all-reduce behind the link
+            delay_hsdp_all_reduce(model, replica["replicas"], link)
+    elif row in GRPO_ROWS:
         trainer = GRPOTrainer(args=GRPOConfig(**common, **GRPO_ROWS[row]), **kwargs)
     else:
         kind = parse_row("comm", row) if not row.startswith("trainer") else {"kind": "trainer"}
@@ -187,14 +210,17 @@ def worker(job_path: str) -> None:
     comm_state = getattr(trainer, "grpo_comm_state", None)
     steps = []
 
-    dense = row in ("trainer", "grpo-none", *TRAINER_OPTIMS)  # DDP's own fp32 all-reduce
+    dense = row in ("trainer", "grpo-none", *TRAINER_OPTIMS, "hsdp2")  # DDP's (HSDP's) own fp32 all-reduce
+    dense_bytes = dense_allreduce_bytes(numel, world_size)
+    if replica is not None:  # bytes between replicas: HSDP's all-reduce of the local shards
+        dense_bytes = replicate_bytes_per_step(model, replica["replicas"])
 
     def sent() -> float:
         if comm_state is not None:
             return comm_state.totals()["bytes_sent"]
         if not dense:
             return hook_bytes["bytes"]
-        return dense_allreduce_bytes(numel, world_size) * len(steps)
+        return dense_bytes * len(steps)
 
     class StepRecorder(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -222,13 +248,16 @@ def worker(job_path: str) -> None:
                 self.trainer = None
 
     trainer.add_callback(StepRecorder())
-    if link is not None and dense:
+    if link is not None and dense and replica is None:
         trainer.add_callback(LinkUnderDDP(trainer))
     trainer.train()
-    assert isinstance(trainer.model_wrapped, DistributedDataParallel), "the run did not use DDP"
+    if replica is not None:
+        check_replica_run(trainer, replica)
+    else:
+        assert isinstance(trainer.model_wrapped, DistributedDataParallel), "the run did not use DDP"
     if dense:  # the plain all-reduce: every step sends the dense fp32 gradients
         for step in steps:
-            step["bytes"] = dense_allreduce_bytes(numel, world_size)
+            step["bytes"] = dense_bytes
     peak = [None] * world_size
     dist.all_gather_object(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # KiB -> MiB (Linux)
     if dist.get_rank() == 0:
@@ -319,7 +348,7 @@ def run_rows(args: CostArguments) -> list[dict]:
                 for row in rows:
                     name = f"{model}-{row}-{repeat}{_link_name(gbit)}"
                     job_path, result_path = out / f"{name}.job.json", out / f"{name}.json"
-                    steps = args.sync_steps if row.startswith("grpo-sync") and args.sync_steps else args.steps
+                    steps = args.sync_steps if row.startswith(("grpo-sync", "rg")) and args.sync_steps else args.steps
                     job = {"model": model, "row": row, "steps": steps, "info": info, "output_dir": str(out),
                            "result_path": str(result_path), "commit": revision}  # fmt: skip
                     if gbit is not None:
@@ -334,7 +363,9 @@ def run_rows(args: CostArguments) -> list[dict]:
                     result_path.unlink(missing_ok=True)
                     job_path.write_text(json.dumps(job))
                     env = {"GRPO_COST_JOB": str(job_path), LINK_ENV: "" if gbit is None else str(gbit)}
-                    run = run_torchrun(HERE / "bench_step_cost.py", nproc=2, timeout=args.timeout, env=env,
+                    replica = replica_row(row, sync_row)
+                    nproc = 2 * replica["replicas"] if replica else 2  # replica groups: 2 shards per replica
+                    run = run_torchrun(HERE / "bench_step_cost.py", nproc=nproc, timeout=args.timeout, env=env,
                                        log_path=job_path.with_suffix(".log"))  # fmt: skip
                     if run.returncode != 0 or not result_path.exists():
                         raise SystemExit(
@@ -537,7 +568,9 @@ def _difference(point: float, low: float, high: float) -> str:
 def report(results: list[dict]) -> str:
     """Both tables: the rows ([`table`]), then GRPO against the baselines ([`comparisons`])."""
     caption = "GRPO's step minus the baseline's, with a 95% bootstrap interval (launches, then steps):"
-    return f"{table(results)}\n\n{caption}\n\n{comparisons(results)}"
+    text = f"{table(results)}\n\n{caption}\n\n{comparisons(results)}"
+    replicas = replica_step_markdown(results)
+    return text + (f"\n\nReplica groups against HSDP on the same processes:\n\n{replicas}" if replicas else "")
 
 
 def main():
@@ -549,7 +582,8 @@ def main():
     results = run_rows(args)
     load = os.getloadavg()
     note = (
-        f"2-process gloo DDP, one thread per process, {args.repeats} launches per row in rounds, median of their "
+        f"2-process gloo DDP (replica-group rows: 2 replicas x 2 shards, 4 processes), one thread per process, "
+        f"{args.repeats} launches per row in rounds, median of their "
         f"{args.steps * args.repeats} timed steps"
         + (f" ({args.sync_steps * args.repeats} for the sync rows)" if args.sync_steps else "")
         + "; projected = measured "

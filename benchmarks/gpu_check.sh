@@ -13,6 +13,10 @@
 #    recipes/accelerate/fsdp2.yaml) and on DeepSpeed ZeRO-2 (recipes/accelerate/ds_zero2.json): train 12 steps,
 #    checkpoint at 6, resume, one PASS/FAIL line per check (benchmarks/gpu_engines.py). One process per GPU (NCCL);
 #    with 2+ GPUs the FSDP2 runs also check GRPO's compressed reduce-scatter. Needs `pip install deepspeed` for ZeRO-2.
+# 5. with 4+ GPUs, the sync every H steps between replica groups through the Trainer's own path (issue 45): Accelerate's
+#    FSDP plugin with ParallelismConfig(dp_replicate_size=2, dp_shard_size=N/2) (HSDP, which GRPOTrainer turns into
+#    replica groups), grpo_sync_every=4, θ_global in pinned CPU memory; trained, checkpointed at 6 and resumed
+#    (benchmarks/gpu_engines.py fsdp2-replicas). The pinned θ_global's bits against θ_global on the GPU are in step 1.
 # Paste the printed figures into benchmarks/LOG.md with the date and the GPU's name.
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
@@ -54,4 +58,13 @@ if "$PYTHON" -c 'import deepspeed' 2>/dev/null; then
     timeout 240 "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" benchmarks/gpu_engines.py zero2 "$OUT/zero2"
 else
     echo "deepspeed is not installed (pip install deepspeed): ZeRO-2 check skipped"
+fi
+
+NGPU_ALL="$("$PYTHON" -c 'import torch; n = torch.cuda.device_count(); print(n - n % 2)')"
+if [ "$NGPU_ALL" -ge 4 ]; then
+    echo "== 5. the sync between replica groups: 2 replicas x $((NGPU_ALL / 2)) GPUs (Accelerate's FSDP plugin, dp_replicate_size=2)"
+    timeout 300 "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU_ALL" benchmarks/gpu_engines.py fsdp2-replicas \
+        "$OUT/fsdp2-replicas"
+else
+    echo "== 5. replica groups need 4 GPUs or more (this machine has $("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')): skipped"
 fi

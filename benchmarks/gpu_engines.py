@@ -5,6 +5,7 @@ and DeepSpeed ZeRO-2, each trained, checkpointed and resumed (called by `benchma
     accelerate launch --config_file recipes/accelerate/fsdp2.yaml --num_processes N \\
         -m benchmarks.gpu_engines fsdp2-accelerate OUT_DIR                   # the accelerate config file's FSDP2
     torchrun --nproc_per_node N -m benchmarks.gpu_engines zero2 OUT_DIR      # --deepspeed recipes/accelerate/ds_zero2.json
+    torchrun --nproc_per_node 4 -m benchmarks.gpu_engines fsdp2-replicas OUT_DIR   # 2 replicas x N/2 shards, sync every 4
 
 From the repository root, as a module (it imports `tests.testing_utils`; `gpu_check.sh` runs the file with the root on
 `PYTHONPATH`, which does the same).
@@ -14,6 +15,13 @@ that checkpoint, and prints one `PASS` / `FAIL` line per check (the engine GRPO 
 trains, the per-group learning rates, the compressed reduce-scatter with more than one GPU, the resumed run equal to
 the straight one), then the figures as one JSON line. Exit status 1 when a check fails. `zero2` also runs on CPU
 (DeepSpeed's CPU accelerator); the FSDP2 modes need CUDA (Accelerate turns FSDP off on CPU).
+
+`fsdp2-replicas` (at least 4 GPUs, an even number) is the sync every H steps between replica groups through the
+Trainer's own path (issue 45): Accelerate's FSDP plugin with `parallelism_config=ParallelismConfig(dp_replicate_size=2,
+dp_shard_size=N/2)` (HSDP, which GRPOTrainer turns into replica groups) and `grpo_sync_every=4`. It checks that FSDP2
+shards each replica over its own GPUs only (1-D meshes), that the sync ran over the replicate groups with `θ_global`
+in pinned CPU memory, that the replicas agree after the last step, and that the resume from checkpoint-6 (the Trainer's
+DCP files, and GRPO's per-rank files for what differs between replicas) equals the straight run on every rank.
 """
 
 import argparse
@@ -64,6 +72,14 @@ def make_args(mode: str, out_dir: str, **overrides):
     )
     if mode == "fsdp2":
         kwargs.update(fsdp=True, fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"})
+    elif mode == "fsdp2-replicas":
+        from accelerate import ParallelismConfig
+
+        shards = int(os.environ["WORLD_SIZE"]) // 2
+        kwargs.update(fsdp=True, fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"},
+                      parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=shards),
+                      grpo_sync_every=4, grpo_sync_fragments=2)  # fmt: skip
+        kwargs.pop("grpo_fsdp_error_feedback")
     elif mode == "zero2":
         kwargs.update(deepspeed=str(ROOT / "grpo_hf" / "recipes" / "accelerate" / "ds_zero2.json"))
     kwargs.update(overrides)
@@ -93,6 +109,29 @@ def train(mode: str, out_dir: str, resume=None):
     return trainer
 
 
+def check_replicas(trainer) -> None:
+    """Replica groups on GPUs: FSDP2 inside each replica only, the sync over the replicate groups, θ_global pinned."""
+    import torch
+    import torch.distributed as dist
+
+    state, shards = trainer.grpo_comm_state, dist.get_world_size() // 2
+    meshes = {(p.device_mesh.ndim, p.device_mesh.size()) for p in trainer.model.parameters()}
+    check("FSDP2 shards each replica over its own GPUs only (1-D meshes, not HSDP)", meshes == {(1, shards)}, meshes)
+    replicas = getattr(state, "replicas", None)
+    check("the sync runs over the replicate groups", replicas is not None and (replicas.replicas, replicas.shards)
+          == (2, shards) and state.totals()["syncs"] > 0, state)  # fmt: skip
+    check("θ_global and the momentum in pinned CPU memory (grpo_sync_global_device='auto')",
+          all(t.device.type == "cpu" and t.is_pinned() for f in state.fragments for t in f.theta))  # fmt: skip
+    group = state.process_group
+    same = []
+    for p in trainer.model.parameters():
+        local = p.to_local().detach().contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local, group=group)
+        same.append(all(torch.equal(part, local) for part in parts))
+    check("the replicas agree after the last step (it syncs every fragment)", all(same))
+
+
 def run(mode: str, out_dir: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -116,7 +155,9 @@ def run(mode: str, out_dir: str) -> dict:
         )
         check("groups follow the sharded parameters", all(p is named[n] for g in straight.grpo_groups for n, p in zip(g.param_names, g.params)))  # fmt: skip
         state = straight.grpo_comm_state
-        if world_size > 1:
+        if mode == "fsdp2-replicas":
+            check_replicas(straight)
+        elif world_size > 1:
             check("compressed reduce-scatter ran", state is not None and state.hook_calls > 0 and state.step == 12)
     else:
         check("ZeRO stage 2", straight.model_wrapped.zero_optimization_stage() == 2)
@@ -162,7 +203,8 @@ def main() -> None:
     import torch.distributed as dist
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["fsdp2", "fsdp2-accelerate", "zero2"], help="The engine and how it is set.")
+    parser.add_argument("mode", choices=["fsdp2", "fsdp2-accelerate", "zero2", "fsdp2-replicas"],
+                        help="The engine and how it is set.")  # fmt: skip
     parser.add_argument("out_dir", help="Checkpoints and the trainers' output folders go here.")
     args = parser.parse_args()
     mode = args.mode

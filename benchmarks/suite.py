@@ -33,6 +33,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from benchmarks import lr_grid, peers  # noqa: E402
+from benchmarks.replica_rows import (  # noqa: E402
+    check_replica_run,
+    peak_rss_bytes,
+    replica_markdown,
+    replica_row,
+    replicate_bytes_per_step,
+    reset_peak_rss,
+    shard_for_row,
+)
 from benchmarks.revision import commit  # noqa: E402
 from benchmarks.tasks import TASKS, Task, build_model, compute_accuracy, prepare  # noqa: E402
 
@@ -171,8 +180,9 @@ class SuiteArguments:
         metadata={
             "help": f"Comma-separated rows. comm: {', '.join(COMM_ROWS)}, fp16, powersgd-r<rank>, sync<H>-q<bits>, "
             "sync<H>-fp32 (suffixes -f<F>, -noramp, -lr<x>, -m<x>, -bf16, -momboth, -momsecond, -d<tau>, -mix<alpha>), "
-            "localsgd-h<H>, outer-h<H>, the peers running their own code (benchmarks/peers.py: torchft-diloco-h<H> "
-            "with -f<F>, -lr<x>, -m<x>, -d<tau>, -mix<alpha>; accelerate-localsgd-h<H>), or "
+            "localsgd-h<H>, outer-h<H>, hsdp<R> and rg<R>-<sync row> (replica groups, benchmarks/replica_rows.py), the "
+            "peers running their own code (benchmarks/peers.py: torchft-diloco-h<H> with -f<F>, -lr<x>, -m<x>, -d<tau>, "
+            "-mix<alpha>; accelerate-localsgd-h<H>), or "
             "'grpo:field=value;...' (GRPOConfig fields, e.g. grpo:grpo_bits=4;grpo_scale_beta=0.9). lr: trainer, "
             f"trainer-lr<factor>, loraplus-<ratio>, {', '.join(LR_ROWS)}, grpo:field=value;.... "
             f"memory: {', '.join(MEMORY_ROWS)}, a grpo_optimizer_state value, grpo:field=value;.... "
@@ -182,6 +192,13 @@ class SuiteArguments:
     seeds: str = field(default="0,1,2,3", metadata={"help": "Comma-separated seeds."})
     quick: bool = field(default=False, metadata={"help": "2 seeds and the two from-scratch tasks only."})
     world_size: int = field(default=2, metadata={"help": "Processes of the comm suite's DDP runs."})
+    baseline: str = field(
+        default="",
+        metadata={
+            "help": "The row others are compared with (default: comm dense, lr trainer, memory adamw; hsdp<R> "
+            "for replica groups)."
+        },
+    )
     max_steps: int = field(
         default=0, metadata={"help": "Optimizer steps of every run (0: each task's own; smoke runs)."}
     )
@@ -251,6 +268,8 @@ def parse_row(suite: str, name: str) -> dict:
         match = re.fullmatch(r"powersgd-r(\d+)", name)
         if match:
             return {"name": name, "kind": "powersgd", "rank": int(match.group(1))}
+        if replica_row(name, sync_row) is not None:  # hsdp<R>, rg<R>-<sync row>: FSDP2 inside R replicas
+            return replica_row(name, sync_row)
     else:
         if name == "trainer":
             return {"name": name, "kind": "trainer", "lr_factor": 1.0}
@@ -414,14 +433,14 @@ def run_row(
         common.update(eval_strategy="steps", eval_steps=max(1, task.max_steps // max(1, eval_points)))
     if row["kind"] == "trainer":
         common["learning_rate"] *= row["lr_factor"]
-    model = build_model(task, info, seed)
+    model = shard_for_row(build_model(task, info, seed), row)  # replica-group rows: sharded before the Trainer
     set_seed(seed)
     kwargs = dict(model=model, train_dataset=train, eval_dataset=evaluation)
     if task.kind == "cls":
         kwargs["compute_metrics"] = compute_accuracy
     hook_bytes = {"bytes": 0.0, "seconds": 0.0}
     traffic = peers.PeerTraffic()
-    if row["kind"] == "grpo":
+    if row["kind"] in ("grpo", "hsdp", "replicas"):
         extra = {"grpo_importance": False} if distributed else {}  # comm rows: only the communication differs
         extra.update(_typed(row["overrides"]))
         trainer = GRPOTrainer(args=GRPOConfig(**common, **extra), **kwargs)
@@ -455,6 +474,8 @@ def run_row(
         trainer = torch_hook_trainer(row, TrainingArguments(**common), world_size, hook_bytes, **kwargs)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     dense_bytes = dense_allreduce_bytes(numel, world_size)
+    if row["kind"] in ("hsdp", "replicas"):  # bytes between replicas: against HSDP's fp32 replicate all-reduce
+        dense_bytes = replicate_bytes_per_step(model, row["replicas"])
     comm_state = getattr(trainer, "grpo_comm_state", None)
     per_step = []
 
@@ -486,10 +507,14 @@ def run_row(
                              "optimizer_s": getattr(self, "_optimizer_s", None)})  # fmt: skip
 
     trainer.add_callback(StepRecorder())
+    reset_peak_rss()  # the peak of training itself (not the model's loading, nor an earlier row's in this process)
     start = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - start
-    if distributed:
+    train_peak_rss = peak_rss_bytes()
+    if row["kind"] in ("hsdp", "replicas"):
+        check_replica_run(trainer, row)
+    elif distributed:
         assert isinstance(trainer.model_wrapped, DistributedDataParallel), "the run did not use DDP"
     history = [
         {"step": h["step"], "eval_loss": h["eval_loss"], "eval_accuracy": h.get("eval_accuracy")}
@@ -527,7 +552,7 @@ def run_row(
         result["skipped_steps"] = trainer.grpo_callback.nonfinite_steps  # optimizer steps skipped as NaN/Inf
     if row["kind"] == "peer":
         result["peer"] = peers.record_fields(trainer)
-    result.update(_memory_figures(trainer))
+    result.update(_memory_figures(trainer), train_peak_rss_bytes=train_peak_rss)
     trainer.accelerator.free_memory()
     del trainer, model
     gc.collect()
@@ -577,6 +602,10 @@ def worker(job_path: str) -> None:
                 gathered = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, sum(s["bytes"] for s in result["per_step"]))
                 result["bytes_by_rank"] = gathered
+                for key in ("peak_memory", "train_peak_rss"):  # every rank's, for the peak per rank
+                    peaks = [None] * dist.get_world_size()
+                    dist.all_gather_object(peaks, result[f"{key}_bytes"])
+                    result[f"{key}_by_rank"] = peaks
             result["commit"] = job.get("commit")
             if rank == 0:
                 tmp = out.with_suffix(".tmp")
@@ -994,8 +1023,31 @@ def sweep_report(args, tasks: list[str], seeds: list[int], baseline: str, out: P
     (out / "results.json").write_text(
         json.dumps({"sweep": sweep, "nominal_lr": nominal, "command": command}, indent=1)
     )
+    report += replica_report(out, tasks, args.row_list, seeds, baseline, sweep)
     (out / "report.md").write_text(report + "\n")
     print(report)
+
+
+def replica_report(out: Path, tasks: list[str], rows: list[str], seeds: list[int], baseline: str, sweep=None) -> str:
+    """
+    The replica-group rows' own table (benchmarks/replica_rows.py), each row at its best learning rate when swept, with
+    the DDP sync rows of the same settings found on disk (`sync32` for `rg2-sync32`: the memory column).
+    """
+    replicas = [r for r in rows if replica_row(r, sync_row)]
+    if not replicas:
+        return ""
+    ddp = {r.split("-", 1)[1] for r in replicas if r.startswith("rg")}  # the DDP sync rows of the memory column
+    records = {}
+    for name in tasks:
+        for path in sorted((out / "results" / name).glob("[!_]*-seed*.json")):
+            record = json.loads(path.read_text())
+            best = (sweep or {}).get(name, {}).get(record["row"], {}).get("best_lr")
+            at_best = best is None or lr_grid.key(record["learning_rate"]) == best
+            if (record["row"] in rows or record["row"] in ddp) and record["seed"] in seeds and at_best:
+                records.setdefault(name, {}).setdefault(record["row"], []).append(record)
+    return "\n\nReplica groups (bytes between replicas; peak memory per rank):\n\n" + replica_markdown(
+        records, baseline
+    )
 
 
 def main() -> None:
@@ -1012,7 +1064,7 @@ def main() -> None:
         seeds, tasks = seeds[:2], [t for t in tasks if t.endswith("scratch")]
     default_rows = {"comm": DEFAULT_COMM_ROWS, "lr": DEFAULT_LR_ROWS, "memory": DEFAULT_MEMORY_ROWS}[args.suite]
     args.row_list = (args.rows or default_rows).split(",")
-    baseline = {"comm": "dense", "lr": "trainer", "memory": "adamw"}[args.suite]
+    baseline = args.baseline or {"comm": "dense", "lr": "trainer", "memory": "adamw"}[args.suite]
     if baseline not in args.row_list:
         args.row_list.insert(0, baseline)
     world_size = args.world_size if args.suite == "comm" else 1
@@ -1053,7 +1105,7 @@ def main() -> None:
                 results[name].setdefault(record["row"], {})[record["seed"]] = record
     summary = summarize(args.suite, results, baseline)
     table = scaling(args, out) if args.suite == "comm" and "llama-scratch" in tasks else []
-    report = markdown(args.suite, summary, baseline)
+    report = markdown(args.suite, summary, baseline) + replica_report(out, tasks, args.row_list, seeds, baseline)
     if table:
         report += (
             "\n\nSteady-state bytes per rank and step (llama-scratch, short runs):\n\n| row | "

@@ -7,9 +7,9 @@ and each name of `__all__` imports its module (torch, transformers) when first u
 answers at once. `from grpo_hf import GRPOTrainer`, `dir(grpo_hf)` and type checkers see every name as usual.
 
 The library is this package's top level ([`GRPOConfig`], [`GRPOTrainer`], `callbacks`, `grouping`, `importance`,
-`checkpoints`, `errors`, `files`, `model_card`, `hub_guards`, `provenance`, `choices`, `compression/`, `cost/`); it
-never imports, nor names, the application around it: the `grpo-hf` command, its recipes, comparisons and reports, and
-`grpo-hf publish`, which live in sub-packages of their own (see `docs/architecture.md`).
+`replica_groups`, `checkpoints`, `errors`, `files`, `model_card`, `hub_guards`, `provenance`, `choices`,
+`compression/`, `cost/`); it never imports, nor names, the application around it: the `grpo-hf` command, its recipes,
+comparisons and reports, and `grpo-hf publish`, which live in sub-packages of their own (see `docs/architecture.md`).
 """
 
 import importlib
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .files import atomic_write
     from .grouping import GroupRule, GroupSpec, assign_groups, load_group_spec
     from .importance import ImportanceState, normalised_multipliers
+    from .replica_groups import shard_replica_groups
     from .trainer import GRPOMixin, GRPOTrainer
 
 # Each public name and the module (relative to this package) that defines it.
@@ -49,6 +50,7 @@ _EXPORTS = {
     "grpo_comm_hook": "compression",
     "load_group_spec": "grouping",
     "normalised_multipliers": "importance",
+    "shard_replica_groups": "replica_groups",
 }
 __all__ = [
     "CheckpointError",
@@ -71,6 +73,7 @@ __all__ = [
     "grpo_comm_hook",
     "load_group_spec",
     "normalised_multipliers",
+    "shard_replica_groups",
 ]
 
 

@@ -511,6 +511,8 @@ class GRPOCallback(TrainerCallback):
         self.apply_multipliers = apply_multipliers
         self.lr_ratios = dict(lr_ratios or {})
         self.comm_state = comm_state
+        if comm_state is not None and importance is not None:  # replica groups average it at each sync
+            comm_state.share_at_sync(importance.shared_scores, importance.set_shared_scores)
         self.stats = GroupStatistics(groups)
         self.learning_rates = LearningRates(names, apply_multipliers, self.lr_ratios)
         self.nonfinite.reset(groups, names)

@@ -362,7 +362,7 @@ def restore_grpo_state(
         saved_world_size=_world_size_of(folder, states[0]),
         numels=numels,
         compression=compression,
-        read_rank0=lambda: read_grpo_state(state_path(folder, 0))["comm"],
+        read_rank=lambda saved_rank: read_grpo_state(state_path(folder, saved_rank))["comm"],
         log=logger,
     )
     restore_comm_state(comm_state, saved)  # the transport that runs now restores, or what it cannot is dropped

@@ -28,6 +28,10 @@ DEFAULT_SYNC_DELAY = 0
 DEFAULT_SYNC_MIX = 0.5  # α, provisional (not measured on the suite); torchft's `fragment_update_alpha` defaults to 0
 SYNC_DTYPE_CHOICES = ("float32", "bfloat16")  # of θ_global and the outer momentum
 DEFAULT_SYNC_DTYPE = "float32"
+# grpo_sync_global_device: where θ_global and the outer momentum live. "auto": pinned CPU memory when the parameters are on
+# an accelerator (torchft, INTELLECT-1), with the parameters otherwise; the outer step runs on the parameters' device.
+SYNC_GLOBAL_DEVICE_CHOICES = ("auto", "cpu", "parameters")
+DEFAULT_SYNC_GLOBAL_DEVICE = "auto"
 # grpo_sync_moments: the inner optimizer's state averaged over ranks at a sync (hivemind averages Adam's exp_avg_sq)
 SYNC_MOMENTS = {"none": (), "second": ("second",), "both": ("first", "second")}
 DEFAULT_SYNC_MOMENTS = "none"
@@ -55,12 +59,13 @@ def check_comm_settings(name=str, **settings) -> None:
         )
 
 
-def check_sync_settings(every, fragments, delay, mix, moments, outer_lr, outer_momentum, dtype, name=str) -> None:
+def check_sync_settings(every, fragments, delay, mix, moments, outer_lr, outer_momentum, dtype,
+                        global_device=DEFAULT_SYNC_GLOBAL_DEVICE, name=str) -> None:  # fmt: skip
     """
     The one check of the sync's own settings, each named as `name(key)` says: `"every"`, `"fragments"` (a count),
-    `"delay"`, `"mix"`, `"moments"`, `"outer_lr"`, `"outer_momentum"` and `"dtype"` (a name of `SYNC_DTYPE_CHOICES`,
-    or a torch dtype) are the arguments of [`~grpo_hf.compression.outer_sync.OuterSyncState`]; `GRPOConfig` passes
-    its field names.
+    `"delay"`, `"mix"`, `"moments"`, `"outer_lr"`, `"outer_momentum"`, `"dtype"` (a name of `SYNC_DTYPE_CHOICES`,
+    or a torch dtype) and `"global_device"` (one of `SYNC_GLOBAL_DEVICE_CHOICES`) are the arguments of
+    [`~grpo_hf.compression.outer_sync.OuterSyncState`]; `GRPOConfig` passes its field names.
 
     Raises:
         `ValueError`: a value outside its range, or two that do not fit together; the message names them.
@@ -79,6 +84,11 @@ def check_sync_settings(every, fragments, delay, mix, moments, outer_lr, outer_m
         raise ValueError(f"{name('outer_momentum')}={outer_momentum}: use a value in [0, 1), e.g. 0.5.")
     if str(dtype).replace("torch.", "") not in SYNC_DTYPE_CHOICES:
         raise ValueError(f"{name('dtype')}={dtype!r}: use one of {SYNC_DTYPE_CHOICES}.")
+    if not isinstance(global_device, str) or global_device not in SYNC_GLOBAL_DEVICE_CHOICES:
+        raise ValueError(
+            f"{name('global_device')}={global_device!r}: use one of {SYNC_GLOBAL_DEVICE_CHOICES} ('auto': pinned CPU "
+            "memory when the parameters are on an accelerator, with the parameters otherwise)."
+        )
     if fragments > every:
         raise ValueError(
             f"{name('fragments')}={fragments} with {name('every')}={every}: each fragment syncs at its own step of the "
@@ -113,10 +123,12 @@ __all__ = [
     "DEFAULT_OUTER_MOMENTUM",
     "DEFAULT_SYNC_DELAY",
     "DEFAULT_SYNC_DTYPE",
+    "DEFAULT_SYNC_GLOBAL_DEVICE",
     "DEFAULT_SYNC_MIX",
     "DEFAULT_SYNC_MOMENTS",
     "DEFAULT_SYNC_RAMP",
     "SYNC_DTYPE_CHOICES",
+    "SYNC_GLOBAL_DEVICE_CHOICES",
     "SYNC_MOMENTS",
     "check_sync_settings",
     "COMM_MODE_CHOICES",

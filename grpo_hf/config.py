@@ -16,12 +16,14 @@ from .choices import (
     DEFAULT_SYNC_BITS,
     DEFAULT_SYNC_DELAY,
     DEFAULT_SYNC_DTYPE,
+    DEFAULT_SYNC_GLOBAL_DEVICE,
     DEFAULT_SYNC_MIX,
     DEFAULT_SYNC_MOMENTS,
     DEFAULT_SYNC_RAMP,
     ERROR_FEEDBACK_CHOICES,
     SYNC_BITS_CHOICES,
     SYNC_DTYPE_CHOICES,
+    SYNC_GLOBAL_DEVICE_CHOICES,
     SYNC_MOMENTS,
     check_comm_settings,
     check_sync_settings,
@@ -53,6 +55,7 @@ from .optim.layout import (
 from .optim.layout import (
     PRESETS as STATE_PRESETS,
 )
+from .replica_groups import check_replica_parallelism
 
 
 @dataclass
@@ -163,9 +166,12 @@ class GRPOConfig(CostFields, TrainingArguments):
             exchange nothing, and every `H` optimizer steps the ranks average their pseudo-gradient
             `Δ = θ_global − θ_local` (in `grpo_sync_bits` codes with error feedback) and take an outer SGD step with
             Nesterov momentum; every rank restarts from `θ_global`. On one process (nothing to exchange) only the outer step is added.
-            FSDP2, DeepSpeed and fp16 mixed precision are refused with `H > 1`. For fine-tunes `32`, the other sync
-            fields at their defaults; from scratch `8` (`docs/compression.md`, "Sync every H steps", has the measured
-            cost of both).
+            Under FSDP2 with replica groups (HSDP's `ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)`, the
+            machine count, or [`~grpo_hf.replica_groups.shard_replica_groups`]) FSDP2 shards each replica over its
+            `S` ranks and reduce-scatters every step inside it, and the `R` replicas sync every `H` steps, each rank
+            its local shards (`docs/engines.md`). DeepSpeed, tensor and context parallelism and fp16 mixed precision
+            are refused with `H > 1`. For fine-tunes `32`, the other sync fields at their defaults; from scratch `8`
+            (`docs/compression.md`, "Sync every H steps", has the measured cost of both).
         grpo_sync_bits (`str`, *optional*, defaults to `"4"`):
             Bits per entry of the pseudo-gradient `Δ` the ranks exchange at a sync: `4`, `8` or `16` (codes in blocks
             of 128 with one scale each, and error feedback: what a sync did not send is added to the next one's `Δ`),
@@ -205,6 +211,13 @@ class GRPOConfig(CostFields, TrainingArguments):
             Of `θ_global` and the outer momentum, two copies of the trainable parameters: `"bfloat16"` halves them, and
             every sync restarts the model from bf16 values: for training from scratch; a fine-tune at a small learning
             rate loses its pretrained weights' low bits and updates smaller than bf16's spacing.
+        grpo_sync_global_device (`str`, *optional*, defaults to `"auto"`):
+            Where `θ_global` and the outer momentum live: `"cpu"` (pinned memory when the parameters are on an
+            accelerator: they are streamed to the parameters' device one fragment row at a time for the sync, as
+            torchft and INTELLECT-1 do), `"parameters"` (beside the parameters), or `"auto"`: `"cpu"` when the
+            parameters are on an accelerator, with the parameters otherwise. The outer step always runs on the
+            parameters' device, so every choice gives the same bits; `"cpu"` frees `4` (fp32) or `8` (with momentum)
+            bytes per trainable entry of accelerator memory, for two host-device copies of each row per sync.
         grpo_sync_outer_only (`bool`, *optional*, defaults to `False`):
             Keep DDP's fp32 all-reduce of the gradients at every step and add only the outer step every `H` steps:
             a control that saves no bytes (it separates the outer optimizer's effect from the savings). Needs
@@ -451,6 +464,15 @@ class GRPOConfig(CostFields, TrainingArguments):
             "choices": list(SYNC_DTYPE_CHOICES),
         },
     )
+    grpo_sync_global_device: str = field(
+        default=DEFAULT_SYNC_GLOBAL_DEVICE,
+        metadata={
+            "help": "With grpo_sync_every > 1: where the global model and the outer momentum live: 'cpu' (pinned "
+            "memory, streamed to the parameters' device one fragment at a time for the outer step), 'parameters', or "
+            "'auto' ('cpu' when the parameters are on an accelerator). Every choice gives the same bits.",
+            "choices": list(SYNC_GLOBAL_DEVICE_CHOICES),
+        },
+    )
     grpo_sync_outer_only: bool = field(
         default=False,
         metadata={
@@ -611,6 +633,7 @@ _SYNC_FIELDS = {
     "outer_lr": "grpo_sync_outer_lr",
     "outer_momentum": "grpo_sync_outer_momentum",
     "dtype": "grpo_sync_global_dtype",
+    "global_device": "grpo_sync_global_device",
 }
 
 
@@ -673,11 +696,13 @@ def _check_sync_fields(args) -> None:
             f"grpo_sync_outer_only=True with grpo_compression={args.grpo_compression!r}: the control keeps DDP's own "
             "fp32 all-reduce of the gradients. Set grpo_compression='none'."
         )
-    if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+    if getattr(args, "deepspeed", None):
         raise ConfigError(
-            f"grpo_sync_every={every} with {'FSDP' if getattr(args, 'fsdp', None) else 'DeepSpeed'}: the sync every H "
-            "steps runs under DDP only (each rank holds the whole model). Drop the sharding, or set grpo_sync_every=1."
+            f"grpo_sync_every={every} with DeepSpeed: ZeRO reduces the gradients over every rank at every step, so "
+            "there are no replicas to sync. Train with DDP (each rank a replica) or FSDP2 with replica groups "
+            "(docs/engines.md), or set grpo_sync_every=1."
         )
+    check_replica_parallelism(getattr(args, "parallelism_config", None), every)
     if getattr(args, "fp16", False):
         raise ConfigError(
             f"grpo_sync_every={every} with fp16=True: between syncs each rank's fp16 GradScaler would skip steps on its "

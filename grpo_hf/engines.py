@@ -312,6 +312,24 @@ def follow_parameters(groups, model: nn.Module) -> bool:
     return changed
 
 
+def load_into_shards(model: nn.Module, folder: str) -> bool:
+    """
+    Load a checkpoint's `model.safetensors` (whole tensors, as `save_model` writes them) into a model FSDP2 sharded
+    before the Trainer (loaded with transformers' `DistributedConfig`, or [`~grpo_hf.replica_groups.shard_replica_groups`]):
+    each rank keeps its shards (torch's `set_model_state_dict` with `full_state_dict=True`). The Trainer's own resume
+    copies whole tensors into `DTensor` parameters, which fails. Returns `False` (nothing loaded) for a model without
+    FSDP2 units or a checkpoint without that file (the Trainer's resume then runs as usual).
+    """
+    path = os.path.join(folder, "model.safetensors")
+    if not has_fsdp2_units(model) or not os.path.isfile(path):
+        return False
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, load_file(path), options=StateDictOptions(full_state_dict=True, strict=False))
+    return True
+
+
 from .optim.moments import local_tensor  # noqa: E402  (this rank's part of a DTensor; defined where moments are read)
 
 
@@ -444,6 +462,7 @@ __all__ = [
     "fsdp_version",
     "has_fsdp2_units",
     "launched_fsdp_version",
+    "load_into_shards",
     "local_tensor",
     "ordered_sum",
     "process_rank",

@@ -171,6 +171,17 @@ class ImportanceState:
             self.multipliers = normalised_multipliers(self.smoothed, self.numels, self.lower, self.upper, self.scaled)
         return self.multipliers
 
+    def shared_scores(self) -> torch.Tensor:
+        """The smoothed scores, which ranks that train apart between syncs (replica groups) average at each sync."""
+        return self.smoothed.clone()
+
+    def set_shared_scores(self, smoothed: torch.Tensor) -> None:
+        """Take the smoothed scores averaged over the replicas at a sync; past the warm-up the multipliers follow them,
+        the same on every rank."""
+        self.smoothed = smoothed.double().clone()
+        if self.steps > self.warmup_steps:
+            self.multipliers = normalised_multipliers(self.smoothed, self.numels, self.lower, self.upper, self.scaled)
+
     def load_balance_std(self) -> float:
         """Parameter-weighted std of the multipliers; the article's target for load balance is < 0.15."""
         return weighted_std(self.multipliers, self.numels)

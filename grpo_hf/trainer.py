@@ -31,6 +31,7 @@ from .engines import (
     engine_from_environment,
     follow_parameters,
     has_fsdp2_units,
+    load_into_shards,
     process_rank,
 )
 from .errors import ConfigError
@@ -41,6 +42,7 @@ from .lr_presets import apply_preset
 from .model_card import write_run_summary, write_trainer_model_card
 from .optim.builder import grouped_adamw, grpo_param_groups, keep_embeddings_in_32_bits, memory_metrics
 from .optim.resume import check_checkpoint_optimizer_state
+from .replica_groups import find_replica_groups, parallelism_for_machines, shard_within_replicas
 
 
 logger = logging.get_logger(__name__)
@@ -75,12 +77,14 @@ class GRPOMixin:
       hook). Under FSDP2, every `fully_shard` unit gets the compressed reduce-scatter of
       [`~grpo_hf.compression.fsdp`]. On one process with compression switched on, the same codec is applied locally
       after the last micro-batch's backward (the article's sparse updates), counting the bytes a worker would send.
-    - **Sync every H steps** (`grpo_sync_every > 1`, DDP): the inner steps exchange nothing
+    - **Sync every H steps** (`grpo_sync_every > 1`, DDP, or FSDP2 between replica groups, [`~grpo_hf.replica_groups`]):
+      the inner steps exchange nothing
       ([`~grpo_hf.compression.outer_sync.local_gradient_hook`]); every H optimizer steps, per fragment of GRPO's groups,
       the ranks average their compressed pseudo-gradients and take an outer Nesterov step
       ([`~grpo_hf.compression.outer_sync.OuterSyncState`]). The last step syncs every rank to the global model;
       `evaluate`, `predict` and `save_model` see the global model ([`~GRPOMixin.grpo_global_weights`]); checkpoints
-      hold it and each rank's local parameters and optimizer state. Refused under FSDP2, DeepSpeed and fp16.
+      hold it and each rank's local parameters (local shards) and optimizer state. Refused under DeepSpeed, tensor or
+      context parallelism and fp16.
     - **Engines** ([`~grpo_hf.engines`]): DDP, FSDP2 (the Trainer's `fsdp` with `fsdp_config={"version": 2}`,
       `accelerate launch` with `fsdp_version: 2`, or a model sharded with `fully_shard` before it reaches the trainer)
       and DeepSpeed ZeRO 1/2/3 with a config that leaves the optimizer and scheduler to the Trainer. Under FSDP2, GRPO's
@@ -117,6 +121,9 @@ class GRPOMixin:
         if training_args is not None:  # refuse before Accelerate sets up the backend (or the Trainer creates a repo)
             check_backends(training_args.fsdp, training_args.fsdp_config, training_args.deepspeed)
             check_push_settings(training_args)
+            machines = parallelism_for_machines(training_args)  # FSDP2 on several machines syncing every H steps
+            if machines is not None:
+                training_args.parallelism_config = machines
         # The cost callback must be registered at construction, before the progress/printer callbacks.
         callbacks = list(kwargs.get("callbacks") or [])
         self.cost_callback = next((cb for cb in callbacks if isinstance(cb, CostCallback)), None)
@@ -126,6 +133,8 @@ class GRPOMixin:
         super().__init__(*args, **kwargs)
         ensure_grpo_args(self.args)
         self.grpo_engine = detect_engine(self)  # "single", "ddp", "fsdp2" or "deepspeed"
+        if self.args.grpo_sync_every > 1 and self.grpo_engine == "fsdp2":  # HSDP's replicate dimension: the sync's
+            shard_within_replicas(getattr(self.accelerator, "parallelism_config", None))
         self._grpo_probe = None  # DeepSpeed: step hooks on the optimizer ZeRO wraps
         scaled = self.accelerator.scaler is not None  # an fp16 GradScaler skips such steps (and rescales) itself
         self.grpo_callback = GRPOCallback(
@@ -218,19 +227,31 @@ class GRPOMixin:
         `self.grpo_plan`, GRPO's groups packed into `grpo_sync_fragments` fragments. Under DDP the ranks exchange their
         `Δ` (unless `grpo_sync_outer_only`); on one process only the outer step is added (with a warning).
 
+        Under FSDP2 the replicas are replica groups ([`~grpo_hf.replica_groups`]): each FSDP2-sharded over its own
+        ranks, syncing their local shards every H steps over their replicate groups; one replica has nothing to sync
+        (a warning; the outer step only).
+
         Raises:
-            [`~grpo_hf.errors.ConfigError`]: FSDP2 or DeepSpeed, too many fragments for the groups, or a group file's
-                `bits` / `density` the sync cannot send.
+            [`~grpo_hf.errors.ConfigError`]: DeepSpeed, a layout the sync cannot run over (tensor parallelism, HSDP
+                sharded at load time), too many fragments for the groups, or a group file's `bits` / `density` the sync
+                cannot send.
         """
         args, engine = self.args, self.grpo_engine
-        if engine in ("fsdp2", "deepspeed"):
+        if engine == "deepspeed":
             raise ConfigError(
-                f"grpo_sync_every={args.grpo_sync_every} under {'FSDP2' if engine == 'fsdp2' else 'DeepSpeed'}: the sync "
-                "every H steps runs under DDP only (each rank holds the whole model). Train with DDP, or set "
-                "grpo_sync_every=1." + engine_from_environment(engine, args)
+                f"grpo_sync_every={args.grpo_sync_every} under DeepSpeed: ZeRO reduces the gradients over every rank "
+                "at every step, so there are no replicas to sync. Train with DDP, or FSDP2 with replica groups "
+                "(docs/engines.md), or set grpo_sync_every=1." + engine_from_environment(engine, args)
             )
-        exchange = engine == "ddp" and not args.grpo_sync_outer_only
-        if not exchange:  # the gradients are averaged every step (DDP) or there is one process: no Δ codec
+        replicas = (
+            find_replica_groups(self.model, self.accelerator, args.grpo_sync_every) if engine == "fsdp2" else None
+        )
+        if replicas is not None:
+            self._use_replica_groups(replicas)
+        exchange = (
+            engine == "ddp" or (replicas is not None and replicas.replicas > 1)
+        ) and not args.grpo_sync_outer_only
+        if not exchange:  # the gradients are averaged every step (DDP) or there is one replica: no Δ codec
             self.grpo_compression = "none"
             self.grpo_plan = {name: None for name in self.grpo_plan}
             if engine == "single" and process_rank(args)[0] == 0:
@@ -252,9 +273,39 @@ class GRPOMixin:
                 delay=args.grpo_sync_delay,
                 mix=args.grpo_sync_mix,
                 moments=args.grpo_sync_moments,
+                replicas=replicas,
+                global_device=args.grpo_sync_global_device,
             )
         except ValueError as err:
             raise ConfigError(str(err)) from None
+
+    def _use_replica_groups(self, replicas) -> None:
+        """
+        Between replica groups: refuse the outer-step-only control (DDP's), warn when one replica leaves nothing to sync,
+        and keep the Trainer's token count inside each replica (its per-step gather over every process would cross the
+        replicate dimension at every step).
+        """
+        args, rank = self.args, process_rank(self.args)[0]
+        if args.grpo_sync_outer_only:
+            raise ConfigError(
+                "grpo_sync_outer_only=True under FSDP2: the control keeps DDP's per-step all-reduce; between replica "
+                "groups train HSDP with grpo_sync_every=1 as the per-step baseline."
+            )
+        if replicas.replicas == 1 and rank == 0:
+            logger.warning(
+                f"grpo_sync_every={args.grpo_sync_every} under FSDP2 with one replica group (FSDP2 shards over every "
+                "process): there is nothing to sync, so only the outer step is added every H steps. For replicas, set "
+                "parallelism_config=ParallelismConfig(dp_replicate_size=R, dp_shard_size=S), launch on several "
+                "machines, or shard the model with grpo_hf.shard_replica_groups (docs/engines.md)."
+            )
+        if replicas.replicas > 1 and args.average_tokens_across_devices:
+            args.average_tokens_across_devices = False
+            if rank == 0:
+                logger.info(
+                    "Replica groups: average_tokens_across_devices=False (each rank's loss is the mean over its own "
+                    "tokens, and FSDP2 averages a replica's shards): the Trainer's per-step gather of token counts "
+                    "over every process would cross the replicate dimension at every step."
+                )
 
     # --- construction-time checks ---
     def _check_engine_compression(self, groups) -> None:
@@ -266,6 +317,8 @@ class GRPOMixin:
                 top-k, `grpo_bits="auto"` or per-group `bits` / `density` under FSDP2.
         """
         engine, compression = self.grpo_engine, self.args.grpo_compression
+        if engine == "fsdp2" and self.args.grpo_sync_every > 1:  # FSDP2's own reduce-scatter; the sync's codes are Δ's
+            return
         origin = engine_from_environment(engine, self.args) if engine in ("deepspeed", "fsdp2") else ""
         if engine == "deepspeed":
             if compression not in ("auto", "none"):
@@ -539,6 +592,16 @@ class GRPOMixin:
         if self.grpo_comm_state is not None:  # GRPO's own: residuals, θ_global, outer momentum
             output.metrics["grpo/memory/grpo_bytes"] = float(sum(self.grpo_comm_state.memory_bytes().values()))
         return output
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """
+        The Trainer's, except for a model FSDP2 sharded before the Trainer (transformers' `DistributedConfig`,
+        [`~grpo_hf.replica_groups.shard_replica_groups`]), whose saved whole tensors go into its shards
+        ([`~grpo_hf.engines.load_into_shards`]); the Trainer would copy them into `DTensor`s, which fails.
+        """
+        model = self.model if model is None else model
+        if not (self.is_distributed_loading_by_transformers and load_into_shards(model, resume_from_checkpoint)):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, *args, **kwargs):
         """

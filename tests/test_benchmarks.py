@@ -20,6 +20,8 @@ HELPERS = (
     "revision.py",
     "lr_grid.py",
     "emulated_link.py",
+    "replica_rows.py",
+    "peers.py",
 )  # modules the scripts import, with no command line of their own
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.name not in HELPERS)
 

@@ -142,3 +142,41 @@ def test_hook_cuda_buckets_match_cpu_buckets(mode):
     assert cpu_res.keys() == cuda_res.keys()
     for name in cpu_res:
         torch.testing.assert_close(cuda_res[name], cpu_res[name], rtol=1e-2, atol=2e-2)
+
+
+def test_the_global_model_in_pinned_cpu_memory_gives_the_bits_it_gives_on_the_gpu():
+    """
+    `grpo_sync_global_device`: `θ_global` and the momentum in pinned CPU memory (`"cpu"`, and `"auto"` for CUDA
+    parameters) against kept on the GPU (`"parameters"`). The outer step runs on the GPU either way: the same bits. The
+    local steps are deterministic updates written into the parameters (no backward: CUDA's embedding backward is not).
+    """
+    from torch import nn
+
+    from grpo_hf.compression.outer_sync import OuterSyncState
+
+    runs = {}
+    for setting in ("cpu", "auto", "parameters"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 96), nn.LayerNorm(96), nn.Linear(96, 5000 // 96)).to(CUDA)
+        names = [name for name, _ in model.named_parameters()]
+        state = OuterSyncState({name: None for name in names}, [names[:3], names[3:]], every=2, outer_lr=0.7,
+                               outer_momentum=0.9, exchange=False, global_device=setting)  # fmt: skip
+        state.bind(model)
+        for step in range(7):
+            generator = torch.Generator().manual_seed(step)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=generator).to(CUDA), alpha=1e-2)
+            state.end_step(last=step == 6)
+        runs[setting] = ([p.detach().cpu() for p in model.parameters()], state)
+    pinned, on_gpu = runs["cpu"][1], runs["parameters"][1]
+    for fragment in pinned.fragments + runs["auto"][1].fragments:
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in fragment.theta + fragment.momentum)
+        assert fragment.device_nbytes() == 0
+    assert all(t.device.type == "cuda" for fragment in on_gpu.fragments for t in fragment.theta + fragment.momentum)
+    for setting in ("cpu", "auto"):
+        for a, b in zip(runs[setting][0], runs["parameters"][0]):
+            assert torch.equal(a, b), setting
+        for fa, fb in zip(runs[setting][1].fragments, on_gpu.fragments):
+            for ta, tb in zip(fa.theta + fa.momentum, fb.theta + fb.momentum):
+                assert torch.equal(ta, tb.cpu()), setting

@@ -184,7 +184,9 @@ def test_the_memory_suite_compares_state_memory_and_step_best_against_best(tmp_p
     adamw, factored = bowl(1e-3, 100.0, 0.5), bowl(2e-3, 100.4, 0.5)
     rows = {"adamw": (adamw, 1e-3, 800, 3000, 0.010), "factored8": (factored, 2e-3, 100, 2000, 0.012)}
     for row, (curve, best, state, peak, step) in rows.items():
-        for seed, lr in [(0, lr) for lr in lrs + ([4e-3] if row == "factored8" else [])] + [(s, best) for s in (1, 2, 3)]:
+        for seed, lr in [(0, lr) for lr in lrs + ([4e-3] if row == "factored8" else [])] + [
+            (s, best) for s in (1, 2, 3)
+        ]:
             record = _record(row, seed, lr, curve(lr) * (1 + 0.01 * seed))
             record["per_step"] = [{"bytes": 0.0, "step_s": 0.1, "optimizer_s": step}] * 6
             record.update(optimizer_state_bytes=state, peak_memory_bytes=peak * 2**20)
@@ -195,4 +197,6 @@ def test_the_memory_suite_compares_state_memory_and_step_best_against_best(tmp_p
     assert row["state_bytes_ratio"] == pytest.approx(0.125) and row["peak_memory_bytes_ratio"] == pytest.approx(2 / 3)
     assert row["optimizer_s_ratio"] == pytest.approx(1.2)
     table = suite.memory_markdown({"llama-finetune": summary})
-    assert "| llama-finetune | `factored8` | 0.00 MB (0.125) | 2,000 MiB (0.67) | 12.0 ms (1.20) | 1.004 (4) |" in table
+    assert (
+        "| llama-finetune | `factored8` | 0.00 MB (0.125) | 2,000 MiB (0.67) | 12.0 ms (1.20) | 1.004 (4) |" in table
+    )

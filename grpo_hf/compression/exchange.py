@@ -391,14 +391,17 @@ class Exchange:
         decode_chunk (`int`, *optional*): decode at most this many entries per kernel call (the eager kernel's
             temporaries stay a chunk's).
         count_kept (`bool`, *optional*, defaults to `False`): count the values sent into `stats.kept`.
+        agree_within (`Callable`, *optional*): `(flag, device) -> bool`, the NaN/Inf flag agreed within this rank's
+            replica before [`agree_flag`] sends it, so that every rank of the world takes the same decision.
     """
 
     def __init__(self, kernels: Kernels, comm: Collectives, count_as: int | None = None, clip: float | None = None,
                  beta: float = 0.0, workspace: Callable | None = None, decode_chunk: int | None = None,
-                 count_kept: bool = False):  # fmt: skip
+                 count_kept: bool = False, agree_within: Callable | None = None):  # fmt: skip
         self.kernels, self.comm, self.clip, self.beta = kernels, comm, clip, beta
         self.count_as = comm.world_size if count_as is None else count_as
         self.workspace, self.decode_chunk, self.count_kept = workspace, decode_chunk, count_kept
+        self.agree_within = agree_within
 
     @property
     def stats(self):
@@ -427,6 +430,8 @@ class Exchange:
     # --- small collectives: the NaN/Inf flag, the tensors sent dense ---
     def agree_flag(self, flag: bool, device) -> "Started":
         """Start the all-reduce (max) of this rank's NaN/Inf `flag`; `wait()` gives the agreed one as a 1-tensor."""
+        if self.agree_within is not None:
+            flag = self.agree_within(flag, device)
         started = self.comm.start_all_reduce(torch.tensor([int(flag)], device=device), op=dist.ReduceOp.MAX)
         self.stats.bytes_sent += allreduce_bytes(FLAG_BYTES, self.count_as)
         return started
@@ -682,19 +687,5 @@ class Mean:
         return self.started.wait().div_(self.world_size)
 
 
-__all__ = [
-    "Exchange",
-    "Gathered",
-    "Mean",
-    "Part",
-    "Residual",
-    "decode",
-    "decode_rows",
-    "encode",
-    "encode_rows",
-    "message_nbytes",
-    "poison_rows",
-    "row_message_nbytes",
-    "split_messages",
-    "walk_messages",
-]
+__all__ = ["Exchange", "Gathered", "Mean", "Part", "Residual", "decode", "decode_rows", "encode", "encode_rows",
+           "message_nbytes", "poison_rows", "row_message_nbytes", "split_messages", "walk_messages"]  # fmt: skip

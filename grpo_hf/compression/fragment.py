@@ -2,10 +2,10 @@
 `_StreamingDiLoCoFragment`), and the outer step's math.
 
 A fragment is a set of whole parameters (GRPO's groups, packed by [`pack_fragments`]).
-It holds its parameters' local views (here the parameters themselves: the whole model is the one-shard case; a replica
-sharded by FSDP2 would hold its local shards) and, as flat rows, `θ_global`, the outer momentum, its error-feedback
-residual and its owner residual; its last sync and its exchange in flight. Its methods are the algorithm's steps (see
-the module docstring of `outer_sync.py`, which schedules them):
+It holds its parameters' local views (under DDP the parameters themselves, the whole model being the one-shard case;
+in a replica sharded by FSDP2 this rank's local shards, `DTensor.to_local()`) and, as flat rows, `θ_global`, the outer
+momentum, its error-feedback residual and its owner residual; its last sync and its exchange in flight. Its methods
+are the algorithm's steps (see the module docstring of `outer_sync.py`, which schedules them):
 
 ```python
 >>> delta = fragment.take_delta()  # Δ = θ_global − θ_local, one fp32 row per row of the fragment
@@ -23,6 +23,12 @@ codec, each tensor block-aligned and zero-padded: the row the [`~grpo_hf.compres
 is. Padding stays zero in every row (`Δ`, `θ_global`, the momentum, the residuals), so that a row's math, one operation
 per row, is its tensors' math. What is saved is keyed by parameter name ([`Fragment.state_by_name`]), so that a
 checkpoint resumes with other fragments.
+
+**Where `θ_global` lives** (`grpo_sync_global_device`, [`global_device`]). `θ_global` and the momentum are kept on
+the CPU (pinned when the parameters are on an accelerator) or beside the parameters. The math always runs on the
+parameters' device: a kept row is copied there for `Δ`, the outer step, the restart and the merge, one row at a time,
+and copied back after the outer step, so every choice gives the same bits and the accelerator holds one row of them at
+a time (torchft's pinned CPU copies of `p.to_local()`, INTELLECT-1's flat fp32 CPU buffer).
 
 ## An exchange in flight (`delay = τ > 0`, Streaming DiLoCo)
 
@@ -159,6 +165,17 @@ def merge_with_global(local: torch.Tensor, global_param: torch.Tensor, mix: floa
     return torch.lerp(global_param.float(), local.float(), mix).to(local.dtype)
 
 
+def global_device(setting: str, device: torch.device) -> str:
+    """
+    Where a fragment keeps `θ_global` and the momentum for parameters on `device` (`grpo_sync_global_device`):
+    `"cpu"` or `"parameters"`; `"auto"` is `"cpu"` on an accelerator and `"parameters"` on the CPU (where both are the
+    same memory).
+    """
+    if setting == "auto":
+        return "parameters" if torch.device(device).type == "cpu" else "cpu"
+    return setting
+
+
 def check_moments(optimizer, moments: str) -> None:
     """
     With `moments` other than `"none"` (`grpo_sync_moments`): refuse an optimizer that does not keep them as fp32
@@ -283,21 +300,32 @@ class Fragment:
         plan (`dict[str, CodecSpec | None]`): how each parameter's `Δ` is sent (`None`: fp32 all-reduce).
         dtype (`torch.dtype`): of `θ_global` and the momentum.
         momentum (`bool`): whether the outer step keeps a momentum.
+        global_device (`str`, *optional*, defaults to `"parameters"`): where `θ_global` and the momentum live
+            ([`global_device`]): `"cpu"` (pinned when the parameters are on an accelerator) or `"parameters"`.
     """
 
-    def __init__(self, index: int, names: list[str], params: dict, plan: dict, dtype: torch.dtype, momentum: bool):
+    def __init__(self, index: int, names: list[str], params: dict, plan: dict, dtype: torch.dtype, momentum: bool,
+                 global_device: str = "parameters"):  # fmt: skip
         self.index, self.names = index, list(names)
         self.params = {name: params[name] for name in names}
         self.numel = sum(local_tensor(p).numel() for p in self.params.values())
-        self.device = next(iter(self.params.values())).device
+        self.device = local_tensor(next(iter(self.params.values()))).device
+        # `"cpu"`: θ_global and the momentum kept apart from the parameters' device memory, streamed a row at a time
+        # (for parameters on the CPU too: a copy, the same path, which the CPU tests exercise)
+        self.streamed = global_device == "cpu"
+        self.store = torch.device("cpu") if self.streamed else self.device
+        self.pinned = self.streamed and self.device.type != "cpu"
         dense = [name for name in names if plan.get(name) is None]
         self.rows = [_Row(None, dense, self._numels(dense))]
         for bits in sorted({plan[name].bits for name in names if plan.get(name) is not None}):
             members = [name for name in names if plan.get(name) is not None and plan[name].bits == bits]
             self.rows.append(_Row(plan[members[0]], members, self._numels(members)))
         with torch.no_grad():
-            self.theta = [self._gather(row, dtype) for row in self.rows]  # θ_global, from the parameters
-        self.momentum = [torch.zeros_like(theta) for theta in self.theta] if momentum else None
+            self.theta = [self._stored(self._gather(row, dtype)) for row in self.rows]  # θ_global, from the parameters
+        self.momentum = None
+        if momentum:
+            self.momentum = [torch.zeros(t.shape, dtype=t.dtype, device=t.device, pin_memory=self.pinned)
+                             for t in self.theta]  # fmt: skip
         self.residuals: list[torch.Tensor | None] = [None] * len(self.rows)  # bf16, from the row's first exchange
         self.owner_residuals: list[tuple | None] = [None] * len(self.rows)  # (world size, rank, row of owned blocks)
         self.saved_owner: dict[str, torch.Tensor] = {}  # a checkpoint's owner residuals, until their first use
@@ -321,19 +349,40 @@ class Fragment:
     def _scatter(self, row: _Row, values: torch.Tensor) -> None:
         """`values` (a row) copied into the row's local tensors."""
         if row.names:
-            torch._foreach_copy_(self._locals(row), row.split(values))
+            torch._foreach_copy_(self._locals(row), row.split(self._working(values)))
+
+    # --- where θ_global lives: stored on `self.store`, worked on on the parameters' device ---
+    def _stored(self, row: torch.Tensor) -> torch.Tensor:
+        """A row made on the parameters' device, moved where `θ_global` is kept (pinned: copies can overlap)."""
+        if not self.streamed:
+            return row
+        held = torch.empty(row.shape, dtype=row.dtype, device=self.store, pin_memory=self.pinned)
+        return held.copy_(row)
+
+    def _working(self, row: torch.Tensor | None) -> torch.Tensor | None:
+        """A stored row on the parameters' device (the row itself when it is kept there): the outer step's math runs
+        there whatever `global_device`, so that every choice gives the same bits."""
+        if row is None or not self.streamed:
+            return row
+        return row.to(self.device, non_blocking=self.pinned, copy=True)
+
+    def _put_back(self, stored: torch.Tensor | None, working: torch.Tensor | None) -> None:
+        """A row worked on copied back where it is kept (nothing to do when it is kept on the parameters' device)."""
+        if stored is not None and working is not stored:
+            stored.copy_(working)
 
     @property
     def codec_rows(self) -> list[int]:
-        """The indices of the rows sent in codes."""
-        return [index for index, row in enumerate(self.rows) if row.spec is not None]
+        """The indices of the rows sent in codes (but empty ones: a shard may hold no entry of a small tensor; the ranks
+        of a replicate group hold the same shard index, so they all leave the same rows out)."""
+        return [index for index, row in enumerate(self.rows) if row.spec is not None and row.length]
 
     # --- the algorithm ---
     def take_delta(self) -> list[torch.Tensor]:
         """`Δ = θ_global − θ_local`, one fp32 row per row of the fragment."""
         deltas = [self._gather(row, torch.float32) for row in self.rows]
         for theta, delta in zip(self.theta, deltas):
-            torch.sub(theta, delta, out=delta)
+            torch.sub(self._working(theta), delta, out=delta)
         return deltas
 
     def _part(self, index: int, delta: torch.Tensor, world_size: int, rank: int) -> Part:
@@ -361,17 +410,23 @@ class Fragment:
     def apply_outer_step(self, deltas: list[torch.Tensor], lr: float, mu: float) -> None:
         """[`outer_step`] on every row: `θ_global −= lr (Δ̄ + μ m)`."""
         momentum = self.momentum or [None] * len(self.rows)
-        for theta, delta, held in zip(self.theta, deltas, momentum):
-            outer_step(theta, delta, held, lr, mu)
+        for theta, delta, held in zip(self.theta, deltas, momentum):  # one row at a time on the parameters' device
+            theta_row, momentum_row = self._working(theta), self._working(held)
+            outer_step(theta_row, delta, momentum_row, lr, mu)
+            self._put_back(theta, theta_row)
+            self._put_back(held, momentum_row)
 
     def apply_outer_step_by_name(self, deltas: dict[str, torch.Tensor], lr: float, mu: float) -> None:
         """[`outer_step`] on the tensors of `deltas` (flat `Δ̄` by name, e.g. a checkpoint's of other fragments) only."""
         momentum = self.momentum or [None] * len(self.rows)
         for row, theta, held in zip(self.rows, self.theta, momentum):
-            views = zip(row.names, row.split(theta), row.split(held) if held is not None else [None] * len(row.names))
-            for name, view, moment in views:
+            theta_row, momentum_row = self._working(theta), self._working(held)
+            split = row.split(momentum_row) if momentum_row is not None else [None] * len(row.names)
+            for name, view, moment in zip(row.names, row.split(theta_row), split):
                 if name in deltas:
                     outer_step(view, deltas[name].to(view.device).reshape(-1), moment, lr, mu)
+            self._put_back(theta, theta_row)
+            self._put_back(held, momentum_row)
 
     def restart(self, step: int) -> None:
         """The parameters become `θ_global` (in place), as at step `step`."""
@@ -389,7 +444,7 @@ class Fragment:
             self.restart(step)
             return
         for row, theta in zip(self.rows, self.theta):
-            self._scatter(row, merge_with_global(self._gather(row, torch.float32), theta, mix))
+            self._scatter(row, merge_with_global(self._gather(row, torch.float32), self._working(theta), mix))
 
     def start(self, exchange: Exchange | None, step: int, due: int) -> InFlight:
         """
@@ -552,5 +607,19 @@ class Fragment:
         return {"global": size(self.theta), "momentum": size(self.momentum or []),
                 "residuals": size(self.residuals) + size(owners)}  # fmt: skip
 
+    def device_nbytes(self) -> int:
+        """Bytes of `θ_global` and the momentum held on the parameters' device (none when kept on the CPU for an
+        accelerator's parameters)."""
+        held = self.nbytes()
+        return 0 if self.streamed and self.device.type != "cpu" else held["global"] + held["momentum"]
 
-__all__ = ["Fragment", "InFlight", "check_moments", "merge_with_global", "outer_step", "pack_fragments"]
+
+__all__ = [
+    "Fragment",
+    "InFlight",
+    "check_moments",
+    "global_device",
+    "merge_with_global",
+    "outer_step",
+    "pack_fragments",
+]

@@ -89,8 +89,20 @@ runs; `τ` steps later its outer step is applied and the fragment merged with th
   `μ = 0`), the bf16 residual of the compressed tensors (2 bytes; from 3 ranks also the owner residual of the blocks
   it owns, `2 / W` bytes), and during a sync the fragment's `Δ` (4 bytes per entry) and the messages (every rank's,
   or about two of them with owners): `F` fragments divide the sync's work memory by `F`.
-- Sparse gradients, FSDP and DeepSpeed are not supported (a fragment is the one-shard case of FSDP2's local shards);
-  nor is fp16 mixed precision (its `GradScaler` would skip steps on one rank and not on another).
+- Sparse gradients and DeepSpeed are not supported, nor is fp16 mixed precision (its `GradScaler` would skip steps
+  on one rank and not on another).
+
+## Replica groups (FSDP2 inside each replica)
+
+With `replicas` ([`~grpo_hf.compression.replicas.ReplicaGroups`]), FSDP2 shards each replica over its `S` ranks and
+the sync runs over this rank's replicate group, the `R` ranks holding the same shard index: every step above reads
+"the ranks" as that group and "the parameters" as this rank's local shards, `W = R`, and the byte formulas count the
+local sizes. What changes: at [`OuterSyncState.bind`] replica 0's shards are broadcast over the replicate group (`θ`
+starts identical); between syncs nothing crosses the replicate dimension (the group norms are the replica's own,
+FSDP2's shards summed, and [`OuterSyncState.agree_norms`] leaves them; the importance state is averaged at each sync,
+[`OuterSyncState.share_at_sync`]); the NaN/Inf flag is agreed within the replica before it is sent, so that every
+rank of the world takes the same decision; `θ_global` and the momentum are saved by replica 0's ranks, one file per
+shard.
 """
 
 import contextlib
@@ -105,71 +117,33 @@ from ..choices import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     DEFAULT_SYNC_DELAY,
+    DEFAULT_SYNC_GLOBAL_DEVICE,
     DEFAULT_SYNC_MIX,
     DEFAULT_SYNC_MOMENTS,
     DEFAULT_SYNC_RAMP,
     SYNC_MOMENTS,
     check_sync_settings,
 )
+from ..optim.moments import local_tensor
 from .codec import ENCODE_CHUNK, all_safe, compile_kernels
 from .collectives import Collectives
 from .exchange import Exchange
-from .fragment import Fragment, InFlight, check_moments, merge_with_global, outer_step, pack_fragments
+from .fragment import Fragment, InFlight, check_moments, global_device, merge_with_global, outer_step, pack_fragments
+from .replicas import ReplicaGroups, fsdp_modules, local_optimizer_state, reshard
+from .schedule import fragment_offsets, fragments_due, ramp_points
 from .spec import CodecSpec
+from .sync_checkpoint import STATE_VERSION, apply_saved, load_sync_state, restore_sync_state
 from .traffic import StepStats, TrafficStats, allreduce_bytes
 from .transport import OUTER_MODE, CommState, SavedComms
 
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
 OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # SYNC_DTYPE_CHOICES as torch dtypes
 # From this many ranks a blocking sync's codes go through owners (the per-step hook's `allreduce` mode); at 2 the owners'
 # reduce-scatter and all-gather send the bytes of the all-gather, and would quantize `Δ̄` twice.
 OWNER_MIN_WORLD_SIZE = 3
 SYNC_BITS = (4, 8, 16)  # codes of fixed size; 32 bits and dense tensors go through an fp32 all-reduce
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The schedule (pure functions)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def ramp_points(every: int) -> list[int]:
-    """
-    The steps after which every fragment syncs while the interval ramps up: intervals 1, 2, 4, … below `every`, so
-    `[1, 3, 7, 15]` for `every=16` and `[]` for `every <= 1`.
-    """
-    points, interval, step = [], 1, 0
-    while interval < every:
-        step += interval
-        points.append(step)
-        interval *= 2
-    return points
-
-
-def fragment_offsets(every: int, fragments: int) -> list[int]:
-    """Step of each fragment's first sync after the ramp, counted from its end: `ceil((f + 1) * every / fragments)`."""
-    return [-(-(f + 1) * every // fragments) for f in range(fragments)]
-
-
-def fragments_due(step: int, every: int, fragments: int = 1, ramp: bool = DEFAULT_SYNC_RAMP) -> list[int]:
-    """
-    The fragments that sync after optimizer step `step` (1 for the first step of training).
-
-    Args:
-        step (`int`): optimizer steps taken, this one included.
-        every (`int`): `H`, the steps between two syncs of one fragment.
-        fragments (`int`, *optional*, defaults to `1`): `F`; fragment `f` syncs at offset `ceil((f + 1) H / F)` of
-            every interval, so that fragment `F - 1` syncs when one fragment would.
-        ramp (`bool`, *optional*, defaults to `True`): first sync every fragment after steps 1, 3, 7, …
-            ([`ramp_points`]), then start the intervals of `H`.
-    """
-    points = ramp_points(every) if ramp else []
-    if points and step <= points[-1]:
-        return list(range(fragments)) if step in points else []
-    since = step - (points[-1] if points else 0)
-    return [f for f, offset in enumerate(fragment_offsets(every, fragments)) if (since - offset) % every == 0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -222,6 +196,13 @@ class OuterSyncState(CommState):
             [`~grpo_hf.optim.moments`] reads them (AdamW's `exp_avg_sq`, Adafactor's factors, GroupedAdamW's blocks);
             one fp32 all-reduce per moment and fragment, blocking. Needs an optimizer that keeps them in fp32 at
             [`bind`] and `delay=0`; nothing to average without an exchange.
+        replicas ([`~grpo_hf.compression.replicas.ReplicaGroups`], *optional*):
+            FSDP2 shards each replica: the sync runs over this rank's replicate group, on its local shards (see
+            "Replica groups" in the module docstring); `process_group` is then that group.
+        global_device (`str`, *optional*, defaults to `"auto"`):
+            Where `θ_global` and the momentum live ([`~grpo_hf.compression.fragment.global_device`]): `"cpu"`
+            (pinned when the parameters are on an accelerator), `"parameters"`, or `"auto"` (`"cpu"` on an
+            accelerator). The same bits whatever the choice.
     """
 
     __slots__ = (
@@ -240,6 +221,8 @@ class OuterSyncState(CommState):
         "exchange",
         "process_group",
         "exchange_group",
+        "replicas",
+        "global_device",
         # --- bound by bind() ---
         "params",
         "fragments",
@@ -247,6 +230,8 @@ class OuterSyncState(CommState):
         "rank",
         "kernels",
         "optimizer",
+        "fsdp_units",
+        "share",
         # --- internal state (checkpointed) ---
         "step",
         "hook_calls",
@@ -277,10 +262,12 @@ class OuterSyncState(CommState):
         delay: int = DEFAULT_SYNC_DELAY,
         mix: float = DEFAULT_SYNC_MIX,
         moments: str = DEFAULT_SYNC_MOMENTS,
+        replicas: ReplicaGroups | None = None,
+        global_device: str = DEFAULT_SYNC_GLOBAL_DEVICE,
     ):
         if not fragments or any(not names for names in fragments):
             raise ValueError(f"{len(fragments)} fragments, some empty: use 1 to {every} non-empty fragments.")
-        check_sync_settings(every, len(fragments), delay, mix, moments, outer_lr, outer_momentum, dtype)
+        check_sync_settings(every, len(fragments), delay, mix, moments, outer_lr, outer_momentum, dtype, global_device)
         for name, spec in plan.items():
             if spec is not None and (spec.density < 1 or spec.bits not in SYNC_BITS):
                 raise ValueError(
@@ -296,8 +283,10 @@ class OuterSyncState(CommState):
         self.every, self.outer_lr, self.outer_momentum = int(every), float(outer_lr), float(outer_momentum)
         self.ramp, self.dtype, self.exchange = bool(ramp), OUTER_DTYPES.get(dtype, dtype), bool(exchange)
         self.delay, self.mix, self.moments = int(delay), float(mix), moments
-        self.process_group = process_group
-        self.exchange_group: dist.ProcessGroup | None = None  # with delay > 0 under DDP: the exchanges' own group
+        self.replicas, self.global_device = replicas, global_device
+        self.process_group = replicas.replicate_group if replicas is not None else process_group
+        self.exchange_group: dist.ProcessGroup | None = None  # with delay > 0: the exchanges' own group
+        self.fsdp_units, self.share = [], None
         self.params: dict[str, nn.Parameter] = {}
         self.fragments: list[Fragment] = []
         self.world_size, self.rank = 1, 0
@@ -376,25 +365,41 @@ class OuterSyncState(CommState):
         self.kernels = compile_kernels(False)  # a sync every H steps: the eager kernels, the same on every rank
         self.optimizer = optimizer
         check_moments(optimizer, self.moments)
+        self.fsdp_units = fsdp_modules(model)
         if self.delay > 0 and self.exchange and self.world_size > 1 and self.exchange_group is None:
             # The exchanges get a process group of their own (the same ranks, in order): NCCL runs the collectives of
             # one group in order, and the next steps' norm all-reduce must not queue behind an exchange under way.
-            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-            self.exchange_group = dist.new_group(ranks)
+            # Every rank makes every such group, in the same order (each replicate group's, between replica groups).
+            ranks = self.replicas.replicate_ranks if self.replicas is not None else [
+                dist.get_process_group_ranks(self.process_group or dist.group.WORLD)]  # fmt: skip
+            for members in ranks:
+                group = dist.new_group(members)
+                if dist.get_rank() in members:
+                    self.exchange_group = group
+        if self.replicas is not None:
+            self.replicas.check_sharded(self.params)  # FSDP2 over this rank's replica only
+            if self.exchange and self.world_size > 1 and self.pending is None:
+                self.replicas.broadcast_first_replica(self.params.values())  # θ starts identical on every replica
         keep = self.outer_momentum > 0
-        self.fragments = [Fragment(i, names, self.params, self.plan, self.dtype, keep)  # a fresh θ_global each
+        where = global_device(self.global_device, self._device())
+        self.fragments = [Fragment(i, names, self.params, self.plan, self.dtype, keep, where)  # a fresh θ_global each
                           for i, names in enumerate(self.fragment_names)]  # fmt: skip
         if self.pending is not None:
             with torch.no_grad():
-                self._apply(self.pending)
+                apply_saved(self, self.pending)
             self.pending = None
         exchanged = "exchange" if self.exchange else "no exchange (the outer step only)"
         logger.info(
             f"GRPO sync every {self.every} steps: {exchanged}, world size {self.world_size}, {len(self.fragments)} "
             f"fragments of {'/'.join(str(f.numel) for f in self.fragments)} entries, outer lr {self.outer_lr:g} "
             f"momentum {self.outer_momentum:g}, ramp {'on' if self.ramp else 'off'}, delay {self.delay} (mix "
-            f"{self.mix:g}), θ_global in {str(self.dtype).replace('torch.', '')}, optimizer moments averaged: "
-            f"{self.moments}."
+            f"{self.mix:g}), θ_global in {str(self.dtype).replace('torch.', '')} on {where}, optimizer moments "
+            f"averaged: {self.moments}"
+            + (
+                f"; replica groups: {self.replicas.replicas} × {self.replicas.shards} shards."
+                if self.replicas
+                else "."
+            )
         )
         return self
 
@@ -412,26 +417,38 @@ class OuterSyncState(CommState):
 
     def _exchange(self, group=None) -> Exchange:
         """The fragments' exchange: the eager kernels, decoding a few chunks at a time (work memory of a chunk)."""
-        return Exchange(self.kernels, self._collectives(group), decode_chunk=ENCODE_CHUNK)
+        within = self.replicas.agree_within_replica if self.replicas is not None else None
+        return Exchange(self.kernels, self._collectives(group), decode_chunk=ENCODE_CHUNK, agree_within=within)
 
     def _device(self) -> torch.device:
-        return next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        return local_tensor(next(iter(self.params.values()))).device if self.params else torch.device("cpu")
 
     def agree_norms(self, norms: torch.Tensor) -> torch.Tensor:
         """
         Per-group gradient norms every rank shares between syncs: the RMS over ranks of the local norms (one
         all-reduce of their squares in float64); a NaN or an Inf on any rank reaches every rank. As is without an
-        exchange (DDP's all-reduce, or one process, made them identical).
+        exchange (DDP's all-reduce, or one process, made them identical), and between replica groups, whose replicate
+        dimension sends nothing between syncs (each replica's own norms, FSDP2's shards summed).
         """
-        if not self.exchange or self.world_size == 1:
+        if not self.exchange or self.world_size == 1 or self.replicas is not None:
             return norms
         return (self._all_reduce_mean(norms.double() ** 2)).sqrt().to(norms.dtype)
 
     def agree_mean(self, values: torch.Tensor) -> torch.Tensor:
-        """The mean over ranks of per-group `values` (float64; e.g. the importance coherence); as is without exchange."""
-        if not self.exchange or self.world_size == 1:
+        """The mean over ranks of per-group `values` (float64; e.g. the importance coherence); as is without exchange
+        or between replica groups."""
+        if not self.exchange or self.world_size == 1 or self.replicas is not None:
             return values
         return self._all_reduce_mean(values.double()).to(values.dtype)
+
+    def share_at_sync(self, get, put) -> None:
+        """
+        Between replica groups, at the end of every step that syncs: `put(mean over the replicas of get())` (one
+        float64 all-reduce, counted), so that state the ranks keep apart between syncs (the importance state, whose
+        norms are each replica's own) is the same on every rank after each sync. Nothing otherwise: DDP's ranks agree
+        on the norms at every step.
+        """
+        self.share = (get, put)
 
     def _all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
@@ -465,6 +482,9 @@ class OuterSyncState(CommState):
             self._start(self.fragments[due[0]])
         elif due:
             self._sync(due)
+        if due and self.share is not None and self.replicas is not None and self.step_world_size > 1:
+            get, put = self.share
+            put(self._all_reduce_mean(get()))  # e.g. the importance state: the same on every rank after a sync
         self.stats.baseline(self.numel, self.world_size)
         self.stats.hook_ms += (time.perf_counter() - start) * 1000
         return self._close(count_step=True)
@@ -508,6 +528,7 @@ class OuterSyncState(CommState):
     def _sync(self, due: list[int]) -> None:
         """Steps 3-7 of the module docstring for the fragments `due`, one after the other (work memory: one)."""
         exchange, world_size = self._exchange(), self.step_world_size
+        reshard(self.fsdp_units)  # the restart writes the shards: no unit may keep an unsharded copy
         keys = SYNC_MOMENTS[self.moments] if self.optimizer is not None and world_size > 1 else ()
         for fragment in (self.fragments[f] for f in due):
             deltas = fragment.take_delta()
@@ -545,6 +566,7 @@ class OuterSyncState(CommState):
     def _apply_in_flight(self) -> None:
         """Steps 5 and 6 for the exchange under way: the outer step on `Δ̄` and the merge, or the restart."""
         self._complete()
+        reshard(self.fsdp_units)
         fragment = self.fragments[self.in_flight.fragment]
         if fragment.apply_in_flight(self.step, self.outer_lr, self.outer_momentum, self.mix):
             self._warn_nonfinite("its local steps, those taken while the exchange ran included, are dropped")
@@ -559,16 +581,18 @@ class OuterSyncState(CommState):
         if not self.fragments or self.in_sync or self.swapped is not None:
             yield
             return
-        params = list(self.params.values())
+        params = [local_tensor(p.detach()) for p in self.params.values()]  # this rank's shards under FSDP2
         with torch.no_grad():
-            self.swapped = [p.detach().clone() for p in params]
+            reshard(self.fsdp_units)
+            self.swapped = [p.clone() for p in params]
             for fragment in self.fragments:
                 fragment.show_global()
         try:
             yield
         finally:
             with torch.no_grad():
-                torch._foreach_copy_([p.detach() for p in params], self.swapped)
+                reshard(self.fsdp_units)  # an evaluation's forward may have left unsharded copies of θ_global
+                torch._foreach_copy_(params, self.swapped)
             self.swapped = None
 
     # --- statistics ---
@@ -653,8 +677,9 @@ class OuterSyncState(CommState):
             "momentum": cpu(merged("momentum")) if self.rank == 0 else {},
             "residuals": cpu(merged("residuals")),
             "owner_residuals": cpu(merged("owner_residuals")),
-            "local": cpu(self.params),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "local": cpu({name: local_tensor(p) for name, p in self.params.items()}),  # local shards, never DTensors
+            "optimizer": local_optimizer_state(self.optimizer) if self.optimizer is not None else None,
+            "layout": self.replicas.layout() if self.replicas is not None else None,
             "totals": self.traffic.state_dict(),
             "in_flight": None if flight is None else {
                 "fragment": flight.fragment,
@@ -667,85 +692,17 @@ class OuterSyncState(CommState):
 
     def restore(self, saved: SavedComms) -> None:
         """
-        This rank's own state and rank 0's `θ_global` when the checkpoint was written by as many ranks; from another
-        world size every rank restarts from rank 0's `θ_global`, momentum and schedule (a warning says what is dropped).
+        This rank's own state and `θ_global` of replica 0 (rank 0 under DDP) when the checkpoint was written by as many
+        ranks; see [`~grpo_hf.compression.sync_checkpoint.restore_sync_state`].
         """
-        if len(saved.comms) == 1:
-            self.load_state_dict(saved.comms[0], saved.comms[0] if saved.rank == 0 else saved.read_rank0())
-            return
-        self.load_state_dict(None, saved.comms[0])
-        saved.warn(
-            f"{saved.folder} was written by {len(saved.comms)} ranks syncing every H steps and is resumed by "
-            f"{saved.world_size}: every rank restarts from rank 0's global model, outer momentum and schedule; the "
-            "local steps since the last sync, the error-feedback residuals and the local optimizer states are dropped "
-            "(rank 0's optimizer state goes to every rank). Resume with the same world size to continue bit for bit."
-        )
+        restore_sync_state(self, saved)
 
     def load_state_dict(self, state_dict: dict | None, shared: dict | None = None) -> None:
         """
-        Restore [`state_dict`] at the next [`bind`] (at once when bound already). `state_dict` is this rank's saved
-        state, `shared` rank 0's (`θ_global`, momentum; defaults to `state_dict`). `state_dict=None` restarts every
-        rank from rank 0's `θ_global` with its momentum, step and schedule, without residuals or local steps (a
-        checkpoint of another world size; the owner residuals, cut per world size, go with the residuals).
+        Restore [`state_dict`] at the next [`bind`] (at once when bound already); `shared` holds `θ_global` and the
+        momentum (see [`~grpo_hf.compression.sync_checkpoint.load_sync_state`]).
         """
-        shared = state_dict if shared is None else shared
-        for saved in (state_dict, shared):
-            if saved is not None and saved.get("version") != STATE_VERSION:
-                raise ValueError(
-                    f"outer-sync state of version {saved.get('version')}, expected {STATE_VERSION}: written by another "
-                    "grpo_hf version; resume with that version or from a checkpoint written by this one."
-                )
-        names = {name for names in self.fragment_names for name in names}
-        if set(shared["global"]) != names:
-            other = sorted(set(shared["global"]) ^ names)
-            raise ValueError(
-                f"the checkpoint's global model and this run's trainable parameters differ (e.g. {other[0]}); resume "
-                "with the same model and adapters as the run that wrote it."
-            )
-        self.step = int(shared["step"])
-        count = len(self.fragment_names)
-        if state_dict is None:  # every rank restarts from θ_global: in sync
-            last_sync = [self.step] * count
-        elif len(state_dict["last_sync"]) == count:
-            last_sync = list(state_dict["last_sync"])
-        else:  # other fragments: each holds local steps since the oldest saved sync
-            last_sync = [min(state_dict["last_sync"])] * count
-        self.pending = {"own": state_dict, "shared": shared, "last_sync": last_sync}
-        source = state_dict if state_dict is not None else shared
-        self.hook_calls = int(source.get("hook_calls", 0))
-        self.traffic.load_state_dict(source.get("totals", {}))
-        self.stats = StepStats()
-        if self.fragments:
-            with torch.no_grad():
-                self._apply(self.pending)
-            self.pending = None
-
-    def _apply(self, pending: dict) -> None:
-        """A saved state into the bound fragments, the parameters and the optimizer."""
-        own, shared = pending["own"], pending["shared"]
-        same_fragments = own is not None and own["fragments"] == self.fragment_names
-        residuals = own.get("residuals", {}) if own is not None else {}
-        owner_residuals = own.get("owner_residuals", {}) if own is not None else {}
-        for fragment, last in zip(self.fragments, pending["last_sync"]):
-            fragment.load(shared["global"], shared["momentum"], residuals, owner_residuals)
-            fragment.last_sync, fragment.in_flight = last, None
-        saved = (own if own is not None else shared).get("in_flight")
-        if saved is not None and same_fragments:  # its outer step and merge at its due step, as in the saved run
-            fragment = self.fragments[int(saved["fragment"])]
-            flight = fragment.in_flight = InFlight(fragment.index, int(saved["started"]), int(saved["due"]))
-            flight.unsafe, flight.completed = bool(saved["unsafe"]), True
-            flight.deltas = fragment.rows_from(saved["delta"])
-        elif saved is not None and not saved["unsafe"]:  # another world size or other fragments: its outer step now
-            for fragment in self.fragments:
-                fragment.apply_outer_step_by_name(saved["delta"], self.outer_lr, self.outer_momentum)
-        if own is None:  # every rank restarts from θ_global
-            for fragment in self.fragments:
-                fragment.show_global()
-        else:  # this rank's local parameters (by name: the fragments may differ)
-            for name, p in self.params.items():
-                p.copy_(own["local"][name].view_as(p))
-        if own is not None and self.optimizer is not None and own.get("optimizer") is not None:
-            self.optimizer.load_state_dict(own["optimizer"])
+        load_sync_state(self, state_dict, shared)
 
     def __getstate__(self):
         """
@@ -754,14 +711,15 @@ class OuterSyncState(CommState):
         """
         if self.fragments:
             self._complete()
-        dropped = ("process_group", "exchange_group", "params", "fragments", "kernels", "optimizer", "swapped")
+        dropped = ("process_group", "exchange_group", "params", "fragments", "kernels", "optimizer", "swapped",
+                   "fsdp_units", "share")  # fmt: skip
         return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in dropped}
 
     def __setstate__(self, state):
         for slot, value in state.items():
             setattr(self, slot, value)
-        self.process_group = self.exchange_group = self.kernels = self.optimizer = self.swapped = None
-        self.params, self.fragments = {}, []
+        self.process_group = self.exchange_group = self.kernels = self.optimizer = self.swapped = self.share = None
+        self.params, self.fragments, self.fsdp_units = {}, [], []
 
     def __repr__(self) -> str:
         return (

@@ -51,7 +51,8 @@ class SavedComms:
         saved_world_size (`int`): the ranks that wrote the checkpoint.
         numels (`dict[str, int]`): the entries of every trainable parameter, by name.
         compression (`str`, *optional*): the run's `grpo_compression`, for the warnings.
-        read_rank0 (`Callable[[], dict | None]`): rank 0's saved transport state (the sync's global model).
+        read_rank (`Callable[[int], dict | None]`): a saved rank's transport state (the sync's global model: rank 0's,
+            or between replica groups replica 0's rank of this rank's shard).
         log (`logging.Logger`, *optional*): where rank 0 warns about what is dropped or moved (the checkpoints').
     """
 
@@ -63,7 +64,7 @@ class SavedComms:
     saved_world_size: int
     numels: dict
     compression: str | None
-    read_rank0: Callable
+    read_rank: Callable
     log: logging.Logger = logger
 
     @property
@@ -112,6 +113,12 @@ class CommState:
     def agree_mean(self, values: torch.Tensor) -> torch.Tensor:
         """The mean over the ranks of per-group `values` (as they are when every rank holds the same ones)."""
         return values
+
+    def share_at_sync(self, get: Callable, put: Callable) -> None:
+        """
+        Ask for state the ranks keep apart between syncs to be averaged at every sync: `put(mean of get())` over the
+        ranks that trained apart (replica groups, whose norms are their own). Nothing to do for the others.
+        """
 
     def end_step(self, finite: bool = True, last: bool = False) -> float:
         """
