@@ -283,31 +283,89 @@ class GroupedAdamW(torch.optim.Optimizer):
             self._adafactor_update(p, grad, state, layout, group, beta2_t)
             return
         # Adam's form: the first moment averages gradients; the step divides it by sqrt(v̂) + ε.
-        numerator = self._average(state, grad, beta1, p, lerp=True) if layout.first_bits else grad
         step_size = lr / (1 - beta1**step) if layout.first_bits else lr
         if layout.second == "full":  # torch's AdamW, operation for operation
+            numerator = self._average(state, grad, beta1, p, lerp=True) if layout.first_bits else grad
             v = state["exp_avg_sq"]
             v.mul_(beta2_t).addcmul_(grad, grad, value=1 - beta2_t)
             denominator = (v.sqrt() / math.sqrt(correction2)).add_(group["eps"])
             p.addcdiv_(numerator, denominator, value=-step_size)
             return
-        # One pass over the gradient per reduction (no squared copy), then the denominator of the blocks, which the
-        # update broadcasts: the passes over whole tensors are the reductions, the first moment's and the update.
-        matrix = _blocks(grad, layout)
-        scale = 1.0 / math.sqrt(correction2)
-        if layout.second == "factored":
-            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-            squares = matrix.square()  # a column reduction straight over `matrix` is strided: several times slower
-            row.mul_(beta2_t).add_(squares.mean(dim=1), alpha=1 - beta2_t)
-            col.mul_(beta2_t).add_(squares.mean(dim=0), alpha=1 - beta2_t)
+        if not p.is_contiguous():  # (a parameter is contiguous but for exotic storage: update a contiguous copy)
+            contiguous = p.contiguous()
+            self._blocked_update(contiguous, grad.contiguous(), state, layout, group, beta2_t, correction2, step_size)
+            p.copy_(contiguous)
+            return
+        self._blocked_update(p, grad.contiguous(), state, layout, group, beta2_t, correction2, step_size)
+
+    def _blocked_update(self, p, grad, state: dict, layout: StateLayout, group: dict, beta2_t, correction2, step_size):
+        """
+        Adam's form with a `head` / `row` / `tensor` / `factored` second moment, in chunks of whole stored rows: two
+        passes over the gradient (its squares' means, then the update), whose temporaries are one chunk each, so that
+        a large matrix (an embedding) allocates no tensor of its size at every step.
+        """
+        stored = p.view(p.shape[0], -1) if p.dim() else p.view(1, 1)  # [stored rows, entries per stored row]
+        gradient = grad.view(stored.shape)
+        rows, cols = stored.shape
+        units, per_unit = (rows, cols) if layout.axis == 0 else (cols, rows)  # output units, entries per unit
+        factored = layout.second == "factored"
+        chunks = _row_chunks(rows, cols)
+        # 1. The means of the squared gradient per output unit (and per input unit when factored).
+        unit_sums = torch.zeros(units, device=p.device)
+        other_sums = torch.zeros(per_unit, device=p.device) if factored else None
+        for start, stop in chunks:
+            squares = torch.mul(gradient[start:stop], gradient[start:stop])
+            if layout.axis == 0:
+                unit_sums[start:stop] = squares.sum(dim=1)
+                if factored:
+                    other_sums.add_(squares.sum(dim=0))
+            else:
+                unit_sums.add_(squares.sum(dim=0))
+                if factored:
+                    other_sums[start:stop] = squares.sum(dim=1)
             del squares
-            row_factor = (row / row.mean().clamp(min=ADAFACTOR_EPS)).sqrt_().mul_(scale)
-            denominator = torch.outer(row_factor, col.sqrt()).add_(group["eps"])
+        beta2 = 1.0 - beta2_t
+        scale = 1.0 / math.sqrt(correction2)
+        if factored:
+            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+            row.mul_(beta2_t).add_(unit_sums.div_(per_unit), alpha=beta2)
+            col.mul_(beta2_t).add_(other_sums.div_(units), alpha=beta2)
+            unit_factor = (row / row.mean().clamp(min=ADAFACTOR_EPS)).sqrt_().mul_(scale)
+            other_factor = col.sqrt()
         else:
             v = state["exp_avg_sq"]
-            v.mul_(beta2_t).add_(_mean_square(matrix, dim=1).view_as(v), alpha=1 - beta2_t)
-            denominator = v.sqrt().mul_(scale).add_(group["eps"]).view(-1, 1)
-        _blocks(p, layout).addcdiv_(_blocks(numerator, layout), denominator, value=-step_size)
+            unit_means = unit_sums.div_(per_unit)
+            if layout.second == "head":
+                block_means = unit_means.view(-1, layout.block).mean(dim=1)
+            elif layout.second == "tensor":
+                block_means = unit_means.mean().view(1)
+            else:
+                block_means = unit_means
+            v.mul_(beta2_t).add_(block_means.view_as(v), alpha=beta2)
+            unit_denominator = v.view(-1).sqrt().mul_(scale).add_(group["eps"])
+            if layout.second == "head":
+                unit_denominator = unit_denominator.repeat_interleave(layout.block)
+            elif layout.second == "tensor":
+                unit_denominator = unit_denominator.expand(units)
+        # 2. The update, chunk by chunk: the first moment's, the denominator's and the parameter's.
+        beta1 = group["betas"][0]
+        for start, stop in chunks:
+            chunk_grad = gradient[start:stop]
+            if layout.first_bits:
+                numerator = self._average_rows(state, chunk_grad, beta1, start * cols, stop * cols).view_as(chunk_grad)
+            else:
+                numerator = chunk_grad
+            if factored:
+                if layout.axis == 0:
+                    denominator = torch.outer(unit_factor[start:stop], other_factor)
+                else:
+                    denominator = torch.outer(other_factor[start:stop], unit_factor)
+                denominator.add_(group["eps"])
+            elif layout.axis == 0:
+                denominator = unit_denominator[start:stop].view(-1, 1)
+            else:
+                denominator = unit_denominator.view(1, -1)
+            stored[start:stop].addcdiv_(numerator, denominator, value=-step_size)
 
     def _adafactor_update(self, p, grad, state: dict, layout: StateLayout, group: dict, beta2_t: float) -> None:
         """Adafactor's form (transformers' `Adafactor`, operation for operation on matrices)."""
@@ -362,6 +420,42 @@ class GroupedAdamW(torch.optim.Optimizer):
         moment.copy_(values)
         return values
 
+    def _average_rows(self, state: dict, target: torch.Tensor, beta1: float, start: int, stop: int) -> torch.Tensor:
+        """
+        [`_average`] (Adam's form, as `torch.lerp`) on the entries `start:stop` of the flat first moment (`start` on a
+        block boundary); returns them, flat, in the parameter's dtype.
+        """
+        flat = target.reshape(-1)
+        if "exp_avg_codes" in state:
+            codes, scales = state["exp_avg_codes"], state["exp_avg_scales"]
+            end = min(padded_numel(stop), codes.numel())
+            if end != stop:  # the last block of the tensor, padded
+                flat = torch.nn.functional.pad(flat.float(), (0, end - stop))
+            first, last = start // FIRST_MOMENT_BLOCK, end // FIRST_MOMENT_BLOCK
+            moment, new_codes, new_scales = self._kernel(
+                codes[start:end].view(-1, FIRST_MOMENT_BLOCK), scales[first:last].view(-1, 1),
+                flat.float().view(-1, FIRST_MOMENT_BLOCK), beta1, True,
+            )  # fmt: skip
+            codes[start:end].copy_(new_codes.view(-1))
+            scales[first:last].copy_(new_scales.view(-1))
+            return moment.view(-1)[: stop - start].to(target.dtype)
+        moment = state["exp_avg"].view(-1)[start:stop]
+        if moment.dtype == target.dtype:
+            return moment.lerp_(flat, 1 - beta1)
+        values = moment.to(target.dtype).lerp_(flat, 1 - beta1)  # 16 bits
+        moment.copy_(values)
+        return values
+
+
+CHUNK_ENTRIES = 1 << 20  # entries per chunk of a blocked update: its temporaries are 4 MB, reused from the heap
+
+
+def _row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
+    """Whole stored rows in chunks of about `CHUNK_ENTRIES` entries, each starting on an 8-bit block's boundary."""
+    align = FIRST_MOMENT_BLOCK // math.gcd(cols, FIRST_MOMENT_BLOCK)
+    per_chunk = max(align, CHUNK_ENTRIES // max(cols, 1) // align * align)
+    return [(start, min(start + per_chunk, rows)) for start in range(0, rows, per_chunk)]
+
 
 def _blocks(tensor: torch.Tensor, layout: StateLayout) -> torch.Tensor:
     """
@@ -375,16 +469,6 @@ def _blocks(tensor: torch.Tensor, layout: StateLayout) -> torch.Tensor:
     if layout.second == "head":
         return matrix.view(matrix.shape[0] // layout.block, -1)
     return matrix
-
-
-def _mean_square(matrix: torch.Tensor, dim: int) -> torch.Tensor:
-    """
-    The mean of the squares of `matrix` along `dim`: in one pass without a squared copy where the reduction runs
-    along memory (a row of a row-major matrix), else through the squares (a strided reduction is several times slower).
-    """
-    if matrix.stride(dim) == 1:
-        return torch.linalg.vector_norm(matrix, dim=dim).square_().div_(matrix.shape[dim])
-    return matrix.square().mean(dim=dim)
 
 
 def _unblocks(blocks: torch.Tensor, shape: torch.Size, layout: StateLayout) -> torch.Tensor:
