@@ -300,23 +300,6 @@ def fsdp2() -> str:
     return f"{markdown(summary)}\n\n`{_command(result)}` ({result['date']})."
 
 
-def fsdp2_summary() -> str:
-    """The FSDP2 rows in brief (README): quality against uncompressed FSDP2, bytes and peak memory per rank."""
-    result = _read(RESULTS / "fsdp2" / "results.json")
-    lines = [
-        "| row | seeds | ppl / fsdp2: geomean (worst seed) | gradient bytes / rank / step (steady) | peak RSS / rank |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for row, e in result["summary"].items():
-        quality = f"{e['geomean']:.4f} ({e['worst']:.4f})" if "geomean" in e else "–"
-        lines.append(
-            f"| `{row}` | {len(e['seeds'])} | {quality} | {e['steady_grad_bytes_per_step'] / 1e3:,.0f} kB | "
-            f"{e['peak_rss_mb']:.0f} MB |"
-        )
-    lines += ["", f"`{_command(result)}` ({result['date']}; every column: [benchmarks](docs/benchmarks.md))."]
-    return "\n".join(lines)
-
-
 def sweep_summary(folder: Path) -> tuple[dict, dict]:
     """The best-against-best summary of a learning-rate sweep (`benchmarks/suite.py --lrs`) from its result files in
     `folder / <task>`, and its meta (commands, date, machine, the search seed, each task's nominal learning rate, the
@@ -463,7 +446,6 @@ RENDERERS = {
     "step-cost-memory": step_cost_memory,
     "link-choice": link_choice,
     "fsdp2": fsdp2,
-    "fsdp2-summary": fsdp2_summary,
 }
 
 
