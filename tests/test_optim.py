@@ -119,6 +119,16 @@ def test_every_layout_trains(layout):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("layout", ["row/8", "factored/8", "head:2/32", "tensor/32", "row^T/32"])
+def test_a_shard_that_holds_no_rows_steps_without_error(layout):
+    # Under FSDP2 a rank's shard of a parameter with fewer rows than ranks is empty: nothing to update, no error.
+    weight = torch.nn.Parameter(torch.zeros(0, 8))
+    optimizer = GroupedAdamW([{"params": [weight], "state_layouts": [layout]}], lr=0.1)
+    weight.grad = torch.zeros(0, 8)
+    optimizer.step()
+    assert optimizer.state[weight]["step"] == 1 and weight.shape == (0, 8)
+
+
 def test_bad_layouts_and_settings_are_refused():
     weight = torch.nn.Parameter(torch.randn(4, 4))
     with pytest.raises(ValueError, match="state layout 'diagonal/32'"):

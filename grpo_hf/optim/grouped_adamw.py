@@ -304,6 +304,8 @@ class GroupedAdamW(torch.optim.Optimizer):
         passes over the gradient (its squares' means, then the update), whose temporaries are one chunk each, so that
         a large matrix (an embedding) allocates no tensor of its size at every step.
         """
+        if not p.numel():  # an FSDP2 shard that holds no rows of this parameter
+            return
         stored = p.view(p.shape[0], -1) if p.dim() else p.view(1, 1)  # [stored rows, entries per stored row]
         gradient = grad.view(stored.shape)
         rows, cols = stored.shape
