@@ -285,7 +285,7 @@ class GroupedAdamW(torch.optim.Optimizer):
         # Adam's form: the first moment averages gradients; the step divides it by sqrt(v̂) + ε.
         step_size = lr / (1 - beta1**step) if layout.first_bits else lr
         if layout.second == "full":  # torch's AdamW, operation for operation
-            numerator = self._average(state, grad, beta1, p, lerp=True) if layout.first_bits else grad
+            numerator = self._average(state, grad, beta1, lerp=True) if layout.first_bits else grad
             v = state["exp_avg_sq"]
             v.mul_(beta2_t).addcmul_(grad, grad, value=1 - beta2_t)
             denominator = (v.sqrt() / math.sqrt(correction2)).add_(group["eps"])
@@ -354,7 +354,7 @@ class GroupedAdamW(torch.optim.Optimizer):
         for start, stop in chunks:
             chunk_grad = gradient[start:stop]
             if layout.first_bits:
-                numerator = self._average_rows(state, chunk_grad, beta1, start * cols, stop * cols).view_as(chunk_grad)
+                numerator = self._average(state, chunk_grad, beta1, lerp=True, start=start * cols)
             else:
                 numerator = chunk_grad
             if factored:
@@ -395,56 +395,38 @@ class GroupedAdamW(torch.optim.Optimizer):
             update.div_((update.norm(2) / (update.numel() ** 0.5) / clip).clamp_(min=1.0))
         update.mul_(group["lr"])
         if layout.first_bits:
-            update = self._average(state, update, group["betas"][0], p, lerp=False)
+            update = self._average(state, update, group["betas"][0], lerp=False)
         p.add_(-update)
 
-    def _average(self, state: dict, target: torch.Tensor, beta1: float, p: torch.Tensor, lerp: bool) -> torch.Tensor:
+    def _average(self, state: dict, target: torch.Tensor, beta1: float, lerp: bool, start: int = 0) -> torch.Tensor:
         """
-        The first moment `m ← β1 m + (1 − β1) target` in its storage (`lerp`: as torch's AdamW computes it); returns `m`
-        as a tensor of the parameter's shape and dtype.
-        """
-        if "exp_avg_codes" in state:  # 8 bits: one kernel decodes, averages and encodes again
-            codes, scales = state["exp_avg_codes"], state["exp_avg_scales"]
-            flat = target.reshape(-1).float()
-            if flat.numel() != codes.numel():
-                flat = torch.nn.functional.pad(flat, (0, codes.numel() - flat.numel()))
-            moment, new_codes, new_scales = self._kernel(
-                codes.view(-1, FIRST_MOMENT_BLOCK), scales.view(-1, 1), flat.view(-1, FIRST_MOMENT_BLOCK), beta1, lerp
-            )
-            codes.copy_(new_codes.view(-1))
-            scales.copy_(new_scales.view(-1))
-            return moment.view(-1)[: p.numel()].view(p.shape).to(p.dtype)
-        moment = state["exp_avg"]
-        if moment.dtype == p.dtype:
-            return moment.lerp_(target, 1 - beta1) if lerp else moment.mul_(beta1).add_(target, alpha=1 - beta1)
-        values = moment.to(p.dtype)  # 16 bits
-        values = values.lerp_(target, 1 - beta1) if lerp else values.mul_(beta1).add_(target, alpha=1 - beta1)
-        moment.copy_(values)
-        return values
-
-    def _average_rows(self, state: dict, target: torch.Tensor, beta1: float, start: int, stop: int) -> torch.Tensor:
-        """
-        [`_average`] (Adam's form, as `torch.lerp`) on the entries `start:stop` of the flat first moment (`start` on a
-        block boundary); returns them, flat, in the parameter's dtype.
+        The first moment `m ← β1 m + (1 − β1) target` in its storage (`lerp`: as torch's AdamW computes it), on the
+        entries `start : start + target.numel()` of the flattened moment (`start` on an 8-bit block's boundary; all of
+        it by default); returns them shaped as `target`, in its dtype.
         """
         flat = target.reshape(-1)
-        if "exp_avg_codes" in state:
+        stop = start + flat.numel()
+        if "exp_avg_codes" in state:  # 8 bits: one kernel decodes, averages and encodes again
             codes, scales = state["exp_avg_codes"], state["exp_avg_scales"]
             end = min(padded_numel(stop), codes.numel())
-            if end != stop:  # the last block of the tensor, padded
-                flat = torch.nn.functional.pad(flat.float(), (0, end - stop))
+            values = flat.float()
+            if end != stop:  # the tensor's last block, padded
+                values = torch.nn.functional.pad(values, (0, end - stop))
             first, last = start // FIRST_MOMENT_BLOCK, end // FIRST_MOMENT_BLOCK
             moment, new_codes, new_scales = self._kernel(
                 codes[start:end].view(-1, FIRST_MOMENT_BLOCK), scales[first:last].view(-1, 1),
-                flat.float().view(-1, FIRST_MOMENT_BLOCK), beta1, True,
+                values.view(-1, FIRST_MOMENT_BLOCK), beta1, lerp,
             )  # fmt: skip
             codes[start:end].copy_(new_codes.view(-1))
             scales[first:last].copy_(new_scales.view(-1))
-            return moment.view(-1)[: stop - start].to(target.dtype)
-        moment = state["exp_avg"].view(-1)[start:stop]
+            return moment.view(-1)[: stop - start].view_as(target).to(target.dtype)
+        moment = state["exp_avg"]
+        if moment.numel() != flat.numel():  # a chunk of rows (the moment is contiguous, as its parameter)
+            moment = moment.view(-1)[start:stop].view_as(target)
         if moment.dtype == target.dtype:
-            return moment.lerp_(flat, 1 - beta1)
-        values = moment.to(target.dtype).lerp_(flat, 1 - beta1)  # 16 bits
+            return moment.lerp_(target, 1 - beta1) if lerp else moment.mul_(beta1).add_(target, alpha=1 - beta1)
+        values = moment.to(target.dtype)  # 16 bits
+        values = values.lerp_(target, 1 - beta1) if lerp else values.mul_(beta1).add_(target, alpha=1 - beta1)
         moment.copy_(values)
         return values
 
