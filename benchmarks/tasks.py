@@ -286,7 +286,7 @@ def build_model(task: Task, info: dict, seed: int):
 
 def compute_accuracy(prediction) -> dict:
     """`compute_metrics` of the classification task: accuracy with the offline `evaluate` metric."""
-    from grpo_hf.harness.evaluation import load_metric
+    from grpo_hf.harness.compare import load_metric
 
     predictions = prediction.predictions.argmax(-1)
     return load_metric("accuracy").compute(predictions=predictions, references=prediction.label_ids)

@@ -213,8 +213,8 @@ def test_the_dry_run_folder_loads_back_with_the_same_eval_loss(pushed, tmp_path)
     from peft import AutoPeftModelForCausalLM
 
     from grpo_hf.harness.arguments import load_recipe
+    from grpo_hf.harness.compare import evaluate_perplexity
     from grpo_hf.harness.data import prepare
-    from grpo_hf.harness.evaluation import evaluate_perplexity
 
     folder = publish(pushed.out, REPO, dry_run=True, upload_dir=tmp_path / "upload")
     model = AutoPeftModelForCausalLM.from_pretrained(folder)

@@ -8,7 +8,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest
 
-from grpo_hf.harness.evaluation import AVAILABLE_METRICS, load_metric, metric_path
+from grpo_hf.harness.compare import AVAILABLE_METRICS, load_metric, metric_path
 
 
 @pytest.fixture(scope="module", autouse=True)

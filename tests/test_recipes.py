@@ -11,9 +11,13 @@ from transformers import TrainingArguments
 from grpo_hf import GRPOConfig
 from grpo_hf.errors import RecipeError
 from grpo_hf.harness.arguments import DataArguments, ModelArguments, builtin_recipe, load_recipe, parse_overrides
-from grpo_hf.harness.compare import compare, dense_allreduce_bytes_per_step, plain_training_arguments
+from grpo_hf.harness.compare import (
+    compare,
+    dense_allreduce_bytes_per_step,
+    evaluate_perplexity,
+    plain_training_arguments,
+)
 from grpo_hf.harness.data import build_datasets, build_tokenizer
-from grpo_hf.harness.evaluation import evaluate_perplexity
 from grpo_hf.harness.models import build_model
 from grpo_hf.harness.recipe_files import builtin_recipe_names
 from grpo_hf.harness.report import PLOT_FILES, write_report

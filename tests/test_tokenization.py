@@ -9,6 +9,7 @@ import torch
 
 from grpo_hf.errors import RecipeError
 from grpo_hf.harness.arguments import parse_recipe
+from grpo_hf.harness.compare import evaluate_accuracy, evaluate_perplexity
 from grpo_hf.harness.corpus import train_bpe_tokenizer
 from grpo_hf.harness.data import (
     CHATML_TEMPLATE,
@@ -22,7 +23,6 @@ from grpo_hf.harness.data import (
     tokenize_text,
     truncate,
 )
-from grpo_hf.harness.evaluation import evaluate_accuracy, evaluate_perplexity
 from grpo_hf.harness.models import build_model
 
 

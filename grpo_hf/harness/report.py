@@ -115,11 +115,11 @@ def _notes(results: dict[str, Any]) -> list[str]:
     distributed = (runs[0].get("world_size") or 1) > 1
     quality = (
         "- **Accuracy**: share of held-out rows whose argmax class is right, through the offline `evaluate` metric "
-        "`grpo_hf.harness.evaluation.load_metric('accuracy')`; eval loss is the mean cross-entropy."
+        "`grpo_hf.harness.compare.load_metric('accuracy')`; eval loss is the mean cross-entropy."
         if runs[0].get("accuracy_after") is not None
         else "- **Perplexity**: `exp(sum NLL / tokens)` over the held-out tokens that have a label (completion tokens "
         "only with completion-only loss), through the offline `evaluate` metric "
-        "`grpo_hf.harness.evaluation.load_metric('perplexity')`."
+        "`grpo_hf.harness.compare.load_metric('perplexity')`."
     )
     bytes_note = (
         "- **Bytes**: what one rank sent per optimizer step under DDP: "

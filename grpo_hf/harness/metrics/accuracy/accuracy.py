@@ -31,7 +31,7 @@ Args:
 Returns:
     accuracy (`float`): the fraction (or, with `normalize=False`, the number) of correct examples.
 Examples:
-    >>> from grpo_hf.harness.evaluation import load_metric
+    >>> from grpo_hf.harness.compare import load_metric
     >>> accuracy = load_metric("accuracy")
     >>> accuracy.compute(predictions=[0, 1, 2, 1], references=[0, 1, 1, 1])
     {'accuracy': 0.75}

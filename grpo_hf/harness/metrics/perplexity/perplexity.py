@@ -36,7 +36,7 @@ Returns:
     mean_nll (`float`): `sum(nll) / sum(tokens)`.
     num_tokens (`int`): `sum(tokens)`.
 Examples:
-    >>> from grpo_hf.harness.evaluation import load_metric
+    >>> from grpo_hf.harness.compare import load_metric
     >>> perplexity = load_metric("perplexity")
     >>> perplexity.compute(predictions=[2.0, 4.0], references=[1, 2])
     {'perplexity': 7.38905609893065, 'mean_nll': 2.0, 'num_tokens': 3}
