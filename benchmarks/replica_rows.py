@@ -125,21 +125,11 @@ def delay_hsdp_all_reduce(model, replicas: int, link) -> None:
             module.set_all_reduce_hook(hook)
 
 
-def reset_peak_rss() -> bool:
-    """
-    Reset this process's peak resident set size (Linux: `5` into `/proc/self/clear_refs`), so that the peak read after
-    training is training's own, not the model's loading nor an earlier row's in the same process. `False` elsewhere.
-    """
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def peak_rss_bytes() -> int | None:
-    """The peak resident set size since the last [`reset_peak_rss`] (`VmHWM`), or `None` where it cannot be read."""
+    """
+    The peak resident set size (`VmHWM`) since the last [`~grpo_hf.harness.compare.reset_peak_memory`], or `None`
+    where it cannot be read.
+    """
     try:
         with open("/proc/self/status") as handle:
             for line in handle:
@@ -162,7 +152,7 @@ def replica_markdown(records: dict, baseline: str) -> str:
     The replica-group rows of a suite run (`records`: task -> row -> list of result records at each row's best or only
     learning rate): bytes between replicas against fp32 and bf16 HSDP, perplexity against `baseline` (HSDP, best
     against best when the suite swept), and peak memory per rank during training (the largest rank, median over seeds;
-    [`reset_peak_rss`] at train start) against the DDP sync row of the same H (`rg2-sync32` against `sync32`).
+    `reset_peak_memory` at train start) against the DDP sync row of the same H (`rg2-sync32` against `sync32`).
     """
     import math
     import statistics
@@ -230,7 +220,6 @@ def replica_step_markdown(results: list[dict]) -> str:
 __all__ = [
     "ROW",
     "peak_rss_bytes",
-    "reset_peak_rss",
     "check_replica_run",
     "delay_hsdp_all_reduce",
     "replica_markdown",

@@ -39,7 +39,6 @@ from benchmarks.replica_rows import (  # noqa: E402
     replica_markdown,
     replica_row,
     replicate_bytes_per_step,
-    reset_peak_rss,
     shard_for_row,
 )
 from benchmarks.revision import commit  # noqa: E402
@@ -415,6 +414,7 @@ def run_row(
 
     from grpo_hf import GRPOConfig, GRPOTrainer
     from grpo_hf.compression.traffic import dense_allreduce_bytes
+    from grpo_hf.harness.compare import reset_peak_memory
 
     distributed = world_size > 1
     common = dict(
@@ -507,7 +507,7 @@ def run_row(
                              "optimizer_s": getattr(self, "_optimizer_s", None)})  # fmt: skip
 
     trainer.add_callback(StepRecorder())
-    reset_peak_rss()  # the peak of training itself (not the model's loading, nor an earlier row's in this process)
+    reset_peak_memory()  # the peak of training itself (not the model's loading, nor an earlier row's in this process)
     start = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - start
