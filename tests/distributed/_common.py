@@ -50,6 +50,15 @@ def same_on_all_ranks(tensor: torch.Tensor) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
+def random_tokens(n: int, seq_len: int, vocab: int = 128, seed: int = 1):
+    """`n` rows of `seq_len` random token ids below `vocab` (the same on every rank), labels equal to the inputs."""
+    from datasets import Dataset
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, seq_len), generator=gen).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
 def write_result(out_dir: str, results: dict) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = os.path.join(out_dir, f"rank{rank}.json")

@@ -36,8 +36,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _common import tensor_digest, worker_config, write_result
-from datasets import Dataset
+from _common import random_tokens, tensor_digest, worker_config, write_result
 from testing_utils import tiny_test_llama
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -54,12 +53,6 @@ from grpo_hf.optim.moments import local_tensor
 
 SEQ_LEN, VOCAB = 16, 129
 REPLICAS = 2  # set from the command line
-
-
-def random_tokens(n=512):
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 128, (n, SEQ_LEN), generator=gen).tolist()
-    return Dataset.from_dict({"input_ids": ids, "labels": ids})
 
 
 def make_args(out_dir, name, **overrides):
@@ -308,8 +301,10 @@ def describe(trainer, recorder: Recorder) -> dict:
 def train(out_dir, name, recorder=None, resume=None, collator=None, **overrides):
     recorder = recorder or Recorder()
     args = make_args(out_dir, name, **overrides)
-    trainer = GRPOTrainer(model=build_model(), args=args, train_dataset=random_tokens(), callbacks=[recorder],
-                          data_collator=collator)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=build_model(), args=args, train_dataset=random_tokens(512, SEQ_LEN), callbacks=[recorder],
+        data_collator=collator,
+    )  # fmt: skip
     recorder.state, recorder.trainer = trainer.grpo_comm_state, trainer
     trainer.train(resume_from_checkpoint=resume)
     return trainer, recorder
