@@ -503,8 +503,9 @@ def test_console_script_exits_2_with_one_line(tmp_path):
         timeout=120,
         cwd=Path(__file__).parent.parent,  # the grpo_hf of this checkout
     )
-    message = f"No recipe file {tmp_path / 'missing.yaml'}; see the recipes/ folder for examples."
-    assert result.returncode == 2 and result.stderr == f"grpo-hf train: error: {message}\n"
+    message = f"No recipe file {tmp_path / 'missing.yaml'} (from the current folder {Path(__file__).parent.parent})"
+    assert result.returncode == 2 and result.stderr.startswith(f"grpo-hf train: error: {message}")
+    assert result.stderr.endswith("(`grpo-hf recipes` describes them).\n") and result.stderr.count("\n") == 1
 
 
 def test_debug_raises_with_the_whole_traceback(tmp_path):

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 from testing_utils import tiny_llama_config
 
-from grpo_hf.cli.main import COMMANDS, TRAINING_DEBUG_OPTIONS, main
-from grpo_hf.cli.tools import load_model_for_inspection
+from grpo_hf.cli.main import COMMANDS, TRAINING_DEBUG_OPTIONS, main, parse_command_line
+from grpo_hf.cli.tools import GROUPS_FIELDS, GROUPS_WIDTH, load_model_for_inspection
+from grpo_hf.errors import RecipeNotFoundError
+from grpo_hf.harness.recipe_files import builtin_recipe_names
 
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -20,7 +22,7 @@ FAST = [
 
 
 def test_commands_are_registered():
-    assert list(COMMANDS) == ["quickstart", "compare", "train", "publish", "groups", "env"]
+    assert list(COMMANDS) == ["quickstart", "compare", "train", "publish", "groups", "recipes", "env"]
     for name, command in COMMANDS.items():
         module = importlib.import_module(command.module)
         assert callable(getattr(module, f"{name}_command")) and callable(getattr(module, f"{name}_command_parser"))
@@ -130,10 +132,10 @@ def test_commands_without_overrides_refuse_extra_arguments():
     "args, message",
     [
         (["--grpo_density", "1.5"], "grpo_density=1.5"),
-        (["--grpo_bits", "3"], "argument --grpo_bits: invalid choice: '3'"),
-        (["--grpo_bits", "abc"], "argument --grpo_bits: invalid choice: 'abc'"),
-        (["--grpo_density", "abc"], "argument --grpo_density: invalid float value: 'abc'"),
-        (["--grpo_compression", "zip"], "argument --grpo_compression: invalid choice: 'zip'"),
+        (["--grpo_bits", "3"], "argument --grpo_bits/--grpo-bits: invalid choice: '3'"),
+        (["--grpo_bits", "abc"], "argument --grpo_bits/--grpo-bits: invalid choice: 'abc'"),
+        (["--grpo_density", "abc"], "argument --grpo_density/--grpo-density: invalid float value: 'abc'"),
+        (["--grpo_compression", "zip"], "argument --grpo_compression/--grpo-compression: invalid choice: 'zip'"),
     ],
 )
 def test_groups_refuses_bad_settings_as_train_does(capsys, args, message):
@@ -189,3 +191,82 @@ def test_train_refuses_another_run_and_resumes_last(tmp_path, capsys, caplog):
     assert main([*command, "--overwrite_output_dir", "true"]) == 0
     assert "overwrite_output_dir: deleted" in capsys.readouterr().err
     assert not (out_dir / "checkpoint-99").exists() and (out_dir / "checkpoint-4").is_dir()
+
+
+# --- start anywhere: the built-in recipes by name, from a folder outside the checkout ---
+
+
+@pytest.mark.parametrize("spelling", ["sft_tiny", "sft_tiny.yaml", "recipes/sft_tiny.yaml", "./recipes/sft_tiny.yaml"])
+def test_a_builtin_recipe_by_name_from_any_folder(tmp_path, monkeypatch, spelling):
+    monkeypatch.chdir(tmp_path)  # no recipes/ folder here: the package's own recipes are found
+    args = parse_command_line(["compare", spelling, "--max_steps", "2"])  # reads the recipe and checks its data
+    assert args.recipe == spelling and args.recipe_name == "built-in recipe 'sft_tiny'"
+    assert args.model_args.model_name_or_path == "tiny-llama" and args.training_args.max_steps == 2
+    assert Path(args.data_args.dataset_name).is_file()  # the recipe's data, next to the built-in recipe
+
+
+def test_a_recipe_file_in_the_current_folder_wins_over_a_builtin_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "sft_tiny.yaml").write_text("model_name_or_path: tiny-gpt2\nmax_steps: 3\n")
+    args = parse_command_line(["train", "recipes/sft_tiny.yaml"])
+    assert args.recipe_name == "recipes/sft_tiny.yaml" and args.model_args.model_name_or_path == "tiny-gpt2"
+
+
+def test_an_unknown_recipe_lists_the_builtin_ones(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "sft_tinyy"]) == 2
+    err = capsys.readouterr().err
+    assert "No recipe file sft_tinyy" in err and "grpo-hf recipes" in err
+    assert all(name in err for name in builtin_recipe_names())
+    with pytest.raises(RecipeNotFoundError):
+        parse_command_line(["train", "elsewhere/sft_tiny.yaml"])  # a path that is not `recipes/`: no built-in lookup
+
+
+def test_recipes_lists_each_builtin_recipe_in_one_line(capsys):
+    assert main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= GROUPS_WIDTH for line in lines)
+    for name in builtin_recipe_names():
+        (line,) = [line for line in lines if line.split()[:1] == [name]]
+        assert len(line.split()) > 3  # the name, the model and a description
+    assert any("sft_tiny" in line and "tiny-llama" in line and "twin of sft_smollm2_lora" in line for line in lines)
+
+
+@pytest.mark.slow  # two tiny trainings in a fresh interpreter: ~10 s
+def test_a_builtin_recipe_runs_by_name_outside_the_checkout(tmp_path):
+    command = [sys.executable, "-m", "grpo_hf.cli", "compare", "sft_tiny", "--max_steps", "2", "--cost_noise_rounds",
+               "0", "--disable_tqdm", "true"]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "runs" / "sft-tiny" / "results.json").read_text())
+    assert [run["steps"] for run in results["runs"]] == [2, 2]
+
+
+# --- the smaller ones: --version, hyphens, the groups table, a fast --help ---
+
+
+def test_version(capsys):
+    import grpo_hf
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"grpo-hf {grpo_hf.__version__}"
+
+
+def test_the_groups_options_are_grpo_config_fields_with_its_defaults_and_choices():
+    from grpo_hf import GRPOConfig
+
+    fields = GRPOConfig.__dataclass_fields__
+    for name, (_, default, choices, _) in GROUPS_FIELDS.items():
+        assert fields[name].default == default, name
+        assert list(choices or []) == list(fields[name].metadata.get("choices") or []), name
+
+
+def test_groups_takes_hyphens_and_fits_100_columns_with_a_legend(capsys):
+    assert main(["groups", "tiny-gpt2", "--grpo-optimizer-state", "factored8", "--grpo-lr-preset", "llrd"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= GROUPS_WIDTH
+    words = " ".join(out.split())
+    assert " 8/32 " in out and "8/32: 8-bit codes" in words  # the column and its legend
+    assert "factored" in out and "x AdamW" in out and "rules (regular expressions" in out

@@ -206,6 +206,20 @@ def test_grpo_hf_help_and_bad_command_lines_import_nothing_heavy(tmp_path):
     assert not _modules_after(code) & set(HEAVY)
 
 
+def test_groups_help_version_and_recipes_import_nothing_heavy():
+    # `grpo-hf groups --help` took 4 s while it imported GRPOConfig (transformers) for its help texts.
+    code = (
+        "from grpo_hf.cli.main import main\n"
+        "for argv in (['groups', '--help'], ['publish', '--help'], ['recipes', '--help'], ['--version']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "assert main(['recipes']) == 0\n"
+    )
+    assert not _modules_after(code) & set(HEAVY)
+
+
 # --- the application: short functions, and a recipe's path through few files ---
 
 APPLICATION_FOLDERS = [PACKAGE / "cli", PACKAGE / "harness"]

@@ -3,7 +3,7 @@
 `grpo-hf --help`, a missing or unknown command, and the recipe commands' missing or malformed recipe files are
 answered before torch or transformers is imported: [`COMMANDS`] names each command's module, which is imported once
 the command is chosen. Each module holds `<name>_command_parser` / `<name>_command` pairs, as in accelerate's CLI:
-[`grpo_hf.cli.recipes`] (`quickstart`, `compare`, `train`) and [`grpo_hf.cli.tools`] (`publish`, `groups`, `env`).
+[`grpo_hf.cli.recipes`] (`quickstart`, `compare`, `train`) and [`grpo_hf.cli.tools`] (`publish`, `groups`, `recipes`, `env`).
 
 Every failure a user can cause ends in one `grpo-hf COMMAND: error: ...` line on stderr (no traceback) naming the file,
 field or value and what to do, with exit status 2: bad input ([`~grpo_hf.errors.GRPOInputError`]: a recipe, a field, a
@@ -18,10 +18,12 @@ traceback of every error.
 ```bash
 grpo-hf quickstart                       # SmolLM2-135M + LoRA, Trainer vs GRPOTrainer, offline, a few minutes on CPU
 grpo-hf compare recipes/tiny.yaml --max_steps 50
+grpo-hf compare sft_tiny                 # a built-in recipe by name, from any folder (`grpo-hf recipes` lists them)
 grpo-hf train recipes/quickstart.yaml --trainer grpo --learning_rate 1e-3
 grpo-hf publish runs/quickstart --repo_id me/smollm2-grpo-lora --dry_run   # the folder that would be uploaded
 grpo-hf groups tiny-llama --lora
 grpo-hf env
+grpo-hf --version
 ```
 """
 
@@ -32,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
+
+import grpo_hf
 
 from ..errors import GRPOError, GRPOInputError, HubError
 
@@ -68,6 +72,7 @@ COMMANDS = {
     "groups": Command(
         "grpo_hf.cli.tools", "Show how a model's trainable parameters are grouped, to check group rules."
     ),
+    "recipes": Command("grpo_hf.cli.tools", "List the built-in recipes, which run by name from any folder."),
     "env": Command("grpo_hf.cli.tools", "Print versions and hardware for bug reports."),
 }
 DEBUG_HELP = (
@@ -105,6 +110,7 @@ def main_parser() -> argparse.ArgumentParser:
         "grpo-hf", description="Grouped parameter resource optimization for the HF Trainer.", allow_abbrev=False
     )
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    parser.add_argument("--version", action="version", version=f"grpo-hf {grpo_hf.__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         subparsers.add_parser(name, help=command.help, add_help=False)

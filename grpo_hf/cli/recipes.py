@@ -14,6 +14,7 @@ before any model is loaded or any file written, with one `grpo-hf COMMAND: error
 grpo-hf quickstart                       # SmolLM2-135M + LoRA, Trainer vs GRPOTrainer, offline, a few minutes on CPU
 grpo-hf quickstart --tiny                # the same pipeline on a tiny Llama, in seconds
 grpo-hf compare recipes/tiny.yaml --max_steps 50
+grpo-hf compare sft_tiny                 # a built-in recipe by name, from any folder
 grpo-hf train recipes/quickstart.yaml --trainer grpo --learning_rate 1e-3
 ```
 """
@@ -25,9 +26,19 @@ import time
 from collections.abc import Callable
 
 from ..errors import RecipeError
-from ..harness.recipe_files import COMMAND_LINE, builtin_recipe_values, read_recipe, recipe_context
+from ..harness.recipe_files import (
+    COMMAND_LINE,
+    builtin_recipe_name,
+    builtin_recipe_values,
+    read_recipe,
+    recipe_context,
+)
 
 
+RECIPE_HELP = (
+    "Recipe YAML file, right after the command: a path, or the name of a built-in recipe (`grpo-hf recipes` lists "
+    "them; a file at that path wins)."
+)
 _FIELDS_HELP = (
     "Every field listed below can follow as --field value (None or null for None); the recipe's values are the "
     "defaults shown, the command line wins over them."
@@ -189,7 +200,7 @@ def compare_command_parser():
         "grpo_hf.GRPOTrainer on identical data, seed and steps, prints the side-by-side table and writes "
         "results.json, report.md and plots into the recipe's output_dir. " + _FIELDS_HELP,
     )
-    parser.add_argument("recipe", help="Recipe YAML file (see recipes/), right after the command.")
+    parser.add_argument("recipe", help=RECIPE_HELP)
     parser.set_defaults(func=compare_command)
     return parser
 
@@ -206,7 +217,7 @@ def train_command_parser():
         "perplexity before/after and cost, and saves the model (the adapter with LoRA), results.json and report.md "
         "into the recipe's output_dir. " + _FIELDS_HELP,
     )
-    parser.add_argument("recipe", help="Recipe YAML file (see recipes/), right after the command.")
+    parser.add_argument("recipe", help=RECIPE_HELP)
     parser.add_argument(
         "--trainer", choices=("grpo", "trainer"), default="grpo", help="GRPOTrainer (default) or the plain Trainer."
     )
@@ -277,14 +288,17 @@ def _recipe_named_by(command: str, tail: list[str]) -> tuple[dict | None, str, s
     """
     The recipe a recipe command's line names, read before the line is parsed (its values become the parser's
     defaults): `(values, name, path)`, `name` what the errors of its values call it. `quickstart` reads a built-in
-    recipe; `compare` and `train` the file given right after the command (none given: no defaults, argparse then
-    reports the missing RECIPE or prints --help).
+    recipe; `compare` and `train` the recipe given right after the command: a file there, else a built-in recipe of
+    that name ([`~grpo_hf.harness.recipe_files.find_recipe`]); none given: no defaults, argparse then reports the
+    missing RECIPE or prints --help.
     """
     if command == "quickstart":
         name = "tiny" if "--tiny" in tail else "quickstart"
         return builtin_recipe_values(name), f"built-in recipe {name!r}", None
     if tail and not tail[0].startswith("-"):
-        return read_recipe(tail[0]), tail[0], tail[0]
+        builtin = None if os.path.exists(os.path.expanduser(tail[0])) else builtin_recipe_name(tail[0])
+        name = tail[0] if builtin is None else f"built-in recipe {builtin!r}"
+        return read_recipe(tail[0]), name, tail[0]
     return {}, COMMAND_LINE, None
 
 

@@ -1,14 +1,16 @@
-"""The `grpo-hf` commands without a recipe: `groups`, `publish`, `env` (the recipe commands are in
+"""The `grpo-hf` commands without a recipe: `groups`, `publish`, `recipes`, `env` (the recipe commands are in
 [`grpo_hf.cli.recipes`]). Each is a `<name>_command_parser` / `<name>_command` pair, as in accelerate's CLI.
 
 ```bash
 grpo-hf groups tiny-llama --lora         # how a model's trainable parameters are grouped, to check group rules
 grpo-hf publish runs/quickstart --repo_id me/smollm2-grpo-lora --dry_run
+grpo-hf recipes                          # the built-in recipes, which run by name from any folder
 grpo-hf env
 ```
 
 `groups` checks its `GRPOConfig` fields and the group file as `grpo-hf train` does (same functions), before any
-model is loaded; [`groups_rich_table`] is the table it prints, usable in a notebook.
+model is loaded; [`groups_rich_table`] is the table it prints, usable in a notebook. Their options are also spelled
+with hyphens (`--dry-run`, `--grpo-groups`), as those of the recipe commands are.
 """
 
 import argparse
@@ -17,48 +19,71 @@ import os
 import platform
 import sys
 
+from ..choices import BITS_CHOICES, COMPRESSION_CHOICES, DEFAULT_BITS, DEFAULT_DENSITY
 from ..errors import ConfigError, MissingPathError
+
+
+def add_option(parser: argparse.ArgumentParser, name: str, **kwargs) -> argparse.Action:
+    """
+    `parser.add_argument("--name", **kwargs)`, also spelled with hyphens (`--dry_run` and `--dry-run`), as the
+    recipe commands take every field (transformers' `HfArgumentParser` adds both spellings).
+    """
+    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    return parser.add_argument(*spellings, **kwargs)
+
+
+# The GRPOConfig fields `grpo-hf groups` takes: `(type, default, choices, help)`. The defaults and choices are
+# GRPOConfig's (tests/test_cli.py holds them equal), written here so that `grpo-hf groups --help` answers without
+# importing transformers (3-4 s); the values are checked as `train` checks them, by GRPOConfig's own checks.
+GROUPS_FIELDS = {
+    "grpo_groups": (str, "semantic", None, "Group preset ('semantic', 'semantic+shape') or a JSON/YAML group file."),
+    "grpo_lr_ratios": (str, None, None, "Fixed LR factors by group-name pattern, as JSON, e.g. '{\"*lora_B\": 4}'."),
+    "grpo_lr_preset": (
+        str,
+        "none",
+        ("none", "lora-b", "llrd", "embeddings", "fan-in", "auto"),
+        "Fixed per-group LR ratios made from the groups.",
+    ),
+    "grpo_compression": (
+        str,
+        "auto",
+        COMPRESSION_CHOICES,
+        "Gradient compression; the table shows what a multi-process DDP run would send ('auto': quantize).",
+    ),
+    "grpo_density": (float, DEFAULT_DENSITY, None, "Top-k kept fraction per group when compression is sparse."),
+    "grpo_bits": (str, DEFAULT_BITS, BITS_CHOICES, "Bits per sent value."),
+    "grpo_min_compress_numel": (int, 4096, None, "Tensors with fewer entries are always sent dense (fp32)."),
+    "grpo_optimizer_state": (
+        str,
+        "full",
+        ("full", "mini", "mini8", "factored8"),
+        "What the optimizer keeps per group ('full': AdamW's state; docs/memory.md).",
+    ),
+    "grpo_min_state_numel": (int, 4096, None, "Tensors with fewer entries keep a full fp32 optimizer state."),
+}
 
 
 def groups_command_parser():
     parser = argparse.ArgumentParser(
-        "grpo-hf groups", description="Show how a model's trainable parameters are grouped, to check group rules."
+        "grpo-hf groups",
+        description="Show how a model's trainable parameters are grouped, to check group rules. The --grpo_* options "
+        "are the GRPOConfig fields of the same names, with its defaults and checks (every field's full help: "
+        "docs/settings.md, or `grpo-hf train RECIPE --help`).",
     )
     parser.add_argument(
         "model",
         help="A model name or path (loaded with AutoModel*), a model config .json, or one of the built-in "
         "'tiny-llama', 'tiny-gpt2', 'tiny-bert', 'tiny-t5', 'smollm2-135m'.",
     )
-    from ..config import GRPOConfig  # the defaults and help texts of the same fields, so they cannot drift apart
-
-    fields = GRPOConfig.__dataclass_fields__
-    for name, kind in GROUPS_FIELDS.items():
-        field = fields[name]
-        parser.add_argument(
-            f"--{name}",
-            type=kind,
-            default=field.default,
-            choices=field.metadata.get("choices"),
-            help=field.metadata["help"],
-        )
+    for name, (kind, default, choices, help_text) in GROUPS_FIELDS.items():
+        shown = "" if default is None else f" (default: {default})"
+        add_option(parser, name, type=kind, default=default, choices=choices, help=help_text + shown)
     parser.add_argument("--lora", action="store_true", help="Wrap the model with a LoRA adapter (r=8, all-linear).")
     parser.add_argument("--strict", action="store_true", help="Fail when a rule matches no trainable parameter.")
     parser.set_defaults(func=groups_command)
     return parser
 
 
-# The GRPOConfig fields `grpo-hf groups` takes, with their types; they are checked as `train` checks them.
-GROUPS_FIELDS = {
-    "grpo_groups": str,
-    "grpo_lr_ratios": str,
-    "grpo_lr_preset": str,
-    "grpo_compression": str,
-    "grpo_density": float,
-    "grpo_bits": str,
-    "grpo_min_compress_numel": int,
-    "grpo_optimizer_state": str,
-    "grpo_min_state_numel": int,
-}
 TINY_BUILDERS = ("tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-t5")
 
 
@@ -131,6 +156,10 @@ def _load_any_model(name: str):
     return load_model_for_inspection(name)
 
 
+# The width `grpo-hf groups` prints its table in (a terminal's usual 100 columns; wider rules fold onto more lines).
+GROUPS_WIDTH = 100
+
+
 def groups_rich_table(
     groups,
     plan,
@@ -138,12 +167,15 @@ def groups_rich_table(
     ratios: dict | None = None,
     defaults: dict | None = None,
     layouts: dict | None = None,
+    rules: bool = True,
 ):
     """
     The table `grpo-hf groups` prints, as a [`rich.table.Table`] (it renders in a terminal and in Jupyter): one row per
-    group with its rule, tensors, parameters, share, LR ratio (`ratios` over a preset's `defaults`), what
-    compression would send, and, given the optimizer's state layouts, how its state is kept and its bytes against
-    AdamW's.
+    group with its tensors, parameters, share, LR ratio (`ratios` over a preset's `defaults`), what compression would
+    send (the density column only when some group is sparsified), given the optimizer's state layouts how its state
+    is kept and its bytes against AdamW's, and last its rule (with `rules`; `grpo-hf groups` lists the rules under
+    the table instead, [`groups_rules`], so that the table fits [`GROUPS_WIDTH`] columns). [`groups_legend`]
+    explains the columns.
 
     Example:
 
@@ -152,42 +184,80 @@ def groups_rich_table(
     >>> print(groups_rich_table(trainer.grpo_groups, trainer.grpo_plan, ratios=trainer.args.grpo_lr_ratios))
     ```
     """
+    from rich import box
     from rich.markup import escape
     from rich.table import Table
 
     from ..grouping import group_table
 
     rows = group_table(groups, plan, ratios, defaults, layouts)
-    table = Table(title=title)
-    numeric = ("tensors", "parameters", "share", "lr ratio", "state MB", "x AdamW")
-    columns = ["group", "rule", "tensors", "parameters", "share", "lr ratio", "density", "bits"]
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
+    columns = ["group", "tensors", "parameters", "share", "lr ratio"]
+    columns += ["density"] if any(row["density"] != "1" for row in rows) else []
+    columns += ["bits"]
     if layouts is not None:
-        columns += ["state", "state MB", "x AdamW"]
+        columns += ["state"] if any(not row["state"].startswith("full/32 x") for row in rows) else []
+        columns += ["state MB", "x AdamW"]
+    columns += ["rule"] if rules else []
     for column in columns:
-        table.add_column(column, justify="right" if column in numeric else "left")
+        numeric = column not in ("group", "density", "bits", "state", "rule")
+        wraps = column in ("rule", "state")
+        table.add_column(column, justify="right" if numeric else "left", no_wrap=not wraps, overflow="fold")
     for row in rows:
-        cells = [
-            row["group"],
-            escape(row["rule"]),  # a rule such as `Attention\.[qk]` is not rich markup
-            str(row["tensors"]),
-            f"{row['parameters']:,}",
-            f"{row['share']:.1%}",
-            f"{row['lr_ratio']:g}",
-            row["density"],
-            row["bits"],
-        ]
+        cells = {
+            "group": row["group"],
+            "tensors": str(row["tensors"]),
+            "parameters": f"{row['parameters']:,}",
+            "share": f"{row['share']:.1%}",
+            "lr ratio": f"{row['lr_ratio']:g}",
+            "density": row["density"],
+            "bits": row["bits"],
+            "rule": escape(row["rule"]),  # a rule such as `Attention\\.[qk]` is not rich markup
+        }
         if layouts is not None:
-            cells += [
-                row["state"],
-                f"{row['state_bytes'] / 1e6:,.2f}",
-                f"{row['state_bytes'] / row['adamw_state_bytes']:.3f}",
-            ]
-        table.add_row(*cells)
+            cells["state"] = row["state"]
+            cells["state MB"] = f"{row['state_bytes'] / 1e6:,.2f}"
+            cells["x AdamW"] = f"{row['state_bytes'] / row['adamw_state_bytes']:.3f}"
+        table.add_row(*(cells[column] for column in columns))
+    total = {"group": "total", "parameters": f"{sum(r['parameters'] for r in rows):,}"}
     if layouts is not None:
         state, adamw = sum(r["state_bytes"] for r in rows), sum(r["adamw_state_bytes"] for r in rows)
-        table.add_row("total", "", "", f"{sum(r['parameters'] for r in rows):,}", "", "", "", "", "",
-                      f"{state / 1e6:,.2f}", f"{state / adamw:.3f}")  # fmt: skip
+        total.update({"state MB": f"{state / 1e6:,.2f}", "x AdamW": f"{state / adamw:.3f}"})
+    table.add_row(*(total.get(column, "") for column in columns))
     return table
+
+
+def groups_rules(groups, width: int = GROUPS_WIDTH) -> str:
+    """
+    The rules of the groups (regular expressions on parameter names), one `groups: rule` entry per rule (the groups a
+    preset split from one rule share it), wrapped to `width` columns.
+    """
+    import textwrap
+
+    by_rule: dict[str, list[str]] = {}
+    for group in groups:
+        by_rule.setdefault(group.rule.pattern, []).append(group.name)
+    return "\n".join(
+        textwrap.fill(f"{', '.join(names)}: {rule}", width, initial_indent="  ", subsequent_indent="    ")
+        for rule, names in by_rule.items()
+    )
+
+
+def groups_legend(min_compress_numel: int, min_state_numel: int | None = None) -> str:
+    """The lines under the table of `grpo-hf groups` that explain its columns (`8/32` bits, `factored8/8 x4`)."""
+    lines = [
+        "bits: the bits per value each group's gradients would be sent with under multi-process DDP; 8/32: 8-bit "
+        f"codes for its tensors of {min_compress_numel:,} entries or more, fp32 for smaller ones (norms, biases: "
+        "grpo_min_compress_numel). density: the fraction of entries sent (1: all).",
+    ]
+    if min_state_numel is not None:
+        lines.append(
+            "state: how the optimizer keeps the group's tensors, `kind/bits xN` for N of them (shown when some group "
+            "keeps less than AdamW's two fp32 moments, full/32; tensors under "
+            f"{min_state_numel:,} entries keep full/32: grpo_min_state_numel); state MB: its bytes before any "
+            "training; x AdamW: against AdamW's 8 per parameter."
+        )
+    return "\n".join(lines)
 
 
 def groups_command(args) -> int:
@@ -218,8 +288,12 @@ def groups_command(args) -> int:
     layouts = resolve_layouts(model, groups, args.grpo_optimizer_state, args.grpo_min_state_numel)
     title = f"GRPO groups of {args.model} ({spec.source}" + (f", preset {preset.name})" if preset.ratios else ")")
     title += f"; optimizer state {args.grpo_optimizer_state!r}, bytes before any training"
-    table = groups_rich_table(groups, plan, title, checked.grpo_lr_ratios, preset.ratios, layouts)
-    Console(width=200).print(table)
+    table = groups_rich_table(groups, plan, title, checked.grpo_lr_ratios, preset.ratios, layouts, rules=False)
+    console = Console(width=GROUPS_WIDTH, highlight=False)
+    console.print(table)
+    console.print("rules (regular expressions on parameter names):", markup=False)
+    console.print(groups_rules(groups), markup=False, soft_wrap=True)
+    console.print(groups_legend(args.grpo_min_compress_numel, args.grpo_min_state_numel), markup=False)
     return 0
 
 
@@ -239,19 +313,19 @@ def publish_command_parser():
     parser.add_argument(
         "output_dir", help="A folder holding a saved model or adapter (the output_dir of a recipe, or of save_model)."
     )
-    parser.add_argument("--repo_id", required=True, help="The Hub repository, USER/NAME or ORGANIZATION/NAME.")
+    add_option(parser, "repo_id", required=True, help="The Hub repository, USER/NAME or ORGANIZATION/NAME.")
     parser.add_argument("--private", action="store_true", help="Create the repository private.")
-    parser.add_argument(
-        "--dry_run",
+    add_option(
+        parser,
+        "dry_run",
         action="store_true",
         help="Write the exact folder that would be uploaded, print where it is, and upload nothing.",
     )
     parser.add_argument("--run", choices=("grpo", "trainer"), help="The run of a comparison (default: grpo).")
-    parser.add_argument(
-        "--upload_dir", help="Where to write the upload folder (default: OUTPUT_DIR/hub_upload/<run>)."
-    )
-    parser.add_argument(
-        "--base_model",
+    add_option(parser, "upload_dir", help="Where to write the upload folder (default: OUTPUT_DIR/hub_upload/<run>).")
+    add_option(
+        parser,
+        "base_model",
         help="Hub id of the base model, when grpo_hf cannot tell it (a base loaded from a local folder).",
     )
     parser.set_defaults(func=publish_command)
@@ -272,7 +346,49 @@ def publish_command(args) -> int:
     )
     print(describe_upload(folder, args.repo_id, dry_run=args.dry_run))
     if args.dry_run:
-        print(f"Dry run: nothing was uploaded. To upload: grpo-hf publish {args.output_dir} --repo_id {args.repo_id}")
+        print(f"Dry run: nothing was uploaded. To upload: {upload_command(args)}")
+    return 0
+
+
+def upload_command(args) -> str:
+    """The `grpo-hf publish` line that uploads what a dry run with `args` wrote: the same options, less `--dry_run`."""
+    import shlex
+
+    words = ["grpo-hf", "publish", args.output_dir, "--repo_id", args.repo_id]
+    words += ["--private"] if args.private else []
+    for option in ("run", "upload_dir", "base_model"):
+        if getattr(args, option) is not None:
+            words += [f"--{option}", str(getattr(args, option))]
+    return shlex.join(words)
+
+
+def recipes_command_parser():
+    parser = argparse.ArgumentParser(
+        "grpo-hf recipes",
+        description="List the built-in recipes, shipped inside the package (grpo_hf/recipes/): each runs by its name "
+        "from any folder (grpo-hf compare NAME, grpo-hf train NAME); a recipe file in the current folder wins over a "
+        "built-in one of the same name.",
+    )
+    parser.set_defaults(func=recipes_command)
+    return parser
+
+
+def recipes_command(args) -> int:
+    import shutil
+    import textwrap
+
+    from ..harness.recipe_files import builtin_recipe_descriptions, builtin_recipe_values, builtin_recipes_folder
+
+    descriptions = builtin_recipe_descriptions()
+    models = {name: str(builtin_recipe_values(name).get("model_name_or_path", "")) for name in descriptions}
+    name_width, model_width = max(map(len, descriptions)), max(map(len, models.values()))
+    width = min(shutil.get_terminal_size((GROUPS_WIDTH, 24)).columns, GROUPS_WIDTH)
+    room = max(width - name_width - model_width - 6, 20)
+    print(f"Built-in recipes ({builtin_recipes_folder()}):")
+    for name, description in descriptions.items():
+        short = textwrap.shorten(description, room, placeholder=" ...")
+        print(f"  {name:<{name_width}}  {models[name]:<{model_width}}  {short}")
+    print("Run one from any folder: grpo-hf compare NAME, or grpo-hf train NAME (--help lists its fields).")
     return 0
 
 
@@ -321,13 +437,20 @@ def env_command(args) -> int:
 
 __all__ = [
     "GROUPS_FIELDS",
+    "GROUPS_WIDTH",
+    "add_option",
     "TINY_BUILDERS",
     "env_command",
     "env_command_parser",
     "groups_command",
     "groups_command_parser",
+    "groups_legend",
     "groups_rich_table",
+    "groups_rules",
     "load_model_for_inspection",
     "publish_command",
     "publish_command_parser",
+    "recipes_command",
+    "recipes_command_parser",
+    "upload_command",
 ]

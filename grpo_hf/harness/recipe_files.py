@@ -54,21 +54,55 @@ from ..errors import RecipeError, RecipeNotFoundError
 # --------------------------------------------------------------------------------------------------------------
 
 
-def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
+def find_recipe(value: str | os.PathLike) -> Path:
     """
-    The mapping a recipe YAML file holds (not yet checked: see [`RecipeParser.set_recipe_defaults`]).
+    The recipe file `value` names, looked up as a user expects from any folder:
+
+    1. a file or folder that exists at `value` (relative to the current folder) wins;
+    2. else a built-in recipe of that name, with or without `.yaml` and a `recipes/` prefix: `sft_tiny`,
+       `sft_tiny.yaml` and `recipes/sft_tiny.yaml` all name `grpo_hf/recipes/sft_tiny.yaml`, so that the commands the
+       docs print run outside the repository too.
 
     Raises:
-        [`RecipeNotFoundError`] (a `FileNotFoundError` too): no such file. [`RecipeError`]: a folder, or not
-            valid YAML (or not UTF-8 text).
+        [`RecipeNotFoundError`] (a `FileNotFoundError` too): neither, naming the built-in recipes. [`RecipeError`]:
+            `value` is a folder.
+    """
+    path = Path(os.path.expanduser(os.fspath(value)))
+    if path.is_dir():
+        raise RecipeError(f"{path} is a folder, not a recipe file: give the path of a recipe YAML file in it.")
+    if path.is_file():
+        return path
+    name = builtin_recipe_name(os.fspath(value))
+    if name is not None:
+        return Path(str(builtin_recipes_folder().joinpath(f"{name}.yaml")))
+    raise RecipeNotFoundError(
+        f"No recipe file {os.fspath(value)} (from the current folder {os.getcwd()}), and no built-in recipe of that "
+        f"name. Give the path of a recipe YAML file, or the name of a built-in one: {', '.join(builtin_recipe_names())} "
+        "(`grpo-hf recipes` describes them)."
+    )
+
+
+def builtin_recipe_name(value: str) -> str | None:
+    """
+    The built-in recipe `value` names (`"sft_tiny"`, `"sft_tiny.yaml"`, `"recipes/sft_tiny.yaml"` give
+    `"sft_tiny"`), or `None`.
+    """
+    name = value.removeprefix("./").removeprefix("recipes/").removesuffix(".yaml")
+    return name if name in builtin_recipe_names() else None
+
+
+def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
+    """
+    The mapping a recipe YAML file holds (not yet checked: see [`RecipeParser.set_recipe_defaults`]). `path` is
+    found by [`find_recipe`]: a file at that path, else a built-in recipe of that name.
+
+    Raises:
+        [`RecipeNotFoundError`] (a `FileNotFoundError` too): no such file, and no such built-in recipe.
+            [`RecipeError`]: a folder, or not valid YAML (or not UTF-8 text).
     """
     import yaml
 
-    path = Path(path)
-    if path.is_dir():
-        raise RecipeError(f"{path} is a folder, not a recipe file: give the path of a recipe YAML file in it.")
-    if not path.is_file():
-        raise RecipeNotFoundError(f"No recipe file {path}; see the recipes/ folder for examples.")
+    path = find_recipe(path)
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
@@ -104,13 +138,34 @@ def resolve_recipe_path(value: str, recipe_dir: str | os.PathLike | None) -> str
     return str(candidate) if candidate.exists() else value
 
 
-def _recipes_folder():
+def builtin_recipes_folder():
+    """The folder of the built-in recipes inside the installed package (`grpo_hf/recipes/`)."""
     return resources.files("grpo_hf").joinpath("recipes")
 
 
 def builtin_recipe_names() -> list[str]:
     """Names of the recipes shipped in `grpo_hf/recipes/` (`["classify_minilm_lora", ..., "tiny"]`)."""
-    return sorted(p.name.removesuffix(".yaml") for p in _recipes_folder().iterdir() if p.name.endswith(".yaml"))
+    return sorted(p.name.removesuffix(".yaml") for p in builtin_recipes_folder().iterdir() if p.name.endswith(".yaml"))
+
+
+def builtin_recipe_descriptions() -> dict[str, str]:
+    """
+    `{name: description}` of the built-in recipes: the first sentence of the comment block each recipe file starts
+    with (what `grpo-hf recipes` prints).
+    """
+    descriptions = {}
+    for name in builtin_recipe_names():
+        lines = builtin_recipes_folder().joinpath(f"{name}.yaml").read_text(encoding="utf-8").splitlines()
+        paragraph = []
+        for line in lines:
+            text = line.removeprefix("#").strip()
+            if not line.startswith("#") or not text:
+                break
+            paragraph.append(text)
+        first = " ".join(paragraph)
+        end = re.search(r"\.(\s|$)", first)
+        descriptions[name] = first[: end.start() + 1] if end else first
+    return descriptions
 
 
 def builtin_recipe_values(name: str) -> dict[str, Any]:
@@ -119,8 +174,8 @@ def builtin_recipe_values(name: str) -> dict[str, Any]:
 
     if name not in builtin_recipe_names():
         raise RecipeError(f"unknown built-in recipe {name!r}; use one of {builtin_recipe_names()}.")
-    values = yaml.safe_load(_recipes_folder().joinpath(f"{name}.yaml").read_text(encoding="utf-8"))
-    return resolve_recipe_paths(values, str(_recipes_folder()))
+    values = yaml.safe_load(builtin_recipes_folder().joinpath(f"{name}.yaml").read_text(encoding="utf-8"))
+    return resolve_recipe_paths(values, str(builtin_recipes_folder()))
 
 
 # The name of the command line's own values in the errors about them (`command line: max_steps=None: ...`).
@@ -615,11 +670,15 @@ __all__ = [
     "COMMAND_LINE",
     "DATA_EXTENSIONS",
     "SPLIT_SEED",
+    "builtin_recipe_descriptions",
+    "builtin_recipe_name",
     "builtin_recipe_names",
     "builtin_recipe_values",
+    "builtin_recipes_folder",
     "check_data_arguments",
     "data_files_of",
     "detect_format",
+    "find_recipe",
     "hub_model_available",
     "load_dataset_dict",
     "load_train_eval",
