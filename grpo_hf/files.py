@@ -128,7 +128,11 @@ def run_files_in(output_dir: str | os.PathLike) -> list[str]:
 
 
 def check_output_dir(
-    output_dir: str | os.PathLike, overwrite: bool = False, resuming: bool = False, ignore: Iterable[str] = ()
+    output_dir: str | os.PathLike,
+    overwrite: bool = False,
+    resuming: bool = False,
+    ignore: Iterable[str] = (),
+    resumable: bool = True,
 ) -> None:
     """
     Refuse to train into an `output_dir` that holds another run, unless resuming it or overwriting it on purpose.
@@ -142,9 +146,13 @@ def check_output_dir(
             The run resumes from a checkpoint (its files are expected).
         ignore (`Iterable[str]`, *optional*):
             Names in `output_dir` not to count (e.g. the incomplete checkpoints of the run that `"last"` restarts).
+        resumable (`bool`, *optional*, defaults to `True`):
+            Whether the run there can be resumed (it holds a complete checkpoint): the error offers resuming it only
+            then, so that every way out it names works when followed.
 
     Raises:
-        [`~grpo_hf.errors.OutputDirError`]: naming the folder, up to 6 of the files found, and the three ways out.
+        [`~grpo_hf.errors.OutputDirError`]: naming the folder, up to 6 of the files found, and the ways out (a new
+            `output_dir`, overwriting it, and resuming it when `resumable`).
     """
     if overwrite or resuming:
         return
@@ -152,11 +160,16 @@ def check_output_dir(
     found = [name for name in run_files_in(output_dir) if name not in skipped]
     if found:
         shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+        resume = (
+            "resume that run (resume_from_checkpoint='last', on the command line --resume_from_checkpoint last), "
+            if resumable
+            else ""
+        )
+        cannot = "" if resumable else " It holds no complete checkpoint, so it cannot be resumed."
         raise OutputDirError(
             f"output_dir {os.fspath(output_dir)!r} already holds another run ({shown}); training into it would "
-            "replace them. Choose a new output_dir, resume that run (resume_from_checkpoint='last', on the command "
-            "line --resume_from_checkpoint last), or replace it on purpose (overwrite_output_dir=True, on the "
-            "command line --overwrite_output_dir true)."
+            f"replace them.{cannot} Choose a new output_dir (on the command line --output_dir NEW_DIR), {resume}or "
+            "replace it on purpose (overwrite_output_dir=True, on the command line --overwrite_output_dir true)."
         )
 
 

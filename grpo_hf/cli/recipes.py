@@ -113,19 +113,33 @@ def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | No
         [`~grpo_hf.errors.CheckpointError`]: `resume_from_checkpoint` names no folder, `True` finds no complete
             checkpoint, or a GRPO state file of the checkpoint it resumes is corrupt or truncated.
     """
-    from ..checkpoints import LAST, check_grpo_state_files, incomplete_checkpoints, resolve_resume_checkpoint
-    from ..files import check_output_dir, remove_run_files
+    from ..checkpoints import (
+        LAST,
+        check_grpo_state_files,
+        incomplete_checkpoints,
+        missing_parts,
+        resolve_resume_checkpoint,
+    )
+    from ..files import check_output_dir, checkpoint_folders, remove_run_files
 
     overwrite = bool(training_args.overwrite_output_dir)
     resume = training_args.resume_from_checkpoint
+    # Offer `--resume_from_checkpoint last` only where it works: every run folder holds a complete checkpoint (a
+    # comparison of recipes that save none never does).
+    resumable = all(
+        any(not missing_parts(checkpoint, grpo) for checkpoint in checkpoint_folders(folder))
+        for folder, grpo in runs.items()
+    )
     if report_dir is not None:
-        check_output_dir(report_dir, overwrite=overwrite, resuming=bool(resume))
+        check_output_dir(report_dir, overwrite=overwrite, resuming=bool(resume) and resumable, resumable=resumable)
     for folder, grpo in runs.items():
         checkpoint = resolve_resume_checkpoint(folder, resume, grpo=grpo)
         if checkpoint is not None and grpo:
             check_grpo_state_files(checkpoint)
         ignore = incomplete_checkpoints(folder, grpo) if resume == LAST else ()
-        check_output_dir(folder, overwrite=overwrite, resuming=checkpoint is not None, ignore=ignore)
+        check_output_dir(
+            folder, overwrite=overwrite, resuming=checkpoint is not None, ignore=ignore, resumable=resumable
+        )
     if overwrite and not resume and training_args.process_index == 0:
         for folder in {*runs, *([report_dir] if report_dir else [])}:
             removed = remove_run_files(folder)
