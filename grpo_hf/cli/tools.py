@@ -196,7 +196,9 @@ def groups_rich_table(
     columns += ["density"] if any(row["density"] != "1" for row in rows) else []
     columns += ["bits"]
     if layouts is not None:
-        columns += ["state"] if any(not row["state"].startswith("full/32 x") for row in rows) else []
+        # the kinds of state kept, without their counts ("full/32 x4, factored/8 x2" -> full/32, factored/8)
+        kept = {kind.rsplit(" ", 1)[0] for row in rows for kind in row["state"].split(", ")}
+        columns += ["state"] if kept != {"full/32"} else []
         columns += ["state MB", "x AdamW"]
     columns += ["rule"] if rules else []
     for column in columns:
