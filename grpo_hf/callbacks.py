@@ -668,6 +668,7 @@ class GRPOCallback(TrainerCallback):
             "nonfinite_steps": self.nonfinite_steps,
             "consecutive_skips": self.consecutive_skips,
             "importance": self.importance.state_dict(),
+            "lr_ratios": {name: float(self.lr_ratios.get(name, 1.0)) for name in self.importance.names},
             "comm": self.comm_state.state_dict() if self.comm_state is not None else None,
             "cost": self.cost_callback.counted_state() if self.cost_callback is not None else None,
         }
