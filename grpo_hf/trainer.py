@@ -220,6 +220,7 @@ class GRPOMixin:
             apply_multipliers=self.args.grpo_importance,
             lr_ratios=self.grpo_lr_ratios,
             comm_state=self.grpo_comm_state,
+            log_groups=self.args.grpo_log_groups,
         )
         self._grpo_model = model
 
@@ -496,8 +497,9 @@ class GRPOMixin:
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """
-        Add GRPO's counted figures to training logs, then log: the averaged `grpo/*` metrics of the window and the
-        counted `cost/*` figures (tokens, FLOPs, bytes). What a resumed run reproduces only goes into
+        Add GRPO's counted figures to training logs, then log: the averaged `grpo/*` metrics of the window (GRPO's
+        totals; each group's figures too with `grpo_log_groups`) and the counted `cost/*` figures (tokens, FLOPs,
+        bytes). What a resumed run reproduces only goes into
         `state.log_history`; measured time, energy, money and latencies go into the metrics `train()` returns.
         """
         if "loss" in logs or "train_runtime" in logs:
@@ -505,7 +507,7 @@ class GRPOMixin:
         if "loss" in logs:
             logs.update(self.grpo_callback.pop_metrics())
             if self.optimizer is not None:
-                logs.update(memory_metrics(self.optimizer))
+                logs.update(memory_metrics(self.optimizer, per_group=self.args.grpo_log_groups))
         super().log(logs, *args, **kwargs)
 
     # --- Hub: grpo_hf's card, and one clear error instead of a network traceback ---
@@ -591,7 +593,7 @@ class GRPOMixin:
         sent = self.grpo_comm_state.finish() if self.grpo_comm_state is not None else None  # e.g. the sync's last one
         if sent is not None:
             self.cost_callback.add_comm_bytes(sent)
-        output.metrics.update(self.grpo_callback.measured_metrics())
+        output.metrics.update(self.grpo_callback.measured_metrics(accelerator=self.args.device.type != "cpu"))
         peak = peak_memory_bytes(self.args.device)
         if peak is not None:
             output.metrics["grpo/memory/peak_bytes"] = float(peak)

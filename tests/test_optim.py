@@ -457,7 +457,9 @@ def test_the_compiled_8bit_moment_kernel_computes_what_the_eager_one_does():
 def test_the_trainers_adafactor_keeps_grpos_groups_and_ratios(train_config):
     from grpo_hf import GRPOTrainer
 
-    args = train_config(optim="adafactor", grpo_lr_ratios={"norms": 0.5}, max_steps=3, learning_rate=1e-3)
+    args = train_config(
+        optim="adafactor", grpo_lr_ratios={"norms": 0.5}, max_steps=3, learning_rate=1e-3, grpo_log_groups=True
+    )
     trainer = GRPOTrainer(model=tiny_test_llama(), args=args, train_dataset=_dataset())
     trainer.train()
     optimizer = trainer.optimizer.optimizer

@@ -513,6 +513,8 @@ def _run_training(model_args, data_args, args, kind, prepared, progress, output_
     check_train_batches(len(prepared.train_dataset), args)
     output_dir = output_dir or args.output_dir
     args = dataclasses.replace(args, output_dir=output_dir)
+    if kind == "grpo":  # the report plots each group's learning rate (its printed lines stay compact)
+        args.grpo_log_groups = True
     if args.include_num_input_tokens_seen == "no":  # the plain Trainer's token count, for tokens/s
         args.include_num_input_tokens_seen = "all"
 
