@@ -94,13 +94,15 @@ class GRPOMixin:
       ratios and importance apply through step hooks on the optimizer ZeRO wraps (multipliers one step later than
       under DDP), compression is off and NaN/Inf steps are left to DeepSpeed. See `docs/engines.md`.
     - **Cost**: a [`~grpo_hf.CostCallback`] is added unless one is passed in `callbacks`.
-    - **Metrics**: counted figures (`grpo/*` averaged over each logging window, `cost/*` tokens, FLOPs and bytes) are
-      added to the Trainer's logs, so every `report_to` integration receives them and `state.log_history` is the
+    - **Metrics**: counted figures (`grpo/*` averaged over each logging window, GRPO's totals by default and each
+      group's too with `grpo_log_groups=True`; `cost/*` tokens, FLOPs and bytes) are added to the Trainer's logs, so every `report_to` integration receives them and `state.log_history` is the
       same for a resumed run as for a straight one; measured ones (`cost/*` time, energy and money, latencies) go
       into the metrics `train()` returns.
     - **Checkpoints**: every checkpoint holds `grpo_state_rank<r>.pt`, written atomically; the Trainer's own resume
       (`train(resume_from_checkpoint=...)`) restores it too, also from a checkpoint of another world size (see
-      [`~grpo_hf.checkpoints`]), and GRPO adds `"last"` for the newest complete checkpoint or a fresh start.
+      [`~grpo_hf.checkpoints`]), and GRPO adds `"last"` for the newest complete checkpoint or a fresh start. A
+      checkpoint of other groups, LR ratios or optimizer state is one [`~grpo_hf.errors.CheckpointError`] naming the
+      difference, before the Trainer loads anything of it.
     - **Output folder**: the Trainer's rules (it writes into an existing `output_dir`). The `grpo-hf` commands refuse
       a folder holding another run; the library does not, but a run that does not resume warns at train start, naming
       the `checkpoint-<step>` folders it will overwrite (see [`~grpo_hf.checkpoints.warn_overwritten_checkpoints`]).
