@@ -82,6 +82,7 @@ def run_one(bench: BenchArguments, tokenizer, train, evaluation, seed: int, vari
             grpo_lr_scale_min=float(low),
             grpo_lr_scale_max=float(high),
             grpo_compression="none",
+            grpo_log_groups=True,  # the row reads grpo/lr_scale/<group>
         )
         trainer = GRPOTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation)
     start = time.perf_counter()

@@ -68,6 +68,7 @@ def make_args(mode: str, out_dir: str, **overrides):
         grpo_importance=True,
         grpo_lr_scale_warmup_steps=2,
         grpo_lr_ratios=RATIOS,
+        grpo_log_groups=True,  # the checks read grpo/lr/<group>
         grpo_fsdp_error_feedback="worker-bf16",
     )
     if mode == "fsdp2":

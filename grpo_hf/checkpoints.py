@@ -102,6 +102,53 @@ def check_grpo_state_files(folder: str) -> None:
         read_grpo_state(state_path(folder, rank), mmap=True)
 
 
+def check_grpo_setup(folder: str, names: list[str], lr_ratios: dict[str, float]) -> None:
+    """
+    Refuse to resume `folder` into a run whose GRPO groups (`names`, in order) or fixed LR ratios (`lr_ratios`, by
+    group) differ from the ones that wrote it, before the Trainer loads anything: its optimizer state holds one param
+    group per GRPO group, and its importance state one score per group. Reads rank 0's GRPO state file (mapped); a
+    folder without one (a plain Trainer's checkpoint) passes, and so do the ratios of a file written before they were
+    saved.
+
+    Raises:
+        [`~grpo_hf.errors.CheckpointError`]: other groups (their names or number) or other ratios; the message names
+            the difference and the settings that decide it.
+    """
+    if 0 not in saved_ranks(folder):
+        return
+    path = state_path(folder, 0)
+    saved = read_grpo_state(path, mmap=True)
+    saved_names = list(saved["importance"]["names"])
+    if saved_names != list(names):
+        only_saved = [n for n in saved_names if n not in names]
+        only_here = [n for n in names if n not in saved_names]
+        if not only_saved and not only_here:
+            what = " (the same names in another order)"
+        elif len(only_saved) < len(saved_names):  # some in common: name what differs
+            what = f" (only the checkpoint has {only_saved}, only this run {only_here})"
+        else:
+            what = ""
+        raise CheckpointError(
+            f"{path}: the checkpoint was trained with {len(saved_names)} GRPO groups {saved_names}, and this run has "
+            f"{len(names)} {list(names)}{what}. Resume with the grpo_groups (or group file), grpo_lr_preset and "
+            "trainable parameters that wrote it, or start a new run from the checkpoint's model."
+        )
+    saved_ratios = saved.get("lr_ratios")
+    if not isinstance(saved_ratios, dict):
+        return
+    changed = [
+        f"{name}: {float(saved_ratios.get(name, 1.0)):g} -> {float(lr_ratios.get(name, 1.0)):g}"
+        for name in names
+        if abs(float(saved_ratios.get(name, 1.0)) - float(lr_ratios.get(name, 1.0))) > 1e-12
+    ]
+    if changed:
+        raise CheckpointError(
+            f"{path}: the checkpoint was trained with other LR ratios ({'; '.join(changed)}, checkpoint -> this run). "
+            "Resume with the grpo_lr_ratios, group file lr_ratio and grpo_lr_preset that wrote it, or start a new run "
+            "from the checkpoint's model."
+        )
+
+
 def _world_size_of(folder: str, rank0_state: dict) -> int:
     # Files written before the world size was recorded: one file per rank.
     return int(rank0_state.get("world_size") or len(saved_ranks(folder)))
@@ -373,6 +420,7 @@ __all__ = [
     "LAST",
     "STATE_FILE",
     "STATE_VERSION",
+    "check_grpo_setup",
     "check_grpo_state_files",
     "check_trainer_state",
     "incomplete_checkpoints",

@@ -109,6 +109,13 @@ class GRPOConfig(CostFields, TrainingArguments):
             Smoothing of the scores (EMA factor; 0 = no smoothing).
         grpo_lr_scale_warmup_steps (`int`, *optional*, defaults to `10`):
             Optimizer steps during which every multiplier is 1 (scores are still tracked).
+        grpo_log_groups (`bool`, *optional*, defaults to `False`):
+            Log each group's figures at every logging step: `grpo/lr/<group>`, `grpo/lr_scale/<group>`,
+            `grpo/grad_norm/<group>`, `grpo/importance/<group>`, `grpo/update_count/<group>` and
+            `grpo/memory/optimizer_state_bytes/<group>` (a five-group model: 30 more keys per line). Off, each
+            logging step is one concise line: the Trainer's keys and GRPO's totals (`grpo/load_balance_std`,
+            `grpo/nonfinite_steps`, `grpo/memory/optimizer_state_bytes`, the `grpo/comm/*` bytes). `grpo-hf compare`
+            turns it on for the report's per-group plots.
 
     Parameters that control gradient compression (see [`~grpo_hf.compression`]):
 
@@ -319,6 +326,14 @@ class GRPOConfig(CostFields, TrainingArguments):
     )
     grpo_lr_scale_warmup_steps: int = field(
         default=10, metadata={"help": "Optimizer steps with every multiplier at 1 before scaling starts."}
+    )
+    grpo_log_groups: bool = field(
+        default=False,
+        metadata={
+            "help": "Log each group's figures at every logging step (grpo/lr, lr_scale, grad_norm, importance, "
+            "update_count and optimizer-state bytes per group). Off: one concise line per logging step (loss, "
+            "learning rate, GRPO's totals)."
+        },
     )
     # --- gradient compression ---
     grpo_compression: str = field(

@@ -10,6 +10,7 @@ from transformers.utils import logging
 
 from .callbacks import GRPOCallback
 from .checkpoints import (
+    check_grpo_setup,
     check_grpo_state_files,
     planned_checkpoint_steps,
     resolve_resume_checkpoint,
@@ -41,7 +42,8 @@ from .importance import ImportanceState
 from .lr_presets import apply_preset
 from .model_card import write_run_summary, write_trainer_model_card
 from .optim.builder import grouped_adamw, grpo_param_groups, keep_embeddings_in_32_bits, memory_metrics
-from .optim.resume import check_checkpoint_optimizer_state
+from .optim.layout import resolve_layouts
+from .optim.resume import check_checkpoint_optimizer_state, check_param_groups
 from .replica_groups import find_replica_groups, parallelism_for_machines, shard_within_replicas
 
 
@@ -92,13 +94,15 @@ class GRPOMixin:
       ratios and importance apply through step hooks on the optimizer ZeRO wraps (multipliers one step later than
       under DDP), compression is off and NaN/Inf steps are left to DeepSpeed. See `docs/engines.md`.
     - **Cost**: a [`~grpo_hf.CostCallback`] is added unless one is passed in `callbacks`.
-    - **Metrics**: counted figures (`grpo/*` averaged over each logging window, `cost/*` tokens, FLOPs and bytes) are
-      added to the Trainer's logs, so every `report_to` integration receives them and `state.log_history` is the
+    - **Metrics**: counted figures (`grpo/*` averaged over each logging window, GRPO's totals by default and each
+      group's too with `grpo_log_groups=True`; `cost/*` tokens, FLOPs and bytes) are added to the Trainer's logs, so every `report_to` integration receives them and `state.log_history` is the
       same for a resumed run as for a straight one; measured ones (`cost/*` time, energy and money, latencies) go
       into the metrics `train()` returns.
     - **Checkpoints**: every checkpoint holds `grpo_state_rank<r>.pt`, written atomically; the Trainer's own resume
       (`train(resume_from_checkpoint=...)`) restores it too, also from a checkpoint of another world size (see
-      [`~grpo_hf.checkpoints`]), and GRPO adds `"last"` for the newest complete checkpoint or a fresh start.
+      [`~grpo_hf.checkpoints`]), and GRPO adds `"last"` for the newest complete checkpoint or a fresh start. A
+      checkpoint of other groups, LR ratios or optimizer state is one [`~grpo_hf.errors.CheckpointError`] naming the
+      difference, before the Trainer loads anything of it.
     - **Output folder**: the Trainer's rules (it writes into an existing `output_dir`). The `grpo-hf` commands refuse
       a folder holding another run; the library does not, but a run that does not resume warns at train start, naming
       the `checkpoint-<step>` folders it will overwrite (see [`~grpo_hf.checkpoints.warn_overwritten_checkpoints`]).
@@ -218,6 +222,7 @@ class GRPOMixin:
             apply_multipliers=self.args.grpo_importance,
             lr_ratios=self.grpo_lr_ratios,
             comm_state=self.grpo_comm_state,
+            log_groups=self.args.grpo_log_groups,
         )
         self._grpo_model = model
 
@@ -494,8 +499,9 @@ class GRPOMixin:
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """
-        Add GRPO's counted figures to training logs, then log: the averaged `grpo/*` metrics of the window and the
-        counted `cost/*` figures (tokens, FLOPs, bytes). What a resumed run reproduces only goes into
+        Add GRPO's counted figures to training logs, then log: the averaged `grpo/*` metrics of the window (GRPO's
+        totals; each group's figures too with `grpo_log_groups`) and the counted `cost/*` figures (tokens, FLOPs,
+        bytes). What a resumed run reproduces only goes into
         `state.log_history`; measured time, energy, money and latencies go into the metrics `train()` returns.
         """
         if "loss" in logs or "train_runtime" in logs:
@@ -503,7 +509,7 @@ class GRPOMixin:
         if "loss" in logs:
             logs.update(self.grpo_callback.pop_metrics())
             if self.optimizer is not None:
-                logs.update(memory_metrics(self.optimizer))
+                logs.update(memory_metrics(self.optimizer, per_group=self.args.grpo_log_groups))
         super().log(logs, *args, **kwargs)
 
     # --- Hub: grpo_hf's card, and one clear error instead of a network traceback ---
@@ -573,25 +579,56 @@ class GRPOMixin:
 
         Raises:
             [`~grpo_hf.errors.CheckpointError`]: the checkpoint is missing, incomplete, corrupt or from another setup
-                (a `ValueError` whose message starts as the Trainer's own; its optimizer state written with another
-                `grpo_optimizer_state`), before any work.
+                (a `ValueError` whose message starts as the Trainer's own): other GRPO groups or another number of
+                them, other LR ratios, its optimizer state written with another `grpo_optimizer_state` or layout.
+                Raised before any work: before the Trainer loads the checkpoint's model (with `model_init`, before it
+                loads the optimizer), whatever the path that resumes (a script, `"last"`, `True`, the `grpo-hf`
+                commands).
         """
         checkpoint = resolve_resume_checkpoint(self.args.output_dir, resume_from_checkpoint)
         if checkpoint is not None:
             check_grpo_state_files(checkpoint)
-            check_checkpoint_optimizer_state(checkpoint, self.args.grpo_optimizer_state)
+            if self.model_init is None:  # else the model `train()` builds is checked (`_load_optimizer_and_scheduler`)
+                self._check_resume_setup(checkpoint)
         self.grpo_callback.resume_from = checkpoint  # restored at `on_train_begin`, after the Trainer's own state
         output = super().train(checkpoint, *args, **kwargs)
         sent = self.grpo_comm_state.finish() if self.grpo_comm_state is not None else None  # e.g. the sync's last one
         if sent is not None:
             self.cost_callback.add_comm_bytes(sent)
-        output.metrics.update(self.grpo_callback.measured_metrics())
+        output.metrics.update(self.grpo_callback.measured_metrics(accelerator=self.args.device.type != "cpu"))
         peak = peak_memory_bytes(self.args.device)
         if peak is not None:
             output.metrics["grpo/memory/peak_bytes"] = float(peak)
         if self.grpo_comm_state is not None:  # GRPO's own: residuals, θ_global, outer momentum
             output.metrics["grpo/memory/grpo_bytes"] = float(sum(self.grpo_comm_state.memory_bytes().values()))
         return output
+
+    def _check_resume_setup(self, checkpoint: str) -> None:
+        """
+        Refuse a checkpoint written with other GRPO groups, LR ratios or optimizer state (its kind, or the layout of a
+        parameter) than this run's, naming the difference (see [`~grpo_hf.checkpoints.check_grpo_setup`] and
+        [`~grpo_hf.optim.resume.check_checkpoint_optimizer_state`]).
+        """
+        check_grpo_setup(checkpoint, [g.name for g in self.grpo_groups], self.grpo_lr_ratios)
+        setting, layouts = self.args.grpo_optimizer_state, None
+        if setting != "full" and self.grpo_engine in ("single", "ddp"):  # FSDP2 fits layouts to its shards later
+            planned = resolve_layouts(self._grpo_model, self.grpo_groups, setting, self.args.grpo_min_state_numel)
+            layouts = {name: str(layout) for name, layout in planned.items()}
+        check_checkpoint_optimizer_state(checkpoint, setting, layouts)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        """
+        The Trainer's, after checking that the checkpoint's optimizer state fits this run's optimizer: the same GRPO
+        setup, the same param groups ([`~grpo_hf.optim.resume.check_param_groups`]), so that a difference is a
+        [`~grpo_hf.errors.CheckpointError`] naming it rather than torch's "loaded state dict has a different number
+        of parameter groups". With `model_init`, this is where the model `train()` built is checked.
+        """
+        if checkpoint is not None:
+            if self.model_init is not None:
+                self._check_resume_setup(checkpoint)
+            if self.optimizer is not None:
+                check_param_groups(checkpoint, self.optimizer.param_groups)
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """

@@ -277,3 +277,77 @@ def test_checkpoint_of_two_ranks_resumed_by_one_merges_residuals(tmp_path, caplo
         plain.train(resume_from_checkpoint=str(checkpoint))
     assert "written by 2 rank(s) and is resumed by 1 process(es)" in caplog.text
     assert "error-feedback residuals" in caplog.text and plain.state.global_step == 6
+
+
+# --- a checkpoint of another GRPO setup: one CheckpointError naming the difference, before the Trainer loads it -------
+
+
+@pytest.fixture(scope="module")
+def default_checkpoint(tmp_path_factory):
+    """A checkpoint of 2 steps written with the default settings (grpo_groups="semantic", no ratios, full state)."""
+    out = tmp_path_factory.mktemp("defaults") / "out"
+    trainer_for(out).train()
+    return out
+
+
+def group_file(folder, rules):
+    path = folder / "groups.json"
+    path.write_text(json.dumps({"groups": rules}))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "case, resume, match",
+    [
+        ("another grouping", "path", r"trained with 5 GRPO groups \['embeddings', .*'ffn'\], and this run has 7"),
+        ("another number of groups", True, r"5 GRPO groups .* and this run has 2 \['qk', 'default'\]"),
+        ("other LR ratios", "last", r"other LR ratios \(ffn: 1 -> 2, checkpoint -> this run\)"),
+        ("another optimizer state", "path", r"own full state \('full'\).*grpo_optimizer_state='mini'"),
+    ],
+)
+def test_another_setup_is_refused_before_any_step_in_a_script(default_checkpoint, tmp_path, case, resume, match):
+    # What torch's Optimizer.load_state_dict would answer with a bare "loaded state dict has a different number of
+    # parameter groups" (or accept without a word: other ratios) is refused by the library before the Trainer loads
+    # the checkpoint's model or optimizer, whichever way a script resumes.
+    overrides = {
+        "another grouping": dict(grpo_groups="semantic+shape"),
+        "another number of groups": dict(grpo_groups=group_file(tmp_path, [{"name": "qk", "pattern": "(q|k)_proj"}])),
+        "other LR ratios": dict(grpo_lr_ratios={"ffn": 2.0}),
+        "another optimizer state": dict(grpo_optimizer_state="mini", grpo_min_state_numel=0),
+    }[case]
+    trainer = trainer_for(default_checkpoint, max_steps=4, **overrides)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    argument = str(default_checkpoint / "checkpoint-2") if resume == "path" else resume
+    with pytest.raises(CheckpointError, match=match):
+        trainer.train(resume_from_checkpoint=argument)
+    assert trainer.state.global_step == 0 and trainer.grpo_callback.importance.steps == 0
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # not even loaded
+
+
+def test_another_setup_is_refused_with_model_init_before_the_optimizer_loads(default_checkpoint):
+    # With model_init the Trainer builds the model inside train(): the check runs on that model, right before the
+    # Trainer loads the optimizer.
+    args = trainer_for(default_checkpoint, max_steps=4, grpo_groups="semantic+shape").args
+    events = EventCounter()
+    trainer = GRPOTrainer(
+        model_init=lambda: tiny_test_llama(seed=0), args=args, train_dataset=tokens(), callbacks=[events]
+    )
+    with pytest.raises(CheckpointError, match=r"5 GRPO groups .* and this run has 7"):
+        trainer.train(resume_from_checkpoint=str(default_checkpoint / "checkpoint-2"))
+    assert events.events == [] and trainer.grpo_callback.importance.steps == 0  # not even on_train_begin
+
+
+def test_other_param_groups_are_named_not_left_to_torch(tmp_path):
+    from grpo_hf.optim.resume import check_param_groups
+
+    saved = [{"params": [0, 1], "param_names": ["a", "b"], "grpo_group": "ffn"}, {"params": [2], "grpo_group": "x"}]
+    torch.save({"state": {}, "param_groups": saved}, tmp_path / "optimizer.pt")
+    ours = [{"param_names": ["a", "b"], "grpo_group": "ffn"}]
+    with pytest.raises(CheckpointError, match=r"holds 2 param groups \(ffn, x\), and this run's optimizer 1 param"):
+        check_param_groups(str(tmp_path), ours)
+    with pytest.raises(CheckpointError, match=r"param group 1 is GRPO group 'x', this run's is 'y'"):
+        check_param_groups(str(tmp_path), [*ours, {"grpo_group": "y"}])
+    with pytest.raises(CheckpointError, match=r"param group 0 \(ffn\) holds 2 parameters, this run's 1 \(b in one"):
+        check_param_groups(str(tmp_path), [{"param_names": ["a"], "grpo_group": "ffn"}, {"grpo_group": "x"}])
+    check_param_groups(str(tmp_path), [*ours, {"grpo_group": "x"}])  # the same groups
+    check_param_groups(str(tmp_path / "no-optimizer"), ours)  # nothing to compare (FSDP, DeepSpeed)

@@ -37,7 +37,8 @@ class UsedRates(TrainerCallback):
 
 def train(model, grpo_config, **fields):
     values = dict(max_steps=6, per_device_train_batch_size=8, learning_rate=1e-3, logging_steps=1,
-                  save_strategy="no", lr_scheduler_type="linear", weight_decay=0.1, grpo_lr_scale_warmup_steps=2)  # fmt: skip
+                  save_strategy="no", lr_scheduler_type="linear", weight_decay=0.1, grpo_lr_scale_warmup_steps=2,
+                  grpo_log_groups=True)  # fmt: skip
     trainer = GRPOTrainer(model=model, args=grpo_config(**{**values, **fields}), train_dataset=token_dataset())
     used = UsedRates()
     trainer.add_callback(used)  # after GRPOCallback: sees the rates it set for the step
@@ -93,3 +94,56 @@ def test_lr_scale_only_for_groups_whose_multiplier_applies(tiny_model, grpo_conf
     assert "grpo/load_balance_std" in last and "grpo/importance/emb" in last
     for name in scaled:  # the multiplier logged is the one in the rate used
         assert last[f"grpo/lr/{name}"] == pytest.approx(last["grpo/lr/emb"] * last[f"grpo/lr_scale/{name}"])
+
+
+# --- quiet by default ---------------------------------------------------------------------------------------------
+
+
+def test_one_concise_line_per_logging_step_by_default(tiny_model, grpo_config):
+    trainer = GRPOTrainer(
+        model=tiny_model(vocab_size=VOCAB),
+        args=grpo_config(max_steps=3, per_device_train_batch_size=8, logging_steps=1, save_strategy="no"),
+        train_dataset=token_dataset(),
+    )
+    trainer.train()
+    names = [g.name for g in trainer.grpo_groups]
+    assert len(names) == 5
+    for log in [h for h in trainer.state.log_history if "loss" in h]:
+        assert not [key for key in log if key.rsplit("/", 1)[-1] in names]  # no group's own figures
+        assert {"grpo/nonfinite_steps", "grpo/memory/optimizer_state_bytes"} <= set(log)
+        assert len(log) <= 12 and len(str(log)) < 400, log  # 40 keys and 1,400 characters with grpo_log_groups
+
+
+def test_update_count_is_the_count_at_the_end_of_the_window(tiny_model, grpo_config):
+    trainer, _, _ = train(tiny_model(vocab_size=VOCAB), grpo_config, logging_steps=3)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    for name in (g.name for g in trainer.grpo_groups):
+        assert [log[f"grpo/update_count/{name}"] for log in logs] == [3.0, 6.0]  # not the window's mean, 2 and 5
+    assert [log["grpo/nonfinite_steps"] for log in logs] == [0.0, 0.0]
+
+
+def test_the_latency_warning_only_where_the_user_can_act(caplog):
+    from grpo_hf.callbacks import StepMetrics
+
+    for accelerator, level in ((False, logging.INFO), (True, logging.WARNING)):
+        metrics = StepMetrics()
+        metrics.latencies_ms.extend([400.0] * 10)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="grpo_hf.callbacks"):
+            assert metrics.measured(None, accelerator=accelerator)["grpo/update_latency_p99_ms"] == 400.0
+        [record] = [r for r in caplog.records if "latency p99" in r.getMessage()]
+        assert record.levelno == level
+        assert ("adamw_torch_fused" in record.getMessage()) == accelerator
+
+
+def test_the_first_compile_is_announced_at_the_default_level(monkeypatch, caplog):
+    from grpo_hf.optim import kernels
+
+    monkeypatch.setenv("GRPO_HF_COMPILE_OPTIMIZER", "1")
+    monkeypatch.setattr(kernels, "_KERNELS", {})
+    monkeypatch.setattr(kernels.MomentKernel, "warm_up", lambda self, device: 12.6)  # no real compile in a unit test
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.optim.kernels"):
+        kernels.moment_kernel("cpu")
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("compiling the 8-bit moment kernel" in m for m in messages)
+    assert "GroupedAdamW: 8-bit moment kernel compiled in 12.6 s." in messages

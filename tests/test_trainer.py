@@ -29,11 +29,17 @@ def token_dataset(rows=64, length=24, seed=0):
 
 @pytest.fixture
 def make_args(train_config):
-    """`train_config` with importance on: these tests exercise the multipliers (off by default)."""
+    """`train_config` with importance on and each group's figures logged: these tests exercise the multipliers (both
+    off by default)."""
 
     def make(folder=None, cls=GRPOConfig, **overrides):
         if cls is GRPOConfig:
-            overrides = {"grpo_importance": True, "grpo_lr_scale_warmup_steps": 2, **overrides}
+            overrides = {
+                "grpo_importance": True,
+                "grpo_lr_scale_warmup_steps": 2,
+                "grpo_log_groups": True,
+                **overrides,
+            }
         return train_config(folder, cls, **overrides)
 
     return make
@@ -96,10 +102,12 @@ def test_plain_training_arguments_get_grpo_defaults(tmp_path, make_args):
         model=tiny_llama(), args=make_args(tmp_path, TrainingArguments), train_dataset=token_dataset()
     )
     assert trainer.args.grpo_groups == "semantic" and not trainer.args.grpo_importance  # measured, not assumed
+    assert not trainer.args.grpo_log_groups
     trainer.train()
     last = train_logs(trainer)[-1]
-    assert "grpo/lr/ffn" in last and "grpo/importance/ffn" in last
-    assert "grpo/lr_scale/ffn" not in last  # importance off: no multiplier was applied, none is logged
+    assert "grpo/nonfinite_steps" in last and "grpo/memory/optimizer_state_bytes" in last  # GRPO's totals
+    names = [g.name for g in trainer.grpo_groups]
+    assert not [key for key in last if key.rsplit("/", 1)[-1] in names]  # each group's only with grpo_log_groups
 
 
 def _reproducible(log_history):
@@ -241,6 +249,7 @@ def test_mixin_in_front_of_trl_sft_trainer(tmp_path):
         max_length=16,
         activation_checkpointing=True,  # SFTConfig's default, under the name that replaces `gradient_checkpointing`
     )
+    args.grpo_log_groups = True  # a GRPO field on another trainer's config: the others get GRPO's defaults
     trainer = GRPOSFTTrainer(
         model=tiny_llama(), args=args, train_dataset=Dataset.from_dict({"text": texts}), processing_class=tokenizer
     )

@@ -6,9 +6,10 @@
 - [`run_training`]: one run: load a fresh model, evaluate it, train it, evaluate it again, one row of the comparison;
   its held-out quality is perplexity ([`evaluate_perplexity`]) or accuracy ([`evaluate_accuracy`]) through the
   offline `evaluate` metric scripts of `grpo_hf/harness/metrics/` ([`load_metric`]);
-- [`measure_timing_noise`]: short timed windows of both trainers, interleaved, that measure the noise of the timed
-  ratios ([`~grpo_hf.harness.table.timed_ratio_noise`] turns them into bands);
-- [`compare`]: both runs on identical data, seed and steps, their ratios and the noise windows.
+- [`measure_timing_noise`]: short timed windows of both trainers, interleaved, that measure the timed ratios and their
+  noise ([`~grpo_hf.harness.table.timed_ratio_noise`] turns them into the headline ratios and their ranges);
+- [`compare`]: both runs on identical data, seed and steps, their ratios (the timed ones from the interleaved windows)
+  and the noise windows.
 
 Example:
 
@@ -43,7 +44,7 @@ from ..provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
 from .arguments import DataArguments, ModelArguments, recipe_field_names
 from .data import Prepared, prepare, report_progress
 from .models import build_model
-from .table import METHOD, compute_ratios, timed_ratio_noise
+from .table import METHOD, compute_ratios, headline_ratios, timed_ratio_noise
 
 
 if TYPE_CHECKING:
@@ -513,6 +514,8 @@ def _run_training(model_args, data_args, args, kind, prepared, progress, output_
     check_train_batches(len(prepared.train_dataset), args)
     output_dir = output_dir or args.output_dir
     args = dataclasses.replace(args, output_dir=output_dir)
+    if kind == "grpo":  # the report plots each group's learning rate (its printed lines stay compact)
+        args.grpo_log_groups = True
     if args.include_num_input_tokens_seen == "no":  # the plain Trainer's token count, for tokens/s
         args.include_num_input_tokens_seen = "all"
 
@@ -784,8 +787,10 @@ def compare(
 
     Returns:
         `dict`: `runs` (one row per trainer, see [`run_training`]), `ratios` (GRPOTrainer / Trainer per metric, see
-        [`~grpo_hf.harness.table.compute_ratios`]), `timing_noise` (the windows) and `ratio_noise` (a noise band and a
-        `within_noise` flag per timed ratio, see [`~grpo_hf.harness.table.timed_ratio_noise`]), `recipe`, `data`
+        [`~grpo_hf.harness.table.compute_ratios`]; the timed ones measured by the interleaved windows when there are
+        some: the full runs always train the Trainer first), `ratios_full_runs` (every ratio of the full runs),
+        `timing_noise` (the windows) and `ratio_noise` (the headline, the range of the windows and a `within_noise` flag
+        per timed ratio, see [`~grpo_hf.harness.table.timed_ratio_noise`]), `recipe`, `data`
         (corpus fingerprint, `sys.version`, sizes), `environment` and `wall_seconds`.
     """
     start = time.perf_counter()
@@ -797,8 +802,8 @@ def compare(
         prepared = dataclasses.replace(prepared, eval_before=eval_before)  # measured once, shared by the next runs
         runs.append(row)
     by_name = {r["name"]: r for r in runs}
-    ratios = compute_ratios(by_name["trainer"], by_name["grpo"]) if len(by_name) == 2 else {}
-    rounds = getattr(args, "cost_noise_rounds", 0) if ratios else 0
+    full_runs = compute_ratios(by_name["trainer"], by_name["grpo"]) if len(by_name) == 2 else {}
+    rounds = getattr(args, "cost_noise_rounds", 0) if full_runs else 0
     timing_noise = (
         measure_timing_noise(
             model_args, data_args, args, prepared, rounds, getattr(args, "cost_noise_window_steps", 4), progress
@@ -806,10 +811,11 @@ def compare(
         if rounds
         else None
     )
-    noise = timed_ratio_noise({"ratios": ratios, "timing_noise": timing_noise})
+    noise = timed_ratio_noise({"ratios": full_runs, "timing_noise": timing_noise})
     return {
         "runs": runs,
-        "ratios": ratios,
+        "ratios": headline_ratios(full_runs, noise),  # timed ones: the interleaved windows', not the full runs'
+        "ratios_full_runs": full_runs,
         "timing_noise": timing_noise,
         "ratio_noise": jsonable(noise),
         "recipe": recipe_summary(model_args, data_args, args),

@@ -5,12 +5,15 @@ Agg backend, no display needed), each file written whole or not at all ([`~grpo_
 
 Every row of the table is a key of a run's result; the last column is the ratio GRPOTrainer / Trainer
 ([`~grpo_hf.harness.table.compute_ratios`]): below 1 means GRPOTrainer needed less (time, bytes, money) or reached a
-lower perplexity. Ratios that follow from wall-clock time (time, tokens/s, energy, money) carry the noise band measured
-by the runner ([`~grpo_hf.harness.table.timed_ratio_noise`]): inside it they read "within noise" in the table, the
-ratio plot and `results.json` (`ratio_noise`); ratios of counted quantities (bytes, steps) are exact and carry none.
+lower perplexity; for tokens/s and accuracy above 1 is better. Ratios that follow from wall-clock time (time, tokens/s,
+energy, money) are those of the interleaved timing windows, with their range
+([`~grpo_hf.harness.table.timed_ratio_noise`]; the full runs always train the Trainer first): inside their noise they
+read "no difference" in the table, the ratio plot and `results.json` (`ratio_noise`); ratios of counted quantities
+(bytes, steps) are exact and carry none.
 
-The plots ([`write_plots`]): loss curves, the learning rate GRPO used per group, bytes sent per step, and the ratios
-GRPOTrainer / Trainer with their noise bands.
+The plots ([`write_plots`]): loss curves, the learning rate GRPO used per group, bytes sent (or, on one process,
+projected) per step, and the ratios GRPOTrainer / Trainer coloured better / worse / no difference, with the range of
+the timed ones.
 
 Example:
 
@@ -29,7 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write
-from .table import TABLE_ROWS, WITHIN_NOISE, markdown_table, table_rows
+from .table import (
+    HIGHER_IS_BETTER,
+    NO_DIFFERENCE,
+    NOT_MEASURED,
+    TABLE_ROWS,
+    TIMING_RESOLUTION,
+    markdown_table,
+    table_rows,
+    verdict,
+)
 
 
 RESULTS_FILE = "results.json"
@@ -66,6 +78,12 @@ def print_table(results: dict[str, Any], title: str | None = None, console=None)
 def _caption(results: dict[str, Any]) -> str:
     runs = results["runs"]
     parts = [f"{r['label']}: {r.get('comm_mode', '')}" for r in runs]
+    if any(
+        (entry or {}).get("ratio_interleaved") is not None for entry in (results.get("ratio_noise") or {}).values()
+    ):
+        parts.append(
+            "time, tokens/s, energy and cost ratios: interleaved timing windows (the full runs: Trainer first)"
+        )
     wall = results.get("wall_seconds")
     if wall is not None:
         parts.append(f"total wall time {wall:.0f} s")
@@ -163,8 +181,9 @@ def _notes(results: dict[str, Any]) -> list[str]:
 
 
 _NOISE_RULE = (
-    "each ratio is measured by the full runs and by every round of windows, and reads *within noise* when these "
-    "measurements disagree on its direction or all lie closer to 1 than one trainer's windows vary among themselves."
+    "each timed ratio of the table is the geometric mean of the rounds' ratios (the full runs, always Trainer first, "
+    "decide nothing), and reads *no difference* when the rounds disagree on its direction or all lie closer to 1 than "
+    f"one trainer's windows vary among themselves (at least {TIMING_RESOLUTION:.0%})."
 )
 
 
@@ -175,25 +194,27 @@ def _noise_notes(results: dict[str, Any]) -> list[str]:
         return []
     if not timing.get("windows"):
         return [
-            "- **Noise**: not measured (`cost_noise_rounds=0`), so time, energy and money ratios carry no band; on a "
-            "shared machine read them with care."
+            "- **Noise**: not measured (`cost_noise_rounds=0`), so the time, energy and money ratios are the full runs' "
+            "(the Trainer always first) and carry no range; on a shared machine read them with care."
         ]
     labels = {key: label for key, label, _ in TABLE_ROWS}
     bands = []
     for key, entry in noise.items():
         if entry.get("band") and entry.get("within_noise") is not None:
-            verdict = WITHIN_NOISE if entry["within_noise"] else "outside the noise"
+            said = NO_DIFFERENCE if entry["within_noise"] else "a difference"
             spread = entry.get("self_spread")
+            full = entry.get("ratio_full_runs")
             bands.append(
-                f"{labels.get(key, key)} {entry['band'][0]:.3f}-{entry['band'][1]:.3f}"
-                + (f" (self-spread {spread:.1%})" if spread is not None else "")
-                + f", {verdict}"
+                f"{labels.get(key, key)} {entry['ratio']:.3f} (rounds {entry['band'][0]:.3f}-{entry['band'][1]:.3f}"
+                + (f", self-spread {spread:.1%}" if spread is not None else "")
+                + (f", full runs {full:.3f}" if full is not None else "")
+                + f"): {said}"
             )
     loads = [w.get("load_average") for w in timing["windows"] if w.get("load_average") is not None]
     load_text = f"; 1-min load average over the windows {min(loads):.1f}-{max(loads):.1f}" if loads else ""
     return [
-        f"- **Noise** of the timed ratios: {timing.get('rounds')} rounds of {timing.get('window_steps')}-step windows "
-        f"of both trainers, interleaved ({timing.get('seconds', 0):.0f} s{load_text}); "
+        f"- **Timed ratios and their noise**: {timing.get('rounds')} rounds of {timing.get('window_steps')}-step "
+        f"windows of both trainers, interleaved ({timing.get('seconds', 0):.0f} s{load_text}); "
         + _NOISE_RULE
         + " Ranges: "
         + "; ".join(bands)
@@ -219,7 +240,9 @@ def markdown_report(results: dict[str, Any], command: str | None = None, plots: 
     classifier = results["runs"][0].get("accuracy_after") is not None
     lines += [
         "Ratios are GRPOTrainer / Trainer: below 1 means less time, bytes or money"
-        + ("; above 1 means a higher accuracy." if classifier else ", or a lower perplexity."),
+        + (", and above 1 a higher accuracy" if classifier else ", or a lower perplexity")
+        + "; for tokens/s above 1 is faster. Time, tokens/s, energy and money are measured by interleaved timing "
+        "windows (their range in brackets; *no difference* inside the noise).",
         "",
     ]
     lines += ["## How each figure was measured", ""] + _notes(results) + [""]
@@ -227,7 +250,7 @@ def markdown_report(results: dict[str, Any], command: str | None = None, plots: 
         ("loss", "Training loss"),
         ("learning_rates", "Learning rate used per group"),
         ("bytes", "Bytes"),
-        ("ratios", "Ratios and their noise"),
+        ("ratios", "Ratios: better, worse or no difference"),
     ):
         if plots and key in plots:
             lines += [f"![{title}]({Path(plots[key]).name})", ""]
@@ -253,8 +276,8 @@ def _figure(title: str, xlabel: str, ylabel: str):
     return fig, ax
 
 
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
+def _save(fig, path: Path, bottom: float = 0.0) -> Path:
+    fig.tight_layout(rect=(0, bottom, 1, 1))  # `bottom`: a share of the height kept free for a footnote
     with atomic_write(path, "wb") as handle:  # a crash leaves the old plot or none, never half a PNG
         fig.savefig(handle, format="png")
     return path
@@ -293,8 +316,17 @@ def plot_learning_rates(runs: list[dict], path: str | Path) -> Path:
 
 
 def plot_bytes_per_step(runs: list[dict], path: str | Path) -> Path:
-    """Bytes one worker sends at every optimizer step, one line per run (log scale when they differ a lot)."""
-    fig, ax = _figure("Bytes sent per worker per step", "optimizer step", "bytes (MB)")
+    """
+    Bytes one worker sends at every optimizer step, one line per run (log scale when they differ a lot). On one
+    process nothing is sent: the title says that the bytes are projected for the `comm_workers` of the runs.
+    """
+    world = max((run.get("world_size") or 1) for run in runs) if runs else 1
+    workers = next((run.get("comm_workers") for run in runs if run.get("comm_workers")), None)
+    if world > 1:
+        title = f"Bytes sent per worker per step ({world} processes)"
+    else:
+        title = f"Bytes one of {workers or 'N'} workers would send per step\n(projected: one process sent nothing)"
+    fig, ax = _figure(title, "optimizer step", "bytes (MB)")
     values = []
     for run in runs:
         series = run.get("bytes_per_step") or []
@@ -311,40 +343,67 @@ def plot_bytes_per_step(runs: list[dict], path: str | Path) -> Path:
     return _save(fig, Path(path))
 
 
+_VERDICT_COLORS = {"better": "tab:green", "worse": "tab:red", "same": "grey", None: "tab:blue"}
+
+
+def _ratio_ticks(span: float) -> list[float]:
+    """Ticks of a log axis from `10**-span` to `10**span`, 1 always among them, none closer than a tenth of the axis."""
+    candidates = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 0.8, 1, 1.25, 2, 5, 10, 20, 50, 100)
+    gap = 2 * span / 10
+    ticks = [1.0]
+    for side in (sorted((t for t in candidates if t < 1), reverse=True), sorted(t for t in candidates if t > 1)):
+        last = 0.0
+        for tick in side:
+            distance = abs(math.log10(tick))
+            if distance < span and distance - last >= gap:
+                ticks.append(tick)
+                last = distance
+    return sorted(ticks)
+
+
 def plot_ratios(results: dict[str, Any], path: str | Path) -> Path:
     """
-    Every ratio GRPOTrainer / Trainer of the table on a log axis: exact ratios as dots, timed ratios with their noise
-    band as a bar, grayed and labeled "within noise" when inside it.
+    Every ratio GRPOTrainer / Trainer of the table on a log axis, coloured by what it means for GRPOTrainer: green
+    better, red worse, grey no difference (a timed ratio inside its noise, or exactly 1); rows where higher is better
+    (tokens/s, accuracy) say so. Timed ratios are the interleaved windows' ([`~grpo_hf.harness.table.classify`]), with
+    the range of the rounds as a bar.
     """
     labels = {key: label for key, label, _ in TABLE_ROWS}
     ratios = results.get("ratios") or {}
     noise = results.get("ratio_noise") or {}
-    keys = [key for key, *_ in TABLE_ROWS if isinstance(ratios.get(key), (int, float)) and ratios[key] > 0]
-    fig, ax = _figure("GRPOTrainer / Trainer", "ratio (log scale; below 1: GRPOTrainer needs less)", "")
-    fig.set_size_inches(7, 0.35 * len(keys) + 1.6)
+    shown = {}
+    for key, *_ in TABLE_ROWS:
+        entry = noise.get(key) or {}
+        value = entry.get("ratio_interleaved") or ratios.get(key)
+        if isinstance(value, (int, float)) and value > 0:
+            shown[key] = value
+    keys = list(shown)
+    fig, ax = _figure("GRPOTrainer / Trainer", "ratio GRPOTrainer / Trainer (log scale)", "")
+    fig.set_size_inches(7, 0.35 * len(keys) + 1.8)
     for y, key in enumerate(reversed(keys)):
-        ratio, entry = ratios[key], noise.get(key) or {}
-        within = entry.get("within_noise")
-        color = "grey" if within else ("tab:blue" if within is None else "tab:red")
-        if entry.get("band") and within is not None:
+        ratio, entry = shown[key], noise.get(key) or {}
+        said = verdict(key, ratio, entry)
+        color = _VERDICT_COLORS[said]
+        if entry.get("band") and entry.get("within_noise") is not None:
             ax.plot(entry["band"], [y, y], color=color, linewidth=5, alpha=0.35, solid_capstyle="butt")
         ax.plot([ratio], [y], "o", color=color)
-        text = f"{ratio:.3f}" + (f"  {WITHIN_NOISE}" if within else "")
-        ax.annotate(text, (ratio, y), textcoords="offset points", xytext=(6, 4), fontsize=7, color=color)
-    ax.set_yticks(range(len(keys)), [labels[k] for k in reversed(keys)], fontsize=7)
+        if entry and entry.get("within_noise") is None:
+            note = f"  {NOT_MEASURED}"
+        else:
+            note = {"better": "  better", "worse": "  worse", "same": f"  {NO_DIFFERENCE}"}.get(said, "")
+        ax.annotate(f"{ratio:.3f}{note}", (ratio, y), textcoords="offset points", xytext=(6, 4), fontsize=7,
+                    color=color)  # fmt: skip
+    names = [labels[k] + (" (higher is better)" if k in HIGHER_IS_BETTER else "") for k in reversed(keys)]
+    ax.set_yticks(range(len(keys)), names, fontsize=7)
     ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
     if keys:
         from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
 
-        values = [ratios[k] for k in keys] + [b for k in keys for b in ((noise.get(k) or {}).get("band") or [])]
+        values = list(shown.values()) + [b for k in keys for b in ((noise.get(k) or {}).get("band") or [])]
         span = max(abs(math.log10(v)) for v in values) + 0.1
         ax.set_xscale("log")
         ax.set_xlim(10**-span, 10**span)
-        ticks = [
-            t
-            for t in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 0.8, 1, 1.25, 2, 5, 10, 20, 50, 100)
-            if abs(math.log10(t)) < span
-        ]
+        ticks = _ratio_ticks(span)
         ax.xaxis.set_major_locator(FixedLocator(ticks))
         ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.xaxis.set_minor_locator(NullLocator())
@@ -352,11 +411,12 @@ def plot_ratios(results: dict[str, Any], path: str | Path) -> Path:
     fig.text(
         0.01,
         0.005,
-        "Bars: noise band of a timed ratio (grey: within noise, red: outside it). Blue: exact or untimed.",
+        "Green: GRPOTrainer better; red: worse; grey: no difference (a timed ratio inside its noise, or equal).\n"
+        "Timed ratios: the interleaved timing windows'; bars: their range over the rounds.",
         fontsize=6,
         va="bottom",
     )
-    return _save(fig, Path(path))
+    return _save(fig, Path(path), bottom=0.3 / fig.get_size_inches()[1])
 
 
 def write_plots(results: dict[str, Any], output_dir: str | Path) -> dict[str, str]:

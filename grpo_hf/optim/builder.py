@@ -126,15 +126,16 @@ def state_nbytes(optimizer) -> dict[str, int]:
     return totals
 
 
-def memory_metrics(optimizer) -> dict[str, float]:
+def memory_metrics(optimizer, per_group: bool = True) -> dict[str, float]:
     """
-    The optimizer's state bytes as logged metrics: `grpo/memory/optimizer_state_bytes` in all and
+    The optimizer's state bytes as logged metrics: `grpo/memory/optimizer_state_bytes` in all and, with `per_group`,
     `grpo/memory/optimizer_state_bytes/<group>` per GRPO group ([`state_nbytes`]). Counted, not measured: a resumed
     run logs the same.
     """
     by_group = state_nbytes(optimizer)
     logs = {"grpo/memory/optimizer_state_bytes": float(sum(by_group.values()))}
-    logs.update({f"grpo/memory/optimizer_state_bytes/{name}": float(n) for name, n in by_group.items()})
+    if per_group:
+        logs.update({f"grpo/memory/optimizer_state_bytes/{name}": float(n) for name, n in by_group.items()})
     return logs
 
 

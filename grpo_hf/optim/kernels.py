@@ -105,9 +105,16 @@ def moment_kernel(device) -> MomentKernel:
     wanted = hasattr(torch, "compile") and os.environ.get("GRPO_HF_COMPILE_OPTIMIZER", "1") != "0"
     kernel = MomentKernel(wanted)
     if kernel.compiled:
+        # Said at the default level (a warning): the first optimizer step waits for it, up to a minute on a CPU.
+        first_rank = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        if first_rank:
+            logger.warning(
+                "GroupedAdamW: compiling the 8-bit moment kernel with torch.compile (once per process; the first "
+                "optimizer step waits for it; GRPO_HF_COMPILE_OPTIMIZER=0 runs it eagerly instead, slower)."
+            )
         seconds = kernel.warm_up(device)
-        if kernel.compiled:
-            logger.info("GroupedAdamW: 8-bit moment kernel compiled in %.1f s (one-off).", seconds)
+        if kernel.compiled and first_rank:
+            logger.warning("GroupedAdamW: 8-bit moment kernel compiled in %.1f s.", seconds)
     if dist.is_available() and dist.is_initialized():
         flag = torch.tensor([int(kernel.compiled)], dtype=torch.int64)
         if dist.get_backend() == "nccl":

@@ -51,6 +51,7 @@ def make_args(out_dir, name, **overrides):
         grpo_lr_scale_min=0.5,
         grpo_lr_scale_max=2.0,
         grpo_lr_ratios={"norms": 0.5},
+        grpo_log_groups=True,  # the test reads grpo/lr/<group>
     )
     return worker_config(os.path.join(out_dir, name), **{**fields, **overrides})
 
