@@ -483,7 +483,7 @@ class Fragment:
         if flight is None or flight.completed:
             return
         if flight.exchange is not None:
-            flight.exchange.comm.stats = stats
+            flight.exchange.stats = stats  # the waiting step's (the bytes were counted at the start)
             flight.unsafe = bool(flight.flag.wait().item())
             for gathered in flight.gathers:
                 gathered.wait()

@@ -126,7 +126,7 @@ from ..choices import (
 )
 from ..optim.moments import local_tensor
 from .codec import ENCODE_CHUNK, all_safe, compile_kernels
-from .collectives import Collectives
+from .communicator import Communicator, ProcessGroupCommunicator
 from .exchange import Exchange
 from .fragment import Fragment, InFlight, check_moments, global_device, merge_with_global, outer_step, pack_fragments
 from .replicas import ReplicaGroups, fsdp_modules, local_optimizer_state, reshard
@@ -182,7 +182,8 @@ class OuterSyncState(CommState):
             control, which separates the outer optimizer's effect from the savings; under DDP its bytes are DDP's fp32
             all-reduce of the gradients at every step).
         process_group (`torch.distributed.ProcessGroup`, *optional*):
-            Group to communicate in; the default group when `None`.
+            Group to communicate in; the default group when `None`. A convenience for
+            `communicator=ProcessGroupCommunicator(process_group)`.
         delay (`int`, *optional*, defaults to `0`):
             `τ`: with `τ > 0` a fragment's exchange starts at its sync step and runs while the next `τ` inner steps
             compute; its outer step is applied `τ` steps later and merged with the local parameters (see "Overlap" in
@@ -198,11 +199,16 @@ class OuterSyncState(CommState):
             [`bind`] and `delay=0`; nothing to average without an exchange.
         replicas ([`~grpo_hf.compression.replicas.ReplicaGroups`], *optional*):
             FSDP2 shards each replica: the sync runs over this rank's replicate group, on its local shards (see
-            "Replica groups" in the module docstring); `process_group` is then that group.
+            "Replica groups" in the module docstring) through their `replicate_communicator`; give no `communicator`
+            or `process_group` with them.
         global_device (`str`, *optional*, defaults to `"auto"`):
             Where `θ_global` and the momentum live ([`~grpo_hf.compression.fragment.global_device`]): `"cpu"`
             (pinned when the parameters are on an accelerator), `"parameters"`, or `"auto"` (`"cpu"` on an
             accelerator). The same bits whatever the choice.
+        communicator ([`~grpo_hf.compression.communicator.Communicator`], *optional*):
+            The way to the wire: every collective of the sync goes through it, or, with `delay > 0`, the exchanges
+            through its twin ([`~grpo_hf.compression.communicator.Communicator.duplicate`], made at [`bind`]). `None`:
+            a [`~grpo_hf.compression.communicator.ProcessGroupCommunicator`] over `process_group` (or the replicas').
     """
 
     __slots__ = (
@@ -219,8 +225,8 @@ class OuterSyncState(CommState):
         # --- seldom tuned ---
         "dtype",
         "exchange",
-        "process_group",
-        "exchange_group",
+        "communicator",
+        "exchange_communicator",
         "replicas",
         "global_device",
         # --- bound by bind() ---
@@ -264,6 +270,7 @@ class OuterSyncState(CommState):
         moments: str = DEFAULT_SYNC_MOMENTS,
         replicas: ReplicaGroups | None = None,
         global_device: str = DEFAULT_SYNC_GLOBAL_DEVICE,
+        communicator: Communicator | None = None,
     ):
         if not fragments or any(not names for names in fragments):
             raise ValueError(f"{len(fragments)} fragments, some empty: use 1 to {every} non-empty fragments.")
@@ -284,8 +291,15 @@ class OuterSyncState(CommState):
         self.ramp, self.dtype, self.exchange = bool(ramp), OUTER_DTYPES.get(dtype, dtype), bool(exchange)
         self.delay, self.mix, self.moments = int(delay), float(mix), moments
         self.replicas, self.global_device = replicas, global_device
-        self.process_group = replicas.replicate_group if replicas is not None else process_group
-        self.exchange_group: dist.ProcessGroup | None = None  # with delay > 0: the exchanges' own group
+        if communicator is not None and (process_group is not None or replicas is not None):
+            raise ValueError(
+                "give a communicator, a process_group or replicas, not two of them (between replica groups the sync "
+                "runs over ReplicaGroups.replicate_communicator)."
+            )
+        if replicas is not None:
+            communicator = replicas.replicate_communicator
+        self.communicator = communicator if communicator is not None else ProcessGroupCommunicator(process_group)
+        self.exchange_communicator: Communicator | None = None  # with delay > 0: the exchanges' own twin
         self.fsdp_units, self.share = [], None
         self.params: dict[str, nn.Parameter] = {}
         self.fragments: list[Fragment] = []
@@ -309,6 +323,17 @@ class OuterSyncState(CommState):
     @property
     def mode(self) -> str:
         return OUTER_MODE
+
+    @property
+    def process_group(self):
+        """The `torch.distributed` group of a [`~grpo_hf.compression.communicator.ProcessGroupCommunicator`]
+        (`None`: the default group, or a communicator of another kind)."""
+        return getattr(self.communicator, "group", None)
+
+    @property
+    def exchange_group(self):
+        """The process group of the exchanges' twin (`delay > 0`), `None` without one."""
+        return getattr(self.exchange_communicator, "group", None)
 
     @property
     def numel(self) -> int:
@@ -358,28 +383,21 @@ class OuterSyncState(CommState):
                 f"the fragments and the model's trainable parameters differ (e.g. {missing[0]}); build the fragments "
                 "from this model's groups."
             )
-        if dist.is_available() and dist.is_initialized():
-            self.world_size, self.rank = dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
-        else:
-            self.world_size, self.rank = 1, 0
+        self.world_size, self.rank = self.communicator.world_size, self.communicator.rank
         self.kernels = compile_kernels(False)  # a sync every H steps: the eager kernels, the same on every rank
         self.optimizer = optimizer
         check_moments(optimizer, self.moments)
         self.fsdp_units = fsdp_modules(model)
-        if self.delay > 0 and self.exchange and self.world_size > 1 and self.exchange_group is None:
-            # The exchanges get a process group of their own (the same ranks, in order): NCCL runs the collectives of
-            # one group in order, and the next steps' norm all-reduce must not queue behind an exchange under way.
-            # Every rank makes every such group, in the same order (each replicate group's, between replica groups).
-            ranks = self.replicas.replicate_ranks if self.replicas is not None else [
-                dist.get_process_group_ranks(self.process_group or dist.group.WORLD)]  # fmt: skip
-            for members in ranks:
-                group = dist.new_group(members)
-                if dist.get_rank() in members:
-                    self.exchange_group = group
+        if self.delay > 0 and self.exchange and self.world_size > 1 and self.exchange_communicator is None:
+            # The exchanges get a twin of their own (the same ranks, in order): NCCL runs the collectives of one group
+            # in order, and the next steps' norm all-reduce must not queue behind an exchange under way. Collective:
+            # every rank makes every twin, in the same order (each replicate group's, between replica groups).
+            self.exchange_communicator = self.communicator.duplicate()
         if self.replicas is not None:
             self.replicas.check_sharded(self.params)  # FSDP2 over this rank's replica only
             if self.exchange and self.world_size > 1 and self.pending is None:
                 self.replicas.broadcast_first_replica(self.params.values())  # θ starts identical on every replica
+                self.communicator.pop_comm_ms()  # setup, not a step's communication
         keep = self.outer_momentum > 0
         where = global_device(self.global_device, self._device())
         self.fragments = [Fragment(i, names, self.params, self.plan, self.dtype, keep, where)  # a fresh θ_global each
@@ -412,13 +430,12 @@ class OuterSyncState(CommState):
             wrapped.register_comm_hook(self, local_gradient_hook)
 
     # --- per step ---
-    def _collectives(self, group=None) -> Collectives:
-        return Collectives(self, group=group)
-
-    def _exchange(self, group=None) -> Exchange:
-        """The fragments' exchange: the eager kernels, decoding a few chunks at a time (work memory of a chunk)."""
+    def _exchange(self, communicator: Communicator | None = None) -> Exchange:
+        """The fragments' exchange over `communicator` (the state's when `None`): the eager kernels, decoding a few
+        chunks at a time (work memory of a chunk); its bytes go into this step's statistics."""
         within = self.replicas.agree_within_replica if self.replicas is not None else None
-        return Exchange(self.kernels, self._collectives(group), decode_chunk=ENCODE_CHUNK, agree_within=within)
+        comm = self.communicator if communicator is None else communicator
+        return Exchange(self.kernels, comm, self.stats, decode_chunk=ENCODE_CHUNK, agree_within=within)
 
     def _device(self) -> torch.device:
         return local_tensor(next(iter(self.params.values()))).device if self.params else torch.device("cpu")
@@ -452,7 +469,7 @@ class OuterSyncState(CommState):
 
     def _all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        summed = self._collectives().all_reduce(values.clone().to(self._device())).cpu()
+        summed = self.communicator.all_reduce(values.clone().to(self._device())).cpu()
         self.stats.bytes_sent += allreduce_bytes(8 * values.numel(), self.world_size)
         self.stats.hook_ms += (time.perf_counter() - start) * 1000
         return summed / self.world_size
@@ -509,6 +526,9 @@ class OuterSyncState(CommState):
 
     def _close(self, count_step: bool) -> float:
         record, self.stats = self.stats, StepStats()
+        for comm in (self.communicator, self.exchange_communicator):  # the time spent communicating in the step
+            if comm is not None:
+                record.comm_ms += comm.pop_comm_ms()
         self.traffic.close_step(record, optimizer_step=count_step)
         return record.bytes_sent
 
@@ -553,7 +573,7 @@ class OuterSyncState(CommState):
     @torch.no_grad()
     def _start(self, fragment: Fragment) -> None:
         """Steps 3-4 for `fragment`, started (`delay > 0`, see "Overlap"); its bytes count in this step."""
-        exchange = self._exchange(self.exchange_group) if self.step_world_size > 1 else None
+        exchange = self._exchange(self.exchange_communicator) if self.step_world_size > 1 else None
         fragment.start(exchange, self.step, self.step + self.delay)
         self._count_sync(fragment)
 
@@ -706,19 +726,21 @@ class OuterSyncState(CommState):
 
     def __getstate__(self):
         """
-        Pickle without the process group, the parameters, the fragments, the optimizer and the kernels (bind the copy
-        again); an exchange under way is waited for first (as by [`state_dict`]).
+        Pickle without the communicators, the parameters, the fragments, the optimizer and the kernels (the copy
+        communicates over the default group: bind it again); an exchange under way is waited for first (as by
+        [`state_dict`]).
         """
         if self.fragments:
             self._complete()
-        dropped = ("process_group", "exchange_group", "params", "fragments", "kernels", "optimizer", "swapped",
+        dropped = ("communicator", "exchange_communicator", "params", "fragments", "kernels", "optimizer", "swapped",
                    "fsdp_units", "share")  # fmt: skip
         return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in dropped}
 
     def __setstate__(self, state):
         for slot, value in state.items():
             setattr(self, slot, value)
-        self.process_group = self.exchange_group = self.kernels = self.optimizer = self.swapped = self.share = None
+        self.exchange_communicator = self.kernels = self.optimizer = self.swapped = self.share = None
+        self.communicator = ProcessGroupCommunicator()
         self.params, self.fragments, self.fsdp_units = {}, [], []
 
     def __repr__(self) -> str:
