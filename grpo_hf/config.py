@@ -520,7 +520,9 @@ class GRPOConfig(CostFields, TrainingArguments):
     )
     grpo_ft_lighthouse: str | None = field(
         default=None,
-        metadata={"help": "The torchft lighthouse's address, e.g. http://10.0.0.1:29510 (TORCHFT_LIGHTHOUSE if unset)."},
+        metadata={
+            "help": "The torchft lighthouse's address, e.g. http://10.0.0.1:29510 (TORCHFT_LIGHTHOUSE if unset)."
+        },
     )
     grpo_ft_replica_id: int | None = field(
         default=None,
@@ -543,7 +545,9 @@ class GRPOConfig(CostFields, TrainingArguments):
     )
     grpo_ft_quorum_timeout: float = field(
         default=900.0,
-        metadata={"help": "Seconds a replica group waits at a quorum for the others (a restarted one: their next sync)."},
+        metadata={
+            "help": "Seconds a replica group waits at a quorum for the others (a restarted one: their next sync)."
+        },
     )
     grpo_ft_hostname: str | None = field(
         default=None,

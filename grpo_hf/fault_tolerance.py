@@ -58,7 +58,9 @@ def fault_tolerance_settings(args, environ=None) -> FaultTolerance | None:
         try:
             replica_id = int(environ[REPLICA_ID_ENV])
         except ValueError:
-            raise ConfigError(f"{REPLICA_ID_ENV}={environ[REPLICA_ID_ENV]!r}: use an integer, 0 to replicas - 1.") from None
+            raise ConfigError(
+                f"{REPLICA_ID_ENV}={environ[REPLICA_ID_ENV]!r}: use an integer, 0 to replicas - 1."
+            ) from None
     if replica_id is None:
         raise ConfigError(
             f"grpo_fault_tolerance=True needs this replica group's id: set grpo_ft_replica_id or {REPLICA_ID_ENV} "

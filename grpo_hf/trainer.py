@@ -1,6 +1,7 @@
 """`GRPOMixin` (in front of any `transformers.Trainer` subclass) and `GRPOTrainer`: the wiring, no math."""
 
 import contextlib
+import hashlib
 import os
 import weakref
 
@@ -19,6 +20,7 @@ from .compression import GRPOCommState, compression_plan
 from .compression.fsdp import FSDPCommState, reduce_scatter_bytes
 from .compression.outer_sync import OUTER_DTYPES, OuterSyncState, pack_fragments
 from .compression.plan import resolve_compression, resolve_mode
+from .compression.torchft_group import TorchFTCommunicator
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args, validate_grpo_fields
 from .cost.callback import CostCallback
@@ -35,6 +37,13 @@ from .engines import (
     process_rank,
 )
 from .errors import ConfigError
+from .fault_tolerance import (
+    fault_tolerance_settings,
+    group_store,
+    heal_training_state,
+    replica_data,
+    trainer_heal_state,
+)
 from .grouping import assign_groups, load_group_spec, lr_ratios
 from .hub_guards import check_push_settings, hub_errors
 from .importance import ImportanceState
@@ -46,6 +55,9 @@ from .replica_groups import find_replica_groups, parallelism_for_machines, shard
 
 
 logger = logging.get_logger(__name__)
+# What a healed replica group's first epoch passes the Trainer as its checkpoint: the resume's skip of trained batches
+# (no RNG file is found there: each group keeps its own random state).
+HEALED = "<healed from a live replica group>"
 
 
 class GRPOMixin:
@@ -133,6 +145,9 @@ class GRPOMixin:
         super().__init__(*args, **kwargs)
         ensure_grpo_args(self.args)
         self.grpo_engine = detect_engine(self)  # "single", "ddp", "fsdp2" or "deepspeed"
+        # fault-tolerant replica groups (torchft): the lighthouse, this group's id; checked before any work
+        self.grpo_fault_tolerance = fault_tolerance_settings(self.args)
+        self._grpo_healed = False
         if self.args.grpo_sync_every > 1 and self.grpo_engine == "fsdp2":  # HSDP's replicate dimension: the sync's
             shard_within_replicas(getattr(self.accelerator, "parallelism_config", None))
         self._grpo_probe = None  # DeepSpeed: step hooks on the optimizer ZeRO wraps
@@ -248,8 +263,16 @@ class GRPOMixin:
         )
         if replicas is not None:
             self._use_replica_groups(replicas)
+        communicator = None
+        if self.grpo_fault_tolerance is not None:  # one replica group: the sync runs between the groups
+            if engine != "single":
+                raise ConfigError(
+                    f"grpo_fault_tolerance=True under {engine}: each replica group is one process in this release "
+                    "(launch one process per group, docs/engines.md)."
+                )
+            communicator = TorchFTCommunicator(self.grpo_fault_tolerance, store=group_store())
         exchange = (
-            engine == "ddp" or (replicas is not None and replicas.replicas > 1)
+            engine == "ddp" or (replicas is not None and replicas.replicas > 1) or communicator is not None
         ) and not args.grpo_sync_outer_only
         if not exchange:  # the gradients are averaged every step (DDP) or there is one replica: no Δ codec
             self.grpo_compression = "none"
@@ -275,6 +298,7 @@ class GRPOMixin:
                 moments=args.grpo_sync_moments,
                 replicas=replicas,
                 global_device=args.grpo_sync_global_device,
+                communicator=communicator,
             )
         except ValueError as err:
             raise ConfigError(str(err)) from None
@@ -581,8 +605,12 @@ class GRPOMixin:
             check_grpo_state_files(checkpoint)
             check_checkpoint_optimizer_state(checkpoint, self.args.grpo_optimizer_state)
         self.grpo_callback.resume_from = checkpoint  # restored at `on_train_begin`, after the Trainer's own state
-        output = super().train(checkpoint, *args, **kwargs)
-        sent = self.grpo_comm_state.finish() if self.grpo_comm_state is not None else None  # e.g. the sync's last one
+        try:
+            output = super().train(checkpoint, *args, **kwargs)
+            sent = self.grpo_comm_state.finish() if self.grpo_comm_state is not None else None  # e.g. the sync's last
+        finally:
+            if self.grpo_fault_tolerance is not None and self.grpo_comm_state is not None:
+                self.grpo_comm_state.communicator.shutdown()  # leave the quorum: the lighthouse stops waiting for it
         if sent is not None:
             self.cost_callback.add_comm_bytes(sent)
         output.metrics.update(self.grpo_callback.measured_metrics())
@@ -592,6 +620,61 @@ class GRPOMixin:
         if self.grpo_comm_state is not None:  # GRPO's own: residuals, θ_global, outer momentum
             output.metrics["grpo/memory/grpo_bytes"] = float(sum(self.grpo_comm_state.memory_bytes().values()))
         return output
+
+    # --- fault-tolerant replica groups (grpo_hf.fault_tolerance) ---
+    def get_train_dataloader(self):
+        """[`~transformers.Trainer.get_train_dataloader`]; between fault-tolerant replica groups, this group's part of
+        the data ([`~grpo_hf.fault_tolerance.replica_data`])."""
+        with replica_data(self.grpo_fault_tolerance):
+            return super().get_train_dataloader()
+
+    def _join_replica_groups(self, epochs_trained: int, skipped: int, num_update_steps_per_epoch: int):
+        """
+        Between fault-tolerant replica groups, at train start (after the Trainer's state is set up, a resume's
+        included): the first quorum. A group behind the others (a restarted or a new one) heals from a live one and
+        goes on from its step, skipping the batches it did not train, as a resume does. Returns `(epochs_trained,
+        batches to skip)`, those given when nothing changes.
+        """
+        self._grpo_healed = False
+        if self.grpo_fault_tolerance is None:
+            return epochs_trained, skipped
+        communicator = self.grpo_comm_state.communicator
+        payload = communicator.join(
+            save=lambda: trainer_heal_state(self), step=self.state.global_step, description=self._grpo_description()
+        )
+        if payload is not None:
+            epochs_trained, skipped = heal_training_state(
+                self.state, payload, num_update_steps_per_epoch, self.args.gradient_accumulation_steps
+            )
+            self.grpo_callback.heal_from = payload
+            self._grpo_healed = True
+            logger.warning(
+                f"GRPO fault tolerance: replica group {self.grpo_fault_tolerance.replica_id} healed from a live group "
+                f"at step {self.state.global_step}; it trains on from there."
+            )
+        return epochs_trained, skipped
+
+    def _run_epoch(self, *args, **kwargs):
+        """The Trainer's; the first epoch of a healed replica group skips the batches of the steps it did not train
+        (the Trainer's skip of a resume). Pinned: transformers < 5.30."""
+        if self._grpo_healed and kwargs.get("resume_from_checkpoint") is None:
+            kwargs["resume_from_checkpoint"] = HEALED
+        return super()._run_epoch(*args, **kwargs)
+
+    def _grpo_description(self) -> dict:
+        """What every fault-tolerant replica group must agree on: the settings that shape the training and the sync,
+        and the trainable parameters (names and shapes, as a digest)."""
+        args = self.args
+        shapes = ";".join(
+            f"{name}:{tuple(p.shape)}" for g in self.grpo_groups for name, p in zip(g.param_names, g.params)
+        )
+        fields = ["learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
+                  "lr_scheduler_type", "weight_decay", "optim"]  # fmt: skip
+        fields += [name for name in vars(args) if name.startswith("grpo_") and not name.startswith("grpo_ft_")]
+        described = {name: getattr(args, name) for name in sorted(fields) if hasattr(args, name)}
+        described["trainable_parameters"] = hashlib.sha256(shapes.encode()).hexdigest()[:16]
+        described["world_size_per_group"] = args.world_size
+        return described
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """
@@ -609,12 +692,16 @@ class GRPOMixin:
         Trainer would train one more optimizer step before its `max_steps` check, so that restarting a finished job
         (e.g. torchrun restarting workers with `"last"` after a kill that followed the final save) would change a
         finished model. Everything else of the resume runs as usual (weights, optimizer, scheduler, callback
-        states, `on_train_begin` / `on_train_end`).
+        states, `on_train_begin` / `on_train_end`). Between fault-tolerant replica groups the first quorum follows
+        ([`_join_replica_groups`]). Pinned: transformers < 5.30 (a private method of its training loop).
         """
         epochs_trained, steps_in_epoch = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, *args, **kwargs
         )
         self._warn_overwritten_checkpoints(max_steps, num_update_steps_per_epoch, *args, **kwargs)
+        epochs_trained, steps_in_epoch = self._join_replica_groups(
+            epochs_trained, steps_in_epoch, num_update_steps_per_epoch
+        )
         if 0 < max_steps <= self.state.global_step:
             if self.is_world_process_zero():
                 logger.warning(

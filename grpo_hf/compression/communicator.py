@@ -134,6 +134,19 @@ class Communicator:
         """
         return True
 
+    # --- membership that changes (fault-tolerant replica groups); fixed here ---
+    elastic = False  # whether the ranks may change between syncs (then `world_size` and `rank` are read at each)
+    attempts = 1  # exchanges a sync tries before it is discarded (a failed one is tried again over the survivors)
+    membership_changed = False  # whether the last quorum changed the ranks (owner residuals then start afresh)
+
+    def reconfigure(self, step: int) -> None:
+        """After an exchange that did not [`commit`]: the ranks still alive, for the next attempt (nothing here)."""
+
+    def next_interval(self, step: int) -> dict | None:
+        """At the start of an interval (trainer step `step`, after the step that synced): a new membership, at which
+        late ranks join. Returns what this rank healed from when it was behind (`None` here: nothing changes)."""
+        return None
+
     def duplicate(self) -> "Communicator":
         """A twin over the same ranks, on a group of its own (its collectives do not queue behind this one's).
         Collective: every rank calls it, in the same order."""

@@ -143,6 +143,8 @@ OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # SYNC_DT
 # From this many ranks a blocking sync's codes go through owners (the per-step hook's `allreduce` mode); at 2 the owners'
 # reduce-scatter and all-gather send the bytes of the all-gather, and would quantize `Δ̄` twice.
 OWNER_MIN_WORLD_SIZE = 3
+# Counted between fault-tolerant replica groups only, logged as `grpo/sync/<name>` (beside `grpo/sync/participants`)
+ELASTIC_COUNTERS = ("discarded", "retried", "heals")
 SYNC_BITS = (4, 8, 16)  # codes of fixed size; 32 bits and dense tensors go through an fp32 all-reduce
 
 
@@ -312,8 +314,9 @@ class OuterSyncState(CommState):
         self.stats = StepStats()
         self.swapped: list[torch.Tensor] | None = None
         # dense_steps and nonfinite_steps stay 0: the keys of the per-step hook's totals
+        elastic = ELASTIC_COUNTERS if self.communicator.elastic else ()  # fault-tolerant replica groups
         self.traffic = TrafficStats(
-            counters=("syncs",),
+            counters=("syncs", *elastic),
             run_counters=("nonfinite_syncs", "dense_steps", "nonfinite_steps"),
             peak=True,
             default_density=0.0,
@@ -334,6 +337,12 @@ class OuterSyncState(CommState):
     def exchange_group(self):
         """The process group of the exchanges' twin (`delay > 0`), `None` without one."""
         return getattr(self.exchange_communicator, "group", None)
+
+    @property
+    def apart(self) -> bool:
+        """Whether the ranks send nothing to each other between syncs (replica groups, FSDP2 inside or fault-tolerant):
+        their group norms are their own, and what they keep apart is averaged at each sync ([`share_at_sync`])."""
+        return self.replicas is not None or self.communicator.elastic
 
     @property
     def numel(self) -> int:
@@ -447,14 +456,14 @@ class OuterSyncState(CommState):
         exchange (DDP's all-reduce, or one process, made them identical), and between replica groups, whose replicate
         dimension sends nothing between syncs (each replica's own norms, FSDP2's shards summed).
         """
-        if not self.exchange or self.world_size == 1 or self.replicas is not None:
+        if not self.exchange or self.world_size == 1 or self.apart:
             return norms
         return (self._all_reduce_mean(norms.double() ** 2)).sqrt().to(norms.dtype)
 
     def agree_mean(self, values: torch.Tensor) -> torch.Tensor:
         """The mean over ranks of per-group `values` (float64; e.g. the importance coherence); as is without exchange
         or between replica groups."""
-        if not self.exchange or self.world_size == 1 or self.replicas is not None:
+        if not self.exchange or self.world_size == 1 or self.apart:
             return values
         return self._all_reduce_mean(values.double()).to(values.dtype)
 
@@ -499,7 +508,7 @@ class OuterSyncState(CommState):
             self._start(self.fragments[due[0]])
         elif due:
             self._sync(due)
-        if due and self.share is not None and self.replicas is not None and self.step_world_size > 1:
+        if due and self.share is not None and self.apart and self.step_world_size > 1:
             get, put = self.share
             put(self._all_reduce_mean(get()))  # e.g. the importance state: the same on every rank after a sync
         self.stats.baseline(self.numel, self.world_size)
@@ -547,10 +556,26 @@ class OuterSyncState(CommState):
     @torch.no_grad()
     def _sync(self, due: list[int]) -> None:
         """Steps 3-7 of the module docstring for the fragments `due`, one after the other (work memory: one)."""
-        exchange, world_size = self._exchange(), self.step_world_size
         reshard(self.fsdp_units)  # the restart writes the shards: no unit may keep an unsharded copy
-        keys = SYNC_MOMENTS[self.moments] if self.optimizer is not None and world_size > 1 else ()
         for fragment in (self.fragments[f] for f in due):
+            self._sync_fragment(fragment)
+            self._count_sync(fragment)
+
+    def _sync_fragment(self, fragment: Fragment) -> None:
+        """
+        Steps 3-7 for one fragment. The exchange is kept when the communicator commits it (always over
+        `torch.distributed`); between fault-tolerant replica groups one that fails (a peer died) is tried again over
+        the survivors, its error-feedback residuals restored first, and discarded when that fails too: `θ_global`,
+        momentum and residuals stay as they were, and the parameters restart from `θ_global`.
+        """
+        comm = self.communicator
+        for attempt in range(comm.attempts):
+            if comm.elastic:  # the ranks of the current quorum
+                self.world_size, self.rank = comm.world_size, comm.rank
+            world_size = self.step_world_size
+            exchange = self._exchange()
+            keys = SYNC_MOMENTS[self.moments] if self.optimizer is not None and world_size > 1 else ()
+            saved = fragment.save_error_feedback() if comm.attempts > 1 else None
             deltas = fragment.take_delta()
             # the moments to average join the NaN/Inf check (read in place): set, the flag leaves them alone
             moments = [t for key in keys for held in fragment.moments(self.optimizer, key) for t in held]
@@ -558,17 +583,55 @@ class OuterSyncState(CommState):
             del moments
             if world_size > 1:
                 unsafe = bool(exchange.agree_flag(unsafe, self._device()).wait().item())
-            if unsafe:
-                self._warn_nonfinite("its local steps are dropped")
-            else:
-                if world_size > 1:
-                    fragment.exchange(exchange, deltas, owners=world_size >= OWNER_MIN_WORLD_SIZE)
-                fragment.apply_outer_step(deltas, self.outer_lr, self.outer_momentum)
-            del deltas
+            if not unsafe and world_size > 1:
+                fragment.exchange(exchange, deltas, owners=world_size >= OWNER_MIN_WORLD_SIZE)
+            if comm.commit():
+                break
+            fragment.restore_error_feedback(saved)
+            if attempt + 1 < comm.attempts:
+                self.traffic.count(retried=1)
+                comm.reconfigure(self.step)
+                self._after_quorum()
+        else:
+            self.traffic.count(discarded=1)
+            logger.warning(
+                f"GRPO sync at step {self.step}: the exchange of fragment {fragment.index} failed {comm.attempts} "
+                "times; it is discarded (θ_global, outer momentum and residuals unchanged), and every replica "
+                "restarts the fragment from θ_global."
+            )
             fragment.restart(self.step)
-            if keys and not unsafe:
-                fragment.average_moments(exchange, self.optimizer, keys)
-            self._count_sync(fragment)
+            return
+        if unsafe:
+            self._warn_nonfinite("its local steps are dropped")
+        else:
+            fragment.apply_outer_step(deltas, self.outer_lr, self.outer_momentum)
+        del deltas
+        fragment.restart(self.step)
+        if keys and not unsafe:
+            fragment.average_moments(exchange, self.optimizer, keys)
+
+    def _after_quorum(self) -> None:
+        """A new quorum of the communicator: its ranks, and owner residuals afresh when the membership changed (each
+        rank's share of the blocks is another one)."""
+        comm = self.communicator
+        self.world_size, self.rank = comm.world_size, comm.rank
+        if comm.membership_changed:
+            for fragment in self.fragments:
+                fragment.reset_owner_residuals()
+
+    def step_ended(self, step: int) -> dict | None:
+        """
+        After the trainer closed optimizer step `step` (its scheduler stepped, its step counted): when a fragment
+        synced in it, the communicator's next interval starts (between fault-tolerant replica groups: a quorum, at
+        which restarted or new groups heal from this one). Returns what this rank healed from, when it was behind.
+        """
+        if not self.fragments or not any(last == self.step for last in self.last_sync):
+            return None
+        received = self.communicator.next_interval(step)
+        self._after_quorum()
+        if received is not None:
+            self.traffic.count(heals=1)
+        return received
 
     @torch.no_grad()
     def _start(self, fragment: Fragment) -> None:
@@ -624,7 +687,12 @@ class OuterSyncState(CommState):
         `grpo/comm/syncs` (fragments synced), `grpo/density` (entries exchanged per step over trainable entries),
         `grpo/sparsity`, and `grpo/comm/hook_ms` (time in the syncs per step; measured).
         """
-        return self.traffic.pop_stats()
+        stats = self.traffic.pop_stats()
+        if self.communicator.elastic and stats:
+            for name in ELASTIC_COUNTERS:
+                stats[f"grpo/sync/{name}"] = stats.pop(f"grpo/comm/{name}", 0.0)
+            stats["grpo/sync/participants"] = float(self.communicator.world_size)
+        return stats
 
     def totals(self) -> dict[str, float]:
         """
@@ -659,7 +727,17 @@ class OuterSyncState(CommState):
             "moments": self.moments,
         }
 
-    def state_dict(self) -> dict:
+    def heal_state_dict(self) -> dict:
+        """
+        What a healing replica group receives of this rank (fault-tolerant replica groups, at the start of an
+        interval): [`state_dict`] with `θ_global` and the momentum whatever the rank, and no error-feedback residuals
+        (a peer's would apply its error twice: the healer's start at zero).
+        """
+        state = self.state_dict(shared=True)
+        state["residuals"], state["owner_residuals"] = {}, {}
+        return state
+
+    def state_dict(self, shared: bool | None = None) -> dict:
         """
         What a resumed run needs to continue bit for bit, on cpu, by parameter name: the step, each fragment's last
         sync, the settings and fragments; on rank 0 only `θ_global` and the momentum (the same on every rank); on every
@@ -674,6 +752,7 @@ class OuterSyncState(CommState):
         def cpu(tensors):
             return {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
 
+        shared = self.rank == 0 if shared is None else shared  # θ_global and the momentum: rank 0's by default
         self._complete()  # before the residuals are read: the exchange's new ones are committed
         held = [fragment.state_by_name() for fragment in self.fragments]
         pending = self.pending or {"own": None, "last_sync": [0] * len(self.fragment_names)}
@@ -693,8 +772,8 @@ class OuterSyncState(CommState):
             "hook_calls": self.hook_calls,
             "settings": self.settings(),
             "fragments": [list(names) for names in self.fragment_names],
-            "global": cpu(merged("global")) if self.rank == 0 else {},
-            "momentum": cpu(merged("momentum")) if self.rank == 0 else {},
+            "global": cpu(merged("global")) if shared else {},
+            "momentum": cpu(merged("momentum")) if shared else {},
             "residuals": cpu(merged("residuals")),
             "owner_residuals": cpu(merged("owner_residuals")),
             "local": cpu({name: local_tensor(p) for name, p in self.params.items()}),  # local shards, never DTensors

@@ -39,11 +39,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions, BroadcastOptions
 
 from ..errors import ConfigError
 from .communicator import Communicator
@@ -179,10 +181,8 @@ class TorchFTCommunicator(Communicator):
         rank = self.manager.participating_rank()
         return 0 if rank is None else rank
 
-    @property
-    def attempts(self) -> int:
-        """Exchanges a sync tries before it is discarded: the first, and one over the survivors."""
-        return 2
+    elastic = True  # the groups of a quorum change: the sync reads `world_size` and `rank` at every sync
+    attempts = 2  # a failed exchange is tried once more, over the survivors, before the sync is discarded
 
     def errored(self) -> bool:
         return self.manager is not None and self.manager.errored() is not None
@@ -209,16 +209,16 @@ class TorchFTCommunicator(Communicator):
     def _all_gather_into(self, out, mine, tag) -> list:
         if out.untyped_storage().data_ptr() == mine.untyped_storage().data_ptr():
             mine = mine.clone()  # this rank's part of `out` already: gloo reads and writes apart
-        options = dist.AllgatherOptions()
+        options = AllgatherOptions()
         return self._start(lambda: self.pg.allgather_into_tensor_coalesced([out.view(-1)], [mine], options))
 
     def _all_to_all(self, recv, send, recv_splits, send_splits) -> None:
-        options = dist.AllToAllOptions()
+        options = AllToAllOptions()
         for work in self._start(lambda: self.pg.alltoall_base(recv, send, recv_splits, send_splits, options)):
             work.wait()
 
     def _broadcast(self, tensor, src) -> list:
-        options = dist.BroadcastOptions()
+        options = BroadcastOptions()
         options.rootRank = src
         return self._start(lambda: self.pg.broadcast([tensor], options))
 
@@ -306,9 +306,22 @@ class TorchFTCommunicator(Communicator):
                 f"--min_replicas ({settings.min_replicas} or fewer here) can be met by the groups launched, or raise "
                 "grpo_ft_quorum_timeout."
             ) from None
+        deadline = time.monotonic() + settings.quorum_timeout
+        while time.monotonic() < deadline and (
+            # a heal that failed (e.g. the source's exchange was still failing): the next quorum, from scratch
+            (self.manager.errored() is not None and not self.received)
+            # a fresh run starts with every planned group (those late would only heal at the first sync)
+            or (step == 0 and not self.received and self.world_size < settings.replicas)
+        ):
+            self._quorum(step, allow_heal=True, shrink_only=False)
         if self.manager.errored() is not None:
             self._raise_first_error()
+        self._check_agreement()
         self.joined = True
+        logger.info(
+            f"GRPO fault tolerance: replica group {settings.replica_id} joined {self.world_size} of "
+            f"{settings.replicas} planned groups at step {step}" + (" (healed from a live one)." if self.received else ".")
+        )
         return self._take_received()
 
     def _raise_first_error(self) -> None:
@@ -326,13 +339,13 @@ class TorchFTCommunicator(Communicator):
         quorum_id = manager._quorum_id  # noqa: SLF001 (torchft keeps it private; it changes with the membership)
         self.membership_changed = quorum_id != self.quorum_id
         self.quorum_id = quorum_id
-        if self.membership_changed:
-            self._check_agreement()
 
     def reconfigure(self, step: int) -> None:
         """After a sync that did not commit: a quorum of the survivors (nobody joins or heals), for one more try."""
         self.retries += 1
         self._quorum(step, allow_heal=False, shrink_only=True)
+        if self.membership_changed:
+            self._check_agreement()
 
     def next_interval(self, step: int) -> dict | None:
         """
@@ -340,6 +353,8 @@ class TorchFTCommunicator(Communicator):
         or new groups join and heal from this one. Returns what this group healed from, if it was behind.
         """
         self._quorum(step, allow_heal=True, shrink_only=False)
+        if self.membership_changed:
+            self._check_agreement()
         return self._take_received()
 
     def _take_received(self) -> dict | None:
@@ -402,7 +417,9 @@ def _disagreement(descriptions: list[dict], rank: int) -> str | None:
     if ids.count(mine["replica_id"]) > 1:
         return f"two replica groups have the replica id {mine['replica_id']}."
     for other in descriptions:
-        differs = sorted(key for key in set(mine) | set(other) if key != "replica_id" and mine.get(key) != other.get(key))
+        differs = sorted(
+            key for key in set(mine) | set(other) if key != "replica_id" and mine.get(key) != other.get(key)
+        )
         if differs:
             shown = ", ".join(f"{key}={mine.get(key)!r} here, {other.get(key)!r} in replica group "
                               f"{other['replica_id']}" for key in differs[:3])  # fmt: skip

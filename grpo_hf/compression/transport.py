@@ -127,6 +127,18 @@ class CommState:
         """
         raise NotImplementedError
 
+    def step_ended(self, step: int) -> dict | None:
+        """
+        After the trainer closed optimizer step `step` (scheduler stepped, step counted). Between fault-tolerant replica
+        groups the sync's next interval starts here (a quorum, at which late groups heal from this one); returns what
+        this rank healed from when it was behind. Nothing for the others.
+        """
+        return None
+
+    def heal_state_dict(self) -> dict:
+        """What a healing replica group receives of this rank's transport (fault-tolerant replica groups)."""
+        raise NotImplementedError(f"{type(self).__name__} does not heal replica groups.")
+
     def finish(self) -> float | None:
         """At the end of training: what is left to send (the bytes sent), `None` when nothing ever is."""
         return None
