@@ -465,6 +465,22 @@ def test_no_code_outside_the_comm_states_chooses_a_transport_by_type(module):
     assert not found, f"{module} chooses a transport by type: {found}"
 
 
+@pytest.mark.parametrize("module", [name for name in MODULES if not name.startswith("grpo_hf.compression")])
+def test_no_code_outside_compression_builds_a_transport(module):
+    """
+    Which transport a run gets is chosen in one place, `grpo_hf/compression/build.py` (`build_comm_state`: each
+    transport's `from_settings` says whether it applies and owns its refusals); the trainer only asks. No module outside
+    `grpo_hf.compression` calls a transport's class.
+    """
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if name in TRANSPORTS:
+                found.append(ast.unparse(node)[:80])
+    assert not found, f"{module} builds a transport itself: {found}"
+
+
 # --- the wire: one door ---
 
 # What reaches other ranks, or asks about them, in `torch.distributed`: only a communicator calls these.

@@ -78,6 +78,45 @@ class SavedComms:
             self.log.warning(message)
 
 
+@dataclass
+class CommSettings:
+    """
+    What a transport is built from ([`~grpo_hf.compression.build.build_comm_state`] hands it to each transport's
+    [`CommState.from_settings`] in turn).
+
+    Args:
+        args: the trainer's arguments (`GRPOConfig`'s `grpo_*` fields; the sync between replica groups may turn off
+            `average_tokens_across_devices`).
+        engine (`str`): `"single"`, `"ddp"`, `"fsdp2"` or `"deepspeed"`.
+        plan (`dict[str, CodecSpec | None]`): the compression plan; a transport that sends no codes leaves it dense
+            (every value `None`), and the builder's caller reads it back.
+        compression (`str`): `grpo_compression` resolved (`"none"` when nothing is compressed; set so by a transport
+            that sends no codes).
+        groups (`list`): GRPO's parameter groups (`grpo_hf.grouping.ParameterGroup`).
+        num_processes (`int`): the processes of the run.
+        model (`torch.nn.Module`, *optional*): the model (FSDP2's replica groups are read from it).
+        accelerator (*optional*): the trainer's `Accelerator` (its parallelism config and device mesh).
+        communicator ([`~grpo_hf.compression.communicator.Communicator`], *optional*): the way to the wire the
+            transport is handed; `None`: each makes a `ProcessGroupCommunicator` over its own group (the default one,
+            FSDP2's, the replicas').
+    """
+
+    args: object
+    engine: str
+    plan: dict
+    compression: str
+    groups: list
+    num_processes: int = 1
+    model: object = None
+    accelerator: object = None
+    communicator: object = None
+
+    @property
+    def syncing(self) -> bool:
+        """Whether the ranks sync every H steps (`grpo_sync_every > 1`)."""
+        return self.args.grpo_sync_every > 1
+
+
 class CommState:
     r"""
     The protocol of every transport (see the module docstring). A subclass sets `mode` (its name in checkpoints) and
@@ -87,6 +126,17 @@ class CommState:
 
     __slots__ = ()
     nonfinite_origin = "They were NaN/Inf as the backward pass and gradient synchronization made them (no GRPO codec)"
+
+    # --- building ---
+    @classmethod
+    def refuse(cls, settings: CommSettings) -> None:
+        """Before the plan is built: raise a `ConfigError` for settings this transport would carry but cannot."""
+
+    @classmethod
+    def from_settings(cls, settings: CommSettings) -> "CommState | None":
+        """This transport built from `settings` when they ask for it, else `None` (raises a `ConfigError` for what
+        it cannot carry)."""
+        return None
 
     @property
     def last_step(self) -> str | None:
@@ -268,4 +318,12 @@ def _dropped_residuals_message(saved: SavedComms) -> str:
     )
 
 
-__all__ = ["FSDP_MODE", "OUTER_MODE", "CommState", "SavedComms", "restore_comm_state", "world_size_message"]
+__all__ = [
+    "FSDP_MODE",
+    "OUTER_MODE",
+    "CommSettings",
+    "CommState",
+    "SavedComms",
+    "restore_comm_state",
+    "world_size_message",
+]
