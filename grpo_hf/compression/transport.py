@@ -3,8 +3,14 @@
 A transport is a state class behind one protocol (PEFT's `LoraVariant` idea: the callers never ask which one they
 hold). There are three: [`~grpo_hf.compression.GRPOCommState`] (DDP's compressed exchange at every step, and its
 one-process preview), [`~grpo_hf.compression.fsdp.FSDPCommState`] (FSDP2's compressed reduce-scatter) and
-[`~grpo_hf.compression.outer_sync.OuterSyncState`] (the sync every H steps). The trainer builds the one its settings
-ask for; from then on, one optimizer step's life is the same for all:
+[`~grpo_hf.compression.outer_sync.OuterSyncState`] (the sync every H steps). The one the settings ask for is built
+in one place, [`~grpo_hf.compression.build.build_comm_state`]: each transport's [`CommState.from_settings`] says
+whether it applies to the [`CommSettings`], and owns its refusals; the trainer only asks. A transport is handed its
+way to the wire, a [`~grpo_hf.compression.communicator.Communicator`] (`communicator=`; `process_group=` is a
+convenience that makes a `ProcessGroupCommunicator`), and builds no collective of its own: every collective, rank and
+world size goes through it, timed there, and its time spent communicating is moved into the step's statistics when
+the transport closes the step; the bytes are counted once, by the exchange. From then on, one optimizer step's life is
+the same for all:
 
 1. [`CommState.attach`], once per prepared model, before its first backward: the transport hooks itself in (a DDP comm
    hook, FSDP2's reduce-scatter on every unit) and follows the optimizer.
