@@ -87,15 +87,6 @@ def fault_tolerance_settings(args, environ=None) -> FaultTolerance | None:
     )
 
 
-def group_store(environ=None) -> tuple[str, int] | None:
-    """The replica group's `TCPStore` (torchrun's `MASTER_ADDR` / `MASTER_PORT`) when it has several processes;
-    `None` for one process, whose communicator starts a store of its own."""
-    environ = os.environ if environ is None else environ
-    if int(environ.get("WORLD_SIZE", 1)) > 1 and environ.get("MASTER_ADDR") and environ.get("MASTER_PORT"):
-        return environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
-    return None
-
-
 @contextlib.contextmanager
 def replica_data(settings: FaultTolerance | None):
     """
@@ -158,7 +149,6 @@ __all__ = [
     "LIGHTHOUSE_ENV",
     "REPLICA_ID_ENV",
     "fault_tolerance_settings",
-    "group_store",
     "heal_training_state",
     "replica_data",
     "trainer_heal_state",

@@ -16,11 +16,10 @@ from .checkpoints import (
     resolve_resume_checkpoint,
     warn_overwritten_checkpoints,
 )
-from .compression import GRPOCommState, compression_plan
-from .compression.fsdp import FSDPCommState, reduce_scatter_bytes
-from .compression.outer_sync import OUTER_DTYPES, OuterSyncState, pack_fragments
-from .compression.plan import resolve_compression, resolve_mode
-from .compression.torchft_group import TorchFTCommunicator
+from .compression import compression_plan
+from .compression.build import CommSettings, build_comm_state, refuse_comm_settings
+from .compression.fsdp import reduce_scatter_bytes
+from .compression.plan import resolve_compression
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args, validate_grpo_fields
 from .cost.callback import CostCallback
@@ -39,7 +38,6 @@ from .engines import (
 from .errors import ConfigError
 from .fault_tolerance import (
     fault_tolerance_settings,
-    group_store,
     heal_training_state,
     replica_data,
     trainer_heal_state,
@@ -51,7 +49,7 @@ from .lr_presets import apply_preset
 from .model_card import write_run_summary, write_trainer_model_card
 from .optim.builder import grouped_adamw, grpo_param_groups, keep_embeddings_in_32_bits, memory_metrics
 from .optim.resume import check_checkpoint_optimizer_state
-from .replica_groups import find_replica_groups, parallelism_for_machines, shard_within_replicas
+from .replica_groups import parallelism_for_machines, shard_within_replicas
 
 
 logger = logging.get_logger(__name__)
@@ -185,7 +183,18 @@ class GRPOMixin:
         groups = assign_groups(model, spec, strict=self.args.grpo_groups_strict)
         preset = apply_preset(self.args.grpo_lr_preset, model, groups)  # may split groups (by depth, by fan-in)
         groups = preset.groups
-        self._check_engine_compression(groups)
+        settings = CommSettings(
+            self.args,
+            engine,
+            plan={},
+            compression=self.grpo_compression,
+            groups=groups,
+            num_processes=self.accelerator.num_processes,
+            model=self.model,
+            accelerator=self.accelerator,
+            fault_tolerance=self.grpo_fault_tolerance,
+        )
+        self._check_engine_compression(settings)
         lo, hi = self.args.grpo_lr_scale_min, self.args.grpo_lr_scale_max
         importance = ImportanceState(
             names=[g.name for g in groups],
@@ -201,7 +210,7 @@ class GRPOMixin:
         self.grpo_lr_preset = preset.name  # `auto` resolved
         self.grpo_lr_ratios = lr_ratios(groups, self.args.grpo_lr_ratios, defaults=preset.ratios)
         syncing = self.args.grpo_sync_every > 1  # the sync's pseudo-gradient has codes of its own
-        self.grpo_plan = compression_plan(
+        self.grpo_plan = settings.plan = compression_plan(
             model,
             groups,
             compression=self.grpo_compression,
@@ -209,24 +218,9 @@ class GRPOMixin:
             bits=self.args.grpo_sync_bits if syncing else self.args.grpo_bits,
             min_numel=self.args.grpo_min_compress_numel,
         )
-        self.grpo_comm_state = None
-        if syncing:
-            self.grpo_comm_state = self._outer_sync_state(groups)
-        elif self.grpo_compression != "none" and engine == "fsdp2":
-            self.grpo_comm_state = FSDPCommState(
-                bits=int(self.args.grpo_bits),
-                error_feedback=self.args.grpo_fsdp_error_feedback,
-                dense_warmup_steps=self.args.grpo_dense_warmup_steps,
-            )
-        elif self.grpo_compression != "none":
-            self.grpo_comm_state = GRPOCommState(
-                self.grpo_plan,
-                mode=resolve_mode(self.args.grpo_comm_mode, self.accelerator.num_processes),
-                dense_warmup_steps=self.args.grpo_dense_warmup_steps,
-                scale_gradients=self.args.grpo_scale_gradients,
-                scale_beta=self.args.grpo_scale_beta,
-                scale_clip=self.args.grpo_scale_clip,
-            )
+        self.grpo_comm_state = None  # (none should the transport refuse the settings)
+        self.grpo_comm_state = build_comm_state(settings)  # compression/build.py: each transport says if it applies
+        self.grpo_plan, self.grpo_compression = settings.plan, settings.compression  # dense for a sync without codes
         self.grpo_callback.bind(
             groups,
             importance,
@@ -236,115 +230,20 @@ class GRPOMixin:
         )
         self._grpo_model = model
 
-    def _outer_sync_state(self, groups) -> OuterSyncState:
-        """
-        The sync every `grpo_sync_every` steps ([`~grpo_hf.compression.outer_sync`]): the `Δ` codec from
-        `self.grpo_plan`, GRPO's groups packed into `grpo_sync_fragments` fragments. Under DDP the ranks exchange their
-        `Δ` (unless `grpo_sync_outer_only`); on one process only the outer step is added (with a warning).
-
-        Under FSDP2 the replicas are replica groups ([`~grpo_hf.replica_groups`]): each FSDP2-sharded over its own
-        ranks, syncing their local shards every H steps over their replicate groups; one replica has nothing to sync
-        (a warning; the outer step only).
-
-        Raises:
-            [`~grpo_hf.errors.ConfigError`]: DeepSpeed, a layout the sync cannot run over (tensor parallelism, HSDP
-                sharded at load time), too many fragments for the groups, or a group file's `bits` / `density` the sync
-                cannot send.
-        """
-        args, engine = self.args, self.grpo_engine
-        if engine == "deepspeed":
-            raise ConfigError(
-                f"grpo_sync_every={args.grpo_sync_every} under DeepSpeed: ZeRO reduces the gradients over every rank "
-                "at every step, so there are no replicas to sync. Train with DDP, or FSDP2 with replica groups "
-                "(docs/engines.md), or set grpo_sync_every=1." + engine_from_environment(engine, args)
-            )
-        replicas = (
-            find_replica_groups(self.model, self.accelerator, args.grpo_sync_every) if engine == "fsdp2" else None
-        )
-        if replicas is not None:
-            self._use_replica_groups(replicas)
-        communicator = None
-        if self.grpo_fault_tolerance is not None:  # one replica group: the sync runs between the groups
-            if engine != "single":
-                raise ConfigError(
-                    f"grpo_fault_tolerance=True under {engine}: each replica group is one process in this release "
-                    "(launch one process per group, docs/engines.md)."
-                )
-            communicator = TorchFTCommunicator(self.grpo_fault_tolerance, store=group_store())
-        exchange = (
-            engine == "ddp" or (replicas is not None and replicas.replicas > 1) or communicator is not None
-        ) and not args.grpo_sync_outer_only
-        if not exchange:  # the gradients are averaged every step (DDP) or there is one replica: no Δ codec
-            self.grpo_compression = "none"
-            self.grpo_plan = {name: None for name in self.grpo_plan}
-            if engine == "single" and process_rank(args)[0] == 0:
-                logger.warning(
-                    f"grpo_sync_every={args.grpo_sync_every} on one process: there is nothing to exchange, so only the "
-                    "outer step is added every H steps (the outer-step-only control); no bytes are saved."
-                )
-        units = [(g.name, g.param_names, [p.numel() for p in g.params]) for g in groups]
-        try:
-            return OuterSyncState(
-                self.grpo_plan,
-                pack_fragments(units, args.grpo_sync_fragments),
-                every=args.grpo_sync_every,
-                outer_lr=args.grpo_sync_outer_lr,
-                outer_momentum=args.grpo_sync_outer_momentum,
-                ramp=args.grpo_sync_ramp,
-                dtype=OUTER_DTYPES[args.grpo_sync_global_dtype],
-                exchange=exchange,
-                delay=args.grpo_sync_delay,
-                mix=args.grpo_sync_mix,
-                moments=args.grpo_sync_moments,
-                replicas=replicas,
-                global_device=args.grpo_sync_global_device,
-                communicator=communicator,
-            )
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-
-    def _use_replica_groups(self, replicas) -> None:
-        """
-        Between replica groups: refuse the outer-step-only control (DDP's), warn when one replica leaves nothing to sync,
-        and keep the Trainer's token count inside each replica (its per-step gather over every process would cross the
-        replicate dimension at every step).
-        """
-        args, rank = self.args, process_rank(self.args)[0]
-        if args.grpo_sync_outer_only:
-            raise ConfigError(
-                "grpo_sync_outer_only=True under FSDP2: the control keeps DDP's per-step all-reduce; between replica "
-                "groups train HSDP with grpo_sync_every=1 as the per-step baseline."
-            )
-        if replicas.replicas == 1 and rank == 0:
-            logger.warning(
-                f"grpo_sync_every={args.grpo_sync_every} under FSDP2 with one replica group (FSDP2 shards over every "
-                "process): there is nothing to sync, so only the outer step is added every H steps. For replicas, set "
-                "parallelism_config=ParallelismConfig(dp_replicate_size=R, dp_shard_size=S), launch on several "
-                "machines, or shard the model with grpo_hf.shard_replica_groups (docs/engines.md)."
-            )
-        if replicas.replicas > 1 and args.average_tokens_across_devices:
-            args.average_tokens_across_devices = False
-            if rank == 0:
-                logger.info(
-                    "Replica groups: average_tokens_across_devices=False (each rank's loss is the mean over its own "
-                    "tokens, and FSDP2 averages a replica's shards): the Trainer's per-step gather of token counts "
-                    "over every process would cross the replicate dimension at every step."
-                )
-
     # --- construction-time checks ---
-    def _check_engine_compression(self, groups) -> None:
+    def _check_engine_compression(self, settings: CommSettings) -> None:
         """
-        Refuse compression settings the engine cannot carry; under DeepSpeed, say once that compression is off.
+        Refuse compression settings the engine cannot carry (the transports' own refusals:
+        [`~grpo_hf.compression.build.refuse_comm_settings`]); under DeepSpeed, which has no GRPO transport, say once
+        that compression is off.
 
         Raises:
             [`~grpo_hf.errors.ConfigError`]: a compression setting other than `"auto"` / `"none"` under DeepSpeed;
                 top-k, `grpo_bits="auto"` or per-group `bits` / `density` under FSDP2.
         """
         engine, compression = self.grpo_engine, self.args.grpo_compression
-        if engine == "fsdp2" and self.args.grpo_sync_every > 1:  # FSDP2's own reduce-scatter; the sync's codes are Δ's
-            return
-        origin = engine_from_environment(engine, self.args) if engine in ("deepspeed", "fsdp2") else ""
         if engine == "deepspeed":
+            origin = engine_from_environment(engine, self.args)
             if compression not in ("auto", "none"):
                 raise ConfigError(
                     f"grpo_compression={compression!r} under DeepSpeed: ZeRO reduces gradients itself, so GRPO cannot "
@@ -358,31 +257,7 @@ class GRPOMixin:
                     "gradient compression is off (ZeRO reduces gradients itself)." + origin
                 )
             return
-        if engine != "fsdp2" or self.grpo_compression == "none":
-            return
-        if self.grpo_compression != "quantize":
-            raise ConfigError(
-                f"grpo_compression={compression!r} under FSDP2: its compressed reduce-scatter sends every entry "
-                "(top-k messages would differ in size from rank to rank). Use 'quantize' (or 'auto'), or 'none'."
-                + origin
-            )
-        if str(self.args.grpo_bits) == "2":
-            raise ConfigError(
-                "grpo_bits='2' under FSDP2: its reduce-scatter exchanges messages of one size in one all-to-all, and "
-                "2-bit codes vary in size. Choose grpo_bits=8 (the default) or 4." + origin
-            )
-        if str(self.args.grpo_bits) == "auto":
-            raise ConfigError(
-                "grpo_bits='auto' under FSDP2: FSDP hands the reduce-scatter one flat buffer per unit, so one bit width "
-                "applies to every gradient. Choose one: grpo_bits=8 (or 4, 16, 32)." + origin
-            )
-        for group in groups:
-            if group.rule.bits is not None or group.rule.density is not None:
-                raise ConfigError(
-                    f"GRPO group {group.name!r} sets its own bits/density: under FSDP2 one setting (grpo_bits) "
-                    "applies to every gradient. Remove 'bits' / 'density' (or 'sparsity') from the group file, or set "
-                    "grpo_compression='none'." + origin
-                )
+        refuse_comm_settings(settings)
 
     def _tag_user_optimizer(self, optimizer) -> None:
         """

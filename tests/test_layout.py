@@ -463,3 +463,74 @@ def test_no_code_outside_the_comm_states_chooses_a_transport_by_type(module):
             if modes or _names(node) & set(TRANSPORT_MODES):
                 found.append(ast.unparse(node))
     assert not found, f"{module} chooses a transport by type: {found}"
+
+
+@pytest.mark.parametrize("module", [name for name in MODULES if not name.startswith("grpo_hf.compression")])
+def test_no_code_outside_compression_builds_a_transport(module):
+    """
+    Which transport a run gets is chosen in one place, `grpo_hf/compression/build.py` (`build_comm_state`: each
+    transport's `from_settings` says whether it applies and owns its refusals); the trainer only asks. No module outside
+    `grpo_hf.compression` calls a transport's class.
+    """
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if name in TRANSPORTS:
+                found.append(ast.unparse(node)[:80])
+    assert not found, f"{module} builds a transport itself: {found}"
+
+
+# --- the wire: one door ---
+
+# What reaches other ranks, or asks about them, in `torch.distributed`: only a communicator calls these.
+WIRE_CALLS = {
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "get_backend",
+    "get_process_group_ranks",
+    "get_rank",
+    "get_world_size",
+    "irecv",
+    "isend",
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+    "split_group",
+}
+WIRE_MODULE = "grpo_hf.compression.communicator"
+
+
+@pytest.mark.parametrize(
+    "module", [name for name in MODULES if name.startswith("grpo_hf.compression") and name != WIRE_MODULE]
+)
+def test_no_compression_module_but_the_communicator_touches_the_wire(module):
+    """
+    Every collective of the transports, and every question about the ranks (world size, rank, backend, a group's
+    members, a new group), goes through the `Communicator` a transport is handed (`compression/communicator.py`): no
+    other module of `grpo_hf.compression` calls `torch.distributed` for them, or imports them from it. A fault-tolerant
+    communicator then replaces the wire in one place.
+    """
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in WIRE_CALLS:
+            owner = ast.unparse(node.func.value)
+            if owner in ("dist", "torch.distributed", "distributed"):
+                found.append(ast.unparse(node))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            found.extend(f"from {node.module} import {a.name}" for a in node.names if a.name in WIRE_CALLS)
+    assert not found, f"{module} reaches the wire around its communicator: {found}"

@@ -124,6 +124,8 @@ from ..choices import (
     SYNC_MOMENTS,
     check_sync_settings,
 )
+from ..engines import engine_from_environment, process_rank
+from ..errors import ConfigError
 from ..optim.moments import local_tensor
 from .codec import ENCODE_CHUNK, all_safe, compile_kernels
 from .communicator import Communicator, ProcessGroupCommunicator
@@ -134,7 +136,7 @@ from .schedule import fragment_offsets, fragments_due, ramp_points
 from .spec import CodecSpec
 from .sync_checkpoint import STATE_VERSION, apply_saved, load_sync_state, restore_sync_state
 from .traffic import StepStats, TrafficStats, allreduce_bytes
-from .transport import OUTER_MODE, CommState, SavedComms
+from .transport import OUTER_MODE, CommSettings, CommState, SavedComms
 
 
 logger = logging.getLogger(__name__)
@@ -322,6 +324,75 @@ class OuterSyncState(CommState):
             default_density=0.0,
         )
         self._warned: set[str] = set()
+
+    # --- building ---
+    @classmethod
+    def from_settings(cls, settings: CommSettings) -> "OuterSyncState | None":
+        """
+        The sync every `grpo_sync_every` steps when it is above 1: the `Δ` codec from `settings.plan`, GRPO's groups
+        packed into `grpo_sync_fragments` fragments. Under DDP the ranks exchange their `Δ` (unless
+        `grpo_sync_outer_only`); on one process only the outer step is added (with a warning). Without an exchange the
+        plan becomes dense and the compression `"none"` (in `settings`).
+
+        Under FSDP2 the replicas are replica groups (`grpo_hf.replica_groups`): each FSDP2-sharded over its own ranks,
+        syncing their local shards every H steps over their replicate groups; one replica has nothing to sync (a
+        warning; the outer step only).
+
+        Raises:
+            [`~grpo_hf.errors.ConfigError`]: DeepSpeed, a layout the sync cannot run over (tensor parallelism, HSDP
+                sharded at load time), too many fragments for the groups, or a group file's `bits` / `density` the sync
+                cannot send.
+        """
+        if not settings.syncing:
+            return None
+        from ..replica_groups import find_replica_groups  # (the trainer's layouts: Accelerate's mesh, a marked model)
+
+        args, engine = settings.args, settings.engine
+        if engine == "deepspeed":
+            raise ConfigError(
+                f"grpo_sync_every={args.grpo_sync_every} under DeepSpeed: ZeRO reduces the gradients over every rank "
+                "at every step, so there are no replicas to sync. Train with DDP, or FSDP2 with replica groups "
+                "(docs/engines.md), or set grpo_sync_every=1." + engine_from_environment(engine, args)
+            )
+        replicas = None
+        if engine == "fsdp2":
+            replicas = find_replica_groups(settings.model, settings.accelerator, args.grpo_sync_every)
+        if replicas is not None:
+            _between_replica_groups(args, replicas)
+        communicator = settings.communicator
+        if settings.fault_tolerance is not None:  # this launch is one replica group: the sync runs between groups
+            communicator = _fault_tolerant_communicator(settings)
+        exchange = (
+            engine == "ddp" or (replicas is not None and replicas.replicas > 1) or communicator is not None
+        ) and not args.grpo_sync_outer_only
+        if not exchange:  # the gradients are averaged every step (DDP) or there is one replica: no Δ codec
+            settings.compression = "none"
+            settings.plan = {name: None for name in settings.plan}
+            if engine == "single" and process_rank(args)[0] == 0:
+                logger.warning(
+                    f"grpo_sync_every={args.grpo_sync_every} on one process: there is nothing to exchange, so only the "
+                    "outer step is added every H steps (the outer-step-only control); no bytes are saved."
+                )
+        units = [(g.name, g.param_names, [p.numel() for p in g.params]) for g in settings.groups]
+        try:
+            return cls(
+                settings.plan,
+                pack_fragments(units, args.grpo_sync_fragments),
+                every=args.grpo_sync_every,
+                outer_lr=args.grpo_sync_outer_lr,
+                outer_momentum=args.grpo_sync_outer_momentum,
+                ramp=args.grpo_sync_ramp,
+                dtype=OUTER_DTYPES[args.grpo_sync_global_dtype],
+                exchange=exchange,
+                delay=args.grpo_sync_delay,
+                mix=args.grpo_sync_mix,
+                moments=args.grpo_sync_moments,
+                replicas=replicas,
+                global_device=args.grpo_sync_global_device,
+                communicator=communicator,
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     @property
     def mode(self) -> str:
@@ -828,6 +899,54 @@ class OuterSyncState(CommState):
             f"outer_momentum={self.outer_momentum}, ramp={self.ramp}, exchange={self.exchange}, delay={self.delay}, "
             f"mix={self.mix}, moments={self.moments!r}, step={self.step}, world_size={self.world_size})"
         )
+
+
+def _fault_tolerant_communicator(settings: CommSettings):
+    """
+    The way to the wire of one fault-tolerant replica group: torchft's managed process group
+    ([`~grpo_hf.compression.torchft_group.TorchFTCommunicator`]). One process per group in this release.
+
+    Raises:
+        [`~grpo_hf.errors.ConfigError`]: several processes in the group (DDP or FSDP2 inside).
+    """
+    from .torchft_group import TorchFTCommunicator, group_store
+
+    if settings.engine != "single":
+        raise ConfigError(
+            f"grpo_fault_tolerance=True under {settings.engine} ({settings.num_processes} processes): in this release "
+            "each fault-tolerant replica group is one process. Launch one process per group (docs/engines.md, "
+            "'Surviving a lost machine'), or use replica groups without fault tolerance (FSDP2 inside)."
+        )
+    return TorchFTCommunicator(settings.fault_tolerance, store=group_store())
+
+
+def _between_replica_groups(args, replicas: ReplicaGroups) -> None:
+    """
+    Between replica groups: refuse the outer-step-only control (DDP's), warn when one replica leaves nothing to sync,
+    and keep the Trainer's token count inside each replica (its per-step gather over every process would cross the
+    replicate dimension at every step).
+    """
+    rank = process_rank(args)[0]
+    if args.grpo_sync_outer_only:
+        raise ConfigError(
+            "grpo_sync_outer_only=True under FSDP2: the control keeps DDP's per-step all-reduce; between replica "
+            "groups train HSDP with grpo_sync_every=1 as the per-step baseline."
+        )
+    if replicas.replicas == 1 and rank == 0:
+        logger.warning(
+            f"grpo_sync_every={args.grpo_sync_every} under FSDP2 with one replica group (FSDP2 shards over every "
+            "process): there is nothing to sync, so only the outer step is added every H steps. For replicas, set "
+            "parallelism_config=ParallelismConfig(dp_replicate_size=R, dp_shard_size=S), launch on several "
+            "machines, or shard the model with grpo_hf.shard_replica_groups (docs/engines.md)."
+        )
+    if replicas.replicas > 1 and args.average_tokens_across_devices:
+        args.average_tokens_across_devices = False
+        if rank == 0:
+            logger.info(
+                "Replica groups: average_tokens_across_devices=False (each rank's loss is the mean over its own "
+                "tokens, and FSDP2 averages a replica's shards): the Trainer's per-step gather of token counts "
+                "over every process would cross the replicate dimension at every step."
+            )
 
 
 def local_gradient_hook(state: OuterSyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -15,11 +15,12 @@ from .codec import Kernels, compile_kernels
 from .communicator import Communicator, ProcessGroupCommunicator
 from .hook import compress_locally, grpo_comm_hook
 from .layout import BucketLayout, Run, bucket_layout
+from .plan import resolve_mode
 from .reshard import STATE_VERSION, reshard_comm_state
 from .row_store import RESIDUAL_DTYPE, RowStore
 from .spec import MODES, CodecSpec
 from .traffic import StepStats, TrafficStats
-from .transport import CommState, SavedComms, world_size_message
+from .transport import CommSettings, CommState, SavedComms, world_size_message
 
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,25 @@ class GRPOCommState(CommState):
         self.hook_calls = 0
         self.traffic = TrafficStats(counters=("dense_steps",), run_counters=("nonfinite_steps",))
         self._warned: set[str] = set()
+
+    @classmethod
+    def from_settings(cls, settings: CommSettings) -> "GRPOCommState | None":
+        """
+        DDP's compressed exchange at every step (on one process its preview, [`compress_locally`]) when the ranks do
+        not sync every H steps, something is compressed, and FSDP2 does not reduce the gradients; else `None`.
+        """
+        if settings.syncing or settings.compression == "none" or settings.engine == "fsdp2":
+            return None
+        args = settings.args
+        return cls(
+            settings.plan,
+            mode=resolve_mode(args.grpo_comm_mode, settings.num_processes),
+            dense_warmup_steps=args.grpo_dense_warmup_steps,
+            scale_gradients=args.grpo_scale_gradients,
+            scale_beta=args.grpo_scale_beta,
+            scale_clip=args.grpo_scale_clip,
+            communicator=settings.communicator,
+        )
 
     @property
     def process_group(self):

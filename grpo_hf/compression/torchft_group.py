@@ -320,7 +320,8 @@ class TorchFTCommunicator(Communicator):
         self.joined = True
         logger.info(
             f"GRPO fault tolerance: replica group {settings.replica_id} joined {self.world_size} of "
-            f"{settings.replicas} planned groups at step {step}" + (" (healed from a live one)." if self.received else ".")
+            f"{settings.replicas} planned groups at step {step}"
+            + (" (healed from a live one)." if self.received else ".")
         )
         return self._take_received()
 
@@ -410,6 +411,15 @@ class TorchFTCommunicator(Communicator):
         )
 
 
+def group_store(environ=None) -> tuple[str, int] | None:
+    """The replica group's `TCPStore` (torchrun's `MASTER_ADDR` / `MASTER_PORT`) when it has several processes;
+    `None` for one process, whose communicator starts a store of its own."""
+    environ = os.environ if environ is None else environ
+    if int(environ.get("WORLD_SIZE", 1)) > 1 and environ.get("MASTER_ADDR") and environ.get("MASTER_PORT"):
+        return environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+    return None
+
+
 def _disagreement(descriptions: list[dict], rank: int) -> str | None:
     """What sets `descriptions[rank]` apart from the other groups' (a setting, the model, a shared replica id)."""
     mine = descriptions[rank]
@@ -438,4 +448,4 @@ def _hostname(lighthouse: str) -> str:
     return "127.0.0.1" if _loopback(lighthouse) else socket.gethostname()
 
 
-__all__ = ["HEAL_KEY", "FaultTolerance", "TorchFTCommunicator", "import_torchft"]
+__all__ = ["HEAL_KEY", "FaultTolerance", "TorchFTCommunicator", "group_store", "import_torchft"]
