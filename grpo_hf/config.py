@@ -716,6 +716,7 @@ def _check_sync_fields(args) -> None:
     field names), what `grpo_sync_every=1` (no sync) leaves no room for, and what a sync every H steps cannot run with.
     """
     every, delay, moments = args.grpo_sync_every, args.grpo_sync_delay, args.grpo_sync_moments
+    _check_fault_tolerance(args)
     if every == 1 and delay != 0:
         raise ConfigError(
             f"grpo_sync_delay={delay} needs grpo_sync_every > 1: it delays the sync every H steps, and "
@@ -764,7 +765,6 @@ def _check_sync_fields(args) -> None:
             f"grpo_sync_bits={sync_bits} with grpo_compression='none': 'none' sends the pseudo-gradient in fp32. Use "
             "one of the two: grpo_compression='auto' with grpo_sync_bits, or grpo_compression='none'."
         )
-    _check_fault_tolerance(args)
     if args.grpo_sync_outer_only and args.grpo_compression not in ("none", "auto"):
         raise ConfigError(
             f"grpo_sync_outer_only=True with grpo_compression={args.grpo_compression!r}: the control keeps DDP's own "
@@ -800,6 +800,11 @@ def _check_fault_tolerance(args) -> None:
         )
     if args.grpo_sync_outer_only:
         raise ConfigError("grpo_fault_tolerance=True with grpo_sync_outer_only=True: the control exchanges nothing.")
+    if args.grpo_sync_moments != "none":
+        raise ConfigError(
+            f"grpo_fault_tolerance=True with grpo_sync_moments={args.grpo_sync_moments!r}: not supported between "
+            "fault-tolerant replica groups in this release. Use grpo_sync_moments='none'."
+        )
     replicas = args.grpo_ft_replicas
     if replicas is not None and replicas < 1:
         raise ConfigError(f"grpo_ft_replicas={replicas}: use the number of replica groups the run is planned for.")

@@ -251,6 +251,7 @@ class OuterSyncState(CommState):
         "swapped",
         # --- statistics ---
         "traffic",
+        "participants",
         "_warned",
     )
     nonfinite_origin = (
@@ -324,6 +325,7 @@ class OuterSyncState(CommState):
             default_density=0.0,
         )
         self._warned: set[str] = set()
+        self.participants: list[int] = []  # between fault-tolerant replica groups: the ranks of each sync kept
 
     # --- building ---
     @classmethod
@@ -664,6 +666,7 @@ class OuterSyncState(CommState):
                 comm.reconfigure(self.step)
                 self._after_quorum()
         else:
+            self.participants.append(0)  # nobody's exchange was kept
             self.traffic.count(discarded=1)
             logger.warning(
                 f"GRPO sync at step {self.step}: the exchange of fragment {fragment.index} failed {comm.attempts} "
@@ -672,6 +675,8 @@ class OuterSyncState(CommState):
             )
             fragment.restart(self.step)
             return
+        if comm.elastic:
+            self.participants.append(world_size)
         if unsafe:
             self._warn_nonfinite("its local steps are dropped")
         else:
@@ -762,7 +767,8 @@ class OuterSyncState(CommState):
         if self.communicator.elastic and stats:
             for name in ELASTIC_COUNTERS:
                 stats[f"grpo/sync/{name}"] = stats.pop(f"grpo/comm/{name}", 0.0)
-            stats["grpo/sync/participants"] = float(self.communicator.world_size)
+            if self.participants:  # of the window's last sync (0: discarded)
+                stats["grpo/sync/participants"] = float(self.participants[-1])
         return stats
 
     def totals(self) -> dict[str, float]:

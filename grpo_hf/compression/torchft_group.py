@@ -307,11 +307,14 @@ class TorchFTCommunicator(Communicator):
                 "grpo_ft_quorum_timeout."
             ) from None
         deadline = time.monotonic() + settings.quorum_timeout
+        start_by = time.monotonic() + settings.timeout  # how long a fresh run waits for its planned groups
         while time.monotonic() < deadline and (
             # a heal that failed (e.g. the source's exchange was still failing): the next quorum, from scratch
             (self.manager.errored() is not None and not self.received)
             # a fresh run starts with every planned group (those late would only heal at the first sync)
-            or (step == 0 and not self.received and self.world_size < settings.replicas)
+            or (
+                step == 0 and not self.received and self.world_size < settings.replicas and time.monotonic() < start_by
+            )
         ):
             self._quorum(step, allow_heal=True, shrink_only=False)
         if self.manager.errored() is not None:

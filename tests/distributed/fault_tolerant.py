@@ -73,6 +73,7 @@ def main():
     parser.add_argument("--step_seconds", type=float, default=0.0)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--bits", default="4")
+    parser.add_argument("--lr", type=float, default=3e-3)
     options = parser.parse_args()
 
     args = worker_config(
@@ -82,6 +83,7 @@ def main():
         grpo_min_compress_numel=256,
         grpo_sync_every=options.every,
         grpo_sync_bits=options.bits,
+        learning_rate=options.lr,
         grpo_fault_tolerance=True,
         grpo_ft_replica_id=options.replica_id,
         grpo_ft_replicas=options.replicas,
@@ -104,6 +106,7 @@ def main():
         "steps": record.steps,
         "participants": record.participants,
         "heals": comm.heals,
+        "sync_participants": state.participants,
         "totals": state.totals(),
         "global": tensor_digest([t for f in fragments for t in f.theta]),
         "momentum": tensor_digest([t for f in fragments for t in (f.momentum or [])]),
