@@ -177,7 +177,11 @@ class GRPOMixin:
         hyperparameter-search trial may have changed them).
         """
         engine = self.grpo_engine
-        distributed = engine == "ddp" or (engine == "fsdp2" and self.accelerator.num_processes > 1)
+        distributed = (
+            engine == "ddp"
+            or (engine == "fsdp2" and self.accelerator.num_processes > 1)
+            or self.grpo_fault_tolerance is not None  # the replica groups exchange at every sync
+        )
         self.grpo_compression = resolve_compression(self.args.grpo_compression, distributed)
         spec = load_group_spec(self.args.grpo_groups)
         groups = assign_groups(model, spec, strict=self.args.grpo_groups_strict)

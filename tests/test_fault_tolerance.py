@@ -252,6 +252,14 @@ class Lighthouse:
                 codes.append(None)
         return codes
 
+    def wait_for_step(self, replica_id: int, step: int, timeout: float = 300) -> None:
+        """Until replica group `replica_id` has closed step `step` (its progress file)."""
+        progress = self.out / f"progress-replica{replica_id}.txt"
+        deadline = time.monotonic() + timeout
+        while not (progress.exists() and int(progress.read_text() or 0) >= step):
+            assert time.monotonic() < deadline, self.output()
+            time.sleep(0.2)
+
     def output(self) -> str:
         return "\n".join(f"--- {name}\n" + Path(name).read_text()[-3000:] for name in self.logs)
 
@@ -309,15 +317,19 @@ def test_a_killed_replica_group_is_left_out_and_heals_when_relaunched(lighthouse
 @pytest.mark.slow
 @pytest.mark.peers
 def test_a_group_that_joins_late_heals_and_ends_identical(lighthouse):
-    # planned for 3 groups; two start (they wait for the third up to grpo_ft_timeout, then go), the third joins later
+    # planned for 3 groups, two start (they wait for the third up to grpo_ft_timeout, then go); the third, ready and
+    # waiting, is let in once group 0 has trained 8 steps: it heals at the next quorum and trains on with the others
+    go = lighthouse.out / "go"
     procs = [lighthouse.launch(r, "--step_seconds", "0.4") for r in range(2)]
-    time.sleep(25)
-    procs.append(lighthouse.launch(2, "--step_seconds", "0.4"))
+    procs.append(lighthouse.launch(2, "--step_seconds", "0.4", "--wait_for", str(go)))
+    lighthouse.wait_for_step(0, 8)
+    go.touch()
     assert lighthouse.wait(procs) == [0, 0, 0], lighthouse.output()
     results = lighthouse.results()
     _assert_identical(results, 3)
-    assert results[2]["heals"] == 1 and results[2]["first_step"] > 0
-    assert results[0]["sync_participants"][0] == 2 and results[0]["sync_participants"][-1] == 3
+    assert results[2]["heals"] == 1 and results[2]["first_step"] >= 8
+    participants = results[0]["sync_participants"]
+    assert participants[0] == 2 and participants[-1] == 3, participants  # scaled up from 2 groups to 3
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ syncs), `--kill_in_exchange K` in the middle of the exchange of the sync at step
 started). `--step_seconds S` slows every step down so that a relaunched group can catch the others.
 
 Usage: python fault_tolerant.py OUT_DIR REPLICA_ID [--kill_at_step K] [--kill_in_exchange K] [--step_seconds S]
-       [--replicas R] [--max_steps N] [--every H] [--tag NAME]
+       [--replicas R] [--max_steps N] [--every H] [--tag NAME] [--lr LR] [--wait_for FILE]
 """
 
 import argparse
@@ -42,6 +42,10 @@ class Record(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append(state.global_step)
+        progress = os.path.join(self.options.out_dir, f"progress-replica{self.options.replica_id}.txt")
+        with open(progress + ".tmp", "w") as f:
+            f.write(str(state.global_step))
+        os.replace(progress + ".tmp", progress)
         comm = self.trainer.grpo_comm_state.communicator
         self.participants[state.global_step] = comm.world_size
         if state.global_step == self.options.kill_at_step:
@@ -74,6 +78,7 @@ def main():
     parser.add_argument("--tag", default="run")
     parser.add_argument("--bits", default="4")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--wait_for", default=None, help="a file whose existence starts the training (a late join)")
     options = parser.parse_args()
 
     args = worker_config(
@@ -90,7 +95,10 @@ def main():
         grpo_ft_timeout=10,
         grpo_ft_quorum_timeout=120,
     )
-    trainer = GRPOTrainer(model=tiny_test_llama(seed=0), args=args, train_dataset=random_tokens(512, 16))
+    model, data = tiny_test_llama(seed=0), random_tokens(512, 16)
+    while options.wait_for and not os.path.exists(options.wait_for):  # imported and ready: joins the moment it is told
+        time.sleep(0.1)
+    trainer = GRPOTrainer(model=model, args=args, train_dataset=data)
     record = Record(trainer, options)
     trainer.add_callback(record)
     state = trainer.grpo_comm_state
