@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from testing_utils import tiny_test_llama
+from testing_utils import run_torchrun, tiny_test_llama
 
 from grpo_hf import ConfigError, GRPOConfig, GRPOTrainer
 from grpo_hf.compression import CodecSpec
@@ -330,6 +330,26 @@ def test_a_group_that_joins_late_heals_and_ends_identical(lighthouse):
     assert results[2]["heals"] == 1 and results[2]["first_step"] >= 8
     participants = results[0]["sync_participants"]
     assert participants[0] == 2 and participants[-1] == 3, participants  # scaled up from 2 groups to 3
+
+
+@pytest.mark.slow
+@pytest.mark.peers
+def test_without_faults_the_groups_train_as_the_ranks_of_one_ddp_job(lighthouse, tmp_path):
+    # the same seeds and data: each group reads the batches of the DDP rank of its replica id, and the sync exchanges
+    # the same codes in the same order (torchft's process group instead of DDP's)
+    assert lighthouse.wait([lighthouse.launch(r, "--replicas", "2") for r in range(2)]) == [0, 0], lighthouse.output()
+    groups = lighthouse.results()
+    run = run_torchrun(WORKER, tmp_path / "ddp", "0", "--ddp", "--replicas", "2", "--tag", "ddp", nproc=2, timeout=420)
+    assert run.returncode == 0, run.logs()
+    ddp = {int(p.stem.split("replica")[1]): json.loads(p.read_text()) for p in (tmp_path / "ddp").glob("ddp-replica*")}
+    assert set(groups) == set(ddp) == {0, 1}
+    for rank in (0, 1):
+        for key in ("global", "params", "global_step"):
+            assert groups[rank][key] == ddp[rank][key], (rank, key)  # bit-identical models
+    # DDP logs the mean of its ranks' losses; each group logs its own
+    mean = [(a + b) / 2 for a, b in zip(groups[0]["losses"], groups[1]["losses"])]
+    assert ddp[0]["losses"] == pytest.approx(mean, rel=1e-6)
+    assert groups[0]["sync_participants"] == [2] * groups[0]["totals"]["syncs"]
 
 
 @pytest.mark.slow

@@ -43,9 +43,10 @@ class Record(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append(state.global_step)
         progress = os.path.join(self.options.out_dir, f"progress-replica{self.options.replica_id}.txt")
-        with open(progress + ".tmp", "w") as f:
+        partial = f"{progress}.{os.getpid()}"
+        with open(partial, "w") as f:
             f.write(str(state.global_step))
-        os.replace(progress + ".tmp", progress)
+        os.replace(partial, progress)
         comm = self.trainer.grpo_comm_state.communicator
         self.participants[state.global_step] = comm.world_size
         if state.global_step == self.options.kill_at_step:
@@ -78,6 +79,7 @@ def main():
     parser.add_argument("--tag", default="run")
     parser.add_argument("--bits", default="4")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--ddp", action="store_true", help="no fault tolerance: the ranks of one torchrun job instead")
     parser.add_argument("--wait_for", default=None, help="a file whose existence starts the training (a late join)")
     options = parser.parse_args()
 
@@ -89,11 +91,17 @@ def main():
         grpo_sync_every=options.every,
         grpo_sync_bits=options.bits,
         learning_rate=options.lr,
-        grpo_fault_tolerance=True,
-        grpo_ft_replica_id=options.replica_id,
-        grpo_ft_replicas=options.replicas,
-        grpo_ft_timeout=10,
-        grpo_ft_quorum_timeout=120,
+        **(
+            {}
+            if options.ddp
+            else dict(
+                grpo_fault_tolerance=True,
+                grpo_ft_replica_id=options.replica_id,
+                grpo_ft_replicas=options.replicas,
+                grpo_ft_timeout=10,
+                grpo_ft_quorum_timeout=120,
+            )
+        ),
     )
     model, data = tiny_test_llama(seed=0), random_tokens(512, 16)
     while options.wait_for and not os.path.exists(options.wait_for):  # imported and ready: joins the moment it is told
@@ -105,6 +113,10 @@ def main():
     if options.kill_in_exchange >= 0:
         kill_in_exchange(options.kill_in_exchange, state)
     trainer.train()
+    if options.ddp:
+        import torch.distributed as dist
+
+        options.replica_id = dist.get_rank()
     comm = state.communicator
     fragments = state.fragments
     result = {
@@ -113,7 +125,7 @@ def main():
         "first_step": record.first_step,
         "steps": record.steps,
         "participants": record.participants,
-        "heals": comm.heals,
+        "heals": getattr(comm, "heals", 0),
         "sync_participants": state.participants,
         "totals": state.totals(),
         "global": tensor_digest([t for f in fragments for t in f.theta]),
@@ -121,7 +133,6 @@ def main():
         "params": tensor_digest([p for p in state.params.values()]),
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
     }
-    comm.shutdown()
     path = os.path.join(options.out_dir, f"{options.tag}-replica{options.replica_id}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1, sort_keys=True)
