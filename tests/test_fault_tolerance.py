@@ -349,7 +349,7 @@ def test_without_faults_the_groups_train_as_the_ranks_of_one_ddp_job(lighthouse,
     # DDP logs the mean of its ranks' losses; each group logs its own
     mean = [(a + b) / 2 for a, b in zip(groups[0]["losses"], groups[1]["losses"])]
     assert ddp[0]["losses"] == pytest.approx(mean, rel=1e-6)
-    assert groups[0]["sync_participants"] == [2] * groups[0]["totals"]["syncs"]
+    assert groups[0]["sync_participants"] == [2] * int(groups[0]["totals"]["syncs"])
 
 
 @pytest.mark.slow
