@@ -511,6 +511,7 @@ class GRPOCallback(TrainerCallback):
     ):
         self.cost_callback = None  # set by GRPOMixin: its counted figures are checkpointed with the GRPO state
         self.resume_from: str | None = None
+        self.heal_from: dict | None = None  # what a fault-tolerant replica group healed from (applied at train begin)
         self.nonfinite = NonfiniteSteps(drop_nonfinite_gradients, max_consecutive_skips)
         self.step_metrics = StepMetrics(log_groups)
         self.probe: OptimizerStepProbe | None = None
@@ -667,6 +668,14 @@ class GRPOCallback(TrainerCallback):
             if self.cost_callback is not None:
                 self.cost_callback.add_comm_bytes(sent)
 
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.comm_state is not None:  # between fault-tolerant replica groups: the next interval's quorum
+            if self.comm_state.step_ended(state.global_step) is not None:
+                logger.warning(
+                    f"GRPO fault tolerance: this replica group was behind the others at step {state.global_step} "
+                    "while training; it goes on from its own state."
+                )
+
     def on_train_end(self, args, state, control, **kwargs):
         self.nonfinite.train_end(state)
 
@@ -702,9 +711,32 @@ class GRPOCallback(TrainerCallback):
             "cost": self.cost_callback.counted_state() if self.cost_callback is not None else None,
         }
 
+    def heal_state(self) -> dict:
+        """What a healing replica group receives of GRPO's state (fault-tolerant replica groups): [`state_dict`] with
+        the transport's [`~grpo_hf.compression.transport.CommState.heal_state_dict`]."""
+        saved = self.state_dict()
+        saved["comm"] = self.comm_state.heal_state_dict() if self.comm_state is not None else None
+        return saved
+
+    def load_heal_state(self, saved: dict) -> None:
+        """A live replica group's [`heal_state`], into this healing one (before its first step)."""
+        self.importance.load_state_dict(saved["importance"])
+        self.nonfinite_steps = int(saved.get("nonfinite_steps", 0))
+        self.consecutive_skips = int(saved.get("consecutive_skips", 0))
+        if self.cost_callback is not None and saved.get("cost") is not None:
+            self.cost_callback.resume_counts(saved["cost"])
+        if self.comm_state is not None and saved.get("comm") is not None:
+            self.comm_state.load_state_dict(saved["comm"], saved["comm"])
+
     def on_train_begin(self, args, state, control, **kwargs):
         self.nonfinite.clips = args.max_grad_norm is not None and args.max_grad_norm > 0
         self.nonfinite.streak = 0
+        if self.heal_from is not None:  # a fault-tolerant replica group that healed at its first quorum
+            payload, self.heal_from = self.heal_from, None
+            scheduler = kwargs.get("lr_scheduler")
+            if scheduler is not None and payload.get("scheduler") is not None:
+                scheduler.load_state_dict(payload["scheduler"])
+            self.load_heal_state(payload["grpo"])
         if self.resume_from is not None:
             rank, world_size = process_rank(args)
             self.load_checkpoint(

@@ -230,6 +230,34 @@ class GRPOConfig(CostFields, TrainingArguments):
             a control that saves no bytes (it separates the outer optimizer's effect from the savings). Needs
             `grpo_sync_every > 1` and `grpo_compression` `"none"` or `"auto"`.
 
+    Parameters of fault-tolerant replica groups (torchft; see "Surviving a lost machine" in `docs/engines.md` and
+    [`~grpo_hf.fault_tolerance`]):
+
+        grpo_fault_tolerance (`bool`, *optional*, defaults to `False`):
+            This launch is one replica group of a fault-tolerant run: the sync every `H` steps runs between the groups
+            (each its own `torchrun` / `accelerate launch`, or one process) through torchft's lighthouse and process
+            group. A group that dies is left out and the others go on without restarting; a restarted or new group
+            heals from a live one at the next sync. Needs `grpo_sync_every > 1`, `grpo_sync_delay=0` and torchft
+            (`pip install 'grpo_hf[peers]'`).
+        grpo_ft_lighthouse (`str`, *optional*):
+            The lighthouse's address (`torchft_lighthouse --bind [::]:29510`), e.g. `http://10.0.0.1:29510`;
+            `TORCHFT_LIGHTHOUSE` when unset.
+        grpo_ft_replica_id (`int`, *optional*):
+            This group's id, `0` to `grpo_ft_replicas - 1`, its own: it picks the group's part of the data.
+            `GRPO_HF_REPLICA_ID` when unset.
+        grpo_ft_replicas (`int`, *optional*):
+            The replica groups the run is planned for: the data is split into that many parts, one per replica id.
+        grpo_ft_min_replicas (`int`, *optional*, defaults to `1`):
+            A sync is kept only when at least this many groups took part (torchft's `min_replica_size`).
+        grpo_ft_timeout (`float`, *optional*, defaults to `60`):
+            Seconds a collective of the sync or a heal may take before a peer is given up (`TORCHFT_TIMEOUT_SEC`).
+        grpo_ft_quorum_timeout (`float`, *optional*, defaults to `900`):
+            Seconds a group waits at a quorum for the others, e.g. a restarted group for the live groups' next sync
+            (`TORCHFT_QUORUM_TIMEOUT_SEC`).
+        grpo_ft_hostname (`str`, *optional*):
+            The address other groups reach this group's manager at, to heal from it; the machine's name when unset
+            (the loopback address for a lighthouse on the loopback).
+
         The names these four fields had before (`grpo_outer_lr`, `grpo_outer_momentum`, `grpo_outer_dtype`,
         `grpo_outer_control`) are deprecated aliases, accepted for one more release with a `FutureWarning`
         ([`DEPRECATED_FIELDS`]).
@@ -496,6 +524,51 @@ class GRPOConfig(CostFields, TrainingArguments):
         },
     )
 
+    # --- fault-tolerant replica groups (torchft; grpo_hf.fault_tolerance) ---
+    grpo_fault_tolerance: bool = field(
+        default=False,
+        metadata={
+            "help": "With grpo_sync_every > 1: this launch is one replica group of a fault-tolerant run; the sync runs "
+            "between the groups through torchft (pip install 'grpo_hf[peers]'): a lost group is left out, the others "
+            "go on, a restarted one heals from a live one at the next sync (docs/engines.md)."
+        },
+    )
+    grpo_ft_lighthouse: str | None = field(
+        default=None,
+        metadata={
+            "help": "The torchft lighthouse's address, e.g. http://10.0.0.1:29510 (TORCHFT_LIGHTHOUSE if unset)."
+        },
+    )
+    grpo_ft_replica_id: int | None = field(
+        default=None,
+        metadata={
+            "help": "This replica group's id, 0 to grpo_ft_replicas - 1, its own: it picks the group's part of the data "
+            "(GRPO_HF_REPLICA_ID if unset)."
+        },
+    )
+    grpo_ft_replicas: int | None = field(
+        default=None,
+        metadata={"help": "The replica groups the run is planned for: the data is split into that many parts."},
+    )
+    grpo_ft_min_replicas: int = field(
+        default=1,
+        metadata={"help": "A sync is kept only when at least this many replica groups took part."},
+    )
+    grpo_ft_timeout: float = field(
+        default=60.0,
+        metadata={"help": "Seconds a collective of the sync or a heal may take before a peer is given up."},
+    )
+    grpo_ft_quorum_timeout: float = field(
+        default=900.0,
+        metadata={
+            "help": "Seconds a replica group waits at a quorum for the others (a restarted one: their next sync)."
+        },
+    )
+    grpo_ft_hostname: str | None = field(
+        default=None,
+        metadata={"help": "The address other replica groups reach this one's manager at, to heal from it."},
+    )
+
     # --- deprecated names of the sync's fields (one release; see DEPRECATED_FIELDS) ---
     grpo_outer_lr: float | None = field(
         default=None,
@@ -658,6 +731,7 @@ def _check_sync_fields(args) -> None:
     field names), what `grpo_sync_every=1` (no sync) leaves no room for, and what a sync every H steps cannot run with.
     """
     every, delay, moments = args.grpo_sync_every, args.grpo_sync_delay, args.grpo_sync_moments
+    _check_fault_tolerance(args)
     if every == 1 and delay != 0:
         raise ConfigError(
             f"grpo_sync_delay={delay} needs grpo_sync_every > 1: it delays the sync every H steps, and "
@@ -723,6 +797,43 @@ def _check_sync_fields(args) -> None:
             f"grpo_sync_every={every} with fp16=True: between syncs each rank's fp16 GradScaler would skip steps on its "
             "own gradients. Use bf16=True (or fp32), or grpo_sync_every=1."
         )
+
+
+def _check_fault_tolerance(args) -> None:
+    """The fault-tolerance fields' own ranges and what they need of the sync (the environment is read by the trainer)."""
+    if not getattr(args, "grpo_fault_tolerance", False):
+        return
+    if args.grpo_sync_every <= 1:
+        raise ConfigError(
+            "grpo_fault_tolerance=True needs grpo_sync_every > 1: the replica groups meet at the sync every H steps "
+            "(e.g. grpo_sync_every=32)."
+        )
+    if args.grpo_sync_delay:
+        raise ConfigError(
+            f"grpo_fault_tolerance=True with grpo_sync_delay={args.grpo_sync_delay}: a delayed exchange would outlive "
+            "its quorum. Use grpo_sync_delay=0."
+        )
+    if args.grpo_sync_outer_only:
+        raise ConfigError("grpo_fault_tolerance=True with grpo_sync_outer_only=True: the control exchanges nothing.")
+    if args.grpo_sync_moments != "none":
+        raise ConfigError(
+            f"grpo_fault_tolerance=True with grpo_sync_moments={args.grpo_sync_moments!r}: not supported between "
+            "fault-tolerant replica groups in this release. Use grpo_sync_moments='none'."
+        )
+    replicas = args.grpo_ft_replicas
+    if replicas is not None and replicas < 1:
+        raise ConfigError(f"grpo_ft_replicas={replicas}: use the number of replica groups the run is planned for.")
+    if args.grpo_ft_min_replicas < 1 or (replicas is not None and args.grpo_ft_min_replicas > replicas):
+        raise ConfigError(
+            f"grpo_ft_min_replicas={args.grpo_ft_min_replicas} with grpo_ft_replicas={replicas}: it can never be met. "
+            "Use 1 to grpo_ft_replicas (1: a lone survivor goes on)."
+        )
+    rid = args.grpo_ft_replica_id
+    if rid is not None and (rid < 0 or (replicas is not None and rid >= replicas)):
+        raise ConfigError(f"grpo_ft_replica_id={rid}: use 0 to grpo_ft_replicas - 1 ({replicas}), one per group.")
+    for name in ("grpo_ft_timeout", "grpo_ft_quorum_timeout"):
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"{name}={getattr(args, name)}: use a number of seconds above 0.")
 
 
 def validate_grpo_fields(args) -> None:

@@ -1,6 +1,7 @@
 """`GRPOMixin` (in front of any `transformers.Trainer` subclass) and `GRPOTrainer`: the wiring, no math."""
 
 import contextlib
+import hashlib
 import os
 import weakref
 
@@ -16,10 +17,10 @@ from .checkpoints import (
     resolve_resume_checkpoint,
     warn_overwritten_checkpoints,
 )
-from .compression import GRPOCommState, compression_plan
-from .compression.fsdp import FSDPCommState, reduce_scatter_bytes
-from .compression.outer_sync import OUTER_DTYPES, OuterSyncState, pack_fragments
-from .compression.plan import resolve_compression, resolve_mode
+from .compression import compression_plan
+from .compression.build import CommSettings, build_comm_state, refuse_comm_settings
+from .compression.fsdp import reduce_scatter_bytes
+from .compression.plan import resolve_compression
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args, validate_grpo_fields
 from .cost.callback import CostCallback
@@ -36,6 +37,12 @@ from .engines import (
     process_rank,
 )
 from .errors import ConfigError
+from .fault_tolerance import (
+    fault_tolerance_settings,
+    heal_training_state,
+    replica_data,
+    trainer_heal_state,
+)
 from .grouping import assign_groups, load_group_spec, lr_ratios
 from .hub_guards import check_push_settings, hub_errors
 from .importance import ImportanceState
@@ -44,10 +51,13 @@ from .model_card import write_run_summary, write_trainer_model_card
 from .optim.builder import grouped_adamw, grpo_param_groups, keep_embeddings_in_32_bits, memory_metrics
 from .optim.layout import resolve_layouts
 from .optim.resume import check_checkpoint_optimizer_state, check_param_groups
-from .replica_groups import find_replica_groups, parallelism_for_machines, shard_within_replicas
+from .replica_groups import parallelism_for_machines, shard_within_replicas
 
 
 logger = logging.get_logger(__name__)
+# What a healed replica group's first epoch passes the Trainer as its checkpoint: the resume's skip of trained batches
+# (no RNG file is found there: each group keeps its own random state).
+HEALED = "<healed from a live replica group>"
 
 
 class GRPOMixin:
@@ -137,6 +147,9 @@ class GRPOMixin:
         super().__init__(*args, **kwargs)
         ensure_grpo_args(self.args)
         self.grpo_engine = detect_engine(self)  # "single", "ddp", "fsdp2" or "deepspeed"
+        # fault-tolerant replica groups (torchft): the lighthouse, this group's id; checked before any work
+        self.grpo_fault_tolerance = fault_tolerance_settings(self.args)
+        self._grpo_healed = False
         if self.args.grpo_sync_every > 1 and self.grpo_engine == "fsdp2":  # HSDP's replicate dimension: the sync's
             shard_within_replicas(getattr(self.accelerator, "parallelism_config", None))
         self._grpo_probe = None  # DeepSpeed: step hooks on the optimizer ZeRO wraps
@@ -168,13 +181,28 @@ class GRPOMixin:
         hyperparameter-search trial may have changed them).
         """
         engine = self.grpo_engine
-        distributed = engine == "ddp" or (engine == "fsdp2" and self.accelerator.num_processes > 1)
+        distributed = (
+            engine == "ddp"
+            or (engine == "fsdp2" and self.accelerator.num_processes > 1)
+            or self.grpo_fault_tolerance is not None  # the replica groups exchange at every sync
+        )
         self.grpo_compression = resolve_compression(self.args.grpo_compression, distributed)
         spec = load_group_spec(self.args.grpo_groups)
         groups = assign_groups(model, spec, strict=self.args.grpo_groups_strict)
         preset = apply_preset(self.args.grpo_lr_preset, model, groups)  # may split groups (by depth, by fan-in)
         groups = preset.groups
-        self._check_engine_compression(groups)
+        settings = CommSettings(
+            self.args,
+            engine,
+            plan={},
+            compression=self.grpo_compression,
+            groups=groups,
+            num_processes=self.accelerator.num_processes,
+            model=self.model,
+            accelerator=self.accelerator,
+            fault_tolerance=self.grpo_fault_tolerance,
+        )
+        self._check_engine_compression(settings)
         lo, hi = self.args.grpo_lr_scale_min, self.args.grpo_lr_scale_max
         importance = ImportanceState(
             names=[g.name for g in groups],
@@ -190,7 +218,7 @@ class GRPOMixin:
         self.grpo_lr_preset = preset.name  # `auto` resolved
         self.grpo_lr_ratios = lr_ratios(groups, self.args.grpo_lr_ratios, defaults=preset.ratios)
         syncing = self.args.grpo_sync_every > 1  # the sync's pseudo-gradient has codes of its own
-        self.grpo_plan = compression_plan(
+        self.grpo_plan = settings.plan = compression_plan(
             model,
             groups,
             compression=self.grpo_compression,
@@ -198,24 +226,9 @@ class GRPOMixin:
             bits=self.args.grpo_sync_bits if syncing else self.args.grpo_bits,
             min_numel=self.args.grpo_min_compress_numel,
         )
-        self.grpo_comm_state = None
-        if syncing:
-            self.grpo_comm_state = self._outer_sync_state(groups)
-        elif self.grpo_compression != "none" and engine == "fsdp2":
-            self.grpo_comm_state = FSDPCommState(
-                bits=int(self.args.grpo_bits),
-                error_feedback=self.args.grpo_fsdp_error_feedback,
-                dense_warmup_steps=self.args.grpo_dense_warmup_steps,
-            )
-        elif self.grpo_compression != "none":
-            self.grpo_comm_state = GRPOCommState(
-                self.grpo_plan,
-                mode=resolve_mode(self.args.grpo_comm_mode, self.accelerator.num_processes),
-                dense_warmup_steps=self.args.grpo_dense_warmup_steps,
-                scale_gradients=self.args.grpo_scale_gradients,
-                scale_beta=self.args.grpo_scale_beta,
-                scale_clip=self.args.grpo_scale_clip,
-            )
+        self.grpo_comm_state = None  # (none should the transport refuse the settings)
+        self.grpo_comm_state = build_comm_state(settings)  # compression/build.py: each transport says if it applies
+        self.grpo_plan, self.grpo_compression = settings.plan, settings.compression  # dense for a sync without codes
         self.grpo_callback.bind(
             groups,
             importance,
@@ -226,106 +239,20 @@ class GRPOMixin:
         )
         self._grpo_model = model
 
-    def _outer_sync_state(self, groups) -> OuterSyncState:
-        """
-        The sync every `grpo_sync_every` steps ([`~grpo_hf.compression.outer_sync`]): the `Δ` codec from
-        `self.grpo_plan`, GRPO's groups packed into `grpo_sync_fragments` fragments. Under DDP the ranks exchange their
-        `Δ` (unless `grpo_sync_outer_only`); on one process only the outer step is added (with a warning).
-
-        Under FSDP2 the replicas are replica groups ([`~grpo_hf.replica_groups`]): each FSDP2-sharded over its own
-        ranks, syncing their local shards every H steps over their replicate groups; one replica has nothing to sync
-        (a warning; the outer step only).
-
-        Raises:
-            [`~grpo_hf.errors.ConfigError`]: DeepSpeed, a layout the sync cannot run over (tensor parallelism, HSDP
-                sharded at load time), too many fragments for the groups, or a group file's `bits` / `density` the sync
-                cannot send.
-        """
-        args, engine = self.args, self.grpo_engine
-        if engine == "deepspeed":
-            raise ConfigError(
-                f"grpo_sync_every={args.grpo_sync_every} under DeepSpeed: ZeRO reduces the gradients over every rank "
-                "at every step, so there are no replicas to sync. Train with DDP, or FSDP2 with replica groups "
-                "(docs/engines.md), or set grpo_sync_every=1." + engine_from_environment(engine, args)
-            )
-        replicas = (
-            find_replica_groups(self.model, self.accelerator, args.grpo_sync_every) if engine == "fsdp2" else None
-        )
-        if replicas is not None:
-            self._use_replica_groups(replicas)
-        exchange = (
-            engine == "ddp" or (replicas is not None and replicas.replicas > 1)
-        ) and not args.grpo_sync_outer_only
-        if not exchange:  # the gradients are averaged every step (DDP) or there is one replica: no Δ codec
-            self.grpo_compression = "none"
-            self.grpo_plan = {name: None for name in self.grpo_plan}
-            if engine == "single" and process_rank(args)[0] == 0:
-                logger.warning(
-                    f"grpo_sync_every={args.grpo_sync_every} on one process: there is nothing to exchange, so only the "
-                    "outer step is added every H steps (the outer-step-only control); no bytes are saved."
-                )
-        units = [(g.name, g.param_names, [p.numel() for p in g.params]) for g in groups]
-        try:
-            return OuterSyncState(
-                self.grpo_plan,
-                pack_fragments(units, args.grpo_sync_fragments),
-                every=args.grpo_sync_every,
-                outer_lr=args.grpo_sync_outer_lr,
-                outer_momentum=args.grpo_sync_outer_momentum,
-                ramp=args.grpo_sync_ramp,
-                dtype=OUTER_DTYPES[args.grpo_sync_global_dtype],
-                exchange=exchange,
-                delay=args.grpo_sync_delay,
-                mix=args.grpo_sync_mix,
-                moments=args.grpo_sync_moments,
-                replicas=replicas,
-                global_device=args.grpo_sync_global_device,
-            )
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-
-    def _use_replica_groups(self, replicas) -> None:
-        """
-        Between replica groups: refuse the outer-step-only control (DDP's), warn when one replica leaves nothing to sync,
-        and keep the Trainer's token count inside each replica (its per-step gather over every process would cross the
-        replicate dimension at every step).
-        """
-        args, rank = self.args, process_rank(self.args)[0]
-        if args.grpo_sync_outer_only:
-            raise ConfigError(
-                "grpo_sync_outer_only=True under FSDP2: the control keeps DDP's per-step all-reduce; between replica "
-                "groups train HSDP with grpo_sync_every=1 as the per-step baseline."
-            )
-        if replicas.replicas == 1 and rank == 0:
-            logger.warning(
-                f"grpo_sync_every={args.grpo_sync_every} under FSDP2 with one replica group (FSDP2 shards over every "
-                "process): there is nothing to sync, so only the outer step is added every H steps. For replicas, set "
-                "parallelism_config=ParallelismConfig(dp_replicate_size=R, dp_shard_size=S), launch on several "
-                "machines, or shard the model with grpo_hf.shard_replica_groups (docs/engines.md)."
-            )
-        if replicas.replicas > 1 and args.average_tokens_across_devices:
-            args.average_tokens_across_devices = False
-            if rank == 0:
-                logger.info(
-                    "Replica groups: average_tokens_across_devices=False (each rank's loss is the mean over its own "
-                    "tokens, and FSDP2 averages a replica's shards): the Trainer's per-step gather of token counts "
-                    "over every process would cross the replicate dimension at every step."
-                )
-
     # --- construction-time checks ---
-    def _check_engine_compression(self, groups) -> None:
+    def _check_engine_compression(self, settings: CommSettings) -> None:
         """
-        Refuse compression settings the engine cannot carry; under DeepSpeed, say once that compression is off.
+        Refuse compression settings the engine cannot carry (the transports' own refusals:
+        [`~grpo_hf.compression.build.refuse_comm_settings`]); under DeepSpeed, which has no GRPO transport, say once
+        that compression is off.
 
         Raises:
             [`~grpo_hf.errors.ConfigError`]: a compression setting other than `"auto"` / `"none"` under DeepSpeed;
                 top-k, `grpo_bits="auto"` or per-group `bits` / `density` under FSDP2.
         """
         engine, compression = self.grpo_engine, self.args.grpo_compression
-        if engine == "fsdp2" and self.args.grpo_sync_every > 1:  # FSDP2's own reduce-scatter; the sync's codes are Δ's
-            return
-        origin = engine_from_environment(engine, self.args) if engine in ("deepspeed", "fsdp2") else ""
         if engine == "deepspeed":
+            origin = engine_from_environment(engine, self.args)
             if compression not in ("auto", "none"):
                 raise ConfigError(
                     f"grpo_compression={compression!r} under DeepSpeed: ZeRO reduces gradients itself, so GRPO cannot "
@@ -339,31 +266,7 @@ class GRPOMixin:
                     "gradient compression is off (ZeRO reduces gradients itself)." + origin
                 )
             return
-        if engine != "fsdp2" or self.grpo_compression == "none":
-            return
-        if self.grpo_compression != "quantize":
-            raise ConfigError(
-                f"grpo_compression={compression!r} under FSDP2: its compressed reduce-scatter sends every entry "
-                "(top-k messages would differ in size from rank to rank). Use 'quantize' (or 'auto'), or 'none'."
-                + origin
-            )
-        if str(self.args.grpo_bits) == "2":
-            raise ConfigError(
-                "grpo_bits='2' under FSDP2: its reduce-scatter exchanges messages of one size in one all-to-all, and "
-                "2-bit codes vary in size. Choose grpo_bits=8 (the default) or 4." + origin
-            )
-        if str(self.args.grpo_bits) == "auto":
-            raise ConfigError(
-                "grpo_bits='auto' under FSDP2: FSDP hands the reduce-scatter one flat buffer per unit, so one bit width "
-                "applies to every gradient. Choose one: grpo_bits=8 (or 4, 16, 32)." + origin
-            )
-        for group in groups:
-            if group.rule.bits is not None or group.rule.density is not None:
-                raise ConfigError(
-                    f"GRPO group {group.name!r} sets its own bits/density: under FSDP2 one setting (grpo_bits) "
-                    "applies to every gradient. Remove 'bits' / 'density' (or 'sparsity') from the group file, or set "
-                    "grpo_compression='none'." + origin
-                )
+        refuse_comm_settings(settings)
 
     def _tag_user_optimizer(self, optimizer) -> None:
         """
@@ -591,8 +494,12 @@ class GRPOMixin:
             if self.model_init is None:  # else the model `train()` builds is checked (`_load_optimizer_and_scheduler`)
                 self._check_resume_setup(checkpoint)
         self.grpo_callback.resume_from = checkpoint  # restored at `on_train_begin`, after the Trainer's own state
-        output = super().train(checkpoint, *args, **kwargs)
-        sent = self.grpo_comm_state.finish() if self.grpo_comm_state is not None else None  # e.g. the sync's last one
+        try:
+            output = super().train(checkpoint, *args, **kwargs)
+            sent = self.grpo_comm_state.finish() if self.grpo_comm_state is not None else None  # e.g. the sync's last
+        finally:
+            if self.grpo_fault_tolerance is not None and self.grpo_comm_state is not None:
+                self.grpo_comm_state.communicator.shutdown()  # leave the quorum: the lighthouse stops waiting for it
         if sent is not None:
             self.cost_callback.add_comm_bytes(sent)
         output.metrics.update(self.grpo_callback.measured_metrics(accelerator=self.args.device.type != "cpu"))
@@ -630,6 +537,61 @@ class GRPOMixin:
                 check_param_groups(checkpoint, self.optimizer.param_groups)
         super()._load_optimizer_and_scheduler(checkpoint)
 
+    # --- fault-tolerant replica groups (grpo_hf.fault_tolerance) ---
+    def get_train_dataloader(self):
+        """[`~transformers.Trainer.get_train_dataloader`]; between fault-tolerant replica groups, this group's part of
+        the data ([`~grpo_hf.fault_tolerance.replica_data`])."""
+        with replica_data(self.grpo_fault_tolerance):
+            return super().get_train_dataloader()
+
+    def _join_replica_groups(self, epochs_trained: int, skipped: int, num_update_steps_per_epoch: int):
+        """
+        Between fault-tolerant replica groups, at train start (after the Trainer's state is set up, a resume's
+        included): the first quorum. A group behind the others (a restarted or a new one) heals from a live one and
+        goes on from its step, skipping the batches it did not train, as a resume does. Returns `(epochs_trained,
+        batches to skip)`, those given when nothing changes.
+        """
+        self._grpo_healed = False
+        if self.grpo_fault_tolerance is None:
+            return epochs_trained, skipped
+        communicator = self.grpo_comm_state.communicator
+        payload = communicator.join(
+            save=lambda: trainer_heal_state(self), step=self.state.global_step, description=self._grpo_description()
+        )
+        if payload is not None:
+            epochs_trained, skipped = heal_training_state(
+                self.state, payload, num_update_steps_per_epoch, self.args.gradient_accumulation_steps
+            )
+            self.grpo_callback.heal_from = payload
+            self._grpo_healed = True
+            logger.warning(
+                f"GRPO fault tolerance: replica group {self.grpo_fault_tolerance.replica_id} healed from a live group "
+                f"at step {self.state.global_step}; it trains on from there."
+            )
+        return epochs_trained, skipped
+
+    def _run_epoch(self, *args, **kwargs):
+        """The Trainer's; the first epoch of a healed replica group skips the batches of the steps it did not train
+        (the Trainer's skip of a resume). Pinned: transformers < 5.30."""
+        if self._grpo_healed and kwargs.get("resume_from_checkpoint") is None:
+            kwargs["resume_from_checkpoint"] = HEALED
+        return super()._run_epoch(*args, **kwargs)
+
+    def _grpo_description(self) -> dict:
+        """What every fault-tolerant replica group must agree on: the settings that shape the training and the sync,
+        and the trainable parameters (names and shapes, as a digest)."""
+        args = self.args
+        shapes = ";".join(
+            f"{name}:{tuple(p.shape)}" for g in self.grpo_groups for name, p in zip(g.param_names, g.params)
+        )
+        fields = ["learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
+                  "lr_scheduler_type", "weight_decay", "optim"]  # fmt: skip
+        fields += [name for name in vars(args) if name.startswith("grpo_") and not name.startswith("grpo_ft_")]
+        described = {name: getattr(args, name) for name in sorted(fields) if hasattr(args, name)}
+        described["trainable_parameters"] = hashlib.sha256(shapes.encode()).hexdigest()[:16]
+        described["world_size_per_group"] = args.world_size
+        return described
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """
         The Trainer's, except for a model FSDP2 sharded before the Trainer (transformers' `DistributedConfig`,
@@ -646,12 +608,16 @@ class GRPOMixin:
         Trainer would train one more optimizer step before its `max_steps` check, so that restarting a finished job
         (e.g. torchrun restarting workers with `"last"` after a kill that followed the final save) would change a
         finished model. Everything else of the resume runs as usual (weights, optimizer, scheduler, callback
-        states, `on_train_begin` / `on_train_end`).
+        states, `on_train_begin` / `on_train_end`). Between fault-tolerant replica groups the first quorum follows
+        ([`_join_replica_groups`]). Pinned: transformers < 5.30 (a private method of its training loop).
         """
         epochs_trained, steps_in_epoch = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, *args, **kwargs
         )
         self._warn_overwritten_checkpoints(max_steps, num_update_steps_per_epoch, *args, **kwargs)
+        epochs_trained, steps_in_epoch = self._join_replica_groups(
+            epochs_trained, steps_in_epoch, num_update_steps_per_epoch
+        )
         if 0 < max_steps <= self.state.global_step:
             if self.is_world_process_zero():
                 logger.warning(

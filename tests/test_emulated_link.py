@@ -1,17 +1,15 @@
-"""The emulated slow link of the step-cost benchmark: GRPO's `Collectives` (`grpo_hf/compression/collectives.py`) and the
+"""The emulated slow link of the step-cost benchmark: GRPO's `Communicator` (`grpo_hf/compression/communicator.py`) and the
 baselines' DDP hooks (`benchmarks/emulated_link.py`) complete no earlier than the link carries their bytes."""
 
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from testing_utils import free_port
 
-from grpo_hf.compression import collectives
-from grpo_hf.compression.collectives import Collectives, EmulatedLink
-from grpo_hf.compression.traffic import StepStats
+from grpo_hf.compression import collectives, communicator
+from grpo_hf.compression.communicator import EmulatedLink, ProcessGroupCommunicator
 
 
 @pytest.fixture
@@ -22,16 +20,25 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def _collectives(world_size: int) -> Collectives:
-    """Collectives that count bytes as one of `world_size` ranks would send (the all-reduce runs on one rank)."""
-    state = SimpleNamespace(process_group=None, world_size=world_size, rank=0, stats=StepStats())
-    return Collectives(state, world_size=world_size, rank=0)
+class _CountedAs(ProcessGroupCommunicator):
+    """The default group's communicator, whose link counts the bytes one of `world_size` ranks would send (the
+    all-reduce runs on one rank)."""
+
+    world_size, rank = 1, 0  # (plain attributes in place of the group's)
+
+    def __init__(self, world_size: int):
+        super().__init__()
+        self.world_size = world_size
+
+
+def _collectives(world_size: int) -> ProcessGroupCommunicator:
+    return _CountedAs(world_size)
 
 
 def test_started_all_reduce_waits_for_the_link(one_rank_group, monkeypatch):
     """Starting returns at once; `wait()` returns no earlier than start + bytes sent / speed, the result unchanged."""
     link = EmulatedLink(gbit=8 * 2e6 / 1e9)  # 2 MB/s
-    monkeypatch.setattr(collectives, "EMULATED_LINK", link)
+    monkeypatch.setattr(communicator, "EMULATED_LINK", link)
     comm = _collectives(world_size=2)
     tensor = torch.arange(100_000, dtype=torch.float32)  # 400 kB: a ring all-reduce at W=2 sends 400 kB, 0.2 s
     start = time.perf_counter()
@@ -42,12 +49,13 @@ def test_started_all_reduce_waits_for_the_link(one_rank_group, monkeypatch):
     result = started.wait()
     assert time.perf_counter() >= start + 4e5 / link.bytes_per_second
     assert torch.equal(result, tensor)
-    assert comm.stats.comm_ms >= 150  # the link's time counts as communication
+    assert comm.comm_ms >= 150  # the link's time counts as communication, which the transport pops at step close
+    assert comm.pop_comm_ms() >= 150 and comm.comm_ms == 0
     assert started.wait() is result  # a second wait: at once
 
 
 def test_collectives_without_a_link_are_unchanged(one_rank_group, monkeypatch):
-    monkeypatch.setattr(collectives, "EMULATED_LINK", None)
+    monkeypatch.setattr(communicator, "EMULATED_LINK", None)
     comm = _collectives(world_size=2)
     assert comm.link is None
     started = comm.start_all_reduce(torch.ones(10))
@@ -106,7 +114,7 @@ def test_delayed_ddp_hook_completes_after_the_link():
 @pytest.mark.distributed
 def test_ddp_steps_wait_for_the_emulated_link(tmp_path):
     """Under 2-process DDP, each backward pass lasts at least the bytes the rank sends over the link's speed: DDP's
-    all-reduce behind the benchmarks' wrapper, and GRPO's hook through `Collectives` (~15 s on 2 cores)."""
+    all-reduce behind the benchmarks' wrapper, and GRPO's hook through its `Communicator` (~15 s on 2 cores)."""
     import json
 
     from testing_utils import ROOT, TESTS, run_torchrun

@@ -329,38 +329,33 @@ def test_a_ddp_bucket_reaches_the_kernels_through_at_most_five_files(mode, densi
     assert all(files[0] == "compression/hook.py" and "compression/exchange.py" in files for files in stacks), stacks
 
 
-class _Loopback:
-    """`Collectives`' interface for `W` ranks that all send what this one sends: the shapes of every collective, without
-    a process group (what the path tests need; the values are checked by the distributed tests)."""
+def _loopback(world_size: int):
+    """A `Communicator` of `W` ranks that all send what this one sends: the shapes of every collective, without a
+    process group (what the path tests need; the values are checked by the distributed tests). Handed to a transport
+    through the door a real one comes in by."""
+    import torch
+    import torch.distributed as dist
 
-    def __init__(self, world_size, stats):
-        self.world_size, self.rank, self.stats = world_size, 0, stats
+    from grpo_hf.compression.communicator import Communicator
 
-    @staticmethod
-    def _done(result):
-        return type("Done", (), {"wait": lambda _: result})()
+    class Loopback(Communicator):
+        rank = 0
 
-    def start_all_reduce(self, tensor, op=None):
-        import torch.distributed as dist
+        def _all_reduce(self, tensor, op):
+            if op != dist.ReduceOp.MAX:
+                tensor.mul_(self.world_size)
+            return []
 
-        return self._done(tensor if op == dist.ReduceOp.MAX else tensor.mul_(self.world_size))
+        def _all_gather_into(self, out, mine, tag):
+            out.view(self.world_size, -1).copy_(mine.reshape(1, -1).expand(self.world_size, -1))
+            return []
 
-    def all_reduce(self, tensor, op=None):
-        return self.start_all_reduce(tensor, op).wait()
+        def _all_to_all(self, recv, send, recv_splits, send_splits):
+            recv.copy_(torch.cat([torch.split(send, send_splits)[self.rank]] * self.world_size))
 
-    def start_all_gather(self, tensor, out=None, tag=0):
-        parts = tensor.reshape(1, -1).repeat(self.world_size, 1)
-        if out is not None:
-            out.view(self.world_size, -1).copy_(parts)
-        return self._done(parts.view(self.world_size, *tensor.shape))
-
-    def all_gather(self, tensor, out=None, tag=0):
-        return self.start_all_gather(tensor, out, tag).wait()
-
-    def all_to_all(self, send, send_splits, recv_splits):
-        import torch
-
-        return torch.cat([torch.split(send, send_splits)[self.rank]] * self.world_size)
+    loopback = Loopback(emulated=False)
+    loopback.world_size = world_size
+    return loopback
 
 
 def _kernel_stacks(run) -> tuple[set, set]:
@@ -394,7 +389,7 @@ SYNC_PATH_FILES = 5
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_sync_reaches_the_kernels_through_at_most_five_files(world_size, monkeypatch):
+def test_a_sync_reaches_the_kernels_through_at_most_five_files(world_size):
     """
     The files between `OuterSyncState.end_step` and the encode / decode kernels, read off the stack at every kernel
     call of one sync (all-gathered at 2 ranks, reduced by owners from 3): `outer_sync.py` (the schedule) ->
@@ -409,9 +404,8 @@ def test_a_sync_reaches_the_kernels_through_at_most_five_files(world_size, monke
 
     model = nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.Linear(256, 256))
     plan = {n: CodecSpec(bits=4) if p.dim() == 2 else None for n, p in model.named_parameters()}
-    state = OuterSyncState(plan, [list(plan)], every=1, ramp=False).bind(model)
-    state.world_size = world_size  # W ranks that all moved alike (the collectives played by `_Loopback`)
-    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self, group=None: _Loopback(world_size, self.stats))
+    # W ranks that all moved alike (the collectives played by a loopback communicator)
+    state = OuterSyncState(plan, [list(plan)], every=1, ramp=False, communicator=_loopback(world_size)).bind(model)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 1e-2)
@@ -423,17 +417,15 @@ def test_a_sync_reaches_the_kernels_through_at_most_five_files(world_size, monke
     assert all(files[0] == "compression/outer_sync.py" and "compression/exchange.py" in files for files in stacks)
 
 
-def test_fsdp2s_reduce_scatter_reaches_the_kernels_through_the_exchange(monkeypatch):
-    """FSDP2's compressed reduce-scatter (2 ranks, played by `_Loopback`): `fsdp.py` -> `exchange.py` -> `codec.py`."""
+def test_fsdp2s_reduce_scatter_reaches_the_kernels_through_the_exchange():
+    """FSDP2's compressed reduce-scatter (2 ranks, played by a loopback communicator): `fsdp.py` -> `exchange.py` ->
+    `codec.py`."""
     import torch
     import torch.distributed as dist
 
     from grpo_hf.compression import fsdp
 
-    state = fsdp.FSDPCommState(bits=8, compile_codec=False)
-    monkeypatch.setattr(fsdp.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(fsdp.dist, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(fsdp, "Collectives", lambda state, world_size, rank, group: _Loopback(world_size, state.stats))
+    state = fsdp.FSDPCommState(bits=8, compile_codec=False, communicator=_loopback(2))
     output, flat = torch.empty(256), torch.randn(512)
     _, stacks = _kernel_stacks(lambda: state.reduce_scatter("unit", output, flat, None, dist.ReduceOp.AVG))
     assert stacks and state.stats.bytes_sent > 0
@@ -485,3 +477,74 @@ def test_no_code_outside_the_comm_states_chooses_a_transport_by_type(module):
             if modes or _names(node) & set(TRANSPORT_MODES):
                 found.append(ast.unparse(node))
     assert not found, f"{module} chooses a transport by type: {found}"
+
+
+@pytest.mark.parametrize("module", [name for name in MODULES if not name.startswith("grpo_hf.compression")])
+def test_no_code_outside_compression_builds_a_transport(module):
+    """
+    Which transport a run gets is chosen in one place, `grpo_hf/compression/build.py` (`build_comm_state`: each
+    transport's `from_settings` says whether it applies and owns its refusals); the trainer only asks. No module outside
+    `grpo_hf.compression` calls a transport's class.
+    """
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if name in TRANSPORTS:
+                found.append(ast.unparse(node)[:80])
+    assert not found, f"{module} builds a transport itself: {found}"
+
+
+# --- the wire: one door ---
+
+# What reaches other ranks, or asks about them, in `torch.distributed`: only a communicator calls these.
+WIRE_CALLS = {
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "get_backend",
+    "get_process_group_ranks",
+    "get_rank",
+    "get_world_size",
+    "irecv",
+    "isend",
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+    "split_group",
+}
+WIRE_MODULE = "grpo_hf.compression.communicator"
+
+
+@pytest.mark.parametrize(
+    "module", [name for name in MODULES if name.startswith("grpo_hf.compression") and name != WIRE_MODULE]
+)
+def test_no_compression_module_but_the_communicator_touches_the_wire(module):
+    """
+    Every collective of the transports, and every question about the ranks (world size, rank, backend, a group's
+    members, a new group), goes through the `Communicator` a transport is handed (`compression/communicator.py`): no
+    other module of `grpo_hf.compression` calls `torch.distributed` for them, or imports them from it. A fault-tolerant
+    communicator then replaces the wire in one place.
+    """
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in WIRE_CALLS:
+            owner = ast.unparse(node.func.value)
+            if owner in ("dist", "torch.distributed", "distributed"):
+                found.append(ast.unparse(node))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            found.extend(f"from {node.module} import {a.name}" for a in node.names if a.name in WIRE_CALLS)
+    assert not found, f"{module} reaches the wire around its communicator: {found}"

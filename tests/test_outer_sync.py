@@ -12,6 +12,7 @@ from testing_utils import tiny_test_llama
 from grpo_hf import ConfigError, GRPOTrainer
 from grpo_hf.compression import CodecSpec
 from grpo_hf.compression.codec import BlockMessages
+from grpo_hf.compression.communicator import Communicator
 from grpo_hf.compression.exchange import Exchange
 from grpo_hf.compression.layout import owned_blocks
 from grpo_hf.compression.layout import put_owned as _put
@@ -228,10 +229,10 @@ class ThreadedRanks:
 
 
 class _RankComm:
-    """Rank `rank`'s collectives (`Collectives`' interface) among `ThreadedRanks`."""
+    """Rank `rank`'s collectives (the public methods of a `Communicator`) among `ThreadedRanks`."""
 
     def __init__(self, ranks, rank):
-        self.ranks, self.rank, self.world_size, self.stats = ranks, rank, ranks.world_size, StepStats()
+        self.ranks, self.rank, self.world_size = ranks, rank, ranks.world_size
 
     def _meet(self, value):
         self.ranks.held[self.rank] = value
@@ -262,7 +263,7 @@ def _owner_round(states, deltas):
 
     def run(rank):
         state = states[rank]
-        state.fragments[0].exchange(Exchange(state.kernels, ranks.comm(rank)), rows[rank], owners=True)
+        state.fragments[0].exchange(Exchange(state.kernels, ranks.comm(rank), StepStats()), rows[rank], owners=True)
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world_size)]
     for thread in threads:
@@ -480,16 +481,15 @@ def test_delay_settings_the_state_and_the_config_refuse(tmp_path, make_args):
 # --- the optimizer's moments averaged at a sync (grpo_sync_moments) -------------------------------------------------
 
 
-class FakeRanks:
+class FakeRanks(Communicator):
     """The collectives of 2 ranks played by hand: each all-reduce combines this rank's tensor with the next of `others`
-    (the other rank's), as `Collectives.all_reduce` does in place; the bytes go into the state's step (`of`)."""
+    (the other rank's, set once the model is known), as `Communicator.all_reduce` does in place."""
 
-    def __init__(self, others):
-        self.world_size, self.rank, self.others, self.calls = 2, 0, list(others), []
+    world_size, rank = 2, 0
 
-    def of(self, state):
-        self.stats = state.stats
-        return self
+    def __init__(self):
+        super().__init__(emulated=False)
+        self.others, self.calls = [], []
 
     def all_reduce(self, tensor, op=torch.distributed.ReduceOp.SUM):
         other = self.others.pop(0).to(tensor.dtype).view_as(tensor)
@@ -501,8 +501,9 @@ class FakeRanks:
         return type("Done", (), {"wait": lambda _: reduced})()
 
 
-def _stepped(moments, seed=0, lr=1e-2):
-    """A `Tiny` model after one AdamW step on random gradients, its state bound with `moments` (every tensor dense)."""
+def _stepped(moments, communicator, seed=0, lr=1e-2):
+    """A `Tiny` model after one AdamW step on random gradients, its state bound with `moments` (every tensor dense),
+    communicating through `communicator`."""
     torch.manual_seed(seed)
     model = Tiny()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -511,7 +512,7 @@ def _stepped(moments, seed=0, lr=1e-2):
     optimizer.step()
     names = [n for n, _ in model.named_parameters()]
     state = OuterSyncState({n: None for n in names}, [names], every=1, ramp=False, outer_lr=1.0, outer_momentum=0.0,
-                           moments=moments).bind(model, optimizer)  # fmt: skip
+                           moments=moments, communicator=communicator).bind(model, optimizer)  # fmt: skip
     return model, optimizer, state
 
 
@@ -520,15 +521,14 @@ def _flat(optimizer, model, key):
 
 
 @pytest.mark.parametrize("moments", ["second", "both"])
-def test_a_sync_averages_the_chosen_moments_in_place_and_counts_their_all_reduce(moments, monkeypatch):
-    model, optimizer, state = _stepped(moments)
-    state.world_size = 2  # the exchange of 2 ranks, the other rank's tensors played by FakeRanks
+def test_a_sync_averages_the_chosen_moments_in_place_and_counts_their_all_reduce(moments):
+    fake = FakeRanks()  # the exchange of 2 ranks, the other rank's tensors played by hand
+    model, optimizer, state = _stepped(moments, fake)
     numel = sum(p.numel() for p in model.parameters())
     mine = {key: _flat(optimizer, model, key).clone() for key in ("exp_avg", "exp_avg_sq")}
     theirs = {"exp_avg": torch.randn(numel), "exp_avg_sq": torch.rand(numel)}
     keys = ("exp_avg_sq",) if moments == "second" else ("exp_avg", "exp_avg_sq")
-    fake = FakeRanks([torch.zeros(1), torch.zeros(numel)] + [theirs[key] for key in keys])  # flag, dense Δ, moments
-    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self, group=None: fake.of(self))
+    fake.others = [torch.zeros(1), torch.zeros(numel)] + [theirs[key] for key in keys]  # flag, dense Δ, moments
     state.end_step()
     assert fake.calls == [1, numel] + [numel] * len(keys) and not fake.others  # one fp32 all-reduce per moment
     for key in ("exp_avg", "exp_avg_sq"):
@@ -537,15 +537,14 @@ def test_a_sync_averages_the_chosen_moments_in_place_and_counts_their_all_reduce
     assert state.totals()["bytes_sent"] == allreduce_bytes(8, 2) + allreduce_bytes(4 * numel, 2) * (1 + len(keys))
 
 
-def test_a_nonfinite_moment_sets_the_flag_and_the_moments_are_left_alone(monkeypatch):
-    model, optimizer, state = _stepped("both")
-    state.world_size = 2
+def test_a_nonfinite_moment_sets_the_flag_and_the_moments_are_left_alone():
+    fake = FakeRanks()
+    model, optimizer, state = _stepped("both", fake)
     optimizer.state[model.norm.weight]["exp_avg_sq"][0] = float("inf")
     before = {key: _flat(optimizer, model, key).clone() for key in ("exp_avg", "exp_avg_sq")}
     with torch.no_grad():
         model.big.weight.add_(1.0)
-    fake = FakeRanks([torch.zeros(1)])  # the other rank's flag is clear: this rank's sets the agreed one
-    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self, group=None: fake.of(self))
+    fake.others = [torch.zeros(1)]  # the other rank's flag is clear: this rank's sets the agreed one
     state.end_step()
     assert fake.calls == [1] and state.totals()["nonfinite_syncs"] == 1  # the flag only: nothing exchanged
     for key, value in before.items():
@@ -553,13 +552,12 @@ def test_a_nonfinite_moment_sets_the_flag_and_the_moments_are_left_alone(monkeyp
     assert all(torch.equal(p, state.global_params[n]) for n, p in model.named_parameters())  # restarted
 
 
-def test_without_moments_a_sync_sends_and_changes_what_it_did_before(monkeypatch):
-    model, optimizer, state = _stepped("none")
-    state.world_size = 2
+def test_without_moments_a_sync_sends_and_changes_what_it_did_before():
+    fake = FakeRanks()
+    model, optimizer, state = _stepped("none", fake)
     numel = sum(p.numel() for p in model.parameters())
     before = {key: _flat(optimizer, model, key).clone() for key in ("exp_avg", "exp_avg_sq")}
-    fake = FakeRanks([torch.zeros(1), torch.zeros(numel)])
-    monkeypatch.setattr(OuterSyncState, "_collectives", lambda self, group=None: fake.of(self))
+    fake.others = [torch.zeros(1), torch.zeros(numel)]
     state.end_step()
     assert fake.calls == [1, numel] and state.totals()["bytes_sent"] == allreduce_bytes(8, 2) + allreduce_bytes(
         4 * numel, 2

@@ -3,11 +3,13 @@
 Read it the way torch's `powerSGD_hook.py` reads, a state and a hook per transport: [`GRPOCommState`] (`state.py`) and
 [`grpo_comm_hook`] (`hook.py`) for DDP's buckets at every step ([`compress_locally`] in one process); `fsdp.py` for
 FSDP2's reduce-scatter; `outer_sync.py` (the schedule) and `fragment.py` (each fragment's state) for the sync every H
-steps. The trainer, its callback and its checkpoints talk to any of them through `transport.py`'s `CommState`. Every
-transport encodes, exchanges and decodes through one [`~grpo_hf.compression.exchange.Exchange`] (`exchange.py`; its
-collectives, timed, in `collectives.py`); `codec.py` holds the two fused kernels (encode, decode; compiled for CPU and
-CUDA from one source) and their messages, `sparse.py` the top-k messages; `layout.py` cuts a bucket into runs of
-tensors that share a [`CodecSpec`]; [`compression_plan`] (`plan.py`) decides each parameter's spec.
+steps; `build.py` builds the one the settings ask for. The trainer, its callback and its checkpoints talk to any of them
+through `transport.py`'s `CommState`. Every transport encodes, exchanges and decodes through one
+[`~grpo_hf.compression.exchange.Exchange`] (`exchange.py`) over the [`~grpo_hf.compression.communicator.Communicator`]
+it is handed (`communicator.py`: the one way to the wire, timed); `codec.py` holds the two fused kernels (encode,
+decode; compiled for CPU and CUDA from one source) and their messages, `sparse.py` the top-k messages; `layout.py` cuts
+a bucket into runs of tensors that share a [`CodecSpec`]; [`compression_plan`] (`plan.py`) decides each parameter's
+spec.
 Every byte is counted by the formulas of `traffic.py`, and summed by its `TrafficStats` (the one statistics window of
 the three transports); `reshard.py` re-splits the hook's saved state for another world size.
 """

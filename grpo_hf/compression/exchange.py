@@ -1,8 +1,8 @@
 """`Exchange`: the one encode / exchange / decode of the three transports, the DDP hook, FSDP2's reduce-scatter and the
 sync every H steps.
 
-An exchange moves compressed rows among the `W` ranks of a transport's
-[`~grpo_hf.compression.collectives.Collectives`]:
+An exchange moves compressed rows among the `W` ranks of the
+[`~grpo_hf.compression.communicator.Communicator`] its transport was handed:
 
 1. **Encode, with error feedback.** Each [`Part`] (a run of `[n, B]` rows sharing one
    [`~grpo_hf.compression.spec.CodecSpec`]: a DDP bucket's run, a fragment's row of `Δ`) is encoded with its residual
@@ -19,8 +19,8 @@ An exchange moves compressed rows among the `W` ranks of a transport's
 3. **Decode the mean**: every rank decodes the same messages in the same (rank) order, so every rank holds the same
    bits. ([`Exchange.start_mean`] averages the tensors sent dense in fp32, [`Exchange.agree_flag`] the NaN/Inf flag.)
 
-Every byte is counted once, here ([`~grpo_hf.compression.traffic`]'s formulas), into the `StepStats` of the exchange's
-collectives. What stays with each transport is its own: the DDP buckets, scales and lanes (`hook.py`), FSDP2's units
+Every byte is counted once, here ([`~grpo_hf.compression.traffic`]'s formulas), into the exchange's `stats` (the
+transport's `StepStats` of the step; the communicator counts time, not bytes). What stays with each transport is its own: the DDP buckets, scales and lanes (`hook.py`), FSDP2's units
 and residual format (`fsdp.py`), the fragments, schedule and outer step (`outer_sync.py`, `fragment.py`).
 """
 
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .codec import BlockMessages, Kernels, code_shape
-from .collectives import Collectives, Started
+from .communicator import Communicator, Started
 from .layout import Run, owned_blocks, put_owned, take_owned
 from .sparse import TopKMessages
 from .spec import CodecSpec, num_blocks
@@ -375,13 +375,15 @@ class Exchange:
     Example (what the sync every H steps does with one run of `Δ`):
 
     ```python
-    >>> exchange = Exchange(kernels, Collectives(state))
+    >>> exchange = Exchange(kernels, state.communicator, state.stats)
     >>> exchange.start_all_gather([Part(run, delta_rows, residual, out=delta_rows)]).finish()  # delta_rows: the mean
     ```
 
     Args:
         kernels (`~grpo_hf.compression.codec.Kernels`): the codec's kernels.
-        comm (`~grpo_hf.compression.collectives.Collectives`): the collectives; their `stats` receive the bytes.
+        comm ([`~grpo_hf.compression.communicator.Communicator`]): the way to the wire.
+        stats (`~grpo_hf.compression.traffic.StepStats`): the step's statistics, which receive the bytes (an exchange
+            waited for in a later step is given that step's: see `Fragment.complete`).
         count_as (`int`, *optional*): the world size the bytes are counted for, when one process stands for that many
             ranks (`compress_locally`); `comm.world_size` when `None`.
         clip (`float`, *optional*): with gradient scales, the most scales an entry sends per step.
@@ -395,17 +397,14 @@ class Exchange:
             replica before [`agree_flag`] sends it, so that every rank of the world takes the same decision.
     """
 
-    def __init__(self, kernels: Kernels, comm: Collectives, count_as: int | None = None, clip: float | None = None,
-                 beta: float = 0.0, workspace: Callable | None = None, decode_chunk: int | None = None,
-                 count_kept: bool = False, agree_within: Callable | None = None):  # fmt: skip
-        self.kernels, self.comm, self.clip, self.beta = kernels, comm, clip, beta
+    def __init__(self, kernels: Kernels, comm: Communicator, stats, count_as: int | None = None,
+                 clip: float | None = None, beta: float = 0.0, workspace: Callable | None = None,
+                 decode_chunk: int | None = None, count_kept: bool = False,
+                 agree_within: Callable | None = None):  # fmt: skip
+        self.kernels, self.comm, self.stats, self.clip, self.beta = kernels, comm, stats, clip, beta
         self.count_as = comm.world_size if count_as is None else count_as
         self.workspace, self.decode_chunk, self.count_kept = workspace, decode_chunk, count_kept
         self.agree_within = agree_within
-
-    @property
-    def stats(self):
-        return self.comm.stats
 
     def _max_blocks(self, spec: CodecSpec) -> int | None:
         return None if self.decode_chunk is None else max(1, self.decode_chunk // spec.block_size)

@@ -407,6 +407,24 @@ class Fragment:
         if deltas[0].numel():
             exchange.start_mean(deltas[0]).wait()
 
+    def save_error_feedback(self) -> tuple:
+        """A copy of the residuals and owner residuals, for an exchange that may not be kept
+        ([`restore_error_feedback`])."""
+        owners = [None if held is None else (*held[:2], held[2].clone()) for held in self.owner_residuals]
+        return [None if r is None else r.clone() for r in self.residuals], owners, dict(self.saved_owner)
+
+    def restore_error_feedback(self, saved: tuple) -> None:
+        """The residuals as [`save_error_feedback`] copied them: an exchange that was not kept leaves no trace."""
+        residuals, owners, saved_owner = saved
+        self.residuals[:] = residuals  # in place: the exchange's parts hold this list
+        self.owner_residuals[:] = owners
+        self.saved_owner = saved_owner
+
+    def reset_owner_residuals(self) -> None:
+        """Owner residuals start afresh: the ranks changed, and with them each rank's share of the blocks."""
+        self.owner_residuals[:] = [None] * len(self.rows)
+        self.saved_owner = {}
+
     def apply_outer_step(self, deltas: list[torch.Tensor], lr: float, mu: float) -> None:
         """[`outer_step`] on every row: `θ_global −= lr (Δ̄ + μ m)`."""
         momentum = self.momentum or [None] * len(self.rows)
@@ -483,7 +501,7 @@ class Fragment:
         if flight is None or flight.completed:
             return
         if flight.exchange is not None:
-            flight.exchange.comm.stats = stats
+            flight.exchange.stats = stats  # the waiting step's (the bytes were counted at the start)
             flight.unsafe = bool(flight.flag.wait().item())
             for gathered in flight.gathers:
                 gathered.wait()

@@ -32,7 +32,7 @@ padding included) is what rank `j` owns. On rank `r`:
    what the codec does not transmit becomes the new residual. The codec cuts a chunk into blocks of `block_size`
    entries, each sent as one fp32 absmax scale and `bits`-bit codes (`bits=32`: the fp32 values as they are).
 2. One all-to-all of equal-sized byte messages ([`~grpo_hf.compression.exchange.Exchange.reduce_scatter`], through
-   the timed [`~grpo_hf.compression.collectives.Collectives`], an emulated slow link included): rank `r` receives the
+   the state's [`~grpo_hf.compression.communicator.Communicator`], timed, an emulated slow link included): rank `r` receives the
    `W - 1` messages for its own chunk.
 3. The owner decodes them and sums the `W` contributions in rank order, its own chunk exact (it never travels); with
    `op=AVG` (FSDP's default for fp32 and bf16 gradients) it divides by `W`, with `op=SUM` not (FSDP then divides by
@@ -84,12 +84,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..choices import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES, check_comm_settings
+from ..engines import engine_from_environment
+from ..errors import ConfigError
 from .codec import compile_kernels
-from .collectives import Collectives
+from .communicator import Communicator, ProcessGroupCommunicator
 from .exchange import Exchange, decode_rows, encode_rows
 from .spec import DEFAULT_BLOCK_SIZE, CodecSpec
 from .traffic import StepStats, TrafficStats, reduce_scatter_bytes
-from .transport import FSDP_MODE, CommState, SavedComms
+from .transport import FSDP_MODE, CommSettings, CommState, SavedComms
 
 
 logger = logging.getLogger(__name__)
@@ -148,6 +150,10 @@ class FSDPCommState(CommState):
         compile_codec (`bool`, *optional*):
             Run the codec's kernels compiled by `torch.compile` (`True`) or eagerly (`False`). `None` (default):
             compiled unless the environment variable `GRPO_HF_COMPILE_CODEC=0` is set.
+        communicator ([`~grpo_hf.compression.communicator.Communicator`], *optional*):
+            The way to the wire of every reduce-scatter (over the group FSDP2 hands it: the same ranks in the same
+            order). `None`: a [`~grpo_hf.compression.communicator.ProcessGroupCommunicator`] over the group FSDP2
+            hands each call, one per group, kept.
     """
 
     __slots__ = (
@@ -170,6 +176,8 @@ class FSDPCommState(CommState):
         "_staged",
         "_nonfinite",
         "stats",
+        "communicator",
+        "_communicators",
         # --- statistics ---
         "traffic",
         "_logged",
@@ -186,6 +194,7 @@ class FSDPCommState(CommState):
         dense_warmup_steps: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
         compile_codec: bool | None = None,
+        communicator: Communicator | None = None,
     ):
         if isinstance(bits, bool) or bits not in FSDP_BITS:
             raise ValueError(
@@ -207,10 +216,63 @@ class FSDPCommState(CommState):
         self._staged: dict[str, torch.Tensor] = {}
         self._nonfinite = False
         self.stats = StepStats()  # traffic of the current step
+        self.communicator = communicator
+        self._communicators: dict = {}  # without a communicator: FSDP2's group -> its ProcessGroupCommunicator
         # every entry is sent: no kept entries are counted and the density is 1
         sums = tuple(key for key in StepStats.KEYS if key != "kept")
         self.traffic = TrafficStats(counters=("dense_steps",), run_counters=("nonfinite_steps",), sums=sums)
         self._logged = False
+
+    # --- building ---
+    @classmethod
+    def refuse(cls, settings: CommSettings) -> None:
+        """
+        Under FSDP2 at every step with compression on: refuse what one all-to-all of equal-sized messages per unit
+        cannot carry.
+
+        Raises:
+            [`~grpo_hf.errors.ConfigError`]: top-k, `grpo_bits="2"` or `"auto"`, or a group's own `bits` / `density`.
+        """
+        engine, args = settings.engine, settings.args
+        if engine != "fsdp2" or settings.syncing or settings.compression == "none":
+            return  # (between replica groups FSDP2 reduces with its own reduce-scatter; the sync's codes are Δ's)
+        origin, compression = engine_from_environment(engine, args), args.grpo_compression
+        if settings.compression != "quantize":
+            raise ConfigError(
+                f"grpo_compression={compression!r} under FSDP2: its compressed reduce-scatter sends every entry "
+                "(top-k messages would differ in size from rank to rank). Use 'quantize' (or 'auto'), or 'none'."
+                + origin
+            )
+        if str(args.grpo_bits) == "2":
+            raise ConfigError(
+                "grpo_bits='2' under FSDP2: its reduce-scatter exchanges messages of one size in one all-to-all, and "
+                "2-bit codes vary in size. Choose grpo_bits=8 (the default) or 4." + origin
+            )
+        if str(args.grpo_bits) == "auto":
+            raise ConfigError(
+                "grpo_bits='auto' under FSDP2: FSDP hands the reduce-scatter one flat buffer per unit, so one bit width "
+                "applies to every gradient. Choose one: grpo_bits=8 (or 4, 16, 32)." + origin
+            )
+        for group in settings.groups:
+            if group.rule.bits is not None or group.rule.density is not None:
+                raise ConfigError(
+                    f"GRPO group {group.name!r} sets its own bits/density: under FSDP2 one setting (grpo_bits) "
+                    "applies to every gradient. Remove 'bits' / 'density' (or 'sparsity') from the group file, or set "
+                    "grpo_compression='none'." + origin
+                )
+
+    @classmethod
+    def from_settings(cls, settings: CommSettings) -> "FSDPCommState | None":
+        """FSDP2's compressed reduce-scatter when FSDP2 reduces the gradients at every step with compression on."""
+        if settings.syncing or settings.compression == "none" or settings.engine != "fsdp2":
+            return None
+        args = settings.args
+        return cls(
+            bits=int(args.grpo_bits),
+            error_feedback=args.grpo_fsdp_error_feedback,
+            dense_warmup_steps=args.grpo_dense_warmup_steps,
+            communicator=settings.communicator,
+        )
 
     @property
     def warming_up(self) -> bool:
@@ -228,6 +290,15 @@ class FSDPCommState(CommState):
         return CodecSpec(bits=8, block_size=self.block_size)  # "worker-int8": the residual as 8-bit blocks
 
     # --- the reduce-scatter ---
+    def communicator_for(self, group) -> Communicator:
+        """The communicator of a reduce-scatter over `group` (the one given, or `group`'s own, made once)."""
+        if self.communicator is not None:
+            return self.communicator
+        held = self._communicators.get(group)
+        if held is None:
+            held = self._communicators[group] = ProcessGroupCommunicator(group)
+        return held
+
     def reduce_scatter(self, unit: str, output: torch.Tensor, input: torch.Tensor, group, op) -> None:
         """
         The compressed reduce-scatter of one unit's flat gradient (see the module docstring).
@@ -243,7 +314,8 @@ class FSDPCommState(CommState):
             `ValueError`: another reduce op (a pre-multiplied sum), or sizes that do not split over the group.
         """
         start = time.perf_counter()
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        comm = self.communicator_for(group)
+        world_size, rank = comm.world_size, comm.rank
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise ValueError(
                 f"GRPO's FSDP2 reduce-scatter supports op SUM and AVG, got {op}: FSDP passes a pre-multiplied sum when "
@@ -263,12 +335,13 @@ class FSDPCommState(CommState):
         spec = CodecSpec(bits=32 if dense else self.bits, block_size=self.block_size)
         feedback = self.error_feedback != "none" and not dense
         residual = _StagedResidual(self, f"{unit}:{input.numel()}", numel) if feedback else None
-        exchange = Exchange(self.kernels, Collectives(self, world_size=world_size, rank=rank, group=group))
+        stats = self.stats
+        exchange = Exchange(self.kernels, comm, stats)
         total, finite = exchange.reduce_scatter(input.view(world_size, numel), spec, residual, op == dist.ReduceOp.AVG)
         self._nonfinite |= not finite
         output.copy_(total.view_as(output))
         self.hook_calls += 1
-        stats = self.stats
+        stats.comm_ms += comm.pop_comm_ms()  # done: nothing of it is left under way
         stats.bytes_dense_fp32 += reduce_scatter_bytes(4 * input.numel(), world_size)
         stats.bytes_dense_fp16 += reduce_scatter_bytes(2 * input.numel(), world_size)
         stats.numel += input.numel()
@@ -387,6 +460,15 @@ class FSDPCommState(CommState):
         self._staged, self._nonfinite = {}, False
         self.stats = StepStats()
         self.traffic.load_state_dict(state_dict.get("totals", {}))
+
+    def __getstate__(self):
+        """Pickled without the communicators made for FSDP2's groups (they belong to this process)."""
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "_communicators"}
+
+    def __setstate__(self, state):
+        for slot, value in state.items():
+            setattr(self, slot, value)
+        self._communicators = {}
 
     def __repr__(self) -> str:
         return (

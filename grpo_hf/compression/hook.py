@@ -72,8 +72,8 @@ entry; `ratio_* = baseline / bytes_sent` (higher is better).
 
 ## An emulated slow link (a benchmark tool)
 
-With the environment variable `GRPO_HF_EMULATED_LINK_GBIT` set, the hook's collectives
-([`~grpo_hf.compression.collectives.Collectives`]) wait for an emulated slow link: see `collectives.py`.
+With the environment variable `GRPO_HF_EMULATED_LINK_GBIT` set, the hook's collectives (its state's
+[`~grpo_hf.compression.communicator.Communicator`]) wait for an emulated slow link: see `communicator.py`.
 """
 
 import time
@@ -85,7 +85,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .codec import all_safe
-from .collectives import Collectives
+from .communicator import Communicator, SoloCommunicator
 from .exchange import Exchange, Part
 from .layout import BucketLayout, Run
 from .row_store import StoredRow
@@ -154,7 +154,7 @@ def grpo_comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch
         state.stats.hook_ms += (time.perf_counter() - start) * 1000
         return future
     buckets, state.pending = state.pending, []
-    dense, compressed = _run_step(state, Collectives(state), buckets, state.world_size)
+    dense, compressed = _run_step(state, state.communicator, buckets, state.world_size)
     for held in buckets:
         held.future.set_result(held.buffer)
     state.stats.hook_ms += (time.perf_counter() - start) * 1000
@@ -186,9 +186,7 @@ def compress_locally(state, model: nn.Module) -> None:
     buffer = torch.cat([p.grad.reshape(-1) for p in params]) if params else torch.zeros(0)
     names = [state.names.get(id(p)) for p in params]
     bucket = _Bucket(buffer, names, params, numels, starts)
-    dense, compressed = _run_step(
-        state, Collectives(state, world_size=1, rank=0), [bucket], state.simulated_world_size
-    )
+    dense, compressed = _run_step(state, SoloCommunicator(), [bucket], state.simulated_world_size)
     if compressed:
         torch._foreach_copy_([p.grad.view(-1) for p in params], list(torch.split(buffer, numels)))
     state.hook_calls += 1
@@ -196,7 +194,7 @@ def compress_locally(state, model: nn.Module) -> None:
     state.commit_step(dense=dense, compressed=compressed)
 
 
-def _run_step(state, comm: Collectives, buckets: list[_Bucket], count_as: int) -> tuple[bool, bool]:
+def _run_step(state, comm: Communicator, buckets: list[_Bucket], count_as: int) -> tuple[bool, bool]:
     """
     One optimizer step over its buckets (see the module docstring); `count_as`: the world size bytes count for.
     Returns `(dense, compressed)`: whether the step counts as dense (warm-up, or a NaN/Inf on some rank) and whether
@@ -204,7 +202,7 @@ def _run_step(state, comm: Collectives, buckets: list[_Bucket], count_as: int) -
     """
     stats = state.stats
     exchange = Exchange(
-        state.kernels, comm, count_as, state.scale_clip, state.scale_beta, state.buffer, count_kept=True
+        state.kernels, comm, stats, count_as, state.scale_clip, state.scale_beta, state.buffer, count_kept=True
     )
     layouts = [state.layout(b.names, b.numels, b.starts) for b in buckets]
     plain = state.warming_up or not any(layout.runs for layout in layouts)  # nothing to compress: as DDP does
@@ -244,7 +242,7 @@ def _run_step(state, comm: Collectives, buckets: list[_Bucket], count_as: int) -
     return state.warming_up or unsafe, not (plain or unsafe)
 
 
-def _parts(state, comm: Collectives, layout: BucketLayout, bucket: _Bucket, lane: int) -> list[Part]:
+def _parts(state, comm: Communicator, layout: BucketLayout, bucket: _Bucket, lane: int) -> list[Part]:
     """
     The bucket's runs as parts of the exchange: the rows (a view of the bucket, or a padded copy), the bf16 residual
     and owner residual rows of the state, the gradient scales and their EMA (written into the work buffers of `lane`,

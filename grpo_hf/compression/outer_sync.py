@@ -124,9 +124,11 @@ from ..choices import (
     SYNC_MOMENTS,
     check_sync_settings,
 )
+from ..engines import engine_from_environment, process_rank
+from ..errors import ConfigError
 from ..optim.moments import local_tensor
 from .codec import ENCODE_CHUNK, all_safe, compile_kernels
-from .collectives import Collectives
+from .communicator import Communicator, ProcessGroupCommunicator
 from .exchange import Exchange
 from .fragment import Fragment, InFlight, check_moments, global_device, merge_with_global, outer_step, pack_fragments
 from .replicas import ReplicaGroups, fsdp_modules, local_optimizer_state, reshard
@@ -134,7 +136,7 @@ from .schedule import fragment_offsets, fragments_due, ramp_points
 from .spec import CodecSpec
 from .sync_checkpoint import STATE_VERSION, apply_saved, load_sync_state, restore_sync_state
 from .traffic import StepStats, TrafficStats, allreduce_bytes
-from .transport import OUTER_MODE, CommState, SavedComms
+from .transport import OUTER_MODE, CommSettings, CommState, SavedComms
 
 
 logger = logging.getLogger(__name__)
@@ -143,6 +145,8 @@ OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # SYNC_DT
 # From this many ranks a blocking sync's codes go through owners (the per-step hook's `allreduce` mode); at 2 the owners'
 # reduce-scatter and all-gather send the bytes of the all-gather, and would quantize `Δ̄` twice.
 OWNER_MIN_WORLD_SIZE = 3
+# Counted between fault-tolerant replica groups only, logged as `grpo/sync/<name>` (beside `grpo/sync/participants`)
+ELASTIC_COUNTERS = ("discarded", "retried", "heals")
 SYNC_BITS = (4, 8, 16)  # codes of fixed size; 32 bits and dense tensors go through an fp32 all-reduce
 
 
@@ -182,7 +186,8 @@ class OuterSyncState(CommState):
             control, which separates the outer optimizer's effect from the savings; under DDP its bytes are DDP's fp32
             all-reduce of the gradients at every step).
         process_group (`torch.distributed.ProcessGroup`, *optional*):
-            Group to communicate in; the default group when `None`.
+            Group to communicate in; the default group when `None`. A convenience for
+            `communicator=ProcessGroupCommunicator(process_group)`.
         delay (`int`, *optional*, defaults to `0`):
             `τ`: with `τ > 0` a fragment's exchange starts at its sync step and runs while the next `τ` inner steps
             compute; its outer step is applied `τ` steps later and merged with the local parameters (see "Overlap" in
@@ -198,11 +203,16 @@ class OuterSyncState(CommState):
             [`bind`] and `delay=0`; nothing to average without an exchange.
         replicas ([`~grpo_hf.compression.replicas.ReplicaGroups`], *optional*):
             FSDP2 shards each replica: the sync runs over this rank's replicate group, on its local shards (see
-            "Replica groups" in the module docstring); `process_group` is then that group.
+            "Replica groups" in the module docstring) through their `replicate_communicator`; give no `communicator`
+            or `process_group` with them.
         global_device (`str`, *optional*, defaults to `"auto"`):
             Where `θ_global` and the momentum live ([`~grpo_hf.compression.fragment.global_device`]): `"cpu"`
             (pinned when the parameters are on an accelerator), `"parameters"`, or `"auto"` (`"cpu"` on an
             accelerator). The same bits whatever the choice.
+        communicator ([`~grpo_hf.compression.communicator.Communicator`], *optional*):
+            The way to the wire: every collective of the sync goes through it, or, with `delay > 0`, the exchanges
+            through its twin ([`~grpo_hf.compression.communicator.Communicator.duplicate`], made at [`bind`]). `None`:
+            a [`~grpo_hf.compression.communicator.ProcessGroupCommunicator`] over `process_group` (or the replicas').
     """
 
     __slots__ = (
@@ -219,8 +229,8 @@ class OuterSyncState(CommState):
         # --- seldom tuned ---
         "dtype",
         "exchange",
-        "process_group",
-        "exchange_group",
+        "communicator",
+        "exchange_communicator",
         "replicas",
         "global_device",
         # --- bound by bind() ---
@@ -241,6 +251,7 @@ class OuterSyncState(CommState):
         "swapped",
         # --- statistics ---
         "traffic",
+        "participants",
         "_warned",
     )
     nonfinite_origin = (
@@ -264,6 +275,7 @@ class OuterSyncState(CommState):
         moments: str = DEFAULT_SYNC_MOMENTS,
         replicas: ReplicaGroups | None = None,
         global_device: str = DEFAULT_SYNC_GLOBAL_DEVICE,
+        communicator: Communicator | None = None,
     ):
         if not fragments or any(not names for names in fragments):
             raise ValueError(f"{len(fragments)} fragments, some empty: use 1 to {every} non-empty fragments.")
@@ -284,8 +296,15 @@ class OuterSyncState(CommState):
         self.ramp, self.dtype, self.exchange = bool(ramp), OUTER_DTYPES.get(dtype, dtype), bool(exchange)
         self.delay, self.mix, self.moments = int(delay), float(mix), moments
         self.replicas, self.global_device = replicas, global_device
-        self.process_group = replicas.replicate_group if replicas is not None else process_group
-        self.exchange_group: dist.ProcessGroup | None = None  # with delay > 0: the exchanges' own group
+        if communicator is not None and (process_group is not None or replicas is not None):
+            raise ValueError(
+                "give a communicator, a process_group or replicas, not two of them (between replica groups the sync "
+                "runs over ReplicaGroups.replicate_communicator)."
+            )
+        if replicas is not None:
+            communicator = replicas.replicate_communicator
+        self.communicator = communicator if communicator is not None else ProcessGroupCommunicator(process_group)
+        self.exchange_communicator: Communicator | None = None  # with delay > 0: the exchanges' own twin
         self.fsdp_units, self.share = [], None
         self.params: dict[str, nn.Parameter] = {}
         self.fragments: list[Fragment] = []
@@ -298,17 +317,105 @@ class OuterSyncState(CommState):
         self.stats = StepStats()
         self.swapped: list[torch.Tensor] | None = None
         # dense_steps and nonfinite_steps stay 0: the keys of the per-step hook's totals
+        elastic = ELASTIC_COUNTERS if self.communicator.elastic else ()  # fault-tolerant replica groups
         self.traffic = TrafficStats(
-            counters=("syncs",),
+            counters=("syncs", *elastic),
             run_counters=("nonfinite_syncs", "dense_steps", "nonfinite_steps"),
             peak=True,
             default_density=0.0,
         )
         self._warned: set[str] = set()
+        self.participants: list[int] = []  # between fault-tolerant replica groups: the ranks of each sync kept
+
+    # --- building ---
+    @classmethod
+    def from_settings(cls, settings: CommSettings) -> "OuterSyncState | None":
+        """
+        The sync every `grpo_sync_every` steps when it is above 1: the `Δ` codec from `settings.plan`, GRPO's groups
+        packed into `grpo_sync_fragments` fragments. Under DDP the ranks exchange their `Δ` (unless
+        `grpo_sync_outer_only`); on one process only the outer step is added (with a warning). Without an exchange the
+        plan becomes dense and the compression `"none"` (in `settings`).
+
+        Under FSDP2 the replicas are replica groups (`grpo_hf.replica_groups`): each FSDP2-sharded over its own ranks,
+        syncing their local shards every H steps over their replicate groups; one replica has nothing to sync (a
+        warning; the outer step only).
+
+        Raises:
+            [`~grpo_hf.errors.ConfigError`]: DeepSpeed, a layout the sync cannot run over (tensor parallelism, HSDP
+                sharded at load time), too many fragments for the groups, or a group file's `bits` / `density` the sync
+                cannot send.
+        """
+        if not settings.syncing:
+            return None
+        from ..replica_groups import find_replica_groups  # (the trainer's layouts: Accelerate's mesh, a marked model)
+
+        args, engine = settings.args, settings.engine
+        if engine == "deepspeed":
+            raise ConfigError(
+                f"grpo_sync_every={args.grpo_sync_every} under DeepSpeed: ZeRO reduces the gradients over every rank "
+                "at every step, so there are no replicas to sync. Train with DDP, or FSDP2 with replica groups "
+                "(docs/engines.md), or set grpo_sync_every=1." + engine_from_environment(engine, args)
+            )
+        replicas = None
+        if engine == "fsdp2":
+            replicas = find_replica_groups(settings.model, settings.accelerator, args.grpo_sync_every)
+        if replicas is not None:
+            _between_replica_groups(args, replicas)
+        communicator = settings.communicator
+        if settings.fault_tolerance is not None:  # this launch is one replica group: the sync runs between groups
+            communicator = _fault_tolerant_communicator(settings)
+        exchange = (
+            engine == "ddp" or (replicas is not None and replicas.replicas > 1) or communicator is not None
+        ) and not args.grpo_sync_outer_only
+        if not exchange:  # the gradients are averaged every step (DDP) or there is one replica: no Δ codec
+            settings.compression = "none"
+            settings.plan = {name: None for name in settings.plan}
+            if engine == "single" and process_rank(args)[0] == 0:
+                logger.warning(
+                    f"grpo_sync_every={args.grpo_sync_every} on one process: there is nothing to exchange, so only the "
+                    "outer step is added every H steps (the outer-step-only control); no bytes are saved."
+                )
+        units = [(g.name, g.param_names, [p.numel() for p in g.params]) for g in settings.groups]
+        try:
+            return cls(
+                settings.plan,
+                pack_fragments(units, args.grpo_sync_fragments),
+                every=args.grpo_sync_every,
+                outer_lr=args.grpo_sync_outer_lr,
+                outer_momentum=args.grpo_sync_outer_momentum,
+                ramp=args.grpo_sync_ramp,
+                dtype=OUTER_DTYPES[args.grpo_sync_global_dtype],
+                exchange=exchange,
+                delay=args.grpo_sync_delay,
+                mix=args.grpo_sync_mix,
+                moments=args.grpo_sync_moments,
+                replicas=replicas,
+                global_device=args.grpo_sync_global_device,
+                communicator=communicator,
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     @property
     def mode(self) -> str:
         return OUTER_MODE
+
+    @property
+    def process_group(self):
+        """The `torch.distributed` group of a [`~grpo_hf.compression.communicator.ProcessGroupCommunicator`]
+        (`None`: the default group, or a communicator of another kind)."""
+        return getattr(self.communicator, "group", None)
+
+    @property
+    def exchange_group(self):
+        """The process group of the exchanges' twin (`delay > 0`), `None` without one."""
+        return getattr(self.exchange_communicator, "group", None)
+
+    @property
+    def apart(self) -> bool:
+        """Whether the ranks send nothing to each other between syncs (replica groups, FSDP2 inside or fault-tolerant):
+        their group norms are their own, and what they keep apart is averaged at each sync ([`share_at_sync`])."""
+        return self.replicas is not None or self.communicator.elastic
 
     @property
     def numel(self) -> int:
@@ -358,28 +465,21 @@ class OuterSyncState(CommState):
                 f"the fragments and the model's trainable parameters differ (e.g. {missing[0]}); build the fragments "
                 "from this model's groups."
             )
-        if dist.is_available() and dist.is_initialized():
-            self.world_size, self.rank = dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
-        else:
-            self.world_size, self.rank = 1, 0
+        self.world_size, self.rank = self.communicator.world_size, self.communicator.rank
         self.kernels = compile_kernels(False)  # a sync every H steps: the eager kernels, the same on every rank
         self.optimizer = optimizer
         check_moments(optimizer, self.moments)
         self.fsdp_units = fsdp_modules(model)
-        if self.delay > 0 and self.exchange and self.world_size > 1 and self.exchange_group is None:
-            # The exchanges get a process group of their own (the same ranks, in order): NCCL runs the collectives of
-            # one group in order, and the next steps' norm all-reduce must not queue behind an exchange under way.
-            # Every rank makes every such group, in the same order (each replicate group's, between replica groups).
-            ranks = self.replicas.replicate_ranks if self.replicas is not None else [
-                dist.get_process_group_ranks(self.process_group or dist.group.WORLD)]  # fmt: skip
-            for members in ranks:
-                group = dist.new_group(members)
-                if dist.get_rank() in members:
-                    self.exchange_group = group
+        if self.delay > 0 and self.exchange and self.world_size > 1 and self.exchange_communicator is None:
+            # The exchanges get a twin of their own (the same ranks, in order): NCCL runs the collectives of one group
+            # in order, and the next steps' norm all-reduce must not queue behind an exchange under way. Collective:
+            # every rank makes every twin, in the same order (each replicate group's, between replica groups).
+            self.exchange_communicator = self.communicator.duplicate()
         if self.replicas is not None:
             self.replicas.check_sharded(self.params)  # FSDP2 over this rank's replica only
             if self.exchange and self.world_size > 1 and self.pending is None:
                 self.replicas.broadcast_first_replica(self.params.values())  # θ starts identical on every replica
+                self.communicator.pop_comm_ms()  # setup, not a step's communication
         keep = self.outer_momentum > 0
         where = global_device(self.global_device, self._device())
         self.fragments = [Fragment(i, names, self.params, self.plan, self.dtype, keep, where)  # a fresh θ_global each
@@ -412,13 +512,12 @@ class OuterSyncState(CommState):
             wrapped.register_comm_hook(self, local_gradient_hook)
 
     # --- per step ---
-    def _collectives(self, group=None) -> Collectives:
-        return Collectives(self, group=group)
-
-    def _exchange(self, group=None) -> Exchange:
-        """The fragments' exchange: the eager kernels, decoding a few chunks at a time (work memory of a chunk)."""
+    def _exchange(self, communicator: Communicator | None = None) -> Exchange:
+        """The fragments' exchange over `communicator` (the state's when `None`): the eager kernels, decoding a few
+        chunks at a time (work memory of a chunk); its bytes go into this step's statistics."""
         within = self.replicas.agree_within_replica if self.replicas is not None else None
-        return Exchange(self.kernels, self._collectives(group), decode_chunk=ENCODE_CHUNK, agree_within=within)
+        comm = self.communicator if communicator is None else communicator
+        return Exchange(self.kernels, comm, self.stats, decode_chunk=ENCODE_CHUNK, agree_within=within)
 
     def _device(self) -> torch.device:
         return local_tensor(next(iter(self.params.values()))).device if self.params else torch.device("cpu")
@@ -430,14 +529,14 @@ class OuterSyncState(CommState):
         exchange (DDP's all-reduce, or one process, made them identical), and between replica groups, whose replicate
         dimension sends nothing between syncs (each replica's own norms, FSDP2's shards summed).
         """
-        if not self.exchange or self.world_size == 1 or self.replicas is not None:
+        if not self.exchange or self.world_size == 1 or self.apart:
             return norms
         return (self._all_reduce_mean(norms.double() ** 2)).sqrt().to(norms.dtype)
 
     def agree_mean(self, values: torch.Tensor) -> torch.Tensor:
         """The mean over ranks of per-group `values` (float64; e.g. the importance coherence); as is without exchange
         or between replica groups."""
-        if not self.exchange or self.world_size == 1 or self.replicas is not None:
+        if not self.exchange or self.world_size == 1 or self.apart:
             return values
         return self._all_reduce_mean(values.double()).to(values.dtype)
 
@@ -452,7 +551,7 @@ class OuterSyncState(CommState):
 
     def _all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        summed = self._collectives().all_reduce(values.clone().to(self._device())).cpu()
+        summed = self.communicator.all_reduce(values.clone().to(self._device())).cpu()
         self.stats.bytes_sent += allreduce_bytes(8 * values.numel(), self.world_size)
         self.stats.hook_ms += (time.perf_counter() - start) * 1000
         return summed / self.world_size
@@ -482,7 +581,7 @@ class OuterSyncState(CommState):
             self._start(self.fragments[due[0]])
         elif due:
             self._sync(due)
-        if due and self.share is not None and self.replicas is not None and self.step_world_size > 1:
+        if due and self.share is not None and self.apart and self.step_world_size > 1:
             get, put = self.share
             put(self._all_reduce_mean(get()))  # e.g. the importance state: the same on every rank after a sync
         self.stats.baseline(self.numel, self.world_size)
@@ -509,6 +608,9 @@ class OuterSyncState(CommState):
 
     def _close(self, count_step: bool) -> float:
         record, self.stats = self.stats, StepStats()
+        for comm in (self.communicator, self.exchange_communicator):  # the time spent communicating in the step
+            if comm is not None:
+                record.comm_ms += comm.pop_comm_ms()
         self.traffic.close_step(record, optimizer_step=count_step)
         return record.bytes_sent
 
@@ -527,10 +629,26 @@ class OuterSyncState(CommState):
     @torch.no_grad()
     def _sync(self, due: list[int]) -> None:
         """Steps 3-7 of the module docstring for the fragments `due`, one after the other (work memory: one)."""
-        exchange, world_size = self._exchange(), self.step_world_size
         reshard(self.fsdp_units)  # the restart writes the shards: no unit may keep an unsharded copy
-        keys = SYNC_MOMENTS[self.moments] if self.optimizer is not None and world_size > 1 else ()
         for fragment in (self.fragments[f] for f in due):
+            self._sync_fragment(fragment)
+            self._count_sync(fragment)
+
+    def _sync_fragment(self, fragment: Fragment) -> None:
+        """
+        Steps 3-7 for one fragment. The exchange is kept when the communicator commits it (always over
+        `torch.distributed`); between fault-tolerant replica groups one that fails (a peer died) is tried again over
+        the survivors, its error-feedback residuals restored first, and discarded when that fails too: `θ_global`,
+        momentum and residuals stay as they were, and the parameters restart from `θ_global`.
+        """
+        comm = self.communicator
+        for attempt in range(comm.attempts):
+            if comm.elastic:  # the ranks of the current quorum
+                self.world_size, self.rank = comm.world_size, comm.rank
+            world_size = self.step_world_size
+            exchange = self._exchange()
+            keys = SYNC_MOMENTS[self.moments] if self.optimizer is not None and world_size > 1 else ()
+            saved = fragment.save_error_feedback() if comm.attempts > 1 else None
             deltas = fragment.take_delta()
             # the moments to average join the NaN/Inf check (read in place): set, the flag leaves them alone
             moments = [t for key in keys for held in fragment.moments(self.optimizer, key) for t in held]
@@ -538,22 +656,63 @@ class OuterSyncState(CommState):
             del moments
             if world_size > 1:
                 unsafe = bool(exchange.agree_flag(unsafe, self._device()).wait().item())
-            if unsafe:
-                self._warn_nonfinite("its local steps are dropped")
-            else:
-                if world_size > 1:
-                    fragment.exchange(exchange, deltas, owners=world_size >= OWNER_MIN_WORLD_SIZE)
-                fragment.apply_outer_step(deltas, self.outer_lr, self.outer_momentum)
-            del deltas
+            if not unsafe and world_size > 1:
+                fragment.exchange(exchange, deltas, owners=world_size >= OWNER_MIN_WORLD_SIZE)
+            if comm.commit():
+                break
+            fragment.restore_error_feedback(saved)
+            if attempt + 1 < comm.attempts:
+                self.traffic.count(retried=1)
+                comm.reconfigure(self.step)
+                self._after_quorum()
+        else:
+            self.participants.append(0)  # nobody's exchange was kept
+            self.traffic.count(discarded=1)
+            logger.warning(
+                f"GRPO sync at step {self.step}: the exchange of fragment {fragment.index} failed {comm.attempts} "
+                "times; it is discarded (θ_global, outer momentum and residuals unchanged), and every replica "
+                "restarts the fragment from θ_global."
+            )
             fragment.restart(self.step)
-            if keys and not unsafe:
-                fragment.average_moments(exchange, self.optimizer, keys)
-            self._count_sync(fragment)
+            return
+        if comm.elastic:
+            self.participants.append(world_size)
+        if unsafe:
+            self._warn_nonfinite("its local steps are dropped")
+        else:
+            fragment.apply_outer_step(deltas, self.outer_lr, self.outer_momentum)
+        del deltas
+        fragment.restart(self.step)
+        if keys and not unsafe:
+            fragment.average_moments(exchange, self.optimizer, keys)
+
+    def _after_quorum(self) -> None:
+        """A new quorum of the communicator: its ranks, and owner residuals afresh when the membership changed (each
+        rank's share of the blocks is another one)."""
+        comm = self.communicator
+        self.world_size, self.rank = comm.world_size, comm.rank
+        if comm.membership_changed:
+            for fragment in self.fragments:
+                fragment.reset_owner_residuals()
+
+    def step_ended(self, step: int) -> dict | None:
+        """
+        After the trainer closed optimizer step `step` (its scheduler stepped, its step counted): when a fragment
+        synced in it, the communicator's next interval starts (between fault-tolerant replica groups: a quorum, at
+        which restarted or new groups heal from this one). Returns what this rank healed from, when it was behind.
+        """
+        if not self.fragments or not any(last == self.step for last in self.last_sync):
+            return None
+        received = self.communicator.next_interval(step)
+        self._after_quorum()
+        if received is not None:
+            self.traffic.count(heals=1)
+        return received
 
     @torch.no_grad()
     def _start(self, fragment: Fragment) -> None:
         """Steps 3-4 for `fragment`, started (`delay > 0`, see "Overlap"); its bytes count in this step."""
-        exchange = self._exchange(self.exchange_group) if self.step_world_size > 1 else None
+        exchange = self._exchange(self.exchange_communicator) if self.step_world_size > 1 else None
         fragment.start(exchange, self.step, self.step + self.delay)
         self._count_sync(fragment)
 
@@ -604,7 +763,13 @@ class OuterSyncState(CommState):
         `grpo/comm/syncs` (fragments synced), `grpo/density` (entries exchanged per step over trainable entries),
         `grpo/sparsity`, and `grpo/comm/hook_ms` (time in the syncs per step; measured).
         """
-        return self.traffic.pop_stats()
+        stats = self.traffic.pop_stats()
+        if self.communicator.elastic and stats:
+            for name in ELASTIC_COUNTERS:
+                stats[f"grpo/sync/{name}"] = stats.pop(f"grpo/comm/{name}", 0.0)
+            if self.participants:  # of the window's last sync (0: discarded)
+                stats["grpo/sync/participants"] = float(self.participants[-1])
+        return stats
 
     def totals(self) -> dict[str, float]:
         """
@@ -639,7 +804,17 @@ class OuterSyncState(CommState):
             "moments": self.moments,
         }
 
-    def state_dict(self) -> dict:
+    def heal_state_dict(self) -> dict:
+        """
+        What a healing replica group receives of this rank (fault-tolerant replica groups, at the start of an
+        interval): [`state_dict`] with `θ_global` and the momentum whatever the rank, and no error-feedback residuals
+        (a peer's would apply its error twice: the healer's start at zero).
+        """
+        state = self.state_dict(shared=True)
+        state["residuals"], state["owner_residuals"] = {}, {}
+        return state
+
+    def state_dict(self, shared: bool | None = None) -> dict:
         """
         What a resumed run needs to continue bit for bit, on cpu, by parameter name: the step, each fragment's last
         sync, the settings and fragments; on rank 0 only `θ_global` and the momentum (the same on every rank); on every
@@ -654,6 +829,7 @@ class OuterSyncState(CommState):
         def cpu(tensors):
             return {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
 
+        shared = self.rank == 0 if shared is None else shared  # θ_global and the momentum: rank 0's by default
         self._complete()  # before the residuals are read: the exchange's new ones are committed
         held = [fragment.state_by_name() for fragment in self.fragments]
         pending = self.pending or {"own": None, "last_sync": [0] * len(self.fragment_names)}
@@ -673,8 +849,8 @@ class OuterSyncState(CommState):
             "hook_calls": self.hook_calls,
             "settings": self.settings(),
             "fragments": [list(names) for names in self.fragment_names],
-            "global": cpu(merged("global")) if self.rank == 0 else {},
-            "momentum": cpu(merged("momentum")) if self.rank == 0 else {},
+            "global": cpu(merged("global")) if shared else {},
+            "momentum": cpu(merged("momentum")) if shared else {},
             "residuals": cpu(merged("residuals")),
             "owner_residuals": cpu(merged("owner_residuals")),
             "local": cpu({name: local_tensor(p) for name, p in self.params.items()}),  # local shards, never DTensors
@@ -706,19 +882,21 @@ class OuterSyncState(CommState):
 
     def __getstate__(self):
         """
-        Pickle without the process group, the parameters, the fragments, the optimizer and the kernels (bind the copy
-        again); an exchange under way is waited for first (as by [`state_dict`]).
+        Pickle without the communicators, the parameters, the fragments, the optimizer and the kernels (the copy
+        communicates over the default group: bind it again); an exchange under way is waited for first (as by
+        [`state_dict`]).
         """
         if self.fragments:
             self._complete()
-        dropped = ("process_group", "exchange_group", "params", "fragments", "kernels", "optimizer", "swapped",
+        dropped = ("communicator", "exchange_communicator", "params", "fragments", "kernels", "optimizer", "swapped",
                    "fsdp_units", "share")  # fmt: skip
         return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in dropped}
 
     def __setstate__(self, state):
         for slot, value in state.items():
             setattr(self, slot, value)
-        self.process_group = self.exchange_group = self.kernels = self.optimizer = self.swapped = self.share = None
+        self.exchange_communicator = self.kernels = self.optimizer = self.swapped = self.share = None
+        self.communicator = ProcessGroupCommunicator()
         self.params, self.fragments, self.fsdp_units = {}, [], []
 
     def __repr__(self) -> str:
@@ -727,6 +905,54 @@ class OuterSyncState(CommState):
             f"outer_momentum={self.outer_momentum}, ramp={self.ramp}, exchange={self.exchange}, delay={self.delay}, "
             f"mix={self.mix}, moments={self.moments!r}, step={self.step}, world_size={self.world_size})"
         )
+
+
+def _fault_tolerant_communicator(settings: CommSettings):
+    """
+    The way to the wire of one fault-tolerant replica group: torchft's managed process group
+    ([`~grpo_hf.compression.torchft_group.TorchFTCommunicator`]). One process per group in this release.
+
+    Raises:
+        [`~grpo_hf.errors.ConfigError`]: several processes in the group (DDP or FSDP2 inside).
+    """
+    from .torchft_group import TorchFTCommunicator, group_store
+
+    if settings.engine != "single":
+        raise ConfigError(
+            f"grpo_fault_tolerance=True under {settings.engine} ({settings.num_processes} processes): in this release "
+            "each fault-tolerant replica group is one process. Launch one process per group (docs/engines.md, "
+            "'Surviving a lost machine'), or use replica groups without fault tolerance (FSDP2 inside)."
+        )
+    return TorchFTCommunicator(settings.fault_tolerance, store=group_store())
+
+
+def _between_replica_groups(args, replicas: ReplicaGroups) -> None:
+    """
+    Between replica groups: refuse the outer-step-only control (DDP's), warn when one replica leaves nothing to sync,
+    and keep the Trainer's token count inside each replica (its per-step gather over every process would cross the
+    replicate dimension at every step).
+    """
+    rank = process_rank(args)[0]
+    if args.grpo_sync_outer_only:
+        raise ConfigError(
+            "grpo_sync_outer_only=True under FSDP2: the control keeps DDP's per-step all-reduce; between replica "
+            "groups train HSDP with grpo_sync_every=1 as the per-step baseline."
+        )
+    if replicas.replicas == 1 and rank == 0:
+        logger.warning(
+            f"grpo_sync_every={args.grpo_sync_every} under FSDP2 with one replica group (FSDP2 shards over every "
+            "process): there is nothing to sync, so only the outer step is added every H steps. For replicas, set "
+            "parallelism_config=ParallelismConfig(dp_replicate_size=R, dp_shard_size=S), launch on several "
+            "machines, or shard the model with grpo_hf.shard_replica_groups (docs/engines.md)."
+        )
+    if replicas.replicas > 1 and args.average_tokens_across_devices:
+        args.average_tokens_across_devices = False
+        if rank == 0:
+            logger.info(
+                "Replica groups: average_tokens_across_devices=False (each rank's loss is the mean over its own "
+                "tokens, and FSDP2 averages a replica's shards): the Trainer's per-step gather of token counts "
+                "over every process would cross the replicate dimension at every step."
+            )
 
 
 def local_gradient_hook(state: OuterSyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

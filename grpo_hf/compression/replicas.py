@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..optim.moments import local_tensor
+from .communicator import Communicator, ProcessGroupCommunicator
 
 
 REPLICATE_DIM = "dp_replicate"  # Accelerate's and transformers' name of the replicate dimension
@@ -51,12 +52,27 @@ class ReplicaGroups:
         replicate_ranks (`list[list[int]]`): every replicate group's global ranks, in shard order (the groups a state
             creates of its own are made from them, collectively).
         mesh (`torch.distributed.device_mesh.DeviceMesh`, *optional*): the 2-D mesh they come from.
+        replicate_communicator ([`~grpo_hf.compression.communicator.Communicator`], *optional*): the way to the wire
+            between the replicas (the sync's); `None`: a
+            [`~grpo_hf.compression.communicator.ProcessGroupCommunicator`] over `replicate_group`, whose peers are
+            `replicate_ranks`.
+        shard_communicator ([`~grpo_hf.compression.communicator.Communicator`], *optional*): the way to the wire inside
+            this rank's replica (the machine's own link: not emulated as slow); `None`: one over `shard_group`.
     """
 
     replicate_group: object
     shard_group: object
     replicate_ranks: list = field(default_factory=list)
     mesh: object = None
+    replicate_communicator: Communicator | None = None
+    shard_communicator: Communicator | None = None
+
+    def __post_init__(self):
+        if self.replicate_communicator is None:
+            peers = self.replicate_ranks or None
+            self.replicate_communicator = ProcessGroupCommunicator(self.replicate_group, peers=peers)
+        if self.shard_communicator is None:
+            self.shard_communicator = ProcessGroupCommunicator(self.shard_group, emulated=False)
 
     @classmethod
     def from_mesh(cls, mesh, replicate_dim: str = REPLICATE_DIM, shard_dim: str = SHARD_DIM) -> ReplicaGroups:
@@ -78,22 +94,22 @@ class ReplicaGroups:
     @property
     def replicas(self) -> int:
         """`R`."""
-        return dist.get_world_size(self.replicate_group)
+        return self.replicate_communicator.world_size
 
     @property
     def shards(self) -> int:
         """`S`."""
-        return dist.get_world_size(self.shard_group)
+        return self.shard_communicator.world_size
 
     @property
     def replica(self) -> int:
         """This rank's replica (its rank in the replicate group)."""
-        return dist.get_rank(self.replicate_group)
+        return self.replicate_communicator.rank
 
     @property
     def shard(self) -> int:
         """This rank's shard index (its rank in the shard group)."""
-        return dist.get_rank(self.shard_group)
+        return self.shard_communicator.rank
 
     def layout(self) -> dict:
         """What a checkpoint records of the layout: `replicas`, `shards`, this rank's `shard`."""
@@ -107,7 +123,8 @@ class ReplicaGroups:
         """Whether `flag` is set on any rank of this replica: a max all-reduce over the shard group (the machine's
         own link; not counted in the sync's bytes between replicas)."""
         value = torch.tensor([int(flag)], device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.shard_group)
+        self.shard_communicator.all_reduce(value, op=dist.ReduceOp.MAX)
+        self.shard_communicator.pop_comm_ms()  # inside the replica: not the sync's time between replicas
         return bool(value.item())
 
     def broadcast_first_replica(self, params) -> None:
@@ -116,7 +133,7 @@ class ReplicaGroups:
             for param in params:
                 local = local_tensor(param.detach())
                 if local.numel():
-                    dist.broadcast(local, group=self.replicate_group, group_src=0)
+                    self.replicate_communicator.broadcast(local, src=0)
 
     def check_sharded(self, params: dict) -> None:
         """
@@ -126,7 +143,7 @@ class ReplicaGroups:
         Raises:
             [`~grpo_hf.errors.ConfigError`]: naming the first parameter that is not.
         """
-        ranks = sorted(dist.get_process_group_ranks(self.shard_group))
+        ranks = sorted(self.shard_communicator.global_ranks())
         for name, param in params.items():
             mesh = getattr(param, "device_mesh", None)
             if mesh is None or mesh.ndim != 1 or sorted(mesh.mesh.reshape(-1).tolist()) != ranks:
@@ -144,6 +161,7 @@ class ReplicaGroups:
 
     def __setstate__(self, state):
         self.replicate_group = self.shard_group = self.mesh = None
+        self.replicate_communicator = self.shard_communicator = None
         self.replicate_ranks = state["replicate_ranks"]
 
 

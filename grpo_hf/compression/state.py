@@ -12,13 +12,15 @@ from torch import nn
 from ..choices import check_comm_settings
 from ..optim.moments import per_entry_second_moment
 from .codec import Kernels, compile_kernels
+from .communicator import Communicator, ProcessGroupCommunicator
 from .hook import compress_locally, grpo_comm_hook
 from .layout import BucketLayout, Run, bucket_layout
+from .plan import resolve_mode
 from .reshard import STATE_VERSION, reshard_comm_state
 from .row_store import RESIDUAL_DTYPE, RowStore
 from .spec import MODES, CodecSpec
 from .traffic import StepStats, TrafficStats
-from .transport import CommState, SavedComms, world_size_message
+from .transport import CommSettings, CommState, SavedComms, world_size_message
 
 
 logger = logging.getLogger(__name__)
@@ -71,12 +73,16 @@ class GRPOCommState(CommState):
         simulated_world_size (`int`, *optional*, defaults to `2`):
             World size used by [`~grpo_hf.compression.compress_locally`] to count the bytes one worker would send.
         process_group (`torch.distributed.ProcessGroup`, *optional*):
-            Group to communicate in; the default group when `None`.
+            Group to communicate in; the default group when `None`. A convenience for
+            `communicator=ProcessGroupCommunicator(process_group)`.
         compile_codec (`bool`, *optional*):
             Run the codec's kernels compiled by `torch.compile` (`True`) or eagerly (`False`). `None` (default):
             compiled when `bind` finds more than one rank, unless the environment variable `GRPO_HF_COMPILE_CODEC=0`
             is set. Without a working compiler the eager functions run (logged once); under `torch.distributed` the
             ranks agree on one choice.
+        communicator ([`~grpo_hf.compression.communicator.Communicator`], *optional*):
+            The way to the wire: every collective of the hook goes through it. `None`: a
+            [`~grpo_hf.compression.communicator.ProcessGroupCommunicator`] over `process_group` (give one or the other).
     """
 
     __slots__ = (
@@ -89,7 +95,7 @@ class GRPOCommState(CommState):
         "scale_clip",
         # --- seldom tuned ---
         "simulated_world_size",
-        "process_group",
+        "communicator",
         "compile_codec",
         # --- bound by bind() / attach_optimizer() ---
         "names",
@@ -133,6 +139,7 @@ class GRPOCommState(CommState):
         simulated_world_size: int = 2,
         process_group: dist.ProcessGroup | None = None,
         compile_codec: bool | None = None,
+        communicator: Communicator | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: use one of {MODES} (`compression_plan` resolves 'auto').")
@@ -151,7 +158,9 @@ class GRPOCommState(CommState):
         self.scale_beta = float(scale_beta)
         self.scale_clip = None if scale_clip is None else float(scale_clip)
         self.simulated_world_size = int(simulated_world_size)
-        self.process_group = process_group
+        if communicator is not None and process_group is not None:
+            raise ValueError("give a communicator or a process_group, not both (the communicator holds its group).")
+        self.communicator = communicator if communicator is not None else ProcessGroupCommunicator(process_group)
         self.compile_codec = compile_codec
         self.names: dict[int, str] = {}
         self.world_size, self.rank = 1, 0
@@ -178,6 +187,31 @@ class GRPOCommState(CommState):
         self.traffic = TrafficStats(counters=("dense_steps",), run_counters=("nonfinite_steps",))
         self._warned: set[str] = set()
 
+    @classmethod
+    def from_settings(cls, settings: CommSettings) -> "GRPOCommState | None":
+        """
+        DDP's compressed exchange at every step (on one process its preview, [`compress_locally`]) when the ranks do
+        not sync every H steps, something is compressed, and FSDP2 does not reduce the gradients; else `None`.
+        """
+        if settings.syncing or settings.compression == "none" or settings.engine == "fsdp2":
+            return None
+        args = settings.args
+        return cls(
+            settings.plan,
+            mode=resolve_mode(args.grpo_comm_mode, settings.num_processes),
+            dense_warmup_steps=args.grpo_dense_warmup_steps,
+            scale_gradients=args.grpo_scale_gradients,
+            scale_beta=args.grpo_scale_beta,
+            scale_clip=args.grpo_scale_clip,
+            communicator=settings.communicator,
+        )
+
+    @property
+    def process_group(self):
+        """The `torch.distributed` group of a [`~grpo_hf.compression.communicator.ProcessGroupCommunicator`]
+        (`None`: the default group, or a communicator of another kind)."""
+        return getattr(self.communicator, "group", None)
+
     def spec_for(self, name: str | None) -> CodecSpec | None:
         """The codec spec a parameter is sent with, `None` when dense."""
         return self.plan.get(name) if name is not None else None
@@ -185,19 +219,15 @@ class GRPOCommState(CommState):
     # --- setup ---
     def bind(self, model: nn.Module) -> "GRPOCommState":
         """
-        Map the model's trainable parameters (by `id`) to their names, read the world size and rank from
-        `torch.distributed` (1 / 0 when it is not initialized) and make the codec's kernels ready: compiled (the
+        Map the model's trainable parameters (by `id`) to their names, read the world size and rank from the
+        communicator (1 / 0 when `torch.distributed` is not initialized) and make the codec's kernels ready: compiled (the
         one-off compile time is logged; later runs reuse inductor's cache) or eager, the same choice on every rank (an
         all-reduce when there are several). Pass the unwrapped model (a DDP wrapper is unwrapped).
         """
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
         self.names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
-        if dist.is_available() and dist.is_initialized():
-            self.world_size = dist.get_world_size(self.process_group)
-            self.rank = dist.get_rank(self.process_group)
-        else:
-            self.world_size, self.rank = 1, 0
+        self.world_size, self.rank = self.communicator.world_size, self.communicator.rank
         missing = sorted(set(self.names.values()) - set(self.plan))
         if missing:
             self._warn_once(
@@ -247,11 +277,10 @@ class GRPOCommState(CommState):
                 pass
             if kernels.compiled:
                 logger.info("GRPO compression: codec kernels compiled in %.1f s (one-off).", self.compile_seconds)
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([int(kernels.compiled)], dtype=torch.int64)
-            if dist.get_backend(self.process_group) == "nccl":
-                flag = flag.cuda()
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
+        if self.world_size > 1:
+            flag = torch.tensor([int(kernels.compiled)], dtype=torch.int64, device=self.communicator.device)
+            self.communicator.all_reduce(flag, op=dist.ReduceOp.MIN)
+            self.communicator.pop_comm_ms()  # setup, not a step's communication
             if kernels.compiled and not bool(flag.item()):
                 kernels = compile_kernels(False)
                 self._warn_once(
@@ -419,6 +448,7 @@ class GRPOCommState(CommState):
         if not nonfinite and self.ema_updated:
             self.scale_updates += 1
         self.nonfinite = self.ema_updated = False
+        self.stats.comm_ms += self.communicator.pop_comm_ms()
         self.traffic.close_step(self.stats, dense_steps=dense or nonfinite, nonfinite_steps=nonfinite)
         self.step_bytes += self.stats.bytes_sent
         self.stats = StepStats()
@@ -516,16 +546,18 @@ class GRPOCommState(CommState):
 
     def __getstate__(self):
         """
-        Pickle without the process group, the optimizer and the kernels, as torch's `PowerSGDState` does (bind the
-        copy again, and attach its optimizer, before using it).
+        Pickle without the communicator, the optimizer and the kernels, as torch's `PowerSGDState` does without its
+        process group (the copy communicates over the default group: bind it again, and attach its optimizer, before
+        using it).
         """
-        dropped = ("process_group", "workspace", "kernels", "optimizer", "pending", "bucket_starts", "sources")
+        dropped = ("communicator", "workspace", "kernels", "optimizer", "pending", "bucket_starts", "sources")
         return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in dropped}
 
     def __setstate__(self, state):
         for slot, value in state.items():
             setattr(self, slot, value)
-        self.process_group = self.kernels = self.optimizer = None
+        self.kernels = self.optimizer = None
+        self.communicator = ProcessGroupCommunicator()
         self.workspace, self.pending, self.bucket_starts, self.sources = {}, [], {}, {}
 
     def __repr__(self) -> str:

@@ -3,8 +3,14 @@
 A transport is a state class behind one protocol (PEFT's `LoraVariant` idea: the callers never ask which one they
 hold). There are three: [`~grpo_hf.compression.GRPOCommState`] (DDP's compressed exchange at every step, and its
 one-process preview), [`~grpo_hf.compression.fsdp.FSDPCommState`] (FSDP2's compressed reduce-scatter) and
-[`~grpo_hf.compression.outer_sync.OuterSyncState`] (the sync every H steps). The trainer builds the one its settings
-ask for; from then on, one optimizer step's life is the same for all:
+[`~grpo_hf.compression.outer_sync.OuterSyncState`] (the sync every H steps). The one the settings ask for is built
+in one place, [`~grpo_hf.compression.build.build_comm_state`]: each transport's [`CommState.from_settings`] says
+whether it applies to the [`CommSettings`], and owns its refusals; the trainer only asks. A transport is handed its
+way to the wire, a [`~grpo_hf.compression.communicator.Communicator`] (`communicator=`; `process_group=` is a
+convenience that makes a `ProcessGroupCommunicator`), and builds no collective of its own: every collective, rank and
+world size goes through it, timed there, and its time spent communicating is moved into the step's statistics when
+the transport closes the step; the bytes are counted once, by the exchange. From then on, one optimizer step's life is
+the same for all:
 
 1. [`CommState.attach`], once per prepared model, before its first backward: the transport hooks itself in (a DDP comm
    hook, FSDP2's reduce-scatter on every unit) and follows the optimizer.
@@ -78,6 +84,48 @@ class SavedComms:
             self.log.warning(message)
 
 
+@dataclass
+class CommSettings:
+    """
+    What a transport is built from ([`~grpo_hf.compression.build.build_comm_state`] hands it to each transport's
+    [`CommState.from_settings`] in turn).
+
+    Args:
+        args: the trainer's arguments (`GRPOConfig`'s `grpo_*` fields; the sync between replica groups may turn off
+            `average_tokens_across_devices`).
+        engine (`str`): `"single"`, `"ddp"`, `"fsdp2"` or `"deepspeed"`.
+        plan (`dict[str, CodecSpec | None]`): the compression plan; a transport that sends no codes leaves it dense
+            (every value `None`), and the builder's caller reads it back.
+        compression (`str`): `grpo_compression` resolved (`"none"` when nothing is compressed; set so by a transport
+            that sends no codes).
+        groups (`list`): GRPO's parameter groups (`grpo_hf.grouping.ParameterGroup`).
+        num_processes (`int`): the processes of the run.
+        model (`torch.nn.Module`, *optional*): the model (FSDP2's replica groups are read from it).
+        accelerator (*optional*): the trainer's `Accelerator` (its parallelism config and device mesh).
+        communicator ([`~grpo_hf.compression.communicator.Communicator`], *optional*): the way to the wire the
+            transport is handed; `None`: each makes a `ProcessGroupCommunicator` over its own group (the default one,
+            FSDP2's, the replicas').
+        fault_tolerance ([`~grpo_hf.compression.torchft_group.FaultTolerance`], *optional*): this launch is one
+            fault-tolerant replica group (`grpo_fault_tolerance`): the sync's wire is torchft's.
+    """
+
+    args: object
+    engine: str
+    plan: dict
+    compression: str
+    groups: list
+    num_processes: int = 1
+    model: object = None
+    accelerator: object = None
+    communicator: object = None
+    fault_tolerance: object = None
+
+    @property
+    def syncing(self) -> bool:
+        """Whether the ranks sync every H steps (`grpo_sync_every > 1`)."""
+        return self.args.grpo_sync_every > 1
+
+
 class CommState:
     r"""
     The protocol of every transport (see the module docstring). A subclass sets `mode` (its name in checkpoints) and
@@ -87,6 +135,17 @@ class CommState:
 
     __slots__ = ()
     nonfinite_origin = "They were NaN/Inf as the backward pass and gradient synchronization made them (no GRPO codec)"
+
+    # --- building ---
+    @classmethod
+    def refuse(cls, settings: CommSettings) -> None:
+        """Before the plan is built: raise a `ConfigError` for settings this transport would carry but cannot."""
+
+    @classmethod
+    def from_settings(cls, settings: CommSettings) -> "CommState | None":
+        """This transport built from `settings` when they ask for it, else `None` (raises a `ConfigError` for what
+        it cannot carry)."""
+        return None
 
     @property
     def last_step(self) -> str | None:
@@ -126,6 +185,18 @@ class CommState:
         (it was not skipped), `last`: the last step of training. Returns the bytes this rank sent in the step.
         """
         raise NotImplementedError
+
+    def step_ended(self, step: int) -> dict | None:
+        """
+        After the trainer closed optimizer step `step` (scheduler stepped, step counted). Between fault-tolerant replica
+        groups the sync's next interval starts here (a quorum, at which late groups heal from this one); returns what
+        this rank healed from when it was behind. Nothing for the others.
+        """
+        return None
+
+    def heal_state_dict(self) -> dict:
+        """What a healing replica group receives of this rank's transport (fault-tolerant replica groups)."""
+        raise NotImplementedError(f"{type(self).__name__} does not heal replica groups.")
 
     def finish(self) -> float | None:
         """At the end of training: what is left to send (the bytes sent), `None` when nothing ever is."""
@@ -268,4 +339,12 @@ def _dropped_residuals_message(saved: SavedComms) -> str:
     )
 
 
-__all__ = ["FSDP_MODE", "OUTER_MODE", "CommState", "SavedComms", "restore_comm_state", "world_size_message"]
+__all__ = [
+    "FSDP_MODE",
+    "OUTER_MODE",
+    "CommSettings",
+    "CommState",
+    "SavedComms",
+    "restore_comm_state",
+    "world_size_message",
+]

@@ -1,0 +1,454 @@
+"""`TorchFTCommunicator`: the wire between fault-tolerant replica groups, torchft's managed process group.
+
+With `grpo_fault_tolerance=True` every launch (`torchrun` or `accelerate launch` on one machine, or one process) is one
+**replica group**, and the sync every H steps runs between the groups through torchft (`pip install grpo_hf[peers]`):
+a lighthouse keeps the quorum, each group's rank `r` joins torchft's process group of the ranks `r` of every live
+group, and a group that dies is left out while the others go on. This communicator is the sync's way to that wire; the
+sync ([`~grpo_hf.compression.outer_sync.OuterSyncState`]) does not know which wire it holds: it asks
+[`Communicator.commit`] before it keeps an exchange, [`Communicator.reconfigure`] after a failed one, and
+[`Communicator.next_interval`] at the start of every interval.
+
+What a sync's life looks like between groups (torchft's `Manager`, one per rank, with a synchronous quorum):
+
+1. **Join** ([`TorchFTCommunicator.join`], once, before the first training step): start the manager, register what a
+   healing replica receives, take the first quorum. A group whose step is behind the others' (a restarted or a new
+   one) **heals** there: it receives, from the same rank of a live group, everything its trainer and sync need to be
+   that group at that step (`θ_global`, outer momentum, local parameters, inner optimizer state, step, scheduler); its
+   error-feedback residuals start at zero (a peer's would apply that peer's error twice).
+2. **Exchange.** The sync's collectives go through torchft's process group, over the quorum's members (`world_size`
+   is the number of participating groups, `rank` this group's place among them). A collective that fails (a peer died)
+   is recorded, not raised; the collectives after it return at once.
+3. **Commit** ([`TorchFTCommunicator.commit`]): the groups agree on a flag (an all-reduce of each one's "no error"),
+   then torchft's `should_commit()` (no error recorded, at least `min_replicas` groups). A sync that does not commit is
+   not kept: the sync restores its error-feedback residuals, takes a new quorum of the survivors
+   ([`TorchFTCommunicator.reconfigure`]: the dead group is left out, nobody joins) and exchanges again; when that fails
+   too the sync is discarded (`θ_global`, momentum and residuals stay as they were, the parameters restart from
+   `θ_global`, as torchft's DiLoCo does).
+4. **Next interval** ([`TorchFTCommunicator.next_interval`], after the trainer closed the step that synced): a new
+   quorum, at which restarted or new groups join and heal, so that every member starts the interval from the same
+   `θ_global`. Owner residuals (owner reduction from 3 groups) are reset when the membership changes.
+
+Traps of torchft 0.2 this class keeps away from its callers: its process groups report `rank() == 0` on every rank
+(the rank comes from the quorum), `torch.distributed` functions refuse them (their own methods are called), gloo has no
+reduce-scatter (the sync all-gathers), and a dead peer can leave gloo waiting until the group's timeout (the manager's
+timeout is kept above it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions, BroadcastOptions
+
+from ..errors import ConfigError
+from .communicator import Communicator
+
+
+logger = logging.getLogger(__name__)
+
+HEAL_KEY = "grpo_hf"  # what a healing replica receives, under torchft's `register_state_dict_fn`
+EXTRA = "pip install 'grpo_hf[peers]'"  # the extra that installs torchft
+
+
+def import_torchft():
+    """torchft's `Manager` and `ProcessGroupGloo` (and NCCL's on CUDA), or one error that names the extra to install."""
+    try:
+        import torchft  # noqa: F401
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo
+    except ImportError as err:
+        raise ConfigError(
+            f"grpo_fault_tolerance=True needs torchft, which is not installed ({err}): install it with {EXTRA} "
+            "(Linux wheels; its lighthouse ships inside)."
+        ) from None
+    return Manager, ProcessGroupGloo
+
+
+@dataclass
+class FaultTolerance:
+    """
+    Where a fault-tolerant replica group finds the others, and how long it waits for them (`GRPOConfig`'s
+    `grpo_ft_*` fields, with torchft's environment variables where it has them).
+
+    Args:
+        lighthouse (`str`): the lighthouse's address, e.g. `http://10.0.0.1:29510` (`TORCHFT_LIGHTHOUSE`).
+        replica_id (`int`): this group's id, `0 ... replicas - 1`, unique among the groups (`GRPO_HF_REPLICA_ID`).
+        replicas (`int`): the replica groups the run is planned for; the data is split into that many parts.
+        min_replicas (`int`): a sync is kept only when at least this many groups took part.
+        timeout (`float`): seconds a collective or a heal may take before the peer is given up
+            (`TORCHFT_TIMEOUT_SEC`).
+        quorum_timeout (`float`): seconds a group waits at a quorum for the others, e.g. a restarted group for the
+            next sync of the live ones (`TORCHFT_QUORUM_TIMEOUT_SEC`).
+        connect_timeout (`float`): seconds to reach the lighthouse and the peers' managers (`TORCHFT_CONNECT_TIMEOUT_SEC`).
+        hostname (`str`, *optional*): the address the peers reach this group's manager at (healing); the machine's
+            name when `None`.
+    """
+
+    lighthouse: str
+    replica_id: int
+    replicas: int
+    min_replicas: int = 1
+    timeout: float = 60.0
+    quorum_timeout: float = 900.0
+    connect_timeout: float = 60.0
+    hostname: str | None = None
+
+    def describe(self) -> dict:
+        """What every group must agree on, for the check at the first quorum."""
+        return {"replicas": self.replicas, "min_replicas": self.min_replicas}
+
+
+class _Guarded:
+    """A torchft work whose failure is recorded in the manager instead of raised (the sync asks `commit()`)."""
+
+    __slots__ = ("work", "communicator")
+
+    def __init__(self, work, communicator: TorchFTCommunicator):
+        self.work, self.communicator = work, communicator
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        try:
+            self.work.wait()
+        except Exception as err:  # a peer died or timed out: recorded; the sync does not keep this exchange
+            self.communicator.record(err)
+        self.work = None
+
+
+class TorchFTCommunicator(Communicator):
+    r"""
+    The [`~grpo_hf.compression.communicator.Communicator`] of fault-tolerant replica groups: torchft's `Manager` and
+    its reconfigurable process group (see the module docstring). One per rank of a replica group; the sync over it is
+    the same as over `torch.distributed` (codec, fragments, owner reduction or all-gather, NaN flag, outer step), and
+    [`commit`] tells whether an exchange can be kept.
+
+    Args:
+        settings ([`FaultTolerance`]): the lighthouse, this group's id, the planned and minimum groups, the timeouts.
+        group_rank (`int`, *optional*, defaults to `0`) and group_world_size (`int`, *optional*, defaults to `1`): this
+            rank inside its replica group (FSDP2's shard index) and the group's size.
+        store (`tuple[str, int]`, *optional*): the address and port of the group's `TCPStore` (torchrun's
+            `MASTER_ADDR` / `MASTER_PORT`); a one-process group without one starts its own.
+        emulated (`bool`, *optional*, defaults to `True`): see [`Communicator`].
+    """
+
+    def __init__(
+        self,
+        settings: FaultTolerance,
+        group_rank: int = 0,
+        group_world_size: int = 1,
+        store: tuple[str, int] | None = None,
+        emulated: bool = True,
+    ):
+        super().__init__(emulated)
+        self.settings = settings
+        self.group_rank, self.group_world_size = group_rank, group_world_size
+        self.store_address = store
+        self.manager = None
+        self.pg = None
+        self._store = None  # a store of its own (a one-process group)
+        self.quorum_id = None
+        self.membership_changed = False
+        self.received: list = []  # what the last heal received (a peer's `save()`), until the caller takes it
+        self.description: dict = {}  # what every group must agree on (checked when the membership changes)
+        self.joined = False
+        # statistics (`grpo/sync/*`)
+        self.heals = 0
+        self.discarded = 0
+        self.retries = 0
+        self.errors: list[str] = []
+
+    # --- what the sync asks ---
+    @property
+    def world_size(self) -> int:
+        """The replica groups taking part in the current quorum (1 before the first)."""
+        if self.manager is None:
+            return 1
+        return max(1, self.manager.num_participants())
+
+    @property
+    def rank(self) -> int:
+        """This group's place in the current quorum."""
+        if self.manager is None:
+            return 0
+        rank = self.manager.participating_rank()
+        return 0 if rank is None else rank
+
+    elastic = True  # the groups of a quorum change: the sync reads `world_size` and `rank` at every sync
+    attempts = 2  # a failed exchange is tried once more, over the survivors, before the sync is discarded
+
+    def errored(self) -> bool:
+        return self.manager is not None and self.manager.errored() is not None
+
+    def record(self, err: Exception) -> None:
+        """A collective failed: recorded in the manager (the sync will not commit); the next ones return at once."""
+        self.errors.append(str(err).splitlines()[0][:200])
+        logger.warning(f"GRPO fault tolerance: a collective of the sync failed ({self.errors[-1]}).")
+        self.manager.report_error(err)
+
+    def _start(self, call) -> list:
+        """Start a collective of torchft's group unless one already failed in this attempt; never raise."""
+        if self.errored():
+            return []
+        try:
+            return [_Guarded(call(), self)]
+        except Exception as err:
+            self.record(err)
+            return []
+
+    def _all_reduce(self, tensor, op) -> list:
+        return self._start(lambda: self.pg.allreduce([tensor], op))
+
+    def _all_gather_into(self, out, mine, tag) -> list:
+        if out.untyped_storage().data_ptr() == mine.untyped_storage().data_ptr():
+            mine = mine.clone()  # this rank's part of `out` already: gloo reads and writes apart
+        options = AllgatherOptions()
+        return self._start(lambda: self.pg.allgather_into_tensor_coalesced([out.view(-1)], [mine], options))
+
+    def _all_to_all(self, recv, send, recv_splits, send_splits) -> None:
+        options = AllToAllOptions()
+        for work in self._start(lambda: self.pg.alltoall_base(recv, send, recv_splits, send_splits, options)):
+            work.wait()
+
+    def _broadcast(self, tensor, src) -> list:
+        options = BroadcastOptions()
+        options.rootRank = src
+        return self._start(lambda: self.pg.broadcast([tensor], options))
+
+    def duplicate(self) -> TorchFTCommunicator:
+        raise ConfigError(
+            "grpo_fault_tolerance=True with grpo_sync_delay > 0: a delayed exchange would outlive its quorum. Use "
+            "grpo_sync_delay=0 between fault-tolerant replica groups."
+        )
+
+    def commit(self) -> bool:
+        """
+        Whether the exchange since the last commit can be kept, the same answer on every participating group: they
+        all-reduce a flag of their own success (a dead peer fails it for every survivor), then torchft's
+        `should_commit()` (no error recorded, at least `min_replicas` groups).
+        """
+        flag = torch.tensor([0 if self.errored() else 1], dtype=torch.int32)
+        if self.world_size > 1:  # also where this group failed: the others learn it at once instead of at a timeout
+            try:
+                self.pg.allreduce([flag], dist.ReduceOp.MIN).wait()
+            except Exception as err:
+                self.record(err)
+                flag.zero_()
+        ok = bool(flag.item()) and not self.errored()
+        if not ok and not self.errored():
+            self.manager.report_error(RuntimeError("a peer failed the sync's exchange"))
+        return bool(self.manager.should_commit()) and ok
+
+    # --- the quorum ---
+    def join(self, save, step: int, description: dict | None = None) -> dict | None:
+        """
+        Start torchft's manager, register what a healing replica receives (`save()`, called on a live group when
+        another heals from it), take the first quorum at trainer step `step`, and check that every group agrees on
+        `description` (settings and model: what differs is named). Returns what this group healed from (a peer's
+        `save()`), or `None` when it is not behind.
+
+        Raises:
+            [`~grpo_hf.errors.ConfigError`]: torchft is not installed, the lighthouse does not answer (its address and
+                the timeout), too few groups join within the quorum timeout, or the groups' settings, models or
+                replica ids differ.
+        """
+        Manager, ProcessGroupGloo = import_torchft()
+        settings = self.settings
+        if _loopback(settings.lighthouse):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own choice of interface may not reach a peer
+        host, port = self.store_address or (None, None)
+        if host is None:
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            host, port = "127.0.0.1", self._store.port
+        self.pg = ProcessGroupGloo(timeout=timedelta(seconds=settings.timeout))
+        self.description = {**(description or {}), **settings.describe()}
+        try:
+            self.manager = Manager(
+                pg=self.pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=settings.min_replicas,
+                use_async_quorum=False,
+                # the manager's timeout above the group's: a dead peer's gloo error arrives first (FACTS: gloo#520)
+                timeout=timedelta(seconds=2 * settings.timeout),
+                quorum_timeout=timedelta(seconds=settings.quorum_timeout),
+                connect_timeout=timedelta(seconds=settings.connect_timeout),
+                rank=self.group_rank,
+                world_size=self.group_world_size,
+                store_addr=host,
+                store_port=port,
+                lighthouse_addr=settings.lighthouse,
+                replica_id=f"grpo_{settings.replica_id}",
+                hostname=settings.hostname or _hostname(settings.lighthouse),
+                init_sync=False,  # the groups start from the same seed and model; a fresh start heals nobody
+            )
+        except Exception as err:
+            raise ConfigError(
+                f"grpo_fault_tolerance: could not reach the lighthouse at {settings.lighthouse} within "
+                f"{settings.connect_timeout:g} s ({str(err).splitlines()[0]}). Start it first (`torchft_lighthouse "
+                "--bind [::]:29510 --min_replicas 1`, docs/engines.md) and pass its address in grpo_ft_lighthouse or "
+                "TORCHFT_LIGHTHOUSE."
+            ) from None
+        self.manager.register_state_dict_fn(HEAL_KEY, self.received.append, save)
+        try:
+            self._quorum(step, allow_heal=True, shrink_only=False)
+        except Exception as err:
+            raise ConfigError(
+                f"grpo_fault_tolerance: no quorum of replica groups formed at the lighthouse {settings.lighthouse} "
+                f"within {settings.quorum_timeout:g} s ({str(err).splitlines()[0]}). Check that the lighthouse's "
+                f"--min_replicas ({settings.min_replicas} or fewer here) can be met by the groups launched, or raise "
+                "grpo_ft_quorum_timeout."
+            ) from None
+        deadline = time.monotonic() + settings.quorum_timeout
+        start_by = time.monotonic() + settings.timeout  # how long a fresh run waits for its planned groups
+        while time.monotonic() < deadline and (
+            # a heal that failed (e.g. the source's exchange was still failing): the next quorum, from scratch
+            (self.manager.errored() is not None and not self.received)
+            # a fresh run starts with every planned group (those late would only heal at the first sync)
+            or (
+                step == 0 and not self.received and self.world_size < settings.replicas and time.monotonic() < start_by
+            )
+        ):
+            self._quorum(step, allow_heal=True, shrink_only=False)
+        if self.manager.errored() is not None:
+            self._raise_first_error()
+        self._check_agreement()
+        self.joined = True
+        logger.info(
+            f"GRPO fault tolerance: replica group {settings.replica_id} joined {self.world_size} of "
+            f"{settings.replicas} planned groups at step {step}"
+            + (" (healed from a live one)." if self.received else ".")
+        )
+        return self._take_received()
+
+    def _raise_first_error(self) -> None:
+        err = self.manager.errored()
+        raise ConfigError(
+            f"grpo_fault_tolerance: the first quorum failed ({str(err.original_exception).splitlines()[0]}); check "
+            "that every replica group reaches the others' managers (grpo_ft_hostname) and the lighthouse."
+        )
+
+    def _quorum(self, step: int, allow_heal: bool, shrink_only: bool) -> None:
+        """A new quorum at trainer step `step` (torchft's step: a group behind the others heals)."""
+        manager = self.manager
+        manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
+        manager.start_quorum(allow_heal=allow_heal, shrink_only=shrink_only)
+        quorum_id = manager._quorum_id  # noqa: SLF001 (torchft keeps it private; it changes with the membership)
+        self.membership_changed = quorum_id != self.quorum_id
+        self.quorum_id = quorum_id
+
+    def reconfigure(self, step: int) -> None:
+        """After a sync that did not commit: a quorum of the survivors (nobody joins or heals), for one more try."""
+        self.retries += 1
+        self._quorum(step, allow_heal=False, shrink_only=True)
+        if self.membership_changed:
+            self._check_agreement()
+
+    def next_interval(self, step: int) -> dict | None:
+        """
+        At the start of an interval (after the trainer closed the step that synced): a new quorum, at which restarted
+        or new groups join and heal from this one. Returns what this group healed from, if it was behind.
+        """
+        self._quorum(step, allow_heal=True, shrink_only=False)
+        if self.membership_changed:
+            self._check_agreement()
+        return self._take_received()
+
+    def _take_received(self) -> dict | None:
+        if not self.received:
+            return None
+        self.heals += 1
+        payload, self.received = self.received[-1], []
+        return payload
+
+    def _check_agreement(self) -> None:
+        """
+        Every group of the new quorum shows the others its `description` and replica id (one all-gather of a few
+        hundred bytes). A group that differs from the others, or has another's replica id, stops with an error naming
+        what differs when it is new to the run (its first quorum); a group already training warns, and goes on without
+        it (the new group's exit fails the next exchange, which is tried again without it).
+        """
+        if self.world_size < 2 or self.errored():
+            return
+        mine = json.dumps({"replica_id": self.settings.replica_id, **self.description}, sort_keys=True, default=str)
+        encoded = torch.tensor(list(mine.encode()), dtype=torch.uint8)
+        length = torch.tensor([encoded.numel()], dtype=torch.int64)
+        for work in self._all_reduce(length, dist.ReduceOp.MAX):
+            work.wait()
+        padded = torch.zeros(int(length.item()), dtype=torch.uint8)
+        padded[: encoded.numel()] = encoded
+        out = torch.empty(self.world_size * padded.numel(), dtype=torch.uint8)
+        for work in self._all_gather_into(out, padded, 0):
+            work.wait()
+        if self.errored():
+            return
+        theirs = [json.loads(bytes(row.tolist()).rstrip(b"\0")) for row in out.view(self.world_size, -1)]
+        problem = _disagreement(theirs, self.rank)
+        if problem is None:
+            return
+        if not self.joined:
+            raise ConfigError(f"grpo_fault_tolerance: {problem} Launch every replica group with the same settings and "
+                              "model, and a replica id of its own (grpo_ft_replica_id).")  # fmt: skip
+        logger.warning(f"GRPO fault tolerance: {problem} That group stops; this one goes on without it.")
+
+    def stats(self) -> dict[str, float]:
+        return {"participants": float(self.world_size), "discarded": float(self.discarded),
+                "retries": float(self.retries), "heals": float(self.heals)}  # fmt: skip
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+
+    def __repr__(self) -> str:
+        return (
+            f"TorchFTCommunicator(replica_id={self.settings.replica_id}, lighthouse={self.settings.lighthouse!r}, "
+            f"participants={self.world_size})"
+        )
+
+
+def group_store(environ=None) -> tuple[str, int] | None:
+    """The replica group's `TCPStore` (torchrun's `MASTER_ADDR` / `MASTER_PORT`) when it has several processes;
+    `None` for one process, whose communicator starts a store of its own."""
+    environ = os.environ if environ is None else environ
+    if int(environ.get("WORLD_SIZE", 1)) > 1 and environ.get("MASTER_ADDR") and environ.get("MASTER_PORT"):
+        return environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+    return None
+
+
+def _disagreement(descriptions: list[dict], rank: int) -> str | None:
+    """What sets `descriptions[rank]` apart from the other groups' (a setting, the model, a shared replica id)."""
+    mine = descriptions[rank]
+    ids = [d["replica_id"] for d in descriptions]
+    if ids.count(mine["replica_id"]) > 1:
+        return f"two replica groups have the replica id {mine['replica_id']}."
+    for other in descriptions:
+        differs = sorted(
+            key for key in set(mine) | set(other) if key != "replica_id" and mine.get(key) != other.get(key)
+        )
+        if differs:
+            shown = ", ".join(f"{key}={mine.get(key)!r} here, {other.get(key)!r} in replica group "
+                              f"{other['replica_id']}" for key in differs[:3])  # fmt: skip
+            return f"replica groups differ: {shown}."
+    return None
+
+
+def _loopback(address: str) -> bool:
+    return any(host in address for host in ("127.0.0.1", "localhost", "[::1]"))
+
+
+def _hostname(lighthouse: str) -> str:
+    """The address peers reach this group's manager at: the loopback for a lighthouse on it, else the machine's name."""
+    import socket
+
+    return "127.0.0.1" if _loopback(lighthouse) else socket.gethostname()
+
+
+__all__ = ["HEAL_KEY", "FaultTolerance", "TorchFTCommunicator", "group_store", "import_torchft"]

@@ -1,0 +1,143 @@
+"""
+One fault-tolerant replica group of `GRPOTrainer` (`grpo_fault_tolerance=True`, torchft, gloo on the CPU), run by
+tests/test_fault_tolerance.py: one process per group, the lighthouse in the test's process.
+
+It trains a tiny Llama with the sync every H steps and writes, at the end, what the test compares across groups:
+`θ_global`, outer momentum and parameters (their raw bytes), the trainer's step, the participants of every sync, the
+heals, and the steps it took itself. A kill is real: `--kill_at_step K` sends this process SIGKILL after step K (between
+syncs), `--kill_in_exchange K` in the middle of the exchange of the sync at step K (after its first collective
+started). `--step_seconds S` slows every step down so that a relaunched group can catch the others.
+
+Usage: python fault_tolerant.py OUT_DIR REPLICA_ID [--kill_at_step K] [--kill_in_exchange K] [--step_seconds S]
+       [--replicas R] [--max_steps N] [--every H] [--tag NAME] [--lr LR] [--wait_for FILE]
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+from _common import random_tokens, tensor_digest, worker_config
+from testing_utils import tiny_test_llama
+from transformers import TrainerCallback
+
+from grpo_hf import GRPOTrainer
+from grpo_hf.compression.torchft_group import TorchFTCommunicator
+
+
+class Record(TrainerCallback):
+    """The steps this process took, the participants after each step, and the kills."""
+
+    def __init__(self, trainer, options):
+        self.trainer, self.options = trainer, options
+        self.steps, self.participants, self.first_step = [], {}, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.first_step is None:
+            self.first_step = state.global_step
+        if self.options.step_seconds:
+            time.sleep(self.options.step_seconds)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+        progress = os.path.join(self.options.out_dir, f"progress-replica{self.options.replica_id}.txt")
+        partial = f"{progress}.{os.getpid()}"
+        with open(partial, "w") as f:
+            f.write(str(state.global_step))
+        os.replace(partial, progress)
+        comm = self.trainer.grpo_comm_state.communicator
+        self.participants[state.global_step] = comm.world_size
+        if state.global_step == self.options.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_in_exchange(step_to_kill, state):
+    """SIGKILL this process once the sync of step `step_to_kill` has started its first all-gather."""
+    original = TorchFTCommunicator._all_gather_into
+
+    def gather_then_die(self, out, mine, tag):
+        works = original(self, out, mine, tag)
+        if state.step == step_to_kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return works
+
+    TorchFTCommunicator._all_gather_into = gather_then_die
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("replica_id", type=int)
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--max_steps", type=int, default=24)
+    parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--kill_at_step", type=int, default=-1)
+    parser.add_argument("--kill_in_exchange", type=int, default=-1)
+    parser.add_argument("--step_seconds", type=float, default=0.0)
+    parser.add_argument("--tag", default="run")
+    parser.add_argument("--bits", default="4")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--ddp", action="store_true", help="no fault tolerance: the ranks of one torchrun job instead")
+    parser.add_argument("--wait_for", default=None, help="a file whose existence starts the training (a late join)")
+    options = parser.parse_args()
+
+    args = worker_config(
+        os.path.join(options.out_dir, f"replica{options.replica_id}"),
+        max_steps=options.max_steps,
+        logging_steps=4,
+        grpo_min_compress_numel=256,
+        grpo_sync_every=options.every,
+        grpo_sync_bits=options.bits,
+        learning_rate=options.lr,
+        **(
+            {}
+            if options.ddp
+            else dict(
+                grpo_fault_tolerance=True,
+                grpo_ft_replica_id=options.replica_id,
+                grpo_ft_replicas=options.replicas,
+                grpo_ft_timeout=10,
+                grpo_ft_quorum_timeout=120,
+            )
+        ),
+    )
+    model, data = tiny_test_llama(seed=0), random_tokens(512, 16)
+    while options.wait_for and not os.path.exists(options.wait_for):  # imported and ready: joins the moment it is told
+        time.sleep(0.1)
+    trainer = GRPOTrainer(model=model, args=args, train_dataset=data)
+    record = Record(trainer, options)
+    trainer.add_callback(record)
+    state = trainer.grpo_comm_state
+    if options.kill_in_exchange >= 0:
+        kill_in_exchange(options.kill_in_exchange, state)
+    trainer.train()
+    if options.ddp:
+        import torch.distributed as dist
+
+        options.replica_id = dist.get_rank()
+    comm = state.communicator
+    fragments = state.fragments
+    result = {
+        "replica_id": options.replica_id,
+        "global_step": trainer.state.global_step,
+        "first_step": record.first_step,
+        "steps": record.steps,
+        "participants": record.participants,
+        "heals": getattr(comm, "heals", 0),
+        "sync_participants": state.participants,
+        "totals": state.totals(),
+        "global": tensor_digest([t for f in fragments for t in f.theta]),
+        "momentum": tensor_digest([t for f in fragments for t in (f.momentum or [])]),
+        "params": tensor_digest([p for p in state.params.values()]),
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+    }
+    path = os.path.join(options.out_dir, f"{options.tag}-replica{options.replica_id}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, sort_keys=True)
+    print(f"replica {options.replica_id} done at step {trainer.state.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

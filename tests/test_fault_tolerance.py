@@ -1,0 +1,378 @@
+"""Fault-tolerant replica groups (`grpo_fault_tolerance`, torchft): the settings and their refusals, a sync that does
+not commit (tried again over the survivors, or discarded), and, with real processes, real kills and a real lighthouse
+(`-m peers`: torchft is installed by the `peers` extra; the tests skip without it).
+
+What the real-process tests assert, each from files the groups write at the end
+(`tests/distributed/fault_tolerant.py`): a killed process really died (its exit signal), the survivors never
+restarted (one process each, from step 0 to the last), the healed group is bit-identical to the others at the end
+(`θ_global`, outer momentum, parameters), and the participants of the syncs read 3, then 2, then 3.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from testing_utils import run_torchrun, tiny_test_llama
+
+from grpo_hf import ConfigError, GRPOConfig, GRPOTrainer
+from grpo_hf.compression import CodecSpec
+from grpo_hf.compression.communicator import Communicator
+from grpo_hf.compression.outer_sync import OuterSyncState
+from grpo_hf.compression.torchft_group import _disagreement
+from grpo_hf.fault_tolerance import fault_tolerance_settings
+
+
+WORKER = Path(__file__).parent / "distributed" / "fault_tolerant.py"
+
+
+def ft_args(tmp_path, **fields):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        max_steps=4,
+        grpo_sync_every=4,
+        grpo_fault_tolerance=True,
+        grpo_ft_replicas=3,
+    )
+    return GRPOConfig(**{**values, **fields})
+
+
+# --- settings -------------------------------------------------------------------------------------------------------
+
+
+def test_settings_come_from_the_fields_or_torchfts_environment(tmp_path):
+    args = ft_args(tmp_path, grpo_ft_replica_id=2, grpo_ft_lighthouse="http://10.0.0.1:29510", grpo_ft_min_replicas=2)
+    settings = fault_tolerance_settings(args, environ={})
+    assert (settings.lighthouse, settings.replica_id, settings.replicas, settings.min_replicas) == (
+        "http://10.0.0.1:29510", 2, 3, 2)  # fmt: skip
+    from_env = fault_tolerance_settings(
+        ft_args(tmp_path), {"TORCHFT_LIGHTHOUSE": "http://h:1", "GRPO_HF_REPLICA_ID": "1"}
+    )
+    assert (from_env.lighthouse, from_env.replica_id) == ("http://h:1", 1)
+    assert fault_tolerance_settings(ft_args(tmp_path, grpo_fault_tolerance=False), {}) is None
+
+
+@pytest.mark.parametrize(
+    "environ, fields, match",
+    [
+        (
+            {},
+            {"grpo_ft_replica_id": 0},
+            "needs the lighthouse's address: set grpo_ft_lighthouse .* TORCHFT_LIGHTHOUSE",
+        ),
+        ({"TORCHFT_LIGHTHOUSE": "http://h:1"}, {}, "needs this replica group's id: set grpo_ft_replica_id or"),
+        (
+            {"TORCHFT_LIGHTHOUSE": "http://h:1", "GRPO_HF_REPLICA_ID": "x"},
+            {},
+            "GRPO_HF_REPLICA_ID='x': use an integer",
+        ),
+        ({"TORCHFT_LIGHTHOUSE": "http://h:1", "GRPO_HF_REPLICA_ID": "3"}, {}, "replica id 3 with grpo_ft_replicas=3"),
+        (
+            {"TORCHFT_LIGHTHOUSE": "http://h:1"},
+            {"grpo_ft_replica_id": 0, "grpo_ft_replicas": None},
+            "needs grpo_ft_repl",
+        ),
+    ],
+)
+def test_settings_missing_or_out_of_range_get_one_error_naming_the_field(tmp_path, environ, fields, match):
+    with pytest.raises(ConfigError, match=match):
+        fault_tolerance_settings(ft_args(tmp_path, **fields), environ)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"grpo_sync_every": 1}, "grpo_fault_tolerance=True needs grpo_sync_every > 1"),
+        ({"grpo_sync_every": 8, "grpo_sync_delay": 1}, "a delayed exchange would outlive its quorum"),
+        ({"grpo_ft_min_replicas": 4}, "grpo_ft_min_replicas=4 with grpo_ft_replicas=3: it can never be met"),
+        ({"grpo_ft_replica_id": 5}, r"grpo_ft_replica_id=5: use 0 to grpo_ft_replicas - 1"),
+        ({"grpo_ft_timeout": 0}, "grpo_ft_timeout=0: use a number of seconds above 0"),
+    ],
+)
+def test_the_config_refuses_what_the_replica_groups_cannot_run(tmp_path, fields, match):
+    with pytest.raises(ConfigError, match=match):
+        ft_args(tmp_path, **fields)
+
+
+def test_without_torchft_the_error_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # an import of it fails, as when it is not installed
+    args = ft_args(tmp_path, grpo_ft_replica_id=0, grpo_ft_lighthouse="http://127.0.0.1:1", max_steps=1)
+    from datasets import Dataset
+
+    ids = [[1, 2, 3, 4]] * 8
+    trainer = GRPOTrainer(model=tiny_test_llama(), args=args, train_dataset=Dataset.from_dict({"input_ids": ids,
+                                                                                              "labels": ids}))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"needs torchft, which is not installed .*pip install 'grpo_hf\[peers\]'"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_a_group_that_differs_is_named_with_what_differs():
+    base = {"learning_rate": 1e-3, "grpo_sync_every": 8}
+    groups = [{"replica_id": 0, **base}, {"replica_id": 1, **base, "learning_rate": 2e-3}]
+    assert _disagreement(groups, 0) == ("replica groups differ: learning_rate=0.001 here, 0.002 in replica group 1.")
+    assert _disagreement([{"replica_id": 0, **base}, {"replica_id": 1, **base}], 1) is None
+    assert _disagreement([{"replica_id": 1, **base}, {"replica_id": 1, **base}], 0) == (
+        "two replica groups have the replica id 1."
+    )
+
+
+# --- a sync that does not commit (a scripted communicator) -----------------------------------------------------------
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Linear(64, 64, bias=True)
+        self.norm = torch.nn.LayerNorm(64)
+
+
+class Unreliable(Communicator):
+    """Two ranks whose peer holds the same `Δ` as this one (its all-gather and all-reduce are this rank's, twice), and
+    whose commits answer as scripted: what a fault-tolerant wire looks like to the sync."""
+
+    elastic, attempts, world_size, rank = True, 2, 2, 0
+
+    def __init__(self, commits):
+        super().__init__(emulated=False)
+        self.commits, self.reconfigured = list(commits), 0
+
+    def _all_reduce(self, tensor, op):
+        if op == torch.distributed.ReduceOp.SUM:
+            tensor.mul_(2)
+        return []
+
+    def _all_gather_into(self, out, mine, tag):
+        out.view(2, -1).copy_(mine.view(1, -1).expand(2, -1))
+        return []
+
+    def commit(self):
+        return self.commits.pop(0)
+
+    def reconfigure(self, step):
+        self.reconfigured += 1
+
+
+def _moved_state(communicator, seed=0):
+    torch.manual_seed(seed)
+    model = Tiny()
+    names = [n for n, _ in model.named_parameters()]
+    plan = {n: (CodecSpec(bits=4) if n == "big.weight" else None) for n in names}
+    state = OuterSyncState(plan, [names], every=1, ramp=False, communicator=communicator).bind(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    return model, state
+
+
+def _snapshot(state, model):
+    held = state.fragments[0].state_by_name()
+    return {"global": {k: v.clone() for k, v in held["global"].items()},
+            "residuals": {k: v.clone() for k, v in held["residuals"].items()},
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}  # fmt: skip
+
+
+def test_a_sync_that_does_not_commit_is_tried_again_and_leaves_no_trace():
+    model, state = _moved_state(Unreliable([True]))
+    state.end_step()
+    once = _snapshot(state, model)
+    retried_model, retried = _moved_state(Unreliable([False, True]))  # the same run, whose first exchange failed
+    retried.end_step()
+    again = _snapshot(retried, retried_model)
+    for key in once:
+        for name, value in once[key].items():
+            assert torch.equal(value, again[key][name]), (key, name)  # the residuals were restored before the retry
+    assert retried.communicator.reconfigured == 1 and retried.totals()["retried"] == 1
+    assert retried.totals()["discarded"] == 0 and retried.totals()["syncs"] == 1
+
+
+def test_a_sync_that_never_commits_is_discarded_and_restarts_from_the_global_model():
+    model, state = _moved_state(Unreliable([False, False]))
+    before = _snapshot(state, model)
+    state.end_step()
+    after = _snapshot(state, model)
+    assert all(torch.equal(before["global"][n], after["global"][n]) for n in before["global"])  # θ_global unchanged
+    assert not after["residuals"]  # no residual kept from the discarded exchange
+    assert all(torch.equal(p, before["global"][n].view_as(p)) for n, p in after["params"].items())  # restarted
+    stats = state.pop_stats()
+    assert stats["grpo/sync/discarded"] == 1 and stats["grpo/sync/retried"] == 1
+    assert stats["grpo/sync/participants"] == 0  # nothing kept
+
+
+def test_the_heal_state_holds_the_global_model_whatever_the_rank_and_no_residual():
+    model, state = _moved_state(Unreliable([True]))
+    state.end_step()
+    state.rank = 1  # not the rank that saves θ_global in checkpoints
+    healed = state.heal_state_dict()
+    assert set(healed["global"]) == {n for n, _ in model.named_parameters()}
+    assert healed["residuals"] == {} and healed["owner_residuals"] == {}
+    assert state.state_dict()["global"] == {}  # a checkpoint of rank 1 still leaves it to rank 0
+
+
+# --- real processes, real kills, a real lighthouse (torchft) ---------------------------------------------------------
+
+
+class Lighthouse:
+    """torchft's lighthouse in this process, and launches of replica groups (`fault_tolerant.py`, one process each)."""
+
+    def __init__(self, out: Path, min_replicas: int = 2):
+        from torchft.coordination import LighthouseServer
+
+        # the join timeout above the groups' collective timeout (10 s): survivors of a kill reach the next quorum up to
+        # that far apart, and must meet in it
+        self.server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=30000,
+                                       quorum_tick_ms=50, heartbeat_timeout_ms=2000)  # fmt: skip
+        self.out = out
+        tests = Path(__file__).parent
+        self.env = dict(os.environ, TORCHFT_LIGHTHOUSE=self.server.address(), GLOO_SOCKET_IFNAME="lo", RUST_LOG="error",
+                        PYTHONPATH=os.pathsep.join([str(tests / "distributed"), str(tests), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+        self.logs = []
+
+    def launch(self, replica_id: int, *options: str) -> subprocess.Popen:
+        log = open(self.out / f"log-{replica_id}-{len(self.logs)}.txt", "w")
+        self.logs.append(log.name)
+        return subprocess.Popen([sys.executable, str(WORKER), str(self.out), str(replica_id), *options],
+                                env=self.env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def wait(self, procs, timeout=420):
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(None)
+        return codes
+
+    def wait_for_step(self, replica_id: int, step: int, timeout: float = 300) -> None:
+        """Until replica group `replica_id` has closed step `step` (its progress file)."""
+        progress = self.out / f"progress-replica{replica_id}.txt"
+        deadline = time.monotonic() + timeout
+        while not (progress.exists() and int(progress.read_text() or 0) >= step):
+            assert time.monotonic() < deadline, self.output()
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        return "\n".join(f"--- {name}\n" + Path(name).read_text()[-3000:] for name in self.logs)
+
+    def results(self, tag="run"):
+        return {
+            int(p.stem.split("replica")[1]): json.loads(p.read_text()) for p in self.out.glob(f"{tag}-replica*.json")
+        }
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture
+def lighthouse(tmp_path):
+    pytest.importorskip("torchft")
+    house = Lighthouse(tmp_path)
+    yield house
+    house.close()
+
+
+def _assert_identical(results, count):
+    assert len(results) == count, results.keys()
+    first = results[0]
+    for rid, result in results.items():
+        for key in ("global", "momentum", "params", "global_step"):
+            assert result[key] == first[key], (rid, key)
+
+
+@pytest.mark.slow
+@pytest.mark.peers
+@pytest.mark.parametrize("kill", ["--kill_at_step", "--kill_in_exchange"])
+def test_a_killed_replica_group_is_left_out_and_heals_when_relaunched(lighthouse, kill):
+    # H = 4 (syncs after steps 1, 3, 7, 11, ...); group 2 dies after step 6 (between syncs) or inside the exchange of
+    # step 7's sync; it is relaunched at once and heals at the survivors' next quorum
+    step = "6" if kill == "--kill_at_step" else "7"
+    slow = ("--step_seconds", "0.4")
+    procs = [lighthouse.launch(r, *slow, *([kill, step] if r == 2 else [])) for r in range(3)]
+    killed = lighthouse.wait([procs[2]])[0]
+    assert killed == -signal.SIGKILL, lighthouse.output()  # really killed, by SIGKILL
+    relaunched = lighthouse.launch(2, *slow)
+    codes = lighthouse.wait([procs[0], procs[1], relaunched])
+    assert codes == [0, 0, 0], lighthouse.output()
+    results = lighthouse.results()
+    _assert_identical(results, 3)
+    for rid in (0, 1):  # the survivors never restarted and lost no step
+        assert results[rid]["first_step"] == 0 and results[rid]["steps"] == list(range(1, 25)), results[rid]
+        assert results[rid]["totals"]["discarded"] == 0
+    healed = results[2]
+    assert healed["heals"] == 1 and healed["first_step"] >= 7  # it lost at most the steps since its last sync
+    assert healed["steps"] == list(range(healed["first_step"] + 1, 25))
+    participants = results[0]["sync_participants"]
+    assert participants[0] == 3 and 2 in participants and participants[-1] == 3, participants  # 3 -> 2 -> 3
+
+
+@pytest.mark.slow
+@pytest.mark.peers
+def test_a_group_that_joins_late_heals_and_ends_identical(lighthouse):
+    # planned for 3 groups, two start (they wait for the third up to grpo_ft_timeout, then go); the third, ready and
+    # waiting, is let in once group 0 has trained 8 steps: it heals at the next quorum and trains on with the others
+    go = lighthouse.out / "go"
+    procs = [lighthouse.launch(r, "--step_seconds", "0.4") for r in range(2)]
+    procs.append(lighthouse.launch(2, "--step_seconds", "0.4", "--wait_for", str(go)))
+    lighthouse.wait_for_step(0, 8)
+    go.touch()
+    assert lighthouse.wait(procs) == [0, 0, 0], lighthouse.output()
+    results = lighthouse.results()
+    _assert_identical(results, 3)
+    assert results[2]["heals"] == 1 and results[2]["first_step"] >= 8
+    participants = results[0]["sync_participants"]
+    assert participants[0] == 2 and participants[-1] == 3, participants  # scaled up from 2 groups to 3
+
+
+@pytest.mark.slow
+@pytest.mark.peers
+def test_without_faults_the_groups_train_as_the_ranks_of_one_ddp_job(lighthouse, tmp_path):
+    # the same seeds and data: each group reads the batches of the DDP rank of its replica id, and the sync exchanges
+    # the same codes in the same order (torchft's process group instead of DDP's)
+    assert lighthouse.wait([lighthouse.launch(r, "--replicas", "2") for r in range(2)]) == [0, 0], lighthouse.output()
+    groups = lighthouse.results()
+    run = run_torchrun(WORKER, tmp_path / "ddp", "0", "--ddp", "--replicas", "2", "--tag", "ddp", nproc=2, timeout=420)
+    assert run.returncode == 0, run.logs()
+    ddp = {int(p.stem.split("replica")[1]): json.loads(p.read_text()) for p in (tmp_path / "ddp").glob("ddp-replica*")}
+    assert set(groups) == set(ddp) == {0, 1}
+    for rank in (0, 1):
+        for key in ("global", "params", "global_step"):
+            assert groups[rank][key] == ddp[rank][key], (rank, key)  # bit-identical models
+    # DDP logs the mean of its ranks' losses; each group logs its own
+    mean = [(a + b) / 2 for a, b in zip(groups[0]["losses"], groups[1]["losses"])]
+    assert ddp[0]["losses"] == pytest.approx(mean, rel=1e-6)
+    assert groups[0]["sync_participants"] == [2] * int(groups[0]["totals"]["syncs"])
+
+
+@pytest.mark.slow
+@pytest.mark.peers
+def test_groups_whose_settings_differ_stop_before_any_step_naming_the_difference(lighthouse):
+    procs = [lighthouse.launch(0, "--max_steps", "8"), lighthouse.launch(1, "--max_steps", "8", "--lr", "1e-3")]
+    codes = lighthouse.wait(procs)
+    assert codes == [1, 1], lighthouse.output()
+    text = lighthouse.output()
+    assert "grpo_fault_tolerance: replica groups differ: learning_rate=" in text
+    assert not lighthouse.results()
+
+
+@pytest.mark.slow
+@pytest.mark.peers
+def test_a_lighthouse_that_does_not_answer_is_one_error_naming_it(tmp_path):
+    pytest.importorskip("torchft")
+    house = Lighthouse(tmp_path)
+    house.env["TORCHFT_LIGHTHOUSE"] = "http://127.0.0.1:9"  # nothing listens there
+    house.env["TORCHFT_CONNECT_TIMEOUT_SEC"] = "3"
+    code = house.wait([house.launch(0, "--max_steps", "4")], timeout=180)
+    house.close()
+    assert code == [1]
+    assert "could not reach the lighthouse at http://127.0.0.1:9" in house.output() or (
+        "no quorum of replica groups formed at the lighthouse http://127.0.0.1:9" in house.output()
+    ), house.output()
