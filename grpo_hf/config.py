@@ -249,9 +249,9 @@ class GRPOConfig(CostFields, TrainingArguments):
             The replica groups the run is planned for: the data is split into that many parts, one per replica id.
         grpo_ft_min_replicas (`int`, *optional*, defaults to `1`):
             A sync is kept only when at least this many groups took part (torchft's `min_replica_size`).
-        grpo_ft_timeout (`float`, *optional*, defaults to `60`):
+        grpo_ft_timeout (`float`, *optional*, defaults to `60.0`):
             Seconds a collective of the sync or a heal may take before a peer is given up (`TORCHFT_TIMEOUT_SEC`).
-        grpo_ft_quorum_timeout (`float`, *optional*, defaults to `900`):
+        grpo_ft_quorum_timeout (`float`, *optional*, defaults to `900.0`):
             Seconds a group waits at a quorum for the others, e.g. a restarted group for the live groups' next sync
             (`TORCHFT_QUORUM_TIMEOUT_SEC`).
         grpo_ft_hostname (`str`, *optional*):

@@ -376,3 +376,38 @@ def test_a_lighthouse_that_does_not_answer_is_one_error_naming_it(tmp_path):
     assert "could not reach the lighthouse at http://127.0.0.1:9" in house.output() or (
         "no quorum of replica groups formed at the lighthouse http://127.0.0.1:9" in house.output()
     ), house.output()
+
+
+@pytest.mark.slow
+@pytest.mark.peers
+def test_the_documented_cpu_launch_runs_as_printed(tmp_path):
+    # docs/engines.md, "Surviving a lost machine": the lighthouse and three `grpo-hf train` lines, run as printed (the
+    # lighthouse's port made free, the background jobs awaited); the three groups end with the same model
+    pytest.importorskip("torchft")
+    import re
+    import shutil
+
+    from testing_utils import free_port
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "engines.md").read_text()
+    section = text[text.index("On one machine, on CPU (3 groups") :]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    lines = [line for line in block.splitlines() if line.strip()]
+    assert len(lines) == 4 and lines[0].startswith("torchft_lighthouse ")
+    port = str(free_port())
+    bin_dir = Path(sys.executable).parent
+    script = "\n".join(
+        ["set -e", f'export PATH="{bin_dir}:$PATH" RUST_LOG=error GLOO_SOCKET_IFNAME=lo']
+        + [lines[0].replace("29510", port).replace(" &", " > lighthouse.log 2>&1 &"), "LIGHTHOUSE=$!"]
+        + [
+            f'{line.replace("29510", port).replace(" &", f" > group-{i}.log 2>&1 &")}\nPIDS="$PIDS $!"'
+            for i, line in enumerate(lines[1:])
+        ]  # fmt: skip
+        + ["for pid in $PIDS; do wait $pid; done", 'kill "$LIGHTHOUSE"']
+    )
+    assert shutil.which("torchft_lighthouse", path=str(bin_dir)), "torchft's wheel ships torchft_lighthouse"
+    run = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
+    assert run.returncode == 0, run.stderr + logs
+    models = [(tmp_path / f"runs/ft-tiny/replica-{i}/model.safetensors").read_bytes() for i in range(3)]
+    assert models[0] == models[1] == models[2]

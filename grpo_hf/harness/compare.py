@@ -91,10 +91,19 @@ def plain_training_arguments(args):
     return TrainingArguments(**{name: getattr(args, name) for name in names})
 
 
+def exchanging_workers(args) -> int:
+    """The processes that exchange: the world size, times the planned replica groups of a fault-tolerant run
+    (`grpo_fault_tolerance`: each launch is one group, and its sync sends to the others)."""
+    groups = (getattr(args, "grpo_ft_replicas", None) or 1) if getattr(args, "grpo_fault_tolerance", False) else 1
+    return args.world_size * groups
+
+
 def comm_workers(args, settings) -> int:
-    """`W`, the workers whose bytes a run counts: `cost_num_workers`, else the world size under DDP, else 2 (on one
-    process nothing is sent: the bytes are those one of two workers would send)."""
-    return settings.cost_num_workers or (args.world_size if args.world_size > 1 else 2)
+    """`W`, the workers whose bytes a run counts: `cost_num_workers`, else the processes that exchange (DDP's world
+    size, or the fault-tolerant replica groups), else 2 (on one process nothing is sent: the bytes are those one of two
+    workers would send)."""
+    workers = exchanging_workers(args)
+    return settings.cost_num_workers or (workers if workers > 1 else 2)
 
 
 def make_trainer(kind: str, args, model, prepared, seq_len: int | None = None, callbacks=()) -> tuple[Any, Any, int]:
@@ -657,7 +666,7 @@ def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, ev
         "importance_applied": kind == "grpo" and bool(args.grpo_importance),
         "bytes_per_step": list(run.recorder.per_step),
         "cost_assumptions": summary["assumptions"],
-        "world_size": args.world_size,
+        "world_size": exchanging_workers(args),
         "ddp_wrapped": isinstance(trainer.model_wrapped, DistributedDataParallel),
     }
     if kind == "grpo":

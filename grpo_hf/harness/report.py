@@ -140,7 +140,7 @@ def _notes(results: dict[str, Any]) -> list[str]:
         "`grpo_hf.harness.compare.load_metric('perplexity')`."
     )
     bytes_note = (
-        "- **Bytes**: what one rank sent per optimizer step under DDP: "
+        "- **Bytes**: what one rank sent per optimizer step to the others: "
         if distributed
         else "- **Bytes**: one process sends nothing, so each row counts what one worker would send per optimizer step: "
     )
