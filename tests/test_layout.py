@@ -419,7 +419,7 @@ def test_a_sync_reaches_the_kernels_through_at_most_five_files(world_size):
 
 def test_fsdp2s_reduce_scatter_reaches_the_kernels_through_the_exchange():
     """FSDP2's compressed reduce-scatter (2 ranks, played by a loopback communicator): `fsdp.py` -> `exchange.py` ->
-    `codec.py`."""
+    `codes/block.py` (the code) -> `codec.py`."""
     import torch
     import torch.distributed as dist
 
@@ -429,7 +429,8 @@ def test_fsdp2s_reduce_scatter_reaches_the_kernels_through_the_exchange():
     output, flat = torch.empty(256), torch.randn(512)
     _, stacks = _kernel_stacks(lambda: state.reduce_scatter("unit", output, flat, None, dist.ReduceOp.AVG))
     assert stacks and state.stats.bytes_sent > 0
-    assert all(files == ("compression/fsdp.py", "compression/exchange.py", "compression/codec.py") for files in stacks)
+    path = ("compression/fsdp.py", "compression/exchange.py", "compression/codes/block.py", "compression/codec.py")
+    assert all(files == path for files in stacks)
 
 
 # --- the transports: built from the settings, then never asked which one they are ---

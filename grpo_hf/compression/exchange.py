@@ -24,7 +24,6 @@ transport's `StepStats` of the step; the communicator counts time, not bytes). W
 and residual format (`fsdp.py`), the fragments, schedule and outer step (`outer_sync.py`, `fragment.py`).
 """
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,11 +31,12 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .codec import BlockMessages, Kernels, code_shape
+from .codec import Kernels
+from .codes import code_for
 from .communicator import Communicator, Started
-from .layout import Run, owned_blocks, put_owned, take_owned
-from .sparse import TopKMessages
-from .spec import CodecSpec, num_blocks
+from .layout import Run, owned_blocks
+from .owned import take_owned
+from .spec import CodecSpec
 from .traffic import FLAG_BYTES, SIZE_BYTES, allgather_bytes, allreduce_bytes, alltoall_bytes, owner_reduction_bytes
 
 
@@ -46,11 +46,8 @@ from .traffic import FLAG_BYTES, SIZE_BYTES, allgather_bytes, allreduce_bytes, a
 
 
 def message_nbytes(spec: CodecSpec, nblocks: int) -> int | None:
-    """
-    Bytes of the message of `nblocks` blocks ([`~grpo_hf.compression.codec.BlockMessages`]); `None` when they depend
-    on the data (2 bits, top-k).
-    """
-    return None if spec.density < 1.0 else BlockMessages(spec).fixed_nbytes(nblocks)
+    """Bytes of the message of `nblocks` blocks (the spec's code's); `None` when they depend on the data."""
+    return code_for(spec).message_nbytes(nblocks)
 
 
 def split_messages(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -66,117 +63,33 @@ def walk_messages(buffer: torch.Tensor, runs: list[tuple]) -> list[torch.Tensor]
     """Cut a rank's messages (one per `(spec, blocks)` in `runs`, in order; none for no blocks) out of `buffer`."""
     out, offset = [], 0
     for spec, nblocks in runs:
-        if nblocks == 0:
-            size = 0
-        elif spec.density < 1.0:
-            size = TopKMessages(spec).read_nbytes(buffer[offset:])
-        else:
-            size = BlockMessages(spec).read_nbytes(buffer[offset:], nblocks)
+        size = code_for(spec).read_nbytes(buffer[offset:], nblocks) if nblocks else 0
         out.append(buffer[offset : offset + size])
         offset += size
     return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Encoding and decoding
+# Encoding and decoding: the spec's code
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def encode(kernels: Kernels, spec: CodecSpec, rows, residual, scale=None, clip: float | None = None,
            k: int | None = None, message=None, in_place: bool = False):  # fmt: skip
     """
-    Compress `[n, B]` rows with error feedback (`rows + residual`, relative to the per-entry `scale` when given; see
-    [`~grpo_hf.compression.codec.encode_blocks`]; top-k below density 1).
-
-    Args:
-        kernels (`Kernels`): the codec's kernels of the transport.
-        spec (`CodecSpec`): bits, block size and density.
-        rows (`torch.Tensor`): `[n, B]`, any float dtype.
-        residual (`torch.Tensor`): `[n, B]` error feedback (bf16), or `None`.
-        scale (`torch.Tensor`, *optional*): `[n, B]` bf16 gradient scales.
-        clip (`float`, *optional*): with `scale`, the most scales an entry sends per step.
-        k (`int`, *optional*): the values a top-k message keeps (every value when `None`).
-        message (`torch.Tensor`, *optional*): a fixed-size message to write into (density 1, 4, 8 or 16 bits).
-        in_place (`bool`, *optional*, defaults to `False`): write the new residual into `residual` (a row a store keeps:
-            no allocation per step, which would fragment the heap of a long run).
-
-    Returns:
-        `(message, new_residual)`: the `uint8` message and the new residual (`None` without a residual).
+    Compress `[n, B]` rows with error feedback: [`~grpo_hf.compression.codes.Code.encode`] of the spec's code.
+    Returns `(message, new_residual)`.
     """
-    clip = clip if scale is not None else None
-    if spec.density < 1.0:
-        k = rows.numel() if k is None else k
-        encoded, _, new_residual = TopKMessages(spec).encode(kernels, rows, residual, scale, clip, k)
-        if in_place and new_residual is not None:  # the top-k output is freed at once: only short-lived allocations
-            residual.copy_(new_residual)
-            new_residual = residual
-        return encoded, new_residual
-    writer = BlockMessages(spec)
-    if message is None:
-        codes, absmax, new_residual = kernels.encode(rows, residual, scale, spec.bits, clip, in_place=in_place)
-        return writer.pack(codes, absmax), new_residual
-    codes_view, absmax_view = writer.unpack(message, rows.shape[0])
-    _, absmax, new_residual = kernels.encode(
-        rows, residual, scale, spec.bits, clip, codes_out=codes_view, in_place=in_place
-    )
-    absmax_view.copy_(absmax)
-    writer.clear_padding(message, rows.shape[0])
-    return message, new_residual
+    return code_for(spec).encode(kernels, rows, residual, scale, clip, k, message, in_place)
 
 
 def decode(kernels: Kernels, spec: CodecSpec, messages, nblocks: int, scale=None, divide: float = 1, out=None,
            ema=None, beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
     """
-    The messages' decoded rows summed in order (rank order: every rank adds them the same way), divided by `divide`,
-    times the scales.
-
-    Args:
-        kernels (`Kernels`): the codec's kernels of the transport.
-        spec (`CodecSpec`): the messages' spec.
-        messages (`list[torch.Tensor]`): the `uint8` messages, of `nblocks` blocks each.
-        nblocks (`int`): blocks of each message.
-        scale (`torch.Tensor`, *optional*): `[n, B]` bf16 gradient scales.
-        divide (`float`, *optional*, defaults to `1`): e.g. the world size, for the mean.
-        out (`torch.Tensor`, *optional*): `[n, B]` to write into (any float dtype; a fresh fp32 tensor when `None`).
-        ema (`torch.Tensor`, *optional*): `[n, B]` fp32 EMA of the squared result, to update.
-        beta (`float`, *optional*, defaults to `0.0`): the EMA's factor (`beta * ema + (1 - beta) * result**2`).
-        max_blocks (`int`, *optional*): at most this many blocks per kernel call into `out` (no `ema`): the eager
-            decode's temporaries stay a few chunks.
-
-    Returns:
-        `(out, new_ema)`; `new_ema` is `None` without `ema`.
+    The messages' decoded rows summed in order, divided by `divide`, times the scales:
+    [`~grpo_hf.compression.codes.Code.decode`] of the spec's code. Returns `(out, new_ema)`.
     """
-    if spec.density < 1.0:
-        values = TopKMessages(spec).decode(kernels, messages, (nblocks, spec.block_size), scale, divide)
-        new_ema = None if ema is None else ema * beta + values * values * (1.0 - beta)
-        if out is None:
-            return values, new_ema
-        out.copy_(values)
-        return out, new_ema
-    reader = BlockMessages(spec)
-    codes, absmax = zip(*(reader.unpack(message, nblocks) for message in messages))
-    beta = beta if ema is not None else 0.0  # (a state without gradient scales has no EMA factor)
-    return _decode_codes(kernels, spec.bits, codes, absmax, scale, divide, out, ema, beta, max_blocks)
-
-
-def _decode_codes(kernels: Kernels, bits: int, codes, absmax, scale, divide, out, ema, beta, max_blocks):
-    """`Kernels.decode`, in calls of at most `max_blocks` blocks into `out` when given (no scales, no EMA)."""
-    if max_blocks is None:
-        return kernels.decode(codes, absmax, scale, bits, divide, out, ema, beta)
-    nblocks = absmax[0].numel()
-    for start in range(0, nblocks, max_blocks):
-        end = min(start + max_blocks, nblocks)
-        kernels.decode([c[start:end] for c in codes], [a[start:end] for a in absmax], None, bits, divide,
-                       out=out[start:end])  # fmt: skip
-    return out, None
-
-
-def _blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`[n, S]` rows -> `[n * ceil(S / B), B]` blocks (zero-padded: a block never spans two rows)."""
-    pad = -rows.shape[1] % block_size
-    if pad:
-        rows = torch.nn.functional.pad(rows, (0, pad))
-    return rows.reshape(-1, block_size)
+    return code_for(spec).decode(kernels, messages, nblocks, scale, divide, out, ema, beta, max_blocks)
 
 
 def row_message_nbytes(spec: CodecSpec, numel: int) -> int:
@@ -184,9 +97,7 @@ def row_message_nbytes(spec: CodecSpec, numel: int) -> int:
     Bytes of one message of [`encode_rows`], of a row of `numel` entries: `ceil(numel / B) * (4 + B * bits / 8)`, or
     `4 numel` at 32 bits (the fp32 values as they are).
     """
-    if spec.bits == 32:
-        return 4 * numel
-    return BlockMessages(spec, align=1).fixed_nbytes(num_blocks(numel, spec.block_size))
+    return code_for(spec).row_nbytes(numel)
 
 
 def encode_rows(kernels: Kernels, spec: CodecSpec, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,85 +114,25 @@ def encode_rows(kernels: Kernels, spec: CodecSpec, rows: torch.Tensor) -> tuple[
     Returns:
         `(messages, decoded)`: `[n, nbytes]` uint8 messages and the `[n, S]` fp32 values the receivers decode.
     """
-    n, numel = rows.shape
-    if spec.bits == 32:
-        return rows.contiguous().view(torch.uint8).reshape(n, 4 * numel), rows
-    codes, absmax, _ = kernels.encode(_blocks(rows, spec.block_size), None, None, spec.bits)
-    decoded, _ = kernels.decode([codes], [absmax], None, spec.bits, 1.0)
-    return BlockMessages(spec, align=1).pack_rows(codes, absmax, n), decoded.reshape(n, -1)[:, :numel]
+    return code_for(spec).encode_rows(kernels, rows)
 
 
 def poison_rows(spec: CodecSpec, messages: torch.Tensor, nonfinite: torch.Tensor) -> None:
     """
     Make the blocks of the rows given to [`encode_rows`] that held a NaN/Inf (`nonfinite`, bool `[n, S]`) decode to
-    NaN: their scales in `messages` are set to NaN, in place, so that a non-finite input reaches the receivers as such.
+    NaN: their scales in `messages` are set to NaN, in place (block codes).
     """
-    writer = BlockMessages(spec, align=1)
-    codes, absmax = writer.unpack_rows(messages, num_blocks(nonfinite.shape[1], spec.block_size))
-    absmax[_blocks(nonfinite, spec.block_size).any(dim=1)] = math.nan
-    messages.copy_(writer.pack_rows(codes, absmax, messages.shape[0]))
+    code_for(spec).poison_rows(messages, nonfinite)
 
 
 def decode_rows(kernels: Kernels, spec: CodecSpec, messages: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of [`encode_rows`]: `[n, nbytes]` uint8 messages -> `[n, S]` fp32 (`code * step`, one multiply each)."""
-    if spec.bits == 32:
-        return messages.contiguous().view(torch.float32)
-    n = messages.shape[0]
-    codes, absmax = BlockMessages(spec, align=1).unpack_rows(messages, num_blocks(numel, spec.block_size))
-    decoded, _ = kernels.decode([codes], [absmax], None, spec.bits, 1.0)
-    return decoded.reshape(n, -1)[:, :numel]
+    """Inverse of [`encode_rows`]: `[n, nbytes]` uint8 messages -> `[n, S]` fp32."""
+    return code_for(spec).decode_rows(kernels, messages, numel)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The halves of owner reduction (the sender's, the owner's, every rank's last)
+# The owner's half of owner reduction (the sender's and every rank's last are the code's)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def _count(owned: tuple) -> int:
-    return owned[1].numel()
-
-
-def _encode_to_owners(kernels: Kernels, spec: CodecSpec, rows, residual, owned: list[tuple], scale=None,
-                      clip: float | None = None, ks: list[int] | None = None, messages=None):  # fmt: skip
-    """
-    The sender's half of owner reduction: this rank's `rows + residual` as one message per owner, of the blocks it
-    owns (`owned[owner]`, `(ranges, index)` as [`~grpo_hf.compression.layout.owned_blocks`] gives them); the residual is replaced in place.
-
-    At density 1 the rows are encoded in one kernel call and each owner's codes and absmax are cut out, into
-    `messages[owner]` when given (fixed sizes) or packed (2 bits); below it each owner's blocks are a top-k message of
-    their own, keeping `ks[owner]` values. An owner of no block gets an empty message.
-
-    Returns:
-        `(messages, new_residual)`.
-    """
-    empty = torch.zeros(0, dtype=torch.uint8, device=rows.device)
-    if spec.density < 1.0:  # top-k within each owner's blocks (disjoint: each is read before it is written)
-        messages = []
-        for owner, ranges in enumerate(owned):
-            if not _count(ranges):
-                messages.append(empty)
-                continue
-            part = None if scale is None else take_owned(scale, ranges)
-            message, kept = encode(
-                kernels, spec, take_owned(rows, ranges), take_owned(residual, ranges), part, clip, ks[owner]
-            )
-            put_owned(residual, ranges, kept)
-            messages.append(message)
-        return messages, residual
-    clip = clip if scale is not None else None
-    codes, absmax, new_residual = kernels.encode(rows, residual, scale, spec.bits, clip, in_place=True)
-    writer = BlockMessages(spec)
-    if messages is None:
-        messages = [writer.pack(take_owned(codes, r), take_owned(absmax, r)) if _count(r) else empty for r in owned]
-        return messages, new_residual
-    for owner, ranges in enumerate(owned):
-        count = _count(ranges)
-        if count:
-            codes_view, absmax_view = writer.unpack(messages[owner], count)
-            take_owned(codes, ranges, out=codes_view)
-            take_owned(absmax, ranges, out=absmax_view)
-            writer.clear_padding(messages[owner], count)
-    return messages, new_residual
 
 
 def _reduce_owned(kernels: Kernels, spec: CodecSpec, contributions: list, residual: torch.Tensor, scale=None,
@@ -289,43 +140,17 @@ def _reduce_owned(kernels: Kernels, spec: CodecSpec, contributions: list, residu
     """
     The owner's half: decode the `W` contributions to the blocks it owns (`contributions`, in rank order), average
     them, and compress the mean again with the owner's own error feedback (`residual`, `[n, B]`, replaced in place).
-    Returns `(message, new_residual)` as [`encode`] does (`k`: the values a top-k message keeps; every value when
-    `None`).
+    Returns `(message, new_residual)` as [`encode`] does (`k`: the values the message keeps).
     """
-    mean, _ = decode(kernels, spec, contributions, residual.shape[0], scale, len(contributions))
-    return encode(kernels, spec, mean, residual, scale, clip, k, message, in_place=True)
+    code = code_for(spec)
+    mean, _ = code.decode(kernels, contributions, residual.shape[0], scale, len(contributions))
+    return code.encode(kernels, mean, residual, scale, clip, k, message, in_place=True)
 
 
-def _decode_from_owners(kernels: Kernels, spec: CodecSpec, messages: list, owned: list[tuple], nblocks: int,
-                        scale=None, out=None, ema=None, beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
-    """
-    Every rank's last half: the owners' messages (`messages[owner]`, e.g. the all-gathered ones) decoded into the
-    `[nblocks, B]` rows of the run, the same bits on every rank. At density 1 the owners' codes are put back in block
-    order and decoded at once (`max_blocks` as in [`decode`]); below it each owner's message is decoded on its own.
-    Returns `(out, new_ema)` as [`decode`] does.
-    """
-    device = messages[0].device if messages else None
-    if spec.density < 1.0:
-        values = torch.zeros(nblocks, spec.block_size, device=device)
-        for owner, ranges in enumerate(owned):
-            if _count(ranges):
-                part = None if scale is None else take_owned(scale, ranges)
-                decoded, _ = decode(kernels, spec, [messages[owner]], _count(ranges), part, 1)
-                put_owned(values, ranges, decoded)
-        new_ema = None if ema is None else ema * beta + values * values * (1 - beta)
-        if out is None:
-            return values, new_ema
-        out.copy_(values)
-        return out, new_ema
-    shape, dtype = code_shape(nblocks, spec.block_size, spec.bits)
-    codes, absmax = torch.empty(shape, dtype=dtype, device=device), torch.empty(nblocks, device=device)
-    reader = BlockMessages(spec)
-    for owner, ranges in enumerate(owned):
-        if _count(ranges):
-            owner_codes, owner_absmax = reader.unpack(messages[owner], _count(ranges))
-            put_owned(codes, ranges, owner_codes)
-            put_owned(absmax, ranges, owner_absmax)
-    return _decode_codes(kernels, spec.bits, [codes], [absmax], scale, 1, out, ema, beta, max_blocks)
+def _encode_to_owners(kernels: Kernels, spec: CodecSpec, rows, residual, owned: list[tuple], scale=None,
+                      clip: float | None = None, ks: list[int] | None = None, messages=None):  # fmt: skip
+    """The sender's half, as `Exchange._with_feedback` calls an encoder: the code's `encode_to_owners`."""
+    return code_for(spec).encode_to_owners(kernels, rows, residual, owned, scale, clip, ks, messages)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -491,6 +316,9 @@ class Exchange:
         (the parts' `owner_residual`), the owners' messages are all-gathered and every rank decodes them in owner
         order. Returns each part's new EMA (`None` without one).
         """
+        for part in parts:
+            if not code_for(part.run.spec).owner_reducible:
+                raise ValueError(f"owner reduction cannot carry {code_for(part.run.spec)!r}: use the all-gather.")
         comm, stats, kernels = self.comm, self.stats, self.kernels
         world_size, rank, device = comm.world_size, comm.rank, parts[0].rows.device
         block_rows = [owned_blocks(part.run, world_size, device) for part in parts]  # per part and rank
@@ -505,20 +333,16 @@ class Exchange:
             send = self._buffer("send", sum(send_sizes), device, torch.uint8)
             to_rank = [split_messages(piece, sizes) for piece, sizes in zip(split_messages(send, send_sizes), fixed)]
         for index, (part, owned) in enumerate(zip(parts, block_rows)):
-            run = part.run
-            ks = None  # top-k: the values each owner's message keeps
-            if run.spec.density < 1.0:
-                block = run.spec.block_size
-                ks = [run.num_values(n * block, run.owned_numel(world_size, r)) for r, n in enumerate(counts[index])]
+            run, block = part.run, part.run.spec.block_size
+            # the values each owner's message keeps
+            ks = [run.num_values(n * block, run.owned_numel(world_size, r)) for r, n in enumerate(counts[index])]
             mine = [m[index] for m in to_rank] if known else None
             messages, _ = self._with_feedback(part.residual, run.spec, _encode_to_owners, part.rows, owned, part.scale,
                                               self.clip, ks, mine)  # fmt: skip
             if not known:
                 for owner, message in enumerate(messages):
                     to_rank[owner].append(message)
-            if self.count_kept and ks is None:
-                stats.kept += min(run.num_values(), run.numel)
-            elif self.count_kept:
+            if self.count_kept:
                 stats.kept += sum(min(k, run.owned_numel(world_size, o)) for o, k in enumerate(ks) if counts[index][o])
 
         def reduce_into(contributions: list[torch.Tensor], message: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -551,9 +375,10 @@ class Exchange:
             per_owner = self._with_owners_announced(to_rank, reduce_into, parts, counts, empty)
         emas = []
         for index, (part, owned) in enumerate(zip(parts, block_rows)):
-            values, new_ema = _decode_from_owners(kernels, part.run.spec, [per_owner[r][index] for r in range(world_size)],
-                                                  owned, part.run.num_blocks, part.scale, part.out, part.ema,
-                                                  self.beta, self._max_blocks(part.run.spec))  # fmt: skip
+            messages = [per_owner[r][index] for r in range(world_size)]
+            values, new_ema = code_for(part.run.spec).decode_from_owners(kernels, messages, owned, part.run.num_blocks,
+                                                                         part.scale, part.out, part.ema, self.beta,
+                                                                         self._max_blocks(part.run.spec))  # fmt: skip
             if part.out is None:
                 part.write(values)
             emas.append(new_ema)
@@ -603,10 +428,10 @@ class Exchange:
     def reduce_scatter(self, chunks: torch.Tensor, spec: CodecSpec, residual=None, average: bool = True):
         """
         Each rank's chunk `j` of `chunks` (`[W, S]`, chunk `j` what rank `j` owns) to its owner as one row message
-        ([`encode_rows`]; `spec.bits == 32`: fp32 as it is), in one all-to-all of equal-size messages; the owner sums
+        (the code's `encode_rows`: block codes, or fp32 as it is at 32 bits), in one all-to-all of equal-size messages; the owner sums
         the `W` contributions in rank order, its own chunk exact, and divides by `W` when `average`.
 
-        A row holding a NaN/Inf reaches its owner as NaN ([`poison_rows`]). With a `residual` (`read()`: the fp32
+        A row holding a NaN/Inf reaches its owner as NaN (or as it is, in fp32). With a `residual` (`read()`: the fp32
         `[W - 1, S]` values to add, `None` at first; `write(values)`: what was not sent, for a finite step only), the
         rows sent carry error feedback.
 
@@ -622,10 +447,7 @@ class Exchange:
         if stored is not None:
             rows += stored
         finite = bool(torch.isfinite(rows).all())
-        bad = None if finite or spec.bits == 32 else ~torch.isfinite(rows)
-        messages, decoded = encode_rows(self.kernels, spec, rows if bad is None else torch.where(bad, 0.0, rows))
-        if bad is not None:
-            poison_rows(spec, messages, bad)
+        messages, decoded = code_for(spec).encode_rows(self.kernels, rows, None if finite else ~torch.isfinite(rows))
         if residual is not None and finite:
             residual.write(rows - decoded)
         size = messages.shape[1]
@@ -633,7 +455,7 @@ class Exchange:
         send[others] = messages
         received = comm.all_to_all(send.view(-1), [size] * world_size, [size] * world_size).view(world_size, size)
         stats.bytes_sent += alltoall_bytes(world_size * size, self.count_as)  # a message to each other rank
-        incoming = decode_rows(self.kernels, spec, received[others], numel)
+        incoming = code_for(spec).decode_rows(self.kernels, received[others], numel)
         total = chunks[0].float() if rank == 0 else incoming[0].clone()
         for source in range(1, world_size):
             total += chunks[rank].float() if source == rank else incoming[source - (source > rank)]

@@ -87,9 +87,10 @@ from ..choices import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES, check
 from ..engines import engine_from_environment
 from ..errors import ConfigError
 from .codec import compile_kernels
+from .codes import code_for
 from .communicator import Communicator, ProcessGroupCommunicator
 from .exchange import Exchange, decode_rows, encode_rows
-from .spec import DEFAULT_BLOCK_SIZE, CodecSpec
+from .spec import DEFAULT_BLOCK_SIZE, SUPPORTED_BITS, CodecSpec
 from .traffic import StepStats, TrafficStats, reduce_scatter_bytes
 from .transport import FSDP_MODE, CommSettings, CommState, SavedComms
 
@@ -97,7 +98,8 @@ from .transport import FSDP_MODE, CommSettings, CommState, SavedComms
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-FSDP_BITS = (4, 8, 16, 32)  # 2-bit codes need a variable-size message; one all-to-all needs equal sizes
+# The widths whose code sends rows of one size (one all-to-all needs equal sizes; 2-bit codes vary): 4, 8, 16 and 32
+FSDP_BITS = tuple(bits for bits in SUPPORTED_BITS if code_for(CodecSpec(bits=bits)).fixed_size)
 
 
 class _StagedResidual:
@@ -286,6 +288,11 @@ class FSDPCommState(CommState):
         """Bytes this state holds: `residuals` (committed)."""
         return {"residuals": self.residual_nbytes()}
 
+    @property
+    def _lossless(self) -> bool:
+        """Whether every step sends the fp32 values as they are (`bits=32`): dense, without error feedback."""
+        return CodecSpec(bits=self.bits, block_size=self.block_size).lossless
+
     def _residual_spec(self) -> CodecSpec:
         return CodecSpec(bits=8, block_size=self.block_size)  # "worker-int8": the residual as 8-bit blocks
 
@@ -331,7 +338,7 @@ class FSDPCommState(CommState):
             self.kernels = compile_kernels(
                 os.environ.get("GRPO_HF_COMPILE_CODEC", "1") != "0" if wanted is None else wanted
             )
-        dense = self.warming_up or self.bits == 32
+        dense = self.warming_up or self._lossless
         spec = CodecSpec(bits=32 if dense else self.bits, block_size=self.block_size)
         feedback = self.error_feedback != "none" and not dense
         residual = _StagedResidual(self, f"{unit}:{input.numel()}", numel) if feedback else None
@@ -376,7 +383,7 @@ class FSDPCommState(CommState):
         if not nonfinite:
             self.residuals.update(self._staged)
         self._staged = {}
-        dense = self.warming_up or nonfinite or self.bits == 32
+        dense = self.warming_up or nonfinite or self._lossless
         self._nonfinite = False
         record, self.stats = self.stats, StepStats()
         self.traffic.close_step(record, dense_steps=dense, nonfinite_steps=nonfinite)

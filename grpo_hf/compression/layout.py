@@ -8,7 +8,7 @@ into a zero-padded row. Either way a block never mixes two tensors: each tensor'
 codes and residuals do not depend on how DDP packed its buckets. Top-k selects within a run.
 
 Tensors sent dense (`spec is None`: norms, biases) end a run, except a small one (at most `ABSORB_MAX_NUMEL` entries,
-whole blocks) between two tensors of a density-1 run: the run then spans it, so that a model whose norms sit between
+whole blocks) between two tensors of a run whose code sends every entry (density 1): the run then spans it, so that a model whose norms sit between
 its weight matrices still makes one run (one kernel call) per bucket. Its blocks are encoded and sent with the run's
 (codes that nobody uses: about one byte per entry) and its exact average, from the dense all-reduce, overwrites the
 decoded values.
@@ -24,7 +24,9 @@ from functools import cached_property
 
 import torch
 
-from .spec import CodecSpec, num_blocks, num_kept
+from .codes import code_for
+from .owned import _MAX_SLICES, put_owned, take_owned  # noqa: F401 - the owners' blocks of a row, re-exported
+from .spec import CodecSpec, num_blocks
 
 
 ABSORB_MAX_NUMEL = 4096  # dense tensors up to this size may sit inside a run (see the module docstring)
@@ -66,12 +68,12 @@ class Run:
 
     def num_values(self, length: int | None = None, numel: int | None = None) -> int:
         """
-        Values a message of the row (or of a part of `length` entries, `numel` of them real) carries: every entry
-        (padding included) at density 1, else the top `ceil(density * numel)` (padding excluded).
+        Values a message of the row (or of a part of `length` entries, `numel` of them real) carries, as its code says:
+        every entry (padding included) for the block codes, the top `ceil(density * numel)` (padding excluded) for
+        top-k.
         """
-        if self.spec.density >= 1.0:
-            return self.length if length is None else length
-        return num_kept(self.numel if numel is None else numel, self.spec.density)
+        return code_for(self.spec).num_values(self.length if length is None else length,
+                                              self.numel if numel is None else numel)  # fmt: skip
 
     def rows(self, buffer: torch.Tensor) -> torch.Tensor:
         """The run's `[blocks, B]` gradients in the buffer's dtype: a view of `buffer`, or a zero-padded copy."""
@@ -197,7 +199,7 @@ def bucket_layout(
             dense.append((start, numel))
             if (
                 current is not None
-                and current[0].density >= 1.0
+                and code_for(current[0]).every_entry
                 and numel <= ABSORB_MAX_NUMEL
                 and numel % current[0].block_size == 0
                 and follows(index)
@@ -223,64 +225,16 @@ def bucket_layout(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The blocks each rank owns, taken out of rows and put back (owner reduction)
+# The blocks each rank owns (owner reduction; `owned.py` takes them out of rows and puts them back)
 # ----------------------------------------------------------------------------------------------------------------
-
-_MAX_SLICES = 8  # owned blocks in more ranges than this are gathered with an index instead of slices
 
 
 def owned_blocks(run, world_size: int, device) -> list[tuple]:
     """
     Per rank, the blocks of a [`~grpo_hf.compression.layout.Run`] it owns, as `(ranges, index)` on `device`: the
-    `owned` argument of the functions below.
+    `owned` argument of [`~grpo_hf.compression.owned.take_owned`] and [`~grpo_hf.compression.owned.put_owned`].
     """
     return [(r, index.to(device)) for r, index in zip(run.owned_ranges(world_size), run.owned_blocks(world_size))]
-
-
-def _as_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """
-    Two `[n, m]` tensors of narrow entries (codes, bf16) seen as int64 words when the bytes of both allow, else as
-    they are: the same memory, and `index_select` / `index_copy_` move 8 bytes per element instead of 1 or 2 (several
-    times faster on CPU).
-    """
-
-    def fits(t: torch.Tensor) -> bool:
-        nbytes = t.shape[-1] * t.element_size() if t.dim() == 2 else 0
-        return t.element_size() < 8 and nbytes > 0 and nbytes % 8 == 0 and t.is_contiguous() and t.data_ptr() % 8 == 0
-
-    if fits(a) and fits(b):
-        return a.view(torch.int64), b.view(torch.int64)
-    return a, b
-
-
-def take_owned(rows: torch.Tensor, owned: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The rows of `owned` (`(ranges, index)`), one after the other (a view when there is one range and no `out`)."""
-    ranges, index = owned
-    if len(ranges) > _MAX_SLICES:
-        if out is None:
-            out = torch.empty(index.numel(), *rows.shape[1:], dtype=rows.dtype, device=rows.device)
-        rows_words, out_words = _as_words(rows, out)
-        torch.index_select(rows_words, 0, index, out=out_words)
-        return out
-    if out is None and len(ranges) == 1:
-        return rows[ranges[0][0] : ranges[0][1]]
-    pieces = [rows[start:end] for start, end in ranges]
-    if out is None:
-        return torch.cat(pieces) if pieces else rows[:0]
-    return torch.cat(pieces, out=out) if pieces else out
-
-
-def put_owned(rows: torch.Tensor, owned: tuple, values: torch.Tensor) -> None:
-    """Inverse of [`take_owned`]: write `values` into the rows of `owned`."""
-    ranges, index = owned
-    if len(ranges) > _MAX_SLICES:
-        rows_words, values_words = _as_words(rows, values.contiguous())
-        rows_words.index_copy_(0, index, values_words)
-        return
-    offset = 0
-    for start, end in ranges:
-        rows[start:end].copy_(values[offset : offset + end - start])
-        offset += end - start
 
 
 __all__ = [

@@ -128,6 +128,7 @@ from ..engines import engine_from_environment, process_rank
 from ..errors import ConfigError
 from ..optim.moments import local_tensor
 from .codec import ENCODE_CHUNK, all_safe, compile_kernels
+from .codes import code_for
 from .communicator import Communicator, ProcessGroupCommunicator
 from .exchange import Exchange
 from .fragment import Fragment, InFlight, check_moments, global_device, merge_with_global, outer_step, pack_fragments
@@ -147,7 +148,6 @@ OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # SYNC_DT
 OWNER_MIN_WORLD_SIZE = 3
 # Counted between fault-tolerant replica groups only, logged as `grpo/sync/<name>` (beside `grpo/sync/participants`)
 ELASTIC_COUNTERS = ("discarded", "retried", "heals")
-SYNC_BITS = (4, 8, 16)  # codes of fixed size; 32 bits and dense tensors go through an fp32 all-reduce
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -281,7 +281,7 @@ class OuterSyncState(CommState):
             raise ValueError(f"{len(fragments)} fragments, some empty: use 1 to {every} non-empty fragments.")
         check_sync_settings(every, len(fragments), delay, mix, moments, outer_lr, outer_momentum, dtype, global_device)
         for name, spec in plan.items():
-            if spec is not None and (spec.density < 1 or spec.bits not in SYNC_BITS):
+            if spec is not None and not code_for(spec).in_sync:
                 raise ValueError(
                     f"{name}: the sync sends every entry of Δ in codes of one size (4, 8 or 16 bits, or fp32); got "
                     f"density {spec.density} and {spec.bits} bits. Use grpo_compression='quantize' or 'none' and "

@@ -113,8 +113,10 @@ def compression_plan(
                 width = group.rule.bits
             else:
                 width = default_bits(owners.get(name)) if str(bits) == "auto" else int(bits)
-            dense = compression == "none" or param.numel() < min_numel or (kept >= 1.0 and width == 32)
-            plan[name] = None if dense else CodecSpec(density=kept, bits=width, block_size=block_size)
+            spec = None
+            if compression != "none" and param.numel() >= min_numel:
+                spec = CodecSpec(density=kept, bits=width, block_size=block_size)
+            plan[name] = None if spec is None or spec.lossless else spec
     return plan
 
 

@@ -45,11 +45,17 @@ class CodecSpec:
         block_size (`int`, *optional*, defaults to `128`):
             Kept values that share one scale; a power of two. Smaller blocks follow outliers more closely and cost
             `32 / block_size` bits per value more.
+        code (`str`, *optional*):
+            The name of a registered code ([`~grpo_hf.compression.codes.register`]) that sends the tensor, with
+            `bits` any width from 1 to 32 it understands. `None` (the default) picks the built-in code from density
+            and bits: top-k below density 1, fp32 at 32 bits, block codes otherwise
+            ([`~grpo_hf.compression.codes.code_for`]).
     """
 
     density: float = 1.0
     bits: int = int(DEFAULT_BITS)
     block_size: int = DEFAULT_BLOCK_SIZE
+    code: str | None = None
 
     def __post_init__(self):
         density = self.density
@@ -61,7 +67,12 @@ class CodecSpec:
                 "everything; a `sparsity` of 0.15 in the article's sense is a density of 0.15."
             )
         object.__setattr__(self, "density", float(density))
-        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
+        if self.code is not None:
+            if not isinstance(self.code, str) or not self.code:
+                raise ValueError(f"`code` must be the name of a registered code, got {self.code!r}.")
+            if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 32:
+                raise ValueError(f"`bits` must be an int from 1 to 32 for code {self.code!r}, got {self.bits!r}.")
+        elif isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
             raise ValueError(f"`bits` must be one of {SUPPORTED_BITS}, got {self.bits!r}.")
         block = self.block_size
         if (
@@ -75,8 +86,8 @@ class CodecSpec:
 
     @property
     def lossless(self) -> bool:
-        """Whether decoding returns the input exactly (`density == 1` and `bits == 32`)."""
-        return self.density == 1.0 and self.bits == 32
+        """Whether decoding returns the input exactly (the fp32 pass-through: `density == 1` and `bits == 32`)."""
+        return self.code is None and self.density == 1.0 and self.bits == 32
 
 
 def num_kept(numel: int, density: float) -> int:

@@ -1,0 +1,14 @@
+"""The codes of grpo_hf, each in its own file behind one interface ([`Code`], `base.py`), and the one place a setting
+picks its code ([`code_for`]).
+
+Each file registers its code (`@register`); one import line below per code brings it in. Adding a code is a new file
+and one line here.
+"""
+
+from .base import Code, code_for, register, registered_codes, unregister
+from .block import BlockCode
+from .fp32 import Fp32Code
+from .topk import TopKCode
+
+
+__all__ = ["BlockCode", "Code", "Fp32Code", "TopKCode", "code_for", "register", "registered_codes", "unregister"]
