@@ -287,8 +287,8 @@ BUCKET_PATH_FILES = 5
 def test_a_ddp_bucket_reaches_the_kernels_through_at_most_five_files(mode, density):
     """
     The files between `grpo_comm_hook` and the encode / decode kernels, read off the stack at every kernel call of one
-    compressed step: `hook.py` -> `exchange.py` (the seam of the three transports) -> `codec.py`, with `sparse.py`
-    between the last two for top-k. Run with `-s` to see them, and every file the step enters (`layout.py` and
+    compressed step: `hook.py` -> `exchange.py` (the seam of the three transports) -> `codes/<the code>.py` ->
+    `codec.py`. Run with `-s` to see them, and every file the step enters (`layout.py` and
     `state.py` give the rows and residuals, `traffic.py` counts the bytes).
     """
     import torch
@@ -393,7 +393,8 @@ def test_a_sync_reaches_the_kernels_through_at_most_five_files(world_size):
     """
     The files between `OuterSyncState.end_step` and the encode / decode kernels, read off the stack at every kernel
     call of one sync (all-gathered at 2 ranks, reduced by owners from 3): `outer_sync.py` (the schedule) ->
-    `fragment.py` (the fragment's Δ) -> `exchange.py` (the seam of the three transports) -> `codec.py`. Run with `-s`
+    `fragment.py` (the fragment's Δ) -> `exchange.py` (the seam of the three transports) -> `codes/block.py` ->
+    `codec.py`. Run with `-s`
     to see them and every file the sync enters.
     """
     import torch

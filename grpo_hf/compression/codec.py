@@ -32,7 +32,7 @@ always gives finite codes, absmax and residual.
 A message is the fp32 absmax of its blocks followed by the codes (4 bits: low nibble first; 2 bits: a bitmap of the
 non-zero codes, then one sign bit per non-zero code, set = negative, little-endian), padded to 16 bytes. Its size is
 fixed by the number of blocks, except at 2 bits, where a 16-byte header (`int32` size) comes first. Top-k messages
-(density below 1, [`~grpo_hf.compression.sparse`]) carry their sizes in their header too.
+(density below 1, [`~grpo_hf.compression.codes.topk`]) carry their sizes in their header too.
 
 The scales come from a third, small kernel ([`scales_blocks`]): computed once per step and bucket, in bf16, read by
 both.

@@ -84,6 +84,10 @@ class CodecSpec:
         ):
             raise ValueError(f"`block_size` must be a power of two between 1 and 65536, got {block!r}; try 128.")
 
+    def __repr__(self) -> str:  # (as before `code` existed, for the built-in codes)
+        code = "" if self.code is None else f", code={self.code!r}"
+        return f"CodecSpec(density={self.density!r}, bits={self.bits!r}, block_size={self.block_size!r}{code})"
+
     @property
     def lossless(self) -> bool:
         """Whether decoding returns the input exactly (the fp32 pass-through: `density == 1` and `bits == 32`)."""
