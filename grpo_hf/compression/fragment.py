@@ -18,10 +18,10 @@ are the algorithm's steps (see the module docstring of `outer_sync.py`, which sc
 >>> fragment.apply_in_flight(step, lr, mu, mix)  # the outer step, then θ_local ← (1 − α) θ_global + α θ_local
 ```
 
-**Rows.** One row of the tensors sent dense (an fp32 all-reduce; norms, biases), then one row per bit width of the
-codec, each tensor block-aligned and zero-padded: the row the [`~grpo_hf.compression.exchange.Exchange`] encodes as it
-is. Padding stays zero in every row (`Δ`, `θ_global`, the momentum, the residuals), so that a row's math, one operation
-per row, is its tensors' math. What is saved is keyed by parameter name ([`Fragment.state_by_name`]), so that a
+**Rows.** One row of the tensors sent dense (an fp32 all-reduce; norms, biases), then one row per setting of the
+codec (its whole [`~grpo_hf.compression.spec.CodecSpec`], ordered by bits), each tensor block-aligned and zero-padded:
+the row the [`~grpo_hf.compression.exchange.Exchange`] encodes as it is. Padding stays zero in every row (`Δ`,
+`θ_global`, the momentum, the residuals), so that a row's math, one operation per row, is its tensors' math. What is saved is keyed by parameter name ([`Fragment.state_by_name`]), so that a
 checkpoint resumes with other fragments.
 
 **Where `θ_global` lives** (`grpo_sync_global_device`, [`global_device`]). `θ_global` and the momentum are kept on
@@ -201,6 +201,11 @@ def check_moments(optimizer, moments: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _row_order(spec: CodecSpec) -> tuple:
+    """The order of a fragment's codec rows: by bits, then the rest of the setting."""
+    return spec.bits, spec.density, spec.block_size, spec.code or ""
+
+
 class _Row:
     """
     The layout of one row: its spec (`None`: sent dense), its tensors one after the other (block-aligned and
@@ -317,9 +322,10 @@ class Fragment:
         self.pinned = self.streamed and self.device.type != "cpu"
         dense = [name for name in names if plan.get(name) is None]
         self.rows = [_Row(None, dense, self._numels(dense))]
-        for bits in sorted({plan[name].bits for name in names if plan.get(name) is not None}):
-            members = [name for name in names if plan.get(name) is not None and plan[name].bits == bits]
-            self.rows.append(_Row(plan[members[0]], members, self._numels(members)))
+        # one row per setting (the whole spec: two codes of the same bits never share a row), by bits first
+        for spec in sorted({plan[name] for name in names if plan.get(name) is not None}, key=_row_order):
+            members = [name for name in names if plan.get(name) == spec]
+            self.rows.append(_Row(spec, members, self._numels(members)))
         with torch.no_grad():
             self.theta = [self._stored(self._gather(row, dtype)) for row in self.rows]  # θ_global, from the parameters
         self.momentum = None

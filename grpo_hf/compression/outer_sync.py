@@ -40,8 +40,8 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
    `θ_global` (its local progress since the last sync is dropped; momentum and residuals, the owners' included,
    are left unchanged).
 4. **Exchange** ([`~grpo_hf.compression.compression_plan`] decides each tensor's spec): tensors with a spec (8, 4 or
-   16 bits) are encoded with the per-step hook's kernel (`Δ + residual`, block absmax, codes, new bf16 residual in
-   place), one padded row per bit width. Then, by the world size `W`:
+   16 bits) are encoded by their code ([`~grpo_hf.compression.codes.code_for`]: the per-step hook's kernel, `Δ +
+   residual`, block absmax, codes, new bf16 residual in place), one padded row per setting (the whole spec). Then, by the world size `W`:
    - `W = 2`: the messages are all-gathered and every rank decodes the `W` of them in rank order, its own included,
      into the mean `Δ̄`.
    - `W >= 3` (`OWNER_MIN_WORLD_SIZE`; blocking syncs): owner reduction, the per-step hook's `allreduce` mode
