@@ -6,10 +6,12 @@ FSDP2's reduce-scatter; `outer_sync.py` (the schedule) and `fragment.py` (each f
 steps; `build.py` builds the one the settings ask for. The trainer, its callback and its checkpoints talk to any of them
 through `transport.py`'s `CommState`. Every transport encodes, exchanges and decodes through one
 [`~grpo_hf.compression.exchange.Exchange`] (`exchange.py`) over the [`~grpo_hf.compression.communicator.Communicator`]
-it is handed (`communicator.py`: the one way to the wire, timed); `codec.py` holds the two fused kernels (encode,
-decode; compiled for CPU and CUDA from one source) and their messages, `sparse.py` the top-k messages; `layout.py` cuts
-a bucket into runs of tensors that share a [`CodecSpec`]; [`compression_plan`] (`plan.py`) decides each parameter's
-spec.
+it is handed (`communicator.py`: the one way to the wire, timed), and asks each part's code how it travels (`codes/`:
+one interface, [`~grpo_hf.compression.codes.Code`], and [`~grpo_hf.compression.codes.code_for`], the one place a
+[`CodecSpec`] picks its code: block codes, top-k, fp32); `codec.py` holds the two fused kernels (encode, decode;
+compiled for CPU and CUDA from one source) and their block messages, `sparse.py` the one-tensor facade; `layout.py`
+cuts a bucket into runs of tensors that share a [`CodecSpec`]; [`compression_plan`] (`plan.py`) decides each
+parameter's spec.
 Every byte is counted by the formulas of `traffic.py`, and summed by its `TrafficStats` (the one statistics window of
 the three transports); `reshard.py` re-splits the hook's saved state for another world size.
 """

@@ -3,8 +3,8 @@
 It replaces DDP's dense all-reduce (register it on the DDP model, see [`GRPOCommState`]); [`compress_locally`] runs the
 same steps in one process on a model's gradients. A bucket's path: this module (the DDP buckets) -> `layout.py` (its
 runs of tensors) -> `state.py` (residuals, scales) -> `exchange.py` ([`~grpo_hf.compression.exchange.Exchange`]:
-encode with error feedback, exchange, decode; the one exchange of the three transports) -> `codec.py` (the kernels and
-messages; `sparse.py` for top-k).
+encode with error feedback, exchange, decode; the one exchange of the three transports) -> `codes/` (the code of each
+run: block codes, top-k) -> `codec.py` (the kernels and block messages).
 
 Example:
 

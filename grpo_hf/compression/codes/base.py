@@ -6,8 +6,9 @@ three transports reach a code only through [`~grpo_hf.compression.exchange.Excha
 part's [`~grpo_hf.compression.spec.CodecSpec`] and never asks which one it holds (PEFT's `LoraVariant`: a layer never
 branches on its variant).
 
-Adding a code: a new file with a subclass of [`Code`] (its `name`, its capabilities, its sizes, `encode` and `decode`),
-and one line that registers it (`grpo_hf/compression/codes/__init__.py`, or [`register`] from your own code). A
+Adding a code: a new file with a subclass of [`Code`] (its `name`, its capabilities, its sizes, `encode` and `decode`)
+decorated with [`register`], and one line in `grpo_hf/compression/codes/__init__.py` that imports it (or one call of
+[`register`] from your own code, as `tests/test_codes.py` does with a toy code). A
 [`~grpo_hf.compression.spec.CodecSpec`] names it: `CodecSpec(code="my-code", bits=..., block_size=...)`.
 """
 
