@@ -815,6 +815,12 @@ class OuterSyncState(CommState):
         state["residuals"], state["owner_residuals"] = {}, {}
         return state
 
+    def load_heal_state_dict(self, state: dict) -> None:
+        """A live group's [`heal_state_dict`] into this healing one (before its first step; applied at [`bind`]),
+        counted in `grpo/sync/heals`."""
+        self.load_state_dict(state, state)
+        self.traffic.count(heals=1)
+
     def state_dict(self, shared: bool | None = None) -> dict:
         """
         What a resumed run needs to continue bit for bit, on cpu, by parameter name: the step, each fragment's last
