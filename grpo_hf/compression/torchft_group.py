@@ -101,7 +101,7 @@ class FaultTolerance:
     hostname: str | None = None
 
     def describe(self) -> dict:
-        """What every group must agree on, for the check at the first quorum."""
+        """What every group must agree on (checked at each quorum whose membership changed)."""
         return {"replicas": self.replicas, "min_replicas": self.min_replicas}
 
 
@@ -141,6 +141,9 @@ class TorchFTCommunicator(Communicator):
             take the same decisions (torchft's manager agrees on a quorum and a commit within a group itself).
     """
 
+    elastic = True  # the groups of a quorum change: the sync reads `world_size` and `rank` at every sync
+    attempts = 2  # a failed exchange is tried once more, over the survivors, before the sync is discarded
+
     def __init__(
         self,
         settings: FaultTolerance,
@@ -163,11 +166,9 @@ class TorchFTCommunicator(Communicator):
         self.received: list = []  # what the last heal received (a peer's `save()`), until the caller takes it
         self.description: dict = {}  # what every group must agree on (checked when the membership changes)
         self.joined = False
-        # statistics (`grpo/sync/*`)
-        self.heals = 0
-        self.discarded = 0
-        self.retries = 0
-        self.errors: list[str] = []
+        self.heals = 0  # this group's heals (a join's included)
+        self.retries = 0  # quorums of the survivors after an exchange that failed
+        self.last_error: str | None = None
 
     # --- what the sync asks ---
     @property
@@ -185,16 +186,13 @@ class TorchFTCommunicator(Communicator):
         rank = self.manager.participating_rank()
         return 0 if rank is None else rank
 
-    elastic = True  # the groups of a quorum change: the sync reads `world_size` and `rank` at every sync
-    attempts = 2  # a failed exchange is tried once more, over the survivors, before the sync is discarded
-
     def errored(self) -> bool:
         return self.manager is not None and self.manager.errored() is not None
 
     def record(self, err: Exception) -> None:
         """A collective failed: recorded in the manager (the sync will not commit); the next ones return at once."""
-        self.errors.append(str(err).splitlines()[0][:200])
-        logger.warning(f"GRPO fault tolerance: a collective of the sync failed ({self.errors[-1]}).")
+        self.last_error = (str(err).splitlines() or [type(err).__name__])[0][:200]
+        logger.warning(f"GRPO fault tolerance: a collective of the sync failed ({self.last_error}).")
         self.manager.report_error(err)
 
     def _start(self, call) -> list:
@@ -422,10 +420,6 @@ class TorchFTCommunicator(Communicator):
             raise ConfigError(f"grpo_fault_tolerance: {problem} Launch every replica group with the same settings and "
                               "model, and a replica id of its own (grpo_ft_replica_id).")  # fmt: skip
         logger.warning(f"GRPO fault tolerance: {problem} That group stops; this one goes on without it.")
-
-    def stats(self) -> dict[str, float]:
-        return {"participants": float(self.world_size), "discarded": float(self.discarded),
-                "retries": float(self.retries), "heals": float(self.heals)}  # fmt: skip
 
     def shutdown(self) -> None:
         if self.manager is not None:
