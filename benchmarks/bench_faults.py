@@ -113,8 +113,9 @@ class FaultArguments:
     ft_timeout: float = field(
         default=10.0,
         metadata={
-            "help": "grpo_ft_timeout of the GRPO rows (seconds before a collective or a heal gives a peer up; also the "
-            "lighthouse's join timeout). A survivor of a kill can wait this long for an exchange the dead peer broke."
+            "help": "grpo_ft_timeout of the GRPO rows: seconds before a collective or a heal gives a peer up (the "
+            "lighthouse's join timeout is 3 times it). A survivor of a kill can wait this long for an exchange the dead "
+            "peer broke."
         },
     )
     step_seconds: float = field(
@@ -454,8 +455,10 @@ def run_replicas(launches: Launches, kind: str, fault: bool, delay: float, timeo
     """3 single-process replicas around a lighthouse in this process; replica 2 killed and relaunched if `fault`."""
     from torchft.coordination import LighthouseServer
 
-    # the join timeout as the groups' collective timeout: survivors of a kill reach the next quorum that far apart
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=int(timeout * 1000),
+    # the join timeout well above the groups' collective timeout (3x, as tests/test_fault_tolerance.py): the survivors
+    # of a kill reach the retry's quorum up to that far apart (one waits out the timeout on a broken collective) and
+    # must meet in it; with the two equal, a survivor was left out and waited at its quorum (smoke run, 2026-12-06)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=int(3 * timeout * 1000),
                                   quorum_tick_ms=50, heartbeat_timeout_ms=2000)  # fmt: skip
     env = {"TORCHFT_LIGHTHOUSE": lighthouse.address()}
     job = launches.job
