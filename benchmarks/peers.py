@@ -318,9 +318,18 @@ class TorchftDiLoCoCallback(_PeerCallback):
         super().__init__(trainer, row, world_size, traffic)
         self.diloco = self.manager = self._lighthouse = self._store = self._no_sync = None
         self.commits = 0
+        self.min_replicas = world_size  # torchft's `min_replica_size`: a sync commits only with every replica
         self._expected_commits = 0
 
     # --- the launch ----------------------------------------------------------------------------------------------
+
+    def _local_model(self):
+        """The model the replica trains on its own between syncs: the DDP model's module, inside `no_sync()` for the
+        whole of training."""
+        ddp = self._ddp_model()
+        self._no_sync = ddp.no_sync()
+        self._no_sync.__enter__()
+        return ddp.module
 
     def _lighthouse_address(self, rank: int) -> str:
         """Rank 0 starts the lighthouse in-process; every rank learns its address over the launch's process group."""
@@ -348,8 +357,9 @@ class TorchftDiLoCoCallback(_PeerCallback):
             def allreduce(self, tensor, *args, **kwargs):
                 from grpo_hf.compression.traffic import allreduce_bytes
 
-                traffic.bytes += allreduce_bytes(tensor.numel() * tensor.element_size(), world_size)
-                traffic.quantized_estimate_bytes += quantized_allreduce_bytes(tuple(tensor.shape), world_size)
+                size = self.num_participants() or world_size  # fewer after a replica was lost
+                traffic.bytes += allreduce_bytes(tensor.numel() * tensor.element_size(), size)
+                traffic.quantized_estimate_bytes += quantized_allreduce_bytes(tuple(tensor.shape), size)
                 return super().allreduce(tensor, *args, **kwargs)
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the managers' gloo groups on loopback
@@ -361,7 +371,7 @@ class TorchftDiLoCoCallback(_PeerCallback):
                 optimizer.load_state_dict(state["optim"]),
             ),
             state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
-            min_replica_size=world_size,
+            min_replica_size=self.min_replicas,
             use_async_quorum=False,  # DiLoCo requires it
             init_sync=False,  # every rank starts from the same seed; True would overwrite all but one at step H
             rank=0,  # one process per replica group
@@ -379,13 +389,11 @@ class TorchftDiLoCoCallback(_PeerCallback):
         import torch
         from torchft.local_sgd import DiLoCo
 
-        ddp = self._ddp_model()
-        self._no_sync = ddp.no_sync()
-        self._no_sync.__enter__()
+        module = self._local_model()
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds torch's optimizer
         rank = args.process_index
-        self.manager = self._manager(rank, self._lighthouse_address(rank), ddp.module, inner)
-        fragments = _fragment_modules(ddp.module, self.row["fragments"])
+        self.manager = self._manager(rank, self._lighthouse_address(rank), module, inner)
+        fragments = _fragment_modules(module, self.row["fragments"])
         momentum = self.row["outer_momentum"]
         outer = [torch.optim.SGD(f.parameters(), lr=self.row["outer_lr"], momentum=momentum, nesterov=momentum > 0)
                  for f in fragments]  # fmt: skip

@@ -726,7 +726,7 @@ class GRPOCallback(TrainerCallback):
         if self.cost_callback is not None and saved.get("cost") is not None:
             self.cost_callback.resume_counts(saved["cost"])
         if self.comm_state is not None and saved.get("comm") is not None:
-            self.comm_state.load_state_dict(saved["comm"], saved["comm"])
+            self.comm_state.load_heal_state_dict(saved["comm"])
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.nonfinite.clips = args.max_grad_norm is not None and args.max_grad_norm > 0

@@ -189,3 +189,94 @@ def test_step_cost_comparisons_add_the_measured_links():
     assert lines[0].endswith("| measured @ 1 Gbit/s |")
     assert lines[2].split(" | ")[-1].startswith("-500 ms") and lines[2].endswith("beats |")
     assert [line.rsplit(" | ", 1)[0] + " |" for line in lines[2:]] == plain.splitlines()[2:]
+
+
+def _fault_run(row: str, seed: int, wall_s: float, perplexity: float, lost: int = 0, discarded=0) -> dict:
+    """A `bench_faults.py` result file's fields that the report reads."""
+    return {"row": row, "seed": seed, "wall_s": wall_s, "perplexity": perplexity, "steps_lost": lost,
+            "syncs_discarded": discarded, "replica_steps_in_model": 360 - lost - (40 if row != "no-fault" else 0),
+            "bytes_per_replica": 2e6 if row != "torchft-diloco" else 9e6, "replicas": 3, "max_steps": 120,
+            "sync_every": 32, "step_seconds": 0.0, "ft_timeout": 10.0, "relaunch_delay": 5.0}  # fmt: skip
+
+
+def test_bench_faults_report_is_generated_from_the_result_files(tmp_path):
+    """The goodput table: per row, its ratios to no-fault on the same seeds (geometric mean, worst seed), written to
+    faults.md."""
+    from benchmarks.bench_faults import report
+
+    runs = [
+        _fault_run("no-fault", 0, 100.0, 200.0), _fault_run("no-fault", 1, 120.0, 210.0),
+        _fault_run("grpo-torchft", 0, 110.0, 202.0, lost=8), _fault_run("grpo-torchft", 1, 120.0, 210.0, lost=8),
+        _fault_run("restart", 0, 150.0, 200.0, lost=24, discarded=None),
+        _fault_run("restart", 1, 180.0, 210.0, lost=26, discarded=None),
+        _fault_run("torchft-diloco", 0, 105.0, 204.0, lost=8, discarded=1),
+    ]  # fmt: skip
+    for run in runs:
+        (tmp_path / f"{run['row']}-seed{run['seed']}.json").write_text(json.dumps(run))
+    text = report(tmp_path)
+    assert (tmp_path / "faults.md").read_text() == text + "\n"
+    rows = {
+        line.split(" | ")[0].strip("| `"): line.split(" | ") for line in text.splitlines() if line.startswith("| `")
+    }
+    assert list(rows) == ["no-fault", "restart", "grpo-torchft", "torchft-diloco"]  # the order of the docstring
+    assert rows["no-fault"][3] == "1.000 (1.000)" and rows["no-fault"][-1] == "1.000 (1.000) |"
+    assert rows["grpo-torchft"][3] == f"{(1.1 * 1.0) ** 0.5:.3f} (1.100)"  # wall: geomean of 1.1 and 1.0, worst 1.1
+    assert rows["grpo-torchft"][4] == "8.0 (8)" and rows["grpo-torchft"][5] == "312 / 360"
+    assert rows["grpo-torchft"][-1] == f"{1.01**0.5:.3f} (1.010) |"  # perplexity
+    assert rows["restart"][3] == f"{(1.5 * 1.5) ** 0.5:.3f} (1.500)" and rows["restart"][6] == "–"  # no sync discarded
+    assert rows["torchft-diloco"][1] == "1" and rows["torchft-diloco"][6] == "1.0 (1)"  # one seed
+    assert rows["torchft-diloco"][7] == "9.00 MB"
+
+
+def test_bench_faults_counts_the_steps_the_final_model_does_not_hold():
+    """Steps lost: a killed process's steps since its last kept sync, every step of a discarded interval, nothing of a
+    finished process whose syncs were all kept; the restart row: every rank's steps since the checkpoint it resumed."""
+    from benchmarks.bench_faults import aggregate
+
+    def record(first, last, syncs, done=True, sent=10.0):
+        return {"first_step": first, "last_step": last, "steps": last - first, "syncs": syncs, "bytes_start": 0.0,
+                "bytes": sent, "done": done, "digest": "d"}  # fmt: skip
+
+    kept = [[32, 3], [64, 2], [96, 3], [120, 3]]
+    torchft = {
+        "r0-a0": record(0, 120, kept),
+        "r1-a0": record(0, 120, [[32, 3], [64, 0], [96, 3], [120, 3]]),  # its sync at 64 was discarded: 32 steps lost
+        "r2-a0": record(0, 40, [[32, 3]], done=False, sent=4.0),  # killed after step 40: 8 steps since its last sync
+        "r2-a1": record(64, 120, [[96, 3], [120, 3]], sent=6.0),  # healed at 64
+    }
+    result = aggregate("grpo-torchft", torchft, 120, eval_loss=5.0)
+    assert result["steps_lost"] == 8 + 32 and result["syncs_discarded"] == 1
+    assert result["replica_steps_trained"] == 120 + 120 + 40 + 56
+    assert result["replica_steps_in_model"] == 336 - 40 and result["bytes_per_replica"] == 10.0
+    assert result["replicas_identical"] and result["perplexity"] == pytest.approx(148.413159, rel=1e-6)
+    restart = {
+        "r0-a0": record(0, 41, [], done=False), "r1-a0": record(0, 40, [], done=False),
+        "r2-a0": record(0, 40, [], done=False),
+        **{f"r{r}-a1": record(32, 120, []) for r in range(3)},
+    }  # fmt: skip
+    result = aggregate("restart", restart, 120, eval_loss=5.0)
+    assert result["steps_lost"] == 9 + 8 + 8 and result["syncs_discarded"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.peers
+def test_bench_faults_smoke_of_the_grpo_rows_on_torchft(tmp_path):
+    """`no-fault` and `grpo-torchft` at the smallest size: the killed group died by SIGKILL (the launcher checks its
+    exit code), was relaunched, healed, and every group ended on one model; the killed one lost one step (killed after
+    step 8, synced after step 7)."""
+    pytest.importorskip("torchft")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_faults", "--max_steps", "24", "--sync_every", "4", "--step_seconds",
+         "1", "--relaunch_delay", "2", "--seeds", "0", "--rows", "no-fault,grpo-torchft", "--output_dir",
+         str(tmp_path), "--results_dir", str(tmp_path / "results")],
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = {row: json.loads((tmp_path / "results" / f"{row}-seed0.json").read_text()) for row in ("no-fault",
+                                                                                                  "grpo-torchft")}  # fmt: skip
+    assert runs["no-fault"]["steps_lost"] == 0 and runs["no-fault"]["replica_steps_in_model"] == 72
+    faulty = runs["grpo-torchft"]
+    assert faulty["kill_codes"] == [-9] and faulty["heals"] == 1 and faulty["replicas_identical"]
+    assert faulty["steps_lost"] == 1 and faulty["syncs_discarded"] == 0
+    assert faulty["instances"]["r0-a0"]["first_step"] == 0 and faulty["instances"]["r0-a0"]["steps"] == 24  # survivors
+    assert "| `grpo-torchft` | 1 |" in (tmp_path / "results" / "faults.md").read_text()

@@ -10,6 +10,7 @@ restarted (one process each, from step 0 to the last), the healed group is bit-i
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from testing_utils import run_torchrun, tiny_test_llama
+from testing_utils import free_port, run_torchrun, tiny_test_llama
 
 from grpo_hf import ConfigError, GRPOConfig, GRPOTrainer
 from grpo_hf.compression import CodecSpec
@@ -206,6 +207,33 @@ def test_a_sync_that_never_commits_is_discarded_and_restarts_from_the_global_mod
     assert stats["grpo/sync/participants"] == 0  # nothing kept
 
 
+class Diverged(Unreliable):
+    """A new quorum, whose other member holds another `θ_global` (or the same, `same=True`)."""
+
+    membership_changed, rank = True, 1
+
+    def __init__(self, same):
+        super().__init__([True])
+        self.same = same
+
+    def _all_gather_into(self, out, mine, tag):
+        out.view(2, -1).copy_(mine.view(1, -1).expand(2, -1))
+        if not self.same:
+            out.view(2, -1)[0] += 1  # the first member's checksum differs
+        return []
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_new_quorum_checks_that_its_members_hold_the_same_global_model(same):
+    model, state = _moved_state(Diverged(same))
+    state.end_step()  # a sync (every=1), then the next interval's quorum
+    if same:
+        assert state.step_ended(1) is None
+    else:
+        with pytest.raises(RuntimeError, match="this replica group's global model differs from the other groups'"):
+            state.step_ended(1)
+
+
 def test_the_heal_state_holds_the_global_model_whatever_the_rank_and_no_residual():
     model, state = _moved_state(Unreliable([True]))
     state.end_step()
@@ -213,7 +241,7 @@ def test_the_heal_state_holds_the_global_model_whatever_the_rank_and_no_residual
     healed = state.heal_state_dict()
     assert set(healed["global"]) == {n for n, _ in model.named_parameters()}
     assert healed["residuals"] == {} and healed["owner_residuals"] == {}
-    assert state.state_dict()["global"] == {}  # a checkpoint of rank 1 still leaves it to rank 0
+    assert set(state.state_dict()["global"]) == set(healed["global"])  # each fault-tolerant group saves its own
 
 
 # --- real processes, real kills, a real lighthouse (torchft) ---------------------------------------------------------
@@ -240,6 +268,23 @@ class Lighthouse:
         self.logs.append(log.name)
         return subprocess.Popen([sys.executable, str(WORKER), str(self.out), str(replica_id), *options],
                                 env=self.env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def launch_group(self, replica_id: int, processes: int, *options: str) -> subprocess.Popen:
+        """A replica group of `processes` processes (FSDP2 inside), under torchrun on a port of its own."""
+        log = open(self.out / f"log-{replica_id}-{len(self.logs)}.txt", "w")
+        self.logs.append(log.name)
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(processes),
+                    "--master_addr", "127.0.0.1", "--master_port", str(free_port())]  # fmt: skip
+        return subprocess.Popen([*torchrun, str(WORKER), str(self.out), str(replica_id), *options],
+                                env=self.env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def shard_results(self, tag="run"):
+        """{(replica id, rank): result} of groups of several processes."""
+        found = {}
+        for path in self.out.glob(f"{tag}-replica*-rank*.json"):
+            replica, rank = re.match(r".*replica(\d+)-rank(\d+)$", path.stem).groups()
+            found[int(replica), int(rank)] = json.loads(path.read_text())
+        return found
 
     def wait(self, procs, timeout=420):
         deadline = time.monotonic() + timeout
@@ -316,6 +361,33 @@ def test_a_killed_replica_group_is_left_out_and_heals_when_relaunched(lighthouse
 
 @pytest.mark.slow
 @pytest.mark.peers
+def test_groups_of_two_shards_lose_a_group_to_a_killed_rank_and_heal_it(lighthouse):
+    # 3 groups of 2 processes, FSDP2 inside each (torchrun); in group 2 rank 1 alone is killed after step 6: torchrun
+    # takes the whole group out, the other groups go on; relaunched, the group heals shard by shard (each rank from the
+    # same rank of a live group), and every shard ends bit-identical across the three
+    slow = ("--step_seconds", "0.4")
+    procs = [lighthouse.launch_group(r, 2, *slow, *(["--kill_at_step", "6", "--kill_rank", "1"] if r == 2 else []))
+             for r in range(3)]  # fmt: skip
+    assert lighthouse.wait([procs[2]])[0] != 0
+    killed_log = Path(lighthouse.logs[2]).read_text()
+    assert "Signal 9 (SIGKILL)" in killed_log or "exitcode  : -9" in killed_log, killed_log[-3000:]
+    relaunched = lighthouse.launch_group(2, 2, *slow)
+    assert lighthouse.wait([procs[0], procs[1], relaunched]) == [0, 0, 0], lighthouse.output()
+    results = lighthouse.shard_results()
+    assert set(results) == {(r, k) for r in range(3) for k in range(2)}
+    for rank in (0, 1):
+        first = results[0, rank]
+        for replica in (1, 2):
+            for key in ("global", "params", "global_step"):
+                assert results[replica, rank][key] == first[key], (replica, rank, key)
+        assert results[0, rank]["first_step"] == 0 and results[0, rank]["steps"] == list(range(1, 25))
+        assert results[2, rank]["heals"] == 1 and results[2, rank]["first_step"] >= 7
+    participants = results[0, 0]["sync_participants"]
+    assert participants[0] == 3 and 2 in participants and participants[-1] == 3, participants
+
+
+@pytest.mark.slow
+@pytest.mark.peers
 def test_a_group_that_joins_late_heals_and_ends_identical(lighthouse):
     # planned for 3 groups, two start (they wait for the third up to grpo_ft_timeout, then go); the third, ready and
     # waiting, is let in once group 0 has trained 8 steps: it heals at the next quorum and trains on with the others
@@ -384,10 +456,7 @@ def test_the_documented_cpu_launch_runs_as_printed(tmp_path):
     # docs/engines.md, "Surviving a lost machine": the lighthouse and three `grpo-hf train` lines, run as printed (the
     # lighthouse's port made free, the background jobs awaited); the three groups end with the same model
     pytest.importorskip("torchft")
-    import re
     import shutil
-
-    from testing_utils import free_port
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "engines.md").read_text()
     section = text[text.index("On one machine, on CPU (3 groups") :]

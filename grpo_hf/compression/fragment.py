@@ -413,6 +413,15 @@ class Fragment:
         if deltas[0].numel():
             exchange.start_mean(deltas[0]).wait()
 
+    def checksum(self) -> torch.Tensor:
+        """An exact checksum of `θ_global` (int64): every row's bits read as integers and summed, so that two copies
+        agree on it exactly when no value differs but by a permutation (a cheap agreement check, not a hash)."""
+        total = torch.zeros((), dtype=torch.int64)
+        for row in self.theta:
+            bits = row.view(torch.int16 if row.element_size() == 2 else torch.int32)
+            total += bits.sum(dtype=torch.int64).cpu()
+        return total
+
     def save_error_feedback(self) -> tuple:
         """A copy of the residuals and owner residuals, for an exchange that may not be kept
         ([`restore_error_feedback`])."""

@@ -359,13 +359,14 @@ class OuterSyncState(CommState):
         replicas = None
         if engine == "fsdp2":
             replicas = find_replica_groups(settings.model, settings.accelerator, args.grpo_sync_every)
-        if replicas is not None:
-            _between_replica_groups(args, replicas)
         communicator = settings.communicator
         if settings.fault_tolerance is not None:  # this launch is one replica group: the sync runs between groups
-            communicator = _fault_tolerant_communicator(settings)
+            communicator, replicas = _fault_tolerant_wire(settings, replicas)
+        elif replicas is not None:
+            _between_replica_groups(args, replicas)
+        elastic = communicator is not None or (replicas is not None and replicas.replicate_communicator.elastic)
         exchange = (
-            engine == "ddp" or (replicas is not None and replicas.replicas > 1) or communicator is not None
+            engine == "ddp" or (replicas is not None and replicas.replicas > 1) or elastic
         ) and not args.grpo_sync_outer_only
         if not exchange:  # the gradients are averaged every step (DDP) or there is one replica: no Δ codec
             settings.compression = "none"
@@ -477,7 +478,7 @@ class OuterSyncState(CommState):
             self.exchange_communicator = self.communicator.duplicate()
         if self.replicas is not None:
             self.replicas.check_sharded(self.params)  # FSDP2 over this rank's replica only
-            if self.exchange and self.world_size > 1 and self.pending is None:
+            if self.exchange and self.world_size > 1 and self.pending is None and not self.communicator.elastic:
                 self.replicas.broadcast_first_replica(self.params.values())  # θ starts identical on every replica
                 self.communicator.pop_comm_ms()  # setup, not a step's communication
         keep = self.outer_momentum > 0
@@ -707,7 +708,30 @@ class OuterSyncState(CommState):
         self._after_quorum()
         if received is not None:
             self.traffic.count(heals=1)
+        if self.communicator.membership_changed and self.world_size > 1:
+            self._check_global_agreement(step)
         return received
+
+    @torch.no_grad()
+    def _check_global_agreement(self, step: int) -> None:
+        """
+        After a quorum whose membership changed: every member holds the same `θ_global` (a checksum of each fragment's
+        rows, its bits read as integers and summed exactly, all-gathered: 8 bytes per fragment). A quorum split in two
+        (a slow survivor left out of the others' retry) would have let each half keep its own exchange; the members
+        that differ from the quorum's first stop, with an error that says so, and heal when relaunched.
+
+        Raises:
+            `RuntimeError`: this rank's `θ_global` differs from the first member's.
+        """
+        sums = torch.stack([fragment.checksum() for fragment in self.fragments])
+        gathered = self.communicator.all_gather(sums)
+        self.communicator.pop_comm_ms()  # a check, not the sync's time
+        if not torch.equal(gathered[self.rank], gathered[0]):
+            raise RuntimeError(
+                f"GRPO sync at step {step}: this replica group's global model differs from the other groups' (a quorum "
+                "was split: raise the lighthouse's --join_timeout_ms above twice grpo_ft_timeout). It stops; relaunch "
+                "it and it heals from a live group."
+            )
 
     @torch.no_grad()
     def _start(self, fragment: Fragment) -> None:
@@ -814,6 +838,12 @@ class OuterSyncState(CommState):
         state["residuals"], state["owner_residuals"] = {}, {}
         return state
 
+    def load_heal_state_dict(self, state: dict) -> None:
+        """A live group's [`heal_state_dict`] into this healing one (before its first step; applied at [`bind`]),
+        counted in `grpo/sync/heals`."""
+        self.load_state_dict(state, state)
+        self.traffic.count(heals=1)
+
     def state_dict(self, shared: bool | None = None) -> dict:
         """
         What a resumed run needs to continue bit for bit, on cpu, by parameter name: the step, each fragment's last
@@ -829,7 +859,8 @@ class OuterSyncState(CommState):
         def cpu(tensors):
             return {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
 
-        shared = self.rank == 0 if shared is None else shared  # θ_global and the momentum: rank 0's by default
+        if shared is None:  # θ_global and the momentum: rank 0's; every fault-tolerant group's own (it resumes alone)
+            shared = self.rank == 0 or self.communicator.elastic
         self._complete()  # before the residuals are read: the exchange's new ones are committed
         held = [fragment.state_by_name() for fragment in self.fragments]
         pending = self.pending or {"own": None, "last_sync": [0] * len(self.fragment_names)}
@@ -907,23 +938,51 @@ class OuterSyncState(CommState):
         )
 
 
-def _fault_tolerant_communicator(settings: CommSettings):
+def _fault_tolerant_wire(settings: CommSettings, replicas: ReplicaGroups | None):
     """
     The way to the wire of one fault-tolerant replica group: torchft's managed process group
-    ([`~grpo_hf.compression.torchft_group.TorchFTCommunicator`]). One process per group in this release.
+    ([`~grpo_hf.compression.torchft_group.TorchFTCommunicator`]), one per rank. A group of one process syncs its whole
+    model over it; a group sharded by FSDP2 over its processes syncs each rank's shards with the same shard of the
+    other groups (the replica groups' layout, the launch being one replica). Returns `(communicator, replicas)`: the
+    communicator of one process, or the replica groups whose replicate communicator is torchft's.
 
     Raises:
-        [`~grpo_hf.errors.ConfigError`]: several processes in the group (DDP or FSDP2 inside).
+        [`~grpo_hf.errors.ConfigError`]: DDP inside a group (every rank would send the whole model), or a launch that
+            holds several replicas itself.
     """
     from .torchft_group import TorchFTCommunicator, group_store
 
-    if settings.engine != "single":
+    if settings.engine == "single":
+        return TorchFTCommunicator(settings.fault_tolerance, store=group_store()), None
+    if settings.engine != "fsdp2" or replicas is None:
         raise ConfigError(
-            f"grpo_fault_tolerance=True under {settings.engine} ({settings.num_processes} processes): in this release "
-            "each fault-tolerant replica group is one process. Launch one process per group (docs/engines.md, "
-            "'Surviving a lost machine'), or use replica groups without fault tolerance (FSDP2 inside)."
+            f"grpo_fault_tolerance=True under {settings.engine} ({settings.num_processes} processes): each process of "
+            "a DDP replica group would send the whole model. Launch one process per group, or shard the group's model "
+            "with FSDP2 over its processes (grpo_hf.shard_replica_groups(model, replicas=1); docs/engines.md, "
+            "'Surviving a lost machine')."
         )
-    return TorchFTCommunicator(settings.fault_tolerance, store=group_store())
+    if len(replicas.replicate_ranks[0]) > 1:
+        raise ConfigError(
+            f"grpo_fault_tolerance=True with {len(replicas.replicate_ranks[0])} replicas inside one launch: each launch "
+            "is one fault-tolerant replica group. Shard the model over the launch's processes "
+            "(grpo_hf.shard_replica_groups(model, replicas=1)) and start one launch per group."
+        )
+    shard = replicas.shard_communicator
+    communicator = TorchFTCommunicator(
+        settings.fault_tolerance,
+        group_rank=shard.rank,
+        group_world_size=shard.world_size,
+        store=group_store(),
+        within_group=shard,
+    )
+    return None, ReplicaGroups(
+        replicate_group=None,
+        shard_group=replicas.shard_group,
+        replicate_ranks=replicas.replicate_ranks,
+        mesh=replicas.mesh,
+        replicate_communicator=communicator,
+        shard_communicator=shard,
+    )
 
 
 def _between_replica_groups(args, replicas: ReplicaGroups) -> None:

@@ -113,7 +113,8 @@ class ReplicaGroups:
 
     def layout(self) -> dict:
         """What a checkpoint records of the layout: `replicas`, `shards`, this rank's `shard`."""
-        return {"replicas": self.replicas, "shards": self.shards, "shard": self.shard}
+        replicas = "fault-tolerant" if self.replicate_communicator.elastic else self.replicas  # (their number varies)
+        return {"replicas": replicas, "shards": self.shards, "shard": self.shard}
 
     def first_replica_rank(self) -> int:
         """The global rank of replica 0 that holds this rank's shard index (its files hold `θ_global` of the shard)."""

@@ -47,6 +47,7 @@ def restore_sync_state(state, saved: SavedComms) -> None:
     if len(saved.comms) == 1:
         # (before `bind`, as at `on_train_begin`, the state's own rank is not known yet: ask the layout)
         holds_global = state.replicas.replica == 0 if state.replicas is not None else saved.rank == 0
+        holds_global = holds_global or state.communicator.elastic  # a fault-tolerant group saves its own
         source = state.replicas.first_replica_rank() if state.replicas is not None else 0
         own = saved.comms[0]
         load_sync_state(state, own, own if holds_global else saved.read_rank(source))

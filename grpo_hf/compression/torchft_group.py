@@ -101,7 +101,7 @@ class FaultTolerance:
     hostname: str | None = None
 
     def describe(self) -> dict:
-        """What every group must agree on, for the check at the first quorum."""
+        """What every group must agree on (checked at each quorum whose membership changed)."""
         return {"replicas": self.replicas, "min_replicas": self.min_replicas}
 
 
@@ -137,7 +137,12 @@ class TorchFTCommunicator(Communicator):
         store (`tuple[str, int]`, *optional*): the address and port of the group's `TCPStore` (torchrun's
             `MASTER_ADDR` / `MASTER_PORT`); a one-process group without one starts its own.
         emulated (`bool`, *optional*, defaults to `True`): see [`Communicator`].
+        within_group ([`Communicator`], *optional*): the group's own ranks (FSDP2's shard group), over which its ranks
+            take the same decisions (torchft's manager agrees on a quorum and a commit within a group itself).
     """
+
+    elastic = True  # the groups of a quorum change: the sync reads `world_size` and `rank` at every sync
+    attempts = 2  # a failed exchange is tried once more, over the survivors, before the sync is discarded
 
     def __init__(
         self,
@@ -146,9 +151,11 @@ class TorchFTCommunicator(Communicator):
         group_world_size: int = 1,
         store: tuple[str, int] | None = None,
         emulated: bool = True,
+        within_group: Communicator | None = None,
     ):
         super().__init__(emulated)
         self.settings = settings
+        self.within_group = within_group
         self.group_rank, self.group_world_size = group_rank, group_world_size
         self.store_address = store
         self.manager = None
@@ -159,11 +166,9 @@ class TorchFTCommunicator(Communicator):
         self.received: list = []  # what the last heal received (a peer's `save()`), until the caller takes it
         self.description: dict = {}  # what every group must agree on (checked when the membership changes)
         self.joined = False
-        # statistics (`grpo/sync/*`)
-        self.heals = 0
-        self.discarded = 0
-        self.retries = 0
-        self.errors: list[str] = []
+        self.heals = 0  # this group's heals (a join's included)
+        self.retries = 0  # quorums of the survivors after an exchange that failed
+        self.last_error: str | None = None
 
     # --- what the sync asks ---
     @property
@@ -181,16 +186,13 @@ class TorchFTCommunicator(Communicator):
         rank = self.manager.participating_rank()
         return 0 if rank is None else rank
 
-    elastic = True  # the groups of a quorum change: the sync reads `world_size` and `rank` at every sync
-    attempts = 2  # a failed exchange is tried once more, over the survivors, before the sync is discarded
-
     def errored(self) -> bool:
         return self.manager is not None and self.manager.errored() is not None
 
     def record(self, err: Exception) -> None:
         """A collective failed: recorded in the manager (the sync will not commit); the next ones return at once."""
-        self.errors.append(str(err).splitlines()[0][:200])
-        logger.warning(f"GRPO fault tolerance: a collective of the sync failed ({self.errors[-1]}).")
+        self.last_error = (str(err).splitlines() or [type(err).__name__])[0][:200]
+        logger.warning(f"GRPO fault tolerance: a collective of the sync failed ({self.last_error}).")
         self.manager.report_error(err)
 
     def _start(self, call) -> list:
@@ -307,16 +309,11 @@ class TorchFTCommunicator(Communicator):
                 "grpo_ft_quorum_timeout."
             ) from None
         deadline = time.monotonic() + settings.quorum_timeout
-        start_by = time.monotonic() + settings.timeout  # how long a fresh run waits for its planned groups
-        while time.monotonic() < deadline and (
-            # a heal that failed (e.g. the source's exchange was still failing): the next quorum, from scratch
-            (self.manager.errored() is not None and not self.received)
-            # a fresh run starts with every planned group (those late would only heal at the first sync)
-            or (
-                step == 0 and not self.received and self.world_size < settings.replicas and time.monotonic() < start_by
-            )
-        ):
+        while self.manager.errored() is not None and not self.received and time.monotonic() < deadline:
+            # a heal that failed (e.g. its source was still in a failing exchange): the next quorum, from scratch
             self._quorum(step, allow_heal=True, shrink_only=False)
+        if step == 0 and not self.received:
+            self._wait_for_planned_groups(step)
         if self.manager.errored() is not None:
             self._raise_first_error()
         self._check_agreement()
@@ -327,6 +324,32 @@ class TorchFTCommunicator(Communicator):
             + (" (healed from a live one)." if self.received else ".")
         )
         return self._take_received()
+
+    def _wait_for_planned_groups(self, step: int) -> None:
+        """
+        A fresh run starts with every planned group: quorums are taken again until `replicas` groups are in one, or
+        until one member has waited `timeout` seconds (then those present go on; the others heal at a later sync).
+        The members of a quorum leave together: they agree with an all-reduce of "enough" over the quorum (and the
+        ranks of a group over the group).
+        """
+        settings = self.settings
+        start_by = time.monotonic() + settings.timeout
+        while True:
+            enough = torch.tensor([int(self.world_size >= settings.replicas or time.monotonic() >= start_by)])
+            if self.world_size > 1 and not self.errored():
+                try:
+                    self.pg.allreduce([enough], dist.ReduceOp.MAX).wait()
+                except Exception as err:  # a member left: the next quorum decides again
+                    self.record(err)
+                    enough.zero_()
+            if self.within_group is not None and self.within_group.world_size > 1:  # the group's ranks decide alike
+                short = (1 - enough).to(self.within_group.device)
+                enough = 1 - self.within_group.all_reduce(short, op=dist.ReduceOp.MAX).cpu()
+            if bool(enough.item()) and not self.errored():
+                return
+            self._quorum(step, allow_heal=True, shrink_only=False)
+            if self.received:
+                return
 
     def _raise_first_error(self) -> None:
         err = self.manager.errored()
@@ -397,10 +420,6 @@ class TorchFTCommunicator(Communicator):
             raise ConfigError(f"grpo_fault_tolerance: {problem} Launch every replica group with the same settings and "
                               "model, and a replica id of its own (grpo_ft_replica_id).")  # fmt: skip
         logger.warning(f"GRPO fault tolerance: {problem} That group stops; this one goes on without it.")
-
-    def stats(self) -> dict[str, float]:
-        return {"participants": float(self.world_size), "discarded": float(self.discarded),
-                "retries": float(self.retries), "heals": float(self.heals)}  # fmt: skip
 
     def shutdown(self) -> None:
         if self.manager is not None:

@@ -198,6 +198,10 @@ class CommState:
         """What a healing replica group receives of this rank's transport (fault-tolerant replica groups)."""
         raise NotImplementedError(f"{type(self).__name__} does not heal replica groups.")
 
+    def load_heal_state_dict(self, state: dict) -> None:
+        """A live group's [`heal_state_dict`] into this healing one, before its first step."""
+        raise NotImplementedError(f"{type(self).__name__} does not heal replica groups.")
+
     def finish(self) -> float | None:
         """At the end of training: what is left to send (the bytes sent), `None` when nothing ever is."""
         return None

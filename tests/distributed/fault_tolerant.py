@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.compression.torchft_group import TorchFTCommunicator
+from grpo_hf.optim.moments import local_tensor
 
 
 class Record(TrainerCallback):
@@ -49,7 +50,7 @@ class Record(TrainerCallback):
         os.replace(partial, progress)
         comm = self.trainer.grpo_comm_state.communicator
         self.participants[state.global_step] = comm.world_size
-        if state.global_step == self.options.kill_at_step:
+        if state.global_step == self.options.kill_at_step and self.options.kill_rank in (-1, args.process_index):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -75,6 +76,7 @@ def main():
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--kill_at_step", type=int, default=-1)
     parser.add_argument("--kill_in_exchange", type=int, default=-1)
+    parser.add_argument("--kill_rank", type=int, default=-1, help="the rank of the group that --kill_at_step kills")
     parser.add_argument("--step_seconds", type=float, default=0.0)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--bits", default="4")
@@ -104,6 +106,15 @@ def main():
         ),
     )
     model, data = tiny_test_llama(seed=0), random_tokens(512, 16)
+    sharded = not options.ddp and int(os.environ.get("WORLD_SIZE", 1)) > 1
+    if sharded:  # a replica group of several processes: FSDP2 over them, the launch being one replica
+        import torch.distributed as dist
+
+        from grpo_hf import shard_replica_groups
+
+        if not dist.is_initialized():  # (the arguments' Accelerate state may have started it)
+            dist.init_process_group("gloo")
+        model = shard_replica_groups(model, replicas=1)
     while options.wait_for and not os.path.exists(options.wait_for):  # imported and ready: joins the moment it is told
         time.sleep(0.1)
     trainer = GRPOTrainer(model=model, args=args, train_dataset=data)
@@ -113,10 +124,9 @@ def main():
     if options.kill_in_exchange >= 0:
         kill_in_exchange(options.kill_in_exchange, state)
     trainer.train()
+    rank = int(os.environ.get("RANK", 0))
     if options.ddp:
-        import torch.distributed as dist
-
-        options.replica_id = dist.get_rank()
+        options.replica_id = rank
     comm = state.communicator
     fragments = state.fragments
     result = {
@@ -130,10 +140,11 @@ def main():
         "totals": state.totals(),
         "global": tensor_digest([t for f in fragments for t in f.theta]),
         "momentum": tensor_digest([t for f in fragments for t in (f.momentum or [])]),
-        "params": tensor_digest([p for p in state.params.values()]),
+        "params": tensor_digest([local_tensor(p) for p in state.params.values()]),
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
     }
-    path = os.path.join(options.out_dir, f"{options.tag}-replica{options.replica_id}.json")
+    name = f"{options.tag}-replica{options.replica_id}" + (f"-rank{rank}" if sharded else "")
+    path = os.path.join(options.out_dir, f"{name}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1, sort_keys=True)
     print(f"replica {options.replica_id} done at step {trainer.state.global_step}", flush=True)
