@@ -19,6 +19,7 @@ from .checkpoints import (
 )
 from .compression import compression_plan
 from .compression.build import CommSettings, build_comm_state, refuse_comm_settings
+from .compression.fragment import global_checksum
 from .compression.fsdp import reduce_scatter_bytes
 from .compression.plan import resolve_compression
 from .compression.traffic import dense_allreduce_bytes
@@ -556,7 +557,10 @@ class GRPOMixin:
             return epochs_trained, skipped
         communicator = self.grpo_comm_state.communicator
         payload = communicator.join(
-            save=lambda: trainer_heal_state(self), step=self.state.global_step, description=self._grpo_description()
+            save=lambda: trainer_heal_state(self),
+            step=self.state.global_step,
+            description=self._grpo_description(),
+            checksum=lambda received: global_checksum(received["grpo"]["comm"]["global"].values()),
         )
         if payload is not None:
             epochs_trained, skipped = heal_training_state(

@@ -148,6 +148,19 @@ def outer_step(global_param: torch.Tensor, delta: torch.Tensor, momentum: torch.
         global_param.copy_(value)
 
 
+def global_checksum(tensors) -> int:
+    """
+    An exact checksum of a global model: every value's bits read as an integer and summed (int64), so that two copies
+    agree on it exactly when their values agree, but for a permutation (an agreement check, not a hash); the same for
+    a fragment's rows and for the tensors by name a healing group receives.
+    """
+    total = 0
+    for tensor in tensors:
+        bits = tensor.detach().reshape(-1).view(torch.int16 if tensor.element_size() == 2 else torch.int32)
+        total += int(bits.sum(dtype=torch.int64))
+    return total
+
+
 def merge_with_global(local: torch.Tensor, global_param: torch.Tensor, mix: float) -> torch.Tensor:
     """
     A fragment's new local parameters after a delayed sync (Streaming DiLoCo's merge): `(1 − mix) θ_global + mix
@@ -413,14 +426,9 @@ class Fragment:
         if deltas[0].numel():
             exchange.start_mean(deltas[0]).wait()
 
-    def checksum(self) -> torch.Tensor:
-        """An exact checksum of `θ_global` (int64): every row's bits read as integers and summed, so that two copies
-        agree on it exactly when no value differs but by a permutation (a cheap agreement check, not a hash)."""
-        total = torch.zeros((), dtype=torch.int64)
-        for row in self.theta:
-            bits = row.view(torch.int16 if row.element_size() == 2 else torch.int32)
-            total += bits.sum(dtype=torch.int64).cpu()
-        return total
+    def checksum(self) -> int:
+        """[`global_checksum`] of this fragment's `θ_global` (its rows' zero padding adds nothing)."""
+        return global_checksum(self.theta)
 
     def save_error_feedback(self) -> tuple:
         """A copy of the residuals and owner residuals, for an exchange that may not be kept

@@ -664,7 +664,7 @@ class OuterSyncState(CommState):
             fragment.restore_error_feedback(saved)
             if attempt + 1 < comm.attempts:
                 self.traffic.count(retried=1)
-                comm.reconfigure(self.step)
+                comm.reconfigure(self.step, self.global_checksum())
                 self._after_quorum()
         else:
             self.participants.append(0)  # nobody's exchange was kept
@@ -704,34 +704,16 @@ class OuterSyncState(CommState):
         """
         if not self.fragments or not any(last == self.step for last in self.last_sync):
             return None
-        received = self.communicator.next_interval(step)
+        received = self.communicator.next_interval(step, self.global_checksum())
         self._after_quorum()
         if received is not None:
             self.traffic.count(heals=1)
-        if self.communicator.membership_changed and self.world_size > 1:
-            self._check_global_agreement(step)
         return received
 
-    @torch.no_grad()
-    def _check_global_agreement(self, step: int) -> None:
-        """
-        After a quorum whose membership changed: every member holds the same `θ_global` (a checksum of each fragment's
-        rows, its bits read as integers and summed exactly, all-gathered: 8 bytes per fragment). A quorum split in two
-        (a slow survivor left out of the others' retry) would have let each half keep its own exchange; the members
-        that differ from the quorum's first stop, with an error that says so, and heal when relaunched.
-
-        Raises:
-            `RuntimeError`: this rank's `θ_global` differs from the first member's.
-        """
-        sums = torch.stack([fragment.checksum() for fragment in self.fragments])
-        gathered = self.communicator.all_gather(sums)
-        self.communicator.pop_comm_ms()  # a check, not the sync's time
-        if not torch.equal(gathered[self.rank], gathered[0]):
-            raise RuntimeError(
-                f"GRPO sync at step {step}: this replica group's global model differs from the other groups' (a quorum "
-                "was split: raise the lighthouse's --join_timeout_ms above twice grpo_ft_timeout). It stops; relaunch "
-                "it and it heals from a live group."
-            )
+    def global_checksum(self) -> int:
+        """An exact checksum of `θ_global` ([`~grpo_hf.compression.fragment.global_checksum`]), which fault-tolerant
+        replica groups compare at every new membership."""
+        return sum(fragment.checksum() for fragment in self.fragments)
 
     @torch.no_grad()
     def _start(self, fragment: Fragment) -> None:

@@ -249,11 +249,12 @@ class TorchFTCommunicator(Communicator):
         return bool(self.manager.should_commit()) and ok
 
     # --- the quorum ---
-    def join(self, save, step: int, description: dict | None = None) -> dict | None:
+    def join(self, save, step: int, description: dict | None = None, checksum=None) -> dict | None:
         """
         Start torchft's manager, register what a healing replica receives (`save()`, called on a live group when
         another heals from it), take the first quorum at trainer step `step`, and check that every group agrees on
-        `description` (settings and model: what differs is named). Returns what this group healed from (a peer's
+        `description` (settings and model: what differs is named) and, after a heal, on `θ_global`
+        (`checksum(received)`, of what this group healed from). Returns what this group healed from (a peer's
         `save()`), or `None` when it is not behind.
 
         Raises:
@@ -316,7 +317,7 @@ class TorchFTCommunicator(Communicator):
             self._wait_for_planned_groups(step)
         if self.manager.errored() is not None:
             self._raise_first_error()
-        self._check_agreement()
+        self._check_agreement(checksum(self.received[-1]) if checksum is not None and self.received else None)
         self.joined = True
         logger.info(
             f"GRPO fault tolerance: replica group {settings.replica_id} joined {self.world_size} of "
@@ -367,21 +368,22 @@ class TorchFTCommunicator(Communicator):
         self.membership_changed = quorum_id != self.quorum_id
         self.quorum_id = quorum_id
 
-    def reconfigure(self, step: int) -> None:
-        """After a sync that did not commit: a quorum of the survivors (nobody joins or heals), for one more try."""
+    def reconfigure(self, step: int, checksum: int | None = None) -> None:
+        """After a sync that did not commit: a quorum of the survivors (nobody joins or heals), for one more try;
+        `checksum`: of this group's `θ_global`, checked against the others'."""
         self.retries += 1
         self._quorum(step, allow_heal=False, shrink_only=True)
         if self.membership_changed:
-            self._check_agreement()
+            self._check_agreement(checksum)
 
-    def next_interval(self, step: int) -> dict | None:
+    def next_interval(self, step: int, checksum: int | None = None) -> dict | None:
         """
         At the start of an interval (after the trainer closed the step that synced): a new quorum, at which restarted
         or new groups join and heal from this one. Returns what this group healed from, if it was behind.
         """
         self._quorum(step, allow_heal=True, shrink_only=False)
         if self.membership_changed:
-            self._check_agreement()
+            self._check_agreement(checksum)
         return self._take_received()
 
     def _take_received(self) -> dict | None:
@@ -391,16 +393,23 @@ class TorchFTCommunicator(Communicator):
         payload, self.received = self.received[-1], []
         return payload
 
-    def _check_agreement(self) -> None:
+    def _check_agreement(self, checksum: int | None = None) -> None:
         """
-        Every group of the new quorum shows the others its `description` and replica id (one all-gather of a few
-        hundred bytes). A group that differs from the others, or has another's replica id, stops with an error naming
-        what differs when it is new to the run (its first quorum); a group already training warns, and goes on without
-        it (the new group's exit fails the next exchange, which is tried again without it).
+        Every group of the new quorum shows the others its `description`, replica id and `checksum` of `θ_global`
+        (one all-gather of a few hundred bytes). A group that differs from the others in its settings, or has another's
+        replica id, stops with an error naming what differs when it is new to the run (its first quorum); a group
+        already training warns, and goes on without it (the new group's exit fails the next exchange, which is tried
+        again without it). A group whose `θ_global` differs from the first member's that gave one stops (a quorum was
+        split, and each half kept its own exchange): it heals when relaunched.
+
+        Raises:
+            [`~grpo_hf.errors.ConfigError`]: this new group differs in its settings, model or replica id.
+            `RuntimeError`: this group's `θ_global` differs from the others'.
         """
         if self.world_size < 2 or self.errored():
             return
-        mine = json.dumps({"replica_id": self.settings.replica_id, **self.description}, sort_keys=True, default=str)
+        shown = {"replica_id": self.settings.replica_id, "global_checksum": checksum, **self.description}
+        mine = json.dumps(shown, sort_keys=True, default=str)
         encoded = torch.tensor(list(mine.encode()), dtype=torch.uint8)
         length = torch.tensor([encoded.numel()], dtype=torch.int64)
         for work in self._all_reduce(length, dist.ReduceOp.MAX):
@@ -413,6 +422,14 @@ class TorchFTCommunicator(Communicator):
         if self.errored():
             return
         theirs = [json.loads(bytes(row.tolist()).rstrip(b"\0")) for row in out.view(self.world_size, -1)]
+        checksums = [their.pop("global_checksum", None) for their in theirs]
+        first = next((value for value in checksums if value is not None), None)
+        if checksum is not None and checksum != first:
+            raise RuntimeError(
+                "grpo_fault_tolerance: this replica group's global model differs from the other groups' (a quorum was "
+                "split: give the lighthouse a --join_timeout_ms above twice grpo_ft_timeout). It stops; relaunch it "
+                "and it heals from a live group."
+            )
         problem = _disagreement(theirs, self.rank)
         if problem is None:
             return
