@@ -139,12 +139,12 @@ class Communicator:
     attempts = 1  # exchanges a sync tries before it is discarded (a failed one is tried again over the survivors)
     membership_changed = False  # whether the last quorum changed the ranks (owner residuals then start afresh)
 
-    def reconfigure(self, step: int, checksum: int | None = None) -> None:
+    def reconfigure(self, step: int, checksum=None) -> None:
         """After an exchange that did not [`commit`]: the ranks still alive, for the next attempt (nothing here)."""
 
-    def next_interval(self, step: int, checksum: int | None = None) -> dict | None:
+    def next_interval(self, step: int, checksum=None) -> dict | None:
         """At the start of an interval (trainer step `step`, after the step that synced): a new membership, at which
-        late ranks join (`checksum`: of this rank's global model, which the members compare). Returns what this rank
+        late ranks join (`checksum()`: of this rank's global model, which the members compare when the ranks changed). Returns what this rank
         healed from when it was behind (`None` here: nothing changes)."""
         return None
 

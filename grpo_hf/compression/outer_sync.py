@@ -664,7 +664,7 @@ class OuterSyncState(CommState):
             fragment.restore_error_feedback(saved)
             if attempt + 1 < comm.attempts:
                 self.traffic.count(retried=1)
-                comm.reconfigure(self.step, self.global_checksum())
+                comm.reconfigure(self.step, self.global_checksum)
                 self._after_quorum()
         else:
             self.participants.append(0)  # nobody's exchange was kept
@@ -704,7 +704,7 @@ class OuterSyncState(CommState):
         """
         if not self.fragments or not any(last == self.step for last in self.last_sync):
             return None
-        received = self.communicator.next_interval(step, self.global_checksum())
+        received = self.communicator.next_interval(step, self.global_checksum)  # read only at a new membership
         self._after_quorum()
         if received is not None:
             self.traffic.count(heals=1)

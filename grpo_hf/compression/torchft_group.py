@@ -167,7 +167,6 @@ class TorchFTCommunicator(Communicator):
         self.description: dict = {}  # what every group must agree on (checked when the membership changes)
         self.joined = False
         self.heals = 0  # this group's heals (a join's included)
-        self.retries = 0  # quorums of the survivors after an exchange that failed
         self.last_error: str | None = None
 
     # --- what the sync asks ---
@@ -368,22 +367,21 @@ class TorchFTCommunicator(Communicator):
         self.membership_changed = quorum_id != self.quorum_id
         self.quorum_id = quorum_id
 
-    def reconfigure(self, step: int, checksum: int | None = None) -> None:
+    def reconfigure(self, step: int, checksum=None) -> None:
         """After a sync that did not commit: a quorum of the survivors (nobody joins or heals), for one more try;
-        `checksum`: of this group's `θ_global`, checked against the others'."""
-        self.retries += 1
+        `checksum()`: of this group's `θ_global`, checked against the others' when the membership changed."""
         self._quorum(step, allow_heal=False, shrink_only=True)
         if self.membership_changed:
-            self._check_agreement(checksum)
+            self._check_agreement(checksum() if checksum is not None else None)
 
-    def next_interval(self, step: int, checksum: int | None = None) -> dict | None:
+    def next_interval(self, step: int, checksum=None) -> dict | None:
         """
         At the start of an interval (after the trainer closed the step that synced): a new quorum, at which restarted
         or new groups join and heal from this one. Returns what this group healed from, if it was behind.
         """
         self._quorum(step, allow_heal=True, shrink_only=False)
         if self.membership_changed:
-            self._check_agreement(checksum)
+            self._check_agreement(checksum() if checksum is not None else None)
         return self._take_received()
 
     def _take_received(self) -> dict | None:
