@@ -698,7 +698,13 @@ class GRPOCallback(TrainerCallback):
         return self.step_metrics.measured(self.comm_state, accelerator)
 
     # --- checkpoint state (files: grpo_hf.checkpoints) ---
-    def state_dict(self, world_size: int = 1, rank: int = 0) -> dict:
+    def state_dict(self, world_size: int = 1, rank: int = 0, heal: bool = False) -> dict:
+        """GRPO's state for a checkpoint of rank `rank` of `world_size`; with `heal`, what a healing replica group
+        receives (fault-tolerant replica groups): the transport's
+        [`~grpo_hf.compression.transport.CommState.heal_state_dict`] in place of its checkpoint state."""
+        comm = None
+        if self.comm_state is not None:
+            comm = self.comm_state.heal_state_dict() if heal else self.comm_state.state_dict()
         return {
             "version": STATE_VERSION,
             "world_size": world_size,
@@ -707,19 +713,12 @@ class GRPOCallback(TrainerCallback):
             "consecutive_skips": self.consecutive_skips,
             "importance": self.importance.state_dict(),
             "lr_ratios": {name: float(self.lr_ratios.get(name, 1.0)) for name in self.importance.names},
-            "comm": self.comm_state.state_dict() if self.comm_state is not None else None,
+            "comm": comm,
             "cost": self.cost_callback.counted_state() if self.cost_callback is not None else None,
         }
 
-    def heal_state(self) -> dict:
-        """What a healing replica group receives of GRPO's state (fault-tolerant replica groups): [`state_dict`] with
-        the transport's [`~grpo_hf.compression.transport.CommState.heal_state_dict`]."""
-        saved = self.state_dict()
-        saved["comm"] = self.comm_state.heal_state_dict() if self.comm_state is not None else None
-        return saved
-
     def load_heal_state(self, saved: dict) -> None:
-        """A live replica group's [`heal_state`], into this healing one (before its first step)."""
+        """A live replica group's `state_dict(heal=True)`, into this healing one (before its first step)."""
         self.importance.load_state_dict(saved["importance"])
         self.nonfinite_steps = int(saved.get("nonfinite_steps", 0))
         self.consecutive_skips = int(saved.get("consecutive_skips", 0))

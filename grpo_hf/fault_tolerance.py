@@ -127,7 +127,7 @@ def trainer_heal_state(trainer) -> dict:
         "total_flos": trainer.state.total_flos,
         "num_input_tokens_seen": trainer.state.num_input_tokens_seen,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "grpo": trainer.grpo_callback.heal_state(),
+        "grpo": trainer.grpo_callback.state_dict(heal=True),
     }
 
 
