@@ -23,6 +23,11 @@ Rows:
   does, with the delay for the lost machine to come back). Every rank loses the steps since the last checkpoint.
 - `grpo-torchft`: `no-fault` with the kill: the survivors go on (their sync at step 64 fails, is retried over the two
   of them and kept); the relaunched group heals from a live one at the next interval and trains on from its step.
+  The live groups train the batches the killed group lost or missed (`grpo_ft_take_over`, the default: while it is
+  away, its batch of each step by one survivor in turn; its batches of the window its death lost, over the next
+  window, by every member).
+- `grpo-torchft-drop`: `grpo-torchft` with `grpo_ft_take_over=False`: the lost group's batches are not trained (as
+  in torchft's DiLoCo).
 - `torchft-diloco`: torchft's own `DiLoCo` (`benchmarks/peers.py`'s callback, in a plain `Trainer`) with the same kill,
   one process per replica, the lighthouse in this process, `min_replica_size=1`. The relaunched replica rejoins
   through torchft's own healing: before its first step it asks the lighthouse for a quorum, which forms at the live
@@ -36,7 +41,8 @@ Columns (each row against `no-fault` on the same seed): wall time, from the firs
 process's exit (imports and the relaunch delay included, the evaluation not); steps lost, the optimizer steps a replica trained that
 are not in the final model, summed over the replicas (`restart`: every rank's steps since the checkpoint it resumed
 from; torchft rows: the killed replica's steps since its last kept sync, plus every step of an interval whose sync was
-discarded, on every replica); replica-steps in the final model out of `3 x max_steps`; syncs discarded (`grpo/sync/
+discarded, on every replica); batches in the final model out of `3 x max_steps` (a replica's batch of one step, trained
+by that replica or, taken over, by another); syncs discarded (`grpo/sync/
 discarded`; DiLoCo's `should_commit()` that came back False); bytes per replica over the whole run, by the suite's
 ring model (GRPO's `grpo/comm/bytes_sent`; torchft's counted by `benchmarks/peers.py`; the heal's transfer of a
 checkpoint is counted by neither); the held-out perplexity of the final model and its ratio: replica 0's final model
@@ -45,7 +51,9 @@ the suite's `Trainer.evaluate()` on its held-out split, in one process of its ow
 seeds and the worst seed of each ratio, and writes `benchmarks/results/faults/faults.md`.
 
 Hardware notes: 3 or 4 processes on 2 shared CPU cores (gloo over loopback): wall times are this machine's, and a
-relaunched process's imports (about 10 s here) are part of what a lost machine costs.
+relaunched process's imports (about 10 s here) are part of what a lost machine costs. `--step_seconds S` stands for a
+larger model's compute: a process sleeps `S` for every batch it trains in a step (its own and those it takes over), so
+that taking over costs the time it would.
 """
 
 import contextlib
@@ -77,7 +85,7 @@ REPLICAS = 3
 BATCH_SIZE = 15  # sequences per step over the 3 replicas (the suite's 16 do not split over 3)
 KILLED = 2  # the replica id (or rank) that is killed
 SYNC_EVERY = 32  # the suite's `sync32` (GRPOConfig's defaults with grpo_sync_every=32) and `torchft-diloco-h32`
-ROWS = ("no-fault", "restart", "grpo-torchft", "torchft-diloco")
+ROWS = ("no-fault", "restart", "grpo-torchft", "grpo-torchft-drop", "torchft-diloco")
 BASELINE = "no-fault"
 JOB_ENV = "GRPO_FAULTS_JOB"
 # seconds a group waits at a quorum (a relaunched one waits for the live ones' next sync)
@@ -148,10 +156,11 @@ class Progress(TrainerCallback):
     step, the bytes it sent, each sync's participants; after step `kill_at`, SIGKILL.
     """
 
-    def __init__(self, path: Path, kill_at: int, sent, syncs, step_seconds: float = 0.0):
+    def __init__(self, path: Path, kill_at: int, sent, syncs, step_seconds: float = 0.0, taken_over=None):
         self.path, self.kill_at, self.sent, self.syncs, self.step_seconds = path, kill_at, sent, syncs, step_seconds
+        self.taken_over = taken_over or (lambda step: 0)  # batches of other replicas trained at a step
         self.record = {"first_step": None, "last_step": None, "steps": 0, "bytes_start": 0.0, "bytes": 0.0,
-                       "syncs": [], "pid": os.getpid()}  # fmt: skip
+                       "syncs": [], "taken_over": [], "pid": os.getpid()}  # fmt: skip
         self._seen = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -159,8 +168,11 @@ class Progress(TrainerCallback):
         self.update_syncs(state.global_step)  # a healed DiLoCo replica's first sync, at the live replicas' step
 
     def on_step_begin(self, args, state, control, **kwargs):
+        extra = self.taken_over(state.global_step + 1)
+        if extra:
+            self.record["taken_over"].append([state.global_step + 1, extra])
         if self.step_seconds:
-            time.sleep(self.step_seconds)
+            time.sleep(self.step_seconds * (1 + extra))
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
@@ -221,7 +233,8 @@ def worker(job_path: str) -> None:
     if kind == "grpo-ft":
         args = GRPOConfig(**common, grpo_importance=False, **sync, grpo_fault_tolerance=True,
                           grpo_ft_replica_id=replica, grpo_ft_replicas=REPLICAS, grpo_ft_timeout=job["ft_timeout"],
-                          grpo_ft_quorum_timeout=FT_QUORUM_TIMEOUT)  # fmt: skip
+                          grpo_ft_quorum_timeout=FT_QUORUM_TIMEOUT,
+                          grpo_ft_take_over=job["row"] != "grpo-torchft-drop")  # fmt: skip
         trainer = GRPOTrainer(args=args, **kwargs)
     elif kind == "ddp":
         args = GRPOConfig(**{**common, "save_strategy": "steps"}, save_steps=sync["grpo_sync_every"],
@@ -246,7 +259,13 @@ def worker(job_path: str) -> None:
         return list(getattr(comm, "participants", []))
 
     kill_at = job["kill_step"] if replica == KILLED else -1
-    progress = Progress(run_dir / f"progress-r{replica}-a{attempt}.json", kill_at, sent, syncs, job["step_seconds"])
+
+    def taken_over(step):
+        shares = getattr(trainer, "grpo_replica_shares", None)
+        return len(shares.extras_at(step)) if shares is not None else 0
+
+    progress = Progress(run_dir / f"progress-r{replica}-a{attempt}.json", kill_at, sent, syncs, job["step_seconds"],
+                        taken_over)  # fmt: skip
     trainer.add_callback(progress)
     start = time.perf_counter()
     trainer.train(**({"resume_from_checkpoint": "last"} if kind == "ddp" else {}))
@@ -544,6 +563,17 @@ def run_one(row: str, seed: int, args: FaultArguments, info: dict, out: Path) ->
     return result
 
 
+def _taken_over_kept(record: dict) -> int:
+    """Batches of other replicas this process trained that its replica's final model holds: each counts when the first
+    sync at or after its step kept this process's local steps (a finished process's last step syncs)."""
+    kept = 0
+    for step, count in record.get("taken_over", []):
+        sync = next((participants for at, participants in record["syncs"] if at >= step), None)
+        if sync or (sync is None and record.get("done")):
+            kept += count
+    return kept
+
+
 def _lost_since_sync(record: dict, until: int) -> int:
     """
     Steps this process trained that its replica's final model does not hold: those of intervals whose sync was
@@ -575,6 +605,7 @@ def aggregate(row: str, instances: dict[str, dict], max_steps: int, eval_loss: f
         lost = sum(_lost_since_sync(record, record["last_step"]) for record in instances.values())
         discarded = max(sum(1 for _, p in r["syncs"] if not p) for r in instances.values())
     trained = sum(r["steps"] for r in instances.values())
+    taken_over = sum(_taken_over_kept(r) for r in instances.values()) if row != "restart" else 0
     sent = [sum(r["bytes"] - r["bytes_start"] for key, r in instances.items() if key.startswith(f"r{i}-"))
             for i in range(REPLICAS)]  # fmt: skip
     finished = [r for r in instances.values() if r.get("done")]
@@ -589,6 +620,7 @@ def aggregate(row: str, instances: dict[str, dict], max_steps: int, eval_loss: f
         "steps_lost": lost,
         "replica_steps_trained": trained,
         "replica_steps_in_model": trained - lost,
+        "batches_in_model": trained - lost + taken_over,
         "syncs_discarded": discarded,
         "bytes_per_replica": sum(sent) / REPLICAS,
         "heals": heals,
@@ -626,7 +658,7 @@ def markdown(results: dict[str, dict[int, dict]]) -> str:
     """The table: per row, its figures (mean over seeds) and its ratios to `no-fault` (geometric mean, worst seed)."""
     base = results.get(BASELINE, {})
     lines = [
-        f"| row | seeds | wall s | wall / {BASELINE}: geomean (worst) | steps lost: mean (worst seed) | replica-steps in the "
+        f"| row | seeds | wall s | wall / {BASELINE}: geomean (worst) | steps lost: mean (worst seed) | batches in the "
         f"model | syncs discarded: mean (worst) | bytes per replica | perplexity | ppl / {BASELINE}: geomean (worst) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -636,7 +668,8 @@ def markdown(results: dict[str, dict[int, dict]]) -> str:
         lost = [r["steps_lost"] for r in runs]
         discarded = [r["syncs_discarded"] for r in runs]
         discarded = "–" if None in discarded else f"{sum(discarded) / len(runs):.1f} ({max(discarded)})"
-        in_model = f"{_mean(runs, 'replica_steps_in_model'):.0f} / {runs[0]['replicas'] * runs[0]['max_steps']}"
+        in_model = [r.get("batches_in_model", r["replica_steps_in_model"]) for r in runs]
+        in_model = f"{sum(in_model) / len(runs):.0f} / {runs[0]['replicas'] * runs[0]['max_steps']}"
         cells = [f"`{row}`", str(len(runs)), f"{_mean(runs, 'wall_s'):.1f}", _ratio(by_seed, base, "wall_s"),
                  f"{sum(lost) / len(runs):.1f} ({max(lost)})", in_model, discarded,
                  f"{_mean(runs, 'bytes_per_replica') / 1e6:,.2f} MB", f"{_mean(runs, 'perplexity'):.3f}",
@@ -647,7 +680,7 @@ def markdown(results: dict[str, dict[int, dict]]) -> str:
         lines += [
             "",
             f"{TASK}, {any_run['max_steps']} steps, {REPLICAS} replicas, the sync every {any_run['sync_every']} steps"
-            + (f", {any_run['step_seconds']:g} s of sleep per step" if any_run["step_seconds"] else "")
+            + (f", {any_run['step_seconds']:g} s of sleep per batch trained" if any_run["step_seconds"] else "")
             + f", grpo_ft_timeout {any_run['ft_timeout']:g} s; replica {KILLED} "
             f"killed (SIGKILL) after step {any_run['max_steps'] // 3} and relaunched {any_run['relaunch_delay']:g} s "
             "after its exit. Wall time from the first launch to the last training process's exit (the relaunch "

@@ -512,6 +512,7 @@ class GRPOCallback(TrainerCallback):
         self.cost_callback = None  # set by GRPOMixin: its counted figures are checkpointed with the GRPO state
         self.resume_from: str | None = None
         self.heal_from: dict | None = None  # what a fault-tolerant replica group healed from (applied at train begin)
+        self.replica_shares = None  # ... and the batches it shares with the others (grpo_hf.replica_shares)
         self.nonfinite = NonfiniteSteps(drop_nonfinite_gradients, max_consecutive_skips)
         self.step_metrics = StepMetrics(log_groups)
         self.probe: OptimizerStepProbe | None = None
@@ -675,6 +676,10 @@ class GRPOCallback(TrainerCallback):
                     f"GRPO fault tolerance: this replica group was behind the others at step {state.global_step} "
                     "while training; it goes on from its own state."
                 )
+            shares = self.replica_shares
+            if shares is not None and shares.window is not None and state.global_step >= shares.window.end:
+                # the window's sync: the next one opens with the quorum's members and what the sync lost
+                shares.synced(state.global_step, self.comm_state.kept_members, self.comm_state.communicator.members)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.nonfinite.train_end(state)
@@ -715,6 +720,7 @@ class GRPOCallback(TrainerCallback):
             "lr_ratios": {name: float(self.lr_ratios.get(name, 1.0)) for name in self.importance.names},
             "comm": comm,
             "cost": self.cost_callback.counted_state() if self.cost_callback is not None else None,
+            "replica_shares": self.replica_shares.state_dict() if self.replica_shares is not None else None,
         }
 
     def load_heal_state(self, saved: dict) -> None:
@@ -769,6 +775,8 @@ class GRPOCallback(TrainerCallback):
         self.consecutive_skips = int(saved.get("consecutive_skips", 0))
         if self.cost_callback is not None and saved.get("cost") is not None:
             self.cost_callback.resume_counts(saved["cost"])
+        if self.replica_shares is not None and saved.get("replica_shares"):
+            self.replica_shares.resume(saved["replica_shares"], self.replica_shares.window.start)
         return True
 
 

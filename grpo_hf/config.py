@@ -257,6 +257,13 @@ class GRPOConfig(CostFields, TrainingArguments):
         grpo_ft_hostname (`str`, *optional*):
             The address other groups reach this group's manager at, to heal from it; the machine's name when unset
             (the loopback address for a lighthouse on the loopback).
+        grpo_ft_take_over (`bool`, *optional*, defaults to `True`):
+            The live groups train the batches of the planned groups that are away: at each step those of the absent
+            groups (each by one live group in turn), and after a sync that lost a group's local steps, that group's
+            batches of the window, spread over the next one ([`~grpo_hf.replica_shares`]). Every batch of the run is
+            then trained once, as without a fault, at the price of time: while one group of `R` is away each live one
+            trains `R / (R - 1)` batches a step (in micro-batches of the usual size). `False`: a lost group's batches
+            are not trained (torchft's DiLoCo).
 
         The names these four fields had before (`grpo_outer_lr`, `grpo_outer_momentum`, `grpo_outer_dtype`,
         `grpo_outer_control`) are deprecated aliases, accepted for one more release with a `FutureWarning`
@@ -567,6 +574,14 @@ class GRPOConfig(CostFields, TrainingArguments):
     grpo_ft_hostname: str | None = field(
         default=None,
         metadata={"help": "The address other replica groups reach this one's manager at, to heal from it."},
+    )
+    grpo_ft_take_over: bool = field(
+        default=True,
+        metadata={
+            "help": "With grpo_fault_tolerance: the live replica groups train the batches of the groups that are away "
+            "(each step's, and a lost group's batches of the window its sync lost, over the next window), so that "
+            "every batch is trained once; False: those batches are not trained."
+        },
     )
 
     # --- deprecated names of the sync's fields (one release; see DEPRECATED_FIELDS) ---

@@ -8,9 +8,10 @@ FSDP2 inside), and the groups meet at the sync every H steps through torchft's l
   are unset (`TORCHFT_LIGHTHOUSE`, and `GRPO_HF_REPLICA_ID` for the replica id), checked before any work.
 - **Data** ([`replica_data`]): each group reads its own part of the data, as if the groups' processes were the ranks of
   one DDP job (rank `replica_id × group size + group rank` of `replicas × group size`; torchtitan's split): with no
-  fault, the groups see exactly the batches the ranks of a DDP run of the sync see. A lost group's part of a window is
-  not trained in that window (the survivors do not take it over); a healed group goes on with its own part from the
-  step it healed at (the batches the live groups' step implies).
+  fault, the groups see exactly the batches the ranks of a DDP run of the sync see. With `grpo_ft_take_over` (the
+  default) the live groups also train the batches of the groups that are away, and those of a window a lost group's
+  sync did not keep ([`~grpo_hf.replica_shares`]); a healed group goes on with its own part from the step it healed at
+  (the batches the live groups' step implies).
 - **Healing** ([`trainer_heal_state`], [`heal_training_state`]): what a restarted or new group receives from a live one
   beside the sync's own state (`θ_global`, outer momentum, local parameters, inner optimizer state): the trainer's step
   and epoch and the learning-rate scheduler, and GRPO's importance state and counters; then it skips the batches of
@@ -88,11 +89,11 @@ def fault_tolerance_settings(args, environ=None) -> FaultTolerance | None:
 
 
 @contextlib.contextmanager
-def replica_data(settings: FaultTolerance | None):
+def replica_data(settings: FaultTolerance | None, replica_id: int | None = None):
     """
-    Within the block, Accelerate prepares data loaders for this replica group's part of the data: as the ranks
-    `replica_id × group size + group rank` of `replicas × group size` (the batches a DDP run of that many ranks gives
-    each). Nothing changes without fault tolerance.
+    Within the block, Accelerate prepares data loaders for this replica group's part of the data (or group
+    `replica_id`'s): as the ranks `replica_id × group size + group rank` of `replicas × group size` (the batches a DDP
+    run of that many ranks gives each). Nothing changes without fault tolerance.
     """
     if settings is None:
         yield
@@ -100,10 +101,11 @@ def replica_data(settings: FaultTolerance | None):
     import accelerate.accelerator as accelerator_module
 
     original = accelerator_module.prepare_data_loader
+    replica_id = settings.replica_id if replica_id is None else replica_id
 
     def for_replica(*args, **kwargs):
         size = kwargs.get("num_processes", 1) or 1
-        kwargs["process_index"] = settings.replica_id * size + (kwargs.get("process_index", 0) or 0)
+        kwargs["process_index"] = replica_id * size + (kwargs.get("process_index", 0) or 0)
         kwargs["num_processes"] = settings.replicas * size
         return original(*args, **kwargs)
 
@@ -121,6 +123,7 @@ def trainer_heal_state(trainer) -> dict:
     as a healer takes it).
     """
     scheduler = getattr(trainer, "lr_scheduler", None)
+    shares, comm = trainer.grpo_replica_shares, trainer.grpo_comm_state
     return {
         "global_step": int(trainer.state.global_step),
         "epoch": trainer.state.epoch,
@@ -128,6 +131,8 @@ def trainer_heal_state(trainer) -> dict:
         "num_input_tokens_seen": trainer.state.num_input_tokens_seen,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "grpo": trainer.grpo_callback.state_dict(heal=True),
+        # the catch-up of the window the healer opens with the others (the one closing now lost whom the sync lacked)
+        "catch_up": shares.catch_up_after(trainer.state.global_step, comm.kept_members) if shares else [],
     }
 
 

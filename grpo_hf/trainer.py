@@ -53,6 +53,7 @@ from .optim.builder import grouped_adamw, grpo_param_groups, keep_embeddings_in_
 from .optim.layout import resolve_layouts
 from .optim.resume import check_checkpoint_optimizer_state, check_param_groups
 from .replica_groups import parallelism_for_machines, shard_within_replicas
+from .replica_shares import TAKEN_OVER, ReplicaShares, SharedBatches
 
 
 logger = logging.get_logger(__name__)
@@ -151,6 +152,9 @@ class GRPOMixin:
         # fault-tolerant replica groups (torchft): the lighthouse, this group's id; checked before any work
         self.grpo_fault_tolerance = fault_tolerance_settings(self.args)
         self._grpo_healed = False
+        # ... and with grpo_ft_take_over, the batches of the groups that are away (grpo_hf.replica_shares)
+        self.grpo_replica_shares: ReplicaShares | None = None
+        self._grpo_shared_batches: SharedBatches | None = None
         if self.args.grpo_sync_every > 1 and self.grpo_engine == "fsdp2":  # HSDP's replicate dimension: the sync's
             shard_within_replicas(getattr(self.accelerator, "parallelism_config", None))
         self._grpo_probe = None  # DeepSpeed: step hooks on the optimizer ZeRO wraps
@@ -356,11 +360,19 @@ class GRPOMixin:
         comm_state = self.grpo_comm_state
         if model not in self._grpo_hooked_models:
             self._attach_to_prepared_model(model)
-        if "input_ids" in inputs:
-            ids = inputs["input_ids"]
-            self.cost_callback.add_tokens(ids.numel(), seq_len=ids.shape[-1])
+        taken_over = inputs.pop(TAKEN_OVER, None) if isinstance(inputs, dict) else None
+        if (
+            taken_over
+        ):  # one more micro-batch each in this step (the loss's mean when it is not over num_items_in_batch)
+            self.current_gradient_accumulation_steps += len(taken_over)
         sync_step = self.accelerator.sync_gradients
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        loss = None
+        for micro_batch in [inputs, *(taken_over or ())]:
+            if "input_ids" in micro_batch:
+                ids = micro_batch["input_ids"]
+                self.cost_callback.add_tokens(ids.numel(), seq_len=ids.shape[-1])
+            micro_loss = super().training_step(model, micro_batch, num_items_in_batch)
+            loss = micro_loss if loss is None else loss + micro_loss
         if comm_state is None and self.args.max_grad_norm and torch.is_tensor(loss):
             # Nothing of GRPO sees these gradients: a NaN/Inf loss is the cue to note, before clipping spreads a NaN
             # norm to every gradient, which parameters hold NaN/Inf (see GRPOCallback.mark_backward_end). The Trainer
@@ -541,9 +553,49 @@ class GRPOMixin:
     # --- fault-tolerant replica groups (grpo_hf.fault_tolerance) ---
     def get_train_dataloader(self):
         """[`~transformers.Trainer.get_train_dataloader`]; between fault-tolerant replica groups, this group's part of
-        the data ([`~grpo_hf.fault_tolerance.replica_data`])."""
-        with replica_data(self.grpo_fault_tolerance):
-            return super().get_train_dataloader()
+        the data ([`~grpo_hf.fault_tolerance.replica_data`]), and with `grpo_ft_take_over` every planned group's
+        read beside it ([`~grpo_hf.replica_shares.SharedBatches`])."""
+        settings = self.grpo_fault_tolerance
+        if settings is None or not self.args.grpo_ft_take_over:
+            with replica_data(settings):
+                return super().get_train_dataloader()
+        loaders = []
+        for replica_id in range(settings.replicas):
+            with replica_data(settings, replica_id):
+                loaders.append(super().get_train_dataloader())
+        self._grpo_shared_batches = SharedBatches(
+            loaders,
+            settings.replica_id,
+            self.args.gradient_accumulation_steps,
+            keep_steps=2 * self.args.grpo_sync_every,
+        )
+        return self._grpo_shared_batches
+
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """The Trainer's skip of the batches a resume (or a heal) already trained; [`SharedBatches`] skips its own."""
+        if isinstance(dataloader, SharedBatches):
+            return dataloader.skipping(num_batches)
+        return super().get_resumed_dataloader(dataloader, num_batches)
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """
+        The Trainer's; with `grpo_ft_take_over`, the micro-batches of the units this group takes over at this step
+        ([`~grpo_hf.replica_shares`]) ride on the first micro-batch (`training_step` trains them), and
+        `num_items_in_batch` counts them too (the step's loss is the mean over all its tokens).
+        """
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        shares = self.grpo_replica_shares
+        if shares is None or self._grpo_shared_batches is None or not batch_samples:
+            return batch_samples, num_items
+        units = shares.extras_at(self.state.global_step + 1)
+        taken_over = self._grpo_shared_batches.batches(units)
+        if not taken_over:
+            return batch_samples, num_items
+        shares.taken_over += len(units)
+        self.grpo_comm_state.traffic.count(taken_over=len(units))
+        num_items = self._get_num_items_in_batch([*batch_samples, *taken_over], device)
+        batch_samples = [{**batch_samples[0], TAKEN_OVER: taken_over}, *batch_samples[1:]]
+        return batch_samples, num_items
 
     def _join_replica_groups(self, epochs_trained: int, skipped: int, num_update_steps_per_epoch: int):
         """
@@ -572,6 +624,16 @@ class GRPOMixin:
                 f"GRPO fault tolerance: replica group {self.grpo_fault_tolerance.replica_id} healed from a live group "
                 f"at step {self.state.global_step}; it trains on from there."
             )
+        if self._grpo_shared_batches is not None:  # the first window: its members, a healer's catch-up
+            comm_state, max_steps = self.grpo_comm_state, self.state.max_steps
+            self.grpo_replica_shares = ReplicaShares(
+                self.grpo_fault_tolerance.replica_id,
+                self.grpo_fault_tolerance.replicas,
+                next_sync=lambda step: comm_state.next_sync(step, max_steps),
+            )
+            catch_up = payload.get("catch_up", ()) if payload is not None else ()
+            self.grpo_replica_shares.open(self.state.global_step, communicator.members, catch_up)
+            self.grpo_callback.replica_shares = self.grpo_replica_shares
         return epochs_trained, skipped
 
     def _run_epoch(self, *args, **kwargs):
@@ -591,6 +653,7 @@ class GRPOMixin:
         fields = ["learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
                   "lr_scheduler_type", "weight_decay", "optim"]  # fmt: skip
         fields += [name for name in vars(args) if name.startswith("grpo_") and not name.startswith("grpo_ft_")]
+        fields.append("grpo_ft_take_over")  # the groups share the absent ones' batches alike
         described = {name: getattr(args, name) for name in sorted(fields) if hasattr(args, name)}
         described["trainable_parameters"] = hashlib.sha256(shapes.encode()).hexdigest()[:16]
         described["world_size_per_group"] = args.world_size

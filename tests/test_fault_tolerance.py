@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -310,6 +311,29 @@ def lighthouse(tmp_path):
     house.close()
 
 
+def _assert_every_unit_trained_once(out: Path, replicas: int, steps: int, killed: dict[int, int] | None = None):
+    """
+    Every group's batches of every step (a unit, `grpo_hf/replica_shares.py`) were trained, and kept, exactly once
+    over the processes' records (`fault_tolerant.py`), and a unit trained twice (by a killed process, then again by the
+    live groups) was the same data both times. `killed`: {pid: the step of its last kept sync}; what a killed process
+    trained after that step was lost with it.
+    """
+    killed = killed or {}
+    kept, digests = Counter(), defaultdict(set)
+    for path in out.glob("trained-replica*.txt"):
+        pid = int(path.stem.rsplit("-", 1)[1])
+        for line in path.read_text().splitlines():
+            step, source, source_step, digest = line.split()
+            unit = (int(source), int(source_step))
+            digests[unit].add(digest)
+            if int(step) <= killed.get(pid, steps):
+                kept[unit] += 1
+    assert kept == Counter({(r, s): 1 for r in range(replicas) for s in range(1, steps + 1)}), sorted(
+        (unit, count) for unit, count in kept.items() if count != 1
+    ) + sorted(set((r, s) for r in range(replicas) for s in range(1, steps + 1)) - set(kept))
+    assert all(len(found) == 1 for found in digests.values()), {u: d for u, d in digests.items() if len(d) > 1}
+
+
 def _assert_identical(results, count):
     assert len(results) == count, results.keys()
     first = results[0]
@@ -327,9 +351,13 @@ def test_a_killed_replica_group_is_left_out_and_heals_when_relaunched(lighthouse
     step = "6" if kill == "--kill_at_step" else "7"
     slow = ("--step_seconds", "0.4")
     procs = [lighthouse.launch(r, *slow, *([kill, step] if r == 2 else [])) for r in range(3)]
+    go = lighthouse.out / "relaunch"
+    relaunched = lighthouse.launch(
+        2, *slow, "--wait_for", str(go)
+    )  # imported beforehand: starts the moment it is told
     killed = lighthouse.wait([procs[2]])[0]
     assert killed == -signal.SIGKILL, lighthouse.output()  # really killed, by SIGKILL
-    relaunched = lighthouse.launch(2, *slow)
+    go.touch()
     codes = lighthouse.wait([procs[0], procs[1], relaunched])
     assert codes == [0, 0, 0], lighthouse.output()
     results = lighthouse.results()
@@ -340,6 +368,10 @@ def test_a_killed_replica_group_is_left_out_and_heals_when_relaunched(lighthouse
     healed = results[2]
     assert healed["heals"] == 1 and healed["first_step"] >= 7  # it lost at most the steps since its last sync
     assert healed["steps"] == list(range(healed["first_step"] + 1, 25))
+    # the live groups trained what the killed one lost (its steps after the sync of step 3) and what it missed while
+    # away: every batch of the run once, as without the kill
+    assert all(results[rid]["totals"]["taken_over"] >= 1 for rid in (0, 1))
+    _assert_every_unit_trained_once(lighthouse.out, 3, 24, killed={procs[2].pid: 3})
     participants = results[0]["sync_participants"]
     assert participants[0] == 3 and 2 in participants and participants[-1] == 3, participants  # 3 -> 2 -> 3
 
@@ -353,10 +385,12 @@ def test_groups_of_two_shards_lose_a_group_to_a_killed_rank_and_heal_it(lighthou
     slow = ("--step_seconds", "0.4")
     procs = [lighthouse.launch_group(r, 2, *slow, *(["--kill_at_step", "6", "--kill_rank", "1"] if r == 2 else []))
              for r in range(3)]  # fmt: skip
+    go = lighthouse.out / "relaunch"
+    relaunched = lighthouse.launch_group(2, 2, *slow, "--wait_for", str(go))  # imported beforehand
     assert lighthouse.wait([procs[2]])[0] != 0
     killed_log = Path(lighthouse.logs[2]).read_text()
     assert "Signal 9 (SIGKILL)" in killed_log or "exitcode  : -9" in killed_log, killed_log[-3000:]
-    relaunched = lighthouse.launch_group(2, 2, *slow)
+    go.touch()
     assert lighthouse.wait([procs[0], procs[1], relaunched]) == [0, 0, 0], lighthouse.output()
     results = lighthouse.shard_results()
     assert set(results) == {(r, k) for r in range(3) for k in range(2)}
@@ -367,6 +401,9 @@ def test_groups_of_two_shards_lose_a_group_to_a_killed_rank_and_heal_it(lighthou
                 assert results[replica, rank][key] == first[key], (replica, rank, key)
         assert results[0, rank]["first_step"] == 0 and results[0, rank]["steps"] == list(range(1, 25))
         assert results[2, rank]["heals"] == 1 and results[2, rank]["first_step"] >= 7
+        assert (
+            results[0, rank]["totals"]["taken_over"] >= 1
+        )  # the live groups trained what group 2 lost, shard by shard
     participants = results[0, 0]["sync_participants"]
     assert participants[0] == 3 and 2 in participants and participants[-1] == 3, participants
 
@@ -385,6 +422,7 @@ def test_a_group_that_joins_late_heals_and_ends_identical(lighthouse):
     results = lighthouse.results()
     _assert_identical(results, 3)
     assert results[2]["heals"] == 1 and results[2]["first_step"] >= 8
+    _assert_every_unit_trained_once(lighthouse.out, 3, 24)  # group 2's batches until it joined: the others'
     participants = results[0]["sync_participants"]
     assert participants[0] == 2 and participants[-1] == 3, participants  # scaled up from 2 groups to 3
 

@@ -138,6 +138,7 @@ class Communicator:
     elastic = False  # whether the ranks may change between syncs (then `world_size` and `rank` are read at each)
     attempts = 1  # exchanges a sync tries before it is discarded (a failed one is tried again over the survivors)
     membership_changed = False  # whether the last quorum changed the ranks (owner residuals then start afresh)
+    members: tuple[int, ...] | None = None  # the replica groups of the current quorum, by replica id (elastic only)
 
     def reconfigure(self, step: int, checksum=None) -> None:
         """After an exchange that did not [`commit`]: the ranks still alive, for the next attempt (nothing here)."""

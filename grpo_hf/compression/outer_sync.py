@@ -147,7 +147,7 @@ OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # SYNC_DT
 # reduce-scatter and all-gather send the bytes of the all-gather, and would quantize `Δ̄` twice.
 OWNER_MIN_WORLD_SIZE = 3
 # Counted between fault-tolerant replica groups only, logged as `grpo/sync/<name>` (beside `grpo/sync/participants`)
-ELASTIC_COUNTERS = ("discarded", "retried", "heals")
+ELASTIC_COUNTERS = ("discarded", "retried", "heals", "taken_over")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -252,6 +252,7 @@ class OuterSyncState(CommState):
         # --- statistics ---
         "traffic",
         "participants",
+        "kept_members",
         "_warned",
     )
     nonfinite_origin = (
@@ -326,6 +327,8 @@ class OuterSyncState(CommState):
         )
         self._warned: set[str] = set()
         self.participants: list[int] = []  # between fault-tolerant replica groups: the ranks of each sync kept
+        # ... and the replica ids whose local steps the last sync kept (`()`: it was discarded; `None`: not known)
+        self.kept_members: tuple[int, ...] | None = None
 
     # --- building ---
     @classmethod
@@ -668,6 +671,7 @@ class OuterSyncState(CommState):
                 self._after_quorum()
         else:
             self.participants.append(0)  # nobody's exchange was kept
+            self.kept_members = ()
             self.traffic.count(discarded=1)
             logger.warning(
                 f"GRPO sync at step {self.step}: the exchange of fragment {fragment.index} failed {comm.attempts} "
@@ -678,6 +682,7 @@ class OuterSyncState(CommState):
             return
         if comm.elastic:
             self.participants.append(world_size)
+            self.kept_members = comm.members
         if unsafe:
             self._warn_nonfinite("its local steps are dropped")
         else:
@@ -695,6 +700,14 @@ class OuterSyncState(CommState):
         if comm.membership_changed:
             for fragment in self.fragments:
                 fragment.reset_owner_residuals()
+
+    def next_sync(self, step: int, last_step: int) -> int:
+        """The first step after `step` at which a fragment syncs ([`fragments_due`]), at most `last_step` (the last
+        step of training syncs every fragment)."""
+        for later in range(step + 1, last_step):
+            if fragments_due(later, self.every, len(self.fragment_names), self.ramp):
+                return later
+        return max(step, last_step)
 
     def step_ended(self, step: int) -> dict | None:
         """

@@ -163,6 +163,7 @@ class TorchFTCommunicator(Communicator):
         self._store = None  # a store of its own (a one-process group)
         self.quorum_id = None
         self.membership_changed = False
+        self.members = None  # replica ids of the current quorum: shown at each new membership ([`_check_agreement`])
         self.received: list = []  # what the last heal received (a peer's `save()`), until the caller takes it
         self.description: dict = {}  # what every group must agree on (checked when the membership changes)
         self.joined = False
@@ -366,6 +367,8 @@ class TorchFTCommunicator(Communicator):
         quorum_id = manager._quorum_id  # noqa: SLF001 (torchft keeps it private; it changes with the membership)
         self.membership_changed = quorum_id != self.quorum_id
         self.quorum_id = quorum_id
+        if self.membership_changed:  # known again once the members have shown their ids
+            self.members = (self.settings.replica_id,) if self.world_size < 2 else None
 
     def reconfigure(self, step: int, checksum=None) -> None:
         """After a sync that did not commit: a quorum of the survivors (nobody joins or heals), for one more try;
@@ -420,6 +423,7 @@ class TorchFTCommunicator(Communicator):
         if self.errored():
             return
         theirs = [json.loads(bytes(row.tolist()).rstrip(b"\0")) for row in out.view(self.world_size, -1)]
+        self.members = tuple(sorted({their["replica_id"] for their in theirs}))
         checksums = [their.pop("global_checksum", None) for their in theirs]
         first = next((value for value in checksums if value is not None), None)
         if checksum is not None and checksum != first:

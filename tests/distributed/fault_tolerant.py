@@ -6,7 +6,9 @@ It trains a tiny Llama with the sync every H steps and writes, at the end, what 
 `θ_global`, outer momentum and parameters (their raw bytes), the trainer's step, the participants of every sync, the
 heals, and the steps it took itself. A kill is real: `--kill_at_step K` sends this process SIGKILL after step K (between
 syncs), `--kill_in_exchange K` in the middle of the exchange of the sync at step K (after its first collective
-started). `--step_seconds S` slows every step down so that a relaunched group can catch the others.
+started). `--step_seconds S` slows every step down so that a relaunched group can catch the others. Every micro-batch
+a process trains is appended as it is trained (a killed process's too) to `trained-replica<id>-<pid>.txt`: the step, the
+unit it belongs to (the group whose batch it is, and that group's step; `grpo_hf/replica_shares.py`) and its digest.
 
 Usage: python fault_tolerant.py OUT_DIR REPLICA_ID [--kill_at_step K] [--kill_in_exchange K] [--step_seconds S]
        [--replicas R] [--max_steps N] [--every H] [--tag NAME] [--lr LR] [--wait_for FILE]
@@ -52,6 +54,26 @@ class Record(TrainerCallback):
         self.participants[state.global_step] = comm.world_size
         if state.global_step == self.options.kill_at_step and self.options.kill_rank in (-1, args.process_index):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def record_trained(trainer, path):
+    """Append `step source source_step digest` for every micro-batch `trainer` trains (the own unit first, then the
+    units taken over, in the order `training_step` trains them), flushed at once."""
+    original = trainer.compute_loss
+    seen = {"step": None, "index": 0}
+    out = open(path, "a", buffering=1)
+
+    def compute_loss(model, inputs, *args, **kwargs):
+        step = trainer.state.global_step + 1
+        seen["index"] = seen["index"] + 1 if seen["step"] == step else 0
+        seen["step"] = step
+        shares = trainer.grpo_replica_shares
+        units = [(trainer.grpo_fault_tolerance.replica_id, step)] + (shares.extras_at(step) if shares else [])
+        source, source_step = units[seen["index"]]
+        out.write(f"{step} {source} {source_step} {tensor_digest([inputs['input_ids']])}\n")
+        return original(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = compute_loss
 
 
 def kill_in_exchange(step_to_kill, state):
@@ -120,6 +142,10 @@ def main():
     trainer = GRPOTrainer(model=model, args=args, train_dataset=data)
     record = Record(trainer, options)
     trainer.add_callback(record)
+    if not options.ddp:
+        rank = int(os.environ.get("RANK", 0))
+        name = f"trained-replica{options.replica_id}" + (f"-rank{rank}" if sharded else "") + f"-{os.getpid()}.txt"
+        record_trained(trainer, os.path.join(options.out_dir, name))
     state = trainer.grpo_comm_state
     if options.kill_in_exchange >= 0:
         kill_in_exchange(options.kill_in_exchange, state)
