@@ -16,8 +16,20 @@ DEFAULT_BITS = "8"
 DEFAULT_MODE = "auto"
 # grpo_sync_bits: the codes of the sync every H steps' pseudo-gradient (32: fp32). 4 bits: as good as 8 best against best
 # on the suite's fine-tune, at half the bytes (benchmarks/LOG.md, 2026-12-04).
-SYNC_BITS_CHOICES = ("4", "8", "16", "32")
+SYNC_BITS_CHOICES = ("ternary", "2", "4", "8", "16", "32")
 DEFAULT_SYNC_BITS = "4"
+# The values of grpo_sync_bits sent by a code of the sync's own, by name (`CodecSpec(code=..., bits=...)`): the per-step
+# code of `grpo_bits=2` is ternary in messages whose size depends on the data, which the sync cannot write in place.
+# "ternary" sends its levels (-1, 0, +1 times the block's absmax) 5 trits per byte; "2" the four levels 2 bits hold.
+SYNC_CODES = {"ternary": ("ternary", 2), "2": ("two-bit", 2)}
+
+
+def sync_code(sync_bits: str | int) -> tuple[int, str | None]:
+    """`grpo_sync_bits` as the `(bits, code)` of the sync's `CodecSpec` (`code=None`: the block code of those bits)."""
+    if str(sync_bits) in SYNC_CODES:
+        code, bits = SYNC_CODES[str(sync_bits)]
+        return bits, code
+    return int(sync_bits), None
 # grpo_fsdp_error_feedback: where FSDP2's compressed reduce-scatter keeps what it did not send.
 ERROR_FEEDBACK_CHOICES = ("none", "worker-bf16", "worker-int8")
 DEFAULT_FSDP_ERROR_FEEDBACK = "none"
@@ -140,4 +152,6 @@ __all__ = [
     "MODES",
     "SUPPORTED_BITS",
     "SYNC_BITS_CHOICES",
+    "SYNC_CODES",
+    "sync_code",
 ]

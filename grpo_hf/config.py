@@ -180,10 +180,13 @@ class GRPOConfig(CostFields, TrainingArguments):
             are refused with `H > 1`. For fine-tunes `32`, the other sync fields at their defaults; from scratch `8`
             (`docs/compression.md`, "Sync every H steps", has the measured cost of both).
         grpo_sync_bits (`str`, *optional*, defaults to `"4"`):
-            Bits per entry of the pseudo-gradient `Δ` the ranks exchange at a sync: `4`, `8` or `16` (codes in blocks
-            of 128 with one scale each, and error feedback: what a sync did not send is added to the next one's `Δ`),
-            or `32` (fp32, no codes; so does `grpo_compression="none"`). Tensors below `grpo_min_compress_numel` and a
-            group file's `bits: 32` go in fp32. The default is the one that measured best for fine-tunes on the
+            Bits per entry of the pseudo-gradient `Δ` the ranks exchange at a sync: `"ternary"`, `2`, `4`, `8` or `16`
+            (codes in blocks of 128 with one scale each, and error feedback: what a sync did not send is added to the
+            next one's `Δ`), or `32` (fp32, no codes; so does `grpo_compression="none"`). `"ternary"` sends the
+            levels of the per-step `grpo_bits=2` (`-1`, `0`, `+1` times the block's absmax), 5 per byte: 1.875 bits
+            per entry with the scale; `2` sends four levels (`±1/3`, `±1` times the absmax), 2.25 bits per entry
+            with the scale, so it is not the per-step `grpo_bits=2`, which is ternary. Tensors below
+            `grpo_min_compress_numel` and a group file's `bits: 32` go in fp32. The default is the one that measured best for fine-tunes on the
             benchmark suite (`docs/compression.md`): as good as 8 bits best against best, at half the bytes.
             `grpo_bits` sets the per-step codes only, which the sync does not send.
         grpo_sync_fragments (`int`, *optional*, defaults to `1`):
@@ -446,8 +449,9 @@ class GRPOConfig(CostFields, TrainingArguments):
     grpo_sync_bits: str = field(
         default=DEFAULT_SYNC_BITS,
         metadata={
-            "help": "With grpo_sync_every > 1: bits per entry of the pseudo-gradient the ranks exchange at a sync: 4, "
-            "8 or 16 (codes with error feedback) or 32 (fp32). grpo_bits sets the per-step codes only.",
+            "help": "With grpo_sync_every > 1: bits per entry of the pseudo-gradient the ranks exchange at a sync: "
+            "'ternary' (grpo_bits=2's levels -1/0/+1, 5 per byte), 2 (four levels), 4, 8 or 16 (codes with error "
+            "feedback) or 32 (fp32). grpo_bits sets the per-step codes only.",
             "choices": list(SYNC_BITS_CHOICES),
         },
     )
@@ -752,7 +756,7 @@ def _check_sync_fields(args) -> None:
     if sync_bits not in SYNC_BITS_CHOICES:
         raise ConfigError(
             f"grpo_sync_bits={args.grpo_sync_bits!r}: use one of {SYNC_BITS_CHOICES} (bits per entry of the "
-            "pseudo-gradient at a sync; 32 is fp32)."
+            "pseudo-gradient at a sync; 'ternary' sends trits, 1.6 bits each; 32 is fp32)."
         )
     if every == 1:
         if args.grpo_sync_outer_only:

@@ -17,6 +17,7 @@ from .checkpoints import (
     resolve_resume_checkpoint,
     warn_overwritten_checkpoints,
 )
+from .choices import sync_code
 from .compression import compression_plan
 from .compression.build import CommSettings, build_comm_state, refuse_comm_settings
 from .compression.fragment import global_checksum
@@ -219,13 +220,15 @@ class GRPOMixin:
         self.grpo_lr_preset = preset.name  # `auto` resolved
         self.grpo_lr_ratios = lr_ratios(groups, self.args.grpo_lr_ratios, defaults=preset.ratios)
         syncing = self.args.grpo_sync_every > 1  # the sync's pseudo-gradient has codes of its own
+        bits, code = sync_code(self.args.grpo_sync_bits) if syncing else (self.args.grpo_bits, None)
         self.grpo_plan = settings.plan = compression_plan(
             model,
             groups,
             compression=self.grpo_compression,
             density=self.args.grpo_density,
-            bits=self.args.grpo_sync_bits if syncing else self.args.grpo_bits,
+            bits=bits,
             min_numel=self.args.grpo_min_compress_numel,
+            code=code,
         )
         self.grpo_comm_state = None  # (none should the transport refuse the settings)
         self.grpo_comm_state = build_comm_state(settings)  # compression/build.py: each transport says if it applies

@@ -39,8 +39,8 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
    any rank's `Δ` holds a NaN, an Inf or a value at or above `2**60`, every rank restarts the fragment from
    `θ_global` (its local progress since the last sync is dropped; momentum and residuals, the owners' included,
    are left unchanged).
-4. **Exchange** ([`~grpo_hf.compression.compression_plan`] decides each tensor's spec): tensors with a spec (8, 4 or
-   16 bits) are encoded by their code ([`~grpo_hf.compression.codes.code_for`]: the per-step hook's kernel, `Δ +
+4. **Exchange** ([`~grpo_hf.compression.compression_plan`] decides each tensor's spec): tensors with a spec (16, 8,
+   4 or 2 bits, or ternary; `grpo_sync_bits`) are encoded by their code ([`~grpo_hf.compression.codes.code_for`]: the per-step hook's kernel, `Δ +
    residual`, block absmax, codes, new bf16 residual in place), one padded row per setting (the whole spec). Then, by the world size `W`:
    - `W = 2`: the messages are all-gathered and every rank decodes the `W` of them in rank order, its own included,
      into the mean `Δ̄`.
@@ -73,7 +73,8 @@ runs; `τ` steps later its outer step is applied and the fragment merged with th
 - Every step: `2 (W − 1) / W × 8 G` for the agreed group norms (`G` groups).
 - Per fragment synced: `2 (W − 1) / W × 8` for the flag, plus `2 (W − 1) / W × 4 n_dense` for its dense tensors,
   plus with `moments` `2 (W − 1) / W × 4 n` per moment averaged (`n` the fragment's entries),
-  plus for its codes (`s` = `4 + bits × 128 / 8` bytes per block of 128 entries, padded to 16 bytes):
+  plus for its codes (`s` = `4 + bits × 128 / 8` bytes per block of 128 entries at 4, 8 and 16 bits, `4 + 32` at 2
+  bits and `4 + 26` in trits, 5 per byte, for ternary; padded to 16 bytes per message):
   - `W = 2`, and delayed exchanges: `(W − 1) × s`, the all-gather of the messages;
   - `W >= 3`, blocking: `(W − 1) / W × S + (W − 1) × s_owner` ([`~grpo_hf.compression.traffic.owner_reduction_bytes`]):
     the all-to-all of this rank's `W` parts (`S` bytes in all, about `s`) and the all-gather of the owners' messages
@@ -165,7 +166,8 @@ class OuterSyncState(CommState):
     Args:
         plan (`dict[str, CodecSpec | None]`):
             Parameter name -> how its `Δ` is sent (`None`: fp32 all-reduce), from
-            [`~grpo_hf.compression.compression_plan`]; specs of density 1 and 4, 8 or 16 bits.
+            [`~grpo_hf.compression.compression_plan`]; specs of density 1 whose code is fixed in size (`in_sync`):
+            4, 8 or 16 bits, and the sync's 2-bit and ternary codes (`CodecSpec(code="two-bit" or "ternary")`).
         fragments (`list[list[str]]`):
             The parameter names of each fragment ([`pack_fragments`]); together, every trainable parameter once.
         every (`int`, *optional*, defaults to `16`):
@@ -283,9 +285,10 @@ class OuterSyncState(CommState):
         for name, spec in plan.items():
             if spec is not None and not code_for(spec).in_sync:
                 raise ValueError(
-                    f"{name}: the sync sends every entry of Δ in codes of one size (4, 8 or 16 bits, or fp32); got "
-                    f"density {spec.density} and {spec.bits} bits. Use grpo_compression='quantize' or 'none' and "
-                    "grpo_sync_bits 4, 8, 16 or 32 (no top-k, no ternary codes)."
+                    f"{name}: the sync sends every entry of Δ in codes of one size (ternary, 2, 4, 8 or 16 bits, or "
+                    f"fp32); got {spec}. Use grpo_compression='quantize' or 'none' and grpo_sync_bits 'ternary', 2, 4, "
+                    "8, 16 or 32 (no top-k, nor the per-step 2-bit codes, whose size depends on the data: the sync's "
+                    "'ternary' sends their levels)."
                 )
         listed = [name for names in fragments for name in names]
         if len(listed) != len(set(listed)):

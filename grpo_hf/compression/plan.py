@@ -65,6 +65,7 @@ def compression_plan(
     bits: str | int = DEFAULT_BITS,
     min_numel: int = DEFAULT_MIN_NUMEL,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    code: str | None = None,
 ) -> dict[str, CodecSpec | None]:
     r"""
     How each trainable parameter of `model` is sent: a [`~grpo_hf.compression.CodecSpec`], or `None` for dense.
@@ -92,6 +93,9 @@ def compression_plan(
             article's: 4 for linear-like weights, 8 for convolutions and embeddings).
         min_numel (`int`, *optional*, defaults to `4096`): tensors with fewer entries are sent dense.
         block_size (`int`, *optional*, defaults to `128`): values per scale.
+        code (`str`, *optional*): the registered code that sends the tensors quantized at `bits` (e.g. the sync's
+            `"ternary"`, [`~grpo_hf.choices.sync_code`]); a group's own `bits` keep the block code of their width.
+            `None`: the built-in code of each setting ([`~grpo_hf.compression.codes.code_for`]).
     """
     if compression not in COMPRESSION_CHOICES or compression == "auto":
         raise ValueError(
@@ -107,15 +111,17 @@ def compression_plan(
     for group in groups:
         for name, param in zip(group.param_names, group.params):
             kept = (group.rule.density or density) if sparse else 1.0
+            named = None  # the code of the width `bits` gives, not of a group's own
             if not quantize:
                 width = 32
             elif group.rule.bits:
                 width = group.rule.bits
             else:
                 width = default_bits(owners.get(name)) if str(bits) == "auto" else int(bits)
+                named = code
             spec = None
             if compression != "none" and param.numel() >= min_numel:
-                spec = CodecSpec(density=kept, bits=width, block_size=block_size)
+                spec = CodecSpec(density=kept, bits=width, block_size=block_size, code=named)
             plan[name] = None if spec is None or spec.lossless else spec
     return plan
 
