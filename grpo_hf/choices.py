@@ -22,14 +22,6 @@ DEFAULT_SYNC_BITS = "4"
 # code of `grpo_bits=2` is ternary in messages whose size depends on the data, which the sync cannot write in place.
 # "ternary" sends its levels (-1, 0, +1 times the block's absmax) 5 trits per byte; "2" the four levels 2 bits hold.
 SYNC_CODES = {"ternary": ("ternary", 2), "2": ("two-bit", 2)}
-
-
-def sync_code(sync_bits: str | int) -> tuple[int, str | None]:
-    """`grpo_sync_bits` as the `(bits, code)` of the sync's `CodecSpec` (`code=None`: the block code of those bits)."""
-    if str(sync_bits) in SYNC_CODES:
-        code, bits = SYNC_CODES[str(sync_bits)]
-        return bits, code
-    return int(sync_bits), None
 # grpo_fsdp_error_feedback: where FSDP2's compressed reduce-scatter keeps what it did not send.
 ERROR_FEEDBACK_CHOICES = ("none", "worker-bf16", "worker-int8")
 DEFAULT_FSDP_ERROR_FEEDBACK = "none"
@@ -47,6 +39,14 @@ DEFAULT_SYNC_GLOBAL_DEVICE = "auto"
 # grpo_sync_moments: the inner optimizer's state averaged over ranks at a sync (hivemind averages Adam's exp_avg_sq)
 SYNC_MOMENTS = {"none": (), "second": ("second",), "both": ("first", "second")}
 DEFAULT_SYNC_MOMENTS = "none"
+
+
+def sync_code(sync_bits: str | int) -> tuple[int, str | None]:
+    """`grpo_sync_bits` as the `(bits, code)` of the sync's `CodecSpec` (`code=None`: the block code of those bits)."""
+    if str(sync_bits) in SYNC_CODES:
+        code, bits = SYNC_CODES[str(sync_bits)]
+        return bits, code
+    return int(sync_bits), None
 
 
 def check_comm_settings(name=str, **settings) -> None:
