@@ -21,8 +21,11 @@ are the algorithm's steps (see the module docstring of `outer_sync.py`, which sc
 **Rows.** One row of the tensors sent dense (an fp32 all-reduce; norms, biases), then one row per setting of the
 codec (its whole [`~grpo_hf.compression.spec.CodecSpec`], ordered by bits), each tensor block-aligned and zero-padded:
 the row the [`~grpo_hf.compression.exchange.Exchange`] encodes as it is. Padding stays zero in every row (`Δ`,
-`θ_global`, the momentum, the residuals), so that a row's math, one operation per row, is its tensors' math. What is saved is keyed by parameter name ([`Fragment.state_by_name`]), so that a
-checkpoint resumes with other fragments.
+`θ_global`, the momentum, the residuals), so that a row's math, one operation per row, is its tensors' math. A code
+without a zero level (the sync's 2-bit code sends a 0 as `+a / 3`) decodes padding to non-zero values and leaves
+their opposite in the residual: after every exchange the fragment zeroes the padding of `Δ̄` and of its residual
+([`Fragment.clear_padding`]; a no-op for the codes that keep zeros). What is saved is keyed by parameter name
+([`Fragment.state_by_name`]), so that a checkpoint resumes with other fragments.
 
 **Where `θ_global` lives** (`grpo_sync_global_device`, [`global_device`]). `θ_global` and the momentum are kept on
 the CPU (pinned when the parameters are on an accelerator) or beside the parameters. The math always runs on the
@@ -247,6 +250,29 @@ class _Row:
         """Each tensor's entries in `row` (views), in order."""
         return list(row.split(self.pieces)[::2])
 
+    def padding(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """The padding after each tensor in `row` (views; none where a tensor fills its last block)."""
+        return [piece for piece in row.split(self.pieces)[1::2] if piece.numel()]
+
+    def padded_blocks(self) -> list[tuple[int, int]]:
+        """`(block, count)`: the last block of each tensor that does not fill it, and its entries of padding (the
+        last `count`)."""
+        block = self.spec.block_size
+        return [((offset + numel) // block, -numel % block) for offset, numel in zip(self.offsets, self.numels)
+                if numel % block]  # fmt: skip
+
+    def owned_padding(self, values: torch.Tensor, world_size: int, rank: int) -> list[torch.Tensor]:
+        """The padding in `values`, the blocks `rank` owns one after the other (an owner residual; views)."""
+        padded, owned = self.padded_blocks(), self.run.owned_blocks(world_size)[rank]
+        if not padded or not owned.numel():
+            return []
+        block = self.spec.block_size
+        wanted = torch.tensor([b for b, _ in padded], dtype=owned.dtype)
+        where = torch.searchsorted(owned, wanted).clamp_max(owned.numel() - 1)  # owned blocks are in row order
+        found = (owned[where] == wanted).tolist()
+        return [values[(i + 1) * block - count : (i + 1) * block]
+                for (_, count), i, hit in zip(padded, where.tolist(), found) if hit]  # fmt: skip
+
 
 class _RowResidual:
     """A fragment's residual of one row as the exchange reads and writes it: bf16 zeros until its first exchange."""
@@ -423,8 +449,23 @@ class Fragment:
                 exchange.reduce_with_owners([part])
             else:
                 exchange.start_all_gather([part]).finish()
+            self.clear_padding(index, deltas[index])
         if deltas[0].numel():
             exchange.start_mean(deltas[0]).wait()
+
+    def clear_padding(self, index: int, delta: torch.Tensor) -> None:
+        """
+        Zero the padding of codec row `index` in `delta` (its `Δ̄`) and in its residuals (the owner residual included),
+        after an exchange: what a code without a zero level decoded there, and its opposite it left in the residuals,
+        never reach `θ_global` nor a checkpoint (which keeps the residuals by name, without padding). A no-op for the
+        codes that send a 0 as 0.
+        """
+        row, residual, held = self.rows[index], self.residuals[index], self.owner_residuals[index]
+        pieces = row.padding(delta) + ([] if residual is None else row.padding(residual))
+        if pieces and held is not None:  # the owner residual of the blocks this rank owns
+            pieces += row.owned_padding(held[2], held[0], held[1])
+        if pieces:
+            torch._foreach_zero_(pieces)
 
     def checksum(self) -> int:
         """[`global_checksum`] of this fragment's `θ_global` (its rows' zero padding adds nothing)."""
@@ -531,8 +572,9 @@ class Fragment:
             if flight.mean is not None:
                 flight.mean.wait()
             if not flight.unsafe:
-                for gathered in flight.gathers:
+                for gathered, index in zip(flight.gathers, self.codec_rows):
                     gathered.finish()
+                    self.clear_padding(index, flight.deltas[index])
         flight.completed = True
         flight.exchange = flight.flag = flight.mean = None
         flight.gathers = []
