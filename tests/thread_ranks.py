@@ -53,6 +53,11 @@ class ThreadCommunicator(Communicator):
         super().__init__(emulated=False)
         self.threads, self.rank, self.world_size = threads, rank, threads.world_size
 
+    def duplicate(self):
+        """A twin over the same threads: every collective completes at once, in the order each rank calls it, so the
+        twin's and this one's cannot interleave differently on two ranks."""
+        return ThreadCommunicator(self.threads, self.rank)
+
     def _meet(self, value):
         self.threads.held[self.rank] = value
         self.threads.barrier.wait()
