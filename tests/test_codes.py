@@ -2,12 +2,14 @@
 round trip with error feedback, its capabilities), and that adding a code is one new class and one registration, which
 the exchange then carries end to end (a toy 1-bit sign code, defined here)."""
 
+import hypothesis
 import pytest
 import torch
+from testing_utils import codec_cases
 from thread_ranks import ThreadRanks
 
 from grpo_hf.compression import CodecSpec
-from grpo_hf.compression.codec import compile_kernels, padded_nbytes
+from grpo_hf.compression.codec import SAFE_MAGNITUDE, STEP_FLOOR, compile_kernels, padded_nbytes
 from grpo_hf.compression.codes import (
     BlockCode,
     Code,
@@ -219,6 +221,35 @@ def test_error_feedback_makes_the_sum_sent_converge_to_the_sum_of_delta(spec):
     assert gap <= 1.0  # within one residual (at most the absmax), whatever the number of syncs
     torch.testing.assert_close(sent_sum / syncs, delta, rtol=0, atol=1.0 / syncs)
     assert (plain_sum - syncs * delta).abs().max().item() > 0.05 * syncs  # without error feedback: a bias per sync
+
+
+@pytest.mark.parametrize("spec", [TERNARY, TWO_BIT], ids=["ternary", "two-bit"])
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(case=codec_cases())
+def test_the_sync_codes_hold_their_contract_at_every_magnitude(spec, case):
+    # zeros, subnormals and magnitudes up to 1e30 (the sync sends no Δ at 2**60 or more: its flag restarts instead):
+    # finite codes, values and residual; sent + residual = input up to the bf16 residual's rounding; the levels
+    grad, residual, _ = case
+    acc = grad.double() + residual.double()
+    hypothesis.assume(float(acc.abs().max()) < SAFE_MAGNITUDE)
+    code = code_for(spec)
+    message, kept = code.encode(EAGER, grad, residual.clone())
+    sent, _ = code.decode(EAGER, [message], grad.shape[0])
+    assert torch.isfinite(sent).all() and torch.isfinite(kept.float()).all()
+    error = (acc - sent.double() - kept.double()).abs()
+    bf16_tiny = 2.0**-133  # the smallest bf16 subnormal: a residual below it rounds to 0
+    assert bool((error <= 2**-8 * kept.double().abs() + 2**-22 * acc.abs() + bf16_tiny).all())
+    absmax = acc.float().abs().amax(dim=1, keepdim=True)
+    below = absmax < STEP_FLOOR  # a block below the floor is sent as zeros, kept whole in the residual
+    assert not sent[below.expand_as(sent)].any()
+    if spec == TERNARY:  # the per-step 2-bit code's values, bit for bit
+        per_step = code_for(CodecSpec(bits=2))
+        assert torch.equal(
+            sent, per_step.decode(EAGER, [per_step.encode(EAGER, grad, residual.clone())[0]], len(grad))[0]
+        )
+    else:  # the nearest of +-a / 3, +-a: off by at most a / 3 (up to fp32 rounding), but below the floor
+        near = (acc - sent.double()).abs() <= absmax.double() / 3 * (1 + 2**-20) + 2.0**-149
+        assert bool((near | below).all())
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
