@@ -2,16 +2,14 @@
 round trip with error feedback, its capabilities), and that adding a code is one new class and one registration, which
 the exchange then carries end to end (a toy 1-bit sign code, defined here)."""
 
-import threading
-
 import pytest
 import torch
-import torch.distributed as dist
+from testing_utils import ThreadRanks
 
 from grpo_hf.compression import CodecSpec
 from grpo_hf.compression.codec import compile_kernels, padded_nbytes
 from grpo_hf.compression.codes import BlockCode, Code, Fp32Code, TopKCode, code_for, register, unregister
-from grpo_hf.compression.communicator import Communicator, SoloCommunicator
+from grpo_hf.compression.communicator import SoloCommunicator
 from grpo_hf.compression.exchange import Exchange, Part
 from grpo_hf.compression.layout import bucket_layout
 from grpo_hf.compression.outer_sync import OuterSyncState
@@ -203,65 +201,6 @@ class _Residual:
         self.row = row.reshape(-1).clone()
 
 
-class _Threads:
-    """`W` ranks, each in its own thread, meeting at a barrier for every collective."""
-
-    def __init__(self, world_size):
-        self.world_size, self.barrier, self.held = world_size, threading.Barrier(world_size), [None] * world_size
-
-    def run(self, work):
-        out, errors = [None] * self.world_size, []
-
-        def one(rank):
-            try:
-                out[rank] = work(_ThreadComm(self, rank))
-            except BaseException as error:  # (the other ranks would wait forever at the barrier)
-                errors.append(error)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=one, args=(rank,)) for rank in range(self.world_size)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
-        return out
-
-
-class _ThreadComm(Communicator):
-    """One rank of `_Threads`, through the door a real communicator comes in by."""
-
-    def __init__(self, threads, rank):
-        super().__init__(emulated=False)
-        self.threads, self.rank, self.world_size = threads, rank, threads.world_size
-
-    def _meet(self, value):
-        self.threads.held[self.rank] = value
-        self.threads.barrier.wait()
-        everyone = list(self.threads.held)
-        self.threads.barrier.wait()
-        return everyone
-
-    def _all_reduce(self, tensor, op):
-        stacked = torch.stack(self._meet(tensor.clone()))
-        tensor.copy_(stacked.amax(0) if op == dist.ReduceOp.MAX else stacked.sum(0))
-        return []
-
-    def _all_gather_into(self, out, mine, tag):
-        everyone = self._meet(mine.clone())
-        out.view(self.world_size, -1).copy_(torch.stack(everyone))
-        return []
-
-    def _all_to_all(self, recv, send, recv_splits, send_splits):
-        parts = self._meet(torch.split(send.clone(), send_splits))
-        recv.copy_(torch.cat([parts[r][self.rank] for r in range(self.world_size)]))
-
-    def _broadcast(self, tensor, src):
-        tensor.copy_(self._meet(tensor.clone())[src])
-        return []
-
-
 def _run_of(spec, numels):
     names = [f"w{i}" for i in range(len(numels))]
     starts = [sum(numels[:i]) for i in range(len(numels))]
@@ -308,7 +247,7 @@ def test_the_exchange_carries_a_new_code_between_ranks(sign_code, world_size):
         Exchange(EAGER, comm, stats).start_all_gather([Part(run, rows, residual, out=out)]).finish()
         return out, residual.row, stats.bytes_sent
 
-    results = _Threads(world_size).run(rank_work)
+    results = ThreadRanks(world_size).run(rank_work)
     means = [out for out, _, _ in results]
     assert all(torch.equal(mean, means[0]) for mean in means)
     residuals = torch.stack([row for _, row, _ in results]).mean(0)
@@ -335,7 +274,7 @@ def test_owner_reduction_carries_a_new_code(sign_code):
         )
         return out, residual.row, owner.row
 
-    results = _Threads(world_size).run(rank_work)
+    results = ThreadRanks(world_size).run(rank_work)
     means = [out for out, _, _ in results]
     assert all(torch.equal(mean, means[0]) for mean in means)
     # what the owners left out, put back in block order
@@ -411,7 +350,7 @@ def test_the_sync_carries_a_new_code_beside_a_block_code_of_the_same_bits(sign_c
         assert state.totals()["syncs"] == 1
         return [p.detach().clone() for p in model.parameters()]
 
-    results = _Threads(world_size).run(rank_work)
+    results = ThreadRanks(world_size).run(rank_work)
     for params in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(params, results[0]))
     start = [p.detach() for p in _sync_model().parameters()]

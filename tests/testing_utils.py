@@ -1,5 +1,5 @@
-"""Helpers for tests and benchmarks: tiny models built from a config, a fake DDP bucket, and the launchers (torchrun,
-accelerate launch).
+"""Helpers for tests and benchmarks: tiny models built from a config, a fake DDP bucket, ranks played by threads
+(`ThreadRanks`), and the launchers (torchrun, accelerate launch).
 
 Example:
 
@@ -17,10 +17,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from grpo_hf.compression.communicator import Communicator
 
 
 # The repository root (it holds the `grpo_hf` package) and this folder (for `testing_utils`): on the workers'
@@ -283,6 +287,82 @@ def run_launcher(
 
 # Powers of ten the property tests draw block magnitudes from: zeros and subnormals up to 1e30.
 CODEC_EXPONENTS = (-45, -44, -42, -40, -39, -38, -37, -36, -35, -30, -20, -10, -5, -3, -1, 0, 1, 3, 10, 20, 30)
+
+
+class ThreadRanks:
+    """`W` ranks, each in its own thread, meeting at a barrier for every collective (each collective completes as it
+    starts); [`twin`] gives the ranks of a communicator's twin (`delay > 0`)."""
+
+    def __init__(self, world_size):
+        self.world_size, self.barrier, self.held = world_size, threading.Barrier(world_size), [None] * world_size
+        self.lock, self.twins = threading.Lock(), []
+
+    def twin(self) -> "ThreadRanks":
+        """The same ranks on a barrier of their own (the first rank to ask makes it; the others share it)."""
+        with self.lock:
+            if not self.twins:
+                self.twins.append(ThreadRanks(self.world_size))
+            return self.twins[0]
+
+    def abort(self) -> None:
+        self.barrier.abort()
+        for twin in self.twins:
+            twin.abort()
+
+    def run(self, work):
+        out, errors = [None] * self.world_size, []
+
+        def one(rank):
+            try:
+                out[rank] = work(ThreadComm(self, rank))
+            except BaseException as error:  # (the other ranks would wait forever at the barrier)
+                errors.append(error)
+                self.abort()
+
+        threads = [threading.Thread(target=one, args=(rank,)) for rank in range(self.world_size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return out
+
+
+class ThreadComm(Communicator):
+    """One rank of `ThreadRanks`, through the door a real communicator comes in by."""
+
+    def __init__(self, threads, rank):
+        super().__init__(emulated=False)
+        self.threads, self.rank, self.world_size = threads, rank, threads.world_size
+
+    def _meet(self, value):
+        self.threads.held[self.rank] = value
+        self.threads.barrier.wait()
+        everyone = list(self.threads.held)
+        self.threads.barrier.wait()
+        return everyone
+
+    def _all_reduce(self, tensor, op):
+        stacked = torch.stack(self._meet(tensor.clone()))
+        tensor.copy_(stacked.amax(0) if op == dist.ReduceOp.MAX else stacked.sum(0))
+        return []
+
+    def _all_gather_into(self, out, mine, tag):
+        everyone = self._meet(mine.clone())
+        out.view(self.world_size, -1).copy_(torch.stack(everyone))
+        return []
+
+    def _all_to_all(self, recv, send, recv_splits, send_splits):
+        parts = self._meet(torch.split(send.clone(), send_splits))
+        recv.copy_(torch.cat([parts[r][self.rank] for r in range(self.world_size)]))
+
+    def duplicate(self):
+        return ThreadComm(self.threads.twin(), self.rank)
+
+    def _broadcast(self, tensor, src):
+        tensor.copy_(self._meet(tensor.clone())[src])
+        return []
 
 
 def codec_cases(max_blocks: int = 6, block: int = 128):
