@@ -238,7 +238,7 @@ class GRPOConfig(CostFields, TrainingArguments):
             [`~grpo_hf.compression.codes.ChunkTopKCode`]): of every chunk of `grpo_sync_chunk` entries of `Δ +` the
             residual, only the `k = ceil(density × C)` of largest magnitude are sent, as 2-bit codes (sign and one of
             two magnitudes fitted to the chunk) with their positions in `log2 C` bits; the rest waits in the residual.
-            SparseLoCo's `64 / 4096 = 0.015625` sends `4 + 64 × 14 / 8 = 116` bytes per chunk of 4,096 entries where
+            SparseLoCo's `64 / 4096 = 0.015625` sends `4 + 64 (2 + 12) / 8 = 116` bytes per chunk of 4,096 entries where
             4-bit codes send 2,176. Its messages are all-gathered whatever the number of ranks `W` (no owner
             reduction): each rank sends `(W − 1)` messages per sync, bytes that grow linearly with `W`. Needs
             `grpo_sync_every > 1`, `grpo_sync_bits` and `grpo_compression` at their defaults (or `grpo_compression=
