@@ -173,7 +173,8 @@ class OuterSyncState(CommState):
     Args:
         plan (`dict[str, CodecSpec | None]`):
             Parameter name -> how its `Δ` is sent (`None`: fp32 all-reduce), from
-            [`~grpo_hf.compression.compression_plan`]; specs of density 1 and 4, 8 or 16 bits.
+            [`~grpo_hf.compression.compression_plan`]; specs of density 1 and 4, 8 or 16 bits, or of the chunked top-k
+            code ([`~grpo_hf.compression.plan.sparse_sync_plan`]).
         fragments (`list[list[str]]`):
             The parameter names of each fragment ([`pack_fragments`]); together, every trainable parameter once.
         every (`int`, *optional*, defaults to `16`):
