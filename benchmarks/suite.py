@@ -79,11 +79,14 @@ DEFAULT_COMM_ROWS = "dense,q8s,q8,q4s,q4,fp16"  # q8: GRPOConfig's defaults at W
 # in bf16), `-momboth` / `-momsecond` (the inner AdamW moments averaged at a sync: grpo_sync_moments), `-d<tau>` /
 # `-mix<alpha>` (the overlap: grpo_sync_delay, grpo_sync_mix); `localsgd-h<H>`: plain averaging every H steps (outer
 # lr 1, momentum 0, fp32, no ramp: accelerate's LocalSGD); `outer-h<H>`: DDP's fp32 all-reduce every step plus the
-# outer step every H steps (the control: no bytes saved). Other settings: `grpo:grpo_sync_every=16;...`.
+# outer step every H steps (the control: no bytes saved). Other settings: `grpo:grpo_sync_every=16;...`. Last, optionally,
+# the sparse code (SparseLoCo): `-k<k>of<C>` (the top k of every C entries: grpo_sync_density k / C, grpo_sync_chunk C)
+# and `-beta<β>` (grpo_sync_error_decay), e.g. `sync32-k64of4096-beta0.95`.
 SYNC_ROW = re.compile(
     r"sync(?P<every>\d+)(?:-q(?P<bits>4|8|16|2|t)|(?P<fp32>-fp32))?(?:-f(?P<fragments>\d+))?(?P<noramp>-noramp)?"
     r"(?:-lr(?P<lr>[0-9.]+))?(?:-m(?P<momentum>[0-9.]+))?(?P<bf16>-bf16)?(?:-mom(?P<moments>both|second))?"
     r"(?:-d(?P<delay>\d+))?(?:-mix(?P<mix>[0-9.]+))?"
+    r"(?:-k(?P<topk>\d+)of(?P<chunk>\d+))?(?:-beta(?P<decay>[0-9.]+))?"
 )
 
 
@@ -117,6 +120,11 @@ def sync_row(name: str) -> dict | None:
             row["grpo_sync_delay"] = int(match["delay"])
         if match["mix"]:
             row["grpo_sync_mix"] = float(match["mix"])
+        if match["topk"]:
+            row["grpo_sync_density"] = int(match["topk"]) / int(match["chunk"])
+            row["grpo_sync_chunk"] = int(match["chunk"])
+        if match["decay"]:
+            row["grpo_sync_error_decay"] = float(match["decay"])
         return row
     match = re.fullmatch(r"localsgd-h(\d+)", name)
     if match:

@@ -82,6 +82,7 @@ from ..choices import SYNC_MOMENTS
 from ..errors import ConfigError
 from ..optim.moments import averaging_refusal, local_tensor, moment_numel, moment_tensors
 from .codec import all_safe
+from .codes import code_for
 from .exchange import Exchange, Part
 from .layout import Run
 from .row_store import RESIDUAL_DTYPE
@@ -274,18 +275,28 @@ class _Row:
                 for (_, count), i, hit in zip(padded, where.tolist(), found) if hit]  # fmt: skip
 
 
+def _decayed(residual: torch.Tensor, decay: float) -> torch.Tensor:
+    """`decay * residual` as a new bf16 row (SparseLoCo's `e ← β e` before `Δ` is added); the row itself at 1."""
+    if decay == 1:
+        return residual
+    return (residual.float() * decay).to(RESIDUAL_DTYPE)
+
+
 class _RowResidual:
-    """A fragment's residual of one row as the exchange reads and writes it: bf16 zeros until its first exchange."""
+    """
+    A fragment's residual of one row as the exchange reads and writes it: bf16 zeros until its first exchange, read
+    times `decay` (a new row: the held one is replaced only when the exchange writes its new residual).
+    """
 
-    __slots__ = ("held", "index", "length", "device")
+    __slots__ = ("held", "index", "length", "device", "decay")
 
-    def __init__(self, held: list, index: int, length: int, device):
-        self.held, self.index, self.length, self.device = held, index, length, device
+    def __init__(self, held: list, index: int, length: int, device, decay: float = 1.0):
+        self.held, self.index, self.length, self.device, self.decay = held, index, length, device, decay
 
     def read(self, block_size: int) -> torch.Tensor:
         if self.held[self.index] is None:
             self.held[self.index] = torch.zeros(self.length, dtype=RESIDUAL_DTYPE, device=self.device)
-        return self.held[self.index].view(-1, block_size)
+        return _decayed(self.held[self.index], self.decay).view(-1, block_size)
 
     def write(self, row: torch.Tensor) -> None:
         self.held[self.index] = row.reshape(-1)
@@ -293,7 +304,7 @@ class _RowResidual:
 
 class _OwnerResidual:
     """The residual of the blocks of one row that this rank owns (owner reduction), at one world size: zeros at its
-    first exchange, but for the chunks a checkpoint saved."""
+    first exchange, but for the chunks a checkpoint saved; read times the fragment's `error_decay`, as the sender's."""
 
     __slots__ = ("fragment", "index", "world_size", "rank")
 
@@ -311,7 +322,7 @@ class _OwnerResidual:
                 if name in saved:
                     row[offset : offset + size] = saved.pop(name).to(row.device).reshape(-1)[:size]
             held = self.fragment.owner_residuals[self.index] = (self.world_size, self.rank, row)
-        return held[2].view(-1, block_size)
+        return _decayed(held[2], self.fragment.error_decay).view(-1, block_size)
 
     def write(self, row: torch.Tensor) -> None:
         self.fragment.owner_residuals[self.index] = (self.world_size, self.rank, row.reshape(-1))
@@ -346,11 +357,13 @@ class Fragment:
         momentum (`bool`): whether the outer step keeps a momentum.
         global_device (`str`, *optional*, defaults to `"parameters"`): where `θ_global` and the momentum live
             ([`global_device`]): `"cpu"` (pinned when the parameters are on an accelerator) or `"parameters"`.
+        error_decay (`float`, *optional*, defaults to `1.0`): `β`, what each sync keeps of the residuals before it adds
+            `Δ` (`r ← β r + Δ`, then what is sent is subtracted); `1` keeps them whole.
     """
 
     def __init__(self, index: int, names: list[str], params: dict, plan: dict, dtype: torch.dtype, momentum: bool,
-                 global_device: str = "parameters"):  # fmt: skip
-        self.index, self.names = index, list(names)
+                 global_device: str = "parameters", error_decay: float = 1.0):  # fmt: skip
+        self.index, self.names, self.error_decay = index, list(names), float(error_decay)
         self.params = {name: params[name] for name in names}
         self.numel = sum(local_tensor(p).numel() for p in self.params.values())
         self.device = local_tensor(next(iter(self.params.values()))).device
@@ -434,18 +447,19 @@ class Fragment:
         """Row `index`'s `Δ` as a part of an exchange: its residuals, its mean decoded into it."""
         row = self.rows[index]
         rows = delta.view(-1, row.spec.block_size)
-        residual = _RowResidual(self.residuals, index, row.length, self.device)
+        residual = _RowResidual(self.residuals, index, row.length, self.device, self.error_decay)
         return Part(row.run, rows, residual, out=rows, owner_residual=_OwnerResidual(self, index, world_size, rank))
 
     def exchange(self, exchange: Exchange, deltas: list[torch.Tensor], owners: bool) -> None:
         """
         `Δ` becomes `Δ̄`, the mean over the ranks, in place (blocking): every codec row with its error feedback,
-        all-gathered, or (`owners`) reduced by the owners of its blocks; then the dense row, one fp32 all-reduce.
+        all-gathered, or (`owners`) reduced by the owners of its blocks when its code allows it (the chunked top-k
+        code is all-gathered whatever the world size); then the dense row, one fp32 all-reduce.
         """
         comm = exchange.comm
         for index in self.codec_rows:
             part = self._part(index, deltas[index], comm.world_size, comm.rank)
-            if owners:
+            if owners and code_for(part.run.spec).owner_reducible:
                 exchange.reduce_with_owners([part])
             else:
                 exchange.start_all_gather([part]).finish()

@@ -3,6 +3,8 @@
 from torch import nn
 
 from ..grouping import ParameterGroup, assign_groups, load_group_spec
+from .codes import code_for
+from .codes.chunk_topk import CHUNK_TOPK, CHUNK_TOPK_BITS
 from .spec import (
     COMM_MODE_CHOICES,
     COMPRESSION_CHOICES,
@@ -126,6 +128,28 @@ def compression_plan(
     return plan
 
 
+def sparse_sync_plan(plan: dict[str, CodecSpec | None], density: float, chunk: int) -> dict[str, CodecSpec | None]:
+    r"""
+    The sync every H steps' plan with every tensor it sends in codes sent in the chunked top-k code instead
+    (`grpo_sync_density < 1`; [`~grpo_hf.compression.codes.ChunkTopKCode`]): the `ceil(density * chunk)` entries of
+    largest magnitude of every chunk of `chunk`, in 2-bit codes. Tensors sent dense (`None`: small ones, a group file's
+    `bits: 32`) stay dense.
+
+    Example:
+
+    ```python
+    >>> plan = sparse_sync_plan(compression_plan(model, bits=4), density=64 / 4096, chunk=4096)  # SparseLoCo's
+    ```
+
+    Raises:
+        `ValueError`: a density outside `(0, 1)`, a chunk that is not a power of two from 2 to 65536, or a density that
+            keeps every entry of a chunk.
+    """
+    spec = CodecSpec(density=density, bits=CHUNK_TOPK_BITS, block_size=chunk, code=CHUNK_TOPK)
+    code_for(spec)  # its own refusals
+    return {name: None if held is None else spec for name, held in plan.items()}
+
+
 __all__ = [
     "ALLGATHER_MAX_WORKERS",
     "DEFAULT_MIN_NUMEL",
@@ -134,4 +158,5 @@ __all__ = [
     "parameter_modules",
     "resolve_compression",
     "resolve_mode",
+    "sparse_sync_plan",
 ]

@@ -18,6 +18,9 @@ Scenarios, each recording per rank what the pytest side asserts:
 - `moments_resume` (launched on its own): `resume` with `grpo_sync_moments="both"`.
 - `resume_ternary`, `resume_2` (launched on their own): `resume` with `grpo_sync_bits="ternary"` / `"2"`, the sync's
   own codes (trits, four 2-bit levels); the straight run also records the replicas after every sync and the bytes.
+- `sparse` (launched on its own, on 2 and 4 processes): `sync` with the sparse code (SparseLoCo: 16 of every 256
+  entries, 2-bit values, residual decay 0.95), all-gathered whatever the world size.
+- `sparse_resume` (launched on its own): `resume` with the sparse code.
 
 Usage: torchrun --nproc_per_node 2 outer_sync_ddp.py OUT_DIR [SCENARIO ...]
 """
@@ -121,14 +124,15 @@ def by_name(state: OuterSyncState, key: str) -> dict:
 def codec_bytes(state: OuterSyncState, index: int, world_size: int, blocking: bool = True) -> float:
     """
     The bytes of a fragment's codes in one sync: the all-gather of every rank's message, or from OWNER_MIN_WORLD_SIZE
-    ranks (blocking syncs) the all-to-all of each owner's blocks (each tensor's blocks cut into `W` chunks, chunk `j`
-    owned by rank `(j + crc32(name)) % W`) plus the all-gather of the owners' messages, padded to the longest.
+    ranks (blocking syncs, codes that owners reduce) the all-to-all of each owner's blocks (each tensor's blocks cut into
+    `W` chunks, chunk `j` owned by rank `(j + crc32(name)) % W`) plus the all-gather of the owners' messages, padded to
+    the longest.
     """
     sent = 0.0
     for row in state.fragments[index].rows[1:]:  # the codec rows (the first is sent dense)
         spec, slots, length = row.spec, zip(row.names, row.offsets, row.numels), row.length
         code, block = code_for(spec), spec.block_size
-        if world_size < OWNER_MIN_WORLD_SIZE or not blocking:
+        if world_size < OWNER_MIN_WORLD_SIZE or not blocking or not code.owner_reducible:
             sent += allgather_bytes(code.message_nbytes(length // block), world_size)
             continue
         counts = [0] * world_size
@@ -312,6 +316,20 @@ def scenario_moments_resume(out_dir):
     return {"straight": straight, "resumed": resumed}
 
 
+SPARSE = dict(grpo_sync_density=16 / 256, grpo_sync_chunk=256, grpo_sync_error_decay=0.95)  # SparseLoCo's, small
+
+
+def scenario_sparse(out_dir):
+    return train(make_args(out_dir, "sparse", **SPARSE))
+
+
+def scenario_sparse_resume(out_dir):
+    args = make_args(out_dir, "sparse_resume", max_steps=12, save_strategy="steps", save_steps=6, **SPARSE)
+    straight = train(args)
+    resumed = train(args, resume=os.path.join(args.output_dir, "checkpoint-6"))
+    return {"straight": straight, "resumed": resumed}
+
+
 SCENARIOS = {
     "localsgd": scenario_localsgd,
     "sync": scenario_sync,
@@ -324,9 +342,11 @@ SCENARIOS = {
     "moments_resume": scenario_moments_resume,
     "resume_ternary": lambda out_dir: scenario_resume(out_dir, "resume_ternary", grpo_sync_bits="ternary"),
     "resume_2": lambda out_dir: scenario_resume(out_dir, "resume_2", grpo_sync_bits="2"),
+    "sparse": scenario_sparse,
+    "sparse_resume": scenario_sparse_resume,
 }
 # launched by their own test fixtures, not by default
-ALONE = ("moments", "moments_resume", "resume_ternary", "resume_2")
+ALONE = ("moments", "moments_resume", "resume_ternary", "resume_2", "sparse", "sparse_resume")
 
 
 def main():

@@ -7,6 +7,7 @@ and one line here.
 
 from .base import Code, code_for, register, registered_codes, unregister
 from .block import BlockCode
+from .chunk_topk import ChunkTopKCode
 from .fp32 import Fp32Code
 from .ternary import TernaryCode
 from .topk import TopKCode
@@ -15,6 +16,7 @@ from .two_bit import TwoBitCode
 
 __all__ = [
     "BlockCode",
+    "ChunkTopKCode",
     "Code",
     "Fp32Code",
     "TernaryCode",
