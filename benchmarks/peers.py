@@ -531,7 +531,16 @@ def what_it_sends(row: str) -> str:
     if row.startswith("localsgd-"):
         return f"fp32 Δ every {every} steps (GRPO's emulation of accelerate's LocalSGD)"
     bits = sync.get("grpo_sync_bits")
-    text = f"{bits}-bit Δ codes with error feedback" if bits and bits != "32" else "fp32 Δ"
+    if bits == "ternary":
+        text = "ternary Δ codes (trits, 5 per byte) with error feedback"
+    else:
+        text = f"{bits}-bit Δ codes with error feedback" if bits and bits != "32" else "fp32 Δ"
+    if sync.get("grpo_sync_density", 1.0) < 1:  # the sparse code (SparseLoCo)
+        chunk = sync["grpo_sync_chunk"]
+        kept = round(sync["grpo_sync_density"] * chunk)
+        text = f"top {kept} of every {chunk} entries of Δ, 2-bit codes with error feedback"
+    if sync.get("grpo_sync_error_decay", 1.0) < 1:
+        text += f" (decay {sync['grpo_sync_error_decay']:g})"
     text += f" every {every} steps" + (", ramp 1, 2, 4, …" if sync.get("grpo_sync_ramp", True) else "")
     if sync.get("grpo_sync_fragments", 1) > 1:
         text += f"; {sync['grpo_sync_fragments']} fragments in turn"

@@ -74,16 +74,19 @@ COMM_ROWS = {
 }
 DEFAULT_COMM_ROWS = "dense,q8s,q8,q4s,q4,fp16"  # q8: GRPOConfig's defaults at W=2
 # The sync every H steps (grpo_sync_every), named by pattern: `sync<H>` (GRPOConfig's defaults with that interval),
-# `sync<H>-q<bits>` (grpo_sync_bits 4, 8 or 16: codes with error feedback) or `sync<H>-fp32`, then optionally `-f<F>`
-# (F fragments), `-noramp`, `-lr<outer lr>`, `-m<momentum>`, `-bf16` (θ_global in bf16), `-momboth` / `-momsecond`
-# (the inner AdamW moments averaged at a sync: grpo_sync_moments), `-d<tau>` / `-mix<alpha>` (the overlap:
-# grpo_sync_delay, grpo_sync_mix); `localsgd-h<H>`: plain averaging every H steps (outer lr 1, momentum 0, fp32, no
-# ramp: accelerate's LocalSGD); `outer-h<H>`: DDP's fp32 all-reduce every step plus the outer step every H steps (the
-# control: no bytes saved). Other settings: `grpo:grpo_sync_every=16;grpo_sync_outer_lr=0.5;...`.
+# `sync<H>-q<bits>` (grpo_sync_bits 4, 8, 16 or 2: codes with error feedback; `-qt`: grpo_sync_bits "ternary") or
+# `sync<H>-fp32`, then optionally `-f<F>` (F fragments), `-noramp`, `-lr<outer lr>`, `-m<momentum>`, `-bf16` (θ_global
+# in bf16), `-momboth` / `-momsecond` (the inner AdamW moments averaged at a sync: grpo_sync_moments), `-d<tau>` /
+# `-mix<alpha>` (the overlap: grpo_sync_delay, grpo_sync_mix); `localsgd-h<H>`: plain averaging every H steps (outer
+# lr 1, momentum 0, fp32, no ramp: accelerate's LocalSGD); `outer-h<H>`: DDP's fp32 all-reduce every step plus the
+# outer step every H steps (the control: no bytes saved). Other settings: `grpo:grpo_sync_every=16;...`. Last, optionally,
+# the sparse code (SparseLoCo): `-k<k>of<C>` (the top k of every C entries: grpo_sync_density k / C, grpo_sync_chunk C)
+# and `-beta<β>` (grpo_sync_error_decay), e.g. `sync32-k64of4096-beta0.95`.
 SYNC_ROW = re.compile(
-    r"sync(?P<every>\d+)(?:-q(?P<bits>4|8|16)|(?P<fp32>-fp32))?(?:-f(?P<fragments>\d+))?(?P<noramp>-noramp)?"
+    r"sync(?P<every>\d+)(?:-q(?P<bits>4|8|16|2|t)|(?P<fp32>-fp32))?(?:-f(?P<fragments>\d+))?(?P<noramp>-noramp)?"
     r"(?:-lr(?P<lr>[0-9.]+))?(?:-m(?P<momentum>[0-9.]+))?(?P<bf16>-bf16)?(?:-mom(?P<moments>both|second))?"
     r"(?:-d(?P<delay>\d+))?(?:-mix(?P<mix>[0-9.]+))?"
+    r"(?:-k(?P<topk>\d+)of(?P<chunk>\d+))?(?:-beta(?P<decay>[0-9.]+))?"
 )
 
 
@@ -100,7 +103,8 @@ def sync_row(name: str) -> dict | None:
         row = {"grpo_sync_every": int(match["every"]), "grpo_sync_fragments": int(match["fragments"] or 1),
                "grpo_sync_ramp": not match["noramp"]}  # fmt: skip
         if match["bits"]:
-            row.update(grpo_compression="quantize", grpo_sync_bits=match["bits"], grpo_scale_gradients=False)
+            bits = "ternary" if match["bits"] == "t" else match["bits"]
+            row.update(grpo_compression="quantize", grpo_sync_bits=bits, grpo_scale_gradients=False)
         else:
             row.update(grpo_compression="none")
     if match:
@@ -116,6 +120,11 @@ def sync_row(name: str) -> dict | None:
             row["grpo_sync_delay"] = int(match["delay"])
         if match["mix"]:
             row["grpo_sync_mix"] = float(match["mix"])
+        if match["topk"]:
+            row["grpo_sync_density"] = int(match["topk"]) / int(match["chunk"])
+            row["grpo_sync_chunk"] = int(match["chunk"])
+        if match["decay"]:
+            row["grpo_sync_error_decay"] = float(match["decay"])
         return row
     match = re.fullmatch(r"localsgd-h(\d+)", name)
     if match:

@@ -16,8 +16,12 @@ DEFAULT_BITS = "8"
 DEFAULT_MODE = "auto"
 # grpo_sync_bits: the codes of the sync every H steps' pseudo-gradient (32: fp32). 4 bits: as good as 8 best against best
 # on the suite's fine-tune, at half the bytes (benchmarks/LOG.md, 2026-12-04).
-SYNC_BITS_CHOICES = ("4", "8", "16", "32")
+SYNC_BITS_CHOICES = ("ternary", "2", "4", "8", "16", "32")
 DEFAULT_SYNC_BITS = "4"
+# The values of grpo_sync_bits sent by a code of the sync's own, by name (`CodecSpec(code=..., bits=...)`): the per-step
+# code of `grpo_bits=2` is ternary in messages whose size depends on the data, which the sync cannot write in place.
+# "ternary" sends its levels (-1, 0, +1 times the block's absmax) 5 trits per byte; "2" the four levels 2 bits hold.
+SYNC_CODES = {"ternary": ("ternary", 2), "2": ("two-bit", 2)}
 # grpo_fsdp_error_feedback: where FSDP2's compressed reduce-scatter keeps what it did not send.
 ERROR_FEEDBACK_CHOICES = ("none", "worker-bf16", "worker-int8")
 DEFAULT_FSDP_ERROR_FEEDBACK = "none"
@@ -35,6 +39,20 @@ DEFAULT_SYNC_GLOBAL_DEVICE = "auto"
 # grpo_sync_moments: the inner optimizer's state averaged over ranks at a sync (hivemind averages Adam's exp_avg_sq)
 SYNC_MOMENTS = {"none": (), "second": ("second",), "both": ("first", "second")}
 DEFAULT_SYNC_MOMENTS = "none"
+# grpo_sync_density / grpo_sync_chunk: below density 1 the sync sends the top k = ceil(density * C) entries of every
+# chunk of C (SparseLoCo's 64 of 4,096), in 2-bit codes; grpo_sync_error_decay: β, the residual's decay per sync
+# (1: the error feedback of the block codes, kept whole)
+DEFAULT_SYNC_DENSITY = 1.0
+DEFAULT_SYNC_CHUNK = 4096
+DEFAULT_SYNC_ERROR_DECAY = 1.0
+
+
+def sync_code(sync_bits: str | int) -> tuple[int, str | None]:
+    """`grpo_sync_bits` as the `(bits, code)` of the sync's `CodecSpec` (`code=None`: the block code of those bits)."""
+    if str(sync_bits) in SYNC_CODES:
+        code, bits = SYNC_CODES[str(sync_bits)]
+        return bits, code
+    return int(sync_bits), None
 
 
 def check_comm_settings(name=str, **settings) -> None:
@@ -60,12 +78,13 @@ def check_comm_settings(name=str, **settings) -> None:
 
 
 def check_sync_settings(every, fragments, delay, mix, moments, outer_lr, outer_momentum, dtype,
-                        global_device=DEFAULT_SYNC_GLOBAL_DEVICE, name=str) -> None:  # fmt: skip
+                        global_device=DEFAULT_SYNC_GLOBAL_DEVICE, error_decay=DEFAULT_SYNC_ERROR_DECAY,
+                        name=str) -> None:  # fmt: skip
     """
     The one check of the sync's own settings, each named as `name(key)` says: `"every"`, `"fragments"` (a count),
     `"delay"`, `"mix"`, `"moments"`, `"outer_lr"`, `"outer_momentum"`, `"dtype"` (a name of `SYNC_DTYPE_CHOICES`,
-    or a torch dtype) and `"global_device"` (one of `SYNC_GLOBAL_DEVICE_CHOICES`) are the arguments of
-    [`~grpo_hf.compression.outer_sync.OuterSyncState`]; `GRPOConfig` passes its field names.
+    or a torch dtype), `"global_device"` (one of `SYNC_GLOBAL_DEVICE_CHOICES`) and `"error_decay"` (in `(0, 1]`) are
+    the arguments of [`~grpo_hf.compression.outer_sync.OuterSyncState`]; `GRPOConfig` passes its field names.
 
     Raises:
         `ValueError`: a value outside its range, or two that do not fit together; the message names them.
@@ -75,13 +94,19 @@ def check_sync_settings(every, fragments, delay, mix, moments, outer_lr, outer_m
             raise ValueError(f"{name(key)}={value!r}: use a whole number, 1 or more.")
     if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
         raise ValueError(f"{name('delay')}={delay!r}: use a whole number of steps, 0 (no overlap) or more.")
-    for key, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum), ("mix", mix)):
+    for key, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum), ("mix", mix),
+                       ("error_decay", error_decay)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             raise ValueError(f"{name(key)}={value!r}: use a number.")
     if not 0 < outer_lr < float("inf"):
         raise ValueError(f"{name('outer_lr')}={outer_lr}: use a positive number (1 with momentum 0 averages).")
     if not 0 <= outer_momentum < 1:
         raise ValueError(f"{name('outer_momentum')}={outer_momentum}: use a value in [0, 1), e.g. 0.5.")
+    if not 0 < error_decay <= 1:
+        raise ValueError(
+            f"{name('error_decay')}={error_decay}: use a value in (0, 1] (1 keeps the error feedback whole; SparseLoCo "
+            "decays it by 0.95 per sync)."
+        )
     if str(dtype).replace("torch.", "") not in SYNC_DTYPE_CHOICES:
         raise ValueError(f"{name('dtype')}={dtype!r}: use one of {SYNC_DTYPE_CHOICES}.")
     if not isinstance(global_device, str) or global_device not in SYNC_GLOBAL_DEVICE_CHOICES:
@@ -122,7 +147,10 @@ __all__ = [
     "DEFAULT_OUTER_LR",
     "DEFAULT_OUTER_MOMENTUM",
     "DEFAULT_SYNC_DELAY",
+    "DEFAULT_SYNC_CHUNK",
+    "DEFAULT_SYNC_DENSITY",
     "DEFAULT_SYNC_DTYPE",
+    "DEFAULT_SYNC_ERROR_DECAY",
     "DEFAULT_SYNC_GLOBAL_DEVICE",
     "DEFAULT_SYNC_MIX",
     "DEFAULT_SYNC_MOMENTS",
@@ -140,4 +168,6 @@ __all__ = [
     "MODES",
     "SUPPORTED_BITS",
     "SYNC_BITS_CHOICES",
+    "SYNC_CODES",
+    "sync_code",
 ]

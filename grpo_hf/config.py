@@ -14,8 +14,11 @@ from .choices import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     DEFAULT_SYNC_BITS,
+    DEFAULT_SYNC_CHUNK,
     DEFAULT_SYNC_DELAY,
+    DEFAULT_SYNC_DENSITY,
     DEFAULT_SYNC_DTYPE,
+    DEFAULT_SYNC_ERROR_DECAY,
     DEFAULT_SYNC_GLOBAL_DEVICE,
     DEFAULT_SYNC_MIX,
     DEFAULT_SYNC_MOMENTS,
@@ -36,6 +39,7 @@ from .compression.spec import (
     DEFAULT_BITS,
     DEFAULT_DENSITY,
     DEFAULT_MODE,
+    num_kept,
 )
 from .compression.state import DEFAULT_SCALE_BETA, DEFAULT_SCALE_GRADIENTS
 from .cost import CostSettings
@@ -180,10 +184,13 @@ class GRPOConfig(CostFields, TrainingArguments):
             are refused with `H > 1`. For fine-tunes `32`, the other sync fields at their defaults; from scratch `8`
             (`docs/compression.md`, "Sync every H steps", has the measured cost of both).
         grpo_sync_bits (`str`, *optional*, defaults to `"4"`):
-            Bits per entry of the pseudo-gradient `Δ` the ranks exchange at a sync: `4`, `8` or `16` (codes in blocks
-            of 128 with one scale each, and error feedback: what a sync did not send is added to the next one's `Δ`),
-            or `32` (fp32, no codes; so does `grpo_compression="none"`). Tensors below `grpo_min_compress_numel` and a
-            group file's `bits: 32` go in fp32. The default is the one that measured best for fine-tunes on the
+            Bits per entry of the pseudo-gradient `Δ` the ranks exchange at a sync: `"ternary"`, `2`, `4`, `8` or `16`
+            (codes in blocks of 128 with one scale each, and error feedback: what a sync did not send is added to the
+            next one's `Δ`), or `32` (fp32, no codes; so does `grpo_compression="none"`). `"ternary"` sends the
+            levels of the per-step `grpo_bits=2` (`-1`, `0`, `+1` times the block's absmax), 5 per byte: 1.875 bits
+            per entry with the scale; `2` sends four levels (`±1/3`, `±1` times the absmax), 2.25 bits per entry
+            with the scale, so it is not the per-step `grpo_bits=2`, which is ternary. Tensors below
+            `grpo_min_compress_numel` and a group file's `bits: 32` go in fp32. The default is the one that measured best for fine-tunes on the
             benchmark suite (`docs/compression.md`): as good as 8 bits best against best, at half the bytes.
             `grpo_bits` sets the per-step codes only, which the sync does not send.
         grpo_sync_fragments (`int`, *optional*, defaults to `1`):
@@ -229,6 +236,26 @@ class GRPOConfig(CostFields, TrainingArguments):
             Keep DDP's fp32 all-reduce of the gradients at every step and add only the outer step every `H` steps:
             a control that saves no bytes (it separates the outer optimizer's effect from the savings). Needs
             `grpo_sync_every > 1` and `grpo_compression` `"none"` or `"auto"`.
+        grpo_sync_density (`float`, *optional*, defaults to `1.0`):
+            `k / C`, in `(0, 1]`. `1`: the sync sends every entry of `Δ` (`grpo_sync_bits` codes). Below 1 (SparseLoCo,
+            [`~grpo_hf.compression.codes.ChunkTopKCode`]): of every chunk of `grpo_sync_chunk` entries of `Δ +` the
+            residual, only the `k = ceil(density × C)` of largest magnitude are sent, as 2-bit codes (sign and one of
+            two magnitudes fitted to the chunk) with their positions in `log2 C` bits; the rest waits in the residual.
+            SparseLoCo's `64 / 4096 = 0.015625` sends `4 + 64 (2 + 12) / 8 = 116` bytes per chunk of 4,096 entries where
+            4-bit codes send 2,176. Its messages are all-gathered whatever the number of ranks `W` (no owner
+            reduction): each rank sends `(W − 1)` messages per sync, bytes that grow linearly with `W`. Needs
+            `grpo_sync_every > 1`, `grpo_sync_bits` and `grpo_compression` at their defaults (or `grpo_compression=
+            "quantize"`); tensors the sync sends dense stay dense, and a group file's other `bits` give way to it.
+            On short fine-tunes most of `Δ` is still in the residual when training ends (docs/compression.md).
+        grpo_sync_chunk (`int`, *optional*, defaults to `4096`):
+            `C`: entries per chunk of the sparse sync code (`grpo_sync_density < 1`), a power of two from 2 to 65536;
+            each tensor's last chunk is zero-padded, and its padding is never sent in place of a non-zero entry.
+        grpo_sync_error_decay (`float`, *optional*, defaults to `1.0`):
+            `β` in `(0, 1]`: each sync sends the codes of `Δ + β r` and keeps what they did not carry as the new
+            residual `r` (SparseLoCo's error-feedback accumulator takes `0.95`, with `grpo_sync_outer_momentum=0`:
+            the accumulator stands in for the outer momentum). `1` keeps the error feedback whole, bit for bit as
+            before; below 1 what stays unsent fades instead of piling up. Needs `grpo_sync_every > 1` and codes
+            (not `grpo_sync_bits=32` or `grpo_compression="none"` at density 1).
 
     Parameters of fault-tolerant replica groups (torchft; see "Surviving a lost machine" in `docs/engines.md` and
     [`~grpo_hf.fault_tolerance`]):
@@ -453,8 +480,9 @@ class GRPOConfig(CostFields, TrainingArguments):
     grpo_sync_bits: str = field(
         default=DEFAULT_SYNC_BITS,
         metadata={
-            "help": "With grpo_sync_every > 1: bits per entry of the pseudo-gradient the ranks exchange at a sync: 4, "
-            "8 or 16 (codes with error feedback) or 32 (fp32). grpo_bits sets the per-step codes only.",
+            "help": "With grpo_sync_every > 1: bits per entry of the pseudo-gradient the ranks exchange at a sync: "
+            "'ternary' (grpo_bits=2's levels -1/0/+1, 5 per byte), 2 (four levels), 4, 8 or 16 (codes with error "
+            "feedback) or 32 (fp32). grpo_bits sets the per-step codes only.",
             "choices": list(SYNC_BITS_CHOICES),
         },
     )
@@ -528,6 +556,29 @@ class GRPOConfig(CostFields, TrainingArguments):
         metadata={
             "help": "With grpo_sync_every > 1: keep DDP's all-reduce of the gradients every step and add only the outer "
             "step every H steps (a control that saves no bytes)."
+        },
+    )
+    grpo_sync_density: float = field(
+        default=DEFAULT_SYNC_DENSITY,
+        metadata={
+            "help": "With grpo_sync_every > 1: k / C in (0, 1]. Below 1 (SparseLoCo) the sync sends only the top "
+            "k = ceil(density * C) entries of every chunk of grpo_sync_chunk entries, as 2-bit codes with their "
+            "positions, all-gathered (bytes that grow with the number of ranks); SparseLoCo's 0.015625 is 64 of "
+            "4096. 1: every entry, in grpo_sync_bits codes."
+        },
+    )
+    grpo_sync_chunk: int = field(
+        default=DEFAULT_SYNC_CHUNK,
+        metadata={
+            "help": "With grpo_sync_density < 1: C, the entries per chunk of the sparse sync code (a power of two from "
+            "2 to 65536); positions cost log2(C) bits each."
+        },
+    )
+    grpo_sync_error_decay: float = field(
+        default=DEFAULT_SYNC_ERROR_DECAY,
+        metadata={
+            "help": "With grpo_sync_every > 1: beta in (0, 1]; each sync sends the codes of delta + beta * residual "
+            "(SparseLoCo: 0.95). 1 keeps the error feedback whole."
         },
     )
 
@@ -737,6 +788,7 @@ _SYNC_FIELDS = {
     "outer_momentum": "grpo_sync_outer_momentum",
     "dtype": "grpo_sync_global_dtype",
     "global_device": "grpo_sync_global_device",
+    "error_decay": "grpo_sync_error_decay",
 }
 
 
@@ -767,8 +819,9 @@ def _check_sync_fields(args) -> None:
     if sync_bits not in SYNC_BITS_CHOICES:
         raise ConfigError(
             f"grpo_sync_bits={args.grpo_sync_bits!r}: use one of {SYNC_BITS_CHOICES} (bits per entry of the "
-            "pseudo-gradient at a sync; 32 is fp32)."
+            "pseudo-gradient at a sync; 'ternary' sends trits, 1.6 bits each; 32 is fp32)."
         )
+    _check_sparse_sync_fields(args)
     if every == 1:
         if args.grpo_sync_outer_only:
             raise ConfigError("grpo_sync_outer_only=True needs grpo_sync_every > 1 (the steps between outer steps).")
@@ -811,6 +864,67 @@ def _check_sync_fields(args) -> None:
         raise ConfigError(
             f"grpo_sync_every={every} with fp16=True: between syncs each rank's fp16 GradScaler would skip steps on its "
             "own gradients. Use bf16=True (or fp32), or grpo_sync_every=1."
+        )
+
+
+def _check_sparse_sync_fields(args) -> None:
+    """
+    `grpo_sync_density`, `grpo_sync_chunk` and `grpo_sync_error_decay` (its range is
+    [`~grpo_hf.choices.check_sync_settings`]'s): their own ranges, and the settings they need of the sync.
+    """
+    density, chunk, decay = args.grpo_sync_density, args.grpo_sync_chunk, args.grpo_sync_error_decay
+    every, sync_bits, compression = args.grpo_sync_every, str(args.grpo_sync_bits), args.grpo_compression
+    if not 0 < density <= 1:
+        raise ConfigError(
+            f"grpo_sync_density={density}: use a value in (0, 1], the kept fraction of each chunk (1: every entry; "
+            "SparseLoCo's 64 of 4096 is 0.015625)."
+        )
+    if chunk < 2 or chunk > 1 << 16 or chunk & (chunk - 1):
+        raise ConfigError(f"grpo_sync_chunk={chunk}: use a power of two from 2 to 65536, e.g. 4096 (SparseLoCo's).")
+    sparse = density < 1
+    if not sparse and chunk != DEFAULT_SYNC_CHUNK:
+        raise ConfigError(
+            f"grpo_sync_chunk={chunk} with grpo_sync_density=1: the chunks are the sparse sync code's. Set "
+            "grpo_sync_density below 1 (e.g. 0.015625, 64 of 4096), or leave grpo_sync_chunk at its default."
+        )
+    for value, field_name in ((density, "grpo_sync_density"), (decay, "grpo_sync_error_decay")):
+        if every == 1 and value != 1:
+            raise ConfigError(
+                f"{field_name}={value} needs grpo_sync_every > 1: it sets the codes of the sync every H steps, and "
+                f"grpo_sync_every={every} exchanges the gradients at every step."
+            )
+    if every == 1:
+        return
+    if sparse:
+        k = num_kept(chunk, density)
+        if k >= chunk:
+            raise ConfigError(
+                f"grpo_sync_density={density} with grpo_sync_chunk={chunk} keeps all {chunk} entries of a chunk. Use a "
+                f"density below {(chunk - 1) / chunk:g}, or 1 for the dense codes of grpo_sync_bits."
+            )
+        if compression == "none" or "sparse" in compression:
+            raise ConfigError(
+                f"grpo_sync_density={density} with grpo_compression={compression!r}: the sparse sync code needs the "
+                "sync's codes. Use grpo_compression='auto' or 'quantize'."
+            )
+        if sync_bits != DEFAULT_SYNC_BITS:
+            fp32 = " asks for fp32 values," if sync_bits == "32" else ""
+            raise ConfigError(
+                f"grpo_sync_density={density} with grpo_sync_bits={sync_bits}: grpo_sync_bits{fp32} sets the dense "
+                "codes, and the sparse sync code sends its kept values in 2-bit codes. Leave grpo_sync_bits at its "
+                "default, or set grpo_sync_density=1."
+            )
+    elif decay != 1 and (sync_bits == "32" or compression == "none"):
+        raise ConfigError(
+            f"grpo_sync_error_decay={decay} with "
+            f"{'grpo_sync_bits=32' if sync_bits == '32' else 'grpo_compression=' + repr(compression)}: the sync sends "
+            "fp32 values, which keep no residual to decay. Use codes (grpo_sync_bits 4, 8 or 16, or "
+            "grpo_sync_density < 1), or leave grpo_sync_error_decay at 1."
+        )
+    if args.grpo_sync_outer_only and (sparse or decay != 1):
+        raise ConfigError(
+            "grpo_sync_outer_only=True with grpo_sync_density or grpo_sync_error_decay: the control exchanges no codes. "
+            "Leave both at 1."
         )
 
 

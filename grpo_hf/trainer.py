@@ -17,11 +17,12 @@ from .checkpoints import (
     resolve_resume_checkpoint,
     warn_overwritten_checkpoints,
 )
+from .choices import sync_code
 from .compression import compression_plan
 from .compression.build import CommSettings, build_comm_state, refuse_comm_settings
 from .compression.fragment import global_checksum
 from .compression.fsdp import reduce_scatter_bytes
-from .compression.plan import resolve_compression
+from .compression.plan import resolve_compression, sparse_sync_plan
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args, validate_grpo_fields
 from .cost.callback import CostCallback
@@ -223,14 +224,20 @@ class GRPOMixin:
         self.grpo_lr_preset = preset.name  # `auto` resolved
         self.grpo_lr_ratios = lr_ratios(groups, self.args.grpo_lr_ratios, defaults=preset.ratios)
         syncing = self.args.grpo_sync_every > 1  # the sync's pseudo-gradient has codes of its own
+        bits, code = sync_code(self.args.grpo_sync_bits) if syncing else (self.args.grpo_bits, None)
         self.grpo_plan = settings.plan = compression_plan(
             model,
             groups,
             compression=self.grpo_compression,
             density=self.args.grpo_density,
-            bits=self.args.grpo_sync_bits if syncing else self.args.grpo_bits,
+            bits=bits,
             min_numel=self.args.grpo_min_compress_numel,
+            code=code,
         )
+        if syncing and self.args.grpo_sync_density < 1:  # the sync's codes become SparseLoCo's chunked top-k
+            self.grpo_plan = settings.plan = sparse_sync_plan(
+                self.grpo_plan, self.args.grpo_sync_density, self.args.grpo_sync_chunk
+            )
         self.grpo_comm_state = None  # (none should the transport refuse the settings)
         self.grpo_comm_state = build_comm_state(settings)  # compression/build.py: each transport says if it applies
         self.grpo_plan, self.grpo_compression = settings.plan, settings.compression  # dense for a sync without codes

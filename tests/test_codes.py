@@ -2,24 +2,36 @@
 round trip with error feedback, its capabilities), and that adding a code is one new class and one registration, which
 the exchange then carries end to end (a toy 1-bit sign code, defined here)."""
 
-import threading
-
+import hypothesis
 import pytest
 import torch
-import torch.distributed as dist
+from testing_utils import codec_cases
+from thread_ranks import ThreadRanks
 
 from grpo_hf.compression import CodecSpec
-from grpo_hf.compression.codec import compile_kernels, padded_nbytes
-from grpo_hf.compression.codes import BlockCode, Code, Fp32Code, TopKCode, code_for, register, unregister
-from grpo_hf.compression.communicator import Communicator, SoloCommunicator
+from grpo_hf.compression.codec import SAFE_MAGNITUDE, STEP_FLOOR, compile_kernels, padded_nbytes
+from grpo_hf.compression.codes import (
+    BlockCode,
+    Code,
+    Fp32Code,
+    TernaryCode,
+    TopKCode,
+    TwoBitCode,
+    code_for,
+    register,
+    unregister,
+)
+from grpo_hf.compression.codes.ternary import pack_trits, unpack_trits
+from grpo_hf.compression.communicator import SoloCommunicator
 from grpo_hf.compression.exchange import Exchange, Part
 from grpo_hf.compression.layout import bucket_layout
 from grpo_hf.compression.outer_sync import OuterSyncState
 from grpo_hf.compression.spec import num_blocks, num_kept
-from grpo_hf.compression.traffic import SIZE_BYTES, StepStats, allgather_bytes
+from grpo_hf.compression.traffic import SIZE_BYTES, StepStats, allgather_bytes, owner_reduction_bytes
 
 
 EAGER = compile_kernels(False)
+TERNARY, TWO_BIT = CodecSpec(code="ternary", bits=2), CodecSpec(code="two-bit", bits=2)  # the sync's own codes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -84,7 +96,9 @@ def test_messages_of_data_dependent_size_say_their_size(spec):
 
 @pytest.mark.parametrize(
     "spec",
-    [CodecSpec(bits=bits) for bits in (2, 4, 8, 16)] + [CodecSpec(density=0.1, bits=b) for b in (2, 8, 32)],
+    [CodecSpec(bits=bits) for bits in (2, 4, 8, 16)]
+    + [CodecSpec(density=0.1, bits=b) for b in (2, 8, 32)]
+    + [TERNARY, TWO_BIT, CodecSpec(code="ternary", bits=2, block_size=32)],
     ids=str,
 )
 def test_encode_decode_with_error_feedback_loses_nothing(spec):
@@ -106,6 +120,172 @@ def test_encode_decode_with_error_feedback_loses_nothing(spec):
     # two messages decode to their sum, divided as asked
     twice, _ = code.decode(EAGER, [message, message], nblocks, divide=2)
     torch.testing.assert_close(twice, sent, rtol=0, atol=1e-6 * float(sent.abs().max()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The sync's 2-bit and ternary codes (grpo_sync_bits="2" and "ternary")
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_the_sync_codes_are_named_fixed_in_size_and_carried_by_the_sync():
+    for spec, code in ((TERNARY, TernaryCode), (TWO_BIT, TwoBitCode)):
+        chosen = code_for(spec)
+        assert type(chosen) is code and chosen is code_for(CodecSpec(code=spec.code, bits=2))
+        assert chosen.fixed_size and chosen.in_sync and chosen.owner_reducible and chosen.every_entry
+    assert type(code_for(CodecSpec(bits=2))) is BlockCode  # the per-step 2-bit code is unchanged
+    with pytest.raises(ValueError, match="use CodecSpec\\(code='ternary', bits=2\\)"):
+        code_for(CodecSpec(code="ternary", bits=3))
+    with pytest.raises(ValueError, match="use CodecSpec\\(code='two-bit', bits=2\\)"):
+        code_for(CodecSpec(code="two-bit", bits=2, density=0.5))
+
+
+@pytest.mark.parametrize("block", [2, 32, 128])
+@pytest.mark.parametrize("spec, code_nbytes", [(TERNARY, lambda b: -(-b // 5)), (TWO_BIT, lambda b: -(-b // 4))],
+                         ids=["ternary", "two-bit"])  # fmt: skip
+def test_sync_code_message_bytes_are_the_formula(spec, code_nbytes, block):
+    # n fp32 absmax + n blocks of packed codes (ceil(B / 5) bytes of trits, ceil(B / 4) of 2-bit codes), padded to 16
+    code = code_for(CodecSpec(code=spec.code, bits=2, block_size=block))
+    for nblocks in (1, 3, 17):
+        assert code.message_nbytes(nblocks) == padded_nbytes(nblocks * (4 + code_nbytes(block)))
+        message, _ = code.encode(EAGER, torch.randn(nblocks, block), None)
+        assert message.numel() == code.message_nbytes(nblocks) == code.read_nbytes(message, nblocks)
+    # a block of 128: 30 bytes (1.875 bits per entry) in trits, 36 (2.25 bits per entry) in 2-bit codes
+    assert code_for(spec).message_nbytes(8) == 8 * {"ternary": 30, "two-bit": 36}[spec.code]
+
+
+def test_trits_pack_five_to_a_byte_and_back():
+    codes = torch.tensor([[-1, 0, 1, 1, -1, 0, 1], [1, 1, 1, 1, 1, -1, -1]], dtype=torch.int8)
+    packed = pack_trits(codes)
+    # t = code + 1, lowest first: 0 + 3 * 1 + 9 * 2 + 27 * 2 + 81 * 0 = 75, then 1 + 3 * 2 and three padding trits of 1
+    assert packed.tolist() == [[75, 1 + 3 * 2 + 9 + 27 + 81], [242, 0 + 0 + 9 + 27 + 81]]
+    assert torch.equal(unpack_trits(packed, 7), codes)
+    every = torch.cartesian_prod(*[torch.tensor([-1, 0, 1])] * 5).to(torch.int8)  # all 243 bytes
+    assert torch.equal(unpack_trits(pack_trits(every), 5), every) and pack_trits(every).unique().numel() == 243
+
+
+def test_ternary_sends_the_levels_of_the_per_step_two_bit_code():
+    # grpo_sync_bits="ternary" is grpo_bits=2 in a message of fixed size: the same values decoded, the same residual
+    torch.manual_seed(0)
+    rows, residual = torch.randn(9, 128), torch.randn(9, 128).to(torch.bfloat16)
+    rows[3] = 0.0  # an all-zero block
+    rows[4] *= 1e-39  # a block below the step floor: zeros, kept in the residual
+    residual[3:5] = 0.0
+    per_step, ternary = code_for(CodecSpec(bits=2)), code_for(TERNARY)
+    sent, kept = ternary.encode(EAGER, rows, residual)
+    expected, expected_kept = per_step.encode(EAGER, rows, residual)
+    decoded, _ = ternary.decode(EAGER, [sent], 9)
+    assert torch.equal(decoded, per_step.decode(EAGER, [expected], 9)[0]) and torch.equal(kept, expected_kept)
+    absmax = (rows + residual.float()).abs().amax(dim=1, keepdim=True)
+    assert set(torch.unique(decoded / absmax.clamp_min(1e-30)).tolist()) <= {-1.0, 0.0, 1.0}
+    assert not decoded[3:5].any() and torch.equal(kept[4], rows[4].to(torch.bfloat16))
+    assert sent.numel() == padded_nbytes(9 * 30)  # 30 bytes per block, padded to 16, whatever the data
+    # the per-step message: a header, the absmax, a bitmap of every entry and a sign per non-zero code
+    nonzero = int(decoded.count_nonzero())
+    assert expected.numel() == padded_nbytes(16 + 9 * (4 + 128 // 8) + -(-nonzero // 8))
+
+
+def test_two_bit_rounds_to_the_nearest_of_four_levels():
+    a = 3.0
+    row = torch.tensor([a, 0.9 * a, 0.7 * a, 0.6 * a, 0.1 * a, 0.0, -0.3 * a, -2.1, -a])  # 2 a / 3 = 2.0
+    rows = torch.nn.functional.pad(row, (0, 128 - row.numel())).view(1, 128)
+    code = code_for(TWO_BIT)
+    message, kept = code.encode(EAGER, rows, torch.zeros(1, 128))
+    decoded, _ = code.decode(EAGER, [message], 1)
+    assert decoded[0, :9].tolist() == [a, a, a, 1.0, 1.0, 1.0, -1.0, -a, -a]
+    assert decoded[0, 9:].eq(1.0).all()  # zeros of a block that is not all zero: +a / 3, carried back by the residual
+    torch.testing.assert_close(decoded + kept, rows, rtol=0, atol=0)
+    assert float((rows - decoded).abs().max()) <= a / 3
+    # code = 2 negative + large, 4 per byte, lowest first: +a, +a, +a, +a / 3 are 1, 1, 1, 0; then +a / 3 twice (0),
+    # -a / 3 (2) and -a (3); then -a (3) and +a / 3 (0)
+    assert message[:4].view(torch.float32).item() == a
+    assert message[4:7].tolist() == [0b00_01_01_01, 0b11_10_00_00, 0b00_00_00_11]
+    zero, _ = code.encode(EAGER, torch.zeros(2, 128), None)
+    assert not code.decode(EAGER, [zero], 2)[0].any()  # an all-zero block decodes to zeros
+
+
+@pytest.mark.parametrize("spec", [TERNARY, TWO_BIT], ids=["ternary", "two-bit"])
+def test_error_feedback_makes_the_sum_sent_converge_to_the_sum_of_delta(spec):
+    # the same Δ at every sync (most entries below the code's first level): with the bf16 residual the sum of what was
+    # sent follows the sum of Δ within one residual; without it every sync rounds Δ the same way, and the error grows
+    code = code_for(spec)
+    torch.manual_seed(0)
+    delta = torch.randn(4, 128) * 0.1
+    delta[:, 0] = 1.0  # each block's absmax: 1
+    residual = torch.zeros(4, 128, dtype=torch.bfloat16)
+    sent_sum, plain_sum, syncs = torch.zeros(4, 128), torch.zeros(4, 128), 200
+    for _ in range(syncs):
+        message, residual = code.encode(EAGER, delta, residual, in_place=True)
+        sent_sum += code.decode(EAGER, [message], 4)[0]
+        plain_sum += code.decode(EAGER, [code.encode(EAGER, delta, None)[0]], 4)[0]
+    gap = (sent_sum - syncs * delta).abs().max().item()
+    assert gap <= 1.0  # within one residual (at most the absmax), whatever the number of syncs
+    torch.testing.assert_close(sent_sum / syncs, delta, rtol=0, atol=1.0 / syncs)
+    assert (plain_sum - syncs * delta).abs().max().item() > 0.05 * syncs  # without error feedback: a bias per sync
+
+
+@pytest.mark.parametrize("spec", [TERNARY, TWO_BIT], ids=["ternary", "two-bit"])
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(case=codec_cases())
+def test_the_sync_codes_hold_their_contract_at_every_magnitude(spec, case):
+    # zeros, subnormals and magnitudes up to 1e30 (the sync sends no Δ at 2**60 or more: its flag restarts instead):
+    # finite codes, values and residual; sent + residual = input up to the bf16 residual's rounding; the levels
+    grad, residual, _ = case
+    acc = grad.double() + residual.double()
+    hypothesis.assume(float(acc.abs().max()) < SAFE_MAGNITUDE)
+    code = code_for(spec)
+    message, kept = code.encode(EAGER, grad, residual.clone())
+    sent, _ = code.decode(EAGER, [message], grad.shape[0])
+    assert torch.isfinite(sent).all() and torch.isfinite(kept.float()).all()
+    error = (acc - sent.double() - kept.double()).abs()
+    bf16_tiny = 2.0**-133  # the smallest bf16 subnormal: a residual below it rounds to 0
+    assert bool((error <= 2**-8 * kept.double().abs() + 2**-22 * acc.abs() + bf16_tiny).all())
+    absmax = acc.float().abs().amax(dim=1, keepdim=True)
+    below = absmax < STEP_FLOOR  # a block below the floor is sent as zeros, kept whole in the residual
+    assert not sent[below.expand_as(sent)].any()
+    if spec == TERNARY:  # the per-step 2-bit code's values, bit for bit
+        per_step = code_for(CodecSpec(bits=2))
+        assert torch.equal(
+            sent, per_step.decode(EAGER, [per_step.encode(EAGER, grad, residual.clone())[0]], len(grad))[0]
+        )
+    else:  # the nearest of +-a / 3, +-a: off by at most a / 3 (up to fp32 rounding), but below the floor
+        near = (acc - sent.double()).abs() <= absmax.double() / 3 * (1 + 2**-20) + 2.0**-149
+        assert bool((near | below).all())
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("spec", [TERNARY, TWO_BIT], ids=["ternary", "two-bit"])
+def test_the_exchange_carries_the_sync_codes_between_ranks(spec, world_size):
+    # the all-gather (2 ranks) and owner reduction (3, 4): every rank decodes the same bits; what was sent + the
+    # residuals (the senders' mean and the owners') = the mean input; the bytes are the formulas of the messages' sizes
+    run = _run_of(spec, [1280, 384, 128])
+    code, block = code_for(spec), spec.block_size
+    torch.manual_seed(world_size)
+    inputs = [torch.randn(run.num_blocks, block) for _ in range(world_size)]
+    owners = world_size >= 3
+
+    def rank_work(comm):
+        residual, stats = _Residual(run.length), StepStats()
+        owner = _Residual(run.owned_blocks(world_size)[comm.rank].numel() * block)
+        rows, out = inputs[comm.rank].clone(), torch.empty(run.num_blocks, block)
+        part = Part(run, rows, residual, out=out, owner_residual=owner)
+        exchange = Exchange(EAGER, comm, stats)
+        exchange.reduce_with_owners([part]) if owners else exchange.start_all_gather([part]).finish()
+        return out, residual.row, owner.row, stats.bytes_sent
+
+    results = ThreadRanks(world_size).run(rank_work)
+    means = [out for out, _, _, _ in results]
+    assert all(torch.equal(mean, means[0]) for mean in means)
+    left_out = torch.stack([row for _, row, _, _ in results]).mean(0).view(-1, block)
+    if owners:
+        for rank, (_, _, owner_row, _) in enumerate(results):
+            left_out.index_add_(0, run.owned_blocks(world_size)[rank], owner_row.view(-1, block))
+    torch.testing.assert_close(means[0] + left_out, torch.stack(inputs).mean(0), rtol=0, atol=1e-5)
+    if owners:
+        sizes = [code.message_nbytes(index.numel()) for index in run.owned_blocks(world_size)]
+        expected = owner_reduction_bytes(sizes, world_size)
+    else:
+        expected = allgather_bytes(code.message_nbytes(run.num_blocks), world_size)
+    assert all(sent == expected for _, _, _, sent in results)
 
 
 def test_rows_round_trip_and_a_nan_reaches_the_receiver():
@@ -203,65 +383,6 @@ class _Residual:
         self.row = row.reshape(-1).clone()
 
 
-class _Threads:
-    """`W` ranks, each in its own thread, meeting at a barrier for every collective."""
-
-    def __init__(self, world_size):
-        self.world_size, self.barrier, self.held = world_size, threading.Barrier(world_size), [None] * world_size
-
-    def run(self, work):
-        out, errors = [None] * self.world_size, []
-
-        def one(rank):
-            try:
-                out[rank] = work(_ThreadComm(self, rank))
-            except BaseException as error:  # (the other ranks would wait forever at the barrier)
-                errors.append(error)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=one, args=(rank,)) for rank in range(self.world_size)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
-        return out
-
-
-class _ThreadComm(Communicator):
-    """One rank of `_Threads`, through the door a real communicator comes in by."""
-
-    def __init__(self, threads, rank):
-        super().__init__(emulated=False)
-        self.threads, self.rank, self.world_size = threads, rank, threads.world_size
-
-    def _meet(self, value):
-        self.threads.held[self.rank] = value
-        self.threads.barrier.wait()
-        everyone = list(self.threads.held)
-        self.threads.barrier.wait()
-        return everyone
-
-    def _all_reduce(self, tensor, op):
-        stacked = torch.stack(self._meet(tensor.clone()))
-        tensor.copy_(stacked.amax(0) if op == dist.ReduceOp.MAX else stacked.sum(0))
-        return []
-
-    def _all_gather_into(self, out, mine, tag):
-        everyone = self._meet(mine.clone())
-        out.view(self.world_size, -1).copy_(torch.stack(everyone))
-        return []
-
-    def _all_to_all(self, recv, send, recv_splits, send_splits):
-        parts = self._meet(torch.split(send.clone(), send_splits))
-        recv.copy_(torch.cat([parts[r][self.rank] for r in range(self.world_size)]))
-
-    def _broadcast(self, tensor, src):
-        tensor.copy_(self._meet(tensor.clone())[src])
-        return []
-
-
 def _run_of(spec, numels):
     names = [f"w{i}" for i in range(len(numels))]
     starts = [sum(numels[:i]) for i in range(len(numels))]
@@ -308,7 +429,7 @@ def test_the_exchange_carries_a_new_code_between_ranks(sign_code, world_size):
         Exchange(EAGER, comm, stats).start_all_gather([Part(run, rows, residual, out=out)]).finish()
         return out, residual.row, stats.bytes_sent
 
-    results = _Threads(world_size).run(rank_work)
+    results = ThreadRanks(world_size).run(rank_work)
     means = [out for out, _, _ in results]
     assert all(torch.equal(mean, means[0]) for mean in means)
     residuals = torch.stack([row for _, row, _ in results]).mean(0)
@@ -335,7 +456,7 @@ def test_owner_reduction_carries_a_new_code(sign_code):
         )
         return out, residual.row, owner.row
 
-    results = _Threads(world_size).run(rank_work)
+    results = ThreadRanks(world_size).run(rank_work)
     means = [out for out, _, _ in results]
     assert all(torch.equal(mean, means[0]) for mean in means)
     # what the owners left out, put back in block order
@@ -354,6 +475,8 @@ def test_the_sync_asks_the_code_whether_it_can_carry_it(sign_code):
         OuterSyncState({"weight": CodecSpec(density=0.1, bits=4)}, [["weight"]], every=4)
     with pytest.raises(ValueError, match="codes of one size"):
         OuterSyncState({"weight": CodecSpec(bits=2)}, [["weight"]], every=4)
+    for spec in (TERNARY, TWO_BIT):  # the sync's own codes of the same budget, fixed in size
+        assert OuterSyncState({"weight": spec}, [["weight"]], every=4).plan["weight"] == spec
 
 
 def test_sizes_of_a_code_of_data_dependent_size_are_announced():
@@ -411,7 +534,7 @@ def test_the_sync_carries_a_new_code_beside_a_block_code_of_the_same_bits(sign_c
         assert state.totals()["syncs"] == 1
         return [p.detach().clone() for p in model.parameters()]
 
-    results = _Threads(world_size).run(rank_work)
+    results = ThreadRanks(world_size).run(rank_work)
     for params in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(params, results[0]))
     start = [p.detach() for p in _sync_model().parameters()]

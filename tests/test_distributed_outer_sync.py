@@ -1,7 +1,9 @@
 """
 The sync every H steps under 2-process gloo DDP: `torchrun` runs `tests/distributed/outer_sync_ddp.py` once (about a
 minute on 2 cores), each rank writes a JSON result, and the assertions live here. A second launch runs three of its
-scenarios on 4 processes, where the sync's codes go through owners.
+scenarios on 4 processes, where the sync's codes go through owners; two more launches (2 and 4 processes) run the
+resume scenario with the sync's own codes, `grpo_sync_bits="ternary"` and `"2"`; the sparse code (SparseLoCo's)
+runs on 2 and 4 processes, all-gathered both times.
 """
 
 import json
@@ -38,8 +40,26 @@ def results_moments(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def results_sparse(tmp_path_factory):
+    return _launch(tmp_path_factory, 2, "sparse", "sparse_resume")
+
+
+@pytest.fixture(scope="module")
+def results_sparse4(tmp_path_factory):
+    return _launch(tmp_path_factory, 4, "sparse", "sparse_resume", timeout=900)
+
+
+@pytest.fixture(scope="module")
 def results4(tmp_path_factory):
     return _launch(tmp_path_factory, 4, "sync", "resume", "delay", timeout=900)
+
+
+SYNC_CODES = {"resume_ternary": "ternary", "resume_2": "two-bit"}  # scenario -> the code of Δ it sends
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["w2", "w4"])
+def results_codes(request, tmp_path_factory):
+    return _launch(tmp_path_factory, request.param, *SYNC_CODES, timeout=900)
 
 
 def assert_fragments_identical_right_after_their_syncs(run: dict) -> None:
@@ -251,3 +271,66 @@ def test_at_four_ranks_a_delayed_sync_keeps_the_all_gather_and_the_blocking_ones
         assert run["identical"] and run["global_is_params"]
     for key in ("digest", "global_digest", "momentum_digest"):
         assert len({r["delay"][key] for r in results4}) == 1, key
+
+
+# --- the sync's own codes (grpo_sync_bits "ternary" and "2"), at 2 ranks (all-gather) and 4 (owners) ------------------
+
+
+def test_the_sync_codes_leave_identical_replicas_send_the_formula_and_resume_bit_for_bit(results_codes):
+    world_size = len(results_codes)
+    for scenario, code in SYNC_CODES.items():
+        for result in results_codes:
+            straight, resumed = result[scenario]["straight"], result[scenario]["resumed"]
+            assert straight["is_ddp"] and straight["exchange"] and straight["code_names"] == [code]
+            assert_fragments_identical_right_after_their_syncs(straight)
+            assert all(straight["global_identical_after_step"]) and straight["identical"]
+            assert straight["global_is_params"] and straight["last_sync"] == [12, 12]
+            assert straight["bytes_per_step"] == straight["expected_bytes"]  # by the formulas of the code's sizes
+            assert straight["totals"]["bytes_sent"] == sum(straight["bytes_per_step"]) == straight["cost_comm_bytes"]
+            assert bool(straight["owner_residual_names"]) == (world_size >= 3)  # owners from 3 ranks
+            assert resumed["steps"] == list(range(7, 13))  # resumed from checkpoint-6, mid-interval
+            for key in ("digest", "global_digest", "momentum_digest", "optimizer_digest", "residual_digest",
+                        "owner_residual_digest"):  # fmt: skip
+                assert resumed[key] == straight[key], (scenario, key)
+            assert resumed["totals"]["bytes_sent"] == straight["totals"]["bytes_sent"]
+        for key in ("digest", "global_digest", "momentum_digest"):
+            assert len({r[scenario]["straight"][key] for r in results_codes}) == 1, (scenario, key)
+    # fewer bytes than the 4-bit codes per entry: 30 bytes per block of 128 in trits, 36 in 2-bit codes, 68 at 4 bits
+    ternary, two_bit = (results_codes[0][s]["straight"] for s in SYNC_CODES)
+    assert sum(ternary["codec_bytes"]) / sum(two_bit["codec_bytes"]) == pytest.approx(30 / 36, rel=0.02)
+
+
+# --- the sparse code (grpo_sync_density < 1): all-gathered on 2 and 4 processes ----------------------------------
+
+
+@pytest.mark.parametrize("launch", ["results_sparse", "results_sparse4"])
+def test_the_sparse_code_leaves_identical_replicas_and_sends_its_formula(launch, request):
+    results = request.getfixturevalue(launch)
+    for result in results:
+        run = result["sparse"]
+        assert run["is_ddp"] and run["exchange"] and run["global_step"] == 14
+        assert run["code_names"] == ["chunk-topk"]  # grpo_sync_density < 1 reached the plan
+        assert all(run["global_identical_after_step"])  # θ_global bit-identical on every rank after every step
+        assert_fragments_identical_right_after_their_syncs(run)
+        assert run["identical"] and run["global_is_params"] and run["last_sync"] == [14, 14]
+        assert run["residual_names"] and run["owner_residual_names"] == []  # all-gathered, also at 4 ranks
+        assert run["bytes_per_step"] == run["expected_bytes"]  # (W - 1) s per sync, whatever W
+        assert run["totals"]["bytes_sent"] == sum(run["bytes_per_step"]) == run["cost_comm_bytes"]
+    for key in ("digest", "global_digest"):
+        assert len({r["sparse"][key] for r in results}) == 1, key
+
+
+def test_the_sparse_code_grows_with_the_world_size(results_sparse, results_sparse4):
+    two, four = results_sparse[0]["sparse"], results_sparse4[0]["sparse"]
+    assert two["codec_numel"] == four["codec_numel"]
+    assert sum(four["codec_bytes"]) == 3 * sum(two["codec_bytes"])  # (W - 1) s: 3 s at W=4 against s at W=2
+
+
+@pytest.mark.parametrize("launch", ["results_sparse", "results_sparse4"])
+def test_the_sparse_code_resumes_bit_for_bit(launch, request):
+    for result in request.getfixturevalue(launch):
+        straight, resumed = result["sparse_resume"]["straight"], result["sparse_resume"]["resumed"]
+        assert resumed["steps"] == list(range(7, 13))  # resumed from checkpoint-6, mid-interval
+        for key in ("digest", "global_digest", "momentum_digest", "optimizer_digest", "residual_digest"):
+            assert resumed[key] == straight[key], key
+        assert resumed["totals"]["bytes_sent"] == straight["totals"]["bytes_sent"]

@@ -8,10 +8,12 @@ import pytest
 import torch
 from datasets import Dataset
 from testing_utils import tiny_test_llama
+from thread_ranks import ThreadRanks
 
 from grpo_hf import ConfigError, GRPOTrainer
-from grpo_hf.compression import CodecSpec
-from grpo_hf.compression.codec import BlockMessages
+from grpo_hf.choices import SYNC_BITS_CHOICES, sync_code
+from grpo_hf.compression import CodecSpec, compression_plan
+from grpo_hf.compression.codes import code_for
 from grpo_hf.compression.communicator import Communicator
 from grpo_hf.compression.exchange import Exchange
 from grpo_hf.compression.layout import owned_blocks
@@ -26,6 +28,12 @@ from grpo_hf.compression.outer_sync import (
     ramp_points,
 )
 from grpo_hf.compression.traffic import StepStats, allgather_bytes, allreduce_bytes, owner_reduction_bytes
+
+
+# The codes of Δ the sync carries besides fp32 (grpo_sync_bits 4, "ternary" and "2"), each checked as the 4-bit one is
+TERNARY, TWO_BIT = CodecSpec(code="ternary", bits=2), CodecSpec(code="two-bit", bits=2)
+SYNC_SPECS = [CodecSpec(bits=4), TERNARY, TWO_BIT]
+SYNC_IDS = ["q4", "ternary", "two-bit"]
 
 
 # --- schedule ---------------------------------------------------------------------------------------------------
@@ -148,29 +156,30 @@ def test_a_sync_without_exchange_is_the_outer_step_on_the_own_trajectory():
         assert torch.equal(p, state.global_params[name])
 
 
-def test_the_codec_keeps_what_it_did_not_send_and_counts_the_bytes():
+@pytest.mark.parametrize("spec, block_nbytes", list(zip(SYNC_SPECS, [4 + 64, 4 + 26, 4 + 32])), ids=SYNC_IDS)
+def test_the_codec_keeps_what_it_did_not_send_and_counts_the_bytes(spec, block_nbytes):
     torch.manual_seed(0)
     model = Tiny()
-    spec = CodecSpec(bits=4)
     state = _state(model, {"big.weight": spec}, every=1, outer_lr=1.0, outer_momentum=0.0)
     before = model.big.weight.detach().clone()
     with torch.no_grad():
         model.big.weight.add_(torch.randn(64, 64) * 1e-2)
         target = model.big.weight.detach().clone()
     fragment = state.fragments[0]
-    assert [row.spec for row in fragment.rows] == [None, spec]  # the dense row, then the 4-bit one
+    assert [row.spec for row in fragment.rows] == [None, spec]  # the dense row, then the codes'
     deltas = fragment.take_delta()
     fragment.exchange(state._exchange(), deltas, owners=False)  # one rank: the mean is its own decoded codes
     mean = deltas[1]
     residual = fragment.state_by_name()["residuals"]["big.weight"].float()
     delta = (before - target).view(-1)
-    torch.testing.assert_close(mean + residual, delta, rtol=0, atol=2e-5)  # sent + residual = Δ (bf16 residual)
-    assert not torch.equal(mean, delta)  # 4-bit codes are lossy
-    # bytes of one sync at W=2: the all-gathered 4-bit message + the fp32 all-reduce of the 64 + 128 dense entries
-    message = BlockMessages(spec).fixed_nbytes(4096 // 128)
+    rounding = 2**-8 * float(residual.abs().max())  # sent + residual = Δ, up to the bf16 residual's rounding
+    torch.testing.assert_close(mean + residual, delta, rtol=0, atol=rounding)
+    assert not torch.equal(mean, delta)  # the codes are lossy
+    # bytes of one sync at W=2: the all-gathered message + the fp32 all-reduce of the 64 + 128 dense entries
+    message = code_for(spec).message_nbytes(4096 // 128)
     expected = allgather_bytes(message, 2) + allreduce_bytes(4 * (64 + 128), 2) + allreduce_bytes(8, 2)
-    assert message == 4 * 32 + 64 * 32
-    assert expected == 2176 + 768 + 8  # (W - 1) s + 2 (W - 1) / W (4 n_dense + 8)
+    assert message == 32 * block_nbytes  # 4 + 64 bytes per block at 4 bits, 4 + 26 in trits, 4 + 32 at 2
+    assert expected == 32 * block_nbytes + 768 + 8  # (W - 1) s + 2 (W - 1) / W (4 n_dense + 8)
 
 
 def test_bytes_of_a_step_and_the_peak_are_counted():
@@ -198,11 +207,10 @@ class TwoMatrices(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(64)  # fp32, dense
 
 
-def _owner_ranks(world_size, seed=0):
+def _owner_ranks(world_size, seed=0, spec=SYNC_SPECS[0]):
     """`world_size` bound states on copies of one model whose local steps differ, and each rank's fragment Δ rows."""
     torch.manual_seed(seed)
     base = TwoMatrices()
-    spec = CodecSpec(bits=4)
     states, deltas = [], []
     for rank in range(world_size):
         model = TwoMatrices()
@@ -256,7 +264,7 @@ class _RankComm:
 
 
 def _owner_round(states, deltas):
-    """One owner-reduced exchange of the fragment (its 4-bit row and its dense row), each rank in its own thread."""
+    """One owner-reduced exchange of the fragment (its codes' row and its dense row), each rank in its own thread."""
     world_size = len(states)
     ranks = ThreadedRanks(world_size)
     rows = [[row.clone() for row in delta] for delta in deltas]
@@ -275,14 +283,15 @@ def _owner_round(states, deltas):
     return [row[1] for row in rows], sizes
 
 
+@pytest.mark.parametrize("spec", SYNC_SPECS, ids=SYNC_IDS)
 @pytest.mark.parametrize("world_size", [3, 4, 8])
-def test_owners_reduce_delta_to_the_same_bits_on_every_rank(world_size):
-    states, deltas = _owner_ranks(world_size)
+def test_owners_reduce_delta_to_the_same_bits_on_every_rank(world_size, spec):
+    states, deltas = _owner_ranks(world_size, spec=spec)
     means, _ = _owner_round(states, deltas)
     for mean in means[1:]:
         assert torch.equal(mean, means[0])
     # error feedback twice: mean Δ = Δ̄ + mean of the senders' residuals + the owners' residuals, up to bf16 rounding
-    row = states[0].fragments[0].rows[1]  # the 4-bit row
+    row = states[0].fragments[0].rows[1]  # the codes' row
     spec, length = row.spec, row.length
     sender = torch.stack([s.fragments[0].residuals[1].float() for s in states]).mean(0)
     owners = torch.zeros(length // spec.block_size, spec.block_size)
@@ -296,16 +305,17 @@ def test_owners_reduce_delta_to_the_same_bits_on_every_rank(world_size):
     target = torch.stack([delta[1] for delta in deltas]).mean(0)
     rounding = 2**-8 * (sender.abs().max() + owners.abs().max())  # bf16 keeps 8 significant bits
     torch.testing.assert_close(means[0] + sender + owners.view(-1), target, rtol=0, atol=float(rounding))
-    assert not torch.equal(means[0], target)  # 4-bit codes are lossy: what they left out waits in the residuals
+    assert not torch.equal(means[0], target)  # the codes are lossy: what they left out waits in the residuals
 
 
-def test_owner_reduction_sends_about_twice_a_message_whatever_the_world_size():
+@pytest.mark.parametrize("spec", SYNC_SPECS, ids=SYNC_IDS)
+def test_owner_reduction_sends_about_twice_a_message_whatever_the_world_size(spec):
     message = None
     for world_size in (3, 4, 8):
-        states, deltas = _owner_ranks(world_size)
+        states, deltas = _owner_ranks(world_size, spec=spec)
         _, sizes = _owner_round(states, deltas)
-        spec, length = states[0].fragments[0].rows[1].spec, states[0].fragments[0].rows[1].length
-        message = BlockMessages(spec).fixed_nbytes(length // spec.block_size)  # the all-gather's per-rank message
+        length = states[0].fragments[0].rows[1].length
+        message = code_for(spec).message_nbytes(length // spec.block_size)  # the all-gather's per-rank message
         sent = owner_reduction_bytes(sizes, world_size)
         assert sent == (world_size - 1) / world_size * sum(sizes) + (world_size - 1) * max(sizes)
         # 2 (W - 1) / W of a message, plus the owners' padding (one 16-byte alignment per tensor chunk)
@@ -340,6 +350,164 @@ def test_a_state_loaded_and_not_bound_yet_saves_what_it_loaded():
     for key in ("residuals", "owner_residuals"):
         assert saved[key] and set(again[key]) == set(saved[key])
         assert all(torch.equal(again[key][name], value) for name, value in saved[key].items())
+
+
+# --- whole syncs between ranks (threads of one process): bytes, the flag, the delay and a resume, for each code ------
+
+FRAGMENTS = [["big.weight", "norm.weight"], ["odd", "norm.bias"]]  # of TwoMatrices: a codes' row and a dense row each
+
+
+def _start():
+    """The weights every rank starts from (drawn here: the ranks' threads share torch's random generator)."""
+    torch.manual_seed(0)
+    return TwoMatrices().state_dict()
+
+
+def _ranks_state(comm, spec, start, **kwargs):
+    """Rank `comm.rank`'s model (`start` on every rank) and its bound sync state over `comm`."""
+    model = TwoMatrices()
+    model.load_state_dict(start)
+    plan = {"big.weight": spec, "odd": spec, "norm.weight": None, "norm.bias": None}
+    settings = {"every": 4, "ramp": False, "outer_lr": 0.7, "outer_momentum": 0.5, **kwargs}
+    return model, OuterSyncState(plan, FRAGMENTS, communicator=comm, **settings).bind(model)
+
+
+def _local_step(model, generator):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 1e-2)
+
+
+def _sync_bytes(state, fragment, world_size, blocking=True):
+    """The bytes of one sync of `fragment` by the formulas: the flag, the dense row's fp32 all-reduce, and the codes'
+    row: the all-gather of every rank's message (2 ranks, delayed syncs), else the owners' all-to-all and all-gather."""
+    row, dense = state.fragments[fragment].rows[1], state.fragments[fragment].rows[0]
+    code, nblocks = code_for(row.spec), row.length // row.spec.block_size
+    sent = allreduce_bytes(8, world_size) + allreduce_bytes(4 * row_numel(dense), world_size)
+    if world_size < 3 or not blocking:
+        return sent + allgather_bytes(code.message_nbytes(nblocks), world_size)
+    sizes = [code.message_nbytes(index.numel()) for index in row.run.owned_blocks(world_size)]
+    return sent + owner_reduction_bytes(sizes, world_size)
+
+
+def row_numel(row) -> int:
+    return sum(row.numels)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("spec", SYNC_SPECS, ids=SYNC_IDS)
+def test_bytes_counted_by_a_sync_are_the_formula_and_the_replicas_agree(spec, world_size):
+    # 2 fragments at offsets 2 and 4 of H = 4: each step that syncs counts the formula's bytes of its fragment (the
+    # all-gather at W = 2, the owners at W = 4); every rank then holds the same θ_global and the synced fragment
+    start = _start()
+
+    def rank_work(comm):
+        model, state = _ranks_state(comm, spec, start)
+        generator = torch.Generator().manual_seed(100 + comm.rank)
+        record = []
+        for _ in range(8):
+            _local_step(model, generator)
+            sent = state.end_step()
+            held = {n: t.clone() for n, t in state.global_params.items()}
+            record.append((sent, [p.detach().clone() for p in model.parameters()], held))
+        return record, state
+
+    results = ThreadRanks(world_size).run(rank_work)
+    state = results[0][1]
+    names = [n for n, _ in TwoMatrices().named_parameters()]
+    for step in range(1, 9):
+        due = fragments_due(step, 4, 2, False)
+        expected = sum(_sync_bytes(state, f, world_size) for f in due)
+        synced = {name for f in due for name in FRAGMENTS[f]}
+        first = results[0][0][step - 1]
+        for rank, (record, _) in enumerate(results):
+            sent, params, global_params = record[step - 1]
+            assert sent == expected, (step, sent, expected)
+            assert all(torch.equal(global_params[n], first[2][n]) for n in names)
+            for name, p, q in zip(names, params, first[1]):  # the same right after a sync, drifting apart between
+                assert rank == 0 or torch.equal(p, q) == (name in synced), (step, rank, name)
+    assert state.totals()["syncs"] == 4 and all(
+        r[1].totals()["bytes_sent"] == state.totals()["bytes_sent"] for r in results
+    )
+    assert {n for r in results for n in r[1].fragments[0].state_by_name()["residuals"]} == {"big.weight"}
+    owners = {n for r in results for f in r[1].fragments for n in f.state_by_name()["owner_residuals"]}
+    assert owners == (set() if world_size < 3 else {"big.weight", "odd"})
+    for (
+        _,
+        state,
+    ) in results:  # the padding after `odd` (1000 entries: 24 in its last block) stays zero, whatever the code
+        fragment = state.fragments[1]
+        row, held = fragment.rows[1], fragment.owner_residuals[1]
+        pieces = row.padding(fragment.theta[1]) + row.padding(fragment.residuals[1])
+        pieces += [] if held is None else row.owned_padding(held[2], world_size, held[1])
+        assert [p.numel() for p in pieces[:2]] == [24, 24] and not any(p.any() for p in pieces)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("spec", [TERNARY, TWO_BIT], ids=SYNC_IDS[1:])
+def test_the_flag_and_the_delay_carry_the_sync_codes(spec, world_size):
+    # τ = 1 (the exchange runs behind one step, all-gathered whatever W) and a NaN on one rank at step 6: fragment 0's
+    # exchange started at step 6 is discarded by the agreed flag on every rank; θ_global stays identical throughout
+    start = _start()
+
+    def rank_work(comm):
+        model, state = _ranks_state(comm, spec, start, delay=1, mix=0.5)
+        generator = torch.Generator().manual_seed(100 + comm.rank)
+        sent, globals_ = [], []
+        for step in range(1, 11):
+            _local_step(model, generator)
+            if step == 6 and comm.rank == world_size - 1:
+                with torch.no_grad():
+                    model.big.weight[0, 0] = float("nan")
+            sent.append(state.end_step(last=step == 10))
+            globals_.append({n: t.clone() for n, t in state.global_params.items()})
+        return sent, globals_, [p.detach().clone() for p in model.parameters()], state
+
+    results = ThreadRanks(world_size).run(rank_work)
+    for sent, globals_, params, state in results:
+        assert state.totals()["nonfinite_syncs"] == 1 and state.in_sync and state.in_flight is None
+        assert all(torch.isfinite(p).all() for p in params)
+        for step, (held, first) in enumerate(zip(globals_, results[0][1]), start=1):
+            assert all(torch.equal(held[n], first[n]) for n in held), step
+        assert all(torch.equal(p, q) for p, q in zip(params, results[0][2]))  # the last step synced every fragment
+        # the started exchanges are all-gathered (counted at the step that starts them); the last step's blocks
+        assert sent[5] == _sync_bytes(state, 0, world_size, blocking=False)  # step 6: fragment 0 (offset 2)
+        assert sent[9] == sum(_sync_bytes(state, f, world_size) for f in (0, 1))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("spec", SYNC_SPECS, ids=SYNC_IDS)
+def test_a_resume_mid_interval_continues_bit_for_bit(spec, world_size):
+    # a checkpoint at step 5 (both fragments mid-interval), loaded into a fresh model and state: steps 6 to 10 give the
+    # same parameters, θ_global, momentum, residuals and owner residuals (W = 4) as the run that went straight on
+    start = _start()
+
+    def rank_work(comm, save_at=None):
+        model, state = _ranks_state(comm, spec, start)
+        generator = torch.Generator().manual_seed(100 + comm.rank)
+        for step in range(1, 11):
+            _local_step(model, generator)
+            state.end_step(last=step == 10)
+            if step == save_at:
+                saved = state.state_dict(shared=True)
+                assert saved["residuals"] and (world_size < 3 or saved["owner_residuals"])
+                model, state = _ranks_state(comm, spec, start)  # a fresh run: it loads the saved local steps
+                state.load_state_dict(saved)
+        keys = ("global", "momentum", "residuals", "owner_residuals")
+        kept = {
+            key: {n: t.clone() for f in state.fragments for n, t in f.state_by_name()[key].items()} for key in keys
+        }
+        return [p.detach().clone() for p in model.parameters()], kept, state.totals()
+
+    straight = ThreadRanks(world_size).run(rank_work)
+    resumed = ThreadRanks(world_size).run(lambda comm: rank_work(comm, save_at=5))
+    for (params, kept, totals), (params_again, kept_again, totals_again) in zip(straight, resumed):
+        assert all(torch.equal(a, b) for a, b in zip(params, params_again))
+        for key, tensors in kept.items():
+            assert set(tensors) == set(kept_again[key]), key
+            assert all(torch.equal(t, kept_again[key][n]) for n, t in tensors.items()), key
+        assert totals_again["bytes_sent"] == totals["bytes_sent"] and totals_again["syncs"] == totals["syncs"]
+    assert straight[0][1]["residuals"] and (world_size < 3 or straight[0][1]["owner_residuals"])
 
 
 # --- overlap: the delayed sync (grpo_sync_delay > 0) -------------------------------------------------------------
@@ -660,6 +828,20 @@ def test_on_one_process_the_moments_are_checked_and_nothing_is_averaged(tmp_path
         trainer.train()
 
 
+def test_grpo_sync_bits_names_the_sync_codes():
+    # "ternary" and "2" are codes of the sync's own (fixed in size); 4, 8, 16 the block codes; what the trainer plans
+    assert [sync_code(value) for value in SYNC_BITS_CHOICES] == [
+        (2, "ternary"), (2, "two-bit"), (4, None), (8, None), (16, None), (32, None)
+    ]  # fmt: skip
+    model = tiny_test_llama(0, vocab_size=VOCAB, max_position_embeddings=64)
+    for value, spec in (("ternary", TERNARY), ("2", TWO_BIT), ("4", CodecSpec(bits=4))):
+        bits, code = sync_code(value)
+        plan = compression_plan(model, compression="quantize", bits=bits, min_numel=1024, code=code)
+        assert {s for s in plan.values() if s is not None} == {spec} and None in plan.values()  # norms stay fp32
+        names = [list(plan)]
+        assert OuterSyncState(plan, names, every=4).plan == plan  # the sync carries each
+
+
 def test_sync_settings_the_trainer_refuses(tmp_path, make_args):
     with pytest.raises(ConfigError, match="grpo_sync_fragments=5"):
         make_args(tmp_path, grpo_sync_fragments=5)
@@ -674,8 +856,10 @@ def test_sync_settings_the_trainer_refuses(tmp_path, make_args):
         make_args(tmp_path, grpo_bits="auto")
     with pytest.raises(ConfigError, match="grpo_sync_bits=8 needs grpo_sync_every > 1"):
         make_args(tmp_path, grpo_sync_every=1, grpo_sync_bits="8")
-    with pytest.raises(ConfigError, match=r"grpo_sync_bits='2': use one of \('4', '8', '16', '32'\)"):
-        make_args(tmp_path, grpo_sync_bits="2")
+    with pytest.raises(ConfigError, match=r"grpo_sync_bits='3': use one of \('ternary', '2', '4', '8', '16', '32'\)"):
+        make_args(tmp_path, grpo_sync_bits="3")
+    with pytest.raises(ConfigError, match="grpo_sync_bits=ternary needs grpo_sync_every > 1"):
+        make_args(tmp_path, grpo_sync_every=1, grpo_sync_bits="ternary")
     with pytest.raises(ConfigError, match="grpo_sync_bits=8 with grpo_compression='none'"):
         make_args(tmp_path, grpo_sync_bits="8", grpo_compression="none")
     with pytest.raises(ConfigError, match="grpo_sync_outer_only"):

@@ -40,6 +40,14 @@ def results6(tmp_path_factory):
     return _launch(tmp_path_factory, 3, 2, "sync", "resume")
 
 
+SYNC_CODES = {"resume_ternary": "ternary", "resume_2": "two-bit"}  # scenario -> the code of Δ it sends
+
+
+@pytest.fixture(scope="module")
+def results_codes(tmp_path_factory):
+    return _launch(tmp_path_factory, 2, 2, *SYNC_CODES)
+
+
 def replica_of(rank: int, shards: int = 2) -> int:
     return rank // shards
 
@@ -204,3 +212,21 @@ def test_at_three_replicas_resume_is_bit_identical(results6):
         straight, resumed = result["resume"]["straight"], result["resume"]["resumed"]
         for key in ("local_digest", "global_digest", "optimizer_digest", "residual_digest"):
             assert resumed[key] == straight[key], key
+
+
+# --- the sync's own codes (grpo_sync_bits "ternary" and "2") between 2 replicas × 2 shards ---------------------------
+
+
+def test_the_sync_codes_between_replica_groups_send_the_formula_and_resume_bit_for_bit(results_codes):
+    for scenario, code in SYNC_CODES.items():
+        for rank, result in enumerate(results_codes):
+            straight, resumed = result[scenario]["straight"], result[scenario]["resumed"]
+            assert_sharded_and_synced(straight, rank)
+            assert straight["code_names"] == [code] and straight["residual_names"]
+            assert all(row["global_identical"] for row in straight["rows"])  # θ_global the same on both replicas
+            for row, due in zip(straight["rows"], straight["due"]):
+                assert all(same for index, same in enumerate(row["fragments_identical"]) if index in due), row["step"]
+            assert [row["bytes"] for row in straight["rows"]] == straight["expected_bytes"]
+            assert [row["step"] for row in resumed["rows"]] == list(range(7, 13))  # resumed at step 6, mid-interval
+            for key in ("local_digest", "global_digest", "optimizer_digest", "residual_digest"):
+                assert resumed[key] == straight[key], (scenario, key)

@@ -59,6 +59,28 @@ def test_sync_rows_resolve_to_typed_settings(suite):
     overlap = suite.parse_row("comm", "sync32-q4-lr1-m0-d2-mix0")["overrides"]
     assert (overlap["grpo_sync_delay"], overlap["grpo_sync_mix"], overlap["grpo_sync_bits"]) == (2, 0.0, "4")
     assert "grpo_sync_moments" not in suite.parse_row("comm", "sync32-q8-lr1-m0")["overrides"]
+    # the sync's own codes: `-q2` four 2-bit levels, `-qt` ternary (grpo_sync_bits "2" and "ternary")
+    for name, bits in (("sync160-q2-noramp-lr1-m0", "2"), ("sync160-qt-noramp-lr1-m0", "ternary")):
+        assert suite.parse_row("comm", name)["overrides"] == {
+            "grpo_sync_every": 160, "grpo_sync_fragments": 1, "grpo_sync_ramp": False, "grpo_compression": "quantize",
+            "grpo_sync_bits": bits, "grpo_scale_gradients": False, "grpo_sync_outer_lr": 1.0,
+            "grpo_sync_outer_momentum": 0.0,
+        }  # fmt: skip
+    assert suite.parse_row("comm", "sync32-qt-f2-d1")["overrides"]["grpo_sync_delay"] == 1
+    for name in ("sync32-q3", "sync32-qternary", "sync32-q2t"):
+        with pytest.raises(ValueError, match="unknown comm row"):
+            suite.parse_row("comm", name)
+    # the sparse code (SparseLoCo): the top k of every C entries, and the residual's decay
+    assert suite.parse_row("comm", "sync32-k64of4096-beta0.95")["overrides"] == {
+        "grpo_sync_every": 32, "grpo_sync_density": 0.015625, "grpo_sync_chunk": 4096, "grpo_sync_error_decay": 0.95,
+    }  # fmt: skip
+    sparse = suite.parse_row("comm", "sync32-q4-f2-lr1-m0-d1-k16of256")["overrides"]
+    assert (sparse["grpo_sync_delay"], sparse["grpo_sync_density"], sparse["grpo_sync_chunk"]) == (1, 0.0625, 256)
+    assert (
+        "grpo_sync_error_decay" not in sparse
+        and "grpo_sync_density" not in suite.parse_row("comm", "sync32-q4")["overrides"]
+    )
+    assert suite.parse_row("comm", "sync16-q8-beta0.9")["overrides"]["grpo_sync_error_decay"] == 0.9
     # the peer: accelerate's LocalSGD is plain averaging of fp32 parameters every H steps, no ramp
     assert suite.parse_row("comm", "localsgd-h8")["overrides"] == {
         "grpo_sync_every": 8, "grpo_sync_outer_lr": 1.0, "grpo_sync_outer_momentum": 0.0, "grpo_compression": "none",
@@ -80,6 +102,10 @@ def test_sync_rows_resolve_to_typed_settings(suite):
         "outer-h16",
         "sync16-q4-f4-bf16",
         "sync32-q8-lr1-m0-momsecond",
+        "sync160-q2-noramp-lr1-m0",
+        "sync160-qt-noramp-lr1-m0",
+        "sync32-k64of4096-beta0.95",
+        "sync16-q4-f2-k16of256",
     ):
         GRPOConfig(output_dir="/tmp/unused", **suite._typed(suite.parse_row("comm", name)["overrides"]))
 

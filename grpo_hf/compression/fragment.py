@@ -21,8 +21,11 @@ are the algorithm's steps (see the module docstring of `outer_sync.py`, which sc
 **Rows.** One row of the tensors sent dense (an fp32 all-reduce; norms, biases), then one row per setting of the
 codec (its whole [`~grpo_hf.compression.spec.CodecSpec`], ordered by bits), each tensor block-aligned and zero-padded:
 the row the [`~grpo_hf.compression.exchange.Exchange`] encodes as it is. Padding stays zero in every row (`Δ`,
-`θ_global`, the momentum, the residuals), so that a row's math, one operation per row, is its tensors' math. What is saved is keyed by parameter name ([`Fragment.state_by_name`]), so that a
-checkpoint resumes with other fragments.
+`θ_global`, the momentum, the residuals), so that a row's math, one operation per row, is its tensors' math. A code
+without a zero level (the sync's 2-bit code sends a 0 as `+a / 3`) decodes padding to non-zero values and leaves
+their opposite in the residual: after every exchange the fragment zeroes the padding of `Δ̄` and of its residual
+([`Fragment.clear_padding`]; a no-op for the codes that keep zeros). What is saved is keyed by parameter name
+([`Fragment.state_by_name`]), so that a checkpoint resumes with other fragments.
 
 **Where `θ_global` lives** (`grpo_sync_global_device`, [`global_device`]). `θ_global` and the momentum are kept on
 the CPU (pinned when the parameters are on an accelerator) or beside the parameters. The math always runs on the
@@ -79,6 +82,7 @@ from ..choices import SYNC_MOMENTS
 from ..errors import ConfigError
 from ..optim.moments import averaging_refusal, local_tensor, moment_numel, moment_tensors
 from .codec import all_safe
+from .codes import code_for
 from .exchange import Exchange, Part
 from .layout import Run
 from .row_store import RESIDUAL_DTYPE
@@ -247,19 +251,52 @@ class _Row:
         """Each tensor's entries in `row` (views), in order."""
         return list(row.split(self.pieces)[::2])
 
+    def padding(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """The padding after each tensor in `row` (views; none where a tensor fills its last block)."""
+        return [piece for piece in row.split(self.pieces)[1::2] if piece.numel()]
+
+    def padded_blocks(self) -> list[tuple[int, int]]:
+        """`(block, count)`: the last block of each tensor that does not fill it, and its entries of padding (the
+        last `count`)."""
+        block = self.spec.block_size
+        return [((offset + numel) // block, -numel % block) for offset, numel in zip(self.offsets, self.numels)
+                if numel % block]  # fmt: skip
+
+    def owned_padding(self, values: torch.Tensor, world_size: int, rank: int) -> list[torch.Tensor]:
+        """The padding in `values`, the blocks `rank` owns one after the other (an owner residual; views)."""
+        padded, owned = self.padded_blocks(), self.run.owned_blocks(world_size)[rank]
+        if not padded or not owned.numel():
+            return []
+        block = self.spec.block_size
+        wanted = torch.tensor([b for b, _ in padded], dtype=owned.dtype)
+        where = torch.searchsorted(owned, wanted).clamp_max(owned.numel() - 1)  # owned blocks are in row order
+        found = (owned[where] == wanted).tolist()
+        return [values[(i + 1) * block - count : (i + 1) * block]
+                for (_, count), i, hit in zip(padded, where.tolist(), found) if hit]  # fmt: skip
+
+
+def _decayed(residual: torch.Tensor, decay: float) -> torch.Tensor:
+    """`decay * residual` as a new bf16 row (SparseLoCo's `e ← β e` before `Δ` is added); the row itself at 1."""
+    if decay == 1:
+        return residual
+    return (residual.float() * decay).to(RESIDUAL_DTYPE)
+
 
 class _RowResidual:
-    """A fragment's residual of one row as the exchange reads and writes it: bf16 zeros until its first exchange."""
+    """
+    A fragment's residual of one row as the exchange reads and writes it: bf16 zeros until its first exchange, read
+    times `decay` (a new row: the held one is replaced only when the exchange writes its new residual).
+    """
 
-    __slots__ = ("held", "index", "length", "device")
+    __slots__ = ("held", "index", "length", "device", "decay")
 
-    def __init__(self, held: list, index: int, length: int, device):
-        self.held, self.index, self.length, self.device = held, index, length, device
+    def __init__(self, held: list, index: int, length: int, device, decay: float = 1.0):
+        self.held, self.index, self.length, self.device, self.decay = held, index, length, device, decay
 
     def read(self, block_size: int) -> torch.Tensor:
         if self.held[self.index] is None:
             self.held[self.index] = torch.zeros(self.length, dtype=RESIDUAL_DTYPE, device=self.device)
-        return self.held[self.index].view(-1, block_size)
+        return _decayed(self.held[self.index], self.decay).view(-1, block_size)
 
     def write(self, row: torch.Tensor) -> None:
         self.held[self.index] = row.reshape(-1)
@@ -267,7 +304,7 @@ class _RowResidual:
 
 class _OwnerResidual:
     """The residual of the blocks of one row that this rank owns (owner reduction), at one world size: zeros at its
-    first exchange, but for the chunks a checkpoint saved."""
+    first exchange, but for the chunks a checkpoint saved; read times the fragment's `error_decay`, as the sender's."""
 
     __slots__ = ("fragment", "index", "world_size", "rank")
 
@@ -285,7 +322,7 @@ class _OwnerResidual:
                 if name in saved:
                     row[offset : offset + size] = saved.pop(name).to(row.device).reshape(-1)[:size]
             held = self.fragment.owner_residuals[self.index] = (self.world_size, self.rank, row)
-        return held[2].view(-1, block_size)
+        return _decayed(held[2], self.fragment.error_decay).view(-1, block_size)
 
     def write(self, row: torch.Tensor) -> None:
         self.fragment.owner_residuals[self.index] = (self.world_size, self.rank, row.reshape(-1))
@@ -320,11 +357,13 @@ class Fragment:
         momentum (`bool`): whether the outer step keeps a momentum.
         global_device (`str`, *optional*, defaults to `"parameters"`): where `θ_global` and the momentum live
             ([`global_device`]): `"cpu"` (pinned when the parameters are on an accelerator) or `"parameters"`.
+        error_decay (`float`, *optional*, defaults to `1.0`): `β`, what each sync keeps of the residuals before it adds
+            `Δ` (`r ← β r + Δ`, then what is sent is subtracted); `1` keeps them whole.
     """
 
     def __init__(self, index: int, names: list[str], params: dict, plan: dict, dtype: torch.dtype, momentum: bool,
-                 global_device: str = "parameters"):  # fmt: skip
-        self.index, self.names = index, list(names)
+                 global_device: str = "parameters", error_decay: float = 1.0):  # fmt: skip
+        self.index, self.names, self.error_decay = index, list(names), float(error_decay)
         self.params = {name: params[name] for name in names}
         self.numel = sum(local_tensor(p).numel() for p in self.params.values())
         self.device = local_tensor(next(iter(self.params.values()))).device
@@ -408,23 +447,39 @@ class Fragment:
         """Row `index`'s `Δ` as a part of an exchange: its residuals, its mean decoded into it."""
         row = self.rows[index]
         rows = delta.view(-1, row.spec.block_size)
-        residual = _RowResidual(self.residuals, index, row.length, self.device)
+        residual = _RowResidual(self.residuals, index, row.length, self.device, self.error_decay)
         return Part(row.run, rows, residual, out=rows, owner_residual=_OwnerResidual(self, index, world_size, rank))
 
     def exchange(self, exchange: Exchange, deltas: list[torch.Tensor], owners: bool) -> None:
         """
         `Δ` becomes `Δ̄`, the mean over the ranks, in place (blocking): every codec row with its error feedback,
-        all-gathered, or (`owners`) reduced by the owners of its blocks; then the dense row, one fp32 all-reduce.
+        all-gathered, or (`owners`) reduced by the owners of its blocks when its code allows it (the chunked top-k
+        code is all-gathered whatever the world size); then the dense row, one fp32 all-reduce.
         """
         comm = exchange.comm
         for index in self.codec_rows:
             part = self._part(index, deltas[index], comm.world_size, comm.rank)
-            if owners:
+            if owners and code_for(part.run.spec).owner_reducible:
                 exchange.reduce_with_owners([part])
             else:
                 exchange.start_all_gather([part]).finish()
+            self.clear_padding(index, deltas[index])
         if deltas[0].numel():
             exchange.start_mean(deltas[0]).wait()
+
+    def clear_padding(self, index: int, delta: torch.Tensor) -> None:
+        """
+        Zero the padding of codec row `index` in `delta` (its `Δ̄`) and in its residuals (the owner residual included),
+        after an exchange: what a code without a zero level decoded there, and its opposite it left in the residuals,
+        never reach `θ_global` nor a checkpoint (which keeps the residuals by name, without padding). A no-op for the
+        codes that send a 0 as 0.
+        """
+        row, residual, held = self.rows[index], self.residuals[index], self.owner_residuals[index]
+        pieces = row.padding(delta) + ([] if residual is None else row.padding(residual))
+        if pieces and held is not None:  # the owner residual of the blocks this rank owns
+            pieces += row.owned_padding(held[2], held[0], held[1])
+        if pieces:
+            torch._foreach_zero_(pieces)
 
     def checksum(self) -> int:
         """[`global_checksum`] of this fragment's `θ_global` (its rows' zero padding adds nothing)."""
@@ -531,8 +586,9 @@ class Fragment:
             if flight.mean is not None:
                 flight.mean.wait()
             if not flight.unsafe:
-                for gathered in flight.gathers:
+                for gathered, index in zip(flight.gathers, self.codec_rows):
                     gathered.finish()
+                    self.clear_padding(index, flight.deltas[index])
         flight.completed = True
         flight.exchange = flight.flag = flight.mean = None
         flight.gathers = []

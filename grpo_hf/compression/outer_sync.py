@@ -39,8 +39,8 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
    any rank's `Δ` holds a NaN, an Inf or a value at or above `2**60`, every rank restarts the fragment from
    `θ_global` (its local progress since the last sync is dropped; momentum and residuals, the owners' included,
    are left unchanged).
-4. **Exchange** ([`~grpo_hf.compression.compression_plan`] decides each tensor's spec): tensors with a spec (8, 4 or
-   16 bits) are encoded by their code ([`~grpo_hf.compression.codes.code_for`]: the per-step hook's kernel, `Δ +
+4. **Exchange** ([`~grpo_hf.compression.compression_plan`] decides each tensor's spec): tensors with a spec (16, 8,
+   4 or 2 bits, or ternary; `grpo_sync_bits`) are encoded by their code ([`~grpo_hf.compression.codes.code_for`]: the per-step hook's kernel, `Δ +
    residual`, block absmax, codes, new bf16 residual in place), one padded row per setting (the whole spec). Then, by the world size `W`:
    - `W = 2`: the messages are all-gathered and every rank decodes the `W` of them in rank order, its own included,
      into the mean `Δ̄`.
@@ -50,6 +50,8 @@ broadcast rank 0's at wrapping) and zeros the outer momentum `m`. Then, per opti
      (the owner residual, of the blocks it owns only); the owners' messages are all-gathered and decoded in owner
      order. Both ways every rank decodes the same messages in the same order: the same bits of `Δ̄` on every rank.
      At `W = 2` both would send the same bytes, and the owners would quantize `Δ̄` twice.
+   - The chunked top-k code (`grpo_sync_density < 1`, SparseLoCo, `codes/chunk_topk.py`) is all-gathered whatever
+     `W`: each rank's `k` entries of every chunk of `C`, decoded in rank order into the mean of what the ranks sent.
    Tensors without a spec (norms, biases, `grpo_bits=32`, `grpo_compression="none"`) go through one fp32
    all-reduce.
 5. **Outer step** ([`outer_step`], torch's `SGD(nesterov=True)` on `Δ̄`): `m = μ m + Δ̄`, `θ_global -= lr (Δ̄ + μ m)`;
@@ -73,11 +75,17 @@ runs; `τ` steps later its outer step is applied and the fragment merged with th
 - Every step: `2 (W − 1) / W × 8 G` for the agreed group norms (`G` groups).
 - Per fragment synced: `2 (W − 1) / W × 8` for the flag, plus `2 (W − 1) / W × 4 n_dense` for its dense tensors,
   plus with `moments` `2 (W − 1) / W × 4 n` per moment averaged (`n` the fragment's entries),
-  plus for its codes (`s` = `4 + bits × 128 / 8` bytes per block of 128 entries, padded to 16 bytes):
+  plus for its codes (`s` = `4 + bits × 128 / 8` bytes per block of 128 entries at 4, 8 and 16 bits, `4 + 32` at 2
+  bits and `4 + 26` in trits, 5 per byte, for ternary; padded to 16 bytes per message):
   - `W = 2`, and delayed exchanges: `(W − 1) × s`, the all-gather of the messages;
   - `W >= 3`, blocking: `(W − 1) / W × S + (W − 1) × s_owner` ([`~grpo_hf.compression.traffic.owner_reduction_bytes`]):
     the all-to-all of this rank's `W` parts (`S` bytes in all, about `s`) and the all-gather of the owners' messages
     (about `s / W` each, padded to the longest). About `2 (W − 1) / W × s`: never more than `2 s`, whatever `W`.
+  - the chunked top-k code, any `W`: `(W − 1) × s`, the all-gather, with `s` = `4 + k (2 + log2 C) / 8` bytes per
+    chunk of `C` entries (`n` chunks: `4 n + ceil(2 n k / 8) + ceil(log2(C) n k / 8)`, padded to 16 bytes;
+    [`~grpo_hf.compression.codes.chunk_topk.chunk_topk_nbytes`]). It grows linearly with `W`: `3 s` at `W = 4`
+    where owner reduction would send about `1.5 s`; at 64 of 4,096 entries `s` is 116 bytes per chunk, 0.23 bits per
+    entry, about 19 times less than the 4-bit codes' 2,176.
 - `grpo/comm/bytes_peak`: the most bytes of any one step of the window; the per-step average is `bytes_sent`.
 - The baselines `grpo/comm/bytes_dense_fp32` / `_fp16`: DDP's all-reduce of every gradient at every step.
 
@@ -117,6 +125,7 @@ from ..choices import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     DEFAULT_SYNC_DELAY,
+    DEFAULT_SYNC_ERROR_DECAY,
     DEFAULT_SYNC_GLOBAL_DEVICE,
     DEFAULT_SYNC_MIX,
     DEFAULT_SYNC_MOMENTS,
@@ -165,7 +174,9 @@ class OuterSyncState(CommState):
     Args:
         plan (`dict[str, CodecSpec | None]`):
             Parameter name -> how its `Δ` is sent (`None`: fp32 all-reduce), from
-            [`~grpo_hf.compression.compression_plan`]; specs of density 1 and 4, 8 or 16 bits.
+            [`~grpo_hf.compression.compression_plan`]; specs of density 1 whose code is fixed in size (`in_sync`):
+            4, 8 or 16 bits, and the sync's 2-bit and ternary codes (`CodecSpec(code="two-bit" or "ternary")`), or of the chunked top-k code
+            ([`~grpo_hf.compression.plan.sparse_sync_plan`]).
         fragments (`list[list[str]]`):
             The parameter names of each fragment ([`pack_fragments`]); together, every trainable parameter once.
         every (`int`, *optional*, defaults to `16`):
@@ -209,6 +220,11 @@ class OuterSyncState(CommState):
             Where `θ_global` and the momentum live ([`~grpo_hf.compression.fragment.global_device`]): `"cpu"`
             (pinned when the parameters are on an accelerator), `"parameters"`, or `"auto"` (`"cpu"` on an
             accelerator). The same bits whatever the choice.
+        error_decay (`float`, *optional*, defaults to `1.0`):
+            `β` in `(0, 1]`: each sync sends the codes of `Δ + β r` and keeps what they did not carry as the new
+            residual `r` (SparseLoCo's error-feedback accumulator, with `β = 0.95`); `1` is the error feedback as it
+            was, bit for bit. Below 1 a residual entry that is never sent stays bounded (`|Δ| / (1 − β)` for a
+            constant `Δ`) instead of growing; what decays away is never sent.
         communicator ([`~grpo_hf.compression.communicator.Communicator`], *optional*):
             The way to the wire: every collective of the sync goes through it, or, with `delay > 0`, the exchanges
             through its twin ([`~grpo_hf.compression.communicator.Communicator.duplicate`], made at [`bind`]). `None`:
@@ -226,6 +242,7 @@ class OuterSyncState(CommState):
         "delay",
         "mix",
         "moments",
+        "error_decay",
         # --- seldom tuned ---
         "dtype",
         "exchange",
@@ -277,16 +294,19 @@ class OuterSyncState(CommState):
         replicas: ReplicaGroups | None = None,
         global_device: str = DEFAULT_SYNC_GLOBAL_DEVICE,
         communicator: Communicator | None = None,
+        error_decay: float = DEFAULT_SYNC_ERROR_DECAY,
     ):
         if not fragments or any(not names for names in fragments):
             raise ValueError(f"{len(fragments)} fragments, some empty: use 1 to {every} non-empty fragments.")
-        check_sync_settings(every, len(fragments), delay, mix, moments, outer_lr, outer_momentum, dtype, global_device)
+        check_sync_settings(every, len(fragments), delay, mix, moments, outer_lr, outer_momentum, dtype, global_device,
+                            error_decay)  # fmt: skip
         for name, spec in plan.items():
             if spec is not None and not code_for(spec).in_sync:
                 raise ValueError(
-                    f"{name}: the sync sends every entry of Δ in codes of one size (4, 8 or 16 bits, or fp32); got "
-                    f"density {spec.density} and {spec.bits} bits. Use grpo_compression='quantize' or 'none' and "
-                    "grpo_sync_bits 4, 8, 16 or 32 (no top-k, no ternary codes)."
+                    f"{name}: the sync sends every entry of Δ in codes of one size (ternary, 2, 4, 8 or 16 bits, or "
+                    f"fp32); got {spec}. Use grpo_compression='quantize' or 'none' and grpo_sync_bits 'ternary', 2, 4, "
+                    "8, 16 or 32 (no top-k, nor the per-step 2-bit codes, whose size depends on the data: the sync's "
+                    "'ternary' sends their levels)."
                 )
         listed = [name for names in fragments for name in names]
         if len(listed) != len(set(listed)):
@@ -296,6 +316,7 @@ class OuterSyncState(CommState):
         self.every, self.outer_lr, self.outer_momentum = int(every), float(outer_lr), float(outer_momentum)
         self.ramp, self.dtype, self.exchange = bool(ramp), OUTER_DTYPES.get(dtype, dtype), bool(exchange)
         self.delay, self.mix, self.moments = int(delay), float(mix), moments
+        self.error_decay = float(error_decay)
         self.replicas, self.global_device = replicas, global_device
         if communicator is not None and (process_group is not None or replicas is not None):
             raise ValueError(
@@ -396,6 +417,7 @@ class OuterSyncState(CommState):
                 replicas=replicas,
                 global_device=args.grpo_sync_global_device,
                 communicator=communicator,
+                error_decay=args.grpo_sync_error_decay,
             )
         except ValueError as err:
             raise ConfigError(str(err)) from None
@@ -486,7 +508,8 @@ class OuterSyncState(CommState):
                 self.communicator.pop_comm_ms()  # setup, not a step's communication
         keep = self.outer_momentum > 0
         where = global_device(self.global_device, self._device())
-        self.fragments = [Fragment(i, names, self.params, self.plan, self.dtype, keep, where)  # a fresh θ_global each
+        # a fresh θ_global each
+        self.fragments = [Fragment(i, names, self.params, self.plan, self.dtype, keep, where, self.error_decay)
                           for i, names in enumerate(self.fragment_names)]  # fmt: skip
         if self.pending is not None:
             with torch.no_grad():
@@ -498,7 +521,7 @@ class OuterSyncState(CommState):
             f"fragments of {'/'.join(str(f.numel) for f in self.fragments)} entries, outer lr {self.outer_lr:g} "
             f"momentum {self.outer_momentum:g}, ramp {'on' if self.ramp else 'off'}, delay {self.delay} (mix "
             f"{self.mix:g}), θ_global in {str(self.dtype).replace('torch.', '')} on {where}, optimizer moments "
-            f"averaged: {self.moments}"
+            f"averaged: {self.moments}, residual decay {self.error_decay:g}"
             + (
                 f"; replica groups: {self.replicas.replicas} × {self.replicas.shards} shards."
                 if self.replicas
@@ -821,6 +844,7 @@ class OuterSyncState(CommState):
             "delay": self.delay,
             "mix": self.mix,
             "moments": self.moments,
+            "error_decay": self.error_decay,
         }
 
     def heal_state_dict(self) -> dict:
@@ -929,7 +953,8 @@ class OuterSyncState(CommState):
         return (
             f"OuterSyncState(every={self.every}, fragments={len(self.fragment_names)}, outer_lr={self.outer_lr}, "
             f"outer_momentum={self.outer_momentum}, ramp={self.ramp}, exchange={self.exchange}, delay={self.delay}, "
-            f"mix={self.mix}, moments={self.moments!r}, step={self.step}, world_size={self.world_size})"
+            f"mix={self.mix}, moments={self.moments!r}, error_decay={self.error_decay}, step={self.step}, "
+            f"world_size={self.world_size})"
         )
 
 

@@ -3,6 +3,8 @@
 from torch import nn
 
 from ..grouping import ParameterGroup, assign_groups, load_group_spec
+from .codes import code_for
+from .codes.chunk_topk import CHUNK_TOPK, CHUNK_TOPK_BITS
 from .spec import (
     COMM_MODE_CHOICES,
     COMPRESSION_CHOICES,
@@ -65,6 +67,7 @@ def compression_plan(
     bits: str | int = DEFAULT_BITS,
     min_numel: int = DEFAULT_MIN_NUMEL,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    code: str | None = None,
 ) -> dict[str, CodecSpec | None]:
     r"""
     How each trainable parameter of `model` is sent: a [`~grpo_hf.compression.CodecSpec`], or `None` for dense.
@@ -92,6 +95,9 @@ def compression_plan(
             article's: 4 for linear-like weights, 8 for convolutions and embeddings).
         min_numel (`int`, *optional*, defaults to `4096`): tensors with fewer entries are sent dense.
         block_size (`int`, *optional*, defaults to `128`): values per scale.
+        code (`str`, *optional*): the registered code that sends the tensors quantized at `bits` (e.g. the sync's
+            `"ternary"`, [`~grpo_hf.choices.sync_code`]); a group's own `bits` keep the block code of their width.
+            `None`: the built-in code of each setting ([`~grpo_hf.compression.codes.code_for`]).
     """
     if compression not in COMPRESSION_CHOICES or compression == "auto":
         raise ValueError(
@@ -107,17 +113,41 @@ def compression_plan(
     for group in groups:
         for name, param in zip(group.param_names, group.params):
             kept = (group.rule.density or density) if sparse else 1.0
+            named = None  # the code of the width `bits` gives, not of a group's own
             if not quantize:
                 width = 32
             elif group.rule.bits:
                 width = group.rule.bits
             else:
                 width = default_bits(owners.get(name)) if str(bits) == "auto" else int(bits)
+                named = code
             spec = None
             if compression != "none" and param.numel() >= min_numel:
-                spec = CodecSpec(density=kept, bits=width, block_size=block_size)
+                spec = CodecSpec(density=kept, bits=width, block_size=block_size, code=named)
             plan[name] = None if spec is None or spec.lossless else spec
     return plan
+
+
+def sparse_sync_plan(plan: dict[str, CodecSpec | None], density: float, chunk: int) -> dict[str, CodecSpec | None]:
+    r"""
+    The sync every H steps' plan with every tensor it sends in codes sent in the chunked top-k code instead
+    (`grpo_sync_density < 1`; [`~grpo_hf.compression.codes.ChunkTopKCode`]): the `ceil(density * chunk)` entries of
+    largest magnitude of every chunk of `chunk`, in 2-bit codes. Tensors sent dense (`None`: small ones, a group file's
+    `bits: 32`) stay dense.
+
+    Example:
+
+    ```python
+    >>> plan = sparse_sync_plan(compression_plan(model, bits=4), density=64 / 4096, chunk=4096)  # SparseLoCo's
+    ```
+
+    Raises:
+        `ValueError`: a density outside `(0, 1)`, a chunk that is not a power of two from 2 to 65536, or a density that
+            keeps every entry of a chunk.
+    """
+    spec = CodecSpec(density=density, bits=CHUNK_TOPK_BITS, block_size=chunk, code=CHUNK_TOPK)
+    code_for(spec)  # its own refusals
+    return {name: None if held is None else spec for name, held in plan.items()}
 
 
 __all__ = [
@@ -128,4 +158,5 @@ __all__ = [
     "parameter_modules",
     "resolve_compression",
     "resolve_mode",
+    "sparse_sync_plan",
 ]

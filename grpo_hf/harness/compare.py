@@ -38,6 +38,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..checkpoints import resolve_resume_checkpoint
+from ..compression.codes.chunk_topk import CHUNK_TOPK_BITS
+from ..compression.spec import num_kept
 from ..config import grpo_field_names
 from ..errors import RecipeError
 from ..provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
@@ -581,6 +583,9 @@ def _measured_trainer(kind: str, args, model, prepared: Prepared, seq_len: int) 
             recorder.bytes_per_step = dense_allreduce_bytes_per_step(trainable, world)
         density = f"density {args.grpo_density:g}, " if "sparse" in trainer.grpo_compression else ""
         bits = args.grpo_sync_bits if args.grpo_sync_every > 1 else args.grpo_bits
+        if args.grpo_sync_every > 1 and args.grpo_sync_density < 1:  # the sync's sparse code (SparseLoCo)
+            chunk = args.grpo_sync_chunk
+            density, bits = f"top {num_kept(chunk, args.grpo_sync_density)} of every {chunk}, ", CHUNK_TOPK_BITS
         comm_mode = (
             f"{trainer.grpo_compression} ({comm_state.mode}, W={world}, {density}bits {bits}, error feedback)"
             if comm_state is not None

@@ -16,6 +16,11 @@ Scenarios, each recording per rank what the pytest side asserts:
 - `moments` (launched on its own): `sync` with `grpo_sync_moments="both"`: after every sync of a fragment every rank
   holds the same `exp_avg` and `exp_avg_sq` of its parameters; bytes per step with one fp32 all-reduce per moment.
 - `moments_resume` (launched on its own): `resume` with `grpo_sync_moments="both"`.
+- `resume_ternary`, `resume_2` (launched on their own): `resume` with `grpo_sync_bits="ternary"` / `"2"`, the sync's
+  own codes (trits, four 2-bit levels); the straight run also records the replicas after every sync and the bytes.
+- `sparse` (launched on its own, on 2 and 4 processes): `sync` with the sparse code (SparseLoCo: 16 of every 256
+  entries, 2-bit values, residual decay 0.95), all-gathered whatever the world size.
+- `sparse_resume` (launched on its own): `resume` with the sparse code.
 
 Usage: torchrun --nproc_per_node 2 outer_sync_ddp.py OUT_DIR [SCENARIO ...]
 """
@@ -34,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
-from grpo_hf.compression.codec import BlockMessages
+from grpo_hf.compression.codes import code_for
 from grpo_hf.compression.layout import chunk_bounds, chunk_owner
 from grpo_hf.compression.outer_sync import (
     OWNER_MIN_WORLD_SIZE,
@@ -119,22 +124,23 @@ def by_name(state: OuterSyncState, key: str) -> dict:
 def codec_bytes(state: OuterSyncState, index: int, world_size: int, blocking: bool = True) -> float:
     """
     The bytes of a fragment's codes in one sync: the all-gather of every rank's message, or from OWNER_MIN_WORLD_SIZE
-    ranks (blocking syncs) the all-to-all of each owner's blocks (each tensor's blocks cut into `W` chunks, chunk `j`
-    owned by rank `(j + crc32(name)) % W`) plus the all-gather of the owners' messages, padded to the longest.
+    ranks (blocking syncs, codes that owners reduce) the all-to-all of each owner's blocks (each tensor's blocks cut into
+    `W` chunks, chunk `j` owned by rank `(j + crc32(name)) % W`) plus the all-gather of the owners' messages, padded to
+    the longest.
     """
     sent = 0.0
     for row in state.fragments[index].rows[1:]:  # the codec rows (the first is sent dense)
         spec, slots, length = row.spec, zip(row.names, row.offsets, row.numels), row.length
-        writer, block = BlockMessages(spec), spec.block_size
-        if world_size < OWNER_MIN_WORLD_SIZE or not blocking:
-            sent += allgather_bytes(writer.fixed_nbytes(length // block), world_size)
+        code, block = code_for(spec), spec.block_size
+        if world_size < OWNER_MIN_WORLD_SIZE or not blocking or not code.owner_reducible:
+            sent += allgather_bytes(code.message_nbytes(length // block), world_size)
             continue
         counts = [0] * world_size
         for name, _, numel in slots:
             shift = chunk_owner(name, world_size)
             for j, (start, end) in enumerate(chunk_bounds(-(-numel // block), world_size)):
                 counts[(j + shift) % world_size] += end - start
-        sizes = [writer.fixed_nbytes(count) for count in counts]
+        sizes = [code.message_nbytes(count) for count in counts]
         sent += alltoall_bytes(sum(sizes), world_size) + allgather_bytes(max(sizes), world_size)
     return sent
 
@@ -219,6 +225,7 @@ def train(args, resume=None):
         "last_sync": state.last_sync,
         "fragment_numels": [fragment.numel for fragment in state.fragments],
         "code_bits": sorted({spec.bits for spec in state.plan.values() if spec is not None}),
+        "code_names": sorted({code_for(spec).name for spec in state.plan.values() if spec is not None}),
     }
     trainer.accelerator.free_memory()
     del trainer
@@ -230,8 +237,8 @@ def scenario_sync(out_dir):
     return train(make_args(out_dir, "sync"))
 
 
-def scenario_resume(out_dir):
-    args = make_args(out_dir, "resume", max_steps=12, save_strategy="steps", save_steps=6)
+def scenario_resume(out_dir, name="resume", **fields):
+    args = make_args(out_dir, name, max_steps=12, save_strategy="steps", save_steps=6, **fields)
     straight = train(args)
     checkpoint = os.path.join(args.output_dir, "checkpoint-6")
     resumed = train(args, resume=checkpoint)
@@ -309,6 +316,20 @@ def scenario_moments_resume(out_dir):
     return {"straight": straight, "resumed": resumed}
 
 
+SPARSE = dict(grpo_sync_density=16 / 256, grpo_sync_chunk=256, grpo_sync_error_decay=0.95)  # SparseLoCo's, small
+
+
+def scenario_sparse(out_dir):
+    return train(make_args(out_dir, "sparse", **SPARSE))
+
+
+def scenario_sparse_resume(out_dir):
+    args = make_args(out_dir, "sparse_resume", max_steps=12, save_strategy="steps", save_steps=6, **SPARSE)
+    straight = train(args)
+    resumed = train(args, resume=os.path.join(args.output_dir, "checkpoint-6"))
+    return {"straight": straight, "resumed": resumed}
+
+
 SCENARIOS = {
     "localsgd": scenario_localsgd,
     "sync": scenario_sync,
@@ -319,8 +340,13 @@ SCENARIOS = {
     "delay_resume": scenario_delay_resume,
     "moments": scenario_moments,
     "moments_resume": scenario_moments_resume,
+    "resume_ternary": lambda out_dir: scenario_resume(out_dir, "resume_ternary", grpo_sync_bits="ternary"),
+    "resume_2": lambda out_dir: scenario_resume(out_dir, "resume_2", grpo_sync_bits="2"),
+    "sparse": scenario_sparse,
+    "sparse_resume": scenario_sparse_resume,
 }
-ALONE = ("moments", "moments_resume")  # launched by their own test fixture, not by default
+# launched by their own test fixtures, not by default
+ALONE = ("moments", "moments_resume", "resume_ternary", "resume_2", "sparse", "sparse_resume")
 
 
 def main():

@@ -22,6 +22,8 @@ Scenarios, each recording per rank what the pytest side asserts:
 - `delay`: `grpo_sync_delay=1`: the exchanges run in groups of their own behind one step.
 - `shards`: `OuterSyncState` on raw FSDP2 (no Trainer) with a parameter of one row, whose second shard is empty: the
   bytes of every sync by the formulas on the local sizes.
+- `resume_ternary`, `resume_2` (launched on their own): `resume` with `grpo_sync_bits="ternary"` / `"2"`, the sync's
+  own codes, whose rows on the uneven local shards end in padding.
 - `dcp`: torch DCP's dedupe of "replicated" shards, shown: two replicas' different local shards saved with `dcp.save`
   come back as one replica's; GRPO's per-rank files keep them apart (the `resume` scenario).
 
@@ -43,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer, shard_replica_groups
-from grpo_hf.compression.codec import BlockMessages
+from grpo_hf.compression.codes import code_for
 from grpo_hf.compression.layout import chunk_bounds, chunk_owner
 from grpo_hf.compression.outer_sync import OWNER_MIN_WORLD_SIZE, OuterSyncState, fragments_due, pack_fragments
 from grpo_hf.compression.replicas import local_optimizer_state
@@ -236,16 +238,16 @@ def sync_bytes(state: OuterSyncState, due: list[int], groups: int, share: bool) 
             sent += allreduce_bytes(4 * fragment.rows[0].length, world_size)
         for index in fragment.codec_rows:
             row = fragment.rows[index]
-            writer, block = BlockMessages(row.spec), row.spec.block_size
+            code, block = code_for(row.spec), row.spec.block_size
             if world_size < OWNER_MIN_WORLD_SIZE:
-                sent += allgather_bytes(writer.fixed_nbytes(row.length // block), world_size)
+                sent += allgather_bytes(code.message_nbytes(row.length // block), world_size)
                 continue
             counts = [0] * world_size
             for name, numel in zip(row.names, row.numels):
                 shift = chunk_owner(name, world_size)
                 for j, (start, end) in enumerate(chunk_bounds(-(-numel // block), world_size)):
                     counts[(j + shift) % world_size] += end - start
-            sizes = [writer.fixed_nbytes(count) for count in counts]
+            sizes = [code.message_nbytes(count) for count in counts]
             sent += alltoall_bytes(sum(sizes), world_size) + allgather_bytes(max(sizes), world_size)
     if due and share:
         sent += allreduce_bytes(8 * groups, world_size)
@@ -407,13 +409,14 @@ def scenario_reference(out_dir):
     return record
 
 
-def scenario_resume(out_dir):
-    fields = dict(max_steps=12, save_strategy="steps", save_steps=6, save_only_model=True)
-    straight, recorder = train(out_dir, "resume", **fields)
+def scenario_resume(out_dir, name="resume", **extra):
+    fields = dict(max_steps=12, save_strategy="steps", save_steps=6, save_only_model=True, **extra)
+    straight, recorder = train(out_dir, name, **fields)
     record = {"straight": describe(straight, recorder)}
+    record["straight"]["code_names"] = sorted({code_for(s).name for s in straight.grpo_comm_state.plan.values() if s})
     finish(straight)
-    checkpoint = os.path.join(out_dir, "resume", "checkpoint-6")
-    resumed, recorder = train(out_dir, "resumed", resume=checkpoint, **fields)
+    checkpoint = os.path.join(out_dir, name, "checkpoint-6")
+    resumed, recorder = train(out_dir, f"{name}_resumed", resume=checkpoint, **fields)
     record["resumed"] = describe(resumed, recorder)
     record["state_file"] = os.path.exists(os.path.join(checkpoint, f"grpo_state_rank{dist.get_rank()}.pt"))
     finish(resumed)
@@ -512,7 +515,10 @@ SCENARIOS = {
     "delay": scenario_delay,
     "shards": scenario_shards,
     "dcp": scenario_dcp,
+    "resume_ternary": lambda out_dir: scenario_resume(out_dir, "resume_ternary", grpo_sync_bits="ternary"),
+    "resume_2": lambda out_dir: scenario_resume(out_dir, "resume_2", grpo_sync_bits="2"),
 }
+ALONE = ("resume_ternary", "resume_2")  # launched by their own test fixture, not by default
 
 
 def main():
@@ -520,7 +526,7 @@ def main():
     torch.set_num_threads(1)
     logging.getLogger("grpo_hf").setLevel(logging.WARNING)
     dist.init_process_group("gloo")
-    out_dir, REPLICAS, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:] or list(SCENARIOS)
+    out_dir, REPLICAS, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:] or [s for s in SCENARIOS if s not in ALONE]
     results = {name: SCENARIOS[name](out_dir) for name in names}
     results["world_size"] = dist.get_world_size()
     write_result(out_dir, results)

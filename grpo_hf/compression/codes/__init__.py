@@ -7,8 +7,23 @@ and one line here.
 
 from .base import Code, code_for, register, registered_codes, unregister
 from .block import BlockCode
+from .chunk_topk import ChunkTopKCode
 from .fp32 import Fp32Code
+from .ternary import TernaryCode
 from .topk import TopKCode
+from .two_bit import TwoBitCode
 
 
-__all__ = ["BlockCode", "Code", "Fp32Code", "TopKCode", "code_for", "register", "registered_codes", "unregister"]
+__all__ = [
+    "BlockCode",
+    "ChunkTopKCode",
+    "Code",
+    "Fp32Code",
+    "TernaryCode",
+    "TopKCode",
+    "TwoBitCode",
+    "code_for",
+    "register",
+    "registered_codes",
+    "unregister",
+]

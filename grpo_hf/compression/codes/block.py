@@ -5,7 +5,8 @@ The arithmetic is the codec's two fused kernels ([`~grpo_hf.compression.codec.Ke
 transports use them:
 
 - message of `n` blocks: `4 n + n B bits / 8` bytes padded to 16 (fixed by `n`: written in place, no size announced),
-  except at 2 bits (a 16-byte header, a bitmap of the non-zero codes and their signs: the size depends on the data);
+  except at 2 bits (a 16-byte header, a bitmap of the non-zero codes and their signs: the size depends on the data, so
+  the sync sends these ternary levels in a code of its own, fixed in size: `ternary.py`);
 - owner reduction encodes a run in one kernel call and cuts each owner's codes and absmax out of it; the owners' codes
   are put back in block order and decoded in one call;
 - rows (FSDP2): `ceil(S / B) (4 + B bits / 8)` bytes per row of `S` entries, unpadded (4, 8 and 16 bits).
