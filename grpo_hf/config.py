@@ -182,7 +182,9 @@ class GRPOConfig(CostFields, TrainingArguments):
             `S` ranks and reduce-scatters every step inside it, and the `R` replicas sync every `H` steps, each rank
             its local shards (`docs/engines.md`). DeepSpeed, tensor and context parallelism and fp16 mixed precision
             are refused with `H > 1`. For fine-tunes `32`, the other sync fields at their defaults; from scratch `8`
-            (`docs/compression.md`, "Sync every H steps", has the measured cost of both).
+            (`docs/compression.md`, "Sync every H steps", has the measured cost of both). The fewest bytes on a
+            fine-tune: `H` at or above `max_steps` with `grpo_sync_ramp=False`, one sync at the last step
+            (`docs/compression.md`, "A thousand times fewer bytes").
         grpo_sync_bits (`str`, *optional*, defaults to `"4"`):
             Bits per entry of the pseudo-gradient `Δ` the ranks exchange at a sync: `"ternary"`, `2`, `4`, `8` or `16`
             (codes in blocks of 128 with one scale each, and error feedback: what a sync did not send is added to the
