@@ -657,6 +657,7 @@ def _ratio(by_seed: dict[int, dict], base: dict[int, dict], key: str) -> str:
 def markdown(results: dict[str, dict[int, dict]]) -> str:
     """The table: per row, its figures (mean over seeds) and its ratios to `no-fault` (geometric mean, worst seed)."""
     base = results.get(BASELINE, {})
+    apart = False
     lines = [
         f"| row | seeds | wall s | wall / {BASELINE}: geomean (worst) | steps lost: mean (worst seed) | batches in the "
         f"model | syncs discarded: mean (worst) | bytes per replica | perplexity | ppl / {BASELINE}: geomean (worst) |",
@@ -670,7 +671,10 @@ def markdown(results: dict[str, dict[int, dict]]) -> str:
         discarded = "–" if None in discarded else f"{sum(discarded) / len(runs):.1f} ({max(discarded)})"
         in_model = [r.get("batches_in_model", r["replica_steps_in_model"]) for r in runs]
         in_model = f"{sum(in_model) / len(runs):.0f} / {runs[0]['replicas'] * runs[0]['max_steps']}"
-        cells = [f"`{row}`", str(len(runs)), f"{_mean(runs, 'wall_s'):.1f}", _ratio(by_seed, base, "wall_s"),
+        wall = _ratio(by_seed, base, "wall_s")
+        if not {r.get("commit") for r in runs} & {r.get("commit") for r in base.values()}:  # not run beside it
+            wall, apart = f"{wall} †", True
+        cells = [f"`{row}`", str(len(runs)), f"{_mean(runs, 'wall_s'):.1f}", wall,
                  f"{sum(lost) / len(runs):.1f} ({max(lost)})", in_model, discarded,
                  f"{_mean(runs, 'bytes_per_replica') / 1e6:,.2f} MB", f"{_mean(runs, 'perplexity'):.3f}",
                  _ratio(by_seed, base, "perplexity")]  # fmt: skip
@@ -687,6 +691,12 @@ def markdown(results: dict[str, dict[int, dict]]) -> str:
             "delay and imports included); steps lost summed over the replicas; bytes by the suite's ring model (the "
             "heal's checkpoint transfer not counted). `benchmarks/bench_faults.py` says what each row runs.",
         ]
+    if apart:
+        lines.append(
+            f"\n† run at another commit, in another session, than `{BASELINE}`'s files: its wall time was not measured "
+            "side by side with them (the machine's load differs), so that ratio is not a comparison; its perplexity "
+            "ratio is (`benchmarks/LOG.md` has the session's own ratios)."
+        )
     return "\n".join(lines)
 
 
