@@ -18,8 +18,8 @@ sync it followed, or from the group a healer healed from): the groups take the s
 A unit taken over is trained as extra micro-batches of the step, of the usual size (the peak memory does not grow), and
 the step's loss is the mean over all its tokens (the Trainer's `num_items_in_batch` counts them all). The price is
 time: while one group of `R` is away, each live one trains `R / (R - 1)` units a step. [`SharedBatches`] reads the
-other planned groups' batches beside the group's own (one data loader each) and keeps them for two intervals, so that
-a unit can still be trained in the window after its own.
+other planned groups' batches beside the group's own (one data loader each) and keeps them, in CPU memory, for two
+intervals, so that a unit can still be trained in the window after its own.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate.data_loader import skip_first_batches
+from accelerate.utils import send_to_device
 
 
 logger = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ class SharedBatches:
     def _keep(self, index: int, batches: list) -> None:
         step = self._step_of(index)
         for replica, batch in enumerate(batches):  # its own too: a healed group may catch up its own lost units
-            self.kept.setdefault((replica, step), []).append(batch)
+            self.kept.setdefault((replica, step), []).append(send_to_device(batch, "cpu"))  # not the accelerator's memory
         oldest = step - self.keep_steps
         for unit in [unit for unit in self.kept if unit[1] <= oldest]:
             del self.kept[unit]
