@@ -330,19 +330,23 @@ def lr_sweep() -> str:
 
 def sync_sweep() -> str:
     """The sync every H steps best against best, beside dense and the per-step default (README, "Fewer syncs"): the rows
-    measured on more than one seed at their best learning rate (the one-seed trials are in docs/compression.md)."""
+    measured on more than one seed at their best learning rate (the one-seed trials are in docs/compression.md); a task
+    run again beside new rows (`<task>-peers`, `<task>-frontier`) adds only its new rows."""
     sweep, meta = sweep_summary(RESULTS / "suite_sweep")
     trials = 0
     lines = [
         "| task | setting | ppl / dense, best vs best (seeds) | worst seed | ppl / dense at the task's one lr | bytes vs fp32 |",
         "|---|---|---:|---:|---:|---:|",
     ]
+    shown = set()
     for task, rows in sweep.items():
         if not any(name.startswith("sync") for name in rows):  # `q8` everywhere: docs/compression.md's table
             continue
+        rerun_of = re.sub(r"-(peers|frontier)$", "", task)  # a task run again beside new rows: only what is new
         for name, e in rows.items():
-            if name == "dense" or not (name.startswith("sync") or name == "q8"):
+            if name == "dense" or not (name.startswith("sync") or name == "q8") or (rerun_of, name) in shown:
                 continue
+            shown.add((rerun_of, name))
             if len(e["best_vs_best"]) < 2:
                 trials += 1
                 continue
