@@ -17,6 +17,7 @@ import torch
 
 from ..codec import ENCODE_CHUNK, padded_nbytes
 from ..owned import put_owned
+from ..spec import CodecSpec
 from .base import Code
 
 
@@ -29,11 +30,20 @@ class PackedBlockCode(Code):
 
     fixed_size = True
     in_sync = True
+    codes_per_byte: int = 0  # a subclass's: codes packed into one byte (4 two-bit codes, 5 trits)
+
+    def __init__(self, spec: CodecSpec):
+        if spec.bits != 2 or spec.density < 1.0:
+            raise ValueError(
+                f"the {self.name} code sends every entry in {8 / self.codes_per_byte:g} bits: use "
+                f"CodecSpec(code={self.name!r}, bits=2), got {spec}."
+            )
+        super().__init__(spec)
 
     @property
     def code_nbytes(self) -> int:
-        """Bytes of one block's packed codes."""
-        raise NotImplementedError(f"{type(self).__name__} says how many bytes a block's codes take.")
+        """Bytes of one block's packed codes: `ceil(B / codes_per_byte)`."""
+        return -(-self.spec.block_size // self.codes_per_byte)
 
     # --- what a subclass implements ---
     def quantize(self, kernels, rows, residual, scale, clip):

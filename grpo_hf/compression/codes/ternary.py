@@ -16,7 +16,6 @@ and a message of `n` blocks is `30 n` bytes padded to 16 (`packed.py`).
 
 import torch
 
-from ..spec import CodecSpec
 from .base import register
 from .packed import PackedBlockCode
 
@@ -62,18 +61,7 @@ class TernaryCode(PackedBlockCode):
     """
 
     name = "ternary"
-
-    def __init__(self, spec: CodecSpec):
-        if spec.bits != 2 or spec.density < 1.0:
-            raise ValueError(
-                f"the ternary code sends every entry in trits: use CodecSpec(code='ternary', bits=2), got {spec}."
-            )
-        super().__init__(spec)
-
-    @property
-    def code_nbytes(self) -> int:
-        """`ceil(B / 5)`."""
-        return -(-self.spec.block_size // TRITS_PER_BYTE)
+    codes_per_byte = TRITS_PER_BYTE
 
     def quantize(self, kernels, rows, residual, scale, clip):
         """The codec's 2-bit kernel (ternary codes, error feedback), its codes packed as trits."""

@@ -21,7 +21,6 @@ are; the new residual is `acc - sent` (bf16), added to the next sync's `Δ`.
 import torch
 
 from ..codec import STEP_FLOOR
-from ..spec import CodecSpec
 from .base import register
 from .packed import PackedBlockCode
 
@@ -76,18 +75,7 @@ class TwoBitCode(PackedBlockCode):
     """
 
     name = "two-bit"
-
-    def __init__(self, spec: CodecSpec):
-        if spec.bits != 2 or spec.density < 1.0:
-            raise ValueError(
-                f"the two-bit code sends every entry in 2 bits: use CodecSpec(code='two-bit', bits=2), got {spec}."
-            )
-        super().__init__(spec)
-
-    @property
-    def code_nbytes(self) -> int:
-        """`ceil(B / 4)`."""
-        return -(-self.spec.block_size // CODES_PER_BYTE)
+    codes_per_byte = CODES_PER_BYTE
 
     def quantize(self, kernels, rows, residual, scale, clip):
         acc = rows.float()
