@@ -95,7 +95,6 @@ class ReplicaShares:
         self.replica_id, self.replicas, self.next_sync = int(replica_id), int(replicas), next_sync
         self.window: Window | None = None
         self._plan: dict[int, list[Unit]] = {}
-        self.taken_over = 0  # units trained for other groups, in all
 
     def open(self, step: int, members, catch_up=()) -> None:
         """A window opens after `step` with `members` (replica ids; `None`: not known, then nothing is taken over)."""

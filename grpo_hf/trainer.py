@@ -598,8 +598,8 @@ class GRPOMixin:
         taken_over = self._grpo_shared_batches.batches(units)
         if not taken_over:
             return batch_samples, num_items
-        shares.taken_over += len(units)
-        self.grpo_comm_state.traffic.count(taken_over=len(units))
+        kept = self._grpo_shared_batches.kept
+        self.grpo_comm_state.traffic.count(taken_over=sum(unit in kept for unit in units))  # those still kept
         num_items = self._get_num_items_in_batch([*batch_samples, *taken_over], device)
         batch_samples = [{**batch_samples[0], TAKEN_OVER: taken_over}, *batch_samples[1:]]
         return batch_samples, num_items
