@@ -15,12 +15,14 @@ Usage: python fault_tolerant.py OUT_DIR REPLICA_ID [--kill_at_step K] [--kill_in
 """
 
 import argparse
+import gc
 import json
 import os
 import signal
 import sys
 import time
 
+import torch.distributed as dist
 from _common import random_tokens, tensor_digest, worker_config
 from testing_utils import tiny_test_llama
 from transformers import TrainerCallback
@@ -130,8 +132,6 @@ def main():
     model, data = tiny_test_llama(seed=0), random_tokens(512, 16)
     sharded = not options.ddp and int(os.environ.get("WORLD_SIZE", 1)) > 1
     if sharded:  # a replica group of several processes: FSDP2 over them, the launch being one replica
-        import torch.distributed as dist
-
         from grpo_hf import shard_replica_groups
 
         if not dist.is_initialized():  # (the arguments' Accelerate state may have started it)
@@ -174,6 +174,14 @@ def main():
     with open(path, "w") as f:
         json.dump(result, f, indent=1, sort_keys=True)
     print(f"replica {options.replica_id} done at step {trainer.state.global_step}", flush=True)
+    # a third of 2-process gloo runs abort at exit (rc -6) unless the trainer is freed and the group destroyed first
+    trainer.accelerator.free_memory()
+    del trainer, state, comm, fragments, record
+    gc.collect()
+    if dist.is_initialized():
+        if options.ddp:  # (a replica group's peer may have been killed: no barrier there)
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
