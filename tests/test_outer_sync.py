@@ -2,7 +2,6 @@
 GRPOTrainer with `grpo_sync_every > 1` (the multi-process checks are in tests/test_distributed_outer_sync.py)."""
 
 import math
-import threading
 
 import pytest
 import torch
@@ -225,61 +224,18 @@ def _owner_ranks(world_size, seed=0, spec=SYNC_SPECS[0]):
     return states, deltas
 
 
-class ThreadedRanks:
-    """`W` ranks played by `W` threads of one process: their collectives meet at a barrier, in rank order."""
-
-    def __init__(self, world_size):
-        self.world_size, self.barrier = world_size, threading.Barrier(world_size)
-        self.held, self.sizes = [None] * world_size, [None] * world_size
-
-    def comm(self, rank):
-        return _RankComm(self, rank)
-
-
-class _RankComm:
-    """Rank `rank`'s collectives (the public methods of a `Communicator`) among `ThreadedRanks`."""
-
-    def __init__(self, ranks, rank):
-        self.ranks, self.rank, self.world_size = ranks, rank, ranks.world_size
-
-    def _meet(self, value):
-        self.ranks.held[self.rank] = value
-        self.ranks.barrier.wait()
-        everyone = list(self.ranks.held)
-        self.ranks.barrier.wait()
-        return everyone
-
-    def all_to_all(self, send, send_splits, recv_splits):
-        self.ranks.sizes[self.rank] = list(send_splits)
-        parts = self._meet(torch.split(send, send_splits))
-        return torch.cat([parts[r][self.rank] for r in range(self.world_size)])
-
-    def all_gather(self, tensor, out=None, tag=0):
-        return torch.stack(self._meet(tensor.clone()))
-
-    def start_all_reduce(self, tensor, op=None):
-        total = torch.stack(self._meet(tensor.clone())).sum(0)
-        tensor.copy_(total)
-        return type("Done", (), {"wait": lambda _: tensor})()
-
-
 def _owner_round(states, deltas):
     """One owner-reduced exchange of the fragment (its codes' row and its dense row), each rank in its own thread."""
-    world_size = len(states)
-    ranks = ThreadedRanks(world_size)
+    ranks = ThreadRanks(len(states))
     rows = [[row.clone() for row in delta] for delta in deltas]
 
-    def run(rank):
-        state = states[rank]
-        state.fragments[0].exchange(Exchange(state.kernels, ranks.comm(rank), StepStats()), rows[rank], owners=True)
+    def run(comm):
+        state = states[comm.rank]
+        state.fragments[0].exchange(Exchange(state.kernels, comm, StepStats()), rows[comm.rank], owners=True)
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    sizes = ranks.sizes[0]
-    assert all(s == sizes for s in ranks.sizes)  # every rank cuts the row the same way
+    ranks.run(run)
+    sizes = ranks.splits[0]
+    assert all(s == sizes for s in ranks.splits)  # every rank cuts the row the same way
     return [row[1] for row in rows], sizes
 
 

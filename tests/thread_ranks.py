@@ -21,10 +21,12 @@ class ThreadRanks:
     """
     `world_size` ranks, each in its own thread: [`run`] calls `work(communicator)` on every rank and returns their
     results in rank order; the first error of a rank is raised (the others are released from the barrier).
+    `splits[rank]` is what rank `rank` last sent to each rank in an all-to-all (its `send_splits`).
     """
 
     def __init__(self, world_size):
         self.world_size, self.barrier, self.held = world_size, threading.Barrier(world_size), [None] * world_size
+        self.splits = [None] * world_size
 
     def run(self, work):
         out, errors = [None] * self.world_size, []
@@ -76,6 +78,7 @@ class ThreadCommunicator(Communicator):
         return []
 
     def _all_to_all(self, recv, send, recv_splits, send_splits):
+        self.threads.splits[self.rank] = list(send_splits)
         parts = self._meet(torch.split(send.clone(), send_splits))
         recv.copy_(torch.cat([parts[r][self.rank] for r in range(self.world_size)]))
 
