@@ -319,6 +319,9 @@ def main():
 
 if __name__ == "__main__":
     if os.environ.get("GRPO_SPEED_ARGS"):
+        from tests.testing_utils import end_worker
+
         worker()
+        end_worker()  # (skips the interpreter's teardown, where a gloo run now and then aborts)
     else:
         main()

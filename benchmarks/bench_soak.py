@@ -280,6 +280,9 @@ def main() -> int:
 
 if __name__ == "__main__":
     if os.environ.get("GRPO_SOAK_JOB"):
+        from tests.testing_utils import end_worker
+
         worker(os.environ["GRPO_SOAK_JOB"])
+        end_worker()  # (skips the interpreter's teardown, where a gloo run now and then aborts)
     else:
         raise SystemExit(main())

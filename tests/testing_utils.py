@@ -277,6 +277,26 @@ def run_launcher(
     return TorchrunResult(returncode, stdout, stderr)
 
 
+def end_worker(barrier: bool = True) -> None:
+    """
+    The last call of a launched worker: leave the process group (after a barrier, unless a peer may be dead), flush
+    the outputs, and exit with status 0 at once.
+
+    A 2-process gloo run now and then aborts in the interpreter's teardown, after its work is written and the group
+    destroyed (`terminate called without an active exception`, exit -6 on both ranks, once the worker's `main` has
+    returned). `os._exit` skips that teardown; nothing after this call runs, `atexit` handlers included.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The codec's properties over every magnitude (hypothesis; tests/test_codec.py on the CPU, tests/test_gpu.py on CUDA)
 # --------------------------------------------------------------------------------------------------------------
@@ -366,6 +386,7 @@ __all__ = [
     "FakeBucket",
     "check_codec_properties",
     "codec_cases",
+    "end_worker",
     "TorchrunResult",
     "free_port",
     "run_accelerate_launch",

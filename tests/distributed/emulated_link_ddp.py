@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 from _common import write_result
+from testing_utils import end_worker
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -55,8 +56,7 @@ def main():
     results["grpo"] = {"seconds": seconds, "bytes_per_step": state.totals()["bytes_sent"] / STEPS}
 
     write_result(sys.argv[1], results)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Usage: python fault_tolerant.py OUT_DIR REPLICA_ID [--kill_at_step K] [--kill_in
 """
 
 import argparse
-import gc
 import json
 import os
 import signal
@@ -24,7 +23,7 @@ import time
 
 import torch.distributed as dist
 from _common import random_tokens, tensor_digest, worker_config
-from testing_utils import tiny_test_llama
+from testing_utils import end_worker, tiny_test_llama
 from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
@@ -174,14 +173,7 @@ def main():
     with open(path, "w") as f:
         json.dump(result, f, indent=1, sort_keys=True)
     print(f"replica {options.replica_id} done at step {trainer.state.global_step}", flush=True)
-    # a third of 2-process gloo runs abort at exit (rc -6) unless the trainer is freed and the group destroyed first
-    trainer.accelerator.free_memory()
-    del trainer, state, comm, fragments, record
-    gc.collect()
-    if dist.is_initialized():
-        if options.ddp:  # (a replica group's peer may have been killed: no barrier there)
-            dist.barrier()
-        dist.destroy_process_group()
+    end_worker(barrier=options.ddp)  # (a replica group's peer may have been killed: no barrier there)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from _common import same_on_all_ranks, tensor_digest, worker_config, write_result
 from datasets import Dataset
-from testing_utils import tiny_test_llama
+from testing_utils import end_worker, tiny_test_llama
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
@@ -190,8 +190,7 @@ def main():
         results["resume_w1"] = scenario_resume_w1(out_dir, sys.argv[2])
     results["world_size"] = dist.get_world_size()
     write_result(out_dir, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 from _common import same_on_all_ranks, tensor_digest, write_result
-from testing_utils import shard_like_accelerate, tiny_test_llama
+from testing_utils import end_worker, shard_like_accelerate, tiny_test_llama
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -293,8 +293,7 @@ def main():
     results = {name: SCENARIOS[name](out_dir) for name in names}
     results["world_size"] = dist.get_world_size()
     write_result(out_dir, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

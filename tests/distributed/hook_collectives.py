@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 from _common import same_on_all_ranks, tensor_digest, write_result
-from testing_utils import FakeBucket
+from testing_utils import FakeBucket, end_worker
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -209,8 +209,7 @@ def run_all() -> dict:
 def main():
     dist.init_process_group("gloo")
     write_result(sys.argv[1], {"hook": run_all(), "world_size": dist.get_world_size()})
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

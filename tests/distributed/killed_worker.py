@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from _common import tensor_digest, write_result
 from datasets import Dataset
-from testing_utils import tiny_test_llama
+from testing_utils import end_worker, tiny_test_llama
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
@@ -107,8 +107,7 @@ def main():
     if dist.get_rank() == 0:
         torch.save({"straight": straight_params, "killed": killed_params}, os.path.join(out_dir, "params.pt"))
     write_result(out_dir, {"straight": straight, "killed": killed, "world_size": dist.get_world_size()})
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from _common import same_on_all_ranks, write_result
 from datasets import Dataset
-from testing_utils import tiny_test_llama
+from testing_utils import end_worker, tiny_test_llama
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
@@ -110,8 +110,7 @@ def main():
     trainer.accelerator.free_memory()
     del trainer
     gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 from _common import write_result
-from testing_utils import shard_like_accelerate, tiny_test_llama
+from testing_utils import end_worker, shard_like_accelerate, tiny_test_llama
 
 from grpo_hf.grouping import assign_groups, load_group_spec
 from grpo_hf.optim import GroupedAdamW, resolve_layouts
@@ -71,8 +71,7 @@ def main():
         }
     results["world_size"] = dist.get_world_size()
     write_result(out_dir, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

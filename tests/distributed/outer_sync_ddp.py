@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from _common import same_on_all_ranks, tensor_digest, worker_config, write_result
 from datasets import Dataset
-from testing_utils import tiny_test_llama
+from testing_utils import end_worker, tiny_test_llama
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
@@ -359,8 +359,7 @@ def main():
         math.isnan(loss) for r in results.values() if isinstance(r, dict) for loss in r.get("losses", [])
     )
     write_result(out_dir, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from datasets import Dataset
+from testing_utils import end_worker
 
 from benchmarks import suite
 from benchmarks.tasks import Task
@@ -69,8 +70,7 @@ def main(out_dir: str) -> None:
             }
     if dist.get_rank() == 0:
         Path(out_dir, "results.json").write_text(json.dumps({"groups": GROUPS, "rows": results}, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import sys
 import torch
 import torch.distributed as dist
 from _common import random_tokens, tensor_digest, worker_config, write_result
-from testing_utils import tiny_test_llama
+from testing_utils import end_worker, tiny_test_llama
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
@@ -530,8 +530,7 @@ def main():
     results = {name: SCENARIOS[name](out_dir) for name in names}
     results["world_size"] = dist.get_world_size()
     write_result(out_dir, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from _common import same_on_all_ranks, tensor_digest, worker_config, write_result
 from datasets import Dataset
-from testing_utils import tiny_test_llama
+from testing_utils import end_worker, tiny_test_llama
 from torch.nn.parallel import DistributedDataParallel
 
 from grpo_hf import GRPOTrainer
@@ -161,8 +161,7 @@ def main():
     results["world_size"] = dist.get_world_size()
     results["nan_free"] = not any(math.isnan(loss) for r in _records(results) for loss in r.get("losses", []))
     write_result(out_dir, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 def _records(tree):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from _common import same_on_all_ranks, tensor_digest, worker_config, write_result
 from datasets import Dataset
-from testing_utils import tiny_test_llama
+from testing_utils import end_worker, tiny_test_llama
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -159,8 +159,7 @@ def main():
     results = {name: SCENARIOS[name](out_dir, model_dir) for name in names}
     results["world_size"] = dist.get_world_size()
     write_result(out_dir, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from _common import same_on_all_ranks, write_result
 from datasets import Dataset
-from testing_utils import tiny_test_llama
+from testing_utils import end_worker, tiny_test_llama
 from torch.nn.parallel import DistributedDataParallel
 
 from grpo_hf import GRPOConfig, GRPOTrainer
@@ -74,7 +74,7 @@ def main(out_dir: str, steps: int) -> None:
     }
     result["ppl_ratio"] = math.exp(result["default"]["eval_loss"] - result["dense"]["eval_loss"])
     write_result(out_dir, result)
-    dist.destroy_process_group()
+    end_worker(barrier=False)
 
 
 if __name__ == "__main__":
