@@ -270,3 +270,43 @@ def test_groups_takes_hyphens_and_fits_100_columns_with_a_legend(capsys):
     words = " ".join(out.split())
     assert " 8/32 " in out and "8/32: 8-bit codes" in words  # the column and its legend
     assert "factored" in out and "x AdamW" in out and "rules (regular expressions" in out
+
+
+@pytest.mark.parametrize("exit_now", [True, False])
+def test_a_gloo_command_leaves_its_group_and_exits_past_the_teardown(monkeypatch, exit_now):
+    # the program (exit_now) skips the interpreter's teardown, where gloo runs now and then abort, once its threads
+    # have ended and its atexit handlers have run; a call of main() from Python only leaves the group
+    import torch.distributed as dist
+
+    from grpo_hf.cli import main as cli
+
+    done = []
+
+    class Exited(Exception):
+        pass
+
+    def exit_at_once(status):
+        done.append(("exit", status))
+        raise Exited
+
+    import threading
+    import time
+
+    worker = threading.Thread(target=lambda: (time.sleep(0.2), done.append(("thread",))))  # non-daemon: waited for
+    worker.start()
+    monkeypatch.setattr(cli.threading, "enumerate", lambda: [threading.current_thread(), worker])
+    monkeypatch.setattr(cli.os, "_exit", exit_at_once)
+    monkeypatch.setattr(cli.atexit, "_run_exitfuncs", lambda: done.append(("atexit",)))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(Exited) if exit_now else contextlib.nullcontext():
+            cli.leave_process_group(3, exit_now=exit_now)
+    finally:
+        left = not dist.is_initialized()
+        if not left:
+            dist.destroy_process_group()
+    worker.join()
+    assert left
+    assert done == ([("thread",), ("atexit",), ("exit", 3)] if exit_now else [("thread",)])
+    cli.leave_process_group(0, exit_now=True)  # no group: nothing to leave, no exit
+    assert len(done) == (3 if exit_now else 1)

@@ -28,9 +28,11 @@ grpo-hf --version
 """
 
 import argparse
+import atexit
 import importlib
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -173,6 +175,32 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
+def leave_process_group(status: int, exit_now: bool) -> None:
+    """
+    Leave the process group a command started (under `torchrun` or `accelerate launch`), if any.
+
+    On gloo, with `exit_now` (the `grpo-hf` program, not a call of [`main`] from Python), the process then exits at
+    once with `status`, once its non-daemon threads have ended and its `atexit` handlers have run: what it skips is
+    the interpreter's teardown, where a finished gloo run now and then aborts (`terminate called without an active
+    exception`, exit -6, and torchrun reports the job failed): a gloo worker thread that frees its last collective's
+    tensors needs the GIL the teardown has taken.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    gloo = "gloo" in str(dist.get_backend())
+    dist.destroy_process_group()
+    if not (gloo and exit_now):
+        return
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # (logging's flush among them)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main(argv: list[str] | None = None) -> int:
     """
     Run one `grpo-hf` command; returns the exit status.
@@ -193,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
 
             started = min(started, psutil.Process().create_time())
         args.argv, args.started = argv, started
-        return args.func(args)
+        status = args.func(args)
+        leave_process_group(status, exit_now=console_script)
+        return status
     except GRPOInputError as err:
         if debug:
             raise
@@ -230,6 +260,7 @@ __all__ = [
     "DEBUG_ENV",
     "REFUSING_LIBRARIES",
     "TRAINING_DEBUG_OPTIONS",
+    "leave_process_group",
     "main",
     "main_parser",
     "parse_command_line",

@@ -239,13 +239,12 @@ def train_command_parser():
     return parser
 
 
-def _end_distributed() -> None:
-    """Leave the process group (under torchrun): without it, 2-process gloo runs sometimes abort at exit."""
+def _wait_for_every_rank() -> None:
+    """Under torchrun, wait until every rank has trained (the group is left at the end of the command, in `main`)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
 
 
 def train_command(args) -> int:
@@ -276,7 +275,7 @@ def train_command(args) -> int:
     row = run_training(
         model_args, data_args, training_args, args.trainer, prepared=prepared, progress=phases, save_model=True
     )
-    _end_distributed()
+    _wait_for_every_rank()
     results = {
         "runs": [row],
         "ratios": {},
