@@ -191,10 +191,7 @@ def test_a_sync_that_does_not_commit_is_tried_again_and_leaves_no_trace():
     for key in once:
         for name, value in once[key].items():
             assert torch.equal(value, again[key][name]), (key, name)  # the residuals were restored before the retry
-    # a quorum of the survivors before the sync (a group that died in the interval is left out there), then one more
-    # after the failed exchange
-    assert state.communicator.reconfigured == 1
-    assert retried.communicator.reconfigured == 2 and retried.totals()["retried"] == 1
+    assert retried.communicator.reconfigured == 1 and retried.totals()["retried"] == 1
     assert retried.totals()["discarded"] == 0 and retried.totals()["syncs"] == 1
 
 

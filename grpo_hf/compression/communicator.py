@@ -141,8 +141,7 @@ class Communicator:
     members: tuple[int, ...] | None = None  # the replica groups of the current quorum, by replica id (elastic only)
 
     def reconfigure(self, step: int, checksum=None) -> None:
-        """Before a sync, and after an exchange that did not [`commit`]: the ranks still alive (nobody joins), for the
-        exchange (nothing here)."""
+        """After an exchange that did not [`commit`]: the ranks still alive, for the next attempt (nothing here)."""
 
     def next_interval(self, step: int, checksum=None) -> dict | None:
         """At the start of an interval (trainer step `step`, after the step that synced): a new membership, at which

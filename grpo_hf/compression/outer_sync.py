@@ -657,11 +657,6 @@ class OuterSyncState(CommState):
     def _sync(self, due: list[int]) -> None:
         """Steps 3-7 of the module docstring for the fragments `due`, one after the other (work memory: one)."""
         reshard(self.fsdp_units)  # the restart writes the shards: no unit may keep an unsharded copy
-        if self.communicator.elastic:
-            # the survivors' quorum of now, as torchft's DiLoCo takes one before its sync: a group that died during
-            # the interval is left out by the lighthouse here, instead of by the exchange's timeout
-            self.communicator.reconfigure(self.step, self.global_checksum)
-            self._after_quorum()
         for fragment in (self.fragments[f] for f in due):
             self._sync_fragment(fragment)
             self._count_sync(fragment)

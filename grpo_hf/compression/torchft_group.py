@@ -5,8 +5,8 @@ With `grpo_fault_tolerance=True` every launch (`torchrun` or `accelerate launch`
 a lighthouse keeps the quorum, each group's rank `r` joins torchft's process group of the ranks `r` of every live
 group, and a group that dies is left out while the others go on. This communicator is the sync's way to that wire; the
 sync ([`~grpo_hf.compression.outer_sync.OuterSyncState`]) does not know which wire it holds: it asks
-[`Communicator.commit`] before it keeps an exchange, [`Communicator.reconfigure`] before a sync and after a failed
-exchange, and [`Communicator.next_interval`] at the start of every interval.
+[`Communicator.commit`] before it keeps an exchange, [`Communicator.reconfigure`] after a failed one, and
+[`Communicator.next_interval`] at the start of every interval.
 
 What a sync's life looks like between groups (torchft's `Manager`, one per rank, with a synchronous quorum):
 
@@ -15,12 +15,9 @@ What a sync's life looks like between groups (torchft's `Manager`, one per rank,
    one) **heals** there: it receives, from the same rank of a live group, everything its trainer and sync need to be
    that group at that step (`θ_global`, outer momentum, local parameters, inner optimizer state, step, scheduler); its
    error-feedback residuals start at zero (a peer's would apply that peer's error twice).
-2. **Exchange.** First a quorum of the survivors ([`TorchFTCommunicator.reconfigure`], as torchft's DiLoCo takes one
-   before its sync): a group that died during the interval, which the lighthouse has stopped hearing from, is left out
-   here rather than by a collective's timeout. The sync's collectives go through torchft's process group, over the
-   quorum's members (`world_size` is the number of participating groups, `rank` this group's place among them). A
-   collective that fails (a peer died during the exchange) is recorded, not raised; the collectives after it return at
-   once.
+2. **Exchange.** The sync's collectives go through torchft's process group, over the quorum's members (`world_size`
+   is the number of participating groups, `rank` this group's place among them). A collective that fails (a peer died)
+   is recorded, not raised; the collectives after it return at once.
 3. **Commit** ([`TorchFTCommunicator.commit`]): the groups agree on a flag (an all-reduce of each one's "no error"),
    then torchft's `should_commit()` (no error recorded, at least `min_replicas` groups). A sync that does not commit is
    not kept: the sync restores its error-feedback residuals, takes a new quorum of the survivors
@@ -374,9 +371,8 @@ class TorchFTCommunicator(Communicator):
             self.members = (self.settings.replica_id,) if self.world_size < 2 else None
 
     def reconfigure(self, step: int, checksum=None) -> None:
-        """Before a sync, and after one that did not commit: a quorum of the survivors (nobody joins or heals), for
-        the exchange; `checksum()`: of this group's `θ_global`, checked against the others' when the membership
-        changed."""
+        """After a sync that did not commit: a quorum of the survivors (nobody joins or heals), for one more try;
+        `checksum()`: of this group's `θ_global`, checked against the others' when the membership changed."""
         self._quorum(step, allow_heal=False, shrink_only=True)
         if self.membership_changed:
             self._check_agreement(checksum() if checksum is not None else None)
