@@ -205,9 +205,8 @@ class SharedBatches:
     def _keep(self, index: int, batches: list) -> None:
         step = self._step_of(index)
         for replica, batch in enumerate(batches):  # its own too: a healed group may catch up its own lost units
-            self.kept.setdefault((replica, step), []).append(
-                send_to_device(batch, "cpu")
-            )  # not the accelerator's memory
+            kept = send_to_device(batch, "cpu")  # not the accelerator's memory
+            self.kept.setdefault((replica, step), []).append(kept)
         oldest = step - self.keep_steps
         for unit in [unit for unit in self.kept if unit[1] <= oldest]:
             del self.kept[unit]
