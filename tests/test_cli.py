@@ -294,7 +294,8 @@ def test_a_gloo_command_leaves_its_group_and_exits_past_the_teardown(monkeypatch
 
     worker = threading.Thread(target=lambda: (time.sleep(0.2), done.append(("thread",))))  # non-daemon: waited for
     worker.start()
-    monkeypatch.setattr(cli.threading, "enumerate", lambda: [threading.current_thread(), worker])
+    # (the real one would stop pytest's main thread: here it waits for the worker, as it waits for non-daemon threads)
+    monkeypatch.setattr(cli.threading, "_shutdown", worker.join)
     monkeypatch.setattr(cli.os, "_exit", exit_at_once)
     monkeypatch.setattr(cli.atexit, "_run_exitfuncs", lambda: done.append(("atexit",)))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -310,3 +311,21 @@ def test_a_gloo_command_leaves_its_group_and_exits_past_the_teardown(monkeypatch
     assert done == ([("thread",), ("atexit",), ("exit", 3)] if exit_now else [("thread",)])
     cli.leave_process_group(0, exit_now=True)  # no group: nothing to leave, no exit
     assert len(done) == (3 if exit_now else 1)
+
+
+def test_a_gloo_program_exits_with_its_status_past_an_idle_executor_thread():
+    # for real, in a process of its own: an idle executor's thread (non-daemon) is stopped, not waited for forever, and
+    # the atexit handlers run before the exit
+    code = (
+        "import atexit, concurrent.futures, torch.distributed as dist\n"
+        "from grpo_hf.cli.main import leave_process_group\n"
+        "executor = concurrent.futures.ThreadPoolExecutor(1)\n"
+        "executor.submit(int).result()  # its thread stays, idle, as long as the executor is held\n"
+        "atexit.register(print, 'atexit ran', flush=True)\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "leave_process_group(3, exit_now=True)\n"
+        "print('not reached')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 3, run.stderr[-2000:]
+    assert run.stdout.split() == ["atexit", "ran"]

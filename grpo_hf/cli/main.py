@@ -192,10 +192,10 @@ def leave_process_group(status: int, exit_now: bool) -> None:
     dist.destroy_process_group()
     if not (gloo and exit_now):
         return
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # (logging's flush among them)
+    # the interpreter's own first steps of its exit, in its order: threading's exit hooks (which stop idle executor
+    # threads) and the wait for the non-daemon threads, then the atexit handlers (logging's flush among them)
+    threading._shutdown()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
