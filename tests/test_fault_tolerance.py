@@ -368,6 +368,10 @@ def test_a_killed_replica_group_is_left_out_and_heals_when_relaunched(lighthouse
     healed = results[2]
     assert healed["heals"] == 1 and healed["first_step"] >= 7  # it lost at most the steps since its last sync
     assert healed["steps"] == list(range(healed["first_step"] + 1, 25))
+    # each survivor learned of the death at once (a closed connection, its own or the other survivor's abort), none by
+    # waiting out gloo's timeout for a survivor that had already given the collective up
+    survivors = "".join(Path(name).read_text() for name in lighthouse.logs[:2])
+    assert survivors.count("a collective of the sync failed") == 2 and "Timed out waiting" not in survivors, survivors
     # the live groups trained what the killed one lost (its steps after the sync of step 3) and what it missed while
     # away: every batch of the run once, as without the kill
     assert all(results[rid]["totals"]["taken_over"] >= 1 for rid in (0, 1))

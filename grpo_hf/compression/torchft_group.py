@@ -18,8 +18,9 @@ What a sync's life looks like between groups (torchft's `Manager`, one per rank,
 2. **Exchange.** The sync's collectives go through torchft's process group, over the quorum's members (`world_size`
    is the number of participating groups, `rank` this group's place among them). A collective that fails (a peer died)
    is recorded, not raised; the collectives after it return at once.
-3. **Commit** ([`TorchFTCommunicator.commit`]): the groups agree on a flag (an all-reduce of each one's "no error"),
-   then torchft's `should_commit()` (no error recorded, at least `min_replicas` groups). A sync that does not commit is
+3. **Commit** ([`TorchFTCommunicator.commit`]): the groups agree on a flag (an all-reduce of each one's "no error";
+   a group whose collective failed has aborted its process group, so its peers fail too, at once), then torchft's
+   `should_commit()` (no error recorded, at least `min_replicas` groups). A sync that does not commit is
    not kept: the sync restores its error-feedback residuals, takes a new quorum of the survivors
    ([`TorchFTCommunicator.reconfigure`]: the dead group is left out, nobody joins) and exchanges again; when that fails
    too the sync is discarded (`θ_global`, momentum and residuals stay as they were, the parameters restart from
@@ -30,8 +31,10 @@ What a sync's life looks like between groups (torchft's `Manager`, one per rank,
 
 Traps of torchft 0.2 this class keeps away from its callers: its process groups report `rank() == 0` on every rank
 (the rank comes from the quorum), `torch.distributed` functions refuse them (their own methods are called), gloo has no
-reduce-scatter (the sync all-gathers), and a dead peer can leave gloo waiting until the group's timeout (the manager's
-timeout is kept above it).
+reduce-scatter (the sync all-gathers), and a dead peer's closed connection fails only the ranks that talk to it: the
+others would wait for a survivor that already gave the collective up until the group's timeout, so a group aborts its
+process group at its first failure (a peer that is silent rather than closed is still given up at the timeout; the
+manager's timeout is kept above it).
 """
 
 from __future__ import annotations
@@ -190,10 +193,20 @@ class TorchFTCommunicator(Communicator):
         return self.manager is not None and self.manager.errored() is not None
 
     def record(self, err: Exception) -> None:
-        """A collective failed: recorded in the manager (the sync will not commit); the next ones return at once."""
+        """
+        A collective failed: recorded in the manager (the sync will not commit); the next ones return at once. Once the
+        group has joined, its process group is also aborted at the first failure: its connections close, so a peer
+        waiting for this group's part of a collective fails at once instead of at `timeout` (a dead peer's closed
+        connection reaches only the ranks that talk to it). The commit that fails next makes the lighthouse give the
+        next quorum a new id, at which torchft configures a fresh group.
+        """
+        if self.errored():  # a consequence of the first failure (e.g. of the abort below): that one is reported
+            return
         self.last_error = (str(err).splitlines() or [type(err).__name__])[0][:200]
         logger.warning(f"GRPO fault tolerance: a collective of the sync failed ({self.last_error}).")
         self.manager.report_error(err)
+        if self.joined:
+            self.pg.abort()
 
     def _start(self, call) -> list:
         """Start a collective of torchft's group unless one already failed in this attempt; never raise."""
@@ -232,12 +245,13 @@ class TorchFTCommunicator(Communicator):
 
     def commit(self) -> bool:
         """
-        Whether the exchange since the last commit can be kept, the same answer on every participating group: they
-        all-reduce a flag of their own success (a dead peer fails it for every survivor), then torchft's
-        `should_commit()` (no error recorded, at least `min_replicas` groups).
+        Whether the exchange since the last commit can be kept, the same answer on every participating group: the
+        groups that saw no failure all-reduce a flag of their success (a group that failed has aborted its process
+        group, so the all-reduce fails for them at once), then torchft's `should_commit()` (no error recorded, at
+        least `min_replicas` groups).
         """
         flag = torch.tensor([0 if self.errored() else 1], dtype=torch.int32)
-        if self.world_size > 1:  # also where this group failed: the others learn it at once instead of at a timeout
+        if self.world_size > 1 and not self.errored():
             try:
                 self.pg.allreduce([flag], dist.ReduceOp.MIN).wait()
             except Exception as err:
