@@ -122,8 +122,8 @@ class FaultArguments:
         default=10.0,
         metadata={
             "help": "grpo_ft_timeout of the GRPO rows: seconds before a collective or a heal gives a peer up (the "
-            "lighthouse's join timeout is 3 times it). A survivor of a kill can wait this long for an exchange the dead "
-            "peer broke."
+            "lighthouse's join timeout is 3 times it). A survivor of a kill waits this long only for a peer that falls "
+            "silent without closing its connections; a killed process's close fails the exchange at once."
         },
     )
     step_seconds: float = field(
@@ -475,7 +475,7 @@ def run_replicas(launches: Launches, kind: str, fault: bool, delay: float, timeo
     from torchft.coordination import LighthouseServer
 
     # the join timeout well above the groups' collective timeout (3x, as tests/test_fault_tolerance.py): the survivors
-    # of a kill reach the retry's quorum up to that far apart (one waits out the timeout on a broken collective) and
+    # of a kill reach the retry's quorum up to that far apart (when one waits out the timeout on a silent peer) and
     # must meet in it; with the two equal, a survivor was left out and waited at its quorum (smoke run, 2026-12-06)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=int(3 * timeout * 1000),
                                   quorum_tick_ms=50, heartbeat_timeout_ms=2000)  # fmt: skip

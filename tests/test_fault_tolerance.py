@@ -26,7 +26,7 @@ from grpo_hf import ConfigError, GRPOConfig, GRPOTrainer
 from grpo_hf.compression import CodecSpec
 from grpo_hf.compression.communicator import Communicator
 from grpo_hf.compression.outer_sync import OuterSyncState
-from grpo_hf.compression.torchft_group import _disagreement
+from grpo_hf.compression.torchft_group import FaultTolerance, TorchFTCommunicator, _disagreement
 from grpo_hf.fault_tolerance import fault_tolerance_settings
 
 
@@ -228,6 +228,69 @@ def test_the_heal_state_holds_the_global_model_whatever_the_rank_and_no_residual
     assert set(healed["global"]) == {n for n, _ in model.named_parameters()}
     assert healed["residuals"] == {} and healed["owner_residuals"] == {}
     assert set(state.state_dict()["global"]) == set(healed["global"])  # each fault-tolerant group saves its own
+
+
+class ScriptedManager:
+    """torchft's `Manager` as the communicator sees it: errors recorded, `should_commit()` False after one."""
+
+    def __init__(self):
+        self.reported = []
+
+    def errored(self):
+        return self.reported[0] if self.reported else None
+
+    def report_error(self, err):
+        self.reported.append(err)
+
+    def should_commit(self):
+        return not self.reported
+
+    def num_participants(self):
+        return 3
+
+    def participating_rank(self):
+        return 0
+
+
+class ScriptedGroup:
+    """torchft's process group: counts its aborts and all-reduces; each collective's work fails as scripted."""
+
+    def __init__(self, fail):
+        self.fail, self.aborted, self.all_reduces = fail, 0, 0
+
+    def abort(self):
+        self.aborted += 1
+
+    def allreduce(self, tensors, op):
+        self.all_reduces += 1
+        return self
+
+    def wait(self):
+        if self.fail:
+            raise RuntimeError("Connection closed by peer")
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_failed_collective_aborts_the_group_once_so_that_its_peers_fail_at_once(joined):
+    communicator = TorchFTCommunicator(FaultTolerance(lighthouse="http://127.0.0.1:1", replica_id=0, replicas=3))
+    communicator.manager, communicator.pg, communicator.joined = ScriptedManager(), ScriptedGroup(fail=True), joined
+    for work in communicator._all_reduce(torch.ones(1), torch.distributed.ReduceOp.SUM):
+        work.wait()
+    assert communicator._all_reduce(torch.ones(1), torch.distributed.ReduceOp.SUM) == []  # the next ones: at once
+    assert len(communicator.manager.reported) == 1 and "closed by peer" in communicator.last_error
+    # aborted once the group has joined (its peers then fail on the closed connections instead of at the timeout);
+    # before, a quorum is taken again with the same members, and an aborted group would not be configured again
+    assert communicator.pg.aborted == (1 if joined else 0)
+    assert communicator.commit() is False
+    assert communicator.pg.all_reduces == 1  # the failed group's flag is not all-reduced: its peers fail on the abort
+    communicator.record(RuntimeError("process group not initialized"))  # a consequence of the abort: not reported
+    assert len(communicator.manager.reported) == 1 and communicator.pg.aborted == (1 if joined else 0)
+
+
+def test_a_group_without_failure_agrees_on_the_commit_with_one_all_reduce():
+    communicator = TorchFTCommunicator(FaultTolerance(lighthouse="http://127.0.0.1:1", replica_id=0, replicas=3))
+    communicator.manager, communicator.pg, communicator.joined = ScriptedManager(), ScriptedGroup(fail=False), True
+    assert communicator.commit() is True and communicator.pg.all_reduces == 1 and communicator.pg.aborted == 0
 
 
 # --- real processes, real kills, a real lighthouse (torchft) ---------------------------------------------------------
