@@ -281,10 +281,18 @@ def test_a_failed_collective_aborts_the_group_once_so_that_its_peers_fail_at_onc
     # aborted once the group has joined (its peers then fail on the closed connections instead of at the timeout);
     # before, a quorum is taken again with the same members, and an aborted group would not be configured again
     assert communicator.pg.aborted == (1 if joined else 0)
-    assert communicator.commit() is False
-    assert communicator.pg.all_reduces == 1  # the failed group's flag is not all-reduced: its peers fail on the abort
     communicator.record(RuntimeError("process group not initialized"))  # a consequence of the abort: not reported
     assert len(communicator.manager.reported) == 1 and communicator.pg.aborted == (1 if joined else 0)
+    assert communicator.commit() is False
+    assert communicator.pg.all_reduces == 1  # the failed group's flag is not all-reduced: its peers fail on the abort
+
+
+def test_an_error_torchft_recorded_itself_aborts_the_group_at_the_commit():
+    communicator = TorchFTCommunicator(FaultTolerance(lighthouse="http://127.0.0.1:1", replica_id=0, replicas=3))
+    communicator.manager, communicator.pg, communicator.joined = ScriptedManager(), ScriptedGroup(fail=False), True
+    communicator.manager.report_error(RuntimeError("a heal failed"))  # not through a collective of the sync
+    assert communicator.commit() is False
+    assert communicator.pg.aborted == 1 and communicator.pg.all_reduces == 0
 
 
 def test_a_group_without_failure_agrees_on_the_commit_with_one_all_reduce():

@@ -205,6 +205,10 @@ class TorchFTCommunicator(Communicator):
         self.last_error = (str(err).splitlines() or [type(err).__name__])[0][:200]
         logger.warning(f"GRPO fault tolerance: a collective of the sync failed ({self.last_error}).")
         self.manager.report_error(err)
+        self._abort()
+
+    def _abort(self) -> None:
+        """Close this group's connections (torchft's `abort()` drops its gloo group; again: nothing) once joined."""
         if self.joined:
             self.pg.abort()
 
@@ -251,7 +255,9 @@ class TorchFTCommunicator(Communicator):
         least `min_replicas` groups).
         """
         flag = torch.tensor([0 if self.errored() else 1], dtype=torch.int32)
-        if self.world_size > 1 and not self.errored():
+        if self.errored():  # also an error torchft recorded itself (e.g. at a quorum): the peers learn it at once
+            self._abort()
+        elif self.world_size > 1:
             try:
                 self.pg.allreduce([flag], dist.ReduceOp.MIN).wait()
             except Exception as err:
