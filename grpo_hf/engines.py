@@ -39,7 +39,7 @@ _FALSE = ("", "false", "no", "0", "none")
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _enabled(value) -> bool:
+def backend_enabled(value) -> bool:
     """Whether an `fsdp` / `deepspeed` value turns the backend on (`"false"`, `""`, `[]`, `None` do not)."""
     if isinstance(value, str):
         return value.strip().lower() not in _FALSE
@@ -128,7 +128,7 @@ def engine_from_environment(engine: str, args, environ=None) -> str:
     """
     environ = os.environ if environ is None else environ
     field, variable, flag, name = _ENGINE_VARIABLES["deepspeed" if engine == "deepspeed" else "fsdp"]
-    if _enabled(getattr(args, field, None)) or not _enabled(environ.get(variable, "false")):
+    if backend_enabled(getattr(args, field, None)) or not backend_enabled(environ.get(variable, "false")):
         return ""
     when = (
         "before building the TrainingArguments / GRPOConfig (they read it when built)"
@@ -165,7 +165,9 @@ def check_deepspeed_config(config: dict, where: str) -> int:
     Raises:
         [`~grpo_hf.errors.ConfigError`]: an `"optimizer"` block (DeepSpeed would build one flat param group: GRPO's
             groups and their learning rates would be lost), a `"scheduler"` block (it writes one learning rate into
-            every group), or ZeRO stage 0 (DeepSpeed without ZeRO: use DDP).
+            every group), ZeRO stage 0 (DeepSpeed without ZeRO: use DDP), or no batch size (DeepSpeed asserts when
+            the config has neither `train_batch_size` nor `train_micro_batch_size_per_gpu`, and the Trainer fills
+            only values set to `"auto"`).
     """
     for block, effect in (
         ("optimizer", "DeepSpeed would build its own optimizer with one flat param group, losing GRPO's groups"),
@@ -185,6 +187,12 @@ def check_deepspeed_config(config: dict, where: str) -> int:
             f"{where}: ZeRO stage {stage!r}: GRPOTrainer runs on DeepSpeed ZeRO 1, 2 or 3; set "
             '"zero_optimization": {"stage": 2} (or train with DDP, which GRPO can compress, instead of stage 0).'
         )
+    if "train_batch_size" not in config and "train_micro_batch_size_per_gpu" not in config:
+        raise ConfigError(
+            f"{where}: the DeepSpeed config gives no batch size, and DeepSpeed needs one: add "
+            '"train_micro_batch_size_per_gpu": "auto" (the Trainer fills it from per_device_train_batch_size; '
+            '"gradient_accumulation_steps": "auto" likewise).'
+        )
     return stage
 
 
@@ -202,14 +210,14 @@ def check_backends(fsdp=None, fsdp_config=None, deepspeed=None, environ=None) ->
         [`~grpo_hf.errors.ConfigError`]: naming the field or the launcher setting, and what to change.
     """
     environ = os.environ if environ is None else environ
-    if _enabled(fsdp):
-        if _enabled(deepspeed):
+    if backend_enabled(fsdp):
+        if backend_enabled(deepspeed):
             raise ConfigError("fsdp and deepspeed are both set: choose one engine.")
         if fsdp_version(fsdp_config) != 2:
             refuse_fsdp1(f"fsdp={fsdp!r}, fsdp_config={fsdp_config!r}")
     elif launched_fsdp_version(environ) not in (None, "2"):
         refuse_fsdp1(f"accelerate launch with FSDP version {launched_fsdp_version(environ)}")
-    if _enabled(deepspeed):
+    if backend_enabled(deepspeed):
         check_deepspeed_config(_read_json(deepspeed, "deepspeed"), f"deepspeed={deepspeed!r}")
     elif environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
@@ -451,6 +459,7 @@ class OptimizerStepProbe:
 
 __all__ = [
     "ENGINES",
+    "backend_enabled",
     "OptimizerStepProbe",
     "canonical_name",
     "check_backends",

@@ -1,6 +1,7 @@
 import contextlib
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,45 @@ def test_train_one_recipe_saves_the_model(tmp_path, capsys):
     assert (out_dir / "model.safetensors").is_file()
     results = json.loads((out_dir / "results.json").read_text())
     assert [r["name"] for r in results["runs"]] == ["trainer"]
+
+
+def test_train_with_deepspeed_runs_in_one_process_without_a_launcher(tmp_path, caplog):
+    pytest.importorskip("deepspeed")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}))
+    out_dir = tmp_path / "train"
+    argv = ["train", str(RECIPES / "tiny.yaml"), *FAST, "--deepspeed", str(config), "--grpo_compression", "none"]
+    argv += ["--output_dir", str(out_dir)]
+    assert main(argv) == 0  # without the one-process launch: DeepSpeed looks for MPI and stops on mpi4py
+    assert "GRPO on DeepSpeed ZeRO-2" in caplog.text  # the trainer really ran on DeepSpeed
+    assert (out_dir / "model.safetensors").is_file()
+    # a later run of this process does not inherit DeepSpeed or the launch
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_DEEPSPEED"} & set(os.environ)
+
+
+def test_the_one_process_launch_is_only_for_deepspeed_without_a_launcher():
+    from types import SimpleNamespace
+
+    from grpo_hf.cli.recipes import deepspeed_without_a_launcher
+
+    deepspeed = SimpleNamespace(deepspeed={"zero_optimization": {"stage": 2}})
+    for args, environ in [
+        (deepspeed, {"RANK": "3", "WORLD_SIZE": "8"}),  # torchrun, `deepspeed`, accelerate launch
+        (deepspeed, {"OMPI_COMM_WORLD_SIZE": "2"}),  # mpirun: DeepSpeed finds it itself
+        (SimpleNamespace(deepspeed=None), {}),
+    ]:
+        before = dict(environ)
+        with deepspeed_without_a_launcher(args, environ):
+            assert environ == before
+    environ = {"MASTER_PORT": "29999", "ACCELERATE_USE_DEEPSPEED": "false"}
+    with deepspeed_without_a_launcher(deepspeed, environ):
+        assert environ["RANK"] == environ["LOCAL_RANK"] == "0" and environ["WORLD_SIZE"] == "1"
+        assert environ["MASTER_ADDR"] == "127.0.0.1" and environ["MASTER_PORT"] == "29999"  # a port given is kept
+        environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what Accelerate leaves
+    assert environ == {"MASTER_PORT": "29999", "ACCELERATE_USE_DEEPSPEED": "false"}
+    with deepspeed_without_a_launcher(deepspeed, environ := {}):
+        assert 1024 <= int(environ["MASTER_PORT"]) < 65536
+    assert environ == {}
 
 
 def test_bad_recipe_field_is_an_error_message(tmp_path, capsys):

@@ -58,6 +58,10 @@ def test_fsdp2_is_accepted(grpo_config, fsdp_config):
         ({"zero_optimization": {"stage": 0}}, r"ZeRO stage 0: GRPOTrainer runs on DeepSpeed ZeRO 1, 2 or 3"),
         ({"train_micro_batch_size_per_gpu": 4}, r"ZeRO stage 0: "),
         ({"zero_optimization": {"stage": "auto"}}, r"ZeRO stage 'auto': "),
+        (
+            {"zero_optimization": {"stage": 2}},
+            r"gives no batch size, and DeepSpeed needs one: add \"train_micro_batch_size_per_gpu\": \"auto\"",
+        ),
     ],  # fmt: skip
 )
 def test_deepspeed_configs_grpo_cannot_carry_are_refused(grpo_config, ds_config, message):
@@ -87,7 +91,7 @@ def test_deepspeed_config_files_are_read_and_checked(grpo_config, tmp_path, monk
 def test_deepspeed_zero_config_without_optimizer_or_scheduler_is_accepted(grpo_config):
     pytest.importorskip("deepspeed")  # TrainingArguments builds Accelerate's DeepSpeed plugin
     for stage in (1, 2, 3):
-        args = grpo_config(deepspeed={"zero_optimization": {"stage": stage}})
+        args = grpo_config(deepspeed={"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"})
         assert args.hf_deepspeed_config.config["zero_optimization"]["stage"] == stage
 
 

@@ -140,7 +140,8 @@ def test_a_refused_engine_does_not_refuse_later_trainers_of_the_process(tmp_path
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_zero_configs_without_blocks_pass(stage):
-    assert check_deepspeed_config({"zero_optimization": {"stage": stage}, "bf16": {"enabled": "auto"}}, "x") == stage
+    config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": "auto"}, "train_batch_size": 8}
+    assert check_deepspeed_config(config, "x") == stage
 
 
 def test_deepspeed_block_errors_name_the_block_and_the_fix():

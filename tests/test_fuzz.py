@@ -133,7 +133,13 @@ RECIPE_FIELDS = {
     "cost_num_workers": plausible(None, 2, 2.5),
     "fsdp": plausible(None, True, False, "full_shard", ""),
     "fsdp_config": plausible({"version": 2}, {"version": 1}, {"version": "fsdp2"}, "fsdp.json"),
-    "deepspeed": plausible(None, "ds.json", {"zero_optimization": {"stage": 2}}, {"optimizer": {"type": "Adam"}}),
+    "deepspeed": plausible(
+        None,
+        "ds.json",
+        {"zero_optimization": {"stage": 2}},
+        {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"},
+        {"optimizer": {"type": "Adam"}},
+    ),
     "resume_from_checkpoint": plausible(None, "last", "out/checkpoint-1", True),
     "lr_scheduler_type": plausible("linear", "cosine", "bogus"),
     "warmup_steps": plausible(0, 2, 0.5),
@@ -286,8 +292,12 @@ class ReachedWork(Exception):
 
 @contextlib.contextmanager
 def in_fresh_folder():
-    """A new empty folder holding the input files, made the current one; its path."""
-    previous = os.getcwd()
+    """
+    A new empty folder holding the input files, made the current one; its path. The environment variables are put
+    back afterwards, as `conftest.py` does after each test: the examples of one test share the process, and a run with
+    DeepSpeed or FSDP leaves `ACCELERATE_USE_DEEPSPEED` / `ACCELERATE_USE_FSDP` set for every later one.
+    """
+    previous, environment = os.getcwd(), dict(os.environ)
     with tempfile.TemporaryDirectory() as folder:
         os.chdir(folder)
         try:
@@ -295,6 +305,8 @@ def in_fresh_folder():
             yield Path(folder)
         finally:
             os.chdir(previous)
+            os.environ.clear()
+            os.environ.update(environment)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,9 @@ grpo-hf train recipes/quickstart.yaml --trainer grpo --learning_rate 1e-3
 """
 
 import argparse
+import contextlib
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -147,6 +149,43 @@ def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | No
                 print(f"overwrite_output_dir: deleted {', '.join(removed)} from {folder}.", file=sys.stderr)
 
 
+# What a launcher (torchrun, `deepspeed`, `accelerate launch`; MPI's mpirun) sets in each process it starts.
+_LAUNCHED_BY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+@contextlib.contextmanager
+def deepspeed_without_a_launcher(training_args, environ=None):
+    """
+    Run a recipe that asks for DeepSpeed (`deepspeed:`) in this one process when no launcher started it, as
+    `deepspeed --num_gpus 1` would: for the command's duration, `RANK=0`, `LOCAL_RANK=0`, `WORLD_SIZE=1` and a free
+    local `MASTER_ADDR` / `MASTER_PORT`, which `deepspeed.initialize` reads to start its process group (without them
+    it looks for an MPI launch and stops on a missing `mpi4py`). Afterwards these variables, and the
+    `ACCELERATE_USE_DEEPSPEED` that Accelerate leaves set, are put back as they were, so that a later run of the same
+    process (a notebook, a test) does not inherit DeepSpeed. Nothing changes under a launcher, or without DeepSpeed.
+    """
+    from ..engines import backend_enabled
+
+    environ = os.environ if environ is None else environ
+    if not backend_enabled(training_args.deepspeed) or any(name in environ for name in _LAUNCHED_BY):
+        yield
+        return
+    with socket.socket() as probe:  # a port no one listens on now, as torchrun's --standalone picks one
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    one_process = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    one_process["MASTER_PORT"] = environ.get("MASTER_PORT", str(port))
+    before = {name: environ.get(name) for name in [*one_process, "ACCELERATE_USE_DEEPSPEED"]}
+    environ.update(one_process)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                environ.pop(name, None)
+            else:
+                environ[name] = value
+
+
 def _compare_and_report(args, title: str) -> int:
     from ..harness.compare import TRAINER_KINDS, compare
     from ..harness.report import print_table, write_report
@@ -162,8 +201,8 @@ def _compare_and_report(args, title: str) -> int:
         f"{title}: {model_args.model_name_or_path}, {training_args.max_steps} steps per trainer, output in "
         f"{training_args.output_dir}"
     )
-    with recipe_context(args.recipe_name):  # the data's errors name the recipe
-        results = compare(model_args, data_args, training_args, progress=phases)
+    with recipe_context(args.recipe_name), deepspeed_without_a_launcher(training_args):
+        results = compare(model_args, data_args, training_args, progress=phases)  # the data's errors name the recipe
     phases("writing report")
     results["wall_seconds"] = phases.elapsed()
     paths = write_report(results, training_args.output_dir, command=command)
@@ -272,9 +311,10 @@ def train_command(args) -> int:
     )
     with recipe_context(args.recipe_name):  # the data's errors name the recipe
         prepared = prepare(model_args, data_args, progress=phases)
-    row = run_training(
-        model_args, data_args, training_args, args.trainer, prepared=prepared, progress=phases, save_model=True
-    )
+    with deepspeed_without_a_launcher(training_args):
+        row = run_training(
+            model_args, data_args, training_args, args.trainer, prepared=prepared, progress=phases, save_model=True
+        )
     _wait_for_every_rank()
     results = {
         "runs": [row],
