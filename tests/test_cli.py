@@ -109,6 +109,8 @@ def test_train_with_deepspeed_runs_in_one_process_without_a_launcher(tmp_path, c
     assert main(argv) == 0  # without the one-process launch: DeepSpeed looks for MPI and stops on mpi4py
     assert "GRPO on DeepSpeed ZeRO-2" in caplog.text  # the trainer really ran on DeepSpeed
     assert (out_dir / "model.safetensors").is_file()
+    # again in this process, after the command left its group (DeepSpeed's clone of the old one is forgotten)
+    assert main(argv[:-1] + [str(tmp_path / "again")]) == 0 and (tmp_path / "again" / "model.safetensors").is_file()
     # a later run of this process does not inherit DeepSpeed or the launch
     assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_DEEPSPEED"} & set(os.environ)
 

@@ -175,6 +175,18 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
+def _forget_deepspeed_world_group() -> None:
+    """
+    Drop DeepSpeed's clone of the world group once the group is destroyed. DeepSpeed makes the clone once per process
+    (`deepspeed.utils.groups._clone_world_group`) and keeps it: a later DeepSpeed run of the same process (a notebook
+    or a test calling [`main`] again) would broadcast the model over the dead clone and stop on "Group ... is not
+    registered".
+    """
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and getattr(groups, "_WORLD_GROUP", None) is not None:
+        groups._WORLD_GROUP = None
+
+
 def leave_process_group(status: int, exit_now: bool) -> None:
     """
     Leave the process group a command started (under `torchrun` or `accelerate launch`), if any.
@@ -190,6 +202,7 @@ def leave_process_group(status: int, exit_now: bool) -> None:
         return
     gloo = "gloo" in str(dist.get_backend())
     dist.destroy_process_group()
+    _forget_deepspeed_world_group()
     if not (gloo and exit_now):
         return
     # the interpreter's own first steps of its exit, in its order: threading's exit hooks (which stop idle executor
