@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from transformers import HfArgumentParser
 
+from benchmarks.revision import commit  # noqa: E402
 from grpo_hf.compression import CodecSpec, GRPOCommState, compress_locally, compression_plan, grpo_comm_hook
 from grpo_hf.harness.models import tiny_llama
 from tests.testing_utils import FakeBucket  # noqa: E402 - the test helpers, kept out of the wheel
@@ -308,6 +309,7 @@ def main():
         result = {
             "command": "python -m benchmarks.bench_hook_speed " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d"),
+            "commit": commit(),
             "settings": lines[0],
             "load_average": list(load),
             "compile_seconds": compile_s,

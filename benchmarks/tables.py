@@ -261,8 +261,11 @@ def hook_speed() -> str:
             f"{1e3 * r['comm_seconds']:.1f} | {1e3 * (r['seconds'] - r['comm_seconds']) / millions:.2f} | "
             f"{1e3 * r['cpu_seconds'] / millions:.2f} |"
         )
-    load = " ".join(f"{x:.2f}" for x in result["load_average"])
-    lines += ["", f"`{_command(result)}` ({result['date']}; {result['settings']}; load average at the end {load})."]
+    at = result.get("commit") or "an unrecorded commit"
+    lines += [
+        "",
+        f"`{_command(result)}` ({result['date']}, at `{at[:7]}{'+' * at.endswith('+')}`; {result['settings']}).",
+    ]
     return "\n".join(lines)
 
 
