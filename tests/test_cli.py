@@ -99,6 +99,7 @@ def test_train_one_recipe_saves_the_model(tmp_path, capsys):
     assert [r["name"] for r in results["runs"]] == ["trainer"]
 
 
+@pytest.mark.slow  # two tiny DeepSpeed trainings in this process: ~10 s
 def test_train_with_deepspeed_runs_in_one_process_without_a_launcher(tmp_path, caplog):
     pytest.importorskip("deepspeed")
     config = tmp_path / "ds.json"

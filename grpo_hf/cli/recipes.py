@@ -169,11 +169,12 @@ def deepspeed_without_a_launcher(training_args, environ=None):
     if not backend_enabled(training_args.deepspeed) or any(name in environ for name in _LAUNCHED_BY):
         yield
         return
-    with socket.socket() as probe:  # a port no one listens on now, as torchrun's --standalone picks one
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    one_process = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    one_process["MASTER_PORT"] = environ.get("MASTER_PORT", str(port))
+    port = environ.get("MASTER_PORT")  # a port given is kept
+    if port is None:
+        with socket.socket() as probe:  # a port no one listens on now, as torchrun's --standalone picks one
+            probe.bind(("127.0.0.1", 0))
+            port = str(probe.getsockname()[1])
+    one_process = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     before = {name: environ.get(name) for name in [*one_process, "ACCELERATE_USE_DEEPSPEED"]}
     environ.update(one_process)
     try:
