@@ -42,7 +42,7 @@ from benchmarks.replica_rows import (  # noqa: E402
     shard_for_row,
 )
 from benchmarks.revision import commit  # noqa: E402
-from benchmarks.tasks import TASKS, Task, build_model, compute_accuracy, prepare  # noqa: E402
+from benchmarks.tasks import TASKS, Task, build_model, compute_accuracy, prepare, site_order  # noqa: E402
 
 
 _ALLGATHER = {"grpo_comm_mode": "allgather"}
@@ -417,6 +417,7 @@ def run_row(
     out_dir: str,
     world_size: int,
     eval_points: int = 4,
+    sites=None,
 ) -> dict:
     from torch.nn.parallel import DistributedDataParallel
     from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
@@ -447,6 +448,9 @@ def run_row(
     kwargs = dict(model=model, train_dataset=train, eval_dataset=evaluation)
     if task.kind == "cls":
         kwargs["compute_metrics"] = compute_accuracy
+    if sites is not None:
+        sites.read, sites.counting = [0] * len(sites.read), True
+        kwargs["data_collator"] = sites
     hook_bytes = {"bytes": 0.0, "seconds": 0.0}
     traffic = peers.PeerTraffic()
     if row["kind"] in ("grpo", "hsdp", "replicas"):
@@ -521,6 +525,8 @@ def run_row(
     trainer.train()
     train_s = time.perf_counter() - start
     train_peak_rss = peak_rss_bytes()
+    if sites is not None:
+        sites.counting = False
     if row["kind"] in ("hsdp", "replicas"):
         check_replica_run(trainer, row)
     elif distributed:
@@ -561,11 +567,42 @@ def run_row(
         result["skipped_steps"] = trainer.grpo_callback.nonfinite_steps  # optimizer steps skipped as NaN/Inf
     if row["kind"] == "peer":
         result["peer"] = peers.record_fields(trainer)
+    if sites is not None:
+        result["sites_read"] = list(sites.read)
     result.update(_memory_figures(trainer), train_peak_rss_bytes=train_peak_rss)
     trainer.accelerator.free_memory()
     del trainer, model
     gc.collect()
     return result
+
+
+class SiteRecorder:
+    """
+    The default data collator, counting the blocks this rank's training read by the site (package) they came from: the
+    long runs' record that, in the non-IID task, rank r read site r only. A block found in both sites (a license
+    header) is not counted; evaluation, which uses the same collator, is not counted (`counting` is off).
+    """
+
+    def __init__(self, train, info: dict):
+        import numpy as np
+
+        blocks = np.asarray(train.with_format("numpy")["input_ids"])
+        bounds = np.cumsum(info["data"]["site_blocks"])
+        self.site_of = {}
+        for index, row in enumerate(blocks):
+            site = int(np.searchsorted(bounds, index, side="right"))
+            self.site_of[row.tobytes()] = site if self.site_of.get(row.tobytes(), site) == site else None
+        self.read, self.counting = [0] * len(bounds), False
+
+    def __call__(self, features):
+        import numpy as np
+        from transformers import default_data_collator
+
+        for feature in features if self.counting else ():
+            site = self.site_of.get(np.asarray(feature["input_ids"], dtype=np.int64).tobytes())
+            if site is not None:
+                self.read[site] += 1
+        return default_data_collator(features)
 
 
 def _memory_figures(trainer) -> dict:
@@ -598,13 +635,15 @@ def worker(job_path: str) -> None:
         dist.init_process_group("gloo")  # Accelerate takes it over
     train, evaluation = load_from_disk(job["info"]["train_path"]), load_from_disk(job["info"]["eval_path"])
     results = Path(job["results_dir"])
+    sites = SiteRecorder(train, job["info"]) if task.corpus == "packages" else None
     for seed in job["seeds"]:
+        ordered = site_order(train, job["info"], task, seed, job["world_size"])  # the non-IID task's deal
         for name in job["rows"]:
             out = result_path(results, name, seed, job.get("task_overrides", {}).get("learning_rate"))
             if out.exists():  # every rank sees the same files: finished rows are skipped on a re-run
                 continue
-            result = run_row(task, job["info"], parse_row(job["suite"], name), seed, train, evaluation,
-                             job["output_dir"], job["world_size"], job.get("eval_points", 4))  # fmt: skip
+            result = run_row(task, job["info"], parse_row(job["suite"], name), seed, ordered, evaluation,
+                             job["output_dir"], job["world_size"], job.get("eval_points", 4), sites)  # fmt: skip
             rank = 0
             if distributed:
                 rank = dist.get_rank()
@@ -615,6 +654,12 @@ def worker(job_path: str) -> None:
                     peaks = [None] * dist.get_world_size()
                     dist.all_gather_object(peaks, result[f"{key}_bytes"])
                     result[f"{key}_by_rank"] = peaks
+                if "sites_read" in result:  # blocks per site, per rank; the non-IID task reads its own site only
+                    read = [None] * dist.get_world_size()
+                    dist.all_gather_object(read, result.pop("sites_read"))
+                    result["sites_read_by_rank"] = read
+                    if task.noniid and any(n for r, row in enumerate(read) for s, n in enumerate(row) if s != r):
+                        raise RuntimeError(f"{task.name}: a rank read another site's blocks: {read}")
             result["commit"] = job.get("commit")
             if rank == 0:
                 tmp = out.with_suffix(".tmp")

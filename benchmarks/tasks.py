@@ -21,6 +21,23 @@ by a plain `Trainer` (`pretrain_*` fields), and every row and seed fine-tunes th
 `smollm2-finetune` is the real model's fine-tune for the sync every H steps (about eight minutes per run here, so it
 is swept for the sync's rows only).
 
+The long runs, where replicas must talk during training (the sync's frontier, benchmarks/LOG.md "the long run"):
+
+| task | model | trained | data | metric |
+|---|---|---|---|---|
+| `pretrain-long` | Llama 2.1M (hidden 128, 6 layers), from scratch, 1,024 steps (2.1M tokens, none repeated) | all | installed packages' source (sympy and transformers), 128 tokens | perplexity |
+| `pretrain-long-noniid` | the same, each rank reading one package only (rank 0 sympy, rank 1 transformers) | all | the same blocks; evaluated on both packages' held-out files | perplexity |
+| `smollm2-continued` | SmolLM2-135M-Instruct, continued pre-training, 320 steps (twice `smollm2-finetune`'s) | every parameter | the same package source, 64 tokens | perplexity |
+
+Their corpus is the source of two packages installed beside grpo_hf (`PACKAGE_SITES`, tests folders left out): sympy
+(symbolic mathematics) and transformers (model code), two kinds of Python. Every file is split train / held out by a
+hash of its path, as the standard-library corpus is; each package gives half of the training tokens (its train files
+in hash order) and half of the held-out ones, so that `pretrain-long` and `pretrain-long-noniid` train on the very same
+blocks and are evaluated on the same union; only which rank reads which block differs. In the non-IID task each
+rank's blocks are shuffled per seed and handed out in order (`train_sampling_strategy="sequential"`), so that rank r
+reads package r only. Versions differ by machine: the data's `fingerprint` (relative path and size of every file) and
+the packages' versions are recorded with the results.
+
 Every task is built the same way for every row and seed: the same initialization for a seed (LoRA adapters and new
 heads included), the same data order, the same steps. `prepare` builds and saves the tokenized data once (in the
 launching process); workers load it from disk.
@@ -54,12 +71,19 @@ class Task:
     pretrain_steps: int = 0  # > 0: the tiny model is first pre-trained (seed 0, one process) on `pretrain_corpus`
     pretrain_corpus: str = "source"
     pretrain_learning_rate: float = 2e-3
+    noniid: bool = False  # corpus "packages": rank r reads PACKAGE_SITES[r] only (needs a world size of 2)
 
     def training_arguments(self, world_size: int) -> dict:
         """The `TrainingArguments` values every row of this task shares (the per-rank batch for `world_size`)."""
         if self.batch_size % world_size:
             raise ValueError(f"{self.name}: a batch of {self.batch_size} does not split over {world_size} ranks.")
+        if self.noniid and world_size != len(PACKAGE_SITES):
+            raise ValueError(
+                f"{self.name}: one rank per site ({len(PACKAGE_SITES)}), got a world size of {world_size}."
+            )
+        sampling = {"train_sampling_strategy": "sequential"} if self.noniid else {}  # see `site_order`
         return dict(
+            **sampling,
             max_steps=self.max_steps,
             learning_rate=self.learning_rate,
             lr_scheduler_type="cosine",
@@ -113,9 +137,25 @@ TASKS = {
             "smollm2-finetune", "lm", "smollm2", False, max_steps=160, batch_size=4, seq_len=64,
             learning_rate=1e-4, warmup_steps=10, corpus="docstrings", eval_size=8192,
         ),
+        Task(
+            "pretrain-long", "lm", "tiny-llama", False, max_steps=1024, batch_size=16, seq_len=128,
+            learning_rate=2e-3, warmup_steps=32, corpus="packages",
+            shape={"hidden_size": 128, "layers": 6, "heads": 4, "vocab_size": 4096},
+        ),
+        Task(
+            "pretrain-long-noniid", "lm", "tiny-llama", False, max_steps=1024, batch_size=16, seq_len=128,
+            learning_rate=2e-3, warmup_steps=32, corpus="packages", noniid=True,
+            shape={"hidden_size": 128, "layers": 6, "heads": 4, "vocab_size": 4096},
+        ),
+        Task(
+            "smollm2-continued", "lm", "smollm2", False, max_steps=320, batch_size=4, seq_len=64,
+            learning_rate=1e-4, warmup_steps=16, corpus="packages", eval_size=8192,
+        ),
     )
 }  # fmt: skip
 
+# The long runs' corpus: one installed package per site (`pretrain-long-noniid`: rank r reads PACKAGE_SITES[r]).
+PACKAGE_SITES = ("sympy", "transformers")
 BBC_LABELS = ("business", "entertainment", "politics", "sports", "tech")
 LORA_TARGETS = {
     "smollm2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -137,6 +177,8 @@ def prepare(task: Task, data_dir: Path, world_size: int) -> dict:
     tokenizer = build_tokenizer(task)
     if task.kind == "cls":
         train, evaluation, meta = bbc_news_datasets(tokenizer, task.seq_len)
+    elif task.corpus == "packages":
+        train, evaluation, meta = package_datasets(tokenizer, task)
     else:
         from grpo_hf.harness.corpus import build_lm_datasets
 
@@ -197,15 +239,104 @@ def build_tokenizer(task: Task):
         from grpo_hf.harness.offline_models import minilm_path
 
         return AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
-    from grpo_hf.harness.corpus import load_stdlib_texts, train_bpe_tokenizer
+    from grpo_hf.harness.corpus import load_stdlib_texts, read_corpus_text, train_bpe_tokenizer
 
+    if task.corpus == "packages":  # both sites' train files in hash order
+        source = (read_corpus_text(path) for _, path in sorted(package_files()[0], key=_hash_order))
+    else:
+        source = load_stdlib_texts(split="train")
     texts, total = [], 0
-    for text in load_stdlib_texts(split="train"):  # the first 2M characters of the train split
+    for text in source:  # the first 2M characters of the train split
         texts.append(text)
         total += len(text)
         if total > 2_000_000:
             break
     return train_bpe_tokenizer(texts, vocab_size=task.shape["vocab_size"])
+
+
+def package_root(package: str) -> Path:
+    """The folder of an installed package (its source is the long runs' corpus)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"the long-run tasks read the source of the installed package {package!r}.")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def package_files(sites=PACKAGE_SITES) -> tuple[list, list, dict]:
+    """
+    Every site's `(relpath, path)` files, train and held out (by the standard-library corpus's hash of the path,
+    `<package>/<relpath>`), and the data's record: fingerprint and package versions.
+    """
+    import importlib.metadata
+
+    from grpo_hf.harness.corpus import corpus_fingerprint, split_files, stdlib_source_files
+
+    train, held_out, every = [], [], []
+    for package in sites:
+        files = [(f"{package}/{rel}", path) for rel, path in stdlib_source_files(root=package_root(package))]
+        every += files
+        site_train, site_held_out = split_files(files)
+        train += site_train
+        held_out += site_held_out
+    record = {"packages": {p: importlib.metadata.version(p) for p in sites}, "fingerprint": corpus_fingerprint(every),
+              "files": len(every)}  # fmt: skip
+    return train, held_out, record
+
+
+def _hash_order(item: tuple[str, Path]) -> str:
+    """Files in the order of a hash of their path: a package's modules mixed, the same order on every machine."""
+    return hashlib.sha256(item[0].encode()).hexdigest()
+
+
+def package_datasets(tokenizer, task: Task):
+    """
+    The long runs' data: per site, its train files in hash order cut to an equal share of the run's tokens (so that
+    no block repeats), and its held-out files cut to an equal share of `task.eval_size`. The train blocks are the
+    sites' blocks one after the other (`site_order` deals them out for the non-IID task); `meta["site_blocks"]` says
+    how many each site gave.
+    """
+    from datasets import concatenate_datasets
+
+    from grpo_hf.harness.corpus import _blocks_dataset, _tokenize_files
+
+    train_files, held_out_files, record = package_files()
+    sites = len(PACKAGE_SITES)
+    train_tokens = (task.max_steps * task.batch_size // sites) * task.seq_len
+    eval_tokens = task.eval_size // sites
+    trains, evals = [], []
+    for package in PACKAGE_SITES:
+        mine = sorted((f for f in train_files if f[0].startswith(package + "/")), key=_hash_order)
+        stream, _ = _tokenize_files(tokenizer, mine, "source", train_tokens)
+        if len(stream) < train_tokens:
+            raise ValueError(f"{task.name}: {package} gives {len(stream)} train tokens, fewer than {train_tokens}.")
+        trains.append(_blocks_dataset(stream, task.seq_len))
+        mine = sorted((f for f in held_out_files if f[0].startswith(package + "/")), key=_hash_order)
+        evals.append(_blocks_dataset(_tokenize_files(tokenizer, mine, "source", eval_tokens)[0], task.seq_len))
+    meta = {**record, "sites": list(PACKAGE_SITES), "site_blocks": [len(t) for t in trains],
+            "train_tokens": sum(len(t) for t in trains) * task.seq_len,
+            "eval_tokens": sum(len(e) for e in evals) * task.seq_len}  # fmt: skip
+    return concatenate_datasets(trains), concatenate_datasets(evals), meta
+
+
+def site_order(train, info: dict, task: Task, seed: int, world_size: int):
+    """
+    The non-IID task's training data for `seed`: each site's blocks shuffled by the seed, then dealt out a rank's batch
+    at a time in rank order, which the Trainer's sequential sampler and Accelerate's batch sharding (batch `i` to rank
+    `i % world_size`) hand to rank r from site r only. Other tasks' data is returned as it is.
+    """
+    import numpy as np
+
+    if not task.noniid:
+        return train
+    per_rank = task.batch_size // world_size
+    rng = np.random.default_rng(seed)
+    starts = np.cumsum([0, *info["data"]["site_blocks"]])
+    orders = [starts[i] + rng.permutation(starts[i + 1] - starts[i]) for i in range(world_size)]
+    steps = min(len(order) for order in orders) // per_rank
+    indices = [
+        int(i) for step in range(steps) for order in orders for i in order[step * per_rank : (step + 1) * per_rank]
+    ]
+    return train.select(indices)
 
 
 def bbc_news_datasets(tokenizer, seq_len: int):
