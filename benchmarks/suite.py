@@ -227,6 +227,13 @@ class SuiteArguments:
             "Rows are then compared best against best (see benchmarks/lr_grid.py)."
         },
     )
+    learning_rate: float = field(
+        default=0.0,
+        metadata={
+            "help": "Sweep: the grid's centre instead of the task's learning rate (e.g. dense's best, to screen rows "
+            "there with --lrs 1 --max_lrs 1)."
+        },
+    )
     max_lrs: int = field(
         default=9, metadata={"help": "Sweep: the most learning rates one row may reach by extending its grid."}
     )
@@ -868,7 +875,7 @@ def sweep_task(args, task: Task, rows: list[str], seeds: list[int], job: dict, r
 
     best = {}
     for row in rows:
-        learning_rates = lr_grid.grid(task.learning_rate, args.lrs)
+        learning_rates = lr_grid.grid(args.learning_rate or task.learning_rate, args.lrs)
         while True:
             for learning_rate in learning_rates:
                 run(row, learning_rate, search)
