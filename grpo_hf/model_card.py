@@ -97,7 +97,11 @@ class ModelCardRecord:
         dataset_name (`str`, *optional*, defaults to `"training data"`), dataset_text (`str`, *optional*, defaults to
         `"- not recorded"`), dataset_type (`str`, *optional*, defaults to `"custom"`):
             The data: its name (in `model-index`), its description (markdown, the "Training data" section) and its
-            `model-index` type.
+            `model-index` type (the dataset's id for a Hub dataset).
+        datasets (`list[str]`, *optional*), dataset_config (`str`, *optional*), dataset_split (`str`, *optional*,
+        defaults to `"validation"`):
+            The Hub ids of the data (the card's `datasets` metadata, which links the model to them on the Hub); the
+            configuration and split of the held-out rows, in `model-index`.
         perplexity_before (`float`, *optional*), perplexity_after (`float`, *optional*), mean_nll_after (`float`,
         *optional*), accuracy_after (`float`, *optional*), eval_tokens (`int`, *optional*):
             The evaluation: held-out perplexity before and after training, mean negative log-likelihood per token,
@@ -132,6 +136,9 @@ class ModelCardRecord:
     dataset_name: str = "training data"
     dataset_text: str = "- not recorded"
     dataset_type: str = "custom"
+    datasets: list[str] = dataclasses.field(default_factory=list)
+    dataset_config: str | None = None
+    dataset_split: str = "validation"
     perplexity_before: float | None = None
     perplexity_after: float | None = None
     mean_nll_after: float | None = None
@@ -274,8 +281,6 @@ def record_from_summary(
         environment=results.get("environment") or {},
     )
     values.update(fields)
-    if "dataset_type" not in fields:
-        values["dataset_type"] = "python-stdlib" if "standard library" in values["dataset_name"] else "custom"
     return ModelCardRecord(**values)
 
 
@@ -373,7 +378,8 @@ def _card_data(record: ModelCardRecord, adapter: dict, task: str) -> ModelCardDa
             task_type=pipeline_tag,
             dataset_type=record.dataset_type,
             dataset_name=f"{record.dataset_name} (held out)",
-            dataset_split="validation",
+            dataset_config=record.dataset_config,
+            dataset_split=record.dataset_split,
             metric_type=kind,
             metric_name=name,
             metric_value=round(float(value), 6),
@@ -387,6 +393,7 @@ def _card_data(record: ModelCardRecord, adapter: dict, task: str) -> ModelCardDa
         license=record.license or (base.license if base else None),
         tags=tags,
         model_name=record.repo_id,
+        datasets=list(record.datasets) or None,
         eval_results=eval_results or None,
         co2_eq_emissions=_co2(record),
     )
@@ -394,7 +401,7 @@ def _card_data(record: ModelCardRecord, adapter: dict, task: str) -> ModelCardDa
 
 def _summary(record: ModelCardRecord, adapter: dict) -> str:
     """The card's first paragraph: what the weights are, and how they were trained."""
-    link = "[grpo_hf](https://pypi.org/project/grpo_hf/)"
+    link = "grpo_hf"  # not on PyPI: no package page to link to
     if record.trainer == "Trainer":
         origin = f"trained with the plain `transformers.Trainer` (the baseline of a comparison) from {link}"
     elif record.trainer:
@@ -415,7 +422,8 @@ def _summary(record: ModelCardRecord, adapter: dict) -> str:
     return (
         f"{what}, {origin}: grouped parameter resource optimization for the Hugging Face Trainer (semantic parameter "
         "groups, a learning rate per group, compressed gradient communication, cost reports). Not TRL's Group Relative "
-        "Policy Optimization."
+        "Policy Optimization. grpo_hf is not on PyPI (it installs from a clone of its repository); loading these "
+        f"weights needs only {'transformers and peft' if adapter else 'transformers'}."
     )
 
 

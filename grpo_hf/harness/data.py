@@ -41,6 +41,7 @@ import contextlib
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import RecipeError
@@ -113,6 +114,34 @@ def build_datasets(tokenizer, data_args: DataArguments):
     )
 
 
+def data_origin(data_args: DataArguments, info: dict[str, Any]) -> dict[str, str]:
+    """
+    Where the data described by `info` comes from, for the run's record (`results.json`'s `data`, which the model card
+    reads: [`~grpo_hf.hub.card.describe_data`]).
+
+    Returns:
+        `dict[str, str]`: `source`, one of `"stdlib"` (the standard library corpus), `"python_files"` (the same corpus
+        built from the `*.py` files of `corpus_root`, then also `corpus_root`), `"local"` (your file or folder) or
+        `"hub"` (a Hub dataset id); for local data, `path_kind` (`"file"` or `"folder"`) and, for the data shipped
+        with the built-in recipes, `builtin`: its path inside `grpo_hf/recipes/` (`"data/instructions.jsonl"`).
+    """
+    from .recipe_files import builtin_recipes_folder
+
+    if data_args.dataset_name is None:
+        if data_args.corpus_root is None:
+            return {"source": "stdlib"}
+        return {"source": "python_files", "corpus_root": str(data_args.corpus_root)}
+    if info.get("source") != "local":
+        return {"source": info.get("source", "hub")}
+    path = Path(info["path"]).resolve()
+    origin = {"source": "local", "path_kind": "folder" if path.is_dir() else "file"}
+    try:
+        origin["builtin"] = path.relative_to(Path(str(builtin_recipes_folder())).resolve()).as_posix()
+    except ValueError:  # not inside the package's recipes folder: your own data
+        pass
+    return origin
+
+
 @dataclass
 class Prepared:
     """
@@ -174,7 +203,7 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, progress=None,
             tokenizer, data_args, *rows, model_name=model_args.model_name_or_path
         )
         kind = info["format"]
-    info = dict(info, vocab_size=len(tokenizer), tokenizer=type(tokenizer).__name__)
+    info = dict(info, **data_origin(data_args, info), vocab_size=len(tokenizer), tokenizer=type(tokenizer).__name__)
     return Prepared(
         tokenizer, train_ds, eval_ds, info, collator=collator_for(kind, tokenizer), labels=info.get("labels")
     )
@@ -462,6 +491,7 @@ __all__ = [
     "build_tokenizer",
     "build_user_datasets",
     "collator_for",
+    "data_origin",
     "ensure_chat_template",
     "label_names",
     "prepare",
