@@ -12,10 +12,12 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,13 @@ from grpo_hf import ConfigError, GRPOConfig, GRPOTrainer
 from grpo_hf.compression import CodecSpec
 from grpo_hf.compression.communicator import Communicator
 from grpo_hf.compression.outer_sync import OuterSyncState
-from grpo_hf.compression.torchft_group import FaultTolerance, TorchFTCommunicator, _disagreement
+from grpo_hf.compression.torchft_group import (
+    FaultTolerance,
+    TorchFTCommunicator,
+    _checkpoint_transport,
+    _disagreement,
+    reachable_address,
+)
 from grpo_hf.fault_tolerance import fault_tolerance_settings
 
 
@@ -285,6 +293,60 @@ def test_a_failed_collective_aborts_the_group_once_so_that_its_peers_fail_at_onc
     assert len(communicator.manager.reported) == 1 and communicator.pg.aborted == (1 if joined else 0)
     assert communicator.commit() is False
     assert communicator.pg.all_reduces == 1  # the failed group's flag is not all-reduced: its peers fail on the abort
+
+
+class RepeatingManager(ScriptedManager):
+    """A manager whose quorum keeps the same members (torchft does not configure their process group again)."""
+
+    _quorum_id = 1
+
+    def load_state_dict(self, state):
+        pass
+
+    def batches_committed(self):
+        return 0
+
+    def start_quorum(self, allow_heal, shrink_only):
+        self.reported = []  # torchft clears its error at every quorum
+
+
+def test_groups_that_cannot_connect_get_one_error_naming_the_address_instead_of_retrying_forever():
+    # three machines whose groups advertised addresses the others do not reach: the process group never forms, and
+    # every quorum returns the same members; the wait for the planned groups once spun on that, logging a failed
+    # collective thousands of times a minute
+    communicator = TorchFTCommunicator(FaultTolerance(lighthouse="http://10.0.0.1:29510", replica_id=1, replicas=3))
+    communicator.manager, communicator.pg = RepeatingManager(), ScriptedGroup(fail=True)
+    communicator.address, communicator.store_address, communicator.quorum_id = "10.0.0.12", ("10.0.0.12", 4321), 1
+    with pytest.raises(ConfigError, match=r"reached at 10\.0\.0\.12 .*port 4321.*grpo_ft_hostname"):
+        communicator._wait_for_planned_groups(step=0)
+    assert communicator.pg.all_reduces == 1
+
+
+def test_a_group_is_reached_at_its_address_on_the_route_to_the_lighthouse():
+    import psutil
+
+    assert reachable_address("http://127.0.0.1:29510") == "127.0.0.1"
+    assert reachable_address("localhost:29510") == "127.0.0.1"
+    try:  # a documentation address (RFC 5737): routed by the default route, never reached (no packet is sent)
+        address = reachable_address("http://192.0.2.1:29510")
+    except OSError:
+        pytest.skip("no default route on this machine")
+    local = {entry.address for entries in psutil.net_if_addrs().values() for entry in entries}
+    assert address in local or address == socket.gethostname()  # the machine's name only without a route
+
+
+def test_the_checkpoint_server_is_advertised_at_the_groups_address():
+    pytest.importorskip("torchft")
+    transport = _checkpoint_transport("10.0.0.12", timedelta(seconds=5))
+    try:
+        assert re.fullmatch(r"http://10\.0\.0\.12:\d+/checkpoint/", transport.address())
+    finally:
+        transport.shutdown(wait=False)
+    transport = _checkpoint_transport("fd00::12", timedelta(seconds=5))
+    try:
+        assert transport.address().startswith("http://[fd00::12]:")
+    finally:
+        transport.shutdown(wait=False)
 
 
 def test_an_error_torchft_recorded_itself_aborts_the_group_at_the_commit():

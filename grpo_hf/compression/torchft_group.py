@@ -90,8 +90,9 @@ class FaultTolerance:
         quorum_timeout (`float`): seconds a group waits at a quorum for the others, e.g. a restarted group for the
             next sync of the live ones (`TORCHFT_QUORUM_TIMEOUT_SEC`).
         connect_timeout (`float`): seconds to reach the lighthouse and the peers' managers (`TORCHFT_CONNECT_TIMEOUT_SEC`).
-        hostname (`str`, *optional*): the address the peers reach this group's manager at (healing); the machine's
-            name when `None`.
+        hostname (`str`, *optional*): the address the other groups reach this one at (its manager, its store, its
+            checkpoint server for a heal, gloo's connections); when `None`, the address this machine reaches the
+            lighthouse from ([`reachable_address`]).
     """
 
     lighthouse: str
@@ -284,12 +285,17 @@ class TorchFTCommunicator(Communicator):
         """
         Manager, ProcessGroupGloo = import_torchft()
         settings = self.settings
-        if _loopback(settings.lighthouse):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own choice of interface may not reach a peer
+        self.address = settings.hostname or reachable_address(settings.lighthouse)
+        interface = _interface_of(self.address)
+        if interface is not None:  # gloo's own choice (the machine's name) may resolve to a loopback address
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
         host, port = self.store_address or (None, None)
-        if host is None:
+        if host is None:  # a store of its own, listening on every interface, reached by the others at the address
             self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            host, port = "127.0.0.1", self._store.port
+            host, port = self.address, self._store.port
+        elif _loopback(host) and not _loopback(self.address):  # torchrun's store on one machine listens everywhere
+            host = self.address
+        self.store_address = (host, port)
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=settings.timeout))
         self.description = {**(description or {}), **settings.describe()}
         try:
@@ -309,7 +315,8 @@ class TorchFTCommunicator(Communicator):
                 store_port=port,
                 lighthouse_addr=settings.lighthouse,
                 replica_id=f"grpo_{settings.replica_id}",
-                hostname=settings.hostname or _hostname(settings.lighthouse),
+                hostname=self.address,
+                checkpoint_transport=_checkpoint_transport(self.address, timedelta(seconds=2 * settings.timeout)),
                 init_sync=False,  # the groups start from the same seed and model; a fresh start heals nobody
             )
         except Exception as err:
@@ -357,12 +364,15 @@ class TorchFTCommunicator(Communicator):
         start_by = time.monotonic() + settings.timeout
         while True:
             enough = torch.tensor([int(self.world_size >= settings.replicas or time.monotonic() >= start_by)])
-            if self.world_size > 1 and not self.errored():
+            failed = self.errored()
+            if self.world_size > 1 and not failed:
                 try:
                     self.pg.allreduce([enough], dist.ReduceOp.MAX).wait()
                 except Exception as err:  # a member left: the next quorum decides again
                     self.record(err)
-                    enough.zero_()
+                    failed = True
+            if failed:
+                enough.zero_()
             if self.within_group is not None and self.within_group.world_size > 1:  # the group's ranks decide alike
                 short = (1 - enough).to(self.within_group.device)
                 enough = 1 - self.within_group.all_reduce(short, op=dist.ReduceOp.MAX).cpu()
@@ -371,6 +381,20 @@ class TorchFTCommunicator(Communicator):
             self._quorum(step, allow_heal=True, shrink_only=False)
             if self.received:
                 return
+            if failed and not self.membership_changed:  # the same groups, whose process group cannot form
+                self._raise_unreachable()
+
+    def _raise_unreachable(self) -> None:
+        """The groups of a quorum could not connect to each other: one error saying where this group was reached."""
+        host, port = self.store_address
+        raise ConfigError(
+            f"grpo_fault_tolerance: replica group {self.settings.replica_id} and the other groups of its quorum could "
+            f"not connect to each other ({self.last_error or 'their process group did not form'}). This group is "
+            f"reached at {self.address} (its manager, its store on port {port}, its checkpoint server and gloo's "
+            "connections, on ports the system picks): the other machines must reach that address on any TCP port. "
+            "Set grpo_ft_hostname to an address of this machine they reach (default: the address this machine "
+            "reaches the lighthouse from); see docs/engines.md, 'Addresses and ports'."
+        )
 
     def _raise_first_error(self) -> None:
         err = self.manager.errored()
@@ -499,14 +523,55 @@ def _disagreement(descriptions: list[dict], rank: int) -> str | None:
 
 
 def _loopback(address: str) -> bool:
-    return any(host in address for host in ("127.0.0.1", "localhost", "[::1]"))
+    return any(host in address for host in ("127.0.0.1", "localhost", "[::1]", "::1"))
 
 
-def _hostname(lighthouse: str) -> str:
-    """The address peers reach this group's manager at: the loopback for a lighthouse on it, else the machine's name."""
+def reachable_address(lighthouse: str) -> str:
+    """
+    The address of this machine that the other replica groups reach it at, by default: the local end of the route to
+    the lighthouse (the groups and the lighthouse share a network), the loopback for a lighthouse on it. The machine's
+    name is not used: it often resolves to a loopback address on every machine (`/etc/hosts`), where a peer would
+    reach itself. No packet is sent; the machine's name is the answer only when the lighthouse's host cannot be
+    resolved.
+    """
     import socket
+    from urllib.parse import urlsplit
 
-    return "127.0.0.1" if _loopback(lighthouse) else socket.gethostname()
+    if _loopback(lighthouse):
+        return "127.0.0.1"
+    parts = urlsplit(lighthouse if "://" in lighthouse else f"http://{lighthouse}")
+    try:
+        family, _, _, _, target = socket.getaddrinfo(parts.hostname, parts.port or 80, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)  # a datagram socket's connect only picks the route and its source address
+            return probe.getsockname()[0]
+    except OSError as err:
+        logger.warning(f"GRPO fault tolerance: no route to the lighthouse {lighthouse} ({err}); advertising this "
+                       f"machine's name, {socket.gethostname()}. Set grpo_ft_hostname to an address the others reach.")  # fmt: skip
+        return socket.gethostname()
 
 
-__all__ = ["HEAL_KEY", "FaultTolerance", "TorchFTCommunicator", "group_store", "import_torchft"]
+def _interface_of(address: str) -> str | None:
+    """The network interface holding `address` (gloo's `GLOO_SOCKET_IFNAME`), `None` for a name or an unknown one."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.address.split("%")[0] == address for entry in addresses):
+            return name
+    return None
+
+
+def _checkpoint_transport(address: str, timeout: timedelta):
+    """torchft's HTTP checkpoint server (what a healing group fetches), advertised at `address`: torchft's own
+    advertises the machine's name, which a peer may resolve to itself."""
+    from torchft.checkpointing import HTTPTransport
+
+    class AddressedHTTPTransport(HTTPTransport):
+        def address(self) -> str:
+            host = f"[{address}]" if ":" in address else address
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return AddressedHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+__all__ = ["HEAL_KEY", "FaultTolerance", "TorchFTCommunicator", "group_store", "import_torchft", "reachable_address"]
