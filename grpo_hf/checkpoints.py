@@ -19,8 +19,10 @@ the checkpoint is `θ_global`. Another world size restarts every rank from rank 
 (the local steps since the last sync, the residuals and the local optimizer states are dropped, with a warning).
 """
 
+import contextlib
 import json
 import logging
+import math
 import os
 import re
 
@@ -147,6 +149,311 @@ def check_grpo_setup(folder: str, names: list[str], lr_ratios: dict[str, float])
             "Resume with the grpo_lr_ratios, group file lr_ratio and grpo_lr_preset that wrote it, or start a new run "
             "from the checkpoint's model."
         )
+
+
+# --- the settings a checkpoint was written with, against this run's (see docs/reliability.md, "Resuming") ----------
+
+# What a compressed run sends: refused on resume when the checkpoint and this run both compress at every step (a
+# compression state of "allgather", "allreduce" or FSDP2's mode in both), or both sync every H steps. Its
+# error-feedback residuals hold what the checkpoint's codec has not sent yet (in gradient units: correct for another
+# codec too), but the run would then be neither codec's: its bytes, its report, its card and the benchmark rows it
+# is read against all describe one codec per run.
+STEP_CODEC_SETTINGS = (
+    "grpo_compression",
+    "grpo_bits",
+    "grpo_density",
+    "grpo_scale_gradients",
+    "grpo_scale_clip",
+    "grpo_min_compress_numel",
+    "grpo_fsdp_error_feedback",
+)
+SYNC_CODEC_SETTINGS = (
+    "grpo_sync_every",
+    "grpo_sync_bits",
+    "grpo_sync_density",
+    "grpo_sync_chunk",
+    "grpo_sync_fragments",
+    "grpo_sync_delay",
+    "grpo_sync_outer_only",
+)
+# Refused whatever the codec: the saved importance state holds smoothed scores of the checkpoint's score.
+STATE_SETTINGS = ("grpo_importance_score",)
+# Checked by their effect ([`check_grpo_setup`], the optimizer-state check): refused when the groups, ratios or
+# optimizer-state layouts differ, applied and said when only the setting's spelling does.
+EFFECT_CHECKED_SETTINGS = (
+    "grpo_groups",
+    "grpo_lr_ratios",
+    "grpo_lr_preset",
+    "grpo_optimizer_state",
+    "grpo_min_state_numel",
+)
+# Where a launch reaches its peers: another address on resume is not a change of the run.
+UNCOMPARED_SETTINGS = ("grpo_ft_lighthouse", "grpo_ft_hostname")
+RUN_SUMMARY = "grpo_run.json"  # `grpo_hf.model_card.RUN_SUMMARY_FILE`: GRPOTrainer.save_model writes it in checkpoints
+SCHEDULER_FILE = "scheduler.pt"
+
+
+def _family(mode: str | None) -> str | None:
+    """What a compression state of `mode` sends: `"sync"` (every H steps), `"step"` (every step) or `None`."""
+    from .compression.transport import sends_every
+
+    return sends_every(mode)
+
+
+def _settings_family(args) -> str | None:
+    """The family ([`_family`]) a run of `args` will have, from its settings alone (before its trainer is built)."""
+    from .compression.plan import resolve_compression
+
+    distributed = getattr(args, "world_size", 1) > 1 or bool(getattr(args, "grpo_fault_tolerance", False))
+    if getattr(args, "grpo_sync_every", 1) > 1:
+        return "sync" if distributed else None
+    compression = resolve_compression(getattr(args, "grpo_compression", "auto"), distributed)
+    return "step" if compression != "none" else None
+
+
+def _normal(value):
+    """A setting's value as comparable JSON text (a JSON string of a dict reads as the dict)."""
+    from .provenance import jsonable
+
+    if isinstance(value, str) and value[:1] in "{[":
+        with contextlib.suppress(ValueError):
+            value = json.loads(value)
+    return json.dumps(jsonable(value), sort_keys=True)
+
+
+def _shown(value) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as handle:
+            content = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return content if isinstance(content, dict) else None
+
+
+def checkpoint_settings(folder: str) -> dict | None:
+    """
+    The `grpo_*` and `cost_*` settings of the run that wrote the checkpoint `folder`, from the run summary GRPOTrainer
+    saves in each checkpoint (`grpo_run.json`); `None` without one (a plain Trainer's checkpoint, an older one).
+    """
+    summary = _read_json(os.path.join(folder, RUN_SUMMARY))
+    settings = ((summary or {}).get("recipe") or {}).get("grpo")
+    return settings if isinstance(settings, dict) else None
+
+
+def checkpoint_learning_rate(folder: str) -> float | None:
+    """
+    The peak learning rate of the checkpoint's schedule, which a resume continues (the Trainer restores its optimizer
+    and scheduler): the largest `base_lrs` of its `scheduler.pt`, else the `learning_rate` of its `grpo_run.json`;
+    `None` when neither says.
+    """
+    path = os.path.join(folder, SCHEDULER_FILE)
+    if os.path.isfile(path):
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            rates = [float(v) for v in saved.get("base_lrs") or []]
+            if rates:
+                return max(rates)
+        except Exception:  # noqa: BLE001  (a scheduler of another kind, or an unreadable file: ask the summary)
+            pass
+    training = ((_read_json(os.path.join(folder, RUN_SUMMARY)) or {}).get("recipe") or {}).get("training") or {}
+    rate = training.get("learning_rate")
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
+
+
+def _checkpoint_step(folder: str) -> int | None:
+    step = (_read_json(os.path.join(folder, TRAINER_STATE_FILE)) or {}).get("global_step")
+    return step if isinstance(step, int) else None
+
+
+def _saved_family(folder: str) -> str | None:
+    if 0 not in saved_ranks(folder):
+        return None
+    comm = read_grpo_state(state_path(folder, 0), mmap=True).get("comm")
+    return _family(comm.get("mode")) if isinstance(comm, dict) else None
+
+
+def describe_codec(settings: dict | None, family: str | None) -> str:
+    """
+    What a run of `settings` (`grpo_*` values, as in `grpo_run.json`) sent, in words: `"quantize, 8 bits"`, `"sparse,
+    density 0.15"`, `"sync every 16 steps, 4-bit codes"`, `"nothing compressed"` (`family`: see [`_family`]).
+    """
+    settings = settings or {}
+    if family is None:
+        return "nothing compressed"
+    if family == "sync":
+        text = f"sync every {settings.get('grpo_sync_every')} steps, {settings.get('grpo_sync_bits')}-bit codes"
+        density = settings.get("grpo_sync_density")
+        return text + (f", top {density:g} of every {settings.get('grpo_sync_chunk')}" if density not in (None, 1, 1.0) else "")  # fmt: skip
+    kind = settings.get("grpo_compression")
+    kind = "quantize" if kind in (None, "auto") else kind
+    parts = [kind]
+    if "sparse" in kind:
+        parts.append(f"density {settings.get('grpo_density')}")
+    if "quantize" in kind:
+        parts.append(f"{settings.get('grpo_bits')} bits")
+    if settings.get("grpo_scale_gradients"):
+        parts.append("scaled by exp_avg_sq")
+    return ", ".join(parts)
+
+
+def _relevant(name: str, saved: dict, ours: dict) -> bool:
+    """Whether a codec setting matters for the codec of either run (the density only of a sparse code, ...)."""
+    either = (saved, ours)
+    if name == "grpo_density":
+        return any("sparse" in str(s.get("grpo_compression")) for s in either)
+    if name == "grpo_bits":
+        return any("sparse" != str(s.get("grpo_compression")) for s in either)
+    if name == "grpo_scale_clip":
+        return any(s.get("grpo_scale_gradients") for s in either)
+    if name == "grpo_sync_chunk":
+        return any(s.get("grpo_sync_density") not in (None, 1, 1.0) for s in either)
+    return True
+
+
+def resume_changes(folder: str, args, comm_mode: str | None = "estimate") -> dict:
+    """
+    How this run (`args`) differs from the run that wrote the checkpoint `folder`, per setting (the table of
+    docs/reliability.md, "Resuming"), without raising or warning: what [`check_resume_settings`] refuses or says, and
+    what a report of the resumed run states.
+
+    Args:
+        folder (`str`): the checkpoint.
+        args: this run's arguments (`GRPOConfig`, or a plain `TrainingArguments`: then only the learning rate).
+        comm_mode (`str` or `None`, *optional*): the mode of this run's compression state (`None`: none); by default
+            estimated from `args` ([`_settings_family`]).
+
+    Returns:
+        `dict`: `checkpoint`, `step` (its global step), `settings` (the checkpoint's `grpo_*` / `cost_*` values,
+        `None` when it has no run summary), `refused` and `applied` (`{name: [checkpoint's, this run's]}`),
+        `learning_rate` (`{"schedule": the checkpoint's peak, "requested": args.learning_rate, "checkpoint": the
+        learning_rate the checkpoint's run was given}`), `codec`
+        (`{"checkpoint": ..., "run": ...}`, [`describe_codec`]).
+    """
+    from .config import grpo_field_names
+
+    saved = checkpoint_settings(folder)
+    ours_family = _settings_family(args) if comm_mode == "estimate" else _family(comm_mode)
+    saved_family = _saved_family(folder)
+    names = [n for n in grpo_field_names() if hasattr(args, n) and n not in UNCOMPARED_SETTINGS]
+    ours = {n: getattr(args, n) for n in names}
+    refused, applied = {}, {}
+    for name in names if saved is not None else []:
+        if name not in saved or _normal(saved[name]) == _normal(ours[name]):
+            continue
+        pair = [saved[name], json.loads(_normal(ours[name]))]
+        codec = (STEP_CODEC_SETTINGS if saved_family == ours_family == "step" else ()) + (
+            SYNC_CODEC_SETTINGS if saved_family == ours_family == "sync" else ()
+        )
+        if name == "grpo_compression" and saved_family == ours_family == "step":
+            same_kind = {str(v).replace("auto", "quantize") for v in pair}
+            target = applied if len(same_kind) == 1 else refused
+        elif name in STATE_SETTINGS or (name in codec and _relevant(name, saved, ours)):
+            target = refused
+        else:
+            target = applied
+        target[name] = pair
+    rate = checkpoint_learning_rate(folder)
+    requested = getattr(args, "learning_rate", None)
+    training = ((_read_json(os.path.join(folder, RUN_SUMMARY)) or {}).get("recipe") or {}).get("training") or {}
+    return {
+        "checkpoint": os.fspath(folder),
+        "step": _checkpoint_step(folder),
+        "settings": saved,
+        "refused": refused,
+        "applied": applied,
+        "learning_rate": {"schedule": rate, "requested": requested, "checkpoint": training.get("learning_rate")},
+        "codec": {
+            "checkpoint": describe_codec(saved, saved_family) if saved is not None else None,
+            "run": describe_codec(ours, ours_family) if names else None,
+        },
+    }
+
+
+def check_resume_settings(folder: str, args, comm_mode: str | None = "estimate", warn: bool = True) -> dict:
+    """
+    Refuse, or apply and say once, what differs between this run's settings and the checkpoint's
+    ([`resume_changes`]): a codec setting while both runs compress alike, or the importance score, is one
+    [`~grpo_hf.errors.CheckpointError`] naming every such setting (before the Trainer loads anything); every other
+    changed `grpo_*` / `cost_*` setting applies from the next step, and with `warn` (on the main process) one
+    warning names them all, and another `learning_rate` than the checkpoint's run was given: the Trainer will not use
+    it (it continues the checkpoint's schedule).
+    A checkpoint without a run summary (`grpo_run.json`) is not compared (but for its learning rate).
+
+    Returns:
+        `dict`: [`resume_changes`]'s record.
+
+    Raises:
+        [`~grpo_hf.errors.CheckpointError`]: naming each refused setting, both values and the ways out.
+    """
+    changes = resume_changes(folder, args, comm_mode)
+    step = changes["step"]
+    if changes["refused"]:
+        listed = "; ".join(f"{n} {_shown(a)} -> {_shown(b)}" for n, (a, b) in changes["refused"].items())
+        flags = " ".join(f"--{n} {a}" for n, (a, _) in changes["refused"].items())
+        codec = [n for n in changes["refused"] if n not in STATE_SETTINGS]
+        why = []
+        if codec:
+            why.append(
+                f"its error-feedback residuals hold what its codec ({changes['codec']['checkpoint']}) has not sent "
+                "yet, and a run's bytes, report and card describe one codec"
+            )
+        if any(n in STATE_SETTINGS for n in changes["refused"]):
+            why.append("its importance state holds smoothed scores of the checkpoint's grpo_importance_score")
+        raise CheckpointError(
+            f"{folder} was written with other settings than this run's ({listed}; checkpoint -> this run): "
+            + "; ".join(why)
+            + f". Resume with the checkpoint's values ({flags})"
+            + (
+                ", resume without compression (grpo_compression='none': its residuals are dropped, with a warning)"
+                if codec
+                else ""
+            )  # fmt: skip
+            + ", or start a new run (another output_dir) from the checkpoint's model."
+        )
+    if warn and getattr(args, "process_index", 0) == 0:
+        parts = []
+        if changes["applied"]:
+            listed = "; ".join(f"{n} {_shown(a)} -> {_shown(b)}" for n, (a, b) in changes["applied"].items())
+            parts.append(
+                f"Resuming {folder} with settings other than the ones that wrote it, applied from step "
+                f"{(step or 0) + 1}: {listed}."
+            )
+        rate, requested, before = (changes["learning_rate"].get(k) for k in ("schedule", "requested", "checkpoint"))
+        # said when this run asks for another rate than the one that wrote the checkpoint (or, without its summary,
+        # than its schedule's): a rate given the same way as before was said when it was first changed
+        asked = before if isinstance(before, (int, float)) else rate
+        if rate is not None and requested is not None and not math.isclose(asked, requested, rel_tol=1e-9):
+            parts.append(
+                f"learning_rate={requested:g} is not used: the Trainer restores the checkpoint's optimizer and "
+                f"scheduler, so the learning rate follows the checkpoint's schedule (peak {rate:g}). To train at "
+                f"{requested:g}, start a new run (another output_dir) from the checkpoint's model."
+            )
+        if parts:
+            logger.warning(" ".join(parts))
+    return changes
+
+
+def tied_missing_keys(model, keys) -> dict[str, str]:
+    """
+    The keys of `keys` (missing from a loaded checkpoint) whose parameter is the same tensor as another parameter
+    of `model` that is not missing (tied weights: `lm_head.weight` of a model whose output layer is its input
+    embeddings): `{missing: the name it is tied to}`. safetensors saves a shared tensor once, so the Trainer's resume
+    reports such a key as missing although the checkpoint restores it through its twin.
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    missing, tied = set(keys), {}
+    for same in names.values():
+        present = [n for n in same if n not in missing]
+        for name in same:
+            if name in missing and present:
+                tied[name] = present[0]
+    return tied
 
 
 def _world_size_of(folder: str, rank0_state: dict) -> int:
@@ -417,12 +724,21 @@ def restore_grpo_state(
 
 
 __all__ = [
+    "EFFECT_CHECKED_SETTINGS",
     "LAST",
     "STATE_FILE",
+    "STATE_SETTINGS",
     "STATE_VERSION",
+    "STEP_CODEC_SETTINGS",
+    "SYNC_CODEC_SETTINGS",
+    "UNCOMPARED_SETTINGS",
     "check_grpo_setup",
     "check_grpo_state_files",
+    "check_resume_settings",
     "check_trainer_state",
+    "checkpoint_learning_rate",
+    "checkpoint_settings",
+    "describe_codec",
     "incomplete_checkpoints",
     "last_complete_checkpoint",
     "missing_parts",
@@ -431,8 +747,10 @@ __all__ = [
     "read_grpo_state",
     "resolve_resume_checkpoint",
     "restore_grpo_state",
+    "resume_changes",
     "saved_ranks",
     "states_to_resume",
+    "tied_missing_keys",
     "warn_overwritten_checkpoints",
     "write_grpo_state",
 ]

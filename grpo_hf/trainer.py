@@ -13,6 +13,7 @@ from .callbacks import GRPOCallback
 from .checkpoints import (
     check_grpo_setup,
     check_grpo_state_files,
+    check_resume_settings,
     planned_checkpoint_steps,
     resolve_resume_checkpoint,
     warn_overwritten_checkpoints,
@@ -503,7 +504,8 @@ class GRPOMixin:
         Raises:
             [`~grpo_hf.errors.CheckpointError`]: the checkpoint is missing, incomplete, corrupt or from another setup
                 (a `ValueError` whose message starts as the Trainer's own): other GRPO groups or another number of
-                them, other LR ratios, its optimizer state written with another `grpo_optimizer_state` or layout.
+                them, other LR ratios, its optimizer state written with another `grpo_optimizer_state` or layout,
+                another codec or importance score ([`~grpo_hf.checkpoints.check_resume_settings`]).
                 Raised before any work: before the Trainer loads the checkpoint's model (with `model_init`, before it
                 loads the optimizer), whatever the path that resumes (a script, `"last"`, `True`, the `grpo-hf`
                 commands).
@@ -534,9 +536,12 @@ class GRPOMixin:
         """
         Refuse a checkpoint written with other GRPO groups, LR ratios or optimizer state (its kind, or the layout of a
         parameter) than this run's, naming the difference (see [`~grpo_hf.checkpoints.check_grpo_setup`] and
-        [`~grpo_hf.optim.resume.check_checkpoint_optimizer_state`]).
+        [`~grpo_hf.optim.resume.check_checkpoint_optimizer_state`]); refuse another codec or importance score, and
+        say once which other changed settings apply (see [`~grpo_hf.checkpoints.check_resume_settings`]).
         """
         check_grpo_setup(checkpoint, [g.name for g in self.grpo_groups], self.grpo_lr_ratios)
+        mode = self.grpo_comm_state.mode if self.grpo_comm_state is not None else None
+        check_resume_settings(checkpoint, self.args, comm_mode=mode)
         setting, layouts = self.args.grpo_optimizer_state, None
         if setting != "full" and self.grpo_engine in ("single", "ddp"):  # FSDP2 fits layouts to its shards later
             planned = resolve_layouts(self._grpo_model, self.grpo_groups, setting, self.args.grpo_min_state_numel)

@@ -351,3 +351,102 @@ def test_other_param_groups_are_named_not_left_to_torch(tmp_path):
         check_param_groups(str(tmp_path), [{"param_names": ["a"], "grpo_group": "ffn"}, {"grpo_group": "x"}])
     check_param_groups(str(tmp_path), [*ours, {"grpo_group": "x"}])  # the same groups
     check_param_groups(str(tmp_path / "no-optimizer"), ours)  # nothing to compare (FSDP, DeepSpeed)
+
+
+# --- settings changed on resume: refused (one CheckpointError) or applied and said once (docs/reliability.md) -------
+
+CODEC = dict(grpo_compression="quantize", grpo_min_compress_numel=256)
+
+
+@pytest.fixture(scope="module")
+def codec_checkpoint(tmp_path_factory):
+    """checkpoint-3 of a run compressing at 8 bits (step 3: after the dense warm-up, so it holds residuals), lr 3e-3."""
+    out = tmp_path_factory.mktemp("codec") / "out"
+    trainer_for(out, max_steps=3, save_steps=3, grpo_bits="8", **CODEC).train()
+    return out / "checkpoint-3"
+
+
+def checkpoint_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "grpo_hf.checkpoints" and r.levelno == logging.WARNING]
+
+
+def test_another_codec_on_resume_is_one_checkpoint_error_before_any_work(codec_checkpoint, tmp_path):
+    # The resume of issue 60: 4 bits (and another learning rate) after 8 bits. One error names the codec change and
+    # the ways out; nothing is loaded or trained.
+    trainer = trainer_for(tmp_path / "out", max_steps=4, grpo_bits="4", learning_rate=0.01, **CODEC)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(CheckpointError) as caught:
+        trainer.train(resume_from_checkpoint=str(codec_checkpoint))
+    message = str(caught.value)
+    assert message.startswith(f"{codec_checkpoint} was written with other settings than this run's")
+    assert "grpo_bits '8' -> '4'" in message and "(quantize, 8 bits)" in message and "--grpo_bits 8" in message
+    assert "grpo_compression='none'" in message and "another output_dir" in message
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_settings_the_resume_applies_are_said_once_and_the_schedule_is_the_checkpoints(
+    codec_checkpoint, tmp_path, caplog
+):
+    # A setting that only tunes how the run goes on applies from the next step, named once; the learning rate is the
+    # Trainer's business: it continues the checkpoint's schedule (3e-3), and the warning says 0.01 is not used.
+    trainer = trainer_for(
+        tmp_path / "out", max_steps=4, grpo_bits="8", learning_rate=0.01, grpo_max_consecutive_skips=3, **CODEC
+    )
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.checkpoints"):
+        trainer.train(resume_from_checkpoint=str(codec_checkpoint))
+    said = checkpoint_warnings(caplog)
+    assert len(said) == 1, said
+    assert (
+        f"Resuming {codec_checkpoint} with settings other than the ones that wrote it, applied from step 4" in said[0]
+    )
+    assert "grpo_max_consecutive_skips 8 -> 3" in said[0] and "grpo_bits" not in said[0]
+    assert "learning_rate=0.01 is not used" in said[0] and "(peak 0.003)" in said[0]
+    assert trainer.state.global_step == 4 and trainer.lr_scheduler.base_lrs == pytest.approx([3e-3] * 5)
+    assert trainer.args.grpo_max_consecutive_skips == 3
+
+
+def test_what_a_resume_refuses_and_applies_per_setting(codec_checkpoint, tmp_path):
+    from grpo_hf.checkpoints import check_resume_settings, resume_changes
+
+    def changes(comm_mode="allgather", **overrides):
+        values = dict(output_dir=str(tmp_path), learning_rate=3e-3, grpo_bits="8", grpo_importance=True, **CODEC)
+        values.update(grpo_lr_scale_warmup_steps=1)  # as trainer_for's
+        return resume_changes(str(codec_checkpoint), GRPOConfig(**{**values, **overrides}), comm_mode=comm_mode)
+
+    same = changes()
+    assert same["refused"] == {} and same["applied"] == {} and same["step"] == 3
+    assert same["codec"] == {"checkpoint": "quantize, 8 bits", "run": "quantize, 8 bits"}
+    assert same["learning_rate"] == {"schedule": pytest.approx(3e-3), "requested": 3e-3, "checkpoint": 3e-3}
+    # the codec, while both runs compress at every step; the importance score always
+    assert set(changes(grpo_compression="sparse")["refused"]) == {"grpo_compression"}
+    assert set(changes(grpo_compression="sparse", grpo_density=0.5)["refused"]) == {"grpo_compression", "grpo_density"}
+    assert set(changes(grpo_scale_gradients=True)["refused"]) == {"grpo_scale_gradients"}
+    assert set(changes(grpo_importance_score="rms")["refused"]) == {"grpo_importance_score"}
+    assert changes(grpo_density=0.5)["refused"] == {}  # no sparse code on either side: the density means nothing
+    # compression turned off: its residuals are dropped (with the transport's warning), the codec of each part named
+    off = changes(comm_mode=None, grpo_compression="none")
+    assert off["refused"] == {} and off["applied"] == {"grpo_compression": ["quantize", "none"]}
+    assert off["codec"] == {"checkpoint": "quantize, 8 bits", "run": "nothing compressed"}
+    # what tunes the run from here on applies
+    tuned = changes(grpo_lr_scale_max=1.3, grpo_log_groups=True, cost_gpu_hour_usd=4.0)
+    assert tuned["refused"] == {} and set(tuned["applied"]) == {
+        "grpo_lr_scale_max",
+        "grpo_log_groups",
+        "cost_gpu_hour_usd",
+    }
+    with pytest.raises(CheckpointError, match=r"grpo_importance_score 'article' -> 'rms'.*smoothed scores"):
+        check_resume_settings(str(codec_checkpoint), GRPOConfig(output_dir=str(tmp_path), grpo_importance_score="rms"))
+
+
+def test_a_tied_weight_missing_from_a_checkpoint_is_named_with_its_twin():
+    from grpo_hf.checkpoints import tied_missing_keys
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(4, 2)
+    model.head = torch.nn.Linear(2, 4, bias=False)
+    model.head.weight = model.embed.weight  # tied, as a causal LM's output layer to its input embeddings
+    model.other = torch.nn.Linear(2, 2)
+    assert tied_missing_keys(model, ["head.weight"]) == {"head.weight": "embed.weight"}
+    assert tied_missing_keys(model, ["head.weight", "other.weight"]) == {"head.weight": "embed.weight"}
+    assert tied_missing_keys(model, ["other.weight"]) == {}

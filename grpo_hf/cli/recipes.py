@@ -113,11 +113,13 @@ def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | No
     Raises:
         [`~grpo_hf.errors.OutputDirError`]: a folder holds another run, and the recipe neither resumes nor overwrites.
         [`~grpo_hf.errors.CheckpointError`]: `resume_from_checkpoint` names no folder, `True` finds no complete
-            checkpoint, or a GRPO state file of the checkpoint it resumes is corrupt or truncated.
+            checkpoint, a GRPO state file of the checkpoint it resumes is corrupt or truncated, or the recipe changes
+            a setting a resume refuses (another codec: [`~grpo_hf.checkpoints.check_resume_settings`]).
     """
     from ..checkpoints import (
         LAST,
         check_grpo_state_files,
+        check_resume_settings,
         incomplete_checkpoints,
         missing_parts,
         resolve_resume_checkpoint,
@@ -138,6 +140,7 @@ def check_run_folders(training_args, runs: dict[str, bool], report_dir: str | No
         checkpoint = resolve_resume_checkpoint(folder, resume, grpo=grpo)
         if checkpoint is not None and grpo:
             check_grpo_state_files(checkpoint)
+            check_resume_settings(checkpoint, training_args, warn=False)  # GRPOTrainer warns once, when it resumes
         ignore = incomplete_checkpoints(folder, grpo) if resume == LAST else ()
         check_output_dir(
             folder, overwrite=overwrite, resuming=checkpoint is not None, ignore=ignore, resumable=resumable
@@ -320,7 +323,7 @@ def train_command(args) -> int:
     results = {
         "runs": [row],
         "ratios": {},
-        "recipe": recipe_summary(model_args, data_args, training_args),
+        "recipe": recipe_summary(model_args, data_args, training_args, resumed=row.get("resumed")),
         "data": prepared.data_info,
         "environment": capture_environment(),
         "wall_seconds": phases.elapsed(),

@@ -233,6 +233,14 @@ class CommState:
         raise NotImplementedError
 
 
+def sends_every(mode: str | None) -> str | None:
+    """What a compression state of `mode` (as saved in checkpoints) sends: `"sync"` (every H steps), `"step"` (every
+    step) or `None` (no compression state)."""
+    if mode is None:
+        return None
+    return "sync" if mode == OUTER_MODE else "step"
+
+
 def restore_comm_state(comm_state: CommState | None, saved: SavedComms) -> None:
     """
     Resume the transport that runs now (`None`: none) from a checkpoint's: restored when it [`~CommState.resumes`] the
@@ -346,6 +354,7 @@ def _dropped_residuals_message(saved: SavedComms) -> str:
 __all__ = [
     "FSDP_MODE",
     "OUTER_MODE",
+    "sends_every",
     "CommSettings",
     "CommState",
     "SavedComms",

@@ -24,8 +24,11 @@ Example:
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
 import gc
+import logging
 import math
 import os
 import time
@@ -37,7 +40,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from ..checkpoints import resolve_resume_checkpoint
+from ..checkpoints import resolve_resume_checkpoint, resume_changes, tied_missing_keys
 from ..compression.codes.chunk_topk import CHUNK_TOPK_BITS
 from ..compression.spec import num_kept
 from ..config import grpo_field_names
@@ -46,16 +49,24 @@ from ..provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
 from .arguments import DataArguments, ModelArguments, recipe_field_names
 from .data import Prepared, prepare, report_progress
 from .models import build_model
-from .table import METHOD, compute_ratios, headline_ratios, timed_ratio_noise
+from .table import METHOD, compute_ratios, headline_ratios, timed_ratio_noise, whole_run_throughput
 
 
 if TYPE_CHECKING:
     import evaluate
 
 
-def recipe_summary(model_args: ModelArguments, data_args: DataArguments, args) -> dict[str, Any]:
-    """The settings a run depends on: every model and data field, and the training and GRPO fields that matter."""
-    return jsonable(
+def recipe_summary(
+    model_args: ModelArguments, data_args: DataArguments, args, resumed: dict | None = None
+) -> dict[str, Any]:
+    """
+    The settings a run depends on: every model and data field, and the training and GRPO fields that matter. For a
+    run resumed from a checkpoint (`resumed`: a row's record, see [`run_training`]) they are the settings it used:
+    `learning_rate` the peak of the schedule it followed (the checkpoint's; `learning_rate_requested` the one given),
+    and each setting changed at the resume `"<checkpoint's> until step N, <this run's> from step N+1"`, so that a
+    report or a card built from them states what the run used.
+    """
+    summary = jsonable(
         {
             "model": dataclasses.asdict(model_args),
             "data": dataclasses.asdict(data_args),
@@ -64,6 +75,16 @@ def recipe_summary(model_args: ModelArguments, data_args: DataArguments, args) -
             "grpo": {k: getattr(args, k) for k in grpo_field_names() + recipe_field_names() if hasattr(args, k)},
         }
     )
+    if resumed:
+        rate = (resumed.get("learning_rate") or {}).get("schedule")
+        if rate is not None and not math.isclose(rate, summary["training"]["learning_rate"], rel_tol=1e-9):
+            summary["training"]["learning_rate_requested"] = summary["training"]["learning_rate"]
+            summary["training"]["learning_rate"] = rate
+        step = resumed.get("step") or 0
+        for name, (before, after) in (resumed.get("applied") or {}).items():
+            if name in summary["grpo"]:
+                summary["grpo"][name] = f"{before} until step {step}, {after} from step {step + 1}"
+    return summary
 
 
 def dense_allreduce_bytes_per_step(trainable_params: int, world_size: int) -> float:
@@ -352,15 +373,32 @@ def quality_fields(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
 
 class CommBytesCallback(TrainerCallback):
     """
-    Bytes one worker sends at every optimizer step (`per_step`): a constant for the dense baseline
-    (`bytes_per_step`), or the growth of GRPO's codec counter (`comm_state.totals()["bytes_sent"]`).
+    Bytes one worker sends at every optimizer step of this `train()` call (`per_step`, from step `first_step`): a
+    constant for the dense baseline (`bytes_per_step`), or the growth of GRPO's codec counter
+    (`comm_state.totals()["bytes_sent"]`, which a resumed run restores from its checkpoint); and what the run had
+    counted when the call began (`bytes_before`, `tokens_before`: a resumed run's checkpoint), so that its totals
+    cover the whole run and its rates this call.
     """
 
-    def __init__(self, bytes_per_step: float | None = None, comm_state=None):
+    def __init__(self, bytes_per_step: float | None = None, comm_state=None, cost=None):
         self.bytes_per_step = bytes_per_step
         self.comm_state = comm_state
+        self.cost = cost  # the run's CostCallback: the tokens it had counted when this call began
         self.per_step: list[float] = []
+        self.first_step = 1  # the optimizer step of `per_step[0]` (after the checkpoint's, in a resumed run)
+        self.bytes_before = 0.0  # bytes of the steps before this call (a resumed run's checkpoint)
+        self.tokens_before = 0.0
         self._seen = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # After the trainer's own callbacks (GRPOTrainer's restores a checkpoint's counted totals): count from them.
+        self.first_step = state.global_step + 1
+        if self.comm_state is not None:
+            self._seen = self.bytes_before = float(self.comm_state.totals()["bytes_sent"])
+        else:
+            self.bytes_before = float(self.bytes_per_step or 0.0) * state.global_step
+        counted = self.cost.counted_metrics() if self.cost is not None else {}
+        self.tokens_before = float(counted.get("cost/tokens") or 0.0)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.comm_state is None:
@@ -509,8 +547,11 @@ def run_training(
         `dict`: one row of the comparison: `name`, `label`, perplexity before/after (causal LM) or accuracy
         before/after and eval loss (classification), `train_seconds`, `tokens_per_second`, `peak_memory_gb`, `comm_*`
         (bytes one worker sends), `energy_kwh`, dollars, `cost_per_quality` (`total_usd * perplexity_after`, or
-        `total_usd / accuracy_after`), the loss curve, the per-group LR multipliers, the bytes of every step, the cost
-        assumptions and the distributed set-up.
+        `total_usd / accuracy_after`), the loss curve, the per-group LR multipliers, the bytes of every step of this
+        call (`bytes_per_step`, from step `bytes_first_step`), the cost assumptions and the distributed set-up. A run
+        resumed from a checkpoint (`resume_from_checkpoint`) counts `tokens` and bytes from step 1 and times this call
+        (`train_tokens`: its tokens); its `resumed` says from where, the settings changed and applied, the codec of
+        each part and the learning rate the schedule followed ([`~grpo_hf.checkpoints.resume_changes`]).
     """
     return _run_training(model_args, data_args, args, trainer_kind, prepared, progress, output_dir, save_model)[0]
 
@@ -591,22 +632,96 @@ def _measured_trainer(kind: str, args, model, prepared: Prepared, seq_len: int) 
             if comm_state is not None
             else f"dense fp32 all-reduce (W={world}, grpo_compression={trainer.grpo_compression})"
         )
+    recorder.cost = cost
     _use_compact_progress(trainer)
     return _MeasuredTrainer(trainer, cost, recorder, world, comm_mode, trainable, total_params)
 
 
+_MISSING_KEYS = "There were missing keys in the checkpoint model loaded:"
+
+
+class _TiedWeightsNote(logging.Filter):
+    """Adds to the Trainer's "missing keys" warning of a resume which of the keys are tied weights (restored through
+    their twin: see [`~grpo_hf.checkpoints.tied_missing_keys`]), so that it does not read as a failure."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(_MISSING_KEYS):
+            with contextlib.suppress(ValueError, SyntaxError):
+                keys = ast.literal_eval(message[len(_MISSING_KEYS) :].strip().rstrip("."))
+                tied = tied_missing_keys(self.model, keys)
+                if tied:
+                    twins = ", ".join(f"{key} is tied to {twin}" for key, twin in tied.items())
+                    whole = len(tied) == len(keys)
+                    record.msg = (
+                        f"{message} (grpo-hf: {twins}, which the checkpoint holds: safetensors saves a shared tensor "
+                        f"once, and the resume restored it with its twin{': nothing is missing' if whole else ''}.)"
+                    )
+                    record.args = ()
+        return True
+
+
+@contextlib.contextmanager
+def _explain_tied_weights(model):
+    """[`_TiedWeightsNote`] on the Trainer's logger for the duration of a `train()` call."""
+    trainer_logger = logging.getLogger("transformers.trainer")
+    note = _TiedWeightsNote(model)
+    trainer_logger.addFilter(note)
+    try:
+        yield
+    finally:
+        trainer_logger.removeFilter(note)
+
+
 def _train(run: _MeasuredTrainer, kind: str, args, output_dir: str, progress, label: str) -> dict[str, Any]:
-    """Train (resuming as the recipe says) and time it: the train output, wall seconds, load average, memory reset."""
+    """
+    Train (resuming as the recipe says) and time it: the train output, wall seconds, load average, memory reset, and
+    for a resumed run what it resumed ([`~grpo_hf.checkpoints.resume_changes`], read before training).
+    """
+    # The checkpoint is resolved here for both trainers (the plain Trainer does not know "last"), and GRPOTrainer gets
+    # the folder, so that its settings can be compared and named in the report.
+    checkpoint = resolve_resume_checkpoint(output_dir, args.resume_from_checkpoint, grpo=kind == "grpo")
+    resumed = None
+    if checkpoint is not None:
+        comm_state = getattr(run.trainer, "grpo_comm_state", None)
+        mode = comm_state.mode if comm_state is not None else None
+        resumed = resume_changes(checkpoint, run.trainer.args, comm_mode=mode if kind == "grpo" else None)
     memory_reset = reset_peak_memory(args.device)
-    report_progress(progress, f"training {label}")
+    report_progress(progress, f"training {label}" + (f" (resuming {checkpoint})" if checkpoint else ""))
     start = time.perf_counter()
-    resume = args.resume_from_checkpoint  # GRPOTrainer resolves "last" itself; the plain Trainer does not know it
-    if kind == "trainer":
-        resume = resolve_resume_checkpoint(output_dir, resume, grpo=False)
-    output = run.trainer.train(resume_from_checkpoint=resume)
+    with _explain_tied_weights(run.trainer.model):
+        output = run.trainer.train(resume_from_checkpoint=checkpoint)
     wall = time.perf_counter() - start
     load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {"output": output, "wall": wall, "load_average": load_average, "memory_reset": memory_reset}
+    return {
+        "output": output,
+        "wall": wall,
+        "load_average": load_average,
+        "memory_reset": memory_reset,
+        "resumed": resumed,
+    }
+
+
+def _resumed_record(trainer, resumed: dict | None) -> dict | None:
+    """What a report says of a resumed run: the checkpoint, its step, the settings changed and applied, the codec of
+    each part, and the learning rate the schedule followed (the scheduler's after training: the checkpoint's)."""
+    if resumed is None:
+        return None
+    scheduler = getattr(trainer, "lr_scheduler", None)
+    rates = [float(r) for r in getattr(scheduler, "base_lrs", None) or []]
+    schedule = max(rates) if rates else resumed["learning_rate"]["schedule"]
+    return {
+        "checkpoint": resumed["checkpoint"],
+        "step": resumed["step"],
+        "applied": resumed["applied"],
+        "codec": resumed["codec"],
+        "settings_known": resumed["settings"] is not None,
+        "learning_rate": {"schedule": schedule, "requested": resumed["learning_rate"]["requested"]},
+    }
 
 
 def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, eval_after: dict) -> dict[str, Any]:
@@ -630,7 +745,7 @@ def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, ev
                 learning_rates.setdefault(key.removeprefix("grpo/lr/"), []).append((h["step"], value))
             elif key.startswith("grpo/lr_scale/"):
                 lr_scales.setdefault(key.removeprefix("grpo/lr_scale/"), []).append((h["step"], value))
-    comm_bytes = float(sum(run.recorder.per_step))
+    comm_bytes = run.recorder.bytes_before + float(sum(run.recorder.per_step))  # the whole run's, resumed or not
     steps = trainer.state.global_step
     row: dict[str, Any] = {
         "name": kind,
@@ -642,6 +757,8 @@ def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, ev
         "train_seconds": metrics.get("cost/train_seconds", timing["wall"]),
         "train_wall_seconds": timing["wall"],
         "tokens": metrics.get("cost/tokens"),
+        # this train() call's (a resumed run counts `tokens` from step 1, and times only this call)
+        "train_tokens": metrics["cost/tokens"] - run.recorder.tokens_before if "cost/tokens" in metrics else None,
         "tokens_per_second": metrics.get("cost/tokens_per_second"),
         "peak_memory_gb": metrics.get("cost/peak_memory_gb"),
         "peak_memory_reset": timing["memory_reset"],
@@ -670,6 +787,8 @@ def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, ev
         "lr_scales": lr_scales,
         "importance_applied": kind == "grpo" and bool(args.grpo_importance),
         "bytes_per_step": list(run.recorder.per_step),
+        "bytes_first_step": run.recorder.first_step,
+        "resumed": _resumed_record(trainer, timing.get("resumed")),
         "cost_assumptions": summary["assumptions"],
         "world_size": exchanging_workers(args),
         "ddp_wrapped": isinstance(trainer.model_wrapped, DistributedDataParallel),
@@ -715,8 +834,12 @@ def _timed_window(model_args, data_args, args, kind: str, prepared, steps: int, 
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     metrics = cost.summary()["metrics"]
-    window = {key: metrics.get(f"cost/{key}") for key in ("train_seconds", "tokens_per_second", "energy_kwh")}
-    window["total_usd"] = metrics.get("cost/total_usd")
+    window = {key: metrics.get(f"cost/{key}") for key in ("train_seconds", "tokens", "energy_kwh", "total_usd")}
+    # Every figure of a window covers the whole window: its throughput too (the cost callback's rate leaves out the
+    # first steps), so that the window's tokens/s, time and money ratios agree.
+    seconds, tokens = window["train_seconds"], window["tokens"]
+    window["tokens_per_second"] = tokens / seconds if tokens and seconds else None
+    window["tokens_per_second_steady"] = metrics.get("cost/tokens_per_second")
     window["load_average"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     trainer.accelerator.free_memory()
     del trainer, model
@@ -755,8 +878,9 @@ def measure_timing_noise(
 
     Returns:
         `dict`: `method`, `rounds`, `window_steps`, `seconds` (wall time of the measurement) and `windows` (one entry
-        per window: `round`, `name`, `train_seconds`, `tokens_per_second`, `energy_kwh`, `total_usd`,
-        `load_average`).
+        per window: `round`, `name`, `train_seconds`, `tokens`, `tokens_per_second` (`tokens / train_seconds`: the
+        whole window, as its time and money), `tokens_per_second_steady` (after the cost callback's warm-up steps),
+        `energy_kwh`, `total_usd`, `load_average`).
     """
     start = time.perf_counter()
     windows = []
@@ -826,13 +950,18 @@ def compare(
         else None
     )
     noise = timed_ratio_noise({"ratios": full_runs, "timing_noise": timing_noise})
+    ratios = headline_ratios(full_runs, noise)  # timed ones: the interleaved windows', not the full runs'
+    if full_runs and timing_noise is None:  # the full runs' throughput over the time of their time row
+        whole = [whole_run_throughput(by_name[name]) for name in ("trainer", "grpo")]
+        ratios["tokens_per_second"] = whole[1] / whole[0] if None not in whole else None
+    resumed = next((r.get("resumed") for r in reversed(runs) if r.get("resumed")), None)
     return {
         "runs": runs,
-        "ratios": headline_ratios(full_runs, noise),  # timed ones: the interleaved windows', not the full runs'
+        "ratios": ratios,
         "ratios_full_runs": full_runs,
         "timing_noise": timing_noise,
         "ratio_noise": jsonable(noise),
-        "recipe": recipe_summary(model_args, data_args, args),
+        "recipe": recipe_summary(model_args, data_args, args, resumed=resumed),
         "data": jsonable(prepared.data_info),
         "eval_before": jsonable(prepared.eval_before),
         "environment": capture_environment(),

@@ -4,16 +4,19 @@ The report of a comparison ([`~grpo_hf.harness.compare.compare`]) or a run: one 
 Agg backend, no display needed), each file written whole or not at all ([`~grpo_hf.files.atomic_write`]).
 
 Every row of the table is a key of a run's result; the last column is the ratio GRPOTrainer / Trainer
-([`~grpo_hf.harness.table.compute_ratios`]): below 1 means GRPOTrainer needed less (time, bytes, money) or reached a
-lower perplexity; for tokens/s and accuracy above 1 is better. Ratios that follow from wall-clock time (time, tokens/s,
-energy, money) are those of the interleaved timing windows, with their range
-([`~grpo_hf.harness.table.timed_ratio_noise`]; the full runs always train the Trainer first): inside their noise they
-read "no difference" in the table, the ratio plot and `results.json` (`ratio_noise`); ratios of counted quantities
-(bytes, steps) are exact and carry none.
+([`~grpo_hf.harness.table.comparison_rows`]): below 1 means GRPOTrainer needed less (time, bytes, money) or reached a
+lower perplexity; for tokens/s and accuracy above 1 is better. Each row has one source: the rows that follow from
+wall-clock time (time, tokens/s, energy, money) show in both columns and in the ratio the interleaved timing windows,
+each figure over the whole window ([`~grpo_hf.harness.table.timed_ratio_noise`]; the full runs always train the
+Trainer first, and what each cost is shown apart, without a ratio): inside their noise they read "no difference" in the
+table, the ratio plot and `results.json` (`ratio_noise`); peak memory, measured once per run, reads "no difference"
+within a stated tolerance; ratios of counted quantities (bytes, steps) are exact. A report of one run is titled for
+it; a resumed run's says what it resumed, the learning rate its schedule followed and what it sent before and after.
 
 The plots ([`write_plots`]): loss curves, the learning rate GRPO used per group, bytes sent (or, on one process,
 projected) per step, and the ratios GRPOTrainer / Trainer coloured better / worse / no difference, with the range of
-the timed ones.
+the timed ones. Lines that would hide each other are drawn once, labelled "(identical)" or "(overlapping)"; a plot
+none of whose lines has two points is left out, and the report says why ([`plot_omissions`]).
 
 Example:
 
@@ -34,10 +37,14 @@ from typing import Any
 from ..files import atomic_write
 from .table import (
     HIGHER_IS_BETTER,
+    MEASURED_ONCE_TOLERANCE,
     NO_DIFFERENCE,
     NOT_MEASURED,
     TABLE_ROWS,
     TIMING_RESOLUTION,
+    comparison_rows,
+    full_run_rows,
+    markdown_full_runs,
     markdown_table,
     table_rows,
     verdict,
@@ -54,12 +61,18 @@ PLOT_FILES = {
 }
 
 
+def report_title(results: dict[str, Any]) -> str:
+    """`"Trainer vs GRPOTrainer"` for a comparison, `"GRPOTrainer run"` (or the plain Trainer's) for one run."""
+    labels = [r["label"] for r in results["runs"]]
+    return " vs ".join(labels) if len(labels) > 1 else f"{labels[0]} run"
+
+
 def rich_table(results: dict[str, Any], title: str | None = None):
     """The table as a [`rich.table.Table`]."""
     from rich.table import Table
 
     header, rows = table_rows(results)
-    table = Table(title=title or "Trainer vs GRPOTrainer", caption=_caption(results))
+    table = Table(title=title or report_title(results), caption=_caption(results))
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i == 0 else "right")
     for row in rows:
@@ -68,21 +81,30 @@ def rich_table(results: dict[str, Any], title: str | None = None):
 
 
 def print_table(results: dict[str, Any], title: str | None = None, console=None) -> None:
-    """Print the table to the terminal with rich."""
+    """Print the table to the terminal with rich, and below it what each full run cost when the table's timed rows
+    are the interleaved windows' ([`~grpo_hf.harness.table.full_run_rows`])."""
     from rich.console import Console
+    from rich.table import Table
 
     console = console or Console(width=max(120, Console().width))
     console.print(rich_table(results, title))
+    header, rows = full_run_rows(results)
+    if rows:
+        table = Table(title="Each full run (one after the other, Trainer first: what it cost, not a comparison)")
+        for i, name in enumerate(header):
+            table.add_column(name, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
 
 
 def _caption(results: dict[str, Any]) -> str:
     runs = results["runs"]
     parts = [f"{r['label']}: {r.get('comm_mode', '')}" for r in runs]
-    if any(
-        (entry or {}).get("ratio_interleaved") is not None for entry in (results.get("ratio_noise") or {}).values()
-    ):
+    if any(row["source"] == "windows" for row in comparison_rows(results)):
         parts.append(
-            "time, tokens/s, energy and cost ratios: interleaved timing windows (the full runs: Trainer first)"
+            "time, tokens/s, energy and cost: columns and ratio from the same interleaved timing windows (each full "
+            "run: below)"
         )
     wall = results.get("wall_seconds")
     if wall is not None:
@@ -108,9 +130,52 @@ def _describe(results: dict[str, Any]) -> list[str]:
         f"Python `{str(info.get('python_version', '')).split()[0]}`; {info.get('train_tokens', 0):,} train tokens, "
         f"{info.get('eval_tokens', 0):,} held-out tokens, {info.get('seq_len')} tokens per example.",
         f"- **Training**: {training.get('max_steps')} steps x batch {training.get('per_device_train_batch_size')}, "
-        f"lr {training.get('learning_rate')} ({training.get('lr_scheduler_type')}), seed {training.get('seed')}; "
-        "identical data, seed and steps for both trainers.",
+        f"lr {_learning_rate(run, training, training.get('lr_scheduler_type'))}, seed {training.get('seed')}"
+        + ("; identical data, seed and steps for both trainers." if len(results["runs"]) > 1 else "."),
     ]
+    lines += _describe_resume(results)
+    return lines
+
+
+def _learning_rate(run: dict[str, Any], training: dict[str, Any], scheduler: str | None) -> str:
+    """The peak learning rate the run's schedule followed, with the schedule: the checkpoint's for a resumed run (the
+    Trainer restores its optimizer and scheduler), whatever was asked."""
+    rate = ((run.get("resumed") or {}).get("learning_rate") or {}).get("schedule")
+    if rate is None:
+        return f"{training.get('learning_rate')} ({scheduler})"
+    requested = training.get("learning_rate_requested", training.get("learning_rate"))
+    if isinstance(requested, (int, float)) and not math.isclose(rate, requested, rel_tol=1e-9):
+        return (
+            f"{rate:g} ({scheduler}; the checkpoint's schedule, which the Trainer continues: learning_rate "
+            f"{requested:g} was not used)"
+        )
+    return f"{rate:g} ({scheduler})"
+
+
+def _describe_resume(results: dict[str, Any]) -> list[str]:
+    """One line per resumed run: the checkpoint and its step, the codec of each part, the settings changed."""
+    lines = []
+    for run in results["runs"]:
+        resumed = run.get("resumed")
+        if not resumed:
+            continue
+        step, steps = resumed.get("step") or 0, run.get("steps")
+        codec = resumed.get("codec") or {}
+        before, after = codec.get("checkpoint"), codec.get("run")
+        said = [f"steps 1-{step} ran before, steps {step + 1}-{steps} in this run."]
+        if after is not None and before in (None, after):
+            unsaved = "" if before else " (the checkpoint's settings were not saved with it)"
+            said.append(f"It sent {after} throughout{unsaved}.")
+        elif after is not None:
+            said.append(f"Steps 1-{step} sent {before}; steps {step + 1}-{steps} sent {after}.")
+        applied = resumed.get("applied") or {}
+        if applied:
+            changed = ", ".join(f"`{name}` {a} -> {b}" for name, (a, b) in applied.items())
+            said.append(f"Settings changed at the resume, applied from step {step + 1}: {changed}.")
+        said.append("Time, tokens/s, energy and money are this run's steps only; bytes are counted from step 1.")
+        lines.append(
+            f"- **Resumed** ({run['label']}) from `{resumed.get('checkpoint')}` at step {step}: {' '.join(said)}"
+        )
     return lines
 
 
@@ -166,6 +231,14 @@ def _notes(results: dict[str, Any]) -> list[str]:
     cores = results.get("environment", {}).get("usable_cpus") or results.get("environment", {}).get("cpu_count")
     loads = [r.get("load_average") for r in runs]
     notes += _noise_notes(results)
+    if len(runs) == 2:
+        tolerance = ", ".join(f"{labels_of(key)} within {share:.0%}" for key, share in MEASURED_ONCE_TOLERANCE.items())
+        notes.append(
+            "- **What counts as different**: a timed ratio (time, tokens/s, energy, money) beyond the noise of its "
+            "interleaved windows (the rule above); a figure measured once per run, with no repeated measurement to "
+            f"tell its noise, beyond a stated tolerance ({tolerance} of 1 is *no difference*); a counted or "
+            "evaluated figure (bytes, optimizer state, perplexity, loss): any change at the printed precision."
+        )
     if cores and all(load is not None for load in loads):
         busy = [f"{r['label']} {load:.1f}" for r, load in zip(runs, loads)]
         warning = (
@@ -178,6 +251,11 @@ def _notes(results: dict[str, Any]) -> list[str]:
             f"{', '.join(busy)}{warning}."
         )
     return notes
+
+
+def labels_of(key: str) -> str:
+    """The table's label of the row `key`."""
+    return next((label for k, label, _ in TABLE_ROWS if k == key), key)
 
 
 _NOISE_RULE = (
@@ -223,8 +301,9 @@ def _noise_notes(results: dict[str, Any]) -> list[str]:
 
 
 def markdown_report(results: dict[str, Any], command: str | None = None, plots: dict[str, str] | None = None) -> str:
-    """The whole `report.md`: setup, the table, how each figure was measured, and the plots."""
-    lines = ["# Trainer vs GRPOTrainer", ""]
+    """The whole `report.md`: setup, the table, what each full run cost (when the table's timed rows are the
+    interleaved windows'), how each figure was measured, and the plots (and which were left out, and why)."""
+    lines = [f"# {report_title(results)}", ""]
     if command:
         lines += [f"Command: `{command}`", ""]
     wall = results.get("wall_seconds")
@@ -238,14 +317,32 @@ def markdown_report(results: dict[str, Any], command: str | None = None, plots: 
         ]
     lines += _describe(results) + ["", markdown_table(results), ""]
     classifier = results["runs"][0].get("accuracy_after") is not None
-    lines += [
-        "Ratios are GRPOTrainer / Trainer: below 1 means less time, bytes or money"
-        + (", and above 1 a higher accuracy" if classifier else ", or a lower perplexity")
-        + "; for tokens/s above 1 is faster. Time, tokens/s, energy and money are measured by interleaved timing "
-        "windows (their range in brackets; *no difference* inside the noise).",
-        "",
-    ]
+    windows = any(row["source"] == "windows" for row in comparison_rows(results))
+    if len(results["runs"]) == 2 and results.get("ratios"):
+        lines += [
+            "Ratios are GRPOTrainer / Trainer: below 1 means less time, bytes or money"
+            + (", and above 1 a higher accuracy" if classifier else ", or a lower perplexity")
+            + "; for tokens/s above 1 is faster. "
+            + (
+                "Time, tokens/s, energy and money: both columns and the ratio come from the same interleaved timing "
+                "windows (each trainer's geometric mean over the rounds; the range of the rounds' ratios in brackets; "
+                "*no difference* inside the noise), each figure over the whole window."
+                if windows
+                else "Every row compares the full runs (the noise of the timed rows was not measured)."
+            ),
+            "",
+        ]
+    full_runs = markdown_full_runs(results)
+    if full_runs:
+        lines += [
+            "What each full run cost, measured once each, one after the other (the Trainer first, paying the "
+            "machine's one-time costs): what the run cost, not a comparison of the trainers.",
+            "",
+            full_runs,
+            "",
+        ]
     lines += ["## How each figure was measured", ""] + _notes(results) + [""]
+    left_out = plot_omissions(results)
     for key, title in (
         ("loss", "Training loss"),
         ("learning_rates", "Learning rate used per group"),
@@ -254,6 +351,8 @@ def markdown_report(results: dict[str, Any], command: str | None = None, plots: 
     ):
         if plots and key in plots:
             lines += [f"![{title}]({Path(plots[key]).name})", ""]
+    if left_out:
+        lines += ["Plots left out: " + "; ".join(f"{PLOT_TITLES[k]}, {why}" for k, why in left_out.items()) + ".", ""]
     return "\n".join(lines)
 
 
@@ -283,31 +382,118 @@ def _save(fig, path: Path, bottom: float = 0.0) -> Path:
     return path
 
 
+PLOT_TITLES = {
+    "loss": "the training loss",
+    "learning_rates": "the learning rate used per group",
+    "bytes": "the bytes per step",
+    "ratios": "the ratios",
+}
+
+
+def _series(points) -> tuple[list, list]:
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def _bytes_series(run: dict[str, Any]) -> list[tuple[int, float]]:
+    """A run's bytes per optimizer step, from its first step of this `train()` call (after a checkpoint's)."""
+    first = run.get("bytes_first_step") or 1
+    return [(first + i, b) for i, b in enumerate(run.get("bytes_per_step") or [])]
+
+
+def _plotted_series(results: dict[str, Any], kind: str) -> list[tuple[str, list]]:
+    """`(label, [(x, y), ...])` of every line of the plot `kind` (`loss`, `learning_rates`, `bytes`)."""
+    runs = results["runs"]
+    if kind == "loss":
+        return [(run["label"], list(map(tuple, run.get("loss_curve") or []))) for run in runs]
+    if kind == "learning_rates":
+        return [
+            (group, list(map(tuple, points)))
+            for run in runs
+            if run.get("name") == "grpo"
+            for group, points in sorted((run.get("learning_rates") or {}).items())
+        ]
+    return [(run["label"], _bytes_series(run)) for run in runs]
+
+
+# Lines closer than this (relative to the largest value of either) would hide each other on a plot: drawn once.
+OVERLAP = 1e-3
+
+
+def _overlap(a: list, b: list) -> bool:
+    if [x for x, _ in a] != [x for x, _ in b]:
+        return False
+    scale = max((abs(y) for _, y in a + b), default=0.0)
+    return all(abs(ya - yb) <= OVERLAP * scale for (_, ya), (_, yb) in zip(a, b))
+
+
+def _merge_identical(series: list[tuple[str, list]]) -> list[tuple[str, list]]:
+    """
+    Lines that would hide each other drawn once, labelled with every name: `"(identical)"` when their points are
+    equal, `"(overlapping: within 0.1%)"` when they differ by less than [`OVERLAP`] of their largest value.
+    """
+    lines: list[dict] = []
+    for label, points in series:
+        line = next((line for line in lines if _overlap(line["points"], points)), None)
+        if line is None:
+            lines.append({"labels": [label], "points": points, "equal": True})
+        else:
+            line["labels"].append(label)
+            line["equal"] = line["equal"] and line["points"] == points
+    named = []
+    for line in lines:
+        label = ", ".join(line["labels"])
+        if len(line["labels"]) > 1:
+            label += " (identical)" if line["equal"] else f" (overlapping: within {OVERLAP:.1%})"
+        named.append((label, line["points"]))
+    return named
+
+
+def plot_omissions(results: dict[str, Any]) -> dict[str, str]:
+    """
+    The plots [`write_plots`] leaves out, and why: a line plot none of whose lines has two points would be an empty
+    frame (the loss with `logging_steps` above `max_steps`, a one-step resume's bytes), and the ratio plot of a run
+    without a comparison.
+    """
+    training = (results.get("recipe") or {}).get("training") or {}
+    reasons = {}
+    for kind in ("loss", "learning_rates", "bytes"):
+        series = _plotted_series(results, kind)
+        if kind == "learning_rates" and not any(r.get("name") == "grpo" for r in results["runs"]):
+            reasons[kind] = "no GRPOTrainer run"
+        elif not any(len(points) >= 2 for _, points in series):
+            logged = kind != "bytes"
+            why = "fewer than two logged points" if logged else "fewer than two steps trained"
+            if logged and training.get("logging_steps") and training.get("max_steps"):
+                why += f" (logging_steps {training['logging_steps']} for max_steps {training['max_steps']})"
+            reasons[kind] = why
+    return reasons
+
+
 def plot_loss_curves(runs: list[dict], path: str | Path) -> Path:
-    """Training loss against the optimizer step, one line per run."""
+    """Training loss against the optimizer step, one line per run (identical curves drawn once, labelled so)."""
     fig, ax = _figure("Training loss", "optimizer step", "loss")
-    for run in runs:
-        curve = run.get("loss_curve") or []
-        if curve:
-            ax.plot([s for s, _ in curve], [v for _, v in curve], marker="o", markersize=3, label=run["label"])
-    ax.legend()
+    for label, points in _merge_identical(_plotted_series({"runs": runs}, "loss")):
+        if points:
+            ax.plot(*_series(points), marker="o", markersize=3, label=label)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     return _save(fig, Path(path))
 
 
 def plot_learning_rates(runs: list[dict], path: str | Path) -> Path:
     """
     The learning rate GRPOTrainer's optimizer used for each group (`grpo/lr/<group>`) against the optimizer step; the
-    title says whether importance multipliers were applied ("importance off: not applied" when they were not).
+    title says whether importance multipliers were applied ("importance off: not applied" when they were not). Groups
+    that used the same rates at every step share one line, labelled with all their names and "(identical)".
     """
     applied = any(run.get("importance_applied") for run in runs)
     title = "GRPOTrainer: learning rate used per group"
     title += "\nimportance multipliers applied" if applied else "\nimportance off: not applied"
     fig, ax = _figure(title, "optimizer step", "learning rate")
     plotted = False
-    for run in runs:
-        for group, points in sorted((run.get("learning_rates") or {}).items()):
-            ax.plot([s for s, _ in points], [v for _, v in points], marker=".", label=group)
-            plotted = True
+    for label, points in _merge_identical(_plotted_series({"runs": runs}, "learning_rates")):
+        ax.plot(*_series(points), marker=".", label=label)
+        plotted = True
     if plotted:
         ax.legend(fontsize=7, ncol=2)
     else:
@@ -317,8 +503,9 @@ def plot_learning_rates(runs: list[dict], path: str | Path) -> Path:
 
 def plot_bytes_per_step(runs: list[dict], path: str | Path) -> Path:
     """
-    Bytes one worker sends at every optimizer step, one line per run (log scale when they differ a lot). On one
-    process nothing is sent: the title says that the bytes are projected for the `comm_workers` of the runs.
+    Bytes one worker sends at every optimizer step, one line per run (log scale when they differ a lot; identical
+    lines drawn once, labelled so). On one process nothing is sent: the title says that the bytes are projected for
+    the `comm_workers` of the runs.
     """
     world = max((run.get("world_size") or 1) for run in runs) if runs else 1
     workers = next((run.get("comm_workers") for run in runs if run.get("comm_workers")), None)
@@ -328,18 +515,19 @@ def plot_bytes_per_step(runs: list[dict], path: str | Path) -> Path:
         title = f"Bytes one of {workers or 'N'} workers would send per step\n(projected: one process sent nothing)"
     fig, ax = _figure(title, "optimizer step", "bytes (MB)")
     values = []
-    for run in runs:
-        series = run.get("bytes_per_step") or []
-        if series:
-            ax.plot(range(1, len(series) + 1), [b / 1e6 for b in series], marker=".", label=run["label"])
-            values += [b for b in series if b > 0]
+    for label, points in _merge_identical(_plotted_series({"runs": runs}, "bytes")):
+        if points:
+            steps, sent = _series(points)
+            ax.plot(steps, [b / 1e6 for b in sent], marker=".", label=label)
+            values += [b for b in sent if b > 0]
     if values and max(values) / min(values) > 20:
         from matplotlib.ticker import FuncFormatter
 
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     return _save(fig, Path(path))
 
 
@@ -363,20 +551,18 @@ def _ratio_ticks(span: float) -> list[float]:
 
 def plot_ratios(results: dict[str, Any], path: str | Path) -> Path:
     """
-    Every ratio GRPOTrainer / Trainer of the table on a log axis, coloured by what it means for GRPOTrainer: green
-    better, red worse, grey no difference (a timed ratio inside its noise, or exactly 1); rows where higher is better
-    (tokens/s, accuracy) say so. Timed ratios are the interleaved windows' ([`~grpo_hf.harness.table.classify`]), with
-    the range of the rounds as a bar.
+    Every ratio GRPOTrainer / Trainer of the table ([`~grpo_hf.harness.table.comparison_rows`]: the same ratios) on a
+    log axis, coloured by what it means for GRPOTrainer: green better, red worse, grey no difference (a timed ratio
+    inside its noise, peak memory within its stated tolerance, or exactly 1); rows where higher is better (tokens/s,
+    accuracy) say so. Timed ratios are the interleaved windows' ([`~grpo_hf.harness.table.classify`]), with the range
+    of the rounds as a bar.
     """
     labels = {key: label for key, label, _ in TABLE_ROWS}
-    ratios = results.get("ratios") or {}
-    noise = results.get("ratio_noise") or {}
-    shown = {}
-    for key, *_ in TABLE_ROWS:
-        entry = noise.get(key) or {}
-        value = entry.get("ratio_interleaved") or ratios.get(key)
+    noise, shown = {}, {}
+    for row in comparison_rows(results):  # the table's rows: the same ratios, from the same measurement
+        value = row["ratio"]
         if isinstance(value, (int, float)) and value > 0:
-            shown[key] = value
+            shown[row["key"]], noise[row["key"]] = value, row["noise"] or {}
     keys = list(shown)
     fig, ax = _figure("GRPOTrainer / Trainer", "ratio GRPOTrainer / Trainer (log scale)", "")
     fig.set_size_inches(7, 0.35 * len(keys) + 1.8)
@@ -411,8 +597,9 @@ def plot_ratios(results: dict[str, Any], path: str | Path) -> Path:
     fig.text(
         0.01,
         0.005,
-        "Green: GRPOTrainer better; red: worse; grey: no difference (a timed ratio inside its noise, or equal).\n"
-        "Timed ratios: the interleaved timing windows'; bars: their range over the rounds.",
+        "Green: GRPOTrainer better; red: worse; grey: no difference (a timed ratio inside its noise, peak memory\n"
+        f"within {MEASURED_ONCE_TOLERANCE['peak_memory_gb']:.0%}, or equal). Timed ratios: the interleaved timing "
+        "windows'; bars: their range over the rounds.",
         fontsize=6,
         va="bottom",
     )
@@ -422,19 +609,28 @@ def plot_ratios(results: dict[str, Any], path: str | Path) -> Path:
 def write_plots(results: dict[str, Any], output_dir: str | Path) -> dict[str, str]:
     """
     Write the PNG plots into `output_dir`; returns their paths by kind (`loss`, `learning_rates`, `bytes`, and `ratios`
-    for a comparison).
+    for a comparison). A plot none of whose lines has two points is left out ([`plot_omissions`]; the report says
+    so), and an earlier plot of that name in `output_dir` removed.
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     runs = results["runs"]
     grpo_runs = [r for r in runs if r.get("name") == "grpo"]
-    paths = {
-        "loss": str(plot_loss_curves(runs, output_dir / PLOT_FILES["loss"])),
-        "learning_rates": str(plot_learning_rates(grpo_runs, output_dir / PLOT_FILES["learning_rates"])),
-        "bytes": str(plot_bytes_per_step(runs, output_dir / PLOT_FILES["bytes"])),
+    draw = {
+        "loss": lambda path: plot_loss_curves(runs, path),
+        "learning_rates": lambda path: plot_learning_rates(grpo_runs, path),
+        "bytes": lambda path: plot_bytes_per_step(runs, path),
     }
     if results.get("ratios"):
-        paths["ratios"] = str(plot_ratios(results, output_dir / PLOT_FILES["ratios"]))
+        draw["ratios"] = lambda path: plot_ratios(results, path)
+    left_out = plot_omissions(results)
+    paths = {}
+    for kind, plot in draw.items():
+        path = output_dir / PLOT_FILES[kind]
+        if kind in left_out:
+            path.unlink(missing_ok=True)  # an earlier report's plot of this folder would not be this run's
+            continue
+        paths[kind] = str(plot(path))
     return paths
 
 
@@ -463,14 +659,17 @@ def write_report(results: dict[str, Any], output_dir: str | Path, command: str |
 
 __all__ = [
     "PLOT_FILES",
+    "PLOT_TITLES",
     "REPORT_FILE",
     "RESULTS_FILE",
     "markdown_report",
     "plot_bytes_per_step",
     "plot_learning_rates",
     "plot_loss_curves",
+    "plot_omissions",
     "plot_ratios",
     "print_table",
+    "report_title",
     "rich_table",
     "write_plots",
     "write_report",

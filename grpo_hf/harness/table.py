@@ -27,9 +27,19 @@ its noise:
    closer to 1 than the self-spread (`|ln r_i| <= ln(1 + s)`): the difference is no larger than what the same
    trainer showed against itself. Otherwise the headline is a difference, and the band says how sure it is.
 
-Without windows (`cost_noise_rounds=0`) the headline is the full runs' ratio, marked "noise not measured". Ratios of
-counted quantities (bytes, steps, tokens, FLOPs) and of deterministic evaluation (perplexity) carry no band: they are
-exact. Peak memory is not timed either and is reported as measured.
+**One source per row.** The columns of a timed row come from the same windows as its ratio: each trainer's
+geometric mean over the paired rounds ([`timed_ratio_noise`]'s `window_means`), so that the printed ratio is the
+ratio of the printed columns (the geometric mean of the rounds' ratios is the ratio of the geometric means). Every
+window figure covers the whole window: its time, its money and its throughput (`tokens / train_seconds`, the tokens
+of the same steps), so that the tokens/s ratio is the inverse of the time ratio and, with estimated energy, the cost
+ratio equals the time ratio. What each full run cost (measured once each, the Trainer first) is shown apart, without
+a ratio ([`full_run_rows`]).
+
+Without windows (`cost_noise_rounds=0`) the columns and the headline are the full runs', marked "noise not measured";
+their throughput row is then `tokens / train_seconds` of the whole run too. Ratios of counted quantities (bytes,
+steps, tokens, FLOPs) and of deterministic evaluation (perplexity) carry no band: they are exact. Peak memory is
+measured once per run, so its noise is unknown: a ratio within [`MEASURED_ONCE_TOLERANCE`] of 1 reads "no
+difference".
 
 Example:
 
@@ -61,6 +71,16 @@ def _fixed(digits: int) -> Callable[[float], str]:
     return lambda v: f"{v:,.{digits}f}"
 
 
+def _significant(v: float, digits: int = 4) -> str:
+    """`v` with `digits` significant digits, without an exponent (short runs' seconds and kWh stay readable; a
+    window's figures, at 4 digits: the ratio of two of them, as printed, gives the printed ratio to its third
+    decimal)."""
+    if v == 0 or not math.isfinite(v):
+        return f"{v:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(v))))
+    return f"{v:,.{decimals}f}"
+
+
 def _usd(v: float) -> str:
     return f"${v:.4f}" if abs(v) >= 1e-3 else f"${v:.2e}"
 
@@ -74,14 +94,14 @@ TABLE_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
     ("accuracy_after", "Eval accuracy after", _fixed(4)),
     ("eval_loss_after", "Eval loss after", _fixed(4)),
     ("train_loss", "Train loss (last log)", _fixed(4)),
-    ("train_seconds", "Training time (s)", _fixed(1)),
+    ("train_seconds", "Training time (s)", lambda v: _significant(v, 3)),
     ("tokens_per_second", "Tokens/s", _fixed(0)),
     ("peak_memory_gb", "Peak memory (GB)", _fixed(2)),
     ("optimizer_state_bytes", "Optimizer state", format_bytes),
     ("comm_bytes", "Bytes sent per worker (total)", format_bytes),
     ("comm_bytes_per_step", "Bytes sent per worker per step", format_bytes),
-    ("comm_seconds_projected", "Comm time projected (s)", lambda v: f"{v:.3f}"),
-    ("energy_kwh", "Energy (kWh)", lambda v: f"{v:.5f}"),
+    ("comm_seconds_projected", "Comm time projected (s)", lambda v: _significant(v, 3)),
+    ("energy_kwh", "Energy (kWh)", lambda v: _significant(v, 3)),
     ("total_usd", "Cost (USD)", _usd),
     ("cost_per_quality", "Cost per quality (USD x ppl)", _usd),
 ]
@@ -169,6 +189,32 @@ def classify(ratio: float | None, window_ratios: list[float], spread: float | No
     return entry
 
 
+def _paired_rounds(results: dict[str, Any], baseline: str, candidate: str) -> list[dict[str, dict]]:
+    """The rounds of interleaved windows in which both trainers were timed, in round order."""
+    windows = (results.get("timing_noise") or {}).get("windows") or []
+    rounds: dict[int, dict[str, dict]] = {}
+    for window in windows:
+        rounds.setdefault(window["round"], {})[window["name"]] = window
+    return [r for _, r in sorted(rounds.items()) if baseline in r and candidate in r]
+
+
+def window_value(window: dict[str, Any], key: str) -> float | None:
+    """
+    One window's figure for the timed row `key` (cost per quality: its money): every figure covers the whole window,
+    throughput included (`tokens / train_seconds`; a window recorded without its `tokens` keeps its own
+    `tokens_per_second`).
+    """
+    source = _WINDOW_KEY[key]
+    if source == "tokens_per_second" and _number(window.get("tokens")) is not None:
+        return _ratio(window["tokens"], window.get("train_seconds"))
+    value = _number(window.get(source))
+    return value if value is not None and value > 0 else None
+
+
+def _geomean(values: list[float]) -> float | None:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
 def timed_ratio_noise(results: dict[str, Any], baseline: str = "trainer", candidate: str = "grpo") -> dict:
     """
     The headline and noise of every timed ratio ([`TIMED_KEYS`]) of a comparison's `results`: the full runs' ratios
@@ -176,30 +222,32 @@ def timed_ratio_noise(results: dict[str, Any], baseline: str = "trainer", candid
     windows (`results["timing_noise"]["windows"]`, [`~grpo_hf.harness.compare.compare`]).
 
     Returns:
-        `dict[str, dict]`: per key, [`classify`]'s entry; empty when the results hold no ratios.
+        `dict[str, dict]`: per key, [`classify`]'s entry, plus `window_means`: `[baseline, candidate]`, each trainer's
+        geometric mean of its window figures ([`window_value`]) over the rounds that measured the ratio (for cost per
+        quality, of the money: the table multiplies each by its run's quality), so that their ratio is the headline;
+        `None` without windows. Empty when the results hold no ratios.
     """
     ratios = results.get("ratios_full_runs") or results.get("ratios") or {}
     if not ratios:
         return {}
-    windows = (results.get("timing_noise") or {}).get("windows") or []
-    rounds: dict[int, dict[str, dict]] = {}
-    for window in windows:
-        rounds.setdefault(window["round"], {})[window["name"]] = window
-    paired = [r for _, r in sorted(rounds.items()) if baseline in r and candidate in r]
+    paired = _paired_rounds(results, baseline, candidate)
     quality = _ratio(ratios.get("cost_per_quality"), ratios.get("total_usd"))  # the exact quality factor
     noise = {}
     for key in TIMED_KEYS:
-        source = _WINDOW_KEY[key]
-        window_ratios = []
+        window_ratios, used = [], []
         for pair in paired:
-            r = _ratio(pair[candidate].get(source), pair[baseline].get(source))
+            values = [window_value(pair[name], key) for name in (baseline, candidate)]
+            r = _ratio(values[1], values[0])
             if r is not None and key == "cost_per_quality":
                 r = r * quality if quality is not None else None
             if r is not None:
                 window_ratios.append(r)
-        spreads = [self_spread([pair[name].get(source) for pair in paired]) for name in (baseline, candidate)]
+                used.append(values)
+        spreads = [self_spread([window_value(pair[name], key) for pair in paired]) for name in (baseline, candidate)]
         spreads = [s for s in spreads if s is not None]
-        noise[key] = classify(_number(ratios.get(key)), window_ratios, max(spreads) if spreads else None)
+        entry = classify(_number(ratios.get(key)), window_ratios, max(spreads) if spreads else None)
+        entry["window_means"] = [_geomean([v[i] for v in used]) for i in (0, 1)] if used else None
+        noise[key] = entry
     return noise
 
 
@@ -215,14 +263,23 @@ def headline_ratios(ratios: dict[str, Any], noise: dict[str, dict]) -> dict[str,
     return shown
 
 
+# Figures measured once per run, with no repeated measurement to tell their noise: a ratio closer to 1 than this is
+# no difference (a stated tolerance, not a measured one; the report says so).
+MEASURED_ONCE_TOLERANCE = {"peak_memory_gb": 0.05}
+
+
 def verdict(key: str, ratio: float | None, noise: dict | None = None) -> str | None:
     """
     `"better"`, `"worse"` or `"same"` for GRPOTrainer on the row `key` ([`HIGHER_IS_BETTER`]; lower is better
-    elsewhere): `"same"` for a timed ratio with no difference ([`classify`]) or a ratio that prints as `1.000`. `None`
+    elsewhere): `"same"` for a timed ratio with no difference ([`classify`]), a figure measured once whose ratio lies
+    within its tolerance of 1 ([`MEASURED_ONCE_TOLERANCE`]: peak memory), or a ratio that prints as `1.000`. `None`
     without a ratio.
     """
     if ratio is None or not ratio > 0:
         return None
+    tolerance = MEASURED_ONCE_TOLERANCE.get(key)
+    if tolerance is not None and abs(math.log(ratio)) <= math.log1p(tolerance):
+        return "same"
     if (noise or {}).get("within_noise") or f"{ratio:.3f}" == "1.000":
         return "same"
     return "better" if (ratio < 1) != (key in HIGHER_IS_BETTER) else "worse"
@@ -233,12 +290,17 @@ def verdict(key: str, ratio: float | None, noise: dict | None = None) -> str | N
 # --------------------------------------------------------------------------------------------------------------
 
 
-def ratio_cell(ratio: float | None, noise: dict | None = None) -> str:
+def ratio_cell(ratio: float | None, noise: dict | None = None, key: str | None = None) -> str:
     """
     The ratio column's text: `"0.141"` for an exact ratio; for a timed one ([`classify`]), its headline (the
     interleaved windows' ratio) and their range: `"0.991 (no difference; windows 0.985-0.997)"` inside its noise,
-    `"0.700 (windows 0.690-0.710)"` outside it, `"0.908 (noise not measured)"` without windows (the full runs').
+    `"0.700 (windows 0.690-0.710)"` outside it, `"0.908 (noise not measured)"` without windows (the full runs'); for
+    a figure measured once (`key` in [`MEASURED_ONCE_TOLERANCE`]) inside its tolerance, `"1.011 (no difference;
+    within 5%)"`.
     """
+    tolerance = MEASURED_ONCE_TOLERANCE.get(key) if key is not None else None
+    if tolerance is not None and ratio is not None and verdict(key, ratio) == "same":
+        return f"{ratio:.3f} ({NO_DIFFERENCE}; within {tolerance:.0%})"
     if not noise:
         return "-" if ratio is None else f"{ratio:.3f}"
     headline = noise.get("ratio_interleaved") or ratio
@@ -258,14 +320,45 @@ def _cell(formatter, value) -> str:
     return formatter(value)
 
 
-def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the side-by-side table, as strings (shared by the terminal and markdown tables)."""
+def _window_formatter(key: str) -> Callable[[float], str]:
+    return (lambda v: "$" + _significant(v)) if key in ("total_usd", "cost_per_quality") else _significant
+
+
+def _quality_factor(run: dict[str, Any]) -> float | None:
+    """`cost_per_quality / total_usd` of a full run: its perplexity (or `1 / accuracy`), the exact part of the row."""
+    return _ratio(run.get("cost_per_quality"), run.get("total_usd"))
+
+
+def whole_run_throughput(run: dict[str, Any]) -> float | None:
+    """`tokens / train_seconds` of a full run (the tokens of the timed `train()` call, `train_tokens`, for a resumed
+    one): its throughput over the same time as its time and money rows."""
+    tokens = run.get("train_tokens") if run.get("train_tokens") is not None else run.get("tokens")
+    return _ratio(tokens, run.get("train_seconds"))
+
+
+def _shown_noise(results: dict[str, Any]) -> dict[str, dict]:
+    """The noise entries of the timed rows, with their `window_means` (recomputed from the windows for results
+    written before the entries held them: the same windows give the same headlines)."""
+    noise = results.get("ratio_noise") or {}
+    measured = [entry for entry in noise.values() if (entry or {}).get("ratio_interleaved") is not None]
+    if measured and any("window_means" not in entry for entry in measured):
+        noise = timed_ratio_noise(results) or noise
+    return noise
+
+
+def comparison_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """
+    Every row the table shows, from one source each: `key`, `label`, `values` (one per run), `cells` (their text),
+    `ratio` (GRPOTrainer / Trainer of a comparison, else `None`), `noise` (the timed row's [`classify`] entry) and
+    `source` (`"windows"`: the interleaved windows give the columns and the ratio; `"full runs"`). The table, the
+    ratio plot ([`~grpo_hf.harness.report.plot_ratios`]) and a card read the same rows, so that no printed ratio
+    contradicts its printed columns.
+    """
     runs = results["runs"]
-    header = ["Metric", *[r["label"] for r in runs]]
     ratios = results.get("ratios") or {}
     with_ratio = len(runs) == 2 and bool(ratios)
-    if with_ratio:
-        header.append(f"{runs[1]['label']} / {runs[0]['label']}")
+    noise = _shown_noise(results) if with_ratio else {}
+    steps = (results.get("timing_noise") or {}).get("window_steps")
     rows = []
     for key, label, formatter in TABLE_ROWS:
         if all(r.get(key) is None for r in runs) and ratios.get(key) is None:
@@ -277,23 +370,101 @@ def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         if key == "comm_seconds_projected":
             link = runs[0].get("cost_assumptions", {}).get("cost_link_gbps")
             label = f"Comm time projected @ {link:g} Gbit/s (s)" if link else label
-        row = [label, *[_cell(formatter, r.get(key)) for r in runs]]
+        entry = noise.get(key)
+        values = [r.get(key) for r in runs]
+        ratio = ratios.get(key) if with_ratio else None
+        source = "full runs"
+        means = (entry or {}).get("window_means")
+        if means and None not in means:  # a timed row: the windows give the columns and the ratio
+            values = list(means)
+            if key == "cost_per_quality":
+                values = [m * q if q is not None else None for m, q in zip(means, map(_quality_factor, runs))]
+            label = f"{label}, {'over' if key == 'tokens_per_second' else 'per'} {steps}-step window"
+            label += "s" if key == "tokens_per_second" else ""
+            formatter = _window_formatter(key)
+            ratio, source = entry["ratio_interleaved"], "windows"
+        elif key == "tokens_per_second" and with_ratio:  # the full runs: over the time of the time row
+            values = [whole_run_throughput(r) for r in runs]
+            label = "Tokens/s (whole run)"
+            ratio = _ratio(values[1], values[0])
+            entry = dict(entry, ratio_interleaved=None) if entry else entry
+        rows.append(
+            {
+                "key": key,
+                "label": label,
+                "values": values,
+                "cells": [_cell(formatter, v) for v in values],
+                "ratio": ratio,
+                "noise": entry,
+                "source": source,
+            }
+        )
+    return rows
+
+
+def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the side-by-side table, as strings (shared by the terminal and markdown tables): the rows
+    of [`comparison_rows`], with the ratio column of a comparison."""
+    runs = results["runs"]
+    header = ["Metric", *[r["label"] for r in runs]]
+    with_ratio = len(runs) == 2 and bool(results.get("ratios"))
+    if with_ratio:
+        header.append(f"{runs[1]['label']} / {runs[0]['label']}")
+    rows = []
+    for row in comparison_rows(results):
+        cells = [row["label"], *row["cells"]]
         if with_ratio:
-            row.append(ratio_cell(ratios.get(key), (results.get("ratio_noise") or {}).get(key)))
-        rows.append(row)
+            cells.append(ratio_cell(row["ratio"], row["noise"], row["key"]))
+        rows.append(cells)
     return header, rows
 
 
-def markdown_table(results: dict[str, Any]) -> str:
-    """The table in GitHub markdown."""
-    header, rows = table_rows(results)
+def full_run_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """
+    What each full run cost, when the table's timed rows are the interleaved windows': header and rows (time,
+    throughput after the warm-up steps, energy, money, cost per quality), one column per run and no ratio (the runs
+    trained one after the other, the Trainer first: they measure each run, not the difference). Empty rows when the
+    table shows the full runs itself.
+    """
+    runs = results["runs"]
+    windowed = {row["key"] for row in comparison_rows(results) if row["source"] == "windows"}
+    if not windowed:
+        return [], []
+    skip = (runs[0].get("cost_assumptions") or {}).get("skip_steps")
+    rows = []
+    for key, label, formatter in TABLE_ROWS:
+        if key not in windowed:
+            continue
+        if key == "tokens_per_second":
+            label = f"Tokens/s (after the first {skip} steps)" if skip else label
+        elif key == "energy_kwh" and any(r.get("energy_estimated") for r in runs):
+            label = "Energy (kWh, estimated)"
+        elif key == "cost_per_quality" and any(r.get("accuracy_after") is not None for r in runs):
+            label = "Cost per quality (USD / accuracy)"
+        rows.append([label, *[_cell(formatter, r.get(key)) for r in runs]])
+    return ["Full run", *[r["label"] for r in runs]], rows
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
 
 
+def markdown_table(results: dict[str, Any]) -> str:
+    """The table in GitHub markdown."""
+    return _markdown(*table_rows(results))
+
+
+def markdown_full_runs(results: dict[str, Any]) -> str:
+    """[`full_run_rows`] in GitHub markdown (`""` when the table shows the full runs itself)."""
+    header, rows = full_run_rows(results)
+    return _markdown(header, rows) if rows else ""
+
+
 __all__ = [
     "HIGHER_IS_BETTER",
+    "MEASURED_ONCE_TOLERANCE",
     "METHOD",
     "NOT_MEASURED",
     "NO_DIFFERENCE",
@@ -302,12 +473,17 @@ __all__ = [
     "TIMING_RESOLUTION",
     "WITHIN_NOISE",
     "classify",
+    "comparison_rows",
     "compute_ratios",
+    "full_run_rows",
     "headline_ratios",
+    "markdown_full_runs",
     "markdown_table",
     "ratio_cell",
     "self_spread",
     "table_rows",
     "timed_ratio_noise",
     "verdict",
+    "whole_run_throughput",
+    "window_value",
 ]
