@@ -1,18 +1,31 @@
+import argparse
 import contextlib
 import importlib
+import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_report import assert_report_consistent
 from testing_utils import tiny_llama_config
 
-from grpo_hf.cli.main import COMMANDS, TRAINING_DEBUG_OPTIONS, main, parse_command_line
-from grpo_hf.cli.tools import GROUPS_FIELDS, GROUPS_WIDTH, load_model_for_inspection
+from grpo_hf.cli.main import (
+    COMMANDS,
+    DEEPSPEED_CPU_WARNING,
+    DEEPSPEED_LOGGER,
+    TRAINING_DEBUG_OPTIONS,
+    main,
+    parse_command_line,
+    quiet_unused_deepspeed,
+)
+from grpo_hf.cli.tools import GROUPS_FIELDS, GROUPS_WIDTH, load_model_for_inspection, recipe_workload
 from grpo_hf.errors import RecipeNotFoundError
-from grpo_hf.harness.recipe_files import builtin_recipe_names
+from grpo_hf.harness.offline_models import model_name_hint
+from grpo_hf.harness.recipe_files import builtin_recipe_descriptions, builtin_recipe_names
 
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -86,6 +99,7 @@ def test_quickstart_tiny_prints_the_table_and_writes_the_report(tmp_path, capsys
     assert results["recipe"]["training"]["max_steps"] == 4  # the override beat the built-in recipe
     assert [r["name"] for r in results["runs"]] == ["trainer", "grpo"]
     assert (out_dir / "report.md").is_file() and (out_dir / "loss_curves.png").stat().st_size > 0
+    assert_report_consistent((out_dir / "report.md").read_text())  # each ratio its columns'; time, tokens/s and cost
 
 
 def test_train_one_recipe_saves_the_model(tmp_path, capsys):
@@ -266,14 +280,106 @@ def test_an_unknown_recipe_lists_the_builtin_ones(tmp_path, monkeypatch, capsys)
         parse_command_line(["train", "elsewhere/sft_tiny.yaml"])  # a path that is not `recipes/`: no built-in lookup
 
 
-def test_recipes_lists_each_builtin_recipe_in_one_line(capsys):
+def test_recipes_lists_each_builtin_recipe_whole_with_what_sets_its_run_time(capsys):
     assert main(["recipes"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert all(len(line) <= GROUPS_WIDTH for line in lines)
-    for name in builtin_recipe_names():
-        (line,) = [line for line in lines if line.split()[:1] == [name]]
-        assert len(line.split()) > 3  # the name, the model and a description
-    assert any("sft_tiny" in line and "tiny-llama" in line and "twin of sft_smollm2_lora" in line for line in lines)
+    out = capsys.readouterr().out
+    assert all(len(line) <= GROUPS_WIDTH for line in out.splitlines())
+    blocks = {block.split("\n", 1)[0]: " ".join(block.split()) for block in out.split("\n\n")[1:]}
+    assert list(blocks) == builtin_recipe_names()
+    for name, description in builtin_recipe_descriptions().items():
+        assert " ".join(description.split()) in blocks[name]  # the whole description, wrapped, never cut
+    # no run time (it depends on the machine), what sets it: the model and its size, LoRA or not, steps and batch
+    assert "recipes/LOG.md" in out.split("\n\n")[0]
+    assert blocks["quickstart"].endswith(
+        "One training: smollm2-135m (SmolLM2-135M-Instruct, 135M parameters), LoRA r=8; 30 steps of 4 examples of up "
+        "to 128 tokens."
+    )
+    assert "tiny-llama (built from a config: hidden size 64, 2 layers), full fine-tune; 16 steps" in blocks["tiny"]
+
+
+def test_recipe_workload_uses_the_fields_defaults_where_the_recipe_sets_none():
+    assert recipe_workload({"model_name_or_path": "org/model", "max_steps": 5}) == (
+        "org/model, LoRA r=8; 5 steps of 8 examples of up to 128 tokens"
+    )
+    assert recipe_workload({"lora_r": 0, "gradient_accumulation_steps": 4, "per_device_train_batch_size": 2}) == (
+        "smollm2-135m (SmolLM2-135M-Instruct, 135M parameters), full fine-tune; 3 epochs of steps of 8 examples "
+        "of up to 128 tokens"
+    )
+
+
+# --- a model name that loads nothing: the built-in name closest to it, a download only for a Hub id ---
+
+BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-gpt2", "minilm", "tiny-bert")
+
+
+@pytest.mark.parametrize(
+    "name, close, download",
+    [
+        ("smollm2-135M", "smollm2-135m", False),
+        ("smollm2_135m", "smollm2-135m", False),
+        ("tiny_llama", "tiny-llama", False),
+        ("HuggingFaceTB/SmolLM2-360M", None, True),
+        ("no-such-model-anywhere", None, False),
+    ],
+)
+def test_model_name_hint(name, close, download):
+    hint = model_name_hint(name, BUILTIN)
+    assert (f"Did you mean the built-in {close!r}?" in hint) == (close is not None)
+    assert (f"`hf download {name}`" in hint) == download
+    if close is None and not download:
+        assert all(builtin in hint for builtin in BUILTIN) and "org/name" in hint
+
+
+@pytest.mark.parametrize("offline", ["1", ""])
+def test_a_builtin_name_in_other_case_is_refused_with_the_name(monkeypatch, capsys, offline):
+    monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+    assert main(["train", "tiny", "--model_name_or_path", "smollm2-135M"]) == 2
+    err = capsys.readouterr().err
+    assert "model_name_or_path='smollm2-135M'" in err and "Did you mean the built-in 'smollm2-135m'?" in err
+    assert "hf download" not in err and "Traceback" not in err
+    assert main(["groups", "Tiny-Llama"]) == 2
+    err = capsys.readouterr().err
+    assert "Did you mean the built-in 'tiny-llama'?" in err and "hf download" not in err
+
+
+def test_an_uncached_hub_model_offline_gets_its_download_line(monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["train", "tiny", "--model_name_or_path", "someone/no-such-model"]) == 2  # in no cache
+    err = capsys.readouterr().err
+    assert "`hf download someone/no-such-model`" in err and "point model_name_or_path at a local folder" in err
+
+
+# --- DeepSpeed's "Setting accelerator to CPU" only where DeepSpeed is used ---
+
+
+def test_deepspeeds_cpu_warning_is_hidden_unless_the_recipe_uses_deepspeed():
+    logger, seen = logging.getLogger(DEEPSPEED_LOGGER), []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger.addHandler(handler)
+    warning = f"{DEEPSPEED_CPU_WARNING}. If you have GPU or other accelerator, we were unable to detect it."
+    try:
+        with quiet_unused_deepspeed(argparse.Namespace()):  # a command without a recipe (groups, env)
+            logger.warning(warning)
+            logger.warning("another DeepSpeed warning")
+        with quiet_unused_deepspeed(argparse.Namespace(training_args=argparse.Namespace(deepspeed=None))):
+            logger.warning(warning)
+        with quiet_unused_deepspeed(argparse.Namespace(training_args=argparse.Namespace(deepspeed={"a": 1}))):
+            logger.warning(warning)  # the recipe uses DeepSpeed: kept
+        logger.warning(warning)  # after the command: as DeepSpeed has it
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in seen] == ["another DeepSpeed warning", warning, warning]
+
+
+@pytest.mark.slow  # a tiny training in a fresh interpreter: ~10-20 s
+def test_a_command_without_deepspeed_prints_no_deepspeed_warning(tmp_path):
+    command = [sys.executable, "-m", "grpo_hf.cli", "train", "tiny", "--max_steps", "1", "--max_train_tokens", "2048",
+               "--tiny_tokenizer_chars", "50000", "--disable_tqdm", "true", "--output_dir", str(tmp_path)]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert importlib.util.find_spec("deepspeed") is not None  # installed (the dev extra): accelerate imports it
+    assert DEEPSPEED_CPU_WARNING not in result.stdout + result.stderr
 
 
 @pytest.mark.slow  # two tiny trainings in a fresh interpreter: ~10 s
@@ -372,3 +478,35 @@ def test_a_gloo_program_exits_with_its_status_past_an_idle_executor_thread():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 3, run.stderr[-2000:]
     assert run.stdout.split() == ["atexit", "ran"]
+
+
+@pytest.mark.slow  # three tiny trainings: ~30 s on 2 cores
+def test_a_resume_refuses_another_codec_and_reports_the_rate_it_used(tmp_path, capsys):
+    # Issue 60: after 4 steps at lr 3e-3 and 8 bits, a resume asking for 4 bits is one error before any work; one
+    # asking for another learning rate trains on the checkpoint's schedule, and its report says so.
+    out_dir = str(tmp_path / "ckpt")
+    recipe = [
+        str(RECIPES / "tiny.yaml"),
+        *FAST,
+        "--output_dir",
+        out_dir,
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+    ]
+    assert main(["train", *recipe, "--grpo_bits", "8", "--learning_rate", "0.003"]) == 0
+    capsys.readouterr()
+    resume = ["train", *recipe, "--resume_from_checkpoint", "last", "--max_steps", "6", "--learning_rate", "0.01"]
+    assert main([*resume, "--grpo_bits", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("grpo-hf train: error: ") and "grpo_bits '8' -> '4'" in err[0]
+    assert not (tmp_path / "ckpt" / "checkpoint-6").exists()
+    assert main([*resume, "--grpo_bits", "8"]) == 0
+    report = (tmp_path / "ckpt" / "report.md").read_text()
+    assert "lr 0.003 (cosine; the checkpoint's schedule, which the Trainer continues: learning_rate 0.01 was not used)" in report  # fmt: skip
+    assert f"from `{out_dir}/checkpoint-4` at step 4: steps 1-4 ran before, steps 5-6 in this run." in report
+    assert "It sent quantize, 8 bits throughout" in report
+    results = json.loads((tmp_path / "ckpt" / "results.json").read_text())
+    assert results["recipe"]["training"]["learning_rate"] == 0.003  # what a card built from it says
+    assert results["recipe"]["training"]["learning_rate_requested"] == 0.01

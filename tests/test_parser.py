@@ -161,9 +161,9 @@ def _flat(text: str) -> str:
 @pytest.mark.parametrize(
     "argv, max_steps",
     [
-        (["train", str(RECIPES / "quickstart.yaml"), "--help"], 30),
-        (["compare", str(RECIPES / "tiny.yaml"), "--help"], 16),
-        (["quickstart", "--tiny", "--help"], 16),
+        (["train", str(RECIPES / "quickstart.yaml"), "--help-all"], 30),
+        (["compare", str(RECIPES / "tiny.yaml"), "--help_all"], 16),
+        (["quickstart", "--tiny", "--help-all"], 16),
     ],
 )
 def test_recipe_command_help_lists_every_field_with_the_recipe_defaults(argv, max_steps, capsys):

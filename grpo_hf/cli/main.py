@@ -1,7 +1,7 @@
 """`grpo-hf`: the entry point that dispatches to a sub-command, importing only that one.
 
-`grpo-hf --help`, a missing or unknown command, and the recipe commands' missing or malformed recipe files are
-answered before torch or transformers is imported: [`COMMANDS`] names each command's module, which is imported once
+`grpo-hf --help`, a missing or unknown command, and the recipe commands' short `--help` and missing or malformed
+recipe files are answered before torch or transformers is imported: [`COMMANDS`] names each command's module, which is imported once
 the command is chosen. Each module holds `<name>_command_parser` / `<name>_command` pairs, as in accelerate's CLI:
 [`grpo_hf.cli.recipes`] (`quickstart`, `compare`, `train`) and [`grpo_hf.cli.tools`] (`publish`, `groups`, `recipes`, `env`).
 
@@ -29,7 +29,9 @@ grpo-hf --version
 
 import argparse
 import atexit
+import contextlib
 import importlib
+import logging
 import os
 import sys
 import threading
@@ -85,6 +87,9 @@ DEBUG_HELP = (
 DEBUG_ENV = "GRPO_HF_DEBUG"
 # The libraries whose `ValueError`s are their refusals of a setting (argument checks), reported in one line.
 REFUSING_LIBRARIES = ("transformers", "peft", "accelerate", "datasets")
+# DeepSpeed's logger, and the start of the warning it prints where it finds no GPU (see `quiet_unused_deepspeed`).
+DEEPSPEED_LOGGER = "DeepSpeed"
+DEEPSPEED_CPU_WARNING = "Setting accelerator to CPU"
 # The values of the `--debug` field of `TrainingArguments` (transformers' `DebugOption`, checked by a test): a
 # `--debug` followed by one of them is that field's, not grpo-hf's flag. Written here so that `--debug` is told apart
 # without importing transformers.
@@ -140,8 +145,8 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
     module = importlib.import_module(command.module)
     register = getattr(module, f"{argv[0]}_command_parser")
 
-    def parser():
-        built = register()
+    def parser(**kwargs):  # a recipe command's short --help asks for its own options only (`fields=False`)
+        built = register(**kwargs)
         _document_debug(built)
         return built
 
@@ -173,6 +178,36 @@ def _debug_from_environment() -> bool:
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
+
+
+class _UnusedDeepSpeedFilter(logging.Filter):
+    """Drops DeepSpeed's "Setting accelerator to CPU" warning (see [`quiet_unused_deepspeed`])."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return DEEPSPEED_CPU_WARNING not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_unused_deepspeed(args: argparse.Namespace):
+    """
+    Hide DeepSpeed's "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    while a command runs that does not use DeepSpeed: accelerate imports DeepSpeed wherever it is installed (the
+    `deepspeed` extra), and DeepSpeed prints it on a machine without a GPU, used or not. A recipe that sets
+    `deepspeed` (`args.training_args`) keeps it.
+    """
+    training_args = getattr(args, "training_args", None)
+    if training_args is not None:
+        from ..engines import backend_enabled  # torch: already imported by the recipe's dataclasses
+
+        if backend_enabled(training_args.deepspeed):
+            yield
+            return
+    logger, hidden = logging.getLogger(DEEPSPEED_LOGGER), _UnusedDeepSpeedFilter()
+    logger.addFilter(hidden)
+    try:
+        yield
+    finally:
+        logger.removeFilter(hidden)
 
 
 def _forget_deepspeed_world_group() -> None:
@@ -234,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
 
             started = min(started, psutil.Process().create_time())
         args.argv, args.started = argv, started
-        status = args.func(args)
+        with quiet_unused_deepspeed(args):
+            status = args.func(args)
         leave_process_group(status, exit_now=console_script)
         return status
     except GRPOInputError as err:
@@ -271,12 +307,15 @@ def main(argv: list[str] | None = None) -> int:
 __all__ = [
     "COMMANDS",
     "DEBUG_ENV",
+    "DEEPSPEED_CPU_WARNING",
+    "DEEPSPEED_LOGGER",
     "REFUSING_LIBRARIES",
     "TRAINING_DEBUG_OPTIONS",
     "leave_process_group",
     "main",
     "main_parser",
     "parse_command_line",
+    "quiet_unused_deepspeed",
     "refusing_library",
     "take_debug_flag",
 ]

