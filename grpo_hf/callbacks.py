@@ -671,11 +671,7 @@ class GRPOCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.comm_state is not None:  # between fault-tolerant replica groups: the next interval's quorum
-            if self.comm_state.step_ended(state.global_step) is not None:
-                logger.warning(
-                    f"GRPO fault tolerance: this replica group was behind the others at step {state.global_step} "
-                    "while training; it goes on from its own state."
-                )
+            self.comm_state.step_ended(state.global_step)
             shares = self.replica_shares
             if shares is not None and shares.window is not None and state.global_step >= shares.window.end:
                 # the window's sync: the next one opens with the quorum's members and what the sync lost

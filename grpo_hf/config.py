@@ -965,6 +965,13 @@ def _check_fault_tolerance(args) -> None:
     for name in ("grpo_ft_timeout", "grpo_ft_quorum_timeout"):
         if not getattr(args, name) > 0:
             raise ConfigError(f"{name}={getattr(args, name)}: use a number of seconds above 0.")
+    if args.grpo_ft_quorum_timeout < 2 * args.grpo_ft_timeout:
+        raise ConfigError(
+            f"grpo_ft_quorum_timeout={args.grpo_ft_quorum_timeout:g} with grpo_ft_timeout={args.grpo_ft_timeout:g}: "
+            "a group waits at a quorum for survivors that may each give a dead peer up twice (the exchange and its "
+            "retry) before they come; give grpo_ft_quorum_timeout at least twice grpo_ft_timeout (docs/engines.md, "
+            "'Timeouts')."
+        )
 
 
 def validate_grpo_fields(args) -> None:

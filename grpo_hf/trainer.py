@@ -625,6 +625,8 @@ class GRPOMixin:
             step=self.state.global_step,
             description=self._grpo_description(),
             checksum=lambda received: global_checksum(received["grpo"]["comm"]["global"].values()),
+            final_step=self.state.max_steps,
+            every=self.args.grpo_sync_every,
         )
         if payload is not None:
             epochs_trained, skipped = heal_training_state(

@@ -33,6 +33,7 @@ from grpo_hf.compression.torchft_group import (
     TorchFTCommunicator,
     _checkpoint_transport,
     _disagreement,
+    lighthouse_status,
     reachable_address,
 )
 from grpo_hf.fault_tolerance import fault_tolerance_settings
@@ -104,6 +105,7 @@ def test_settings_missing_or_out_of_range_get_one_error_naming_the_field(tmp_pat
         ({"grpo_ft_min_replicas": 4}, "grpo_ft_min_replicas=4 with grpo_ft_replicas=3: it can never be met"),
         ({"grpo_ft_replica_id": 5}, r"grpo_ft_replica_id=5: use 0 to grpo_ft_replicas - 1"),
         ({"grpo_ft_timeout": 0}, "grpo_ft_timeout=0: use a number of seconds above 0"),
+        ({"grpo_ft_timeout": 60, "grpo_ft_quorum_timeout": 90}, "give grpo_ft_quorum_timeout at least twice"),
     ],
 )
 def test_the_config_refuses_what_the_replica_groups_cannot_run(tmp_path, fields, match):
@@ -306,7 +308,7 @@ class RepeatingManager(ScriptedManager):
     def batches_committed(self):
         return 0
 
-    def start_quorum(self, allow_heal, shrink_only):
+    def start_quorum(self, allow_heal, shrink_only, timeout=None):
         self.reported = []  # torchft clears its error at every quorum
 
 
@@ -584,6 +586,147 @@ def test_without_faults_the_groups_train_as_the_ranks_of_one_ddp_job(lighthouse,
     assert groups[0]["sync_participants"] == [2] * int(groups[0]["totals"]["syncs"])
 
 
+class LighthouseProcess(Lighthouse):
+    """The lighthouse as a process of its own (torchft's `torchft_lighthouse`) on a fixed port: killed and restarted."""
+
+    def __init__(self, out: Path, min_replicas: int = 2):
+        self.port, self.min_replicas, self.process = free_port(), min_replicas, None
+        self.start()
+        self.out, self.logs = out, []
+        tests = Path(__file__).parent
+        self.env = dict(os.environ, TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{self.port}", GLOO_SOCKET_IFNAME="lo",
+                        RUST_LOG="error", PYTHONPATH=os.pathsep.join([str(tests / "distributed"), str(tests),
+                                                                      os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+
+    def start(self) -> None:
+        binary = Path(sys.executable).parent / "torchft_lighthouse"
+        self.process = subprocess.Popen(
+            [str(binary), "--bind", f"[::]:{self.port}", "--min_replicas", str(self.min_replicas),
+             "--join_timeout_ms", "30000", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "2000"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while lighthouse_status(f"http://127.0.0.1:{self.port}", timeout=1) is None:
+            assert time.monotonic() < deadline, "the lighthouse did not start"
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def close(self):
+        self.kill()
+
+
+def test_the_lighthouse_dashboard_is_read_for_what_a_group_waits_for():
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseClient
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, heartbeat_timeout_ms=2000)
+    try:
+        status = lighthouse_status(server.address())
+        assert (status.waiting, status.needed, status.alive, status.last_quorum_steps) == (0, 2, 0, {})
+
+        def ask(replica, step):
+            client = LighthouseClient(server.address(), connect_timeout=timedelta(seconds=5))
+            client.quorum(replica_id=f"grpo_{replica}:x", timeout=timedelta(seconds=10), address="http://a:1",
+                          store_address="a:2", step=step, world_size=1, shrink_only=False)  # fmt: skip
+
+        import threading
+
+        threads = [threading.Thread(target=ask, args=(replica, 40 + replica)) for replica in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        status = lighthouse_status(server.address())
+        assert status.alive == 2 and status.last_quorum_steps == {0: 40, 1: 41}
+        assert "2 group(s) alive" in status.describe() and "group 1 at step 41" in status.describe()
+    finally:
+        server.shutdown()
+    assert lighthouse_status(server.address(), timeout=1) is None  # gone: no answer, no exception
+
+
+@pytest.mark.slow
+@pytest.mark.peers
+def test_groups_train_on_when_the_lighthouse_is_lost_and_take_a_quorum_when_it_is_back(tmp_path):
+    # the lighthouse's process is killed during the run and restarted on the same port some syncs later: the groups
+    # neither hang nor stop; they sync over their own connections meanwhile, say both events once, take a quorum when
+    # it answers again, and end identical
+    pytest.importorskip("torchft")
+    house = LighthouseProcess(tmp_path)
+    try:
+        slow = ("--step_seconds", "0.3", "--replicas", "2", "--max_steps", "40")
+        procs = [house.launch(r, *slow) for r in range(2)]
+        house.wait_for_step(0, 8)
+        house.kill()
+        house.wait_for_step(0, 20)
+        house.start()
+        codes = house.wait(procs, timeout=400)
+    finally:
+        house.close()
+    assert codes == [0, 0], house.output()
+    results = house.results()
+    _assert_identical(results, 2)
+    for result in results.values():
+        assert result["steps"] == list(range(1, 41)) and result["totals"]["discarded"] == 0, result
+    logs = [Path(name).read_text() for name in house.logs]
+    for log in logs:
+        assert log.count("does not answer (step") == 1 and log.count("answers again (lost since step") == 1, log[
+            -3000:
+        ]
+
+
+@pytest.mark.slow
+@pytest.mark.peers
+def test_a_group_relaunched_after_the_others_finished_says_what_it_waits_for_and_stops(lighthouse):
+    # two groups of three finish the run; the third, launched only then, waits at the lighthouse: it says so within
+    # the first minute (how many groups are alive, how many the lighthouse needs, until when it waits), finds the
+    # others' last quorum in the run's last interval and none of them alive, and stops with one clear message
+    procs = [lighthouse.launch(r, "--max_steps", "12") for r in range(2)]
+    assert lighthouse.wait(procs) == [0, 0], lighthouse.output()
+    start = time.monotonic()
+    late = lighthouse.launch(2, "--max_steps", "12")
+    code = lighthouse.wait([late], timeout=240)[0]
+    waited = time.monotonic() - start
+    log = Path(lighthouse.logs[-1]).read_text()
+    assert code == 1 and waited < 120, log[-3000:]
+    assert re.search(
+        r"replica group 2 has waited \d+ s at step 0 for a quorum .*\d+ asking for a quorum, 2 needed", log
+    )
+    assert "finished the run without replica group 2" in log and "last quorum was at step" in log, log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.peers
+def test_a_group_gone_silent_costs_the_others_one_timeout_and_heals_when_relaunched(lighthouse):
+    # group 2 is frozen (SIGSTOP: its connections stay open, its heartbeats stop) after step 6 for 16 s, longer than
+    # grpo_ft_timeout (10 s), then woken (SIGCONT): the survivors give it up once, at the timeout, and go on; woken, it
+    # finds itself left out and behind, and stops with one message; relaunched, it heals and all end identical
+    slow = ("--step_seconds", "0.4", "--max_steps", "60")
+    procs = [lighthouse.launch(r, *slow, *(["--stop_at_step", "6", "--stop_seconds", "16"] if r == 2 else []))
+             for r in range(3)]  # fmt: skip
+    assert lighthouse.wait([procs[2]])[0] == 1, lighthouse.output()
+    log = Path(lighthouse.logs[2]).read_text()
+    assert "replica group 2 is behind the other groups" in log and "relaunch it with the same command" in log, log
+    relaunched = lighthouse.launch(2, *slow)
+    codes = lighthouse.wait([procs[0], procs[1], relaunched])
+    assert codes == [0, 0, 0], lighthouse.output()
+    results = lighthouse.results()
+    _assert_identical(results, 3)
+    for rid in (0, 1):  # the survivors never restarted, lost no step, and waited about one timeout in all
+        result = results[rid]
+        assert result["first_step"] == 0 and result["steps"] == list(range(1, 61)), result
+        assert result["totals"]["discarded"] == 0, result
+        times = [result["step_times"][str(step)] for step in range(1, 61)]
+        gaps = sorted(b - a for a, b in zip(times, times[1:]))
+        lost = sum(gaps) - len(gaps) * gaps[len(gaps) // 2]  # beyond the typical step
+        print(f"survivor {rid} lost {lost:.1f} s to the silent group (grpo_ft_timeout 10 s)")
+        assert 8 < lost < 10 + 12, (lost, gaps)  # one grpo_ft_timeout, a quorum and the retry; not the 16 s freeze
+    assert results[2]["heals"] == 1, results[2]
+
+
 @pytest.mark.slow
 @pytest.mark.peers
 def test_groups_whose_settings_differ_stop_before_any_step_naming_the_difference(lighthouse):
@@ -605,8 +748,10 @@ def test_a_lighthouse_that_does_not_answer_is_one_error_naming_it(tmp_path):
     code = house.wait([house.launch(0, "--max_steps", "4")], timeout=180)
     house.close()
     assert code == [1]
-    assert "could not reach the lighthouse at http://127.0.0.1:9" in house.output() or (
-        "no quorum of replica groups formed at the lighthouse http://127.0.0.1:9" in house.output()
+    assert (
+        "could not reach the lighthouse at http://127.0.0.1:9" in house.output()
+        or ("the lighthouse at http://127.0.0.1:9 does not answer" in house.output())
+        or ("no quorum of replica groups formed at the lighthouse http://127.0.0.1:9" in house.output())
     ), house.output()
 
 

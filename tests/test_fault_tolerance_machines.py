@@ -77,8 +77,13 @@ def test_the_documented_three_machine_launch_runs_as_printed(machines, tmp_path)
     logs = [open(folder / "group.log", "w") for folder in folders]
     try:
         groups = [
-            subprocess.Popen(["ip", "netns", "exec", name, "bash", "-c", command], cwd=folder, env=env, stdout=log,
-                             stderr=subprocess.STDOUT)  # fmt: skip
+            subprocess.Popen(
+                ["ip", "netns", "exec", name, "bash", "-c", command],
+                cwd=folder,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
             for name, command, folder, log in zip(names, commands[1:], folders, logs)
         ]
         codes = [group.wait(timeout=600) for group in groups]

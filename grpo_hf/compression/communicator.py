@@ -143,11 +143,10 @@ class Communicator:
     def reconfigure(self, step: int, checksum=None) -> None:
         """After an exchange that did not [`commit`]: the ranks still alive, for the next attempt (nothing here)."""
 
-    def next_interval(self, step: int, checksum=None) -> dict | None:
+    def next_interval(self, step: int, checksum=None) -> None:
         """At the start of an interval (trainer step `step`, after the step that synced): a new membership, at which
-        late ranks join (`checksum()`: of this rank's global model, which the members compare when the ranks changed). Returns what this rank
-        healed from when it was behind (`None` here: nothing changes)."""
-        return None
+        late ranks join (`checksum()`: of this rank's global model, which the members compare when the ranks changed);
+        nothing changes here."""
 
     def duplicate(self) -> "Communicator":
         """A twin over the same ranks, on a group of its own (its collectives do not queue behind this one's).

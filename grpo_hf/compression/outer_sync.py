@@ -732,19 +732,16 @@ class OuterSyncState(CommState):
                 return later
         return max(step, last_step)
 
-    def step_ended(self, step: int) -> dict | None:
+    def step_ended(self, step: int) -> None:
         """
         After the trainer closed optimizer step `step` (its scheduler stepped, its step counted): when a fragment
         synced in it, the communicator's next interval starts (between fault-tolerant replica groups: a quorum, at
-        which restarted or new groups heal from this one). Returns what this rank healed from, when it was behind.
+        which restarted or new groups heal from this one).
         """
         if not self.fragments or not any(last == self.step for last in self.last_sync):
-            return None
-        received = self.communicator.next_interval(step, self.global_checksum)  # read only at a new membership
+            return
+        self.communicator.next_interval(step, self.global_checksum)  # the checksum is read only at a new membership
         self._after_quorum()
-        if received is not None:
-            self.traffic.count(heals=1)
-        return received
 
     def global_checksum(self) -> int:
         """An exact checksum of `θ_global` ([`~grpo_hf.compression.fragment.global_checksum`]), which fault-tolerant

@@ -42,21 +42,26 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
-from dataclasses import dataclass
-from datetime import timedelta
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions, BroadcastOptions
 
-from ..errors import ConfigError
+from ..errors import ConfigError, GRPOError
 from .communicator import Communicator
 
 
 logger = logging.getLogger(__name__)
 
 HEAL_KEY = "grpo_hf"  # what a healing replica receives, under torchft's `register_state_dict_fn`
+# A group waiting at a quorum says so after this many seconds, then again every `LOUD_EVERY` (torchft's quorum is asked
+# for in pieces of that length, between which the lighthouse's dashboard is read).
+FIRST_SAY_AFTER, LOUD_EVERY = 20.0, 60.0
 EXTRA = "pip install 'grpo_hf[peers]'"  # the extra that installs torchft
 
 
@@ -173,6 +178,9 @@ class TorchFTCommunicator(Communicator):
         self.joined = False
         self.heals = 0  # this group's heals (a join's included)
         self.last_error: str | None = None
+        self.lighthouse_lost_at: int | None = None  # the step at which the lighthouse stopped answering
+        self.final_step: int | None = None
+        self.every: int | None = None
 
     # --- what the sync asks ---
     @property
@@ -270,13 +278,22 @@ class TorchFTCommunicator(Communicator):
         return bool(self.manager.should_commit()) and ok
 
     # --- the quorum ---
-    def join(self, save, step: int, description: dict | None = None, checksum=None) -> dict | None:
+    def join(
+        self,
+        save,
+        step: int,
+        description: dict | None = None,
+        checksum=None,
+        final_step: int | None = None,
+        every: int | None = None,
+    ) -> dict | None:
         """
         Start torchft's manager, register what a healing replica receives (`save()`, called on a live group when
         another heals from it), take the first quorum at trainer step `step`, and check that every group agrees on
         `description` (settings and model: what differs is named) and, after a heal, on `θ_global`
         (`checksum(received)`, of what this group healed from). Returns what this group healed from (a peer's
-        `save()`), or `None` when it is not behind.
+        `save()`), or `None` when it is not behind. `final_step` and `every` (the run's last step and the sync's
+        interval) let a group that finds the others gone after their last sync say that the run is over.
 
         Raises:
             [`~grpo_hf.errors.ConfigError`]: torchft is not installed, the lighthouse does not answer (its address and
@@ -285,6 +302,7 @@ class TorchFTCommunicator(Communicator):
         """
         Manager, ProcessGroupGloo = import_torchft()
         settings = self.settings
+        self.final_step, self.every = final_step, every
         self.address = settings.hostname or reachable_address(settings.lighthouse)
         interface = _interface_of(self.address)
         if interface is not None:  # gloo's own choice (the machine's name) may resolve to a loopback address
@@ -327,15 +345,7 @@ class TorchFTCommunicator(Communicator):
                 "TORCHFT_LIGHTHOUSE."
             ) from None
         self.manager.register_state_dict_fn(HEAL_KEY, self.received.append, save)
-        try:
-            self._quorum(step, allow_heal=True, shrink_only=False)
-        except Exception as err:
-            raise ConfigError(
-                f"grpo_fault_tolerance: no quorum of replica groups formed at the lighthouse {settings.lighthouse} "
-                f"within {settings.quorum_timeout:g} s ({str(err).splitlines()[0]}). Check that the lighthouse's "
-                f"--min_replicas ({settings.min_replicas} or fewer here) can be met by the groups launched, or raise "
-                "grpo_ft_quorum_timeout."
-            ) from None
+        self._quorum(step, allow_heal=True, shrink_only=False)
         deadline = time.monotonic() + settings.quorum_timeout
         while self.manager.errored() is not None and not self.received and time.monotonic() < deadline:
             # a heal that failed (e.g. its source was still in a failing exchange): the next quorum, from scratch
@@ -404,32 +414,143 @@ class TorchFTCommunicator(Communicator):
         )
 
     def _quorum(self, step: int, allow_heal: bool, shrink_only: bool) -> None:
-        """A new quorum at trainer step `step` (torchft's step: a group behind the others heals)."""
-        manager = self.manager
+        """
+        A new quorum at trainer step `step` (torchft's step: a group behind the others heals). It is asked for in pieces
+        of `LOUD_EVERY` seconds, up to `quorum_timeout` in all; between them the group reads the lighthouse's dashboard
+        and says what it waits for ([`_say_waiting`]). A group that has joined and finds the lighthouse gone keeps the
+        members of its last quorum ([`_lighthouse_lost`]).
+
+        Raises:
+            [`~grpo_hf.errors.ConfigError`]: no lighthouse answers at the first quorum.
+            [`~grpo_hf.errors.GRPOError`]: no quorum within `quorum_timeout`, or the other groups finished the run
+                without this one.
+        """
+        manager, settings = self.manager, self.settings
         manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
-        manager.start_quorum(allow_heal=allow_heal, shrink_only=shrink_only)
+        if self.joined and lighthouse_status(settings.lighthouse) is None:
+            return self._lighthouse_lost(step)
+        if self.lighthouse_lost_at is not None:
+            logger.warning(f"GRPO fault tolerance: the lighthouse at {settings.lighthouse} answers again (lost since "
+                           f"step {self.lighthouse_lost_at}); replica group {settings.replica_id} takes a quorum at step "
+                           f"{step}.")  # fmt: skip
+            self.lighthouse_lost_at = None
+        started = time.monotonic()
+        deadline = started + settings.quorum_timeout
+        while True:
+            piece = FIRST_SAY_AFTER if time.monotonic() - started < FIRST_SAY_AFTER else LOUD_EVERY
+            piece = max(1.0, min(piece, deadline - time.monotonic()))
+            try:
+                manager.start_quorum(allow_heal=allow_heal, shrink_only=shrink_only, timeout=timedelta(seconds=piece))
+                break
+            except Exception as err:  # the piece ran out (or the lighthouse went away): read what the lighthouse says
+                manager._quorum_future = None  # noqa: SLF001 (torchft would raise the failed piece again at the next)
+                status = lighthouse_status(settings.lighthouse)
+                if status is None and not self.joined:
+                    raise ConfigError(
+                        f"grpo_fault_tolerance: the lighthouse at {settings.lighthouse} does not answer ("
+                        f"{str(err).splitlines()[0]}). Start it first (`torchft_lighthouse --bind [::]:29510 "
+                        "--min_replicas 1`, docs/engines.md) and pass its address in grpo_ft_lighthouse or "
+                        "TORCHFT_LIGHTHOUSE."
+                    ) from None
+                if status is None:
+                    return self._lighthouse_lost(step)
+                if time.monotonic() >= deadline:
+                    raise GRPOError(
+                        f"grpo_fault_tolerance: replica group {settings.replica_id} waited {settings.quorum_timeout:g} "
+                        f"s (grpo_ft_quorum_timeout) at step {step} for a quorum at the lighthouse "
+                        f"{settings.lighthouse}: {status.describe()}. Its checkpoints in its output_dir are "
+                        "resumable (resume_from_checkpoint='last'); relaunch it when the other groups run, or start "
+                        "them with a lighthouse whose --min_replicas they can meet."
+                    ) from None
+                self._say_waiting(status, step, started, deadline)
+                self._stop_if_finished(status, step)
         quorum_id = manager._quorum_id  # noqa: SLF001 (torchft keeps it private; it changes with the membership)
         self.membership_changed = quorum_id != self.quorum_id
         self.quorum_id = quorum_id
         if self.membership_changed:  # known again once the members have shown their ids
             self.members = (self.settings.replica_id,) if self.world_size < 2 else None
 
+    def _say_waiting(self, status: LighthouseStatus, step: int, started: float, deadline: float) -> None:
+        until = datetime.now() + timedelta(seconds=deadline - time.monotonic())
+        logger.warning(
+            f"GRPO fault tolerance: replica group {self.settings.replica_id} has waited "
+            f"{time.monotonic() - started:.0f} s at step {step} for a quorum at the lighthouse "
+            f"{self.settings.lighthouse}: {status.describe()}. It waits until {until:%H:%M:%S} "
+            f"(grpo_ft_quorum_timeout={self.settings.quorum_timeout:g} s)."
+        )
+
+    def _stop_if_finished(self, status: LighthouseStatus, step: int) -> None:
+        """A group behind the others (relaunched, or woken from a freeze) that finds none of them alive, their last
+        quorum in the run's last interval: the run is over without it."""
+        if self.final_step is None or status.alive > 1 or not status.last_quorum_steps:
+            return
+        last = max(status.last_quorum_steps.values())
+        if last > step and last + (self.every or 0) >= self.final_step:
+            groups = ", ".join(str(g) for g in sorted(status.last_quorum_steps))
+            raise GRPOError(
+                f"grpo_fault_tolerance: the other replica groups ({groups}) finished the run without replica group "
+                f"{self.settings.replica_id}: their last quorum was at step {last} of {self.final_step}, and none is "
+                "alive at the lighthouse now. Their saved models are the run's result (docs/engines.md, 'The "
+                "result'); this group has nothing left to train and stops, its checkpoints as they were."
+            )
+
+    def _lighthouse_lost(self, step: int) -> None:
+        """The lighthouse does not answer: the groups of the last quorum go on syncing over their own connections;
+        joins and heals wait until a lighthouse answers at the same address."""
+        self.membership_changed = False
+        if self.lighthouse_lost_at is None:
+            self.lighthouse_lost_at = step
+            logger.warning(
+                f"GRPO fault tolerance: the lighthouse at {self.settings.lighthouse} does not answer (step {step}). "
+                f"Replica group {self.settings.replica_id} trains on with the groups of its last quorum, which sync "
+                "over their own connections; a group that dies now is left out of no quorum, so syncs fail and are "
+                "discarded until a lighthouse answers again at that address (restart it there: the groups take a "
+                "quorum at their next sync)."
+            )
+
     def reconfigure(self, step: int, checksum=None) -> None:
         """After a sync that did not commit: a quorum of the survivors (nobody joins or heals), for one more try;
-        `checksum()`: of this group's `θ_global`, checked against the others' when the membership changed."""
+        `checksum()`: of this group's `θ_global`, checked against the others' when the membership changed. A group
+        the others already left out of a quorum (one woken from a freeze) cannot be in theirs: its second try fails at
+        once, and it heals at the next sync's quorum."""
+        status = lighthouse_status(self.settings.lighthouse)
+        if (
+            status is not None
+            and status.last_quorum_steps
+            and self.settings.replica_id not in status.last_quorum_steps
+        ):
+            logger.warning(
+                f"GRPO fault tolerance: replica group {self.settings.replica_id} was left out of the others' last "
+                f"quorum ({status.describe()}): its sync at step {step} is discarded, and it heals from them at their "
+                "next quorum."
+            )
+            self.manager.report_error(RuntimeError("left out of the other groups' quorum"))
+            self.membership_changed = False
+            return
         self._quorum(step, allow_heal=False, shrink_only=True)
         if self.membership_changed:
             self._check_agreement(checksum() if checksum is not None else None)
 
-    def next_interval(self, step: int, checksum=None) -> dict | None:
+    def next_interval(self, step: int, checksum=None) -> None:
         """
         At the start of an interval (after the trainer closed the step that synced): a new quorum, at which restarted
-        or new groups join and heal from this one. Returns what this group healed from, if it was behind.
+        or new groups join and heal from this one.
+
+        Raises:
+            [`~grpo_hf.errors.GRPOError`]: this group is behind the others (they went on without it while it was
+                silent): it stops, to be relaunched, and heals then.
         """
         self._quorum(step, allow_heal=True, shrink_only=False)
+        if self.received:  # behind the others while training: left out while it was silent (frozen, or cut off)
+            raise GRPOError(
+                f"grpo_fault_tolerance: replica group {self.settings.replica_id} is behind the other groups at step "
+                f"{step}: they went on without it while it was silent (frozen, or cut off for longer than "
+                "grpo_ft_timeout). It stops here, its checkpoints as they were; relaunch it with the same command and "
+                "it heals from a live group at their next sync."
+            )
         if self.membership_changed:
             self._check_agreement(checksum() if checksum is not None else None)
-        return self._take_received()
+        return None
 
     def _take_received(self) -> dict | None:
         if not self.received:
@@ -494,6 +615,43 @@ class TorchFTCommunicator(Communicator):
             f"TorchFTCommunicator(replica_id={self.settings.replica_id}, lighthouse={self.settings.lighthouse!r}, "
             f"participants={self.world_size})"
         )
+
+
+@dataclass
+class LighthouseStatus:
+    """
+    What torchft's lighthouse says on its dashboard (`/status`): the groups asking for the next quorum, the fewest it
+    forms one with (its `--min_replicas`), the groups alive (heartbeating), and the last quorum's members and steps.
+    """
+
+    waiting: int = 0
+    needed: int = 0
+    alive: int = 0
+    last_quorum_steps: dict[int, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        last = ", ".join(f"group {g} at step {s}" for g, s in sorted(self.last_quorum_steps.items()))
+        return (f"{self.alive} group(s) alive, {self.waiting} asking for a quorum, {self.needed} needed (the "
+                f"lighthouse's --min_replicas); last quorum: {last or 'none'}")  # fmt: skip
+
+
+def lighthouse_status(address: str, timeout: float = 3.0) -> LighthouseStatus | None:
+    """The lighthouse's dashboard (`<address>/status`, torchft 0.2's HTML), read; `None` when it does not answer."""
+    try:
+        with urllib.request.urlopen(address.rstrip("/") + "/status", timeout=timeout) as response:
+            text = response.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    status = LighthouseStatus()
+    waiting = re.search(r"only have (\d+) participants, need min_replicas (\d+)", text)
+    if waiting:
+        status.waiting, status.needed = int(waiting[1]), int(waiting[2])
+    alive = re.search(r"\[(\d+) heartbeating\]", text)
+    status.alive = int(alive[1]) if alive else 0
+    previous = text.split("Previous Quorum", 1)[-1].split("Heartbeats", 1)[0]
+    for group, step in re.findall(r"<b>grpo_(\d+):[^<]*</b>\s*<br/>\s*Step:\s*(\d+)", previous):
+        status.last_quorum_steps[int(group)] = int(step)
+    return status
 
 
 def group_store(environ=None) -> tuple[str, int] | None:
@@ -574,4 +732,13 @@ def _checkpoint_transport(address: str, timeout: timedelta):
     return AddressedHTTPTransport(timeout=timeout, num_chunks=0)
 
 
-__all__ = ["HEAL_KEY", "FaultTolerance", "TorchFTCommunicator", "group_store", "import_torchft", "reachable_address"]
+__all__ = [
+    "HEAL_KEY",
+    "FaultTolerance",
+    "LighthouseStatus",
+    "lighthouse_status",
+    "TorchFTCommunicator",
+    "group_store",
+    "import_torchft",
+    "reachable_address",
+]

@@ -186,11 +186,11 @@ class CommState:
         """
         raise NotImplementedError
 
-    def step_ended(self, step: int) -> dict | None:
+    def step_ended(self, step: int) -> None:
         """
         After the trainer closed optimizer step `step` (scheduler stepped, step counted). Between fault-tolerant replica
-        groups the sync's next interval starts here (a quorum, at which late groups heal from this one); returns what
-        this rank healed from when it was behind. Nothing for the others.
+        groups the sync's next interval starts here (a quorum, at which late groups heal from this one). Nothing for
+        the others.
         """
         return None
 

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -36,7 +37,7 @@ class Record(TrainerCallback):
 
     def __init__(self, trainer, options):
         self.trainer, self.options = trainer, options
-        self.steps, self.participants, self.first_step = [], {}, None
+        self.steps, self.participants, self.first_step, self.step_times = [], {}, None, {}
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.first_step is None:
@@ -46,6 +47,7 @@ class Record(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append(state.global_step)
+        self.step_times[state.global_step] = time.time()
         progress = os.path.join(self.options.out_dir, f"progress-replica{self.options.replica_id}.txt")
         partial = f"{progress}.{os.getpid()}"
         with open(partial, "w") as f:
@@ -55,6 +57,9 @@ class Record(TrainerCallback):
         self.participants[state.global_step] = comm.world_size
         if state.global_step == self.options.kill_at_step and self.options.kill_rank in (-1, args.process_index):
             os.kill(os.getpid(), signal.SIGKILL)
+        if state.global_step == self.options.stop_at_step:  # frozen; a process of its own wakes it up
+            subprocess.Popen(["sh", "-c", f"sleep {self.options.stop_seconds}; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def record_trained(trainer, path):
@@ -99,6 +104,8 @@ def main():
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--kill_at_step", type=int, default=-1)
     parser.add_argument("--kill_in_exchange", type=int, default=-1)
+    parser.add_argument("--stop_at_step", type=int, default=-1)
+    parser.add_argument("--stop_seconds", type=float, default=0.0)
     parser.add_argument("--kill_rank", type=int, default=-1, help="the rank of the group that --kill_at_step kills")
     parser.add_argument("--step_seconds", type=float, default=0.0)
     parser.add_argument("--tag", default="run")
@@ -159,6 +166,7 @@ def main():
         "global_step": trainer.state.global_step,
         "first_step": record.first_step,
         "steps": record.steps,
+        "step_times": record.step_times,
         "participants": record.participants,
         "heals": getattr(comm, "heals", 0),
         "sync_participants": state.participants,
