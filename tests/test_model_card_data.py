@@ -15,6 +15,7 @@ from grpo_hf.harness import recipe_files
 from grpo_hf.harness.arguments import builtin_recipe
 from grpo_hf.harness.compare import recipe_summary
 from grpo_hf.harness.data import prepare
+from grpo_hf.harness.report import _describe
 from grpo_hf.hub.card import describe_data
 from grpo_hf.provenance import jsonable
 
@@ -146,6 +147,9 @@ def test_a_folder_of_python_files_is_not_the_standard_library(tmp_path, tiny_mod
     assert card.data.eval_results[0].dataset_name == "Python files of the folder my_code (source) (held out)"
     data = _training_data(card)
     assert data.startswith("- The source of the `*.py` files of a local folder, `my_code` (`corpus_root`): not the")
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    described = "\n".join(_describe(results))  # the run's report.md says the same
+    assert f"the Python files of `{corpus}`" in described and "standard library" not in described
 
 
 def test_records_written_before_the_source_was_recorded():

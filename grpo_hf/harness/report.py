@@ -125,7 +125,7 @@ def _describe(results: dict[str, Any]) -> list[str]:
         + (f"; {world}-process DDP (model wrapped: {run.get('ddp_wrapped')})." if world > 1 else "."),
         _describe_data(info, data)
         if info.get("dataset_name")
-        else f"- **Data**: Python standard library ({info.get('kind', data.get('corpus'))}), per-file hash split "
+        else f"- **Data**: {_corpus_name(info)} ({info.get('kind', data.get('corpus'))}), per-file hash split "
         f"({info.get('val_percent')}% held out), corpus fingerprint `{info.get('fingerprint')}`, "
         f"Python `{str(info.get('python_version', '')).split()[0]}`; {info.get('train_tokens', 0):,} train tokens, "
         f"{info.get('eval_tokens', 0):,} held-out tokens, {info.get('seq_len')} tokens per example.",
@@ -135,6 +135,14 @@ def _describe(results: dict[str, Any]) -> list[str]:
     ]
     lines += _describe_resume(results)
     return lines
+
+
+def _corpus_name(info: dict[str, Any]) -> str:
+    """The corpus of a run on Python files: the standard library, or the folder `corpus_root` named (its record's
+    `source`, [`~grpo_hf.harness.data.data_origin`])."""
+    if info.get("source") == "python_files":
+        return f"the Python files of `{info.get('corpus_root')}`"
+    return "Python standard library"
 
 
 def _learning_rate(run: dict[str, Any], training: dict[str, Any], scheduler: str | None) -> str:
