@@ -30,12 +30,14 @@ from grpo_hf.compression.communicator import Communicator
 from grpo_hf.compression.outer_sync import OuterSyncState
 from grpo_hf.compression.torchft_group import (
     FaultTolerance,
+    LighthouseStatus,
     TorchFTCommunicator,
     _checkpoint_transport,
     _disagreement,
     lighthouse_status,
     reachable_address,
 )
+from grpo_hf.errors import GRPOError
 from grpo_hf.fault_tolerance import fault_tolerance_settings
 
 
@@ -641,11 +643,34 @@ def test_the_lighthouse_dashboard_is_read_for_what_a_group_waits_for():
         for thread in threads:
             thread.join()
         status = lighthouse_status(server.address())
-        assert status.alive == 2 and status.last_quorum_steps == {0: 40, 1: 41}
+        assert status.alive == 2 and status.last_quorum_steps == {0: 40, 1: 41} and status.quorum_id == 1
+        assert 0 <= status.last_quorum_age < 60
         assert "2 group(s) alive" in status.describe() and "group 1 at step 41" in status.describe()
     finally:
         server.shutdown()
     assert lighthouse_status(server.address(), timeout=1) is None  # gone: no answer, no exception
+
+
+@pytest.mark.parametrize(
+    "alive, age, alone, stops",
+    [
+        (1, 5.0, False, True),  # the others gone, their last quorum a moment ago in the last interval: the run is over
+        (3, 5.0, False, False),  # the others alive: they may still take this group in
+        (3, 5.0, True, True),  # this group took a quorum alone (a lighthouse with --min_replicas 1) after their last
+        (1, 4000.0, False, False),  # another run's last quorum, on a lighthouse that outlived it: a new run starts
+    ],
+)
+def test_a_group_behind_stops_only_when_the_others_recently_finished(alive, age, alone, stops):
+    communicator = TorchFTCommunicator(FaultTolerance(lighthouse="http://127.0.0.1:1", replica_id=2, replicas=3))
+    communicator.final_step, communicator.every = 48, 8
+    status = LighthouseStatus(alive=alive, last_quorum_steps={0: 44, 1: 44}, last_quorum_age=age)
+    if stops:
+        with pytest.raises(GRPOError, match="finished the run without replica group 2: .* step 44 of 48"):
+            communicator._stop_if_finished(status, step=0, alone=alone)
+    else:
+        communicator._stop_if_finished(status, step=0, alone=alone)
+    status.last_quorum_steps = {0: 24, 1: 24}  # their last quorum mid-run: they are lost, not finished
+    communicator._stop_if_finished(status, step=0, alone=alone)
 
 
 @pytest.mark.slow
@@ -680,22 +705,36 @@ def test_groups_train_on_when_the_lighthouse_is_lost_and_take_a_quorum_when_it_i
 
 @pytest.mark.slow
 @pytest.mark.peers
-def test_a_group_relaunched_after_the_others_finished_says_what_it_waits_for_and_stops(lighthouse):
-    # two groups of three finish the run; the third, launched only then, waits at the lighthouse: it says so within
-    # the first minute (how many groups are alive, how many the lighthouse needs, until when it waits), finds the
-    # others' last quorum in the run's last interval and none of them alive, and stops with one clear message
+def test_a_group_relaunched_after_the_others_finished_stops_and_a_lone_group_says_what_it_waits_for(
+    lighthouse, tmp_path
+):
+    # two groups of three finish the run; the third, launched only then, finds their last quorum (a moment ago, in the
+    # run's last interval) and none of them alive: it stops at once with one clear message
     procs = [lighthouse.launch(r, "--max_steps", "12") for r in range(2)]
     assert lighthouse.wait(procs) == [0, 0], lighthouse.output()
     start = time.monotonic()
     late = lighthouse.launch(2, "--max_steps", "12")
     code = lighthouse.wait([late], timeout=240)[0]
-    waited = time.monotonic() - start
     log = Path(lighthouse.logs[-1]).read_text()
-    assert code == 1 and waited < 120, log[-3000:]
-    assert re.search(
-        r"replica group 2 has waited \d+ s at step 0 for a quorum .*\d+ asking for a quorum, 2 needed", log
-    )
+    assert code == 1 and time.monotonic() - start < 120, log[-3000:]
     assert "finished the run without replica group 2" in log and "last quorum was at step" in log, log[-3000:]
+    # a group alone at a new lighthouse (the others not there yet) says within a minute what it waits for
+    alone = Lighthouse(tmp_path / "alone")
+    (tmp_path / "alone").mkdir()
+    try:
+        proc = alone.launch(0, "--max_steps", "12")
+        deadline, said = time.monotonic() + 150, None
+        while said is None and time.monotonic() < deadline and proc.poll() is None:
+            said = re.search(
+                r"replica group 0 has waited (\d+) s at step 0 for a quorum .*", Path(alone.logs[0]).read_text()
+            )
+            time.sleep(1)
+        proc.kill()
+        proc.wait()
+    finally:
+        alone.close()
+    assert said is not None, alone.output()
+    assert int(said[1]) <= 60 and "1 group(s) alive" in said[0] and "2 needed" in said[0] and "waits until" in said[0]
 
 
 @pytest.mark.slow

@@ -179,6 +179,7 @@ class TorchFTCommunicator(Communicator):
         self.heals = 0  # this group's heals (a join's included)
         self.last_error: str | None = None
         self.lighthouse_lost_at: int | None = None  # the step at which the lighthouse stopped answering
+        self.left_out_at: int | None = None  # the step at which the others were found to have gone on without it
         self.final_step: int | None = None
         self.every: int | None = None
 
@@ -345,7 +346,12 @@ class TorchFTCommunicator(Communicator):
                 "TORCHFT_LIGHTHOUSE."
             ) from None
         self.manager.register_state_dict_fn(HEAL_KEY, self.received.append, save)
+        before = lighthouse_status(settings.lighthouse)  # the others' last quorum, before one of this group alone
+        if before is not None:
+            self._stop_if_finished(before, step)
         self._quorum(step, allow_heal=True, shrink_only=False)
+        if before is not None and self.world_size < 2:  # alone (a lighthouse with --min_replicas 1): are they done?
+            self._stop_if_finished(before, step, alone=True)
         deadline = time.monotonic() + settings.quorum_timeout
         while self.manager.errored() is not None and not self.received and time.monotonic() < deadline:
             # a heal that failed (e.g. its source was still in a failing exchange): the next quorum, from scratch
@@ -427,8 +433,11 @@ class TorchFTCommunicator(Communicator):
         """
         manager, settings = self.manager, self.settings
         manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
-        if self.joined and lighthouse_status(settings.lighthouse) is None:
+        status = lighthouse_status(settings.lighthouse) if self.joined else None
+        if self.joined and status is None:
             return self._lighthouse_lost(step)
+        if self.joined and status.quorum_id < (self.quorum_id or 0):  # a restarted lighthouse: a new quorum count
+            self._await_members(status)
         if self.lighthouse_lost_at is not None:
             logger.warning(f"GRPO fault tolerance: the lighthouse at {settings.lighthouse} answers again (lost since "
                            f"step {self.lighthouse_lost_at}); replica group {settings.replica_id} takes a quorum at step "
@@ -470,6 +479,18 @@ class TorchFTCommunicator(Communicator):
         if self.membership_changed:  # known again once the members have shown their ids
             self.members = (self.settings.replica_id,) if self.world_size < 2 else None
 
+    def _await_members(self, status: LighthouseStatus) -> None:
+        """
+        A restarted lighthouse knows only the groups whose heartbeats reached it: before asking it for a quorum, wait
+        (up to `timeout`) until every group of this one's last quorum heartbeats there, so that the first quorum does
+        not leave out a live group that was slower to reconnect (it would be behind the others at once).
+        """
+        wanted = len(self.members or ()) or self.world_size
+        deadline = time.monotonic() + self.settings.timeout
+        while status is not None and status.alive < wanted and time.monotonic() < deadline:
+            time.sleep(0.5)
+            status = lighthouse_status(self.settings.lighthouse)
+
     def _say_waiting(self, status: LighthouseStatus, step: int, started: float, deadline: float) -> None:
         until = datetime.now() + timedelta(seconds=deadline - time.monotonic())
         logger.warning(
@@ -479,10 +500,15 @@ class TorchFTCommunicator(Communicator):
             f"(grpo_ft_quorum_timeout={self.settings.quorum_timeout:g} s)."
         )
 
-    def _stop_if_finished(self, status: LighthouseStatus, step: int) -> None:
-        """A group behind the others (relaunched, or woken from a freeze) that finds none of them alive, their last
-        quorum in the run's last interval: the run is over without it."""
-        if self.final_step is None or status.alive > 1 or not status.last_quorum_steps:
+    def _stop_if_finished(self, status: LighthouseStatus, step: int, alone: bool = False) -> None:
+        """
+        A group behind the others (relaunched, or woken from a freeze) that finds none of them alive (or took a quorum
+        alone), their last quorum recent and in the run's last interval: the run is over without it. A last quorum
+        older than `quorum_timeout` is another run's on a lighthouse that outlived it: a new run starts.
+        """
+        if self.final_step is None or (status.alive > 1 and not alone) or not status.last_quorum_steps:
+            return
+        if status.last_quorum_age is None or status.last_quorum_age > self.settings.quorum_timeout:
             return
         last = max(status.last_quorum_steps.values())
         if last > step and last + (self.every or 0) >= self.final_step:
@@ -526,6 +552,7 @@ class TorchFTCommunicator(Communicator):
             )
             self.manager.report_error(RuntimeError("left out of the other groups' quorum"))
             self.membership_changed = False
+            self.left_out_at = step
             return
         self._quorum(step, allow_heal=False, shrink_only=True)
         if self.membership_changed:
@@ -542,15 +569,18 @@ class TorchFTCommunicator(Communicator):
         """
         self._quorum(step, allow_heal=True, shrink_only=False)
         if self.received:  # behind the others while training: left out while it was silent (frozen, or cut off)
-            raise GRPOError(
-                f"grpo_fault_tolerance: replica group {self.settings.replica_id} is behind the other groups at step "
-                f"{step}: they went on without it while it was silent (frozen, or cut off for longer than "
-                "grpo_ft_timeout). It stops here, its checkpoints as they were; relaunch it with the same command and "
-                "it heals from a live group at their next sync."
-            )
+            self._raise_behind(step)
         if self.membership_changed:
             self._check_agreement(checksum() if checksum is not None else None)
         return None
+
+    def _raise_behind(self, step: int) -> None:
+        raise GRPOError(
+            f"grpo_fault_tolerance: replica group {self.settings.replica_id} is behind the other groups at step {step}: "
+            "they went on without it while it was silent (frozen, or cut off for longer than grpo_ft_timeout). It "
+            "stops here, its checkpoints as they were; relaunch it with the same command and it heals from a live "
+            "group at their next sync."
+        )
 
     def _take_received(self) -> dict | None:
         if not self.received:
@@ -591,6 +621,8 @@ class TorchFTCommunicator(Communicator):
         self.members = tuple(sorted({their["replica_id"] for their in theirs}))
         checksums = [their.pop("global_checksum", None) for their in theirs]
         first = next((value for value in checksums if value is not None), None)
+        if checksum is not None and checksum != first and self.left_out_at is not None:
+            self._raise_behind(self.left_out_at)
         if checksum is not None and checksum != first:
             raise RuntimeError(
                 "grpo_fault_tolerance: this replica group's global model differs from the other groups' (a quorum was "
@@ -627,6 +659,8 @@ class LighthouseStatus:
     waiting: int = 0
     needed: int = 0
     alive: int = 0
+    quorum_id: int = 0  # the lighthouse's count of quorums (it starts again at 0 when the lighthouse restarts)
+    last_quorum_age: float | None = None  # seconds since the last quorum formed
     last_quorum_steps: dict[int, int] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -635,7 +669,7 @@ class LighthouseStatus:
                 f"lighthouse's --min_replicas); last quorum: {last or 'none'}")  # fmt: skip
 
 
-def lighthouse_status(address: str, timeout: float = 3.0) -> LighthouseStatus | None:
+def lighthouse_status(address: str, timeout: float = 10.0) -> LighthouseStatus | None:
     """The lighthouse's dashboard (`<address>/status`, torchft 0.2's HTML), read; `None` when it does not answer."""
     try:
         with urllib.request.urlopen(address.rstrip("/") + "/status", timeout=timeout) as response:
@@ -646,9 +680,14 @@ def lighthouse_status(address: str, timeout: float = 3.0) -> LighthouseStatus | 
     waiting = re.search(r"only have (\d+) participants, need min_replicas (\d+)", text)
     if waiting:
         status.waiting, status.needed = int(waiting[1]), int(waiting[2])
+    quorum = re.search(r"Current quorum_id: (\d+)", text)
+    status.quorum_id = int(quorum[1]) if quorum else 0
     alive = re.search(r"\[(\d+) heartbeating\]", text)
     status.alive = int(alive[1]) if alive else 0
     previous = text.split("Previous Quorum", 1)[-1].split("Heartbeats", 1)[0]
+    age = re.search(r"Quorum age:\s*([\d.]+)\s*(s|ms|µs|us|ns)\b", previous)
+    if age:
+        status.last_quorum_age = float(age[1]) * {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}[age[2]]
     for group, step in re.findall(r"<b>grpo_(\d+):[^<]*</b>\s*<br/>\s*Step:\s*(\d+)", previous):
         status.last_quorum_steps[int(group)] = int(step)
     return status
