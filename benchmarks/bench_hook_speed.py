@@ -3,14 +3,13 @@
     python -m benchmarks.bench_hook_speed                        # W=1 and W=2 (torchrun, gloo), tiny Llama and LoRA
     python -m benchmarks.bench_hook_speed --bits 2 --large       # also SmolLM2-135M's full parameter set (135M)
     python -m benchmarks.bench_hook_speed --device cuda          # the compiled kernels on CUDA (Triton), W=1
-    python -m benchmarks.bench_hook_speed --scales adam          # with gradient scales read from AdamW's exp_avg_sq
 
 Models: a tiny Llama (hidden 256, 4 layers, vocab 8192: 6.3M parameters in 38 tensors, 29 compressed); the LoRA r=8
 adapters of SmolLM2-135M (2.4M parameters in 420 tensors: the many-small-tensors case); with `--large`, SmolLM2-135M's
 full parameter set (134.5M in 272 tensors: the large-tensor case). Each step is one bucket holding every gradient, or
 with `--bucket_mb 25` DDP's buckets (25 MiB, the first one 1 MiB), handed to the hook one after the other.
 
-- `W=1`: `compress_locally` and the hook in one process: the sender's work (error feedback, scales, codes, message)
+- `W=1`: `compress_locally` and the hook in one process: the sender's work (error feedback, codes, message)
   and the decode of its own message; collectives are no-ops.
 - `W=2`: two processes under torchrun (gloo, one thread each): the real hook, in both modes, and on the same buckets
   torch's `fp16_compress_hook` and `powerSGD_hook` (rank 4, error feedback, warm start; timed after its start
@@ -19,9 +18,7 @@ with `--bucket_mb 25` DDP's buckets (25 MiB, the first one 1 MiB), handed to the
   as DDP runs it. For torch's hooks the collectives are timed by wrapping
   `torch.distributed.all_reduce` (made synchronous for the measurement).
 
-The codec's kernels are compiled (`--compile false`: eager); the one-off compile time is printed. Without gradient
-scales by default, as `GRPOConfig`; `--scales adam` reads them from an Adam-like `exp_avg_sq` (what `GRPOTrainer`
-reads from AdamW), `--scales ema` from the state's own EMA.
+The codec's kernels are compiled (`--compile false`: eager); the one-off compile time is printed.
 
 Prints one markdown table: median milliseconds per step, and per million gradient entries: `codec` (wall time
 outside collectives) and `CPU` (CPU time of the hook's thread, collectives included: the work itself, which the load
@@ -50,11 +47,6 @@ from tests.testing_utils import FakeBucket  # noqa: E402 - the test helpers, kep
 class SpeedArguments:
     density: float = field(default=1.0, metadata={"help": "Top-k kept fraction of every compressed tensor."})
     bits: int = field(default=8, metadata={"help": "Bits per sent value (8 is GRPOConfig's default; 2 is ternary)."})
-    scales: str = field(
-        default="off",
-        metadata={"help": "Gradient scales from: adam (an optimizer's exp_avg_sq), ema (our EMA), off.",
-                  "choices": ["adam", "ema", "off"]},
-    )  # fmt: skip
     compile: bool = field(default=True, metadata={"help": "Compile the codec's kernels (false: eager)."})
     baselines: bool = field(default=True, metadata={"help": "Also time torch's fp16 and PowerSGD r4 hooks (W>1)."})
     steps: int = field(default=10, metadata={"help": "Timed steps per measurement (after 2 untimed ones)."})
@@ -108,13 +100,6 @@ def smollm2_model(args):
 MODELS = {"tiny Llama h256 x4": llama_model, "SmolLM2 LoRA r=8": lora_model, "SmolLM2-135M (full)": smollm2_model}
 
 
-class _AdamLike:
-    """What `GRPOCommState.attach_optimizer` reads of an optimizer: `state[p]["exp_avg_sq"]`."""
-
-    def __init__(self, params, generator):
-        self.state = {p: {"exp_avg_sq": torch.rand(p.shape, generator=generator).to(p.device)} for p in params}
-
-
 def _grads(params, rank, device):
     generator = torch.Generator().manual_seed(rank)
     return [torch.randn(p.shape, generator=generator).mul_(1e-3).to(device) for p in params]
@@ -145,12 +130,7 @@ def measure(model, plan, args, mode: str, hook: bool, device) -> tuple[float, fl
     """
     model.to(device)
     params = list(model.parameters())
-    state = GRPOCommState(
-        plan, mode=mode, dense_warmup_steps=1, scale_gradients=args.scales != "off", compile_codec=args.compile
-    )
-    if args.scales == "adam":
-        state.attach_optimizer(_AdamLike(params, torch.Generator().manual_seed(7)))
-    state.bind(model)
+    state = GRPOCommState(plan, mode=mode, dense_warmup_steps=1, compile_codec=args.compile).bind(model)
     grads = _grads(params, state.rank, device)
     times, comm, cpu = [], [], []
     for step in range(args.steps + 2):
@@ -288,7 +268,7 @@ def main():
     compile_s = max((row[9] for row in measured), default=0.0)
     load = os.getloadavg()
     lines = [
-        f"density {args.density}, {args.bits} bits, scales {args.scales}, codec "
+        f"density {args.density}, {args.bits} bits, codec "
         f"{'compiled' if args.compile else 'eager'} (first compile {compile_s:.1f} s), {args.device}, "
         f"{f'{args.bucket_mb:g} MiB buckets' if args.bucket_mb else 'one bucket'}, median of "
         f"{args.steps} steps; W=1 with {args.threads} thread(s), W>1 one thread per rank; load average "

@@ -121,7 +121,6 @@ def worker(job_path: str) -> None:
                     "comm_window_keys": len(comm.traffic.window),
                     "bucket_layouts": len(comm.layouts),
                     "residual_rows": comm.residuals.num_rows,
-                    "square_rows": comm.squares.num_rows,
                     "residual_vectors": len(comm.residuals.values),
                     "comm_state_bytes": sum(comm.memory_bytes().values()),
                 },

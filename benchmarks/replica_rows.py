@@ -13,7 +13,7 @@ Rows, by name (`S` = the launch's world size / `R`), for `benchmarks/suite.py co
 Bytes count the replicate dimension only (the shard dimension is a machine's own link): HSDP's all-reduce of this rank's
 local shard of every gradient, `2 (R − 1) / R × 4 n_local` per step (`bf16` HSDP: half), and the sync's own count
 (`grpo/comm/bytes_sent`). Under `bench_step_cost.py --link_gbit` the emulated link carries the replicate dimension only:
-the sync's collectives (GRPO's `Collectives`) and HSDP's all-reduce (an all-reduce hook on every FSDP2 unit waits for
+the sync's collectives (GRPO's `Communicator`) and HSDP's all-reduce (an all-reduce hook on every FSDP2 unit waits for
 it); FSDP2's reduce-scatters and all-gathers inside a replica run at loopback speed.
 """
 
@@ -114,7 +114,7 @@ def delay_hsdp_all_reduce(model, replicas: int, link) -> None:
     """
     from torch.distributed.fsdp import FSDPModule
 
-    from grpo_hf.compression.collectives import EmulatedLink
+    from benchmarks.emulated_link import EmulatedLink
     from grpo_hf.compression.traffic import allreduce_bytes
 
     def hook(output):

@@ -124,12 +124,29 @@ def errors() -> str:
 SUITE_ROWS = {  # what each row of the comm suite is, for the tables
     "dense": "dense fp32 all-reduce (DDP's own)",
     "fp16": "torch's `fp16_compress_hook`",
-    "q8s": "8-bit codes, scaled by AdamW's `exp_avg_sq`",
     "q8": "8-bit codes, block absmax only",
-    "q4s": "4-bit codes, scaled by AdamW's `exp_avg_sq`",
     "q4": "4-bit codes, block absmax only",
     "powersgd-r4": "torch's `powerSGD_hook`, rank 4",
 }
+# Rows whose setting was measured worse and removed since: the README's summaries leave them out and say so; the full
+# per-task tables of docs/ keep their figures as records (the result files stay).
+REMOVED_ROWS = {
+    "q8s": "gradient scales, `grpo_scale_gradients`",
+    "q4s": "gradient scales, `grpo_scale_gradients`",
+    "mini": "Adam-mini's blocks, as `grpo_optimizer_state` presets",
+    "mini8": "Adam-mini's blocks, as `grpo_optimizer_state` presets",
+}
+
+
+def _removed_note(rows, where: str) -> list[str]:
+    """One sentence naming the removed rows among `rows`, and where their figures stay."""
+    by_setting: dict[str, list[str]] = {}
+    for row in sorted(row for row in rows if row in REMOVED_ROWS):
+        by_setting.setdefault(REMOVED_ROWS[row], []).append(f"`{row}`")
+    if not by_setting:
+        return []
+    named = "; ".join(f"{' and '.join(names)} ({setting})" for setting, names in by_setting.items())
+    return ["", f"Measured too, then removed with their setting: {named}. Their figures stay in {where}."]
 
 
 def _suite(name: str = "suite_comm", root: Path = RESULTS) -> tuple[dict, dict]:
@@ -169,6 +186,7 @@ def suite_summary() -> str:
             f"{worst_task} {per_task[worst_task]['geomean']:.3f} | {worst_seed:.3f} | "
             f"{min(steady):.1f}–{max(steady):.1f}× |"
         )
+    lines += _removed_note(dict.fromkeys(r for rows in summary.values() for r in rows), "docs/compression.md")
     lines += [
         "",
         f"`{_command(meta)}` ({meta['date']}, {meta['machine']}); per task: [compression](docs/compression.md).",
@@ -395,7 +413,8 @@ def memory_summary() -> str:
     """
     sweep, meta = sweep_summary(RESULTS / "suite_memory")
     tasks = [t for t in FULL_FINE_TUNES if t in sweep and sweep[t]]
-    rows = dict.fromkeys(name for t in tasks for name in sweep[t])
+    measured = dict.fromkeys(name for t in tasks for name in sweep[t])
+    rows = [name for name in measured if name not in REMOVED_ROWS]
     best_peer = {t: min(sweep[t][n]["geomean"] for n in MEMORY_PEERS if n in sweep[t]) for t in tasks}
     lines = [
         "| row | state / AdamW | optimizer step / AdamW | ppl / AdamW, best vs best: geomean over tasks (worst task) "
@@ -420,7 +439,8 @@ def memory_summary() -> str:
             f"{lr_grid.geomean(ratios):.3f} ({worst_task} {sweep[worst_task][name]['geomean']:.3f}) | "
             f"{max(versus_best):.3f} | {max(e['worst'] for e in entries):.3f} |"
         )
-    seeds = sorted({len(sweep[t][n]["best_vs_best"]) for t in tasks for n in sweep[t]})
+    seeds = sorted({len(sweep[t][n]["best_vs_best"]) for t in tasks for n in rows if n in sweep[t]})
+    lines += _removed_note(measured, "docs/memory.md")
     lines += ["", f"Full fine-tunes: {', '.join(tasks)} ({'/'.join(map(str, seeds))} seeds at each row's best); "
               "`ppl / best of the four`: the worst task's ratio to the best of AdamW, 8-bit AdamW, Adafactor and "
               "Adam-mini there. Every figure per task, the LoRA task and the commands: [memory](docs/memory.md)."]  # fmt: skip

@@ -24,7 +24,7 @@ from .checkpoints import STATE_FILE, STATE_VERSION, restore_grpo_state, write_gr
 from .compression.transport import CommState
 from .cost.callback import CostCallback
 from .engines import OptimizerStepProbe, local_tensor, process_rank
-from .errors import GRPOError
+from .errors import GRPOError, warn_once
 from .group_stats import GroupStatistics
 from .grouping import ParameterGroup
 from .importance import ImportanceState
@@ -37,12 +37,6 @@ LOAD_BALANCE_STD_TARGET = 0.15
 UPDATE_LATENCY_P99_MS_TARGET = 50.0
 # Timings of the compression state's per-window stats: measured, so reported at the end of training, not per step.
 MEASURED_COMM_KEYS = ("grpo/comm/hook_ms",)
-
-
-def _warn_once(warned: set[str], key: str, message: str) -> None:
-    if key not in warned:
-        warned.add(key)
-        logger.warning(message)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -373,7 +367,8 @@ class StepMetrics:
         balance = imp.load_balance_std()
         self.add("grpo/load_balance_std", balance)
         if imp.steps > imp.warmup_steps and balance > LOAD_BALANCE_STD_TARGET:
-            _warn_once(
+            warn_once(
+                logger,
                 self._warned,
                 "balance",
                 f"GRPO load balance: the parameter-weighted std of the applied LR multipliers is {balance:.3f}, above "
@@ -403,19 +398,19 @@ class StepMetrics:
         if self.latencies_ms:
             p99 = float(torch.quantile(torch.tensor(list(self.latencies_ms), dtype=torch.float64), 0.99))
             out["grpo/update_latency_p99_ms"] = p99
-            if p99 > UPDATE_LATENCY_P99_MS_TARGET and "latency" not in self._warned:
-                self._warned.add("latency")
+            if p99 > UPDATE_LATENCY_P99_MS_TARGET:
                 said = (
                     f"GRPO update latency p99 is {p99:.1f} ms (end of backward to end of optimizer.step), above the "
                     f"article's target of {UPDATE_LATENCY_P99_MS_TARGET:.0f} ms"
                 )
                 if accelerator:
-                    logger.warning(
-                        f"{said}: gradient clipping, GRPO's group norms and the optimizer step take that long. A "
-                        "fused optimizer (optim='adamw_torch_fused') shortens the step."
+                    said += (
+                        ": gradient clipping, GRPO's group norms and the optimizer step take that long. A fused "
+                        "optimizer (optim='adamw_torch_fused') shortens the step."
                     )
                 else:
-                    logger.info(f"{said} (measured on CPU; the target is an accelerator's).")
+                    said += " (measured on CPU; the target is an accelerator's)."
+                warn_once(logger, self._warned, "latency", said, logging.WARNING if accelerator else logging.INFO)
         if comm_state is not None:
             totals = comm_state.totals()
             if totals.get("steps"):

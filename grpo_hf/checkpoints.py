@@ -162,8 +162,6 @@ STEP_CODEC_SETTINGS = (
     "grpo_compression",
     "grpo_bits",
     "grpo_density",
-    "grpo_scale_gradients",
-    "grpo_scale_clip",
     "grpo_min_compress_numel",
     "grpo_fsdp_error_feedback",
 )
@@ -295,7 +293,7 @@ def describe_codec(settings: dict | None, family: str | None) -> str:
         parts.append(f"density {settings.get('grpo_density')}")
     if "quantize" in kind:
         parts.append(f"{settings.get('grpo_bits')} bits")
-    if settings.get("grpo_scale_gradients"):
+    if settings.get("grpo_scale_gradients"):  # (a checkpoint written before the scales were removed)
         parts.append("scaled by exp_avg_sq")
     return ", ".join(parts)
 
@@ -307,8 +305,6 @@ def _relevant(name: str, saved: dict, ours: dict) -> bool:
         return any("sparse" in str(s.get("grpo_compression")) for s in either)
     if name == "grpo_bits":
         return any("sparse" != str(s.get("grpo_compression")) for s in either)
-    if name == "grpo_scale_clip":
-        return any(s.get("grpo_scale_gradients") for s in either)
     if name == "grpo_sync_chunk":
         return any(s.get("grpo_sync_density") not in (None, 1, 1.0) for s in either)
     return True
@@ -331,7 +327,8 @@ def resume_changes(folder: str, args, comm_mode: str | None = "estimate") -> dic
         `None` when it has no run summary), `refused` and `applied` (`{name: [checkpoint's, this run's]}`),
         `learning_rate` (`{"schedule": the checkpoint's peak, "requested": args.learning_rate, "checkpoint": the
         learning_rate the checkpoint's run was given}`), `codec`
-        (`{"checkpoint": ..., "run": ...}`, [`describe_codec`]).
+        (`{"checkpoint": ..., "run": ...}`, [`describe_codec`]), `removed` (`{"name=value": why}`: what the
+        checkpoint's run used that this version removed and this run would have to continue).
     """
     from .config import grpo_field_names
 
@@ -358,6 +355,7 @@ def resume_changes(folder: str, args, comm_mode: str | None = "estimate") -> dic
         target[name] = pair
     rate = checkpoint_learning_rate(folder)
     requested = getattr(args, "learning_rate", None)
+    removed = _removed_settings(saved or {}, saved_family == ours_family == "step")
     training = ((_read_json(os.path.join(folder, RUN_SUMMARY)) or {}).get("recipe") or {}).get("training") or {}
     return {
         "checkpoint": os.fspath(folder),
@@ -365,6 +363,7 @@ def resume_changes(folder: str, args, comm_mode: str | None = "estimate") -> dic
         "settings": saved,
         "refused": refused,
         "applied": applied,
+        "removed": removed,
         "learning_rate": {"schedule": rate, "requested": requested, "checkpoint": training.get("learning_rate")},
         "codec": {
             "checkpoint": describe_codec(saved, saved_family) if saved is not None else None,
@@ -373,10 +372,29 @@ def resume_changes(folder: str, args, comm_mode: str | None = "estimate") -> dic
     }
 
 
+def _removed_settings(saved: dict, both_compress: bool) -> dict[str, str]:
+    """
+    What the checkpoint's run (its `grpo_run.json` settings, `saved`) used that this version removed, `{"name=value":
+    why}`: gradient scales while both runs compress at every step (its codec cannot go on), an optimizer state preset
+    (its state cannot be loaded into another layout).
+    """
+    from .choices import SCALES_REMOVED
+    from .optim.layout import REMOVED_PRESETS
+
+    removed = {}
+    if both_compress and saved.get("grpo_scale_gradients") is True:
+        removed["grpo_scale_gradients=True"] = SCALES_REMOVED
+    state = saved.get("grpo_optimizer_state")
+    if state in REMOVED_PRESETS:
+        removed[f"grpo_optimizer_state={state!r}"] = REMOVED_PRESETS[state]
+    return removed
+
+
 def check_resume_settings(folder: str, args, comm_mode: str | None = "estimate", warn: bool = True) -> dict:
     """
     Refuse, or apply and say once, what differs between this run's settings and the checkpoint's
-    ([`resume_changes`]): a codec setting while both runs compress alike, or the importance score, is one
+    ([`resume_changes`]): a setting this version removed that the checkpoint's run used (one error saying why), a
+    codec setting while both runs compress alike, or the importance score, is one
     [`~grpo_hf.errors.CheckpointError`] naming every such setting (before the Trainer loads anything); every other
     changed `grpo_*` / `cost_*` setting applies from the next step, and with `warn` (on the main process) one
     warning names them all, and another `learning_rate` than the checkpoint's run was given: the Trainer will not use
@@ -391,6 +409,12 @@ def check_resume_settings(folder: str, args, comm_mode: str | None = "estimate",
     """
     changes = resume_changes(folder, args, comm_mode)
     step = changes["step"]
+    if changes["removed"]:
+        said = " ".join(f"{setting}: {why}" for setting, why in changes["removed"].items())
+        raise CheckpointError(
+            f"{folder} was written with settings this version no longer runs. {said} Resume it with the grpo_hf "
+            "version that wrote it, or start a new run (another output_dir) from the checkpoint's model."
+        )
     if changes["refused"]:
         listed = "; ".join(f"{n} {_shown(a)} -> {_shown(b)}" for n, (a, b) in changes["refused"].items())
         flags = " ".join(f"--{n} {a}" for n, (a, _) in changes["refused"].items())

@@ -24,6 +24,7 @@ from .choices import (
     DEFAULT_SYNC_MOMENTS,
     DEFAULT_SYNC_RAMP,
     ERROR_FEEDBACK_CHOICES,
+    SCALES_REMOVED,
     SYNC_BITS_CHOICES,
     SYNC_DTYPE_CHOICES,
     SYNC_GLOBAL_DEVICE_CHOICES,
@@ -41,7 +42,6 @@ from .compression.spec import (
     DEFAULT_MODE,
     num_kept,
 )
-from .compression.state import DEFAULT_SCALE_BETA, DEFAULT_SCALE_GRADIENTS
 from .cost import CostSettings
 from .cost.prices import CostFields
 from .engines import check_backends
@@ -142,16 +142,6 @@ class GRPOConfig(CostFields, TrainingArguments):
             `"allgather"` (every rank's message to every rank: per-rank bytes grow as `W - 1`), `"allreduce"`
             (compressed reduce-scatter with error feedback on the owners of each chunk, then an all-gather: per-rank
             bytes flat in `W`), or `"auto"`: `"allgather"` at 2 workers, `"allreduce"` above.
-        grpo_scale_gradients (`bool`, *optional*, defaults to `False`):
-            Compress each gradient entry relative to its own scale (`sqrt` of AdamW's `exp_avg_sq`, or of an EMA of its
-            squared averaged value, identical on every rank) instead of its block's largest magnitude alone, so that
-            small coordinates keep their precision, as Adam sees them. Off by default: on the benchmark suite the
-            8-bit codes kept dense quality without scales and lost it with them (`docs/compression.md`).
-        grpo_scale_beta (`float`, *optional*, defaults to `0.99`):
-            EMA factor of the squared gradients behind those scales.
-        grpo_scale_clip (`float`, *optional*):
-            With gradient scales: at most this many of its scales per entry and step are sent, the rest waits in the
-            residual. `None`: no cap.
         grpo_dense_warmup_steps (`int`, *optional*, defaults to `2`):
             Optimizer steps sent dense before compression starts (DDP rebuilds its buckets after step 1).
         grpo_fsdp_error_feedback (`str`, *optional*, defaults to `"none"`):
@@ -296,21 +286,20 @@ class GRPOConfig(CostFields, TrainingArguments):
 
         The names these four fields had before (`grpo_outer_lr`, `grpo_outer_momentum`, `grpo_outer_dtype`,
         `grpo_outer_control`) are deprecated aliases, accepted for one more release with a `FutureWarning`
-        ([`DEPRECATED_FIELDS`]).
+        ([`DEPRECATED_FIELDS`]). Settings that were measured and removed (`grpo_scale_gradients`, `grpo_scale_beta`,
+        `grpo_scale_clip`) are refused, whatever their value, with one error that says why ([`REMOVED_FIELDS`]).
 
     Parameters that control the optimizer's memory (see `docs/memory.md` and [`~grpo_hf.optim`]):
 
         grpo_optimizer_state (`str`, *optional*, defaults to `"full"`):
             `"full"`: the optimizer the arguments choose (`optim`), with its own state, as the Trainer builds it.
             Otherwise GRPO's [`~grpo_hf.optim.GroupedAdamW`] with AdamW's settings (`learning_rate`, `adam_beta1`,
-            `adam_beta2`, `adam_epsilon`, `weight_decay`) keeps less state, chosen per group: `"mini"` (one second
-            moment per attention head in Q/K, per output row in V/O, FFN, embeddings and the output layer; Adam-mini's
-            blocks), `"mini8"` (`"mini"` with the large groups' first moment in 8-bit codes), `"factored8"` (the large
+            `adam_beta2`, `adam_epsilon`, `weight_decay`) keeps less state, chosen per group: `"factored8"` (the large
             groups' second moment factored into row and column means, Adafactor's estimate, and their first moment in
-            8-bit codes). A group file's `state`
-            and `state_bits` override the preset per group. Norms, biases, LoRA and tensors under
-            `grpo_min_state_numel` entries keep a full state. Needs `optim` `"adamw_torch"` (or `"adamw_torch_fused"`);
-            refused under DeepSpeed. What each setting measured, in state bytes and quality: `docs/memory.md`.
+            8-bit codes). A group file's `state` and `state_bits` override the preset per group. Norms, biases, LoRA
+            and tensors under `grpo_min_state_numel` entries keep a full state. Needs `optim` `"adamw_torch"` (or
+            `"adamw_torch_fused"`); refused under DeepSpeed. What each setting measured, in state bytes and quality:
+            `docs/memory.md` (`"mini"` and `"mini8"`, Adam-mini's blocks, were measured there and removed).
         grpo_min_state_numel (`int`, *optional*, defaults to `4096`):
             Tensors with fewer entries keep a full fp32 state whatever `grpo_optimizer_state` says.
 
@@ -426,24 +415,6 @@ class GRPOConfig(CostFields, TrainingArguments):
             "help": "'allgather' (bytes per rank grow with the number of workers), 'allreduce' (flat in the number "
             "of workers, error feedback on the chunk owners too) or 'auto' (allgather at 2 workers, allreduce above).",
             "choices": list(COMM_MODE_CHOICES),
-        },
-    )
-    grpo_scale_gradients: bool = field(
-        default=DEFAULT_SCALE_GRADIENTS,
-        metadata={
-            "help": "Compress each gradient entry relative to its own running scale (AdamW's exp_avg_sq, the same on "
-            "every rank), so that small coordinates keep their precision as Adam sees them; off: block absmax only."
-        },
-    )
-    grpo_scale_beta: float = field(
-        default=DEFAULT_SCALE_BETA,
-        metadata={"help": "EMA factor in [0, 1) of the squared gradients behind the scales."},
-    )
-    grpo_scale_clip: float | None = field(
-        default=None,
-        metadata={
-            "help": "With gradient scales: at most this many of its scales per entry and step are sent, the rest waits "
-            "in the residual (None: no cap)."
         },
     )
     grpo_dense_warmup_steps: int = field(
@@ -655,15 +626,26 @@ class GRPOConfig(CostFields, TrainingArguments):
         metadata={"help": "Deprecated: the old name of grpo_sync_outer_only (removed in the next release)."},
     )
 
+    # --- removed settings: refused with the reason (see REMOVED_FIELDS) ---
+    grpo_scale_gradients: bool | None = field(
+        default=None, metadata={"help": "Removed (measured worse: benchmarks/LOG.md); setting it is an error."}
+    )
+    grpo_scale_beta: float | None = field(
+        default=None, metadata={"help": "Removed with grpo_scale_gradients; setting it is an error."}
+    )
+    grpo_scale_clip: float | None = field(
+        default=None, metadata={"help": "Removed with grpo_scale_gradients; setting it is an error."}
+    )
+
     # --- optimizer state (grpo_hf.optim) ---
+    # (No argparse "choices": a removed preset, 'mini' or 'mini8', reaches check_optimizer_state and its own error.)
     grpo_optimizer_state: str = field(
         default=DEFAULT_OPTIMIZER_STATE,
         metadata={
-            "help": "'full': the optimizer optim chooses, with its own state. Otherwise GRPO's AdamW keeping less state, "
-            "per group: "
+            "help": f"One of {', '.join(repr(name) for name in OPTIMIZER_STATE_CHOICES)}. 'full': the optimizer optim "
+            "chooses, with its own state. Otherwise GRPO's AdamW keeping less state, per group: "
             + "; ".join(f"'{name}': {preset.help}" for name, preset in STATE_PRESETS.items())
             + " A group file's state / state_bits override it per group (docs/memory.md).",
-            "choices": list(OPTIMIZER_STATE_CHOICES),
         },
     )
     grpo_min_state_numel: int = field(
@@ -684,14 +666,22 @@ DEPRECATED_FIELDS = {
     "grpo_outer_dtype": "grpo_sync_global_dtype",
     "grpo_outer_control": "grpo_sync_outer_only",
 }
+# Removed field -> why, and what runs instead: set to any value (as a deprecated name is said whatever its value), one
+# ConfigError. Kept as fields (default None) so that Python, a recipe file and the command line all reach that error.
+REMOVED_FIELDS = {
+    "grpo_scale_gradients": SCALES_REMOVED,
+    "grpo_scale_beta": SCALES_REMOVED,
+    "grpo_scale_clip": SCALES_REMOVED,
+}
 
 
 def grpo_field_names() -> list[str]:
     """
     Names of the fields that `GRPOConfig` adds to `TrainingArguments`: the `grpo_*` fields, then the `cost_*` ones (the
-    deprecated names of [`DEPRECATED_FIELDS`] left out: they are no settings of their own).
+    deprecated names of [`DEPRECATED_FIELDS`] and the removed ones of [`REMOVED_FIELDS`] left out: they are no
+    settings of their own).
     """
-    base = {f.name for f in dataclasses.fields(TrainingArguments)} | set(DEPRECATED_FIELDS)
+    base = {f.name for f in dataclasses.fields(TrainingArguments)} | set(DEPRECATED_FIELDS) | set(REMOVED_FIELDS)
     names = [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in base]
     return sorted(names, key=lambda name: name.startswith("cost_"))  # stable: declaration order within each
 
@@ -729,11 +719,16 @@ def _field_kinds() -> dict[str, tuple[type | None, bool]]:
 def _resolve_deprecated_fields(args) -> None:
     """
     A deprecated field that is set ([`DEPRECATED_FIELDS`]) gives its value to the field of its new name, with a
-    `FutureWarning`, and is set back to `None` (so that a second check warns no more).
+    `FutureWarning`, and is set back to `None` (so that a second check warns no more). A removed field that is set
+    ([`REMOVED_FIELDS`]) is refused.
 
     Raises:
-        [`~grpo_hf.errors.ConfigError`]: both names set, to different values.
+        [`~grpo_hf.errors.ConfigError`]: both names set, to different values; a removed field set.
     """
+    for name, why in REMOVED_FIELDS.items():
+        value = getattr(args, name, None)
+        if value is not None:
+            raise ConfigError(f"{name}={value!r}: {why} Drop {name} from your settings.")
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     for old, new in DEPRECATED_FIELDS.items():
         value = getattr(args, old, None)
@@ -756,7 +751,7 @@ def _resolve_deprecated_fields(args) -> None:
 def _check_types(args) -> None:
     """
     The type of every boolean and numeric field `GRPOConfig` adds, by name, whatever built the object (Python, a JSON
-    or YAML config, the command line): a quoted number (`grpo_scale_clip="4"`), a list or a bool where a number
+    or YAML config, the command line): a quoted number (`grpo_density="0.1"`), a list or a bool where a number
     belongs is refused here, instead of failing later without the field's name.
     """
     for name, (kind, optional) in _field_kinds().items():
@@ -775,8 +770,6 @@ def _check_types(args) -> None:
 # The compression's settings as `check_comm_settings` names them, and their fields.
 _COMM_FIELDS = {
     "dense_warmup_steps": "grpo_dense_warmup_steps",
-    "scale_beta": "grpo_scale_beta",
-    "scale_clip": "grpo_scale_clip",
     "error_feedback": "grpo_fsdp_error_feedback",
 }
 # The sync's settings as `check_sync_settings` names them, and their fields.
@@ -1022,8 +1015,6 @@ def validate_grpo_fields(args) -> None:
     try:  # checked where the compression states check their arguments, by the fields' names
         check_comm_settings(
             dense_warmup_steps=args.grpo_dense_warmup_steps,
-            scale_beta=args.grpo_scale_beta,
-            scale_clip=args.grpo_scale_clip,
             error_feedback=args.grpo_fsdp_error_feedback,
             name=_COMM_FIELDS.get,
         )

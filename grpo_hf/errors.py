@@ -1,5 +1,5 @@
 """Every error class of grpo_hf: the input errors (one base class, one subclass per kind of input, each naming the
-culprit), the Hub's, and the energy meters'.
+culprit), the Hub's, and the energy meters'; and [`warn_once`], the one way grpo_hf says a warning once.
 
 Every input error is a `ValueError`, so code that catches the Trainer's `ValueError`s keeps working; the `grpo-hf`
 command line catches [`GRPOInputError`] once and prints its message (what is wrong, where, how to fix it) as one
@@ -22,6 +22,8 @@ Not input errors: [`GRPOError`] (a run that cannot go on, e.g. steps with NaN/In
 row), [`HubError`] (no token, a refused token, an unreachable Hub) and [`EnergyMeterUnavailable`] (an
 energy meter cannot measure on this machine; [`~grpo_hf.cost.make_energy_meter`] falls back to the next one).
 """
+
+import logging
 
 
 class GRPOInputError(ValueError):
@@ -78,6 +80,17 @@ class GRPOError(RuntimeError):
 
 class EnergyMeterUnavailable(RuntimeError):
     """Raised by an energy meter's constructor when it cannot measure on this machine; the message says why."""
+
+
+def warn_once(logger: logging.Logger, said: set, key, message: str, level: int = logging.WARNING) -> None:
+    """
+    Log `message` (a warning; `level` as `logging`'s levels) the first time `key` is seen in `said`, which then holds
+    it: once per state, per run or per process, as long as `said` lives. Keyed, not by the message as transformers'
+    `logger.warning_once`, because a message names its step or value and must still be said once.
+    """
+    if key not in said:
+        said.add(key)
+        logger.log(level, message)
 
 
 __all__ = [

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .choices import SUPPORTED_BITS
-from .errors import GroupConfigError
+from .errors import GroupConfigError, warn_once
 
 
 logger = logging.getLogger(__name__)
@@ -231,11 +231,13 @@ def parse_group_config(config: dict, source: str = "<dict>") -> GroupSpec:
             f"{where}split_by_shape={config['split_by_shape']!r} is not a boolean; use true or false."
         )
     rules = [_rule_from_dict(entry, where) for entry in config["groups"]]
-    if not rules and source not in _WARNED_EMPTY:  # once per file: the config and the trainer both read it
-        _WARNED_EMPTY.add(source)
-        logger.warning(
+    if not rules:  # once per file: the config and the trainer both read it
+        warn_once(
+            logger,
+            _WARNED_EMPTY,
+            source,
             f"{where}the 'groups' list is empty: every trainable parameter lands in the group '{DEFAULT_GROUP}' (one "
-            "learning rate, one compression setting). Add rules, or use a preset such as grpo_groups='semantic'."
+            "learning rate, one compression setting). Add rules, or use a preset such as grpo_groups='semantic'.",
         )
     names = [r.name for r in rules]
     duplicates = sorted({n for n in names if names.count(n) > 1})

@@ -402,8 +402,23 @@ VALUE_CASES = {
         ConfigError,
         ("fsdp_config={'version': 'fsdp2'}",),
     ),
-    "scale-clip-quoted": Case(
-        lambda tmp: config(grpo_scale_clip="4"), ConfigError, ("grpo_scale_clip='4'", "use a number")
+    "peak-tflops-quoted": Case(
+        lambda tmp: config(cost_peak_tflops="4"), ConfigError, ("cost_peak_tflops='4'", "use a number")
+    ),
+    # settings measured and removed: one error saying why, however they are given
+    "removed-scale-gradients": Case(
+        lambda tmp: config(grpo_scale_gradients=True),
+        ConfigError,
+        ("grpo_scale_gradients=True", "benchmarks/LOG.md", "Drop grpo_scale_gradients"),
+    ),
+    "removed-scale-clip-recipe": Case(
+        train(recipe=TINY + "grpo_scale_clip: 4\n"), RecipeError, ("r.yaml", "grpo_scale_clip=4", "removed")
+    ),
+    "removed-scale-gradients-command-line": Case(
+        train("--grpo_scale_gradients", "false"), RecipeError, ("grpo_scale_gradients=False", "removed")
+    ),
+    "removed-optimizer-state": Case(
+        train("--grpo_optimizer_state", "mini"), RecipeError, ("grpo_optimizer_state='mini'", "'factored8'")
     ),
     "link-gbps-quoted": Case(
         lambda tmp: config(cost_link_gbps="10"), ConfigError, ("cost_link_gbps='10'", "use a number")

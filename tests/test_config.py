@@ -112,7 +112,7 @@ def test_disabled_backend_values_pass(grpo_config):
         ("grpo_lr_scale_min", float("nan"), r"grpo_lr_scale_min=nan: use a number"),
         ("cost_pue", 0.5, r"cost_pue"),
         # a JSON or YAML config that quotes a number, or gives a list: named, before any other check
-        ("grpo_scale_clip", "4", r"grpo_scale_clip='4': use a number \(a quoted string"),
+        ("cost_peak_tflops", "4", r"cost_peak_tflops='4': use a number \(a quoted string"),
         ("cost_link_gbps", "10", r"cost_link_gbps='10': use a number"),
         ("cost_num_workers", 2.5, r"cost_num_workers=2.5: use a whole number"),
         ("cost_device_power_watts", [300], r"cost_device_power_watts=\[300\]: use a number"),
@@ -145,8 +145,8 @@ def test_validate_grpo_fields_works_on_any_namespace():
 
 
 def test_numbers_that_may_be_none_take_none_and_numbers(grpo_config):
-    config = grpo_config(grpo_scale_clip=4, cost_num_workers=None, cost_device_power_watts=300)
-    assert (config.grpo_scale_clip, config.cost_num_workers, config.cost_device_power_watts) == (4, None, 300)
+    config = grpo_config(cost_peak_tflops=4, cost_num_workers=None, cost_device_power_watts=300)
+    assert (config.cost_peak_tflops, config.cost_num_workers, config.cost_device_power_watts) == (4, None, 300)
 
 
 def test_the_docstring_documents_every_field_with_its_default():
@@ -220,3 +220,35 @@ def test_the_old_names_of_the_sync_fields_still_work_and_warn(grpo_config, old, 
     with pytest.warns(FutureWarning, match=old):  # the command line and a recipe (HfArgumentParser) take it too
         (parsed,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses([*argv, f"--{old}", str(value)])
     assert getattr(parsed, new) == value
+
+
+# --- settings measured and removed: one error, whatever the value --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("grpo_scale_gradients", True),
+        ("grpo_scale_gradients", False),
+        ("grpo_scale_clip", 4.0),
+        ("grpo_scale_beta", 0.99),
+    ],
+)
+def test_a_removed_setting_is_one_error_saying_why(grpo_config, name, value):
+    from transformers import HfArgumentParser
+
+    from grpo_hf.config import REMOVED_FIELDS
+
+    assert name in REMOVED_FIELDS and name not in grpo_field_names() and getattr(grpo_config(), name) is None
+    message = rf"{name}={value!r}: the gradient scales .* measured worse .*benchmarks/LOG.md.* Drop {name}"
+    with pytest.raises(ConfigError, match=message):
+        grpo_config(**{name: value})
+    argv = ["--output_dir", "unused", "--use_cpu", "true", f"--{name}", str(value)]
+    with pytest.raises(ConfigError, match=message):  # the command line and a recipe (HfArgumentParser) too
+        HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(argv)
+
+
+@pytest.mark.parametrize("preset", ["mini", "mini8"])
+def test_a_removed_optimizer_state_is_one_error_naming_what_to_use(grpo_config, preset):
+    with pytest.raises(ConfigError, match=rf"grpo_optimizer_state='{preset}': Adam-mini's blocks .*Use 'factored8'"):
+        grpo_config(grpo_optimizer_state=preset)

@@ -178,8 +178,6 @@ def _check_hook_results(results: list[dict]) -> None:
             tolerance = 1e-2 if key.startswith("fake_bf16") else 2**-6
             assert record["conservation_max_err"] < tolerance, key
             assert record["warmup_max_err"] < (1e-2 if key.startswith("fake_bf16") else 1e-6), key
-            if key.startswith("fake_adam"):
-                assert record["ema_bytes"] == 0, key  # the optimizer's exp_avg_sq are the scales
             assert record["dense_mean_max_err"] < (0.1 if key.startswith("fake_bf16") else 1e-5), key
             assert record["bytes_sent"] < record["bytes_dense_fp32"], key
             if key.startswith("nonfinite"):

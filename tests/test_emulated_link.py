@@ -1,5 +1,6 @@
-"""The emulated slow link of the step-cost benchmark: GRPO's `Communicator` (`grpo_hf/compression/communicator.py`) and the
-baselines' DDP hooks (`benchmarks/emulated_link.py`) complete no earlier than the link carries their bytes."""
+"""The emulated slow link of the step-cost benchmark (`benchmarks/emulated_link.py`): GRPO's `Communicator`
+(`grpo_hf/compression/communicator.py`, its hook point `EMULATED_LINK`) and the baselines' DDP hooks complete no earlier
+than the link carries their bytes."""
 
 import time
 
@@ -8,8 +9,9 @@ import torch
 import torch.distributed as dist
 from testing_utils import free_port
 
-from grpo_hf.compression import collectives, communicator
-from grpo_hf.compression.communicator import EmulatedLink, ProcessGroupCommunicator
+from benchmarks.emulated_link import LINK_ENV, EmulatedLink, install
+from grpo_hf.compression import communicator
+from grpo_hf.compression.communicator import ProcessGroupCommunicator
 
 
 @pytest.fixture
@@ -75,16 +77,27 @@ def test_link_carries_one_transfer_at_a_time():
 
 
 def test_link_from_environment(monkeypatch):
-    monkeypatch.delenv(collectives.LINK_ENV, raising=False)
+    monkeypatch.delenv(LINK_ENV, raising=False)
     assert EmulatedLink.from_environment() is None
-    monkeypatch.setenv(collectives.LINK_ENV, "")
+    monkeypatch.setenv(LINK_ENV, "")
     assert EmulatedLink.from_environment() is None
-    monkeypatch.setenv(collectives.LINK_ENV, "2.5")
+    monkeypatch.setenv(LINK_ENV, "2.5")
     assert EmulatedLink.from_environment().bytes_per_second == 2.5e9 / 8
     for bad in ("fast", "0", "-1"):
-        monkeypatch.setenv(collectives.LINK_ENV, bad)
-        with pytest.raises(ValueError, match=collectives.LINK_ENV):
+        monkeypatch.setenv(LINK_ENV, bad)
+        with pytest.raises(ValueError, match=LINK_ENV):
             EmulatedLink.from_environment()
+
+
+def test_install_gives_the_environments_link_to_the_communicators_made_after(monkeypatch):
+    monkeypatch.setattr(communicator, "EMULATED_LINK", None)
+    assert ProcessGroupCommunicator().link is None  # training: no link
+    monkeypatch.setenv(LINK_ENV, "2.5")
+    link = install()
+    assert communicator.EMULATED_LINK is link and ProcessGroupCommunicator().link is link
+    assert ProcessGroupCommunicator(emulated=False).link is None  # a machine's own link is not emulated
+    monkeypatch.delenv(LINK_ENV)
+    assert install() is None and ProcessGroupCommunicator().link is None
 
 
 def test_delayed_ddp_hook_completes_after_the_link():
@@ -119,7 +132,7 @@ def test_ddp_steps_wait_for_the_emulated_link(tmp_path):
 
     from testing_utils import ROOT, TESTS, run_torchrun
 
-    env = {collectives.LINK_ENV: "0.04", "GRPO_HF_COMPILE_CODEC": "0"}  # 5 MB/s: 0.21 s per step for DDP's 1.05 MB
+    env = {LINK_ENV: "0.04", "GRPO_HF_COMPILE_CODEC": "0"}  # 5 MB/s: 0.21 s per step for DDP's 1.05 MB
     run = run_torchrun(TESTS / "distributed" / "emulated_link_ddp.py", tmp_path, env=env, cwd=ROOT, timeout=240)
     assert run.returncode == 0, run.logs()
     for rank in range(2):

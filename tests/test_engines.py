@@ -16,7 +16,8 @@ from grpo_hf import ConfigError
 from grpo_hf.callbacks import GRPOCallback
 from grpo_hf.checkpoints import restore_grpo_state, write_grpo_state
 from grpo_hf.compression.codec import compile_kernels
-from grpo_hf.compression.exchange import decode_rows, encode_rows, poison_rows, row_message_nbytes
+from grpo_hf.compression.codes import code_for
+from grpo_hf.compression.exchange import decode_rows, encode_rows
 from grpo_hf.compression.fsdp import FSDP_MODE, FSDPCommState, reduce_scatter_bytes
 from grpo_hf.compression.spec import CodecSpec
 from grpo_hf.engines import (
@@ -54,11 +55,11 @@ def _decode(messages, numel, bits, block_size):
 
 
 def _poison(messages, bad_rows, numel, bits, block_size):
-    poison_rows(CodecSpec(bits=bits, block_size=block_size), messages, bad_rows)
+    code_for(CodecSpec(bits=bits, block_size=block_size)).poison_rows(messages, bad_rows)
 
 
 def message_nbytes(numel, bits, block_size=128):
-    return row_message_nbytes(CodecSpec(bits=bits, block_size=block_size), numel)
+    return code_for(CodecSpec(bits=bits, block_size=block_size)).row_nbytes(numel)
 
 
 # --- settings ------------------------------------------------------------------------------------------------------

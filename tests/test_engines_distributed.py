@@ -16,7 +16,7 @@ import pytest
 import torch
 from testing_utils import ROOT, run_accelerate_launch, run_torchrun
 
-from grpo_hf.compression.exchange import row_message_nbytes
+from grpo_hf.compression.codes import code_for
 from grpo_hf.compression.spec import CodecSpec
 
 
@@ -121,7 +121,7 @@ def test_compressed_runs_agree_and_count_their_bytes(pieces, setting):
                 assert record["residual_nbytes"] == 2 * record["residual_entries"]
             else:  # stored as 8-bit blocks: the message format
                 assert record["residual_nbytes"] == sum(
-                    row_message_nbytes(CodecSpec(bits=8), n // 2) for n in record["flat_sizes"]
+                    code_for(CodecSpec(bits=8)).row_nbytes(n // 2) for n in record["flat_sizes"]
                 )
 
 

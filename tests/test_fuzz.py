@@ -127,7 +127,7 @@ RECIPE_FIELDS = {
     "grpo_bits": plausible("8", 4, "auto", 3),
     "grpo_compression": plausible("auto", "none", "quantize", "sparse+quantize", "zip"),
     "grpo_lr_ratios": plausible({"*lora_B": 4}, {"embedings": 0.5}, '{"qk": 2}', "{qk: 2"),
-    "grpo_scale_clip": plausible(None, 4, "4"),
+    "cost_peak_tflops": plausible(None, 4, "4"),
     "grpo_importance": plausible(True, False, "yes"),
     "cost_link_gbps": plausible(10, "10", -1),
     "cost_num_workers": plausible(None, 2, 2.5),

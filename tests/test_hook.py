@@ -16,7 +16,7 @@ from grpo_hf.compression import CodecSpec, GRPOCommState, compress_locally, comp
 from grpo_hf.compression.codec import SAFE_MAGNITUDE, compile_kernels
 from grpo_hf.compression.layout import bucket_layout, chunk_bounds
 from grpo_hf.compression.plan import resolve_compression, resolve_mode
-from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes, alltoall_bytes, broadcast_bytes
+from grpo_hf.compression.traffic import allgather_bytes, allreduce_bytes, alltoall_bytes
 
 
 SHAPES = {"attn": (40, 30), "mlp": (1000,), "norm": (64,)}
@@ -106,7 +106,6 @@ def test_compression_plan_defaults_are_the_trainer_defaults():
     state = GRPOCommState(plan)
     assert state.mode == resolve_mode(config.grpo_comm_mode, 2)
     assert state.dense_warmup_steps == config.grpo_dense_warmup_steps
-    assert state.scale_gradients == config.grpo_scale_gradients and state.scale_beta == config.grpo_scale_beta
 
 
 def test_resolve_auto_settings():
@@ -130,8 +129,6 @@ def test_invalid_arguments():
         GRPOCommState(PLAN, dense_warmup_steps=-1)
     with pytest.raises(ValueError, match="simulated_world_size"):
         GRPOCommState(PLAN, simulated_world_size=0)
-    with pytest.raises(ValueError, match="scale_beta"):
-        GRPOCommState(PLAN, scale_beta=1.0)
     with pytest.raises(ValueError, match="compression_plan"):
         GRPOCommState({"attn": (0.1, 4)})  # the old (density, bits) tuples: one place decides, the plan
 
@@ -165,7 +162,7 @@ def test_hook_needs_bind(params):
 def test_ring_byte_formulas():
     assert allreduce_bytes(100, 2) == 100 and allreduce_bytes(100, 4) == 150 and allreduce_bytes(100, 1) == 0
     assert allgather_bytes(10, 4) == 30 and allgather_bytes(10, 1) == 0
-    assert broadcast_bytes(100, 4) == 75 and alltoall_bytes(100, 4) == 75
+    assert alltoall_bytes(100, 4) == 75
 
 
 @pytest.mark.parametrize("count, world_size", [(0, 2), (5, 3), (1, 2), (10, 3), (10, 8), (3, 4)])
@@ -219,22 +216,21 @@ def test_owned_blocks_partition_each_run(world_size):
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_warmup_steps_pass_gradients_through(params, mode):
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=2, scale_gradients=True).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=2).bind(params)
     for step in range(2):
         g = grads(step)
         out = run_step(state, params, g)
         for name in SHAPES:
             assert torch.equal(out[name], g[name])
     assert state.residuals.values == {} and state.step == 2
-    assert state.scale_updates == 2 and set(state.squares.values) == {"attn", "mlp"}  # scales learn from warm-up
     stats = state.pop_stats()
     assert stats["grpo/comm/dense_steps"] == 2 and stats["grpo/density"] == 1.0
 
 
 def test_allgather_mode_is_the_codec(params):
-    """Without gradient scales the hook sends, for each tensor, what the codec makes of its padded row."""
+    """The hook sends, for each tensor, what the codec makes of its padded row."""
     plan = {"attn": CodecSpec(1.0, 4), "mlp": CodecSpec(1.0, 8), "norm": None}
-    state = GRPOCommState(plan, mode="allgather", dense_warmup_steps=0, scale_gradients=False).bind(params)
+    state = GRPOCommState(plan, mode="allgather", dense_warmup_steps=0).bind(params)
     kernels = compile_kernels(False)
     residuals = {name: torch.zeros(-(-torch.Size(SHAPES[name]).numel() // 128), 128) for name in ("attn", "mlp")}
     for step in range(3):
@@ -244,8 +240,8 @@ def test_allgather_mode_is_the_codec(params):
         for name in ("attn", "mlp"):
             numel = g[name].numel()
             row = torch.nn.functional.pad(g[name].reshape(-1), (0, residuals[name].numel() - numel)).view(-1, 128)
-            codes, absmax, new = kernels.encode(row, residuals[name].bfloat16(), None, plan[name].bits)
-            decoded = kernels.decode([codes], [absmax], None, plan[name].bits, 1)[0]
+            codes, absmax, new = kernels.encode(row, residuals[name].bfloat16(), plan[name].bits)
+            decoded = kernels.decode([codes], [absmax], plan[name].bits, 1)
             assert torch.equal(out[name].reshape(-1), decoded.view(-1)[:numel])
             assert torch.equal(residual(state, name), new.float().view(-1)[:numel])
             residuals[name] = new.float()
@@ -253,9 +249,9 @@ def test_allgather_mode_is_the_codec(params):
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_error_feedback_conserves_gradient_mass(params, mode):
-    """What was averaged plus what every residual keeps is what came in (up to fp32 rounding of the scales)."""
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1, scale_gradients=True).bind(params)
-    run_step(state, params, grads(0), layout=(("attn",), ("norm", "mlp")))  # warm-up: the scales' first estimate
+    """What was averaged plus what every residual keeps is what came in (up to the bf16 rounding of the residuals)."""
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1).bind(params)
+    run_step(state, params, grads(0), layout=(("attn",), ("norm", "mlp")))  # warm-up
     for step in range(1, 4):
         kept = {n: _kept(state, n) for n in ("attn", "mlp")}
         g = grads(step, scale=10.0**step)
@@ -278,22 +274,9 @@ def _kept(state, name):
 
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
-def test_gradient_scales_follow_the_averaged_gradients(params, mode):
-    beta = 0.9
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1, scale_beta=beta, scale_gradients=True).bind(params)
-    g0, g1 = grads(0), grads(1)
-    run_step(state, params, g0)
-    torch.testing.assert_close(state.squares.values["attn"], (1 - beta) * g0["attn"].reshape(-1) ** 2)
-    out = run_step(state, params, g1)
-    expected = beta * (1 - beta) * g0["attn"].reshape(-1) ** 2 + (1 - beta) * out["attn"].reshape(-1) ** 2
-    torch.testing.assert_close(state.squares.values["attn"], expected)
-    assert "norm" not in state.squares.values and state.scale_updates == 2
-
-
-@pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_buckets(params, mode, dtype):
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0, scale_gradients=True).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0).bind(params)
     g = grads()
     out = run_step(state, params, g, dtype=dtype)
     assert all(t.dtype == dtype for t in out.values())
@@ -303,7 +286,7 @@ def test_half_precision_buckets(params, mode, dtype):
 
 
 def test_buckets_wait_for_the_last_one(params):
-    state = GRPOCommState(PLAN, dense_warmup_steps=0, scale_gradients=True).bind(params)
+    state = GRPOCommState(PLAN, dense_warmup_steps=0).bind(params)
     g = grads()
     first = FakeBucket([params["attn"]], [g["attn"]], index=0, last=False)
     future = grpo_comm_hook(state, first)
@@ -315,11 +298,10 @@ def test_buckets_wait_for_the_last_one(params):
 
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
-def test_nonfinite_step_is_sent_dense_and_keeps_residuals_and_scales(params, mode, caplog):
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0, scale_gradients=True).bind(params)
+def test_nonfinite_step_is_sent_dense_and_keeps_residuals(params, mode, caplog):
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0).bind(params)
     run_step(state, params, grads(0), layout=(("attn",), ("norm", "mlp")))
     before = {n: r.clone() for n, r in state.residuals.values.items()}
-    squares = {n: r.clone() for n, r in state.squares.values.items()}
     g = grads(1)
     g["mlp"][7] = float("nan")
     with caplog.at_level(logging.WARNING, logger="grpo_hf.compression.state"):
@@ -330,7 +312,6 @@ def test_nonfinite_step_is_sent_dense_and_keeps_residuals_and_scales(params, mod
     assert torch.isnan(out["mlp"][7]) and torch.equal(out["mlp"][:7], g["mlp"][:7])  # raw, dense
     assert torch.equal(out["attn"], g["attn"])  # the bucket before the NaN one went out raw too
     assert all(torch.equal(state.residuals.values[n], before[n]) for n in before)
-    assert all(torch.equal(state.squares.values[n], squares[n]) for n in squares)
     assert caplog.text.count("NaN/Inf") == 1  # warned once
     stats = state.pop_stats()
     assert stats["grpo/comm/dense_steps"] == 2 and state.totals()["dense_steps"] == 2
@@ -377,7 +358,7 @@ def test_a_bucket_of_dense_tensors_only_is_sent_dense_beside_compressed_ones(par
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_state_dict_round_trip_is_exact(params, mode):
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1, scale_gradients=True).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1).bind(params)
     for step in range(3):
         run_step(state, params, grads(step))
     buffer = io.BytesIO()
@@ -385,10 +366,9 @@ def test_state_dict_round_trip_is_exact(params, mode):
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
     assert set(saved["residuals"]) == {"attn", "mlp"} and saved["step"] == 3
-    assert set(saved["squares"]) == {"attn", "mlp"} and saved["scale_updates"] == 3
     assert all(r.device.type == "cpu" and r.dtype == torch.bfloat16 for r in saved["residuals"].values())
 
-    restored = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1, scale_gradients=True)
+    restored = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=1)
     restored.load_state_dict(saved)
     restored.bind(params)
     assert restored.totals() == state.totals()
@@ -396,7 +376,7 @@ def test_state_dict_round_trip_is_exact(params, mode):
         g = grads(step)
         a, b = run_step(state, params, g), run_step(restored, params, g, layout=(("mlp",), ("attn", "norm")))
         assert all(torch.equal(a[n], b[n]) for n in SHAPES)
-    for store in ("residuals", "owner_residuals", "squares"):
+    for store in ("residuals", "owner_residuals"):
         mine, theirs = getattr(state, store).values, getattr(restored, store).values
         assert set(mine) == set(theirs) and all(torch.equal(mine[n], theirs[n]) for n in mine)
 
@@ -437,7 +417,7 @@ def backward(model, seed=0):
 def test_compress_locally_sparsifies_grads_with_error_feedback(mode):
     model = tiny_test_llama()
     plan = llama_plan(model)
-    state = GRPOCommState(plan, mode=mode, dense_warmup_steps=1, scale_gradients=False)
+    state = GRPOCommState(plan, mode=mode, dense_warmup_steps=1)
     backward(model)
     raw = {n: p.grad.clone() for n, p in model.named_parameters()}
     compress_locally(state, model)  # warm-up: untouched
@@ -480,7 +460,7 @@ def test_compress_locally_counts_allgather_bytes_exactly(bits):
 
     model = tiny_test_llama()
     plan = llama_plan(model, "quantize", bits=bits)
-    state = GRPOCommState(plan, mode="allgather", dense_warmup_steps=0, simulated_world_size=4, scale_gradients=False)
+    state = GRPOCommState(plan, mode="allgather", dense_warmup_steps=0, simulated_world_size=4)
     backward(model)
     layout = _bucket_of(model, plan)
     payload = sum(BlockMessages(run.spec).fixed_nbytes(run.num_blocks) for run in layout.runs)
@@ -503,7 +483,7 @@ def test_compress_locally_counts_data_dependent_sizes(compression, bits):
         model = tiny_test_llama()
         plan = llama_plan(model, compression, density=0.2, bits=bits)
         state = GRPOCommState(plan, mode="allgather", dense_warmup_steps=0, simulated_world_size=world_size,
-                              scale_gradients=False)  # fmt: skip
+)  # fmt: skip
         backward(model)
         layout = _bucket_of(model, plan)
         compress_locally(state, model)
@@ -606,7 +586,7 @@ def test_trainer_single_process_applies_sparse_updates(tmp_path):
     assert logs[0]["grpo/comm/dense_steps"] == 2  # default dense warm-up
 
 
-# --- gradient scales from the optimizer, memory, the compiled codec -------------------------------------------------
+# --- memory, the compiled codec ------------------------------------------------------------------------------------
 
 ALIGNED = {"w": (128, 16), "v": (256, 8), "norm": (64,)}  # whole blocks: one in-place run spanning nothing dense
 
@@ -624,69 +604,22 @@ def _aligned_step(state, params, seed):
     return g, dict(zip(names, [t.clone() for t in bucket.gradients()]))
 
 
-def test_scales_come_from_the_optimizer_exp_avg_sq():
-    params = _aligned()
-    plan = {"w": CodecSpec(1.0, 8), "v": CodecSpec(1.0, 8), "norm": None}
-    optimizer = torch.optim.AdamW(params.parameters(), lr=1e-3)
-    state = GRPOCommState(plan, dense_warmup_steps=1, scale_gradients=True).attach_optimizer(optimizer).bind(params)
-    for step in range(3):
-        exp_avg_sq = {n: optimizer.state[p]["exp_avg_sq"].clone() for n, p in params.items() if p in optimizer.state}
-        residuals = {n: state.residuals.values[n].clone() for n in ("w", "v")} if step > 1 else None
-        g, out = _aligned_step(state, params, step)
-        for p, name in zip(params.values(), params):
-            p.grad = out[name].clone()
-        optimizer.step()
-        if step == 0:  # warm-up: dense; no EMA of our own is kept while an optimizer is attached... after its step
-            continue
-        assert state.squares.values == {} and state.memory_bytes()["squares"] == 0
-        kernels = compile_kernels(False)
-        row = torch.cat([g["w"].reshape(-1), g["v"].reshape(-1)]).view(-1, 128)
-        squares = torch.cat([exp_avg_sq["w"].reshape(-1), exp_avg_sq["v"].reshape(-1)]).view(-1, 128)
-        residual = (
-            torch.zeros(row.shape, dtype=torch.bfloat16)
-            if residuals is None
-            else torch.cat([residuals["w"], residuals["v"]]).view(-1, 128)
-        )
-        scale = kernels.scales(squares)
-        codes, absmax, new_residual = kernels.encode(row, residual, scale, 8)
-        expected = kernels.decode([codes], [absmax], scale, 8, 1)[0].view(-1)
-        assert torch.equal(torch.cat([out["w"].reshape(-1), out["v"].reshape(-1)]), expected)
-        assert torch.equal(state.residuals.values["w"], new_residual.view(-1)[:2048])
-
-
-def _three_steps_with(optimizer_class, **kwargs) -> GRPOCommState:
-    """Three hook steps (one dense) on `_aligned` parameters, with scales, the optimizer attached and stepping."""
-    params = _aligned()
-    plan = {"w": CodecSpec(1.0, 8), "v": CodecSpec(1.0, 8), "norm": None}
-    optimizer = optimizer_class(params.parameters(), lr=1e-3, **kwargs)
-    state = GRPOCommState(plan, dense_warmup_steps=1, scale_gradients=True).attach_optimizer(optimizer).bind(params)
-    for step in range(3):
-        _, out = _aligned_step(state, params, step)
-        for p, name in zip(params.values(), params):
-            p.grad = out[name].clone()
-        optimizer.step()
-    return state
-
-
-def test_optimizers_without_exp_avg_sq_fall_back_to_the_ema():
-    state = _three_steps_with(torch.optim.SGD, momentum=0.9)
-    # the EMA starts with compression (an attached optimizer is expected to provide the scales during the warm-up)
-    assert set(state.squares.values) == {"w", "v"} and state.scale_updates == 2
-    assert state.memory_bytes()["squares"] == 4 * (2048 + 2048)
-
-
 def test_state_memory_per_compressed_entry():
-    """bf16 residuals (2 bytes per entry) and nothing else that grows with the model once the optimizer provides the
-    scales; the work buffers hold one bucket's scales and messages."""
-    state = _three_steps_with(torch.optim.AdamW)
+    """bf16 residuals (2 bytes per entry) and nothing else that grows with the model; the work buffers hold one
+    bucket's messages (here one rank's: 32 blocks of 4 + 128 bytes)."""
+    params = _aligned()
+    plan = {"w": CodecSpec(1.0, 8), "v": CodecSpec(1.0, 8), "norm": None}
+    state = GRPOCommState(plan, dense_warmup_steps=1).bind(params)
+    for step in range(3):
+        _aligned_step(state, params, step)
     memory = state.memory_bytes()
-    assert memory["residuals"] == 2 * 4096 and memory["squares"] == memory["owner_residuals"] == 0
-    assert memory["workspace"] <= 4 * 4096 + 4096 + 4 * 32 + 16
+    assert memory["residuals"] == 2 * 4096 and memory["owner_residuals"] == 0
+    assert memory["workspace"] <= 4096 + 4 * 32 + 16
 
 
 @pytest.mark.parametrize("mode", ["allreduce", "allgather"])
 def test_huge_gradients_are_sent_dense_like_nonfinite_ones(params, mode):
-    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0, scale_gradients=True).bind(params)
+    state = GRPOCommState(PLAN, mode=mode, dense_warmup_steps=0).bind(params)
     run_step(state, params, grads(0))
     before = {n: r.clone() for n, r in state.residuals.values.items()}
     g = grads(1)
@@ -711,32 +644,6 @@ def test_compiled_hook_is_the_eager_hook(mode):
     for eager, compiled in zip(*outputs):
         for name in ALIGNED:
             torch.testing.assert_close(compiled[name], eager[name], rtol=1e-2, atol=1e-2)
-
-
-def test_trainer_can_hand_its_optimizer_to_the_state(tmp_path):
-    """What GRPOTrainer is to call once (`state.attach_optimizer(self.optimizer)` where it binds the state): the
-    AdamW behind Accelerate's wrapper then provides the scales, and no EMA of our own is kept."""
-    from datasets import Dataset
-
-    from grpo_hf import GRPOConfig, GRPOTrainer
-
-    class Wired(GRPOTrainer):
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            if self.grpo_comm_state is not None and self.grpo_comm_state.optimizer is None:
-                self.grpo_comm_state.attach_optimizer(self.optimizer)
-            return super().training_step(model, inputs, num_items_in_batch)
-
-    ids = torch.randint(0, 128, (32, 12), generator=torch.Generator().manual_seed(0)).tolist()
-    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=5, per_device_train_batch_size=4,
-                      report_to=[], save_strategy="no", disable_tqdm=True, grpo_compression="quantize",
-                      grpo_min_compress_numel=256, grpo_scale_gradients=True)  # fmt: skip
-    trainer = Wired(
-        model=tiny_test_llama(), args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids})
-    )
-    trainer.train()
-    state = trainer.grpo_comm_state
-    assert state.step == 5 and state.residuals.values and state.squares.values == {}
-    assert state.memory_bytes()["squares"] == 0 and state.sources  # the exp_avg_sq were found and used
 
 
 def test_a_plan_that_compresses_nothing_is_a_plain_all_reduce():
@@ -764,9 +671,9 @@ def test_owned_rows_are_taken_and_put_back_exactly(dtype, width, skew):
     `_take` / `_put` of many owned ranges (the allreduce mode's index path, words of 8 bytes where the rows allow) move
     exactly the rows `index_select` / `index_copy_` move, misaligned views (`skew`) and odd widths included.
     """
-    from grpo_hf.compression.layout import _MAX_SLICES
-    from grpo_hf.compression.layout import put_owned as _put
-    from grpo_hf.compression.layout import take_owned as _take
+    from grpo_hf.compression.owned import _MAX_SLICES
+    from grpo_hf.compression.owned import put_owned as _put
+    from grpo_hf.compression.owned import take_owned as _take
 
     generator = torch.Generator().manual_seed(0)
     storage = torch.randint(0, 100, (40 * width + skew,), generator=generator).to(dtype)

@@ -1,27 +1,22 @@
 """GroupedAdamW, the state layouts GRPO's groups choose, the moment reader and the state bytes."""
 
+import json
 import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from testing_utils import tiny_test_llama
+from testing_utils import block_state_groups, tiny_test_llama
 from transformers.optimization import Adafactor
 
 from grpo_hf.errors import ConfigError, GroupConfigError
-from grpo_hf.grouping import assign_groups, load_group_spec, parse_group_config
+from grpo_hf.grouping import assign_groups, parse_group_config
 from grpo_hf.optim import GroupedAdamW, StateLayout, resolve_layouts
 from grpo_hf.optim.builder import state_nbytes
-from grpo_hf.optim.grouped_adamw import dequantize_moment, quantize_moment
-from grpo_hf.optim.moments import (
-    averaging_refusal,
-    first_moment,
-    moment_numel,
-    per_entry_second_moment,
-    second_moment,
-    stored_moments,
-)
+from grpo_hf.optim.grouped_adamw import dequantize_moment
+from grpo_hf.optim.kernels import encode
+from grpo_hf.optim.moments import averaging_refusal, first_moment, moment_numel, stored_moments
 
 
 def _mlp(seed=0):
@@ -60,20 +55,6 @@ def test_full_state_is_torchs_adamw_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), reference.parameters()))
 
 
-@pytest.mark.parametrize("beta1", [None, 0.9])
-def test_factored_state_in_adafactors_form_is_transformers_adafactor_bit_for_bit(beta1):
-    reference = _mlp()
-    _train(
-        reference, Adafactor(reference.parameters(), lr=1e-2, beta1=beta1, scale_parameter=False, relative_step=False)
-    )
-    ours = _mlp()
-    bits = "0" if beta1 is None else "32"
-    optimizer = GroupedAdamW(_layouts(ours, f"factored/{bits}", f"full/{bits}"), lr=1e-2, betas=(beta1 or 0.0, 0.999),
-                             beta2_decay=-0.8, clip_threshold=1.0, momentum="update")  # fmt: skip
-    _train(ours, optimizer)
-    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), reference.parameters()))
-
-
 def _reference_block_step(param, grad, blocks, lr, beta1, beta2, eps, step, m, v):
     """AdamW with one second moment per block of rows (Adam-mini), written out for one step."""
     m = beta1 * m + (1 - beta1) * grad
@@ -107,7 +88,6 @@ def test_a_transposed_weight_keeps_one_second_moment_per_output_column():
     assert optimizer.state[weight]["exp_avg_sq"].shape == (8, 1)
     expected = weight.grad.pow(2).mean(dim=0) * (1 - 0.999)
     torch.testing.assert_close(optimizer.state[weight]["exp_avg_sq"].view(-1), expected)
-    assert second_moment(optimizer, weight).shape == weight.shape
 
 
 @pytest.mark.parametrize("layout", ["row/8", "row/16", "factored/8", "head:2/8", "row/0", "factored/32", "full/8"])
@@ -135,10 +115,6 @@ def test_bad_layouts_and_settings_are_refused():
         GroupedAdamW([{"params": [weight], "state_layouts": ["diagonal/32"]}])
     with pytest.raises(ValueError, match="1 parameters and 2 state_layouts"):
         GroupedAdamW([{"params": [weight], "state_layouts": ["full/32", "row/32"]}])
-    with pytest.raises(ValueError, match="momentum='both'"):
-        GroupedAdamW([weight], momentum="both")
-    with pytest.raises(ValueError, match="beta2_decay=0.8"):
-        GroupedAdamW([weight], beta2_decay=0.8)
 
 
 # --- 8-bit first moments --------------------------------------------------------------------------------------
@@ -152,8 +128,7 @@ def test_bad_layouts_and_settings_are_refused():
 def test_8bit_moments_are_finite_and_within_one_code_of_their_value(values, scale):
     x = torch.tensor(values, dtype=torch.float32) * scale
     padded = -(-x.numel() // 128) * 128
-    codes, scales = torch.zeros(padded, dtype=torch.int8), torch.zeros(padded // 128)
-    quantize_moment(x, codes, scales)
+    codes, scales = encode(torch.nn.functional.pad(x, (0, padded - x.numel())).view(-1, 128))
     y = dequantize_moment(codes, scales, x.numel())
     assert torch.isfinite(y).all() and torch.isfinite(scales).all()
     blocks = torch.nn.functional.pad(x, (0, padded - x.numel())).view(-1, 128)
@@ -165,8 +140,7 @@ def test_8bit_moments_are_finite_and_within_one_code_of_their_value(values, scal
 
 def test_8bit_moments_resolve_small_entries_of_a_block_finer_than_linear_codes():
     x = torch.tensor([1.0] + [1e-3] * 127)
-    codes, scales = torch.zeros(128, dtype=torch.int8), torch.zeros(1)
-    quantize_moment(x, codes, scales)
+    codes, scales = encode(x.view(1, 128))
     y = dequantize_moment(codes, scales, 128)
     assert y[1] > 0  # linear int8 codes would round 1e-3 of a block whose largest is 1 to 0 (step 1/127)
     assert abs(y[1] - 1e-3) / 1e-3 < 0.3
@@ -175,10 +149,15 @@ def test_8bit_moments_resolve_small_entries_of_a_block_finer_than_linear_codes()
 # --- layouts chosen by the groups -----------------------------------------------------------------------------
 
 
-def test_mini_layouts_follow_the_semantic_kinds_of_a_llama():
+def _block_groups(model, bits=32):
+    return assign_groups(model, parse_group_config(block_state_groups(bits)))
+
+
+def test_head_and_row_layouts_of_a_llama():
+    # a group file's state keys (Adam-mini's blocks): the head's rows from the config, a key head of GQA
     model = tiny_test_llama(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    groups = assign_groups(model, load_group_spec("semantic"))
-    layouts = resolve_layouts(model, groups, "mini", min_numel=0)
+    groups = _block_groups(model)
+    layouts = resolve_layouts(model, groups, "factored8", min_numel=0)
     layer = "model.layers.0."
     assert str(layouts[layer + "self_attn.q_proj.weight"]) == "head:8/32"  # 4 heads of 8 rows
     assert str(layouts[layer + "self_attn.k_proj.weight"]) == "head:8/32"  # GQA: 2 key heads of 8 rows
@@ -188,9 +167,9 @@ def test_mini_layouts_follow_the_semantic_kinds_of_a_llama():
     assert str(layouts["model.embed_tokens.weight"]) == "row/32"
     assert str(layouts["lm_head.weight"]) == "row/32"
     assert str(layouts[layer + "input_layernorm.weight"]) == "full/32"  # 1-D
-    small = resolve_layouts(model, groups, "mini")  # the default floor: 4,096 entries
+    small = resolve_layouts(model, groups, "factored8")  # the default floor: 4,096 entries
     assert str(small[layer + "self_attn.q_proj.weight"]) == "full/32"  # 1,024 entries
-    eight = resolve_layouts(model, groups, "mini8", min_numel=0)
+    eight = resolve_layouts(model, _block_groups(model, 8), "factored8", min_numel=0)
     assert (
         str(eight[layer + "mlp.up_proj.weight"]) == "row/8"
         and str(eight[layer + "post_attention_layernorm.weight"]) == "full/32"
@@ -201,8 +180,7 @@ def test_gpt2s_conv1d_weights_keep_one_moment_per_output_column():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=16))
-    groups = assign_groups(model, load_group_spec("semantic"))
-    layouts = resolve_layouts(model, groups, "mini", min_numel=0)
+    layouts = resolve_layouts(model, _block_groups(model), "factored8", min_numel=0)
     assert str(layouts["transformer.h.0.attn.c_attn.weight"]) == "row^T/32"
     assert str(layouts["transformer.h.0.mlp.c_fc.weight"]) == "row^T/32"
     assert str(layouts["transformer.wte.weight"]) == "row/32"
@@ -212,8 +190,7 @@ def test_lora_and_a_head_that_does_not_split_keep_full_or_row_state():
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(tiny_test_llama(), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
-    groups = assign_groups(model, load_group_spec("semantic"))
-    layouts = resolve_layouts(model, groups, "mini8", min_numel=0)
+    layouts = resolve_layouts(model, _block_groups(model, 8), "factored8", min_numel=0)
     assert all(str(layout) == "full/32" for name, layout in layouts.items() if "lora_" in name)
     from grpo_hf.optim.layout import fit_layout
 
@@ -230,7 +207,7 @@ def test_a_group_files_state_keys_override_the_preset_and_bad_ones_are_refused()
         }  # fmt: skip
     )
     model = tiny_test_llama()
-    layouts = resolve_layouts(model, assign_groups(model, spec), "mini", min_numel=0)
+    layouts = resolve_layouts(model, assign_groups(model, spec), "factored8", min_numel=0)
     assert str(layouts["model.layers.0.mlp.up_proj.weight"]) == "factored/0"
     assert str(layouts["model.layers.0.self_attn.q_proj.weight"]) == "full/16"
     for entry, match in [({"state": "diag"}, "state='diag'"), ({"state_bits": 4}, "state_bits=4")]:
@@ -243,8 +220,8 @@ def test_a_group_files_state_keys_override_the_preset_and_bad_ones_are_refused()
 
 def test_state_bytes_are_counted_per_group_and_match_the_layouts():
     model = tiny_test_llama(tie_word_embeddings=False)
-    groups = assign_groups(model, load_group_spec("semantic"))
-    layouts = resolve_layouts(model, groups, "mini8", min_numel=0)
+    groups = _block_groups(model, 8)
+    layouts = resolve_layouts(model, groups, "factored8", min_numel=0)
     param_groups = [{"params": g.params, "state_layouts": [str(layouts[n]) for n in g.param_names], "grpo_group": g.name}
                     for g in groups]  # fmt: skip
     optimizer = GroupedAdamW(param_groups, lr=1e-3)
@@ -269,19 +246,15 @@ def test_the_moment_reader_reads_adamw_adafactor_and_grouped_state():
     adamw = torch.optim.AdamW([weight])
     adamw.step()
     assert first_moment(adamw, weight) is adamw.state[weight]["exp_avg"]
-    assert per_entry_second_moment(adamw, weight) is adamw.state[weight]["exp_avg_sq"]
     assert averaging_refusal(adamw, "first") is None
     factored = Adafactor([weight], lr=1e-3, scale_parameter=False, relative_step=False)
     factored.step()
-    assert first_moment(factored, weight) is None and second_moment(factored, weight).shape == (8, 6)
-    assert per_entry_second_moment(factored, weight) is None
+    assert first_moment(factored, weight) is None
     assert "beta1=None" in averaging_refusal(factored, "first") and averaging_refusal(factored, "second") is None
     assert [t.shape for t in stored_moments(factored, weight, "second")] == [(8,), (6,)]
     grouped = GroupedAdamW([{"params": [weight], "state_layouts": ["row/8"]}])
     grouped.step()
-    assert first_moment(grouped, weight).shape == (8, 6) and second_moment(grouped, weight).shape == (8, 6)
-    assert second_moment(grouped, weight).stride() == (1, 0)  # a view of the 8 row values, no copy
-    assert per_entry_second_moment(grouped, weight) is None
+    assert first_moment(grouped, weight).shape == (8, 6)
     assert "row/8" in averaging_refusal(grouped, "first") and averaging_refusal(grouped, "second") is None
     with pytest.raises(ValueError, match="no fp32 first moment"):
         stored_moments(grouped, weight, "first")
@@ -302,21 +275,29 @@ def _dataset(rows=32, length=16):
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
-@pytest.mark.parametrize("preset", ["mini", "mini8"])
-def test_grpo_trainer_builds_grouped_adamw_with_its_groups_and_ratios(preset, train_config):
+def _block_group_file(folder, bits: int) -> str:
+    path = folder / f"blocks{bits}.json"
+    path.write_text(json.dumps(block_state_groups(bits)))
+    return str(path)
+
+
+@pytest.mark.parametrize("blocks", [None, 8], ids=["factored8", "group-file-rows8"])
+def test_grpo_trainer_builds_grouped_adamw_with_its_groups_and_ratios(blocks, train_config, tmp_path):
     from grpo_hf import GRPOTrainer
 
     model = tiny_test_llama(tie_word_embeddings=False)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = train_config(grpo_optimizer_state=preset, grpo_min_state_numel=0, grpo_lr_ratios={"norms": 0.5},
-                        max_steps=4)  # fmt: skip
+    groups = {} if blocks is None else {"grpo_groups": _block_group_file(tmp_path, blocks)}
+    ratios = {"rest": 0.5} if blocks else {"norms": 0.5}
+    args = train_config(grpo_optimizer_state="factored8", grpo_min_state_numel=0, grpo_lr_ratios=ratios, max_steps=4,
+                        **groups)  # fmt: skip
     trainer = GRPOTrainer(model=model, args=args, train_dataset=_dataset())
     trainer.train()
     optimizer = trainer.optimizer.optimizer
     assert isinstance(optimizer, GroupedAdamW)
     assert {g["grpo_group"] for g in optimizer.param_groups} == {g.name for g in trainer.grpo_groups}
     layouts = {n: layout for g in optimizer.param_groups for n, layout in zip(g["param_names"], g["state_layouts"])}
-    assert layouts["model.layers.0.mlp.up_proj.weight"] == ("row/8" if preset == "mini8" else "row/32")
+    assert layouts["model.layers.0.mlp.up_proj.weight"] == ("row/8" if blocks else "factored/8")
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs and all(math.isfinite(h["loss"]) for h in logs)
@@ -324,9 +305,7 @@ def test_grpo_trainer_builds_grouped_adamw_with_its_groups_and_ratios(preset, tr
 
 def test_optimizer_state_settings_that_cannot_work_are_refused_before_any_work(train_config):
     with pytest.raises(ConfigError, match="optim='adafactor' is another optimizer"):
-        train_config(grpo_optimizer_state="mini", optim="adafactor")
-    with pytest.raises(ConfigError, match="grpo_scale_gradients=True with grpo_optimizer_state='mini'"):
-        train_config(grpo_optimizer_state="mini", grpo_scale_gradients=True)
+        train_config(grpo_optimizer_state="factored8", optim="adafactor")
     with pytest.raises(ConfigError, match="grpo_optimizer_state='tiny'"):
         train_config(grpo_optimizer_state="tiny")
     with pytest.raises(ConfigError, match="grpo_min_state_numel=-1"):
@@ -336,13 +315,13 @@ def test_optimizer_state_settings_that_cannot_work_are_refused_before_any_work(t
 # --- checkpoints ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", ["mini", "mini8", "factored8"])
-def test_a_resumed_run_continues_exactly_where_it_stopped(preset, tmp_path, train_config):
+@pytest.mark.parametrize("blocks", [None, 32, 8], ids=["factored8", "group-file-rows", "group-file-rows8"])
+def test_a_resumed_run_continues_exactly_where_it_stopped(blocks, tmp_path, train_config):
     from grpo_hf import GRPOTrainer
 
-    fields = dict(
-        grpo_optimizer_state=preset, grpo_min_state_numel=0, max_steps=6, save_strategy="steps", save_steps=3
-    )
+    groups = {} if blocks is None else {"grpo_groups": _block_group_file(tmp_path, blocks)}
+    fields = dict(grpo_optimizer_state="factored8", grpo_min_state_numel=0, max_steps=6, save_strategy="steps",
+                  save_steps=3, **groups)  # fmt: skip
     straight = GRPOTrainer(
         model=tiny_test_llama(), args=train_config(tmp_path / "a", **fields), train_dataset=_dataset()
     )
@@ -370,16 +349,19 @@ def test_a_checkpoint_of_another_optimizer_state_is_refused_before_any_step(tmp_
     GRPOTrainer(
         model=tiny_test_llama(), args=train_config(tmp_path / "full", **fields), train_dataset=_dataset()
     ).train()
+    rows, rows8 = {"grpo_groups": _block_group_file(tmp_path, 32)}, {"grpo_groups": _block_group_file(tmp_path, 8)}
     GRPOTrainer(
-        model=tiny_test_llama(), args=train_config(tmp_path / "mini", grpo_optimizer_state="mini", **fields),
+        model=tiny_test_llama(), args=train_config(tmp_path / "rows", grpo_optimizer_state="factored8", **fields, **rows),
         train_dataset=_dataset(),
     ).train()  # fmt: skip
-    for folder, setting, match in [
-        ("full", "mini", r"written with the optimizer's own full state \('full'\).*grpo_optimizer_state='mini'"),
-        ("mini", "full", r"written with GRPO's grouped state.*grpo_optimizer_state='full'"),
-        ("mini", "mini8", r"keeps model.embed_tokens.weight \(param group \d+\) as 'row/32', and this run as 'row/8'"),
-    ]:
-        args = train_config(tmp_path / "new", grpo_optimizer_state=setting, **{**fields, "max_steps": 4})
+    for folder, setting, extra, match in [
+        ("full", "factored8", {},
+         r"written with the optimizer's own full state \('full'\).*grpo_optimizer_state='factored8'"),
+        ("rows", "full", rows, r"written with GRPO's grouped state.*grpo_optimizer_state='full'"),
+        ("rows", "factored8", rows8,
+         r"keeps model.layers.0.self_attn.q_proj.weight \(param group \d+\) as 'head:8/32', and this run as 'head:8/8'"),
+    ]:  # fmt: skip
+        args = train_config(tmp_path / "new", grpo_optimizer_state=setting, **{**fields, "max_steps": 4, **extra})
         trainer = GRPOTrainer(model=tiny_test_llama(), args=args, train_dataset=_dataset())
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         with pytest.raises(CheckpointError, match=match):
@@ -446,12 +428,11 @@ def test_the_compiled_8bit_moment_kernel_computes_what_the_eager_one_does():
     codes = torch.randint(-127, 128, (64, 128), dtype=torch.int8)
     scales = torch.rand(64, 1)
     target = torch.randn(64, 128)
-    for lerp in (True, False):
-        eager = MomentKernel(False)(codes, scales, target, 0.9, lerp)
-        compiled = MomentKernel(True)(codes, scales, target, 0.9, lerp)
-        torch.testing.assert_close(compiled[0], eager[0])
-        assert (compiled[1].int() - eager[1].int()).abs().max() <= 1  # a code may round the other way by an ulp
-        torch.testing.assert_close(compiled[2], eager[2])
+    eager = MomentKernel(False)(codes, scales, target, 0.9)
+    compiled = MomentKernel(True)(codes, scales, target, 0.9)
+    torch.testing.assert_close(compiled[0], eager[0])
+    assert (compiled[1].int() - eager[1].int()).abs().max() <= 1  # a code may round the other way by an ulp
+    torch.testing.assert_close(compiled[2], eager[2])
 
 
 def test_the_trainers_adafactor_keeps_grpos_groups_and_ratios(train_config):

@@ -1,4 +1,5 @@
-"""`grpo_optimizer_state` under 2-process DDP with GRPO's codec: identical replicas and exact resume per preset."""
+"""`grpo_optimizer_state` under 2-process DDP with GRPO's codec: identical replicas and exact resume per preset, and a
+group file's per-row and per-head state (`blocks8`: Adam-mini's blocks, 8-bit first moments) on FSDP2 shards."""
 
 from pathlib import Path
 
@@ -8,7 +9,7 @@ from test_distributed import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-PRESETS = ("mini", "mini8", "factored8")
+PRESETS = ("factored8", "blocks8")  # blocks8: factored8 with testing_utils.block_state_groups(8) as the group file
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def fsdp2_runs(tmp_path_factory):
     return torchrun("optimizer_state_fsdp2.py", tmp_path_factory.mktemp("optimizer_state_fsdp2"), 2, timeout=600)
 
 
-@pytest.mark.parametrize("preset", ("mini", "mini8"))
+@pytest.mark.parametrize("preset", ("blocks32", "blocks8"))
 def test_on_fsdp2_shards_row_and_head_state_is_local_and_a_cut_head_falls_back_to_rows(fsdp2_runs, preset):
     for result in fsdp2_runs:
         record = result[preset]

@@ -16,7 +16,6 @@ from grpo_hf.compression.codes import code_for
 from grpo_hf.compression.communicator import Communicator
 from grpo_hf.compression.exchange import Exchange
 from grpo_hf.compression.layout import owned_blocks
-from grpo_hf.compression.layout import put_owned as _put
 from grpo_hf.compression.outer_sync import (
     OuterSyncState,
     fragment_offsets,
@@ -26,6 +25,7 @@ from grpo_hf.compression.outer_sync import (
     pack_fragments,
     ramp_points,
 )
+from grpo_hf.compression.owned import put_owned as _put
 from grpo_hf.compression.traffic import StepStats, allgather_bytes, allreduce_bytes, owner_reduction_bytes
 
 

@@ -141,8 +141,8 @@ def test_values_the_dataclasses_reject_name_the_recipe():
 
 def test_parse_overrides_returns_only_the_given_keys():
     assert parse_overrides([]) == {}
-    assert parse_overrides(["--grpo_scale_gradients", "--lora_target_modules", "q_proj", "v_proj"]) == {
-        "grpo_scale_gradients": True,
+    assert parse_overrides(["--grpo_importance", "--lora_target_modules", "q_proj", "v_proj"]) == {
+        "grpo_importance": True,
         "lora_target_modules": ["q_proj", "v_proj"],
     }
     assert parse_overrides(["--seed", "42"]) == {"seed": 42}  # given, even when equal to the default

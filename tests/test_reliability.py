@@ -90,8 +90,6 @@ def test_nonfinite_steps_are_skipped_and_poison_nothing(faults, setting):
         assert record["comm_totals"]["dense_steps"] == 2 + len(INJECTED) - 1  # step 1 is also a warm-up step
         compressed_steps = [s for s in range(3, 13) if s not in INJECTED]
         assert all(steps[s]["residuals"] != steps[s - 1]["residuals"] for s in compressed_steps)
-        # the scales are AdamW's exp_avg_sq (in the optimizer digest above): the state keeps no squares of its own
-        assert all(steps[s]["squares"] == steps[0]["squares"] for s in range(13))
         if setting == "allreduce":
             assert all(steps[s]["owner_residuals"] != steps[s - 1]["owner_residuals"] for s in compressed_steps)
 

@@ -25,11 +25,13 @@ def test_row_names_resolve_to_settings(suite):
         "kind": "grpo",
         "overrides": {"grpo_compression": "none"},
     }
-    assert suite.parse_row("comm", "q8s")["overrides"]["grpo_bits"] == "8"
+    assert suite.parse_row("comm", "q8")["overrides"]["grpo_bits"] == "8"
     assert suite.parse_row("comm", "powersgd-r4") == {"name": "powersgd-r4", "kind": "powersgd", "rank": 4}
-    assert suite.parse_row("comm", "grpo:grpo_bits=2;grpo_scale_beta=0.9")["overrides"] == {
-        "grpo_bits": "2", "grpo_scale_beta": "0.9"
+    assert suite.parse_row("comm", "grpo:grpo_bits=2;grpo_min_compress_numel=1024")["overrides"] == {
+        "grpo_bits": "2", "grpo_min_compress_numel": "1024"
     }  # fmt: skip
+    with pytest.raises(ValueError, match="unknown comm row 'q8s'"):
+        suite.parse_row("comm", "q8s")  # the gradient scales' rows went with grpo_scale_gradients
     assert suite.parse_row("lr", "trainer-lr0.5")["lr_factor"] == 0.5
     assert suite.parse_row("lr", "loraplus-16")["ratio"] == 16.0
     with pytest.raises(ValueError, match="unknown comm row 'q3'"):
@@ -43,7 +45,7 @@ def test_sync_rows_resolve_to_typed_settings(suite):
 
     row = suite.parse_row("comm", "sync16-q4-f4")["overrides"]
     assert row == {"grpo_sync_every": 16, "grpo_sync_fragments": 4, "grpo_sync_ramp": True,
-                   "grpo_compression": "quantize", "grpo_sync_bits": "4", "grpo_scale_gradients": False}  # fmt: skip
+                   "grpo_compression": "quantize", "grpo_sync_bits": "4"}  # fmt: skip
     assert suite.parse_row("comm", "sync16-fp32")["overrides"]["grpo_compression"] == "none"
     # `sync<H>` alone: GRPOConfig's defaults but the interval (the one knob a user sets)
     assert suite.parse_row("comm", "sync32")["overrides"] == {"grpo_sync_every": 32}
@@ -52,7 +54,7 @@ def test_sync_rows_resolve_to_typed_settings(suite):
     }  # fmt: skip
     assert suite.parse_row("comm", "sync32-q8-noramp-lr0.5-m0-bf16")["overrides"] == {
         "grpo_sync_every": 32, "grpo_sync_fragments": 1, "grpo_sync_ramp": False, "grpo_compression": "quantize",
-        "grpo_sync_bits": "8", "grpo_scale_gradients": False, "grpo_sync_outer_lr": 0.5, "grpo_sync_outer_momentum": 0.0,
+        "grpo_sync_bits": "8", "grpo_sync_outer_lr": 0.5, "grpo_sync_outer_momentum": 0.0,
         "grpo_sync_global_dtype": "bfloat16",
     }  # fmt: skip
     assert suite.parse_row("comm", "sync32-q8-lr1-m0-momboth")["overrides"]["grpo_sync_moments"] == "both"
@@ -63,7 +65,7 @@ def test_sync_rows_resolve_to_typed_settings(suite):
     for name, bits in (("sync160-q2-noramp-lr1-m0", "2"), ("sync160-qt-noramp-lr1-m0", "ternary")):
         assert suite.parse_row("comm", name)["overrides"] == {
             "grpo_sync_every": 160, "grpo_sync_fragments": 1, "grpo_sync_ramp": False, "grpo_compression": "quantize",
-            "grpo_sync_bits": bits, "grpo_scale_gradients": False, "grpo_sync_outer_lr": 1.0,
+            "grpo_sync_bits": bits, "grpo_sync_outer_lr": 1.0,
             "grpo_sync_outer_momentum": 0.0,
         }  # fmt: skip
     assert suite.parse_row("comm", "sync32-qt-f2-d1")["overrides"]["grpo_sync_delay"] == 1
@@ -146,16 +148,16 @@ def test_summary_compares_rows_on_shared_seeds(suite):
     results = {
         "task": {
             "dense": {0: _record(2.0, sent=400.0), 1: _record(2.1, sent=400.0)},
-            "q8s": {0: _record(2.0 + math.log(1.1)), 1: _record(2.1), 2: _record(9.0)},  # seed 2 has no baseline
+            "q8": {0: _record(2.0 + math.log(1.1)), 1: _record(2.1), 2: _record(9.0)},  # seed 2 has no baseline
         }
     }
-    summary = suite.summarize("comm", results, "dense")["task"]["q8s"]
+    summary = suite.summarize("comm", results, "dense")["task"]["q8"]
     assert summary["seeds"] == [0, 1]
     assert summary["ppl_ratio"] == pytest.approx({0: 1.1, 1: 1.0})
     assert summary["bytes_ratio"] == pytest.approx(4 * 400 / (2 * 400 + 2 * 100))  # whole run: warm-up included
     assert summary["steady_bytes_ratio"] == pytest.approx(4.0)
-    table = suite.markdown("comm", {"task": {"q8s": summary}}, "dense")
-    assert "| task | q8s | 2 | 1.049 | 1.100 |" in table and "1.6x | 4.0x" in table
+    table = suite.markdown("comm", {"task": {"q8": summary}}, "dense")
+    assert "| task | q8 | 2 | 1.049 | 1.100 |" in table and "1.6x | 4.0x" in table
 
 
 def _run_suite(*args, timeout=900):
@@ -169,15 +171,15 @@ def _run_suite(*args, timeout=900):
 @pytest.mark.slow  # two DDP launches and a tokenization of the corpus: ~1-2 min on 2 cores
 @pytest.mark.distributed
 def test_comm_suite_smoke(tmp_path):
-    _run_suite("comm", "--tasks", "llama-scratch", "--rows", "dense,q8s", "--seeds", "0", "--max_steps", "4",
+    _run_suite("comm", "--tasks", "llama-scratch", "--rows", "dense,q8", "--seeds", "0", "--max_steps", "4",
                "--scaling_world_sizes", "", "--output_dir", str(tmp_path))  # fmt: skip
     results = json.loads((tmp_path / "results.json").read_text())
-    q8s = results["summary"]["llama-scratch"]["q8s"]
-    assert 3.0 < q8s["steady_bytes_ratio"] < 4.5  # 8 bits and their scales against fp32
-    assert 0.8 < q8s["geomean"] < 1.25
-    record = json.loads((tmp_path / "results" / "llama-scratch" / "q8s-seed0.json").read_text())
+    q8 = results["summary"]["llama-scratch"]["q8"]
+    assert 3.0 < q8["steady_bytes_ratio"] < 4.5  # 8-bit codes and their block absmax against fp32
+    assert 0.8 < q8["geomean"] < 1.25
+    record = json.loads((tmp_path / "results" / "llama-scratch" / "q8-seed0.json").read_text())
     assert record["world_size"] == 2 and record["grpo_mode"] == "allgather" and record["grpo_totals"]["steps"] == 4
-    assert "| llama-scratch | q8s | 1 |" in (tmp_path / "report.md").read_text()
+    assert "| llama-scratch | q8 | 1 |" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.slow  # one process, three short runs with evaluations along the way

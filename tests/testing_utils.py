@@ -63,6 +63,22 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**values)
 
 
+def block_state_groups(bits: int = 32) -> dict:
+    """
+    A group file's content (a dict) that keeps Adam-mini's blocks in the large groups: one second moment per head in
+    Q/K, per output row in V/O, the FFN and the embeddings, the first moment in `bits` (the layouts of the removed
+    `mini` / `mini8` presets, which a group file's `state` keys still choose); everything else as the preset says.
+    """
+    return {
+        "groups": [
+            {"name": "attn_qk", "pattern": r"q_proj|k_proj", "state": "head", "state_bits": bits},
+            {"name": "blocks", "pattern": r"v_proj|o_proj|mlp|embed_tokens|lm_head|c_attn|c_proj|c_fc|wte",
+             "state": "row", "state_bits": bits},
+            {"name": "rest", "pattern": ".*"},
+        ]
+    }  # fmt: skip
+
+
 def tiny_test_llama(seed: int = 0, **overrides):
     """A randomly initialized `LlamaForCausalLM` of [`tiny_llama_config`]`(**overrides)`, seeded with `seed`."""
     from transformers import LlamaForCausalLM
@@ -307,14 +323,13 @@ CODEC_EXPONENTS = (-45, -44, -42, -40, -39, -38, -37, -36, -35, -30, -20, -10, -
 
 def codec_cases(max_blocks: int = 6, block: int = 128):
     """
-    A hypothesis strategy of `(grad, residual, squares)` CPU tensors of `[n, block]` rows for the encode kernel: each
-    block of the gradient and of the bf16 residual has its own magnitude (`10**e`, `e` from [`CODEC_EXPONENTS`],
-    or exactly zero), a share of exact zeros (`+0.0` and `-0.0`), and maybe one large entry among the tiny ones;
-    `squares` (gradient-scale estimates) is `None` or drawn the same way (non-negative).
+    A hypothesis strategy of `(grad, residual)` CPU tensors of `[n, block]` rows for the encode kernel: each block of
+    the gradient and of the bf16 residual has its own magnitude (`10**e`, `e` from [`CODEC_EXPONENTS`], or exactly
+    zero), a share of exact zeros (`+0.0` and `-0.0`), and maybe one large entry among the tiny ones.
     """
     from hypothesis import strategies as st
 
-    def tensor_of(draw, rows: int, seed: int, nonnegative: bool = False) -> torch.Tensor:
+    def tensor_of(draw, rows: int, seed: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed)
         out = torch.empty(rows, block, dtype=torch.float64)
         for row in range(rows):
@@ -325,7 +340,7 @@ def codec_cases(max_blocks: int = 6, block: int = 128):
             values[torch.rand(block, generator=generator) < 0.05] = -0.0
             if draw(st.booleans()):  # one large entry among tiny ones
                 values[draw(st.integers(0, block - 1))] = 10.0 ** draw(st.sampled_from(CODEC_EXPONENTS))
-            out[row] = values.abs() if nonnegative else values
+            out[row] = values
         return out.float()
 
     @st.composite
@@ -334,13 +349,12 @@ def codec_cases(max_blocks: int = 6, block: int = 128):
         seed = draw(st.integers(0, 2**31 - 1))
         grad = tensor_of(draw, rows, seed)
         residual = tensor_of(draw, rows, seed + 1).bfloat16() if draw(st.booleans()) else torch.zeros(rows, block)
-        squares = tensor_of(draw, rows, seed + 2, nonnegative=True) if draw(st.booleans()) else None
-        return grad, residual.bfloat16(), squares
+        return grad, residual.bfloat16()
 
     return cases()
 
 
-def check_codec_properties(kernels, grad, residual, squares, bits: int, device="cpu") -> None:
+def check_codec_properties(kernels, grad, residual, bits: int, device="cpu") -> None:
     """
     The encode and decode kernels' contract on one input (finite, below `SAFE_MAGNITUDE`), on `device`:
 
@@ -348,16 +362,15 @@ def check_codec_properties(kernels, grad, residual, squares, bits: int, device="
     - codes in range (8 bits: `[-127, 127]`; 4: `[-7, 7]`; 2: `{-1, 0, 1}`);
     - error feedback loses nothing but the residual's rounding: `|acc - decoded - residual|` within bf16's rounding
       of the residual (and fp32's of the sum), `acc = grad + residual`;
-    - at 8 and 4 bits each decoded entry lies within half a step of `acc` (in units of its scale), where the step is
+    - at 8 and 4 bits each decoded entry lies within half a step of `acc`, where the step is
       the block's `absmax / qmax`, or within `qmax * STEP_FLOOR` for a block sent as zeros (its step is subnormal).
     """
     from grpo_hf.compression.codec import _QMAX, STEP_FLOOR, _unpack
 
     grad, residual = grad.to(device), residual.to(device)
-    scale = None if squares is None else kernels.scales(squares.to(device))
     acc = grad.double() + residual.double()
-    codes, absmax, new_residual = kernels.encode(grad, residual.clone(), scale, bits)
-    decoded, _ = kernels.decode([codes], [absmax], scale, bits, 1)
+    codes, absmax, new_residual = kernels.encode(grad, residual.clone(), bits)
+    decoded = kernels.decode([codes], [absmax], bits, 1)
     for name, value in (("absmax", absmax), ("residual", new_residual), ("decoded", decoded)):
         assert torch.isfinite(value.float()).all(), f"{bits} bits: non-finite {name}"
     if bits in _QMAX:
@@ -369,13 +382,12 @@ def check_codec_properties(kernels, grad, residual, squares, bits: int, device="
     lost = (acc - decoded - new_residual).abs()
     rounding = (acc - decoded).abs() * 2.0**-8 + (acc.abs() + decoded.abs()) * 2.0**-22 + 2.0**-132
     assert (lost <= rounding).all(), f"{bits} bits: error feedback lost {float(lost.max()):.3g}"
-    if bits in _QMAX:  # in gradient units: half a step times the entry's scale, plus fp32's rounding of the values
-        scale64 = torch.ones_like(acc) if scale is None else scale.double()
-        step = (acc / scale64).abs().amax(dim=1, keepdim=True) / _QMAX[bits]
+    if bits in _QMAX:  # half a step, plus fp32's rounding of the values
+        step = acc.abs().amax(dim=1, keepdim=True) / _QMAX[bits]
         half_step = torch.maximum(step * (0.5 + 2.0**-20), torch.full_like(step, _QMAX[bits] * STEP_FLOOR))
         rounding = (acc.abs() + decoded.abs()) * 2.0**-22 + 2.0**-148  # (subnormal outputs round to 2**-149)
         error = (acc - decoded).abs()
-        assert (error <= half_step * scale64 + rounding).all(), f"{bits} bits: an entry decoded beyond half a step"
+        assert (error <= half_step + rounding).all(), f"{bits} bits: an entry decoded beyond half a step"
 
 
 __all__ = [
@@ -384,6 +396,7 @@ __all__ = [
     "TESTS",
     "WORKER_ENV",
     "FakeBucket",
+    "block_state_groups",
     "check_codec_properties",
     "codec_cases",
     "end_worker",

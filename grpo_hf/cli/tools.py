@@ -56,8 +56,8 @@ GROUPS_FIELDS = {
     "grpo_optimizer_state": (
         str,
         "full",
-        ("full", "mini", "mini8", "factored8"),
-        "What the optimizer keeps per group ('full': AdamW's state; docs/memory.md).",
+        None,
+        "What the optimizer keeps per group: 'full' (AdamW's state) or 'factored8' (docs/memory.md).",
     ),
     "grpo_min_state_numel": (int, 4096, None, "Tensors with fewer entries keep a full fp32 optimizer state."),
 }

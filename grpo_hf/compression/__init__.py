@@ -9,29 +9,23 @@ through `transport.py`'s `CommState`. Every transport encodes, exchanges and dec
 it is handed (`communicator.py`: the one way to the wire, timed), and asks each part's code how it travels (`codes/`:
 one interface, [`~grpo_hf.compression.codes.Code`], and [`~grpo_hf.compression.codes.code_for`], the one place a
 [`CodecSpec`] picks its code: block codes, top-k, fp32); `codec.py` holds the two fused kernels (encode, decode;
-compiled for CPU and CUDA from one source) and their block messages, `sparse.py` the one-tensor facade; `layout.py`
-cuts a bucket into runs of tensors that share a [`CodecSpec`]; [`compression_plan`] (`plan.py`) decides each
-parameter's spec.
+compiled for CPU and CUDA from one source) and their block messages; `layout.py` cuts a bucket into runs of tensors
+that share a [`CodecSpec`]; [`compression_plan`] (`plan.py`) decides each parameter's spec.
 Every byte is counted by the formulas of `traffic.py`, and summed by its `TrafficStats` (the one statistics window of
 the three transports); `reshard.py` re-splits the hook's saved state for another world size.
 """
 
 from .hook import compress_locally, grpo_comm_hook
 from .plan import compression_plan, resolve_compression, resolve_mode
-from .sparse import CompressedTensor, compress, compress_with_feedback, decompress
 from .spec import CodecSpec
 from .state import GRPOCommState
 
 
 __all__ = [
     "CodecSpec",
-    "CompressedTensor",
     "GRPOCommState",
-    "compress",
     "compress_locally",
-    "compress_with_feedback",
     "compression_plan",
-    "decompress",
     "grpo_comm_hook",
     "resolve_compression",
     "resolve_mode",

@@ -4,12 +4,10 @@ A row of gradient entries is viewed as `[n, B]` blocks (`B` = `CodecSpec.block_s
 arithmetic of the default path, each written once in plain torch and compiled by `torch.compile` (inductor: one C++
 loop on CPU, one Triton kernel on CUDA), or run eagerly where compiling is impossible:
 
-1. [`encode_blocks`] (the sender): `acc = grad + residual`; with gradient scales `x = acc / scale` (`scale` from the
-   squared-gradient estimate, see [`entry_scales`]); block absmax; codes; the new residual `acc - code * step * scale`
+1. [`encode_blocks`] (the sender): `acc = grad + residual`; block absmax; codes; the new residual `acc - code * step`
    (bf16). Returns the codes, the raw absmax per block (the step is derived from it on every rank) and the residual.
 2. [`decode_blocks`] (every rank): the sum of the `W` ranks' `code * step`, in rank order from the first, divided by
-   `divide`, times the scale, written into the bucket's gradients (their dtype); optionally the EMA of the squared
-   result (the scales of optimizers without `exp_avg_sq`).
+   `divide`, written into the bucket's gradients (their dtype).
 
 Every rank decodes every message, its own included, with the same kernel, so all ranks hold bit-identical averages.
 
@@ -34,14 +32,11 @@ non-zero codes, then one sign bit per non-zero code, set = negative, little-endi
 fixed by the number of blocks, except at 2 bits, where a 16-byte header (`int32` size) comes first. Top-k messages
 (density below 1, [`~grpo_hf.compression.codes.topk`]) carry their sizes in their header too.
 
-The scales come from a third, small kernel ([`scales_blocks`]): computed once per step and bucket, in bf16, read by
-both.
-
 ## Compiling
 
 [`compile_kernels`] chooses, once per process, compiled kernels (where a compiler works) or the eager functions; both
-compute the same function (results may differ by an ulp: compiled `sqrt` and division round like numpy, eager ones
-need not), so every rank must use the same choice ([`~grpo_hf.compression.GRPOCommState.bind`] agrees on it). Sizes
+compute the same function (results may differ by an ulp: compiled division rounds like numpy, eager division need
+not), so every rank must use the same choice ([`~grpo_hf.compression.GRPOCommState.bind`] agrees on it). Sizes
 are dynamic (`maybe_mark_dynamic` on the block dimension): each kernel variant compiles once for all row lengths.
 """
 
@@ -54,13 +49,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import warn_once
 from .spec import CodecSpec
 
 
 logger = logging.getLogger(__name__)
 
-SCALE_FLOOR = 1e-3  # an entry's gradient scale is at least this fraction of the largest scale of its block
-SQUARES_FLOOR = 1e-30  # and at least sqrt(this): a block without any estimate gets one constant scale (= no scaling)
 SAFE_MAGNITUDE = 2.0**60  # gradients at or above this (or NaN/Inf) send their step dense: every value stays finite
 STEP_FLOOR = torch.finfo(torch.float32).tiny  # the smallest normal fp32: a block's step is this or more, or 0
 MESSAGE_ALIGN = 16  # bytes: messages are padded so that each one starts aligned (fp32 views, vector loads)
@@ -71,24 +65,6 @@ ENCODE_CHUNK = 1 << 20  # entries per call of the in-place encode (its scratch: 
 # ----------------------------------------------------------------------------------------------------------------
 # The kernels (plain torch; compiled or eager)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def entry_scales(squares: torch.Tensor) -> torch.Tensor:
-    """
-    Per-entry gradient scales `[n, B]` from a squared-gradient estimate `[n, B]` (the optimizer's `exp_avg_sq` or the
-    EMA of the squared averaged gradient): `sqrt(max(squares, SCALE_FLOOR**2 * peak + SQUARES_FLOOR))` in bf16,
-    `peak` the block's largest estimate. A constant factor on a block's scales leaves its codes and decoded gradients
-    unchanged (so the estimate needs no bias correction, and a block without any estimate is sent unscaled); bf16 is
-    precision enough for a scale, and every rank computes the same one.
-    """
-    squares = squares.float()
-    peak = squares.amax(dim=1, keepdim=True)
-    return torch.sqrt(torch.maximum(squares, peak * (SCALE_FLOOR * SCALE_FLOOR) + SQUARES_FLOOR)).to(torch.bfloat16)
-
-
-def scales_blocks(squares: torch.Tensor, out: torch.Tensor) -> None:
-    """The scale kernel: [`entry_scales`] of `[n, B]` squares written into `out` (`[n, B]` bf16)."""
-    out.copy_(entry_scales(squares))
 
 
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:
@@ -150,32 +126,23 @@ def _step(absmax: torch.Tensor, bits: int) -> torch.Tensor:
     return absmax / _QMAX[bits]
 
 
-def encode_blocks(grad, residual, scale, codes_out, bits: int, clip: float | None, residual_out=None):
+def encode_blocks(grad, residual, codes_out, bits: int, residual_out=None):
     """
-    The sender's kernel on `[n, B]` blocks: `acc = grad + residual` (fp32), divided by the per-entry `scale` (see
-    [`entry_scales`]) when given and clamped to `[-clip, clip]` when `clip` is given, quantized at `bits`; the codes are
-    written into `codes_out` (`[n, B]` int8 at 8 and 2 bits, `[n, B / 2]` uint8 at 4, `[n, B]` fp16 at 16).
+    The sender's kernel on `[n, B]` blocks: `acc = grad + residual` (fp32), quantized at `bits`; the codes are written
+    into `codes_out` (`[n, B]` int8 at 8 and 2 bits, `[n, B / 2]` uint8 at 4, `[n, B]` fp16 at 16).
 
-    Returns `(absmax [n] fp32, new_residual)`: `new_residual = acc - decoded * scale` in `residual`'s dtype, or `None`
-    when `residual` is `None` or when `residual_out` is given (it is written there: a fresh multi-megabyte output
-    costs more in page faults than the kernel's arithmetic). Inputs below [`SAFE_MAGNITUDE`] keep every output finite.
+    Returns `(absmax [n] fp32, new_residual)`: `new_residual = acc - decoded` in `residual`'s dtype, or `None` when
+    `residual` is `None` or when `residual_out` is given (it is written there: a fresh multi-megabyte output costs more
+    in page faults than the kernel's arithmetic). Inputs below [`SAFE_MAGNITUDE`] keep every output finite.
     """
     acc = grad.float()
     if residual is not None:
         acc = acc + residual.float()
-    x = acc
-    if scale is not None:
-        scale = scale.float()
-        x = acc / scale
-    if clip is not None:
-        x = x.clamp(-clip, clip)
-    q, absmax, step = _quantize(x, bits)
+    q, absmax, step = _quantize(acc, bits)
     codes_out.copy_(_pack(q, bits))
     new_residual = None
     if residual is not None:
         sent = q.float() * step
-        if scale is not None:
-            sent = sent * scale
         new_residual = (acc - sent).to(residual.dtype)
         if residual_out is not None:
             residual_out.copy_(new_residual)
@@ -183,14 +150,10 @@ def encode_blocks(grad, residual, scale, codes_out, bits: int, clip: float | Non
     return absmax.squeeze(1), new_residual
 
 
-def decode_blocks(codes, absmax, scale, ema, out, bits: int, divide: float, beta: float):
+def decode_blocks(codes, absmax, out, bits: int, divide: float) -> None:
     """
     Every rank's kernel: `sum_r code_r * step_r` over the ranks' `[n, B]` codes and `[n]` absmax (in that order, from
-    the first), divided by `divide`, times the per-entry `scale` when given, written into `out`
-    (`[n, B]`, any float dtype: the bucket's gradients).
-
-    Returns the new EMA when `ema` (`[n, B]` fp32) is given: `beta * ema + (1 - beta) * values**2` from the fp32
-    values; else `None`.
+    the first), divided by `divide`, written into `out` (`[n, B]`, any float dtype: the bucket's gradients).
     """
     total = None
     for rank_codes, rank_absmax in zip(codes, absmax):
@@ -198,49 +161,43 @@ def decode_blocks(codes, absmax, scale, ema, out, bits: int, divide: float, beta
         total = decoded if total is None else total + decoded
     if divide != 1:
         total = total / divide
-    if scale is not None:
-        total = total * scale.float()
     out.copy_(total)
-    if ema is None:
-        return None
-    return ema * beta + total * total * (1.0 - beta)
 
 
 # One entry point per bit width, so that each has its own compile cache (dynamo keeps one per code object).
-def _encode8(grad, residual, scale, codes_out, clip: float | None, residual_out=None):
-    return encode_blocks(grad, residual, scale, codes_out, 8, clip, residual_out)
+def _encode8(grad, residual, codes_out, residual_out=None):
+    return encode_blocks(grad, residual, codes_out, 8, residual_out)
 
 
-def _encode4(grad, residual, scale, codes_out, clip: float | None, residual_out=None):
-    return encode_blocks(grad, residual, scale, codes_out, 4, clip, residual_out)
+def _encode4(grad, residual, codes_out, residual_out=None):
+    return encode_blocks(grad, residual, codes_out, 4, residual_out)
 
 
-def _encode2(grad, residual, scale, codes_out, clip: float | None, residual_out=None):
-    return encode_blocks(grad, residual, scale, codes_out, 2, clip, residual_out)
+def _encode2(grad, residual, codes_out, residual_out=None):
+    return encode_blocks(grad, residual, codes_out, 2, residual_out)
 
 
-def _encode16(grad, residual, scale, codes_out, clip: float | None, residual_out=None):
-    return encode_blocks(grad, residual, scale, codes_out, 16, clip, residual_out)
+def _encode16(grad, residual, codes_out, residual_out=None):
+    return encode_blocks(grad, residual, codes_out, 16, residual_out)
 
 
-def _decode8(codes, absmax, scale, ema, out, divide: float, beta: float):
-    return decode_blocks(codes, absmax, scale, ema, out, 8, divide, beta)
+def _decode8(codes, absmax, out, divide: float):
+    return decode_blocks(codes, absmax, out, 8, divide)
 
 
-def _decode4(codes, absmax, scale, ema, out, divide: float, beta: float):
-    return decode_blocks(codes, absmax, scale, ema, out, 4, divide, beta)
+def _decode4(codes, absmax, out, divide: float):
+    return decode_blocks(codes, absmax, out, 4, divide)
 
 
-def _decode2(codes, absmax, scale, ema, out, divide: float, beta: float):
-    return decode_blocks(codes, absmax, scale, ema, out, 2, divide, beta)
+def _decode2(codes, absmax, out, divide: float):
+    return decode_blocks(codes, absmax, out, 2, divide)
 
 
-def _decode16(codes, absmax, scale, ema, out, divide: float, beta: float):
-    return decode_blocks(codes, absmax, scale, ema, out, 16, divide, beta)
+def _decode16(codes, absmax, out, divide: float):
+    return decode_blocks(codes, absmax, out, 16, divide)
 
 
 _ENCODERS = {8: _encode8, 4: _encode4, 2: _encode2, 16: _encode16}
-_SCALES = {0: scales_blocks}
 _DECODERS = {8: _decode8, 4: _decode4, 2: _decode2, 16: _decode16}
 
 
@@ -312,14 +269,7 @@ class Kernels:
             self._cache.clear()
             return self._get(table, bits, None)(*args)
 
-    def scales(self, squares: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[`entry_scales`] of `[n, B]` squares, into `out` (a fresh bf16 tensor when `None`)."""
-        if out is None:
-            out = torch.empty(squares.shape, dtype=torch.bfloat16, device=squares.device)
-        self._call(_SCALES, 0, (squares, out))
-        return out
-
-    def encode(self, grad, residual, scale, bits: int, clip: float | None = None, codes_out=None, in_place=False):
+    def encode(self, grad, residual, bits: int, codes_out=None, in_place=False):
         """
         [`encode_blocks`] of `[n, B]` rows; returns `(codes, absmax, new_residual)`, the codes written into `codes_out`
         (see [`code_shape`]) or a fresh tensor. With a residual, [`ENCODE_CHUNK`] entries per kernel call (the eager
@@ -329,11 +279,10 @@ class Kernels:
         if codes_out is None:
             shape, dtype = code_shape(grad.shape[0], grad.shape[1], bits)
             codes_out = torch.empty(shape, dtype=dtype, device=grad.device)
-        clip = None if clip is None else float(clip)
         nblocks, block = grad.shape
         rows = max(1, min(nblocks, ENCODE_CHUNK // block))
         if residual is None or (not in_place and rows == nblocks):
-            absmax, new_residual = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip, None))
+            absmax, new_residual = self._call(_ENCODERS, bits, (grad, residual, codes_out, None))
             return codes_out, absmax, new_residual
         if in_place:  # through a scratch that stays in cache, then into the residual
             key = (residual.dtype, residual.device, threading.get_ident())
@@ -346,46 +295,41 @@ class Kernels:
         # one call (most runs): no slices, which cost more than the kernel on small runs
         if in_place and rows == nblocks:
             part = scratch[: nblocks * block].view(nblocks, block)
-            absmax, _ = self._call(_ENCODERS, bits, (grad, residual, scale, codes_out, clip, part))
+            absmax, _ = self._call(_ENCODERS, bits, (grad, residual, codes_out, part))
             residual.copy_(part)
             return codes_out, absmax, residual
         absmax = torch.empty(nblocks, dtype=torch.float32, device=grad.device)
         for start in range(0, nblocks, rows):
             end = min(start + rows, nblocks)
             part = scratch[: (end - start) * block].view(end - start, block) if in_place else new_residual[start:end]
-            args = (grad[start:end], residual[start:end], None if scale is None else scale[start:end],
-                    codes_out[start:end], clip, part)  # fmt: skip
+            args = (grad[start:end], residual[start:end], codes_out[start:end], part)
             absmax[start:end], _ = self._call(_ENCODERS, bits, args)
             if in_place:
                 residual[start:end].copy_(part)
         return codes_out, absmax, new_residual
 
-    def decode(self, codes, absmax, scale, bits: int, divide: float, out=None, ema=None, beta: float = 0.0):
+    def decode(self, codes, absmax, bits: int, divide: float, out=None) -> torch.Tensor:
         """
         [`decode_blocks`] of the ranks' `codes` / `absmax` (sequences, in rank order) into `out` (a fresh fp32 tensor
-        when `None`); returns `(out, new_ema)`.
+        when `None`); returns `out`.
         """
         if out is None:
             width = codes[0].shape[1] * (2 if bits == 4 else 1)
             out = torch.empty(codes[0].shape[0], width, device=codes[0].device)
-        args = (tuple(codes), tuple(absmax), scale, ema, out, float(divide), float(beta))
-        return out, self._call(_DECODERS, bits, args)
+        self._call(_DECODERS, bits, (tuple(codes), tuple(absmax), out, float(divide)))
+        return out
 
-    def warm_up(
-        self, specs, dtype: torch.dtype, world_size: int, scaled: bool, ema: bool, device, beta: float = 0.99
-    ) -> float:
+    def warm_up(self, specs, dtype: torch.dtype, world_size: int, device) -> float:
         """Run every variant the given specs need once on tiny inputs (compiling them); returns the seconds it took."""
         start = time.perf_counter()
         for bits in sorted({spec.bits for spec in specs if spec.density >= 1.0 and spec.bits in _ENCODERS}):
             block = max(spec.block_size for spec in specs if spec.bits == bits)
             grad = torch.zeros(3, block, dtype=dtype, device=device)
             residual = torch.zeros(3, block, dtype=torch.bfloat16, device=device)
-            scale = self.scales(torch.ones(3, block, device=device)) if scaled else None
-            codes, absmax, _ = self.encode(grad, residual, scale, bits, in_place=True)
-            ema_row = torch.zeros(3, block, device=device) if ema else None
+            codes, absmax, _ = self.encode(grad, residual, bits, in_place=True)
             out = torch.empty(3, block, dtype=dtype, device=device)
             ranks = [(codes.clone(), absmax.clone()) for _ in range(world_size)]  # distinct tensors, as in a step
-            self.decode([c for c, _ in ranks], [a for _, a in ranks], scale, bits, world_size, out, ema_row, beta)
+            self.decode([c for c, _ in ranks], [a for _, a in ranks], bits, world_size, out)
         return time.perf_counter() - start
 
 
@@ -396,19 +340,19 @@ def code_shape(nblocks: int, block: int, bits: int) -> tuple[tuple[int, int], to
     return (nblocks, block), torch.float16 if bits == 16 else torch.int8
 
 
-_warned_fallback = False
+_SAID: set[str] = set()  # what this process has been told once
 
 
 def _fall_back(error: Exception) -> None:
-    global _warned_fallback
-    if not _warned_fallback:
-        _warned_fallback = True
-        logger.warning(
-            "GRPO compression: torch.compile failed (%s: %s); the codec runs its eager torch functions instead "
-            "(same results up to an ulp, several times slower). Every rank must make the same choice.",
-            type(error).__name__,
-            str(error).splitlines()[0][:200] if str(error) else "",
-        )
+    first_line = str(error).splitlines()[0][:200] if str(error) else ""
+    warn_once(
+        logger,
+        _SAID,
+        "fallback",
+        f"GRPO compression: torch.compile failed ({type(error).__name__}: {first_line}); the codec runs its eager "
+        "torch functions instead (same results up to an ulp, several times slower). Every rank must make the same "
+        "choice.",
+    )
 
 
 _PROCESS_KERNELS: dict[bool, Kernels] = {}  # one set per choice, shared by every transport of the process
@@ -567,7 +511,6 @@ def all_safe(tensors: list[torch.Tensor]) -> bool:
 __all__ = [
     "ENCODE_CHUNK",
     "MESSAGE_ALIGN",
-    "SCALE_FLOOR",
     "BlockMessages",
     "Kernels",
     "SAFE_MAGNITUDE",
@@ -577,7 +520,5 @@ __all__ = [
     "compile_kernels",
     "decode_blocks",
     "encode_blocks",
-    "entry_scales",
-    "scales_blocks",
     "padded_nbytes",
 ]

@@ -1,5 +1,5 @@
-"""The way to the wire of every transport: [`Communicator`], [`ProcessGroupCommunicator`], [`Started`], and the emulated
-slow link of the benchmarks ([`EmulatedLink`]).
+"""The way to the wire of every transport: [`Communicator`], [`ProcessGroupCommunicator`], [`Started`], and the hook
+point of the benchmarks' emulated slow link ([`EMULATED_LINK`]).
 
 Every collective of the three transports (the DDP hook, FSDP2's compressed reduce-scatter, the sync every H steps, and
 the replica groups' own small collectives) goes through a [`Communicator`]. A transport is handed its communicator (a
@@ -18,16 +18,15 @@ collective since the last commit succeeded and enough replicas took part.
 
 ## An emulated slow link (a benchmark tool)
 
-With the environment variable `GRPO_HF_EMULATED_LINK_GBIT` set (e.g. `1`) when the process starts, every collective of
-a [`Communicator`] (made with `emulated=True`, the default) completes no earlier than the link would have carried the
-bytes this rank sends in it ([`EmulatedLink`]); the wait is in `Started.wait()`, so that what runs between the start and
-the wait overlaps with it. `benchmarks/bench_step_cost.py --link_gbit` sets it, and delays the baselines' DDP hooks the
-same way (`benchmarks/emulated_link.py`). Not a training setting. FSDP2's own collectives (its parameter all-gathers),
-and those inside a replica group (the machine's own link), are not emulated.
+A benchmark that measures what a slow link costs (`benchmarks/bench_step_cost.py --link_gbit`) installs its link in
+[`EMULATED_LINK`] before any communicator is made (`benchmarks/emulated_link.py`, which holds the link and delays the
+baselines' DDP hooks on it too). Every collective of a [`Communicator`] made then with `emulated=True` (the default)
+completes no earlier than the link would have carried the bytes this rank sends in it; the wait is in
+`Started.wait()`, so that what runs between the start and the wait overlaps with it. Not a training setting: in
+training it is `None`, and nothing waits. FSDP2's own collectives (its parameter all-gathers), and those inside a
+replica group (the machine's own link), are not emulated.
 """
 
-import os
-import threading
 import time
 
 import torch
@@ -36,70 +35,22 @@ import torch.distributed as dist
 from .traffic import allgather_bytes, allreduce_bytes, alltoall_bytes
 
 
-LINK_ENV = "GRPO_HF_EMULATED_LINK_GBIT"
+# The benchmarks' emulated slow link, or `None` (training): an object whose `reserve(nbytes)` puts `nbytes` on the link
+# now and returns the `time.perf_counter()` time at which they have arrived. Read by each communicator when it is made.
+EMULATED_LINK = None
 
 
-class EmulatedLink:
-    r"""
-    A slow link between the ranks, emulated on a fast one (loopback) so that a benchmark measures what the link costs,
-    overlap included, instead of adding `bytes / speed` to a step measured without it.
-
-    One transfer at a time, as one network interface sends: a collective started at `t` with `nbytes` to send (what
-    this rank sends under the ring model of [`~grpo_hf.compression.traffic`], the same count as
-    `grpo/comm/bytes_sent`) arrives at `max(t, end of the transfers already on the link) + nbytes / bytes_per_second`.
-    Its handle's wait blocks until then, and until the real collective is done. Latency is not emulated, only
-    bandwidth; so the emulated wire time of a step is its `bytes_sent` divided by the speed, the projection's figure.
-
-    A benchmark tool, not a training setting: it is turned on by the environment variable `GRPO_HF_EMULATED_LINK_GBIT`
-    (Gbit/s), read once when this module is imported, rather than by a `GRPOConfig` field. The variable reaches every
-    rank of a `torchrun` launch and any training script unchanged, with no code in the workers; and a setting read
-    once costs nothing per collective when it is off ([`EMULATED_LINK`] is then `None`). `benchmarks/` delays the
-    collectives that do not go through a [`Communicator`] (DDP's own all-reduce, torch's hooks) on the same object.
-
-    Args:
-        gbit (`float`): the link's speed in Gbit/s (10^9 bits per second), above 0.
-    """
-
-    def __init__(self, gbit: float):
-        if not gbit > 0:
-            raise ValueError(f"the emulated link's speed must be above 0 Gbit/s, got {gbit}.")
-        self.gbit = gbit
-        self.bytes_per_second = gbit * 1e9 / 8
-        self.free_at = 0.0  # `time.perf_counter()` at which the transfers already on the link are done
-        self._lock = threading.Lock()  # DDP may call a hook on the autograd engine's threads
-
-    @classmethod
-    def from_environment(cls) -> "EmulatedLink | None":
-        """The link `GRPO_HF_EMULATED_LINK_GBIT` asks for; `None` when it is unset or empty."""
-        value = os.environ.get(LINK_ENV, "").strip()
-        if not value:
-            return None
-        try:
-            return cls(float(value))
-        except ValueError as err:
-            raise ValueError(f"{LINK_ENV}={value!r}: use a speed in Gbit/s above 0, e.g. 1 or 10 ({err}).") from None
-
-    def reserve(self, nbytes: float) -> float:
-        """Put `nbytes` on the link now; returns the `time.perf_counter()` time at which they have arrived."""
-        with self._lock:
-            self.free_at = max(time.perf_counter(), self.free_at) + nbytes / self.bytes_per_second
-            return self.free_at
-
-    @staticmethod
-    def wait_until(deadline: float) -> None:
-        """Sleep until `time.perf_counter()` reaches `deadline` (at once if it has)."""
-        remaining = deadline - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
-
-
-EMULATED_LINK: EmulatedLink | None = EmulatedLink.from_environment()
+def _sleep_until(deadline: float) -> None:
+    """Sleep until `time.perf_counter()` reaches `deadline` (at once if it has)."""
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
 
 
 class Communicator:
     r"""
-    The collectives of one group of ranks, timed; at world size 1 every call returns its input. Under an
-    [`EmulatedLink`] (read from [`EMULATED_LINK`] when built, with `emulated=True`) each one also waits for the link.
+    The collectives of one group of ranks, timed; at world size 1 every call returns its input. Under a benchmark's
+    emulated link (read from [`EMULATED_LINK`] when built, with `emulated=True`) each one also waits for the link.
 
     Subclasses give `world_size` and `rank`, and override the primitives `_all_reduce`, `_all_gather_into`,
     `_all_to_all` and `_broadcast` (each called only at world size 2 or more), [`duplicate`] and, where collectives can
@@ -107,7 +58,7 @@ class Communicator:
 
     Args:
         emulated (`bool`, *optional*, defaults to `True`): whether its collectives wait for the emulated slow link
-            (when `GRPO_HF_EMULATED_LINK_GBIT` is set); `False` for a machine's own fast link.
+            (when a benchmark installed one); `False` for a machine's own fast link.
 
     Attributes:
         comm_ms (`float`): milliseconds spent in its collectives since the last [`pop_comm_ms`].
@@ -226,7 +177,7 @@ class Communicator:
         not_before = self._on_link(alltoall_bytes(send.numel() * send.element_size(), self.world_size))
         self._all_to_all(recv, send, recv_splits, send_splits)
         if not_before is not None:
-            EmulatedLink.wait_until(not_before)
+            _sleep_until(not_before)
         self._timed(start)
         return recv
 
@@ -369,7 +320,7 @@ class SoloCommunicator(Communicator):
 class Started:
     """
     A collective under way: [`wait`] returns its result; the time spent waiting counts as communication. Under an
-    [`EmulatedLink`], `not_before` is when its bytes have crossed the link: [`wait`] returns no earlier.
+    emulated link, `not_before` is when its bytes have crossed the link: [`wait`] returns no earlier.
     """
 
     def __init__(self, communicator: Communicator, works: list, result: torch.Tensor, not_before: float | None = None):
@@ -381,7 +332,7 @@ class Started:
             for work in self.works:
                 work.wait()
             if self.not_before is not None:
-                EmulatedLink.wait_until(self.not_before)
+                _sleep_until(self.not_before)
             self.works, self.not_before = [], None
             self.communicator._timed(start)
         return self.result
@@ -389,9 +340,7 @@ class Started:
 
 __all__ = [
     "EMULATED_LINK",
-    "LINK_ENV",
     "Communicator",
-    "EmulatedLink",
     "ProcessGroupCommunicator",
     "SoloCommunicator",
     "Started",

@@ -20,7 +20,7 @@ An exchange moves compressed rows among the `W` ranks of the
    bits. ([`Exchange.start_mean`] averages the tensors sent dense in fp32, [`Exchange.agree_flag`] the NaN/Inf flag.)
 
 Every byte is counted once, here ([`~grpo_hf.compression.traffic`]'s formulas), into the exchange's `stats` (the
-transport's `StepStats` of the step; the communicator counts time, not bytes). What stays with each transport is its own: the DDP buckets, scales and lanes (`hook.py`), FSDP2's units
+transport's `StepStats` of the step; the communicator counts time, not bytes). What stays with each transport is its own: the DDP buckets and lanes (`hook.py`), FSDP2's units
 and residual format (`fsdp.py`), the fragments, schedule and outer step (`outer_sync.py`, `fragment.py`).
 """
 
@@ -35,7 +35,6 @@ from .codec import Kernels
 from .codes import code_for
 from .communicator import Communicator, Started
 from .layout import Run, owned_blocks
-from .owned import take_owned
 from .spec import CodecSpec
 from .traffic import FLAG_BYTES, SIZE_BYTES, allgather_bytes, allreduce_bytes, alltoall_bytes, owner_reduction_bytes
 
@@ -74,30 +73,22 @@ def walk_messages(buffer: torch.Tensor, runs: list[tuple]) -> list[torch.Tensor]
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def encode(kernels: Kernels, spec: CodecSpec, rows, residual, scale=None, clip: float | None = None,
-           k: int | None = None, message=None, in_place: bool = False):  # fmt: skip
+def encode(kernels: Kernels, spec: CodecSpec, rows, residual, k: int | None = None, message=None,
+           in_place: bool = False):  # fmt: skip
     """
     Compress `[n, B]` rows with error feedback: [`~grpo_hf.compression.codes.Code.encode`] of the spec's code.
     Returns `(message, new_residual)`.
     """
-    return code_for(spec).encode(kernels, rows, residual, scale, clip, k, message, in_place)
+    return code_for(spec).encode(kernels, rows, residual, k, message, in_place)
 
 
-def decode(kernels: Kernels, spec: CodecSpec, messages, nblocks: int, scale=None, divide: float = 1, out=None,
-           ema=None, beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
+def decode(kernels: Kernels, spec: CodecSpec, messages, nblocks: int, divide: float = 1, out=None,
+           max_blocks: int | None = None):  # fmt: skip
     """
-    The messages' decoded rows summed in order, divided by `divide`, times the scales:
-    [`~grpo_hf.compression.codes.Code.decode`] of the spec's code. Returns `(out, new_ema)`.
+    The messages' decoded rows summed in order, divided by `divide`: [`~grpo_hf.compression.codes.Code.decode`] of
+    the spec's code. Returns `out`.
     """
-    return code_for(spec).decode(kernels, messages, nblocks, scale, divide, out, ema, beta, max_blocks)
-
-
-def row_message_nbytes(spec: CodecSpec, numel: int) -> int:
-    """
-    Bytes of one message of [`encode_rows`], of a row of `numel` entries: `ceil(numel / B) * (4 + B * bits / 8)`, or
-    `4 numel` at 32 bits (the fp32 values as they are).
-    """
-    return code_for(spec).row_nbytes(numel)
+    return code_for(spec).decode(kernels, messages, nblocks, divide, out, max_blocks)
 
 
 def encode_rows(kernels: Kernels, spec: CodecSpec, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,14 +108,6 @@ def encode_rows(kernels: Kernels, spec: CodecSpec, rows: torch.Tensor) -> tuple[
     return code_for(spec).encode_rows(kernels, rows)
 
 
-def poison_rows(spec: CodecSpec, messages: torch.Tensor, nonfinite: torch.Tensor) -> None:
-    """
-    Make the blocks of the rows given to [`encode_rows`] that held a NaN/Inf (`nonfinite`, bool `[n, S]`) decode to
-    NaN: their scales in `messages` are set to NaN, in place (block codes).
-    """
-    code_for(spec).poison_rows(messages, nonfinite)
-
-
 def decode_rows(kernels: Kernels, spec: CodecSpec, messages: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of [`encode_rows`]: `[n, nbytes]` uint8 messages -> `[n, S]` fp32."""
     return code_for(spec).decode_rows(kernels, messages, numel)
@@ -135,22 +118,22 @@ def decode_rows(kernels: Kernels, spec: CodecSpec, messages: torch.Tensor, numel
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _reduce_owned(kernels: Kernels, spec: CodecSpec, contributions: list, residual: torch.Tensor, scale=None,
-                  clip: float | None = None, k: int | None = None, message=None):  # fmt: skip
+def _reduce_owned(kernels: Kernels, spec: CodecSpec, contributions: list, residual: torch.Tensor,
+                  k: int | None = None, message=None):  # fmt: skip
     """
     The owner's half: decode the `W` contributions to the blocks it owns (`contributions`, in rank order), average
     them, and compress the mean again with the owner's own error feedback (`residual`, `[n, B]`, replaced in place).
     Returns `(message, new_residual)` as [`encode`] does (`k`: the values the message keeps).
     """
     code = code_for(spec)
-    mean, _ = code.decode(kernels, contributions, residual.shape[0], scale, len(contributions))
-    return code.encode(kernels, mean, residual, scale, clip, k, message, in_place=True)
+    mean = code.decode(kernels, contributions, residual.shape[0], len(contributions))
+    return code.encode(kernels, mean, residual, k, message, in_place=True)
 
 
-def _encode_to_owners(kernels: Kernels, spec: CodecSpec, rows, residual, owned: list[tuple], scale=None,
-                      clip: float | None = None, ks: list[int] | None = None, messages=None):  # fmt: skip
+def _encode_to_owners(kernels: Kernels, spec: CodecSpec, rows, residual, owned: list[tuple],
+                      ks: list[int] | None = None, messages=None):  # fmt: skip
     """The sender's half, as `Exchange._with_feedback` calls an encoder: the code's `encode_to_owners`."""
-    return code_for(spec).encode_to_owners(kernels, rows, residual, owned, scale, clip, ks, messages)
+    return code_for(spec).encode_to_owners(kernels, rows, residual, owned, ks, messages)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -178,8 +161,6 @@ class Part:
         out (`torch.Tensor`, *optional*): `[n, B]` to decode the mean into (it may be `rows`); `None`: `write` is
             called with a fresh fp32 tensor.
         write (`Callable`, *optional*): takes the decoded mean when there is no `out`.
-        scale (`torch.Tensor`, *optional*): `[n, B]` bf16 gradient scales, the same on every rank.
-        ema (`torch.Tensor`, *optional*): `[n, B]` fp32 EMA of the squared mean, updated by the decode.
         owner_residual (`Residual`, *optional*): owner reduction: the error feedback of the blocks this rank owns.
     """
 
@@ -188,8 +169,6 @@ class Part:
     residual: Residual
     out: torch.Tensor | None = None
     write: Callable[[torch.Tensor], None] | None = None
-    scale: torch.Tensor | None = None
-    ema: torch.Tensor | None = None
     owner_residual: Residual | None = None
 
 
@@ -211,8 +190,6 @@ class Exchange:
             waited for in a later step is given that step's: see `Fragment.complete`).
         count_as (`int`, *optional*): the world size the bytes are counted for, when one process stands for that many
             ranks (`compress_locally`); `comm.world_size` when `None`.
-        clip (`float`, *optional*): with gradient scales, the most scales an entry sends per step.
-        beta (`float`, *optional*, defaults to `0.0`): the EMA factor of the parts' `ema`.
         workspace (`Callable`, *optional*): `workspace(kind, length, device, dtype)` gives a work buffer kept from step
             to step (the DDP hook's); fresh tensors when `None`.
         decode_chunk (`int`, *optional*): decode at most this many entries per kernel call (the eager kernel's
@@ -223,10 +200,9 @@ class Exchange:
     """
 
     def __init__(self, kernels: Kernels, comm: Communicator, stats, count_as: int | None = None,
-                 clip: float | None = None, beta: float = 0.0, workspace: Callable | None = None,
-                 decode_chunk: int | None = None, count_kept: bool = False,
+                 workspace: Callable | None = None, decode_chunk: int | None = None, count_kept: bool = False,
                  agree_within: Callable | None = None):  # fmt: skip
-        self.kernels, self.comm, self.stats, self.clip, self.beta = kernels, comm, stats, clip, beta
+        self.kernels, self.comm, self.stats = kernels, comm, stats
         self.count_as = comm.world_size if count_as is None else count_as
         self.workspace, self.decode_chunk, self.count_kept = workspace, decode_chunk, count_kept
         self.agree_within = agree_within
@@ -288,9 +264,9 @@ class Exchange:
         messages, kept = [], []
         for index, part in enumerate(parts):
             slot = None if fixed is None else slots[index]
-            message, new_residual = self._with_feedback(part.residual, part.run.spec, encode, part.rows, part.scale,
-                                                        self.clip, part.run.num_values(), slot,
-                                                        in_place=not keep_residuals, keep=keep_residuals)  # fmt: skip
+            message, new_residual = self._with_feedback(part.residual, part.run.spec, encode, part.rows,
+                                                        part.run.num_values(), slot, in_place=not keep_residuals,
+                                                        keep=keep_residuals)  # fmt: skip
             messages.append(message)
             kept.append(new_residual)
             if self.count_kept:
@@ -309,12 +285,12 @@ class Exchange:
         return Gathered(self, parts, started, fixed, kept if keep_residuals else None)
 
     # --- owner reduction ---
-    def reduce_with_owners(self, parts: list[Part]) -> list[torch.Tensor | None]:
+    def reduce_with_owners(self, parts: list[Part]) -> None:
         """
         Owner reduction of the parts (blocking): this rank's blocks of every part go to their owners (one all-to-all),
         each owner averages the `W` contributions to its blocks and compresses the mean again with its own residual
         (the parts' `owner_residual`), the owners' messages are all-gathered and every rank decodes them in owner
-        order. Returns each part's new EMA (`None` without one).
+        order.
         """
         for part in parts:
             if not code_for(part.run.spec).owner_reducible:
@@ -337,8 +313,7 @@ class Exchange:
             # the values each owner's message keeps
             ks = [run.num_values(n * block, run.owned_numel(world_size, r)) for r, n in enumerate(counts[index])]
             mine = [m[index] for m in to_rank] if known else None
-            messages, _ = self._with_feedback(part.residual, run.spec, _encode_to_owners, part.rows, owned, part.scale,
-                                              self.clip, ks, mine)  # fmt: skip
+            messages, _ = self._with_feedback(part.residual, run.spec, _encode_to_owners, part.rows, owned, ks, mine)
             if not known:
                 for owner, message in enumerate(messages):
                     to_rank[owner].append(message)
@@ -355,15 +330,14 @@ class Exchange:
                 mine_runs = [(part.run.spec, count[rank]) for part, count in zip(parts, counts)]
                 received, slots = [walk_messages(c, mine_runs) for c in contributions], [None] * len(parts)
             out = []
-            for index, (part, owned) in enumerate(zip(parts, block_rows)):
+            for index, part in enumerate(parts):
                 run, nblocks = part.run, counts[index][rank]
                 if nblocks == 0:
                     out.append(empty)
                     continue
-                mine = None if part.scale is None else take_owned(part.scale, owned[rank])
                 k = run.num_values(nblocks * run.spec.block_size, run.owned_numel(world_size, rank))
                 message, _ = self._with_feedback(part.owner_residual, run.spec, _reduce_owned,
-                                                 [r[index] for r in received], mine, self.clip, k, slots[index])  # fmt: skip
+                                                 [r[index] for r in received], k, slots[index])  # fmt: skip
                 out.append(message)
             return out
 
@@ -373,16 +347,12 @@ class Exchange:
             per_owner = [split_messages(message, sizes) for message, sizes in zip(owner_messages, fixed)]
         else:
             per_owner = self._with_owners_announced(to_rank, reduce_into, parts, counts, empty)
-        emas = []
         for index, (part, owned) in enumerate(zip(parts, block_rows)):
             messages = [per_owner[r][index] for r in range(world_size)]
-            values, new_ema = code_for(part.run.spec).decode_from_owners(kernels, messages, owned, part.run.num_blocks,
-                                                                         part.scale, part.out, part.ema, self.beta,
-                                                                         self._max_blocks(part.run.spec))  # fmt: skip
+            values = code_for(part.run.spec).decode_from_owners(kernels, messages, owned, part.run.num_blocks,
+                                                                part.out, self._max_blocks(part.run.spec))  # fmt: skip
             if part.out is None:
                 part.write(values)
-            emas.append(new_ema)
-        return emas
 
     def _with_owners(self, send: torch.Tensor, sizes: list[int], reduce_into, payload=None) -> list[torch.Tensor]:
         """
@@ -467,8 +437,7 @@ class Exchange:
 class Gathered:
     """
     An all-gather of [`Exchange.start_all_gather`] under way: [`wait`] waits for it, [`finish`] also decodes every part
-    (its mean into `out`, or handed to `write`), after writing the residuals kept for later, and returns each part's
-    new EMA (`None` without one).
+    (its mean into `out`, or handed to `write`), after writing the residuals kept for later.
     """
 
     def __init__(self, exchange: Exchange, parts: list[Part], started: Started, fixed, kept):
@@ -477,7 +446,7 @@ class Gathered:
     def wait(self) -> torch.Tensor:
         return self.started.wait()
 
-    def finish(self) -> list[torch.Tensor | None]:
+    def finish(self) -> None:
         exchange, gathered = self.exchange, self.wait()
         world_size = gathered.shape[0]
         for part, new_residual in zip(self.parts, self.kept or ()):
@@ -487,15 +456,12 @@ class Gathered:
         else:
             runs = [(part.run.spec, part.run.num_blocks) for part in self.parts]
             per_rank = [walk_messages(gathered[r], runs) for r in range(world_size)]
-        emas = []
         for index, part in enumerate(self.parts):
-            values, new_ema = decode(exchange.kernels, part.run.spec, [per_rank[r][index] for r in range(world_size)],
-                                     part.run.num_blocks, part.scale, world_size, part.out, part.ema, exchange.beta,
-                                     exchange._max_blocks(part.run.spec))  # fmt: skip
+            messages = [per_rank[r][index] for r in range(world_size)]
+            values = decode(exchange.kernels, part.run.spec, messages, part.run.num_blocks, world_size, part.out,
+                            exchange._max_blocks(part.run.spec))  # fmt: skip
             if part.out is None:
                 part.write(values)
-            emas.append(new_ema)
-        return emas
 
 
 class Mean:
@@ -509,4 +475,4 @@ class Mean:
 
 
 __all__ = ["Exchange", "Gathered", "Mean", "Part", "Residual", "decode", "decode_rows", "encode", "encode_rows",
-           "message_nbytes", "poison_rows", "row_message_nbytes", "split_messages", "walk_messages"]  # fmt: skip
+           "message_nbytes", "split_messages", "walk_messages"]  # fmt: skip

@@ -208,7 +208,7 @@ def check_moments(optimizer, moments: str) -> None:
             fallback = "'second' (or 'none')" if which == "first" else "'none'"
             raise ConfigError(
                 f"{field} averages the optimizer's {which} moment ({adam_key} in AdamW), and {refusal}. Use an "
-                f"optimizer that keeps it in fp32 (torch's AdamW; grpo_optimizer_state='mini'), or grpo_sync_moments="
+                f"optimizer that keeps it in fp32 (torch's AdamW; a group file's state_bits: 32), or grpo_sync_moments="
                 f"{fallback}."
             )
 
@@ -703,12 +703,6 @@ class Fragment:
         owners = [held[2] for held in self.owner_residuals if held is not None] + list(self.saved_owner.values())
         return {"global": size(self.theta), "momentum": size(self.momentum or []),
                 "residuals": size(self.residuals) + size(owners)}  # fmt: skip
-
-    def device_nbytes(self) -> int:
-        """Bytes of `θ_global` and the momentum held on the parameters' device (none when kept on the CPU for an
-        accelerator's parameters)."""
-        held = self.nbytes()
-        return 0 if self.streamed and self.device.type != "cpu" else held["global"] + held["momentum"]
 
 
 __all__ = [

@@ -71,8 +71,7 @@ reduce-scatter: the owner's shard is not finite, and so is every rank's global g
 - Call [`FSDPCommState.end_step`] once per optimizer step (after the backward of its last micro-batch): residuals are
   committed there and the dense warm-up counts those steps. `GRPOTrainer` does it.
 - FSDP2 allows a custom reduce-scatter only on units with one parameter group (one mesh); it raises otherwise.
-- Gradient scales (`grpo_scale_gradients`) and top-k (`grpo_density`) are not used here: a sender would need the
-  scales of every chunk (unsharded memory), and top-k messages differ in size from rank to rank.
+- Top-k (`grpo_density`) is not used here: top-k messages differ in size from rank to rank.
 """
 
 import logging

@@ -2,7 +2,7 @@
 
 It replaces DDP's dense all-reduce (register it on the DDP model, see [`GRPOCommState`]); [`compress_locally`] runs the
 same steps in one process on a model's gradients. A bucket's path: this module (the DDP buckets) -> `layout.py` (its
-runs of tensors) -> `state.py` (residuals, scales) -> `exchange.py` ([`~grpo_hf.compression.exchange.Exchange`]:
+runs of tensors) -> `state.py` (residuals) -> `exchange.py` ([`~grpo_hf.compression.exchange.Exchange`]:
 encode with error feedback, exchange, decode; the one exchange of the three transports) -> `codes/` (the code of each
 run: block codes, top-k) -> `codec.py` (the kernels and block messages).
 
@@ -23,14 +23,13 @@ DDP calls the hook once per bucket, in bucket order. The hook holds every bucket
 completes then; DDP waits for all of them at the end of the backward pass), then, on every rank:
 
 1. One flag all-reduce: is any gradient of any rank NaN/Inf? If so, or during the first `dense_warmup_steps` steps,
-   every bucket is all-reduced dense and raw, in its own dtype, as DDP would; nothing else changes (warm-up steps feed
-   the gradient scales' EMA when the optimizer has no `exp_avg_sq`).
+   every bucket is all-reduced dense and raw, in its own dtype, as DDP would; nothing else changes.
 2. Otherwise, per bucket and run of tensors sharing a spec ([`~grpo_hf.compression.layout`]): the encode kernel
-   compresses `grad + residual` relative to the gradient scales; the bf16 residual is replaced by what was not sent.
+   compresses `grad + residual`; the bf16 residual is replaced by what was not sent.
 3. Exchange, by `state.mode`:
    - `allgather`: all-gather the bucket's messages (on gloo as a send and a receive per pair of ranks: the bytes of a
      ring all-gather, faster than gloo's own all-gather); every rank decodes the `W` messages in rank order, its own
-     included, and writes the average, times the scale, into the bucket (one decode kernel per run). Two buckets
+     included, and writes the average into the bucket (one decode kernel per run). Two buckets
      are under way at once: while one bucket's messages travel, the next is encoded and the previous decoded.
    - `allreduce` (DeepSpeed's compressed all-reduce): the blocks each rank owns go to their owner (all-to-all); each
      owner decodes its `W` contributions in rank order, averages them, compresses the mean again with its own
@@ -61,19 +60,12 @@ entry; `ratio_* = baseline / bytes_sent` (higher is better).
   `powerSGD_hook`, which chains collectives in future callbacks, was seen to desynchronize at `W = 4` on gloo). The
   price: the communication does not overlap with the backward pass, only with the encoding and decoding of other
   buckets.
-- Memory per compressed entry and rank: the bf16 residual (2 bytes); with gradient scales and an optimizer without
-  `exp_avg_sq` (or none attached), the fp32 EMA of its square (4 bytes); in `allreduce` mode also the bf16 residual
-  of the owned blocks (`2 / W` bytes). Work buffers, kept from step to step, hold for each bucket under way (two at
-  once in `allgather` mode) its bf16 scales (2 bytes per entry, with gradient scales) and every rank's messages
-  (`W * bits / 8` bytes per entry); new residuals pass through a scratch of
+- Memory per compressed entry and rank: the bf16 residual (2 bytes); in `allreduce` mode also the bf16 residual of
+  the owned blocks (`2 / W` bytes). Work buffers, kept from step to step, hold for each bucket under way (two at once
+  in `allgather` mode) every rank's messages (`W * bits / 8` bytes per entry); new residuals pass through a scratch of
   [`~grpo_hf.compression.codec.ENCODE_CHUNK`] entries. Compiling the kernels costs a fixed amount of host memory for
   torch.compile itself.
 - Sparse gradients (`nn.Embedding(sparse=True)`), FSDP and DeepSpeed are not supported.
-
-## An emulated slow link (a benchmark tool)
-
-With the environment variable `GRPO_HF_EMULATED_LINK_GBIT` set, the hook's collectives (its state's
-[`~grpo_hf.compression.communicator.Communicator`]) wait for an emulated slow link: see `communicator.py`.
 """
 
 import time
@@ -87,7 +79,7 @@ from torch import nn
 from .codec import all_safe
 from .communicator import Communicator, SoloCommunicator
 from .exchange import Exchange, Part
-from .layout import BucketLayout, Run
+from .layout import BucketLayout
 from .row_store import StoredRow
 
 
@@ -98,11 +90,10 @@ _IN_FLIGHT = 2
 
 @dataclass
 class _Bucket:
-    """What the step needs of a DDP bucket: its flat buffer, and per tensor its name, parameter, size and offset."""
+    """What the step needs of a DDP bucket: its flat buffer, and per tensor its name, size and offset."""
 
     buffer: torch.Tensor
     names: list[str | None]
-    params: list[nn.Parameter]
     numels: list[int]
     starts: list[int]
     future: torch.futures.Future | None = None
@@ -148,7 +139,7 @@ def grpo_comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch
     if starts is None:  # once per layout: where each gradient lies in the buffer
         starts = state.bucket_starts[key] = _offsets(buffer, [g.view(-1) for g in bucket.gradients()])
     future = torch.futures.Future(devices=[buffer.device]) if buffer.device.type != "cpu" else torch.futures.Future()
-    state.pending.append(_Bucket(buffer, names, params, numels, starts, future))
+    state.pending.append(_Bucket(buffer, names, numels, starts, future))
     state.hook_calls += 1
     if not bucket.is_last():
         state.stats.hook_ms += (time.perf_counter() - start) * 1000
@@ -185,7 +176,7 @@ def compress_locally(state, model: nn.Module) -> None:
     starts = [sum(numels[:i]) for i in range(len(numels))]
     buffer = torch.cat([p.grad.reshape(-1) for p in params]) if params else torch.zeros(0)
     names = [state.names.get(id(p)) for p in params]
-    bucket = _Bucket(buffer, names, params, numels, starts)
+    bucket = _Bucket(buffer, names, numels, starts)
     dense, compressed = _run_step(state, SoloCommunicator(), [bucket], state.simulated_world_size)
     if compressed:
         torch._foreach_copy_([p.grad.view(-1) for p in params], list(torch.split(buffer, numels)))
@@ -201,9 +192,7 @@ def _run_step(state, comm: Communicator, buckets: list[_Bucket], count_as: int) 
     any gradient went through the codec.
     """
     stats = state.stats
-    exchange = Exchange(
-        state.kernels, comm, stats, count_as, state.scale_clip, state.scale_beta, state.buffer, count_kept=True
-    )
+    exchange = Exchange(state.kernels, comm, stats, count_as, workspace=state.buffer, count_kept=True)
     layouts = [state.layout(b.names, b.numels, b.starts) for b in buckets]
     plain = state.warming_up or not any(layout.runs for layout in layouts)  # nothing to compress: as DDP does
     unsafe = False
@@ -217,41 +206,38 @@ def _run_step(state, comm: Communicator, buckets: list[_Bucket], count_as: int) 
             exchange.start_mean(bucket.buffer).wait()
             continue
         lane = index % _IN_FLIGHT if state.mode == "allgather" else 0
-        parts = _parts(state, comm, layout, bucket, lane)
+        parts = _parts(state, comm, layout, bucket)
         dense = _DenseTensors(exchange, bucket.buffer, layout.dense)  # read before the decode writes the bucket
         if not parts:  # nothing in the bucket to compress: its tensors go dense alone
             dense.write()
             continue
         if state.mode == "allreduce":
-            _finish(state, parts, exchange.reduce_with_owners(parts), dense)
+            exchange.reduce_with_owners(parts)
+            dense.write()
             continue
-        under_way.append((exchange.start_all_gather(parts, tag=lane), parts, dense))
+        under_way.append((exchange.start_all_gather(parts, tag=lane), dense))
         if len(under_way) == _IN_FLIGHT:  # its lane is the next bucket's
-            gathered, parts, dense = under_way.popleft()
-            _finish(state, parts, gathered.finish(), dense)
+            gathered, dense = under_way.popleft()
+            gathered.finish()
+            dense.write()
     while under_way:
-        gathered, parts, dense = under_way.popleft()
-        _finish(state, parts, gathered.finish(), dense)
-    if plain:
-        if not all_safe([b.buffer for b in buckets]):  # the same answer on every rank: the buffers are averaged
-            unsafe = True
-        elif state.warming_up:
-            _track_dense_scales(state, buckets)
+        gathered, dense = under_way.popleft()
+        gathered.finish()
+        dense.write()
+    if plain and not all_safe([b.buffer for b in buckets]):  # the same answer on every rank: the buffers are averaged
+        unsafe = True
     if unsafe:
         state.mark_nonfinite()
     return state.warming_up or unsafe, not (plain or unsafe)
 
 
-def _parts(state, comm: Communicator, layout: BucketLayout, bucket: _Bucket, lane: int) -> list[Part]:
+def _parts(state, comm: Communicator, layout: BucketLayout, bucket: _Bucket) -> list[Part]:
     """
     The bucket's runs as parts of the exchange: the rows (a view of the bucket, or a padded copy), the bf16 residual
-    and owner residual rows of the state, the gradient scales and their EMA (written into the work buffers of `lane`,
-    one per bucket under way).
+    and owner residual rows of the state.
     """
-    parts, offset, device = [], 0, bucket.buffer.device
+    parts, device = [], bucket.buffer.device
     for run in layout.runs:
-        scale, ema = state.scales_for(run, _params(run, bucket), device, offset, lane)
-        offset += run.length
         owner = None
         if state.mode == "allreduce":
             owned = run.owned_blocks(comm.world_size)[comm.rank].numel() * run.spec.block_size
@@ -264,21 +250,10 @@ def _parts(state, comm: Communicator, layout: BucketLayout, bucket: _Bucket, lan
                 StoredRow(state.residuals, run.key, run.slots, run.length, device),
                 run.rows(bucket.buffer) if run.in_place else None,
                 lambda values, run=run: run.write(bucket.buffer, values),
-                scale,
-                ema,
                 owner,
             )  # fmt: skip
         )
     return parts
-
-
-def _finish(state, parts: list[Part], emas: list, dense: "_DenseTensors") -> None:
-    """After a bucket's decode: the EMA rows of its gradient scales kept, its tensors sent dense written back."""
-    for part, new_ema in zip(parts, emas):
-        if new_ema is not None:
-            state.squares.replace(part.run.key, part.run.slots, new_ema)
-            state.ema_updated = True
-    dense.write()
 
 
 class _DenseTensors:
@@ -295,28 +270,6 @@ class _DenseTensors:
         if self.vector is not None:
             self.mean.wait()
             torch._foreach_copy_(self.pieces, list(torch.split(self.vector, [p.numel() for p in self.pieces])))
-
-
-def _track_dense_scales(state, buckets: list[_Bucket]) -> None:
-    """
-    Warm-up steps: the scales' EMA takes in the (already averaged) dense gradients, in place. Not while an optimizer
-    is attached: its `exp_avg_sq` will be the scales (should it have none, the EMA starts with compression).
-    """
-    if not state.scale_gradients or state.optimizer is not None:
-        return
-    beta = state.scale_beta
-    for bucket in buckets:
-        for run in state.layout(bucket.names, bucket.numels, bucket.starts).runs:
-            ema = state.squares.row(run.key, run.slots, run.length, bucket.buffer.device)
-            averaged = run.rows(bucket.buffer).view(-1)
-            averaged = averaged if averaged.dtype == torch.float32 else averaged.float()
-            ema.mul_(beta).addcmul_(averaged, averaged, value=1.0 - beta)
-            state.ema_updated = True
-
-
-def _params(run: Run, bucket: _Bucket) -> list[nn.Parameter]:
-    """The parameters of every tensor in the run's row (the dense ones it spans included)."""
-    return [bucket.params[index] for index, _, _ in run.covered]
 
 
 __all__ = ["compress_locally", "grpo_comm_hook"]

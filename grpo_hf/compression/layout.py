@@ -25,7 +25,6 @@ from functools import cached_property
 import torch
 
 from .codes import code_for
-from .owned import _MAX_SLICES, put_owned, take_owned  # noqa: F401 - the owners' blocks of a row, re-exported
 from .spec import CodecSpec, num_blocks
 
 
@@ -245,6 +244,4 @@ __all__ = [
     "chunk_bounds",
     "chunk_owner",
     "owned_blocks",
-    "put_owned",
-    "take_owned",
 ]

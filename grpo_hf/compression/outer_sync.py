@@ -134,7 +134,7 @@ from ..choices import (
     check_sync_settings,
 )
 from ..engines import engine_from_environment, process_rank
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_once
 from ..optim.moments import local_tensor
 from .codec import ENCODE_CHUNK, all_safe, compile_kernels
 from .codes import code_for
@@ -433,11 +433,6 @@ class OuterSyncState(CommState):
         return getattr(self.communicator, "group", None)
 
     @property
-    def exchange_group(self):
-        """The process group of the exchanges' twin (`delay > 0`), `None` without one."""
-        return getattr(self.exchange_communicator, "group", None)
-
-    @property
     def apart(self) -> bool:
         """Whether the ranks send nothing to each other between syncs (replica groups, FSDP2 inside or fault-tolerant):
         their group norms are their own, and what they keep apart is averaged at each sync ([`share_at_sync`])."""
@@ -647,7 +642,9 @@ class OuterSyncState(CommState):
 
     def _warn_nonfinite(self, dropped: str) -> None:
         self.traffic.count(nonfinite_syncs=1)
-        self._warn_once(
+        warn_once(
+            logger,
+            self._warned,
             "nonfinite",
             f"GRPO sync at step {self.step}: a rank's model moved to NaN/Inf (or beyond 2**60) since the last sync; "
             f"every rank restarts the fragment from θ_global ({dropped}).",
@@ -822,11 +819,6 @@ class OuterSyncState(CommState):
         """Bytes this state holds: `global` (`θ_global`), `momentum` and `residuals`."""
         held = [fragment.nbytes() for fragment in self.fragments]
         return {key: sum(h[key] for h in held) for key in ("global", "momentum", "residuals")}
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message)
 
     # --- checkpointing ---
     def settings(self) -> dict:

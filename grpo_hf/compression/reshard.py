@@ -13,8 +13,7 @@ residuals add to the next averaged gradient.
 Resharding gives every one of the `W'` new ranks `residual = owed` and no owner residual: the next average receives
 `mean_r' owed = owed`, what the saved run would have added. Nothing is dropped; what changes is which rank holds it
 (each rank then compresses `grad + owed`, so the steps after the change round differently from a run that kept its
-world size). The gradient scales (`squares`), the step counters and the traffic totals are the same on every rank and
-are taken from rank 0.
+world size). The step counters and the traffic totals are the same on every rank and are taken from rank 0.
 """
 
 import torch
@@ -102,7 +101,7 @@ def reshard_comm_state(
                 f"rank {saved_rank}'s compression state has version {state.get('version')}, expected "
                 f"{STATE_VERSION}: it was written by another grpo_hf version."
             )
-        if (state["step"], state.get("scale_updates", 0)) != (first["step"], first.get("scale_updates", 0)):
+        if state["step"] != first["step"]:
             raise CheckpointError(
                 f"the compression states of ranks 0 and {saved_rank} were written at different steps "
                 f"({first['step']} and {state['step']}): the checkpoint mixes files of two saves. Resume from "
@@ -114,11 +113,9 @@ def reshard_comm_state(
         "world_size": world_size,
         "rank": rank,
         "step": first["step"],
-        "scale_updates": first.get("scale_updates", 0),
         "hook_calls": first.get("hook_calls", 0),
         "residuals": owed_residuals(states, numels, plan),
         "owner_residuals": {},
-        "squares": dict(first.get("squares", {})),
         "totals": dict(first.get("totals", {})),
     }
 

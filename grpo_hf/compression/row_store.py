@@ -1,4 +1,4 @@
-"""`RowStore`: named vectors kept as the rows a kernel reads and writes in place (the DDP hook's residuals and scales).
+"""`RowStore`: named vectors kept as the rows a kernel reads and writes in place (the DDP hook's residuals).
 
 A transport's error feedback belongs to its parameters (keyed by name: DDP rebuilds its buckets and they mix groups),
 but the codec reads and writes one flat row per run of tensors. [`RowStore`] keeps both views of the same memory: the
@@ -75,15 +75,6 @@ class RowStore:
     def _drop_if_unused(self, key: tuple) -> None:
         if key in self._rows and key not in self._holder.values():
             del self._rows[key]
-
-    def drop(self, names) -> None:
-        """Forget the vectors of `names` (and the rows that no longer hold any)."""
-        for name in names:
-            self._loose.pop(name, None)
-            key = self._holder.pop(name, None)
-            if key is not None:
-                self._drop_if_unused(key)
-        self._values = None
 
     @property
     def num_rows(self) -> int:

@@ -1,5 +1,4 @@
-"""`GRPOCommState`: the settings, error-feedback residuals, gradient scales and traffic statistics of DDP's compressed
-exchange at every step (the transport of [`~grpo_hf.compression.grpo_comm_hook`], and of
+"""`GRPOCommState`: the settings, error-feedback residuals and traffic statistics of DDP's compressed exchange at every step (the transport of [`~grpo_hf.compression.grpo_comm_hook`], and of
 [`~grpo_hf.compression.compress_locally`] on one process)."""
 
 import logging
@@ -9,12 +8,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..choices import check_comm_settings
-from ..optim.moments import per_entry_second_moment
+from ..choices import SCALES_REMOVED, check_comm_settings
+from ..errors import CheckpointError, warn_once
 from .codec import Kernels, compile_kernels
 from .communicator import Communicator, ProcessGroupCommunicator
 from .hook import compress_locally, grpo_comm_hook
-from .layout import BucketLayout, Run, bucket_layout
+from .layout import BucketLayout, bucket_layout
 from .plan import resolve_mode
 from .reshard import STATE_VERSION, reshard_comm_state
 from .row_store import RESIDUAL_DTYPE, RowStore
@@ -25,15 +24,11 @@ from .transport import CommSettings, CommState, SavedComms, world_size_message
 
 logger = logging.getLogger(__name__)
 
-_PER_TENSOR_SCALES = 64  # runs of at most this many tensors compute their scales tensor by tensor (no gather)
-DEFAULT_SCALE_BETA = 0.99
-DEFAULT_SCALE_GRADIENTS = False  # chosen on the benchmark suite: without scales, 8-bit codes kept dense quality
-
 
 class GRPOCommState(CommState):
     r"""
-    Settings, error-feedback residuals, gradient scales and traffic statistics of
-    [`~grpo_hf.compression.grpo_comm_hook`] and [`~grpo_hf.compression.compress_locally`].
+    Settings, error-feedback residuals and traffic statistics of [`~grpo_hf.compression.grpo_comm_hook`] and
+    [`~grpo_hf.compression.compress_locally`].
 
     Example:
 
@@ -41,12 +36,11 @@ class GRPOCommState(CommState):
     >>> from grpo_hf.compression import GRPOCommState, compression_plan, grpo_comm_hook
 
     >>> state = GRPOCommState(compression_plan(model))  # GRPOConfig's defaults
-    >>> state.attach_optimizer(optimizer)  # AdamW's `exp_avg_sq` become the gradient scales (optional)
     >>> state.bind(model)  # names, world size, the codec's kernels compiled
     >>> ddp_model.register_comm_hook(state, grpo_comm_hook)
     ```
 
-    ([`attach`] does the three, as the transports' protocol, [`~grpo_hf.compression.transport.CommState`], asks.)
+    ([`attach`] does both, as the transports' protocol, [`~grpo_hf.compression.transport.CommState`], asks.)
 
     Args:
         plan (`dict[str, CodecSpec | None]`):
@@ -56,20 +50,7 @@ class GRPOCommState(CommState):
             `"allgather"` (every rank's message to every rank: per-rank bytes grow as `W - 1`) or `"allreduce"`
             (compressed reduce-scatter with error feedback on the owners, then an all-gather: flat in `W`).
         dense_warmup_steps (`int`, *optional*, defaults to `2`):
-            Optimizer steps sent dense before compression starts. DDP rebuilds its buckets after the first step; the
-            dense steps also give the gradient scales a first estimate (Adam's second moments exist after one step).
-        scale_gradients (`bool`, *optional*, defaults to `False`):
-            Compress each entry relative to its own gradient scale, the same on every rank, rather than to its
-            block's largest magnitude alone, so that small coordinates keep their precision, as Adam sees them. The
-            scale is `sqrt` of the attached optimizer's `exp_avg_sq` where it has one ([`attach_optimizer`]), else of
-            an EMA of the squared averaged gradient kept here (fed by the dense warm-up steps when no optimizer is
-            attached).
-        scale_beta (`float`, *optional*, defaults to `0.99`):
-            EMA factor of the squared gradients behind the scales when the optimizer has no `exp_avg_sq`.
-        scale_clip (`float`, *optional*):
-            With gradient scales: an entry sends at most this many of its scales per step (the rest waits in the
-            residual), so that an entry whose scale is small (a rare token's embedding row) cannot dominate the scale
-            of its block. `None`: no cap.
+            Optimizer steps sent dense before compression starts (DDP rebuilds its buckets after the first step).
         simulated_world_size (`int`, *optional*, defaults to `2`):
             World size used by [`~grpo_hf.compression.compress_locally`] to count the bytes one worker would send.
         process_group (`torch.distributed.ProcessGroup`, *optional*):
@@ -90,37 +71,29 @@ class GRPOCommState(CommState):
         "plan",
         "mode",
         "dense_warmup_steps",
-        "scale_gradients",
-        "scale_beta",
-        "scale_clip",
         # --- seldom tuned ---
         "simulated_world_size",
         "communicator",
         "compile_codec",
-        # --- bound by bind() / attach_optimizer() ---
+        # --- bound by bind() ---
         "names",
         "world_size",
         "rank",
         "kernels",
         "compile_seconds",
-        "optimizer",
         "hooked",
         # --- internal state (checkpointed) ---
         "residuals",
         "owner_residuals",
-        "squares",
         "step",
-        "scale_updates",
         # --- per step ---
         "pending",
         "stats",
         "nonfinite",
-        "ema_updated",
         "last_step",
         "step_bytes",
         "layouts",
         "bucket_starts",
-        "sources",
         "workspace",
         # --- statistics ---
         "hook_calls",
@@ -133,9 +106,6 @@ class GRPOCommState(CommState):
         plan: dict[str, CodecSpec | None],
         mode: str = "allgather",
         dense_warmup_steps: int = 2,
-        scale_gradients: bool = DEFAULT_SCALE_GRADIENTS,
-        scale_beta: float = DEFAULT_SCALE_BETA,
-        scale_clip: float | None = None,
         simulated_world_size: int = 2,
         process_group: dist.ProcessGroup | None = None,
         compile_codec: bool | None = None,
@@ -143,7 +113,7 @@ class GRPOCommState(CommState):
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: use one of {MODES} (`compression_plan` resolves 'auto').")
-        check_comm_settings(dense_warmup_steps=dense_warmup_steps, scale_beta=scale_beta, scale_clip=scale_clip)
+        check_comm_settings(dense_warmup_steps=dense_warmup_steps)
         if simulated_world_size < 1:
             raise ValueError(f"simulated_world_size={simulated_world_size}: use 1 or more (2 is the default).")
         bad = sorted(name for name, spec in plan.items() if spec is not None and not isinstance(spec, CodecSpec))
@@ -154,9 +124,6 @@ class GRPOCommState(CommState):
         self.plan = dict(plan)
         self.mode = mode
         self.dense_warmup_steps = int(dense_warmup_steps)
-        self.scale_gradients = bool(scale_gradients)
-        self.scale_beta = float(scale_beta)
-        self.scale_clip = None if scale_clip is None else float(scale_clip)
         self.simulated_world_size = int(simulated_world_size)
         if communicator is not None and process_group is not None:
             raise ValueError("give a communicator or a process_group, not both (the communicator holds its group).")
@@ -166,22 +133,17 @@ class GRPOCommState(CommState):
         self.world_size, self.rank = 1, 0
         self.kernels: Kernels | None = None
         self.compile_seconds = 0.0
-        self.optimizer = None
         self.hooked = False  # a DDP comm hook is registered (else `after_backward` compresses on one process)
         self.residuals = RowStore(RESIDUAL_DTYPE)  # this rank's error feedback, per parameter
         self.owner_residuals = RowStore(RESIDUAL_DTYPE)  # all-reduce mode: the error feedback of the owned chunks
-        self.squares = RowStore(torch.float32)  # EMA of the squared averaged gradient (optimizers without exp_avg_sq)
         self.step = 0
-        self.scale_updates = 0
         self.pending: list = []  # the current step's buckets, waiting for the last one (see grpo_comm_hook)
         self.stats = StepStats()  # traffic of the current step
         self.nonfinite = False
-        self.ema_updated = False
         self.last_step = "none"  # how the last closed step was sent: see commit_step
         self.step_bytes = 0.0  # bytes of the steps closed since the last `end_step`
         self.layouts: dict[tuple, BucketLayout] = {}  # bucket (names, sizes, offsets) -> its layout
         self.bucket_starts: dict[tuple, list[int]] = {}  # bucket (names, sizes) -> each gradient's offset in it
-        self.sources: dict[tuple, tuple] = {}  # parameters -> their optimizer's exp_avg_sq (see optimizer_squares)
         self.workspace: dict[tuple, torch.Tensor] = {}  # reusable work buffers (at most one bucket's size each)
         self.hook_calls = 0
         self.traffic = TrafficStats(counters=("dense_steps",), run_counters=("nonfinite_steps",))
@@ -200,9 +162,6 @@ class GRPOCommState(CommState):
             settings.plan,
             mode=resolve_mode(args.grpo_comm_mode, settings.num_processes),
             dense_warmup_steps=args.grpo_dense_warmup_steps,
-            scale_gradients=args.grpo_scale_gradients,
-            scale_beta=args.grpo_scale_beta,
-            scale_clip=args.grpo_scale_clip,
             communicator=settings.communicator,
         )
 
@@ -230,7 +189,7 @@ class GRPOCommState(CommState):
         self.world_size, self.rank = self.communicator.world_size, self.communicator.rank
         missing = sorted(set(self.names.values()) - set(self.plan))
         if missing:
-            self._warn_once(
+            self.warn_once(
                 "missing",
                 f"{len(missing)} trainable parameters have no compression setting and are sent dense (e.g. "
                 f"{missing[0]}). Build the plan with grpo_hf.compression.compression_plan on the same model.",
@@ -240,7 +199,7 @@ class GRPOCommState(CommState):
         self._make_kernels(params, compressed)
         logger.info(
             "GRPO gradient compression: mode=%s, world size %d, %d of %d trainable tensors (%d of %d entries) "
-            "compressed, dense warm-up %d steps, gradient scales %s, codec %s.",
+            "compressed, dense warm-up %d steps, codec %s.",
             self.mode,
             self.world_size,
             len(compressed),
@@ -248,7 +207,6 @@ class GRPOCommState(CommState):
             sum(params[n].numel() for n in compressed),
             sum(p.numel() for p in params.values()),
             self.dense_warmup_steps,
-            "on" if self.scale_gradients else "off",
             "compiled" if self.kernels.compiled else "eager",
         )
         return self
@@ -264,15 +222,7 @@ class GRPOCommState(CommState):
             first = params[compressed[0]]
             specs = {self.plan[n] for n in compressed}
             try:
-                self.compile_seconds = kernels.warm_up(
-                    specs,
-                    first.dtype,
-                    self.world_size,
-                    self.scale_gradients,
-                    self.optimizer is None,
-                    first.device,
-                    self.scale_beta,
-                )
+                self.compile_seconds = kernels.warm_up(specs, first.dtype, self.world_size, first.device)
             except Exception:  # `Kernels` has already fallen back to eager (and said so)
                 pass
             if kernels.compiled:
@@ -283,22 +233,8 @@ class GRPOCommState(CommState):
             self.communicator.pop_comm_ms()  # setup, not a step's communication
             if kernels.compiled and not bool(flag.item()):
                 kernels = compile_kernels(False)
-                self._warn_once(
-                    "eager", "GRPO compression: another rank cannot compile the codec; all run it eagerly."
-                )
+                self.warn_once("eager", "GRPO compression: another rank cannot compile the codec; all run it eagerly.")
         self.kernels = kernels
-
-    def attach_optimizer(self, optimizer) -> "GRPOCommState":
-        """
-        Read the gradient scales from `optimizer`'s second moments (`optimizer.state[p]["exp_avg_sq"]`, as Adam and
-        AdamW keep them) rather than from an EMA of our own, which then costs no memory. The optimizer's state is the
-        same on every rank under DDP, and a constant factor on a tensor's scales leaves its codes unchanged, so it needs
-        no bias correction. Tensors whose optimizer state has no `exp_avg_sq` (SGD, Lion, 8-bit optimizers, the steps
-        before the optimizer's first) fall back to the EMA. The state is looked up at every step, so loading the
-        optimizer's state dict later is fine. Call it once, with the optimizer (or Accelerate's wrapper) that steps.
-        """
-        self.optimizer = optimizer
-        return self
 
     @property
     def warming_up(self) -> bool:
@@ -320,77 +256,12 @@ class GRPOCommState(CommState):
             held = self.workspace[key] = torch.empty(length, dtype=dtype, device=device)
         return held[:length]
 
-    # --- gradient scales ---
-    def optimizer_squares(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
-        """
-        The optimizer's per-entry second moment of each parameter (AdamW's `exp_avg_sq`, read by
-        [`~grpo_hf.optim.moments.per_entry_second_moment`]; flat views), or `None` unless every one of them has one.
-        Remembered per list of parameters while the optimizer keeps its state objects (Adam updates them in place;
-        loading a state dict replaces them, which is noticed).
-        """
-        if self.optimizer is None or not self.scale_gradients or not params:
-            return None
-        key = (id(params[0]), id(params[-1]), len(params))
-        cached = self.sources.get(key)
-        if cached is not None:
-            first = per_entry_second_moment(self.optimizer, params[0])
-            last = per_entry_second_moment(self.optimizer, params[-1])
-            if first is cached[0] and last is cached[1]:
-                return cached[2]
-        found = []
-        for param in params:
-            squares = per_entry_second_moment(self.optimizer, param)
-            if squares is None:
-                return None
-            found.append(squares)
-        self.sources[key] = (found[0], found[-1], [squares.view(-1) for squares in found])
-        return self.sources[key][2]
-
-    def scales_for(self, run: Run, params: list[nn.Parameter], device, offset: int = 0, lane: int = 0):
-        """
-        The run's gradient scales for this step and where they come from, as `(scale, ema)` `[blocks, B]` rows:
-        `scale` the bf16 per-entry scales ([`~grpo_hf.compression.codec.entry_scales`]; `None`: no scaling this step),
-        `ema` this state's EMA row to update (`None` when the optimizer provides the estimate or scaling is off).
-        `params` are the parameters of `run.covered`. The scales are written into the work buffer `"scales"` of
-        `lane` (one per bucket under way) at `offset` (several runs of a bucket hold theirs at once).
-        """
-        if not self.scale_gradients:
-            return None, None
-        block = run.spec.block_size
-        scale = self.buffer(("scales", lane), offset + run.length, device, torch.bfloat16)[offset:].view(-1, block)
-        sources = self.optimizer_squares(params)
-        if sources is not None:
-            if run.names[0] in self.squares.values:
-                self.squares.drop(run.names)  # the optimizer has taken over: the EMA's memory goes
-            if run.in_place and len(sources) <= _PER_TENSOR_SCALES:  # straight from each exp_avg_sq
-                sent = set(run.positions)
-                for (index, start, numel), source in zip(run.covered, sources):
-                    rows = scale[start // block : (start + numel) // block]
-                    if index in sent:
-                        self.kernels.scales(source.view(-1, block), out=rows)
-                    else:  # a dense tensor the run spans: its codes are not used
-                        rows.fill_(1.0)
-                return scale, None
-            row = self.buffer("squares", run.length, device, sources[0].dtype)
-            if run.in_place:  # many small tensors: one concatenation, one kernel call
-                torch.cat(sources, out=row)
-            else:
-                row.zero_()
-                row[: sources[0].numel()] = sources[0]
-            return self.kernels.scales(row.view(-1, block), out=scale), None
-        ema = self.squares.row(run.key, run.slots, run.length, device).view(-1, block)
-        if self.scale_updates == 0:
-            return None, ema
-        return self.kernels.scales(ema, out=scale), ema
-
     # --- the transports' protocol ---
     def attach(self, wrapped: nn.Module, model: nn.Module, optimizer) -> None:
         """
-        [`attach_optimizer`] (AdamW's `exp_avg_sq` become the gradient scales: no memory of ours), [`bind`] `model`,
-        and register [`~grpo_hf.compression.grpo_comm_hook`] on `wrapped` when it is the DDP model (on one process
-        [`after_backward`] compresses instead).
+        [`bind`] `model`, and register [`~grpo_hf.compression.grpo_comm_hook`] on `wrapped` when it is the DDP model
+        (on one process [`after_backward`] compresses instead); the optimizer is not read.
         """
-        self.attach_optimizer(optimizer)
         self.bind(model)
         if isinstance(wrapped, nn.parallel.DistributedDataParallel):
             wrapped.register_comm_hook(self, grpo_comm_hook)
@@ -416,6 +287,11 @@ class GRPOCommState(CommState):
     def restore(self, saved: SavedComms) -> None:
         """This rank's state, or every saved rank's residuals re-split for this world size and mode (a warning says so)."""
         comms = saved.comms
+        if any(comm is not None and comm.get("squares") for comm in comms):  # written by a run with gradient scales
+            raise CheckpointError(
+                f"the checkpoint's compression state keeps gradient scales (grpo_scale_gradients=True): {SCALES_REMOVED} "
+                "Resume it with the grpo_hf version that wrote it, or start a new run from the checkpoint's model."
+            )
         if any(comm is not None for comm in comms):
             if len(comms) == 1:
                 self.load_state_dict(comms[0])
@@ -430,24 +306,22 @@ class GRPOCommState(CommState):
     def mark_nonfinite(self) -> None:
         """Flag the current optimizer step as not finite (it was sent dense and raw; nothing was updated)."""
         self.nonfinite = True
-        self._warn_once(
+        self.warn_once(
             "nonfinite",
             f"GRPO compression: NaN/Inf gradients at optimizer step {self.step}; the step was sent dense and the "
-            "error-feedback residuals and gradient scales were left unchanged (GRPOTrainer skips the optimizer step; "
-            "later ones are counted in the totals' nonfinite_steps).",
+            "error-feedback residuals were left unchanged (GRPOTrainer skips the optimizer step; later ones are "
+            "counted in the totals' nonfinite_steps).",
         )
 
     def commit_step(self, dense: bool, compressed: bool = False) -> None:
         """
-        Close an optimizer step: count its EMA update and its statistics. `last_step` then says how it was sent:
+        Close an optimizer step: count its statistics. `last_step` then says how it was sent:
         `"nonfinite"` (a NaN/Inf, or a magnitude of `SAFE_MAGNITUDE` or more, in some rank's gradients: sent dense and
         raw), `"compressed"` (finite input went through the codec) or `"dense"` (warm-up, or nothing to compress).
         """
         nonfinite = self.nonfinite
         self.last_step = "nonfinite" if nonfinite else "compressed" if compressed else "dense"
-        if not nonfinite and self.ema_updated:
-            self.scale_updates += 1
-        self.nonfinite = self.ema_updated = False
+        self.nonfinite = False
         self.stats.comm_ms += self.communicator.pop_comm_ms()
         self.traffic.close_step(self.stats, dense_steps=dense or nonfinite, nonfinite_steps=nonfinite)
         self.step_bytes += self.stats.bytes_sent
@@ -455,13 +329,8 @@ class GRPOCommState(CommState):
         self.step += 1
 
     def warn_once(self, key: str, message: str) -> None:
-        """Log `message` as a warning the first time `key` is seen."""
-        self._warn_once(key, message)
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message)
+        """Log `message` as a warning the first time `key` is seen by this state."""
+        warn_once(logger, self._warned, key, message)
 
     # --- statistics ---
     def pop_stats(self) -> dict[str, float]:
@@ -485,19 +354,17 @@ class GRPOCommState(CommState):
         return self.traffic.totals()
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this state holds: `residuals`, `owner_residuals`, `squares` (the EMA) and `workspace`."""
+        """Bytes this state holds: `residuals`, `owner_residuals` and `workspace`."""
         return {
             "residuals": self.residuals.nbytes(),
             "owner_residuals": self.owner_residuals.nbytes(),
-            "squares": self.squares.nbytes(),
             "workspace": sum(t.numel() * t.element_size() for t in self.workspace.values()),
         }
 
     # --- checkpointing ---
     def state_dict(self) -> dict:
         """
-        This rank's residuals (bf16) and the EMA of the squared gradients (fp32; empty where the optimizer provides the
-        scales), keyed by parameter name, on cpu; counters and totals.
+        This rank's residuals (bf16), keyed by parameter name, on cpu; counters and totals.
         """
         return {
             "version": STATE_VERSION,
@@ -505,11 +372,9 @@ class GRPOCommState(CommState):
             "world_size": self.world_size,
             "rank": self.rank,
             "step": self.step,
-            "scale_updates": self.scale_updates,
             "hook_calls": self.hook_calls,
             "residuals": self.residuals.state_dict(),
             "owner_residuals": self.owner_residuals.state_dict(),
-            "squares": self.squares.state_dict(),
             "totals": self.traffic.state_dict(),
         }
 
@@ -532,12 +397,10 @@ class GRPOCommState(CommState):
                 "resume with the same model, adapters and compression settings as the run that wrote it."
             )
         self.step = int(state_dict["step"])
-        self.scale_updates = int(state_dict.get("scale_updates", 0))
         self.hook_calls = int(state_dict.get("hook_calls", 0))
         self.residuals.load_state_dict(state_dict["residuals"])
         self.owner_residuals.load_state_dict(state_dict.get("owner_residuals", {}))
-        self.squares.load_state_dict(state_dict.get("squares", {}))
-        self.nonfinite = self.ema_updated = False
+        self.nonfinite = False
         self.last_step = "none"
         self.step_bytes = 0.0
         self.pending = []
@@ -546,27 +409,25 @@ class GRPOCommState(CommState):
 
     def __getstate__(self):
         """
-        Pickle without the communicator, the optimizer and the kernels, as torch's `PowerSGDState` does without its
-        process group (the copy communicates over the default group: bind it again, and attach its optimizer, before
-        using it).
+        Pickle without the communicator and the kernels, as torch's `PowerSGDState` does without its process group
+        (the copy communicates over the default group: bind it again before using it).
         """
-        dropped = ("communicator", "workspace", "kernels", "optimizer", "pending", "bucket_starts", "sources")
+        dropped = ("communicator", "workspace", "kernels", "pending", "bucket_starts")
         return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in dropped}
 
     def __setstate__(self, state):
         for slot, value in state.items():
             setattr(self, slot, value)
-        self.kernels = self.optimizer = None
+        self.kernels = None
         self.communicator = ProcessGroupCommunicator()
-        self.workspace, self.pending, self.bucket_starts, self.sources = {}, [], {}, {}
+        self.workspace, self.pending, self.bucket_starts = {}, [], {}
 
     def __repr__(self) -> str:
         compressed = sum(1 for spec in self.plan.values() if spec is not None)
         return (
             f"GRPOCommState(mode={self.mode!r}, dense_warmup_steps={self.dense_warmup_steps}, "
-            f"scale_gradients={self.scale_gradients}, compressed={compressed}/{len(self.plan)}, step={self.step}, "
-            f"world_size={self.world_size})"
+            f"compressed={compressed}/{len(self.plan)}, step={self.step}, world_size={self.world_size})"
         )
 
 
-__all__ = ["DEFAULT_SCALE_BETA", "DEFAULT_SCALE_GRADIENTS", "RESIDUAL_DTYPE", "STATE_VERSION", "GRPOCommState"]
+__all__ = ["RESIDUAL_DTYPE", "STATE_VERSION", "GRPOCommState"]

@@ -24,12 +24,6 @@ def allgather_bytes(nbytes: float, world_size: int) -> float:
     return float((world_size - 1) * nbytes)
 
 
-def broadcast_bytes(nbytes: float, world_size: int) -> float:
-    """Average bytes per rank to broadcast `nbytes` (W - 1 ranks receive it once): `(W - 1) / W * nbytes`."""
-    _check_world_size(world_size)
-    return (world_size - 1) / world_size * nbytes
-
-
 def alltoall_bytes(nbytes: float, world_size: int) -> float:
     """Average bytes per rank of an all-to-all of `nbytes`-byte buffers split over `W` ranks: `(W - 1) / W * nbytes`."""
     _check_world_size(world_size)
@@ -231,7 +225,6 @@ __all__ = [
     "allgather_bytes",
     "allreduce_bytes",
     "alltoall_bytes",
-    "broadcast_bytes",
     "dense_allreduce_bytes",
     "owner_reduction_bytes",
     "reduce_scatter_bytes",

@@ -543,7 +543,7 @@ class RecipeParser(HfArgumentParser):
 
     def parse_recipe_args(self, args: list[str] | None = None) -> tuple:
         """
-        Parse command-line overrides (`["--max_steps", "10", "--grpo_scale_gradients", ...]`) over the defaults
+        Parse command-line overrides (`["--max_steps", "10", "--grpo_importance", ...]`) over the defaults
         once.
 
         Returns:

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .grouped_adamw import GroupedAdamW
-from .layout import PRESETS, resolve_layouts
+from .layout import resolve_layouts
 
 
 # The Trainer's `optim` values whose state `grpo_optimizer_state` replaces (AdamW, torch's, with the Trainer's betas,
@@ -28,8 +28,7 @@ def check_optimizer_state_settings(args) -> None:
     Refuse a `grpo_optimizer_state` other than `"full"` with what it cannot replace, before any work.
 
     Raises:
-        [`~grpo_hf.errors.ConfigError`]: another `optim` than AdamW, DeepSpeed, or gradient scales read from AdamW's
-            per-entry `exp_avg_sq`.
+        [`~grpo_hf.errors.ConfigError`]: another `optim` than AdamW, or DeepSpeed.
     """
     state = args.grpo_optimizer_state
     if state == "full":
@@ -45,12 +44,6 @@ def check_optimizer_state_settings(args) -> None:
             f"grpo_optimizer_state={state!r} under DeepSpeed: ZeRO flattens the parameters of each param group into "
             "partitions, so a state per head or row cannot follow them. Use grpo_optimizer_state='full' with DeepSpeed "
             "(ZeRO already partitions the optimizer state), or train with DDP or FSDP2."
-        )
-    if args.grpo_scale_gradients:
-        raise ConfigError(
-            f"grpo_scale_gradients=True with grpo_optimizer_state={state!r}: the gradient scales are read from AdamW's "
-            "per-entry exp_avg_sq, which this optimizer state does not keep. Set grpo_scale_gradients=False (the "
-            "default), or grpo_optimizer_state='full'."
         )
 
 
@@ -87,7 +80,6 @@ def grouped_adamw(args, model: nn.Module, groups, decay_names) -> GroupedAdamW:
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
-        **PRESETS[args.grpo_optimizer_state].update,
     )
 
 

@@ -5,16 +5,13 @@ group), where `reduce` averages over the layout's blocks (nothing for `full`; th
 the column for `factored`, whose estimate is `v̂ = r cᵀ / mean(r)`):
 
 1. `p ← p (1 − lr λ)` (decoupled weight decay, as AdamW).
-2. `β2_t = β2` with Adam's bias correction `1 − β2^t`, or, with `beta2_decay = d` (Adafactor's schedule),
-   `β2_t = 1 − t^d` and no correction; `v ← β2_t v + (1 − β2_t) reduce(g² + ε₁)`, with `ε₁ = 1e-30` in Adafactor's
-   form only.
-3. `momentum="gradient"` (Adam's form): `m ← β1 m + (1 − β1) g`, `p ← p − lr (m / (1 − β1^t)) / (sqrt(v̂) + ε)`.
-   `momentum="update"` (Adafactor's form): `u = g / sqrt(v̂)`, clipped to an RMS of at most `clip_threshold`,
-   `m ← β1 m + (1 − β1) lr u` (or `lr u` itself without a first moment), `p ← p − m`.
+2. `v ← β2 v + (1 − β2) reduce(g²)`, with Adam's bias correction `1 − β2^t`.
+3. `m ← β1 m + (1 − β1) g`, `p ← p − lr (m / (1 − β1^t)) / (sqrt(v̂) + ε)` (without a first moment, `g` in place of
+   the corrected `m`).
 
-With every layout `full/32` and Adam's form it is torch's AdamW (the tests compare them); with `factored/0`, Adafactor's
-form and `beta2_decay=-0.8`, `clip_threshold=1` it is transformers' `Adafactor(scale_parameter=False,
-relative_step=False)`, the Trainer's `optim="adafactor"`, on matrices.
+With every layout `full/32` it is torch's AdamW (the tests compare them). (Adafactor's own update, its β2 schedule and
+RMS clip, was measured with these layouts and set aside: it fell apart at the higher learning rates, benchmarks/LOG.md
+2026-12-05; the Trainer's `optim="adafactor"` runs it.)
 
 An 8-bit first moment is held as int8 codes in blocks of 128 entries with one fp32 scale (the block's largest
 magnitude) each; a code `c` stands for `sign(c) (c / 127)² scale`, so that small entries of a block keep a resolution of
@@ -32,7 +29,7 @@ import math
 
 import torch
 
-from .kernels import FIRST_MOMENT_BLOCK, decode, encode, moment_kernel, padded_numel
+from .kernels import FIRST_MOMENT_BLOCK, decode, moment_kernel, padded_numel
 from .layout import FIRST_MOMENT_BITS, SECOND_MOMENT_KINDS, StateLayout, whole_heads_per_shard
 from .moments import local_tensor
 from .resume import check_layouts
@@ -40,16 +37,7 @@ from .resume import check_layouts
 
 logger = logging.getLogger(__name__)
 
-ADAFACTOR_EPS = 1e-30  # Adafactor's ε₁, added to the squared gradient
-
-
-def quantize_moment(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """Write `values` (flat, fp32) as 8-bit codes into `codes` (`[n_padded]` int8) and `scales` (`[blocks]`)."""
-    if values.numel() != codes.numel():
-        values = torch.nn.functional.pad(values, (0, codes.numel() - values.numel()))
-    new_codes, new_scales = encode(values.view(-1, FIRST_MOMENT_BLOCK))
-    codes.copy_(new_codes.view(-1))
-    scales.copy_(new_scales.view(-1))
+ADAFACTOR_EPS = 1e-30  # the floor of a factored estimate's mean row (Adafactor's ε₁)
 
 
 def dequantize_moment(codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
@@ -81,11 +69,6 @@ class GroupedAdamW(torch.optim.Optimizer):
         betas (`tuple[float, float]`, *optional*, defaults to `(0.9, 0.999)`): `β1` (of the first moment) and `β2`.
         eps (`float`, *optional*, defaults to `1e-8`): added to `sqrt(v̂)` in Adam's form.
         weight_decay (`float`, *optional*, defaults to `0.0`): decoupled weight decay.
-        beta2_decay (`float`, *optional*): Adafactor's schedule `β2_t = 1 − t^beta2_decay` (e.g. `-0.8`) in place of
-            a constant `β2` with bias correction.
-        clip_threshold (`float`, *optional*): in Adafactor's form, the largest RMS of a tensor's normalized update.
-        momentum (`str`, *optional*, defaults to `"gradient"`): `"gradient"` (Adam's form: `m` averages gradients) or
-            `"update"` (Adafactor's form: `m` averages normalized, clipped updates).
     """
 
     def __init__(
@@ -95,27 +78,12 @@ class GroupedAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        beta2_decay: float | None = None,
-        clip_threshold: float | None = None,
-        momentum: str = "gradient",
     ):
         if not 0.0 <= lr:
             raise ValueError(f"lr={lr}: use a learning rate of 0 or more.")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"betas={betas}: use values in [0, 1).")
-        if momentum not in ("gradient", "update"):
-            raise ValueError(f"momentum={momentum!r}: use 'gradient' (Adam's form) or 'update' (Adafactor's).")
-        if beta2_decay is not None and not beta2_decay < 0:
-            raise ValueError(f"beta2_decay={beta2_decay}: use a negative exponent, e.g. -0.8 (Adafactor's).")
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            beta2_decay=beta2_decay,
-            clip_threshold=clip_threshold,
-            momentum=momentum,
-        )
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -214,23 +182,6 @@ class GroupedAdamW(torch.optim.Optimizer):
             return dequantize_moment(state["exp_avg_codes"], state["exp_avg_scales"], local.numel()).view_as(local)
         return None
 
-    def second_moment(self, param: torch.Tensor) -> torch.Tensor | None:
-        """
-        `param`'s second-moment estimate, broadcastable to its (local) shape: the stored tensor for `full`, a view of
-        it for `head`, `row` and `tensor` (no copy), `r cᵀ / mean(r)` for `factored` (a new tensor). Not bias-corrected.
-        """
-        state = self.state.get(param)
-        if not state:
-            return None
-        local = local_tensor(param)
-        layout = self.layout_of(param)
-        if layout.second == "full":
-            return state["exp_avg_sq"]
-        if layout.second == "factored":
-            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-            return _unblocks(torch.outer(row / row.mean().clamp(min=ADAFACTOR_EPS), col), local.shape, layout)
-        return _expand(state["exp_avg_sq"], local.shape, layout)
-
     # --- the step ---
     @torch.no_grad()
     def step(self, closure=None):
@@ -267,25 +218,19 @@ class GroupedAdamW(torch.optim.Optimizer):
         p, grad = local_tensor(param), local_tensor(param.grad)
         if grad.is_sparse:
             raise RuntimeError("GroupedAdamW does not support sparse gradients.")
-        beta1, beta2 = group["betas"]
-        lr, decay = group["lr"], group["beta2_decay"]
+        beta1, beta2_t = group["betas"]
+        lr = group["lr"]
         state["step"] += 1
         step = float(state["step"])
         if group["weight_decay"]:
             p.mul_(1 - lr * group["weight_decay"])
-        if decay is None:
-            beta2_t, correction2 = beta2, 1 - beta2**step
-        else:
-            beta2_t, correction2 = 1.0 - step**decay, 1.0
+        correction2 = 1 - beta2_t**step
         if grad.dtype != p.dtype:
             grad = grad.to(p.dtype)
-        if group["momentum"] == "update":
-            self._adafactor_update(p, grad, state, layout, group, beta2_t)
-            return
-        # Adam's form: the first moment averages gradients; the step divides it by sqrt(v̂) + ε.
+        # the first moment averages gradients; the step divides it by sqrt(v̂) + ε
         step_size = lr / (1 - beta1**step) if layout.first_bits else lr
         if layout.second == "full":  # torch's AdamW, operation for operation
-            numerator = self._average(state, grad, beta1, lerp=True) if layout.first_bits else grad
+            numerator = self._average(state, grad, beta1) if layout.first_bits else grad
             v = state["exp_avg_sq"]
             v.mul_(beta2_t).addcmul_(grad, grad, value=1 - beta2_t)
             denominator = (v.sqrt() / math.sqrt(correction2)).add_(group["eps"])
@@ -300,7 +245,7 @@ class GroupedAdamW(torch.optim.Optimizer):
 
     def _blocked_update(self, p, grad, state: dict, layout: StateLayout, group: dict, beta2_t, correction2, step_size):
         """
-        Adam's form with a `head` / `row` / `tensor` / `factored` second moment, in chunks of whole stored rows: two
+        The update with a `head` / `row` / `tensor` / `factored` second moment, in chunks of whole stored rows: two
         passes over the gradient (its squares' means, then the update), whose temporaries are one chunk each, so that
         a large matrix (an embedding) allocates no tensor of its size at every step.
         """
@@ -354,7 +299,7 @@ class GroupedAdamW(torch.optim.Optimizer):
         for start, stop in chunks:
             chunk_grad = gradient[start:stop]
             if layout.first_bits:
-                numerator = self._average(state, chunk_grad, beta1, lerp=True, start=start * cols)
+                numerator = self._average(state, chunk_grad, beta1, start=start * cols)
             else:
                 numerator = chunk_grad
             if factored:
@@ -369,38 +314,9 @@ class GroupedAdamW(torch.optim.Optimizer):
                 denominator = unit_denominator.view(1, -1)
             stored[start:stop].addcdiv_(numerator, denominator, value=-step_size)
 
-    def _adafactor_update(self, p, grad, state: dict, layout: StateLayout, group: dict, beta2_t: float) -> None:
-        """Adafactor's form (transformers' `Adafactor`, operation for operation on matrices)."""
-        squares = grad**2 + ADAFACTOR_EPS
-        if layout.second == "full":
-            v = state["exp_avg_sq"]
-            v.mul_(beta2_t).add_(squares, alpha=1.0 - beta2_t)
-            del squares
-            update = v.rsqrt().mul_(grad)
-        elif layout.second == "factored":
-            matrix = _blocks(squares, layout)
-            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-            row.mul_(beta2_t).add_(matrix.mean(dim=-1), alpha=1.0 - beta2_t)
-            col.mul_(beta2_t).add_(matrix.mean(dim=-2), alpha=1.0 - beta2_t)
-            del matrix, squares
-            row_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
-            update = _unblocks(torch.mul(row_factor, col.unsqueeze(-2).rsqrt()), p.shape, layout).mul_(grad)
-        else:
-            v = state["exp_avg_sq"]
-            v.mul_(beta2_t).add_(_blocks(squares, layout).mean(dim=1, keepdim=True).view_as(v), alpha=1.0 - beta2_t)
-            del squares
-            update = _unblocks(_blocks(grad, layout) * v.rsqrt().view(-1, 1), p.shape, layout)
-        clip = group["clip_threshold"]
-        if clip is not None:
-            update.div_((update.norm(2) / (update.numel() ** 0.5) / clip).clamp_(min=1.0))
-        update.mul_(group["lr"])
-        if layout.first_bits:
-            update = self._average(state, update, group["betas"][0], lerp=False)
-        p.add_(-update)
-
-    def _average(self, state: dict, target: torch.Tensor, beta1: float, lerp: bool, start: int = 0) -> torch.Tensor:
+    def _average(self, state: dict, target: torch.Tensor, beta1: float, start: int = 0) -> torch.Tensor:
         """
-        The first moment `m ← β1 m + (1 − β1) target` in its storage (`lerp`: as torch's AdamW computes it), on the
+        The first moment `m ← β1 m + (1 − β1) target` in its storage (a `lerp`, as torch's AdamW computes it), on the
         entries `start : start + target.numel()` of the flattened moment (`start` on an 8-bit block's boundary; all of
         it by default); returns them shaped as `target`, in its dtype.
         """
@@ -415,7 +331,7 @@ class GroupedAdamW(torch.optim.Optimizer):
             first, last = start // FIRST_MOMENT_BLOCK, end // FIRST_MOMENT_BLOCK
             moment, new_codes, new_scales = self._kernel(
                 codes[start:end].view(-1, FIRST_MOMENT_BLOCK), scales[first:last].view(-1, 1),
-                values.view(-1, FIRST_MOMENT_BLOCK), beta1, lerp,
+                values.view(-1, FIRST_MOMENT_BLOCK), beta1,
             )  # fmt: skip
             codes[start:end].copy_(new_codes.view(-1))
             scales[first:last].copy_(new_scales.view(-1))
@@ -424,9 +340,8 @@ class GroupedAdamW(torch.optim.Optimizer):
         if moment.numel() != flat.numel():  # a chunk of rows (the moment is contiguous, as its parameter)
             moment = moment.view(-1)[start:stop].view_as(target)
         if moment.dtype == target.dtype:
-            return moment.lerp_(target, 1 - beta1) if lerp else moment.mul_(beta1).add_(target, alpha=1 - beta1)
-        values = moment.to(target.dtype)  # 16 bits
-        values = values.lerp_(target, 1 - beta1) if lerp else values.mul_(beta1).add_(target, alpha=1 - beta1)
+            return moment.lerp_(target, 1 - beta1)
+        values = moment.to(target.dtype).lerp_(target, 1 - beta1)  # 16 bits
         moment.copy_(values)
         return values
 
@@ -441,39 +356,4 @@ def _row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
     return [(start, min(start + per_chunk, rows)) for start in range(0, rows, per_chunk)]
 
 
-def _blocks(tensor: torch.Tensor, layout: StateLayout) -> torch.Tensor:
-    """
-    A parameter-shaped tensor as `[blocks, entries]` for its layout, a view (the parameter's storage, for in-place
-    updates): output units for `row` and `factored` (transposed for an `[in, out]` weight), heads for `head`, one block
-    for `tensor`.
-    """
-    if layout.second == "tensor":
-        return tensor.view(1, -1)
-    matrix = tensor.t() if layout.axis == 1 else tensor.view(tensor.shape[0], -1)
-    if layout.second == "head":
-        return matrix.view(matrix.shape[0] // layout.block, -1)
-    return matrix
-
-
-def _unblocks(blocks: torch.Tensor, shape: torch.Size, layout: StateLayout) -> torch.Tensor:
-    """The inverse of [`_blocks`]."""
-    return blocks.t() if layout.axis == 1 else blocks.view(shape)
-
-
-def _expand(values: torch.Tensor, shape: torch.Size, layout: StateLayout) -> torch.Tensor:
-    """A `head` / `row` / `tensor` state as a view of the parameter's shape (no copy: stride 0 where it repeats)."""
-    if layout.second == "full":
-        return values
-    if layout.second == "tensor":
-        return values.view([1] * len(shape)).expand(shape)
-    rows, cols = shape[layout.axis], shape.numel() // shape[layout.axis]
-    if layout.second == "head":
-        matrix = values.view(-1, 1, 1).expand(-1, layout.block, cols).reshape(rows, cols)
-    else:
-        matrix = values.view(rows, 1).expand(rows, cols)
-    if layout.axis == 1:
-        return matrix.t()
-    return matrix.view(shape)
-
-
-__all__ = ["GroupedAdamW", "dequantize_moment", "quantize_moment"]
+__all__ = ["GroupedAdamW", "dequantize_moment"]

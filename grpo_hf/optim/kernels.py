@@ -45,14 +45,14 @@ def encode(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.round(ratio * 127.0) * torch.sign(values)).to(torch.int8), absmax
 
 
-def moment_step(codes: torch.Tensor, scales: torch.Tensor, target: torch.Tensor, beta1: float, lerp: bool):
+def moment_step(codes: torch.Tensor, scales: torch.Tensor, target: torch.Tensor, beta1: float):
     """
-    One step of an 8-bit moment: `m ← β1 m + (1 − β1) target` (as `torch.lerp` when `lerp`, as torch's AdamW
-    computes it; as `β1 m + (1 − β1) target` otherwise, as Adafactor does). Returns `(m, codes, scales)`: the new moment
-    in fp32 and its new codes and scales. All tensors are `[blocks, 128]` (`scales` `[blocks, 1]`).
+    One step of an 8-bit moment: `m ← β1 m + (1 − β1) target` (as `torch.lerp`, as torch's AdamW computes it).
+    Returns `(m, codes, scales)`: the new moment in fp32 and its new codes and scales. All tensors are `[blocks, 128]`
+    (`scales` `[blocks, 1]`).
     """
     moment = decode(codes, scales)
-    moment = torch.lerp(moment, target, 1.0 - beta1) if lerp else moment * beta1 + target * (1.0 - beta1)
+    moment = torch.lerp(moment, target, 1.0 - beta1)
     new_codes, new_scales = encode(moment)
     return moment, new_codes, new_scales
 
@@ -64,10 +64,10 @@ class MomentKernel:
         self.compiled = compiled
         self._fn = torch.compile(moment_step, dynamic=True) if compiled else moment_step
 
-    def __call__(self, codes, scales, target, beta1: float, lerp: bool):
+    def __call__(self, codes, scales, target, beta1: float):
         try:
             with torch.no_grad():
-                return self._fn(codes, scales, target, float(beta1), bool(lerp))
+                return self._fn(codes, scales, target, float(beta1))
         except Exception as error:
             if not self.compiled:
                 raise
@@ -78,15 +78,14 @@ class MomentKernel:
                 str(error).splitlines()[0][:200] if str(error) else "",
             )
             self.compiled, self._fn = False, moment_step
-            return moment_step(codes, scales, target, float(beta1), bool(lerp))
+            return moment_step(codes, scales, target, float(beta1))
 
     def warm_up(self, device) -> float:
-        """Run the kernel once on tiny inputs of both forms (compiling it); returns the seconds it took."""
+        """Run the kernel once on tiny inputs (compiling it); returns the seconds it took."""
         start = time.perf_counter()
-        for lerp in (True, False):
-            codes = torch.zeros(2, FIRST_MOMENT_BLOCK, dtype=torch.int8, device=device)
-            scales = torch.zeros(2, 1, device=device)
-            self(codes, scales, torch.zeros(2, FIRST_MOMENT_BLOCK, device=device), 0.9, lerp)
+        codes = torch.zeros(2, FIRST_MOMENT_BLOCK, dtype=torch.int8, device=device)
+        scales = torch.zeros(2, 1, device=device)
+        self(codes, scales, torch.zeros(2, FIRST_MOMENT_BLOCK, device=device), 0.9)
         return time.perf_counter() - start
 
 

@@ -11,6 +11,9 @@ of that it keeps:
 | `tensor`                | tensor                                                 | norms                    |
 | `factored`              | row and column (Adafactor's: `v ≈ r cᵀ / mean(r)`)     | –                        |
 
+(`head`, `row` and `tensor` are Adam-mini's blocks; a group file chooses them per group. The presets that chose them
+for every large group, `mini` and `mini8`, were measured and removed: [`REMOVED_PRESETS`].)
+
 and the first moment (`state_bits`) in 32, 16 or 8 bits (8: signed codes in blocks of 128 with one fp32 scale each),
 or `0` (none: the update is the normalized gradient itself).
 
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_once
 from ..grouping import STATE_BITS, STATE_KINDS
 from .kernels import FIRST_MOMENT_BLOCK, padded_numel
 
@@ -130,52 +133,45 @@ def semantic_kind(name: str) -> str:
 class StatePreset:
     """
     One value of `grpo_optimizer_state`: a second-moment kind and first-moment bits per semantic kind (kinds not
-    named keep a full fp32 state), and the update rule of [`~grpo_hf.optim.GroupedAdamW`] it runs with.
+    named keep a full fp32 state).
     """
 
     name: str
     second: dict[str, str]
     first_bits: dict[str, int]
-    update: dict  # GroupedAdamW's per-group options: beta2_decay, clip_threshold, momentum
     help: str
-    small_bits: int = 32  # first-moment bits of the kinds not named and of the tensors kept full (small, 1-D, LoRA)
 
 
 _LARGE = ("attn_qk", "attn_qkv", "attn_vo", "ffn", "embeddings", "head")
-_MINI = {"attn_qk": "head", "attn_qkv": "row", "attn_vo": "row", "ffn": "row", "embeddings": "row", "head": "row"}
 PRESETS = {
     preset.name: preset
     for preset in (
         StatePreset(
-            "mini",
-            second=_MINI,
-            first_bits={},
-            update={},
-            help="AdamW with one second moment per block (Adam-mini's): per head in attn_qk, per output row in "
-            "attn_vo, ffn, embeddings and the output layer; the first moment full.",
-        ),
-        StatePreset(
-            "mini8",
-            second=_MINI,
-            first_bits={kind: 8 for kind in _LARGE},
-            update={},
-            help="'mini' with the first moment of the large groups in 8-bit block codes.",
-        ),
-        StatePreset(
             "factored8",
             second={kind: "factored" for kind in _LARGE},
             first_bits={kind: 8 for kind in _LARGE},
-            update={},
             help="AdamW whose second moment is factored into row and column means (Adafactor's estimate) and whose "
             "first moment is in 8-bit block codes, for attention, FFN, embeddings and the output layer.",
         ),
     )
 }
 OPTIMIZER_STATE_CHOICES = ("full", *PRESETS)
+# Presets measured and removed -> why (the error a run or a checkpoint written with one gets).
+_MINI_REMOVED = (
+    "Adam-mini's blocks (one second moment per head or row) trailed AdamW and 'factored8' on both full fine-tunes "
+    "measured (perplexity / AdamW, best against best: 1.032 and 1.011, against 1.010 and 1.000 for 'factored8'; "
+    "docs/memory.md, benchmarks/LOG.md 2026-12-05) and were removed"
+)
+REMOVED_PRESETS = {
+    "mini": _MINI_REMOVED + ". Use 'factored8' (a quarter of mini's state), or a group file's state: row / head.",
+    "mini8": _MINI_REMOVED + ". Use 'factored8' (the same state bytes).",
+}
 
 
 def check_optimizer_state(value) -> None:
-    """Refuse a `grpo_optimizer_state` that is not a preset name."""
+    """Refuse a `grpo_optimizer_state` that is not a preset name, a removed preset with the reason."""
+    if value in REMOVED_PRESETS:
+        raise ConfigError(f"grpo_optimizer_state={value!r}: {REMOVED_PRESETS[value]}")
     if value not in OPTIMIZER_STATE_CHOICES:
         raise ConfigError(
             f"grpo_optimizer_state={value!r}: use one of {OPTIMIZER_STATE_CHOICES} ('full' keeps the optimizer's own "
@@ -231,16 +227,15 @@ def resolve_layouts(
     for group in groups:
         for name, param in zip(group.param_names, group.params):
             kind = semantic_kind(name)
-            small_bits = table.small_bits if table else 32
             second = table.second.get(kind, "full") if table else "full"
-            bits = table.first_bits.get(kind, small_bits) if table else 32
+            bits = table.first_bits.get(kind, 32) if table else 32
             if group.rule.state is not None:
                 second = group.rule.state
             if group.rule.state_bits is not None:
                 bits = group.rule.state_bits
             block = rows_per_head if rows_per_head and whole_heads_per_shard(param, rows_per_head) else 0
             layout = StateLayout(second, bits, block, axes.get(name, 0))
-            layouts[name] = fit_layout(layout, _local_shape(param), name, min_numel, kind, small_bits)
+            layouts[name] = fit_layout(layout, _local_shape(param), name, min_numel, kind)
     return layouts
 
 
@@ -265,23 +260,23 @@ def _local_shape(param: torch.Tensor) -> torch.Size:
     return param.to_local().shape if hasattr(param, "to_local") else param.shape
 
 
-def fit_layout(
-    layout: StateLayout, shape: torch.Size, name: str, min_numel: int, kind: str = "", small_bits: int = 32
-) -> StateLayout:
+def fit_layout(layout: StateLayout, shape: torch.Size, name: str, min_numel: int, kind: str = "") -> StateLayout:
     """
-    `layout` as it applies to a tensor of `shape`: a full second moment (and `small_bits` of first moment) for small,
-    1-D and LoRA tensors; `head` becomes `row` where the rows do not split into whole heads (no head size known, a
+    `layout` as it applies to a tensor of `shape`: a full fp32 state for small, 1-D and LoRA tensors; `head` becomes `row` where the rows do not split into whole heads (no head size known, a
     shard that cuts a head, a transposed weight).
     """
     if shape.numel() < min_numel or len(shape) < 2 or kind == "lora":
-        return StateLayout("full", small_bits)
+        return StateLayout("full", 32)
     if layout.second == "head":
         rows = shape[layout.axis]
         if layout.block <= 0 or rows % layout.block or layout.axis:
-            _say_once(
+            warn_once(
+                logger,
+                _SAID,
                 name,
                 f"{name}: its {rows} output rows do not split into heads of {layout.block or 'unknown'} rows; one "
                 "second moment per row instead.",
+                logging.INFO,
             )
             return StateLayout("row", layout.first_bits, 0, layout.axis)
     if layout.second != "head":
@@ -289,13 +284,7 @@ def fit_layout(
     return layout
 
 
-_SAID: set[str] = set()
-
-
-def _say_once(key: str, message: str) -> None:
-    if key not in _SAID:
-        _SAID.add(key)
-        logger.info(message)
+_SAID: set[str] = set()  # the parameters whose head fell back to rows, said once per process
 
 
 __all__ = [
@@ -304,6 +293,7 @@ __all__ = [
     "FIRST_MOMENT_BITS",
     "OPTIMIZER_STATE_CHOICES",
     "PRESETS",
+    "REMOVED_PRESETS",
     "SECOND_MOMENT_KINDS",
     "StateLayout",
     "StatePreset",

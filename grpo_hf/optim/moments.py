@@ -1,15 +1,15 @@
 """The one reader of an optimizer's moments: what `m` and `v` of a parameter are, whatever the optimizer keeps.
 
 Adam's state keys (`exp_avg`, `exp_avg_sq`), Adafactor's (`exp_avg_sq_row`, `exp_avg_sq_col`) and
-[`~grpo_hf.optim.GroupedAdamW`]'s layouts are read here and nowhere else. Its users: the codec's gradient scales
-(`grpo_scale_gradients`: a per-entry second moment), the sync's moment averaging (`grpo_sync_moments`: the stored
-tensors, averaged in place), the coherence importance score and the DeepSpeed step probe (the first moment).
+[`~grpo_hf.optim.GroupedAdamW`]'s layouts are read here and nowhere else. Its users: the sync's moment averaging
+(`grpo_sync_moments`: the stored tensors, averaged in place), the coherence importance score and the DeepSpeed step
+probe (the first moment).
 
 | optimizer | first moment | second moment | stored, averageable in place |
 |---|---|---|---|
 | torch's Adam, AdamW, NAdam, RAdam | `exp_avg` | `exp_avg_sq` | both |
-| transformers' `Adafactor` | `exp_avg` (with `beta1`) | `exp_avg_sq`, or `r cᵀ / mean(r)` from `exp_avg_sq_row` / `_col` | both |
-| [`~grpo_hf.optim.GroupedAdamW`] | fp32 (a copy from 8 or 16 bits) | per its layout (a view, or `r cᵀ / mean(r)`) | fp32 ones |
+| transformers' `Adafactor` | `exp_avg` (with `beta1`) | `exp_avg_sq`, or `exp_avg_sq_row` / `_col` | both |
+| [`~grpo_hf.optim.GroupedAdamW`] | fp32 (a copy from 8 or 16 bits) | per its layout (per entry, block, or row and column) | fp32 ones |
 | bitsandbytes' and torchao's 8-bit / 4-bit optimizers | – | – | – (codes) |
 """
 
@@ -58,34 +58,6 @@ def first_moment(optimizer, param: torch.Tensor) -> torch.Tensor | None:
     if _quantized(moment):  # torchao's codes
         return moment.dequantize().float()
     return local_tensor(moment).float()
-
-
-def second_moment(optimizer, param: torch.Tensor) -> torch.Tensor | None:
-    """
-    `param`'s second-moment estimate (not bias-corrected), broadcastable to its local shape; `None` when there is no
-    state yet or the optimizer keeps none it can give (8-bit codes).
-    """
-    optimizer = unwrap_optimizer(optimizer)
-    if _grouped(optimizer):
-        return optimizer.second_moment(param)
-    state = optimizer.state.get(param, {})
-    if "exp_avg_sq_row" in state:  # Adafactor, factored
-        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-        return (row / row.mean(dim=-1, keepdim=True)).unsqueeze(-1) * col.unsqueeze(-2)
-    moment = state.get("exp_avg_sq")
-    if moment is None or _quantized(moment):
-        return None
-    return local_tensor(moment)
-
-
-def per_entry_second_moment(optimizer, param: torch.Tensor) -> torch.Tensor | None:
-    """The stored second moment when it holds one value per entry of `param` (AdamW's), else `None`."""
-    moment = second_moment(optimizer, param)
-    local = local_tensor(param)
-    if moment is None or moment.numel() != local.numel() or moment.stride() != local.stride():
-        return None
-    state = unwrap_optimizer(optimizer).state.get(param, {})
-    return moment if any(moment is value for value in state.values()) else None
 
 
 def stored_moments(optimizer, param: torch.Tensor, which: str) -> list[torch.Tensor]:
@@ -172,8 +144,6 @@ __all__ = [
     "moment_numel",
     "moment_tensors",
     "first_moment",
-    "per_entry_second_moment",
-    "second_moment",
     "stored_moments",
     "unwrap_optimizer",
 ]

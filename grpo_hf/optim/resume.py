@@ -44,21 +44,6 @@ def saved_param_groups(folder: str) -> list[dict] | None:
     return [group for group in groups if isinstance(group, dict)]
 
 
-def saved_state_setting(folder: str) -> str | None:
-    """
-    `"full"` when the checkpoint's optimizer kept its own state, `"grouped"` when it was
-    [`~grpo_hf.optim.GroupedAdamW`] (its param groups hold `state_layouts`), `None` when the folder holds no
-    `optimizer.pt` (an FSDP checkpoint shards it; DeepSpeed writes its own).
-
-    Raises:
-        [`~grpo_hf.errors.CheckpointError`]: `optimizer.pt` is there but unreadable.
-    """
-    groups = saved_param_groups(folder)
-    if groups is None:
-        return None
-    return "grouped" if any("state_layouts" in group for group in groups) else "full"
-
-
 def check_checkpoint_optimizer_state(folder: str, setting: str, layouts: dict[str, str] | None = None) -> None:
     """
     Refuse to resume `folder` with `grpo_optimizer_state=setting` when its optimizer kept another kind of state, or,
@@ -174,5 +159,4 @@ __all__ = [
     "check_layouts",
     "check_param_groups",
     "saved_param_groups",
-    "saved_state_setting",
 ]

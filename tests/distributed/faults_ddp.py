@@ -67,7 +67,7 @@ def state_digests(trainer) -> dict:
     ]
     stores = {}
     if comm is not None:
-        for key in ("residuals", "owner_residuals", "squares"):
+        for key in ("residuals", "owner_residuals"):
             values = getattr(comm, key).values
             stores[key] = tensor_digest([values[n] for n in sorted(values)])
             stores[f"{key}_finite"] = all(bool(torch.isfinite(v).all()) for v in values.values())
@@ -95,7 +95,6 @@ class Recorder(TrainerCallback):
         if self.trainer.grpo_comm_state is not None:
             comm = self.trainer.grpo_comm_state
             self.begin["residuals"] = {n: v.tolist() for n, v in comm.residuals.values.items()}
-            self.begin["squares_digest"] = tensor_digest([comm.squares.values[n] for n in sorted(comm.squares.values)])
         self.begin["importance"] = self.trainer.grpo_callback.importance.smoothed.tolist()
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from grpo_hf.callbacks import GRPOCallback
 from grpo_hf.checkpoints import write_grpo_state
-from grpo_hf.compression.exchange import row_message_nbytes
+from grpo_hf.compression.codes import code_for
 from grpo_hf.compression.fsdp import FSDPCommState, install_compressed_reduce_scatter
 from grpo_hf.compression.spec import CodecSpec
 from grpo_hf.grouping import assign_groups, load_group_spec, lr_ratios
@@ -210,7 +210,7 @@ def scenario_compressed(out_dir):
         sizes = [int(key.rsplit(":", 1)[1]) for key in run.state.residuals]
         record["flat_sizes"] = sizes
         record["bytes_expected"] = steps * sum(
-            (world_size - 1) * row_message_nbytes(CodecSpec(bits=bits), n // world_size) for n in sizes
+            (world_size - 1) * code_for(CodecSpec(bits=bits)).row_nbytes(n // world_size) for n in sizes
         )
         record["residual_entries"] = sum((world_size - 1) * (n // world_size) for n in sizes)
         results[f"q{bits}-{feedback}"] = record

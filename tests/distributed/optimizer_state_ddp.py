@@ -2,7 +2,8 @@
 `GRPOTrainer` with `grpo_optimizer_state` presets under 2-process gloo DDP, GRPO's default codec on (run by
 tests/test_optim_distributed.py under torchrun).
 
-Per preset: a straight run of 12 steps and a run resumed from its checkpoint at step 6; per rank, whether DDP wrapped
+Per preset (`blocks<bits>`: `factored8` with `testing_utils.block_state_groups(bits)` as the group file): a straight
+run of 12 steps and a run resumed from its checkpoint at step 6; per rank, whether DDP wrapped
 the model, the bytes the codec sent, whether every parameter and every optimizer state tensor is bit-identical on
 every rank, and digests of the parameters and of the optimizer state (straight and resumed).
 
@@ -10,6 +11,7 @@ Usage: torchrun --nproc_per_node 2 optimizer_state_ddp.py OUT_DIR PRESET [PRESET
 """
 
 import gc
+import json
 import os
 import sys
 
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 from _common import same_on_all_ranks, tensor_digest, worker_config, write_result
 from datasets import Dataset
-from testing_utils import end_worker, tiny_test_llama
+from testing_utils import block_state_groups, end_worker, tiny_test_llama
 from torch.nn.parallel import DistributedDataParallel
 
 from grpo_hf import GRPOTrainer
@@ -57,9 +59,17 @@ def main():
     out_dir, presets = sys.argv[1], sys.argv[2:]
     results = {}
     for preset in presets:
+        groups = {}
+        if preset.startswith("blocks"):
+            path = os.path.join(out_dir, f"{preset}.json")  # every rank writes the same file, atomically
+            with open(f"{path}.{os.environ['RANK']}", "w") as handle:
+                json.dump(block_state_groups(int(preset.removeprefix("blocks"))), handle)
+            os.replace(f"{path}.{os.environ['RANK']}", path)
+            groups = {"grpo_groups": path}
         args = worker_config(
-            os.path.join(out_dir, preset), grpo_optimizer_state=preset, grpo_min_state_numel=1024, max_steps=12,
-            save_strategy="steps", save_steps=6, grpo_min_compress_numel=256,
+            os.path.join(out_dir, preset), grpo_optimizer_state="factored8" if groups else preset,
+            grpo_min_state_numel=1024, max_steps=12, save_strategy="steps", save_steps=6, grpo_min_compress_numel=256,
+            **groups,
         )  # fmt: skip
         straight = train(args)
         resumed = train(args, resume=os.path.join(args.output_dir, "checkpoint-6"))

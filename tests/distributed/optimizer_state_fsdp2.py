@@ -15,9 +15,9 @@ import sys
 import torch
 import torch.distributed as dist
 from _common import write_result
-from testing_utils import end_worker, shard_like_accelerate, tiny_test_llama
+from testing_utils import block_state_groups, end_worker, shard_like_accelerate, tiny_test_llama
 
-from grpo_hf.grouping import assign_groups, load_group_spec
+from grpo_hf.grouping import assign_groups, parse_group_config
 from grpo_hf.optim import GroupedAdamW, resolve_layouts
 
 
@@ -25,10 +25,11 @@ SEQ_LEN, BATCH, VOCAB, STEPS = 16, 4, 128, 5
 
 
 def model_and_optimizer(preset: str):
-    # 2 heads of 16 rows; 1 key head: k_proj's 16 rows split into shards of 8, which cut its head
+    # 2 heads of 16 rows; 1 key head: k_proj's 16 rows split into shards of 8, which cut its head. `blocks<bits>`: a
+    # group file's per-head and per-row state (testing_utils.block_state_groups)
     model = tiny_test_llama(seed=0, max_position_embeddings=SEQ_LEN, num_attention_heads=2, num_key_value_heads=1)
-    groups = assign_groups(model, load_group_spec("semantic"))
-    layouts = resolve_layouts(model, groups, preset, min_numel=0)
+    groups = assign_groups(model, parse_group_config(block_state_groups(int(preset.removeprefix("blocks")))))
+    layouts = resolve_layouts(model, groups, "factored8", min_numel=0)
     param_groups = [{"params": g.params, "param_names": g.param_names, "grpo_group": g.name,
                      "state_layouts": [str(layouts[n]) for n in g.param_names]} for g in groups]  # fmt: skip
     return model, GroupedAdamW(param_groups, lr=3e-3)
@@ -47,7 +48,7 @@ def main():
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     results = {}
-    for preset in ("mini", "mini8"):
+    for preset in ("blocks32", "blocks8"):
         model, optimizer = model_and_optimizer(preset)
         shard_like_accelerate(model)
         named = dict(model.named_parameters())

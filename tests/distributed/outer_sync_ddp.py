@@ -185,7 +185,7 @@ def train(args, resume=None):
         "global_step": trainer.state.global_step,
         "hook_calls": state.hook_calls,
         "exchange": state.exchange,
-        "own_exchange_group": state.exchange_group is not None,
+        "own_exchange_group": getattr(state.exchange_communicator, "group", None) is not None,
         "steps": steps,
         "due": due,
         "identical_after_step": replicas.identical,

@@ -443,8 +443,9 @@ def scenario_delay(out_dir):
     trainer, recorder = train(out_dir, "delay", grpo_sync_delay=1, grpo_sync_ramp=False, max_steps=9, logging_steps=9)
     state = trainer.grpo_comm_state
     record = describe(trainer, recorder)
-    record["own_exchange_group"] = state.exchange_group is not None
-    record["exchange_group_ranks"] = group_ranks(state.exchange_group) if state.exchange_group is not None else []
+    twin = getattr(state.exchange_communicator, "group", None)  # the exchanges' own process group (delay > 0)
+    record["own_exchange_group"] = twin is not None
+    record["exchange_group_ranks"] = group_ranks(twin) if twin is not None else []
     finish(trainer)
     return record
 

@@ -5,7 +5,7 @@ Each file registers its code (`@register`); one import line below per code bring
 and one line here.
 """
 
-from .base import Code, code_for, register, registered_codes, unregister
+from .base import Code, code_for, register, unregister
 from .block import BlockCode
 from .chunk_topk import ChunkTopKCode
 from .fp32 import Fp32Code
@@ -24,6 +24,5 @@ __all__ = [
     "TwoBitCode",
     "code_for",
     "register",
-    "registered_codes",
     "unregister",
 ]

@@ -34,9 +34,8 @@ class Code:
     ... class HalfCode(Code):  # fp16 values, rounded once: the residual keeps what fp16 lost
     ...     name, fixed_size = "half", True
     ...     def message_nbytes(self, nblocks): return 2 * nblocks * self.spec.block_size
-    ...     def encode(self, kernels, rows, residual, scale=None, clip=None, k=None, message=None, in_place=False): ...
-    ...     def decode(self, kernels, messages, nblocks, scale=None, divide=1, out=None, ema=None, beta=0.0,
-    ...                max_blocks=None): ...
+    ...     def encode(self, kernels, rows, residual, k=None, message=None, in_place=False): ...
+    ...     def decode(self, kernels, messages, nblocks, divide=1, out=None, max_blocks=None): ...
     >>> code_for(CodecSpec(code="half", bits=16))
     ```
 
@@ -89,19 +88,15 @@ class Code:
         return length
 
     # --- messages ---
-    def encode(self, kernels, rows, residual, scale=None, clip: float | None = None, k: int | None = None,
-               message=None, in_place: bool = False):  # fmt: skip
+    def encode(self, kernels, rows, residual, k: int | None = None, message=None, in_place: bool = False):
         """
-        Compress `[n, B]` rows with error feedback: `rows + residual`, relative to the per-entry `scale` when given
-        (and clamped to `[-clip, clip]` scales when `clip` is given), as one message; the new residual is what the
+        Compress `[n, B]` rows with error feedback: `rows + residual` as one message; the new residual is what the
         message does not carry.
 
         Args:
             kernels (`~grpo_hf.compression.codec.Kernels`): the codec's kernels of the transport.
             rows (`torch.Tensor`): `[n, B]`, any float dtype.
             residual (`torch.Tensor`): `[n, B]` error feedback (bf16), or `None`.
-            scale (`torch.Tensor`, *optional*): `[n, B]` bf16 gradient scales.
-            clip (`float`, *optional*): the most scales an entry sends per step (only with `scale`).
             k (`int`, *optional*): the values the message keeps ([`num_values`]; every value when `None`).
             message (`torch.Tensor`, *optional*): a message of [`message_nbytes`] bytes to write into (`fixed_size`).
             in_place (`bool`, *optional*, defaults to `False`): write the new residual into `residual`.
@@ -111,40 +106,35 @@ class Code:
         """
         raise NotImplementedError(f"{type(self).__name__} does not encode messages.")
 
-    def decode(self, kernels, messages, nblocks: int, scale=None, divide: float = 1, out=None, ema=None,
-               beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
+    def decode(self, kernels, messages, nblocks: int, divide: float = 1, out=None, max_blocks: int | None = None):
         """
         The messages' decoded rows summed in order (rank order: every rank adds them the same way), divided by
-        `divide`, times the per-entry `scale` when given.
+        `divide`.
 
         Args:
             kernels (`~grpo_hf.compression.codec.Kernels`): the codec's kernels of the transport.
             messages (`list[torch.Tensor]`): the `uint8` messages, of `nblocks` blocks each.
             nblocks (`int`): blocks of each message.
-            scale (`torch.Tensor`, *optional*): `[n, B]` bf16 gradient scales.
             divide (`float`, *optional*, defaults to `1`): e.g. the world size, for the mean.
             out (`torch.Tensor`, *optional*): `[n, B]` to write into (any float dtype; a fresh fp32 tensor when `None`).
-            ema (`torch.Tensor`, *optional*): `[n, B]` fp32 EMA of the squared result, to update.
-            beta (`float`, *optional*, defaults to `0.0`): the EMA's factor (`beta * ema + (1 - beta) * result**2`).
             max_blocks (`int`, *optional*): at most this many blocks per kernel call (a hint; a code may ignore it).
 
         Returns:
-            `(out, new_ema)`; `new_ema` is `None` without `ema`.
+            `out`.
         """
         raise NotImplementedError(f"{type(self).__name__} does not decode messages.")
 
     @staticmethod
-    def finish(values: torch.Tensor, out=None, ema=None, beta: float = 0.0):
-        """A decode's fp32 `values` written into `out` (when given) and the EMA of their square: `(out, new_ema)`."""
-        new_ema = None if ema is None else ema * beta + values * values * (1.0 - beta)
+    def finish(values: torch.Tensor, out=None) -> torch.Tensor:
+        """A decode's fp32 `values` written into `out` when given; returns what holds them."""
         if out is None:
-            return values, new_ema
+            return values
         out.copy_(values)
-        return out, new_ema
+        return out
 
     # --- owner reduction: one message per owner of the blocks it owns ---
-    def encode_to_owners(self, kernels, rows, residual, owned: list[tuple], scale=None, clip: float | None = None,
-                         ks: list[int] | None = None, messages=None):  # fmt: skip
+    def encode_to_owners(self, kernels, rows, residual, owned: list[tuple], ks: list[int] | None = None,
+                         messages=None):  # fmt: skip
         """
         The sender's half of owner reduction: `rows + residual` as one message per owner, of the blocks it owns
         (`owned[owner]`, `(ranges, index)` as [`~grpo_hf.compression.layout.owned_blocks`] gives them), keeping
@@ -162,31 +152,26 @@ class Code:
             if not ranges[1].numel():
                 out.append(empty)
                 continue
-            part = None if scale is None else take_owned(scale, ranges)
             k = None if ks is None else ks[owner]
             slot = None if messages is None else messages[owner]
-            message, kept = self.encode(
-                kernels, take_owned(rows, ranges), take_owned(residual, ranges), part, clip, k, slot
-            )
+            message, kept = self.encode(kernels, take_owned(rows, ranges), take_owned(residual, ranges), k, slot)
             put_owned(residual, ranges, kept)
             out.append(message)
         return out, residual
 
-    def decode_from_owners(self, kernels, messages, owned: list[tuple], nblocks: int, scale=None, out=None, ema=None,
-                           beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
+    def decode_from_owners(self, kernels, messages, owned: list[tuple], nblocks: int, out=None,
+                           max_blocks: int | None = None):  # fmt: skip
         """
         Every rank's last half of owner reduction: the owners' messages (`messages[owner]`) decoded into the
         `[nblocks, B]` rows, the same bits on every rank; by default each owner's message on its own ([`decode`]).
-        Returns `(out, new_ema)` as [`decode`] does.
+        Returns `out` as [`decode`] does.
         """
         device = messages[0].device if messages else None
         values = torch.zeros(nblocks, self.spec.block_size, device=device)
         for owner, ranges in enumerate(owned):
             if ranges[1].numel():
-                part = None if scale is None else take_owned(scale, ranges)
-                decoded, _ = self.decode(kernels, [messages[owner]], ranges[1].numel(), part, 1)
-                put_owned(values, ranges, decoded)
-        return self.finish(values, out, ema, beta)
+                put_owned(values, ranges, self.decode(kernels, [messages[owner]], ranges[1].numel()))
+        return self.finish(values, out)
 
     # --- rows: FSDP2's reduce-scatter, one message per row of equal size ---
     def row_nbytes(self, numel: int) -> int:
@@ -237,11 +222,6 @@ def unregister(code: type[Code]) -> None:
     _CHOSEN.clear()
 
 
-def registered_codes() -> tuple[type[Code], ...]:
-    """The registered codes, in registration order."""
-    return tuple(_CODES)
-
-
 def code_for(spec: CodecSpec) -> Code:
     """
     The code that carries `spec`: the first registered code that accepts it (made once per spec).
@@ -261,4 +241,4 @@ def code_for(spec: CodecSpec) -> Code:
     return code
 
 
-__all__ = ["Code", "code_for", "register", "registered_codes", "unregister"]
+__all__ = ["Code", "code_for", "register", "unregister"]

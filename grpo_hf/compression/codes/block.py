@@ -58,47 +58,39 @@ class BlockCode(Code):
         return self.messages.read_nbytes(buffer, nblocks)
 
     # --- messages ---
-    def encode(self, kernels, rows, residual, scale=None, clip: float | None = None, k: int | None = None,
-               message=None, in_place: bool = False):  # fmt: skip
-        clip = clip if scale is not None else None
+    def encode(self, kernels, rows, residual, k: int | None = None, message=None, in_place: bool = False):
         bits, writer = self.spec.bits, self.messages
         if message is None:
-            codes, absmax, new_residual = kernels.encode(rows, residual, scale, bits, clip, in_place=in_place)
+            codes, absmax, new_residual = kernels.encode(rows, residual, bits, in_place=in_place)
             return writer.pack(codes, absmax), new_residual
         codes_view, absmax_view = writer.unpack(message, rows.shape[0])
-        _, absmax, new_residual = kernels.encode(
-            rows, residual, scale, bits, clip, codes_out=codes_view, in_place=in_place
-        )
+        _, absmax, new_residual = kernels.encode(rows, residual, bits, codes_out=codes_view, in_place=in_place)
         absmax_view.copy_(absmax)
         writer.clear_padding(message, rows.shape[0])
         return message, new_residual
 
-    def decode(self, kernels, messages, nblocks: int, scale=None, divide: float = 1, out=None, ema=None,
-               beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
+    def decode(self, kernels, messages, nblocks: int, divide: float = 1, out=None, max_blocks: int | None = None):
         codes, absmax = zip(*(self.messages.unpack(message, nblocks) for message in messages))
-        beta = beta if ema is not None else 0.0  # (a state without gradient scales has no EMA factor)
-        return self._decode_codes(kernels, codes, absmax, scale, divide, out, ema, beta, max_blocks)
+        return self._decode_codes(kernels, codes, absmax, divide, out, max_blocks)
 
-    def _decode_codes(self, kernels, codes, absmax, scale, divide, out, ema, beta, max_blocks):
-        """`Kernels.decode`, in calls of at most `max_blocks` blocks into `out` when given (no scales, no EMA)."""
+    def _decode_codes(self, kernels, codes, absmax, divide, out, max_blocks):
+        """`Kernels.decode`, in calls of at most `max_blocks` blocks into `out` when given."""
         bits = self.spec.bits
         if max_blocks is None:
-            return kernels.decode(codes, absmax, scale, bits, divide, out, ema, beta)
+            return kernels.decode(codes, absmax, bits, divide, out)
         nblocks = absmax[0].numel()
         for start in range(0, nblocks, max_blocks):
             end = min(start + max_blocks, nblocks)
-            kernels.decode([c[start:end] for c in codes], [a[start:end] for a in absmax], None, bits, divide,
-                           out=out[start:end])  # fmt: skip
-        return out, None
+            kernels.decode([c[start:end] for c in codes], [a[start:end] for a in absmax], bits, divide, out[start:end])
+        return out
 
     # --- owner reduction: one kernel call for the whole run ---
-    def encode_to_owners(self, kernels, rows, residual, owned: list[tuple], scale=None, clip: float | None = None,
-                         ks: list[int] | None = None, messages=None):  # fmt: skip
+    def encode_to_owners(self, kernels, rows, residual, owned: list[tuple], ks: list[int] | None = None,
+                         messages=None):  # fmt: skip
         """The run encoded in one kernel call, each owner's codes and absmax cut out of it: into `messages[owner]`
         when given (fixed sizes), else packed (2 bits)."""
         empty = torch.zeros(0, dtype=torch.uint8, device=rows.device)
-        clip = clip if scale is not None else None
-        codes, absmax, new_residual = kernels.encode(rows, residual, scale, self.spec.bits, clip, in_place=True)
+        codes, absmax, new_residual = kernels.encode(rows, residual, self.spec.bits, in_place=True)
         writer = self.messages
         if messages is None:
             messages = [writer.pack(take_owned(codes, r), take_owned(absmax, r)) if r[1].numel() else empty
@@ -113,8 +105,8 @@ class BlockCode(Code):
                 writer.clear_padding(messages[owner], count)
         return messages, new_residual
 
-    def decode_from_owners(self, kernels, messages, owned: list[tuple], nblocks: int, scale=None, out=None, ema=None,
-                           beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
+    def decode_from_owners(self, kernels, messages, owned: list[tuple], nblocks: int, out=None,
+                           max_blocks: int | None = None):  # fmt: skip
         """The owners' codes put back in block order and decoded at once."""
         device = messages[0].device if messages else None
         shape, dtype = code_shape(nblocks, self.spec.block_size, self.spec.bits)
@@ -125,7 +117,7 @@ class BlockCode(Code):
                 owner_codes, owner_absmax = self.messages.unpack(messages[owner], count)
                 put_owned(codes, ranges, owner_codes)
                 put_owned(absmax, ranges, owner_absmax)
-        return self._decode_codes(kernels, [codes], [absmax], scale, 1, out, ema, beta, max_blocks)
+        return self._decode_codes(kernels, [codes], [absmax], 1, out, max_blocks)
 
     # --- rows (FSDP2) ---
     def row_nbytes(self, numel: int) -> int:
@@ -138,8 +130,8 @@ class BlockCode(Code):
         if nonfinite is not None:
             rows = torch.where(nonfinite, 0.0, rows)
         bits, block = self.spec.bits, self.spec.block_size
-        codes, absmax, _ = kernels.encode(_blocks(rows, block), None, None, bits)
-        decoded, _ = kernels.decode([codes], [absmax], None, bits, 1.0)
+        codes, absmax, _ = kernels.encode(_blocks(rows, block), None, bits)
+        decoded = kernels.decode([codes], [absmax], bits, 1.0)
         messages = self.row_messages.pack_rows(codes, absmax, n)
         if nonfinite is not None:
             self.poison_rows(messages, nonfinite)
@@ -160,7 +152,7 @@ class BlockCode(Code):
         """`code * step`, one multiply each."""
         n = messages.shape[0]
         codes, absmax = self.row_messages.unpack_rows(messages, num_blocks(numel, self.spec.block_size))
-        decoded, _ = kernels.decode([codes], [absmax], None, self.spec.bits, 1.0)
+        decoded = kernels.decode([codes], [absmax], self.spec.bits, 1.0)
         return decoded.reshape(n, -1)[:, :numel]
 
 

@@ -145,13 +145,9 @@ class ChunkTopKCode(Code):
         return torch.where((codes & 1).bool(), -magnitude, magnitude)
 
     # --- messages ---
-    def encode(self, kernels, rows, residual, scale=None, clip: float | None = None, k: int | None = None,
-               message=None, in_place: bool = False):  # fmt: skip
+    def encode(self, kernels, rows, residual, k: int | None = None, message=None, in_place: bool = False):
         """`rows + residual` as one message of `k` entries per chunk (the spec's `k`; the argument is not read)."""
-        acc = rows.float() if residual is None else rows.float() + residual.float()
-        x = acc if scale is None else acc / scale.float()
-        if scale is not None and clip is not None:
-            x = x.clamp(-clip, clip)
+        x = rows.float() if residual is None else rows.float() + residual.float()
         nchunks = x.shape[0]
         positions = torch.topk(x.abs(), self.k, dim=1, sorted=False).indices.sort(dim=1).values
         kept = x.gather(1, positions)
@@ -169,9 +165,7 @@ class ChunkTopKCode(Code):
         new_residual = None
         if residual is not None:
             sent = torch.zeros_like(x).scatter_(1, positions, self.values(levels, codes))
-            if scale is not None:
-                sent = sent * scale.float()
-            new_residual = (acc - sent).to(residual.dtype)
+            new_residual = (x - sent).to(residual.dtype)
             if in_place:
                 residual.copy_(new_residual)
                 new_residual = residual
@@ -188,8 +182,7 @@ class ChunkTopKCode(Code):
         positions = unpack_bits(message[start:], count, self.index_bits).view(nchunks, self.k)
         return positions, self.values(levels, codes)
 
-    def decode(self, kernels, messages, nblocks: int, scale=None, divide: float = 1, out=None, ema=None,
-               beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
+    def decode(self, kernels, messages, nblocks: int, divide: float = 1, out=None, max_blocks: int | None = None):
         """The messages' chunks summed in order: each scattered (its positions are distinct) and added, so that every
         rank adds the same numbers in the same order."""
         device = messages[0].device
@@ -200,9 +193,7 @@ class ChunkTopKCode(Code):
             total += one.zero_().scatter_(1, positions, values)
         if divide != 1:
             total /= divide
-        if scale is not None:
-            total *= scale.float()
-        return self.finish(total, out, ema, beta)
+        return self.finish(total, out)
 
 
 __all__ = ["CHUNK_TOPK", "CHUNK_TOPK_BITS", "ChunkTopKCode", "chunk_topk_nbytes", "pack_bits", "unpack_bits"]

@@ -46,16 +46,16 @@ class PackedBlockCode(Code):
         return -(-self.spec.block_size // self.codes_per_byte)
 
     # --- what a subclass implements ---
-    def quantize(self, kernels, rows, residual, scale, clip):
+    def quantize(self, kernels, rows, residual):
         """
-        `[m, B]` rows (`rows + residual`, divided by `scale` and clamped to `[-clip, clip]` when given) as
-        `(absmax [m] fp32, packed [m, code_nbytes] uint8, new_residual)`: `new_residual = acc - values * scale` in
-        `residual`'s dtype (`None` without a residual), `values` exactly what [`values`] decodes.
+        `[m, B]` rows (`rows + residual`) as `(absmax [m] fp32, packed [m, code_nbytes] uint8, new_residual)`:
+        `new_residual = acc - values` in `residual`'s dtype (`None` without a residual), `values` exactly what
+        [`values`] decodes.
         """
         raise NotImplementedError(f"{type(self).__name__} quantizes its blocks.")
 
     def values(self, absmax: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """The `[m, B]` fp32 values of `m` blocks' packed codes and absmax (before any scale)."""
+        """The `[m, B]` fp32 values of `m` blocks' packed codes and absmax."""
         raise NotImplementedError(f"{type(self).__name__} decodes its blocks.")
 
     # --- sizes ---
@@ -75,9 +75,7 @@ class PackedBlockCode(Code):
         return absmax, message[4 * nblocks : body].view(nblocks, self.code_nbytes)
 
     # --- messages ---
-    def encode(self, kernels, rows, residual, scale=None, clip: float | None = None, k: int | None = None,
-               message=None, in_place: bool = False):  # fmt: skip
-        clip = clip if scale is not None else None
+    def encode(self, kernels, rows, residual, k: int | None = None, message=None, in_place: bool = False):
         nblocks = rows.shape[0]
         if message is None:
             message = torch.empty(self.message_nbytes(nblocks), dtype=torch.uint8, device=rows.device)
@@ -88,9 +86,8 @@ class PackedBlockCode(Code):
         step = max(1, ENCODE_CHUNK // self.spec.block_size)  # the work memory of a chunk
         for start in range(0, nblocks, step):
             end = min(start + step, nblocks)
-            part = None if scale is None else scale[start:end]
             held = None if residual is None else residual[start:end]
-            chunk_absmax, chunk_packed, kept = self.quantize(kernels, rows[start:end], held, part, clip)
+            chunk_absmax, chunk_packed, kept = self.quantize(kernels, rows[start:end], held)
             absmax[start:end] = chunk_absmax
             packed[start:end] = chunk_packed
             if kept is not None:
@@ -98,19 +95,16 @@ class PackedBlockCode(Code):
         message[4 * nblocks + nblocks * self.code_nbytes :].zero_()
         return message, new_residual
 
-    def decode(self, kernels, messages, nblocks: int, scale=None, divide: float = 1, out=None, ema=None,
-               beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
-        return self._decode([self.views(message, nblocks) for message in messages], nblocks, scale, divide, out, ema,
-                            beta, max_blocks)  # fmt: skip
+    def decode(self, kernels, messages, nblocks: int, divide: float = 1, out=None, max_blocks: int | None = None):
+        return self._decode([self.views(message, nblocks) for message in messages], nblocks, divide, out, max_blocks)
 
-    def _decode(self, held, nblocks, scale, divide, out, ema, beta, max_blocks):
-        """The sum of the `(absmax, packed)` of `held` in order, divided, times the scales, into `out`; `max_blocks`
-        blocks at a time without an EMA."""
+    def _decode(self, held, nblocks, divide, out, max_blocks):
+        """The sum of the `(absmax, packed)` of `held` in order, divided, into `out`; `max_blocks` blocks at a
+        time."""
         device = held[0][0].device if held else None
         if out is None:
             out = torch.empty(nblocks, self.spec.block_size, device=device)
-        step = nblocks if max_blocks is None or ema is not None else max_blocks
-        new_ema = None
+        step = nblocks if max_blocks is None else max_blocks
         for start in range(0, nblocks, max(1, step)):
             end = min(start + max(1, step), nblocks)
             total = None
@@ -119,16 +113,12 @@ class PackedBlockCode(Code):
                 total = values if total is None else total + values
             if divide != 1:
                 total = total / divide
-            if scale is not None:
-                total = total * scale[start:end].float()
             out[start:end] = total
-            if ema is not None:
-                new_ema = ema * beta + total * total * (1.0 - beta)
-        return out, new_ema
+        return out
 
     # --- owner reduction: the owners' codes put back in block order, decoded at once ---
-    def decode_from_owners(self, kernels, messages, owned: list[tuple], nblocks: int, scale=None, out=None, ema=None,
-                           beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
+    def decode_from_owners(self, kernels, messages, owned: list[tuple], nblocks: int, out=None,
+                           max_blocks: int | None = None):  # fmt: skip
         device = messages[0].device if messages else None
         absmax = torch.empty(nblocks, device=device)
         packed = torch.empty(nblocks, self.code_nbytes, dtype=torch.uint8, device=device)
@@ -138,7 +128,7 @@ class PackedBlockCode(Code):
                 owner_absmax, owner_packed = self.views(messages[owner], count)
                 put_owned(absmax, ranges, owner_absmax)
                 put_owned(packed, ranges, owner_packed)
-        return self._decode([(absmax, packed)], nblocks, scale, 1, out, ema, beta, max_blocks)
+        return self._decode([(absmax, packed)], nblocks, 1, out, max_blocks)
 
 
 __all__ = ["PackedBlockCode"]

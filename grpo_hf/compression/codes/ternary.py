@@ -63,9 +63,9 @@ class TernaryCode(PackedBlockCode):
     name = "ternary"
     codes_per_byte = TRITS_PER_BYTE
 
-    def quantize(self, kernels, rows, residual, scale, clip):
+    def quantize(self, kernels, rows, residual):
         """The codec's 2-bit kernel (ternary codes, error feedback), its codes packed as trits."""
-        codes, absmax, new_residual = kernels.encode(rows, residual, scale, 2, clip)
+        codes, absmax, new_residual = kernels.encode(rows, residual, 2)
         return absmax, pack_trits(codes), new_residual
 
     def values(self, absmax: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

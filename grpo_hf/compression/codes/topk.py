@@ -316,18 +316,14 @@ class TopKMessages:
             codes.view(-1)[:k] = view_as(body[: k * codes.element_size()], dtype)
         return codes, absmax
 
-    def encode(self, kernels: Kernels, grad, residual, scale, clip: float | None, k: int):
+    def encode(self, kernels: Kernels, grad, residual, k: int):
         """
-        Compress `[n, B]` rows (`grad + residual`, relative to the per-entry `scale` when given) keeping `k`
-        entries. Returns `(message, decoded, new_residual)`: `decoded` the `[n, B]` fp32 values the receivers decode
-        (before the scales), `new_residual` in `residual`'s dtype (`None` without a residual).
+        Compress `[n, B]` rows (`grad + residual`) keeping `k` entries. Returns `(message, decoded, new_residual)`:
+        `decoded` the `[n, B]` fp32 values the receivers decode, `new_residual` in `residual`'s dtype (`None` without
+        a residual).
         """
         acc = grad.float() if residual is None else grad.float() + residual.float()
-        scale = None if scale is None else scale.float()
-        x = acc if scale is None else acc / scale
-        if clip is not None:
-            x = x.clamp(-clip, clip)
-        flat = x.reshape(-1)
+        flat = acc.reshape(-1)
         positions = topk_positions(flat, k)
         kept = flat[positions]
         block = self.spec.block_size
@@ -335,9 +331,9 @@ class TopKMessages:
             value_bytes, decoded_kept = kept.contiguous().view(torch.uint8), kept
         else:
             blocks = torch.nn.functional.pad(kept, (0, num_blocks(k, block) * block - k)).view(-1, block)
-            codes, absmax, _ = kernels.encode(blocks, None, None, self.spec.bits)
+            codes, absmax, _ = kernels.encode(blocks, None, self.spec.bits)
             value_bytes = self._pack_values(codes, absmax, k)
-            decoded_kept = kernels.decode([codes], [absmax], None, self.spec.bits, 1)[0].view(-1)[:k]
+            decoded_kept = kernels.decode([codes], [absmax], self.spec.bits, 1).view(-1)[:k]
         scheme, index = encode_indices(positions, flat.numel())
         header = torch.tensor([k, int(scheme), index.numel(), value_bytes.numel()], dtype=torch.int32)
         parts = [header.view(torch.uint8).to(flat.device), value_bytes, index]
@@ -346,8 +342,7 @@ class TopKMessages:
         decoded = torch.zeros_like(flat).index_put_((positions,), decoded_kept).view_as(acc)
         new_residual = None
         if residual is not None:
-            sent = decoded if scale is None else decoded * scale
-            new_residual = (acc - sent).to(residual.dtype)
+            new_residual = (acc - decoded).to(residual.dtype)
         return torch.cat(parts), decoded, new_residual
 
     def read_nbytes(self, buffer: torch.Tensor) -> int:
@@ -364,15 +359,15 @@ class TopKMessages:
             decoded = view_as(raw, torch.float32)
         else:
             codes, absmax = self._unpack_values(raw, k)
-            decoded = kernels.decode([codes], [absmax], None, self.spec.bits, 1)[0].view(-1)[:k]
+            decoded = kernels.decode([codes], [absmax], self.spec.bits, 1).view(-1)[:k]
         start += value_nbytes
         positions = decode_indices(scheme, message[start : start + index_nbytes], numel)
         if positions.numel() != k:
             raise ValueError(f"corrupt message: {positions.numel()} positions for {k} values.")
         return positions, decoded
 
-    def decode(self, kernels: Kernels, messages, shape, scale, divide: float) -> torch.Tensor:
-        """The fp32 `[n, B]` sum of the messages' decoded rows (in order), divided by `divide`, times `scale`."""
+    def decode(self, kernels: Kernels, messages, shape, divide: float) -> torch.Tensor:
+        """The fp32 `[n, B]` sum of the messages' decoded rows (in order), divided by `divide`."""
         total = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=messages[0].device)
         for message in messages:
             positions, decoded = self.read(kernels, message, total.numel())
@@ -380,8 +375,6 @@ class TopKMessages:
         total = total.view(shape)
         if divide != 1:
             total /= divide
-        if scale is not None:
-            total *= scale.float()
         return total
 
 
@@ -412,20 +405,17 @@ class TopKCode(Code):
         """`ceil(density * numel)`: the real entries only, not the padding."""
         return num_kept(numel, self.spec.density)
 
-    def encode(self, kernels, rows, residual, scale=None, clip: float | None = None, k: int | None = None,
-               message=None, in_place: bool = False):  # fmt: skip
-        clip = clip if scale is not None else None
+    def encode(self, kernels, rows, residual, k: int | None = None, message=None, in_place: bool = False):
         k = rows.numel() if k is None else k
-        encoded, _, new_residual = self.messages.encode(kernels, rows, residual, scale, clip, k)
+        encoded, _, new_residual = self.messages.encode(kernels, rows, residual, k)
         if in_place and new_residual is not None:  # the top-k output is freed at once: only short-lived allocations
             residual.copy_(new_residual)
             new_residual = residual
         return encoded, new_residual
 
-    def decode(self, kernels, messages, nblocks: int, scale=None, divide: float = 1, out=None, ema=None,
-               beta: float = 0.0, max_blocks: int | None = None):  # fmt: skip
-        values = self.messages.decode(kernels, messages, (nblocks, self.spec.block_size), scale, divide)
-        return self.finish(values, out, ema, beta)
+    def decode(self, kernels, messages, nblocks: int, divide: float = 1, out=None, max_blocks: int | None = None):
+        values = self.messages.decode(kernels, messages, (nblocks, self.spec.block_size), divide)
+        return self.finish(values, out)
 
 
 __all__ = [

@@ -77,19 +77,14 @@ class TwoBitCode(PackedBlockCode):
     name = "two-bit"
     codes_per_byte = CODES_PER_BYTE
 
-    def quantize(self, kernels, rows, residual, scale, clip):
+    def quantize(self, kernels, rows, residual):
         acc = rows.float()
         if residual is not None:
             acc = acc + residual.float()
-        x = acc if scale is None else acc / scale.float()
-        if clip is not None:
-            x = x.clamp(-clip, clip)
-        codes, absmax = quantize_two_bit(x)
+        codes, absmax = quantize_two_bit(acc)
         new_residual = None
         if residual is not None:
             sent = levels(codes) * third(absmax)
-            if scale is not None:
-                sent = sent * scale.float()
             new_residual = (acc - sent).to(residual.dtype)
         return absmax, pack_two_bit(codes), new_residual
 
