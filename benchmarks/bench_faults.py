@@ -153,14 +153,15 @@ def kill_step(max_steps: int) -> int:
 class Progress(TrainerCallback):
     """
     What one process trained, written after every step (a killed process leaves its last one): its first and last
-    step, the bytes it sent, each sync's participants; after step `kill_at`, SIGKILL.
+    step, the time each step ended (`times`, wall-clock seconds), the bytes it sent, each sync's participants; after
+    step `kill_at`, SIGKILL.
     """
 
     def __init__(self, path: Path, kill_at: int, sent, syncs, step_seconds: float = 0.0, taken_over=None):
         self.path, self.kill_at, self.sent, self.syncs, self.step_seconds = path, kill_at, sent, syncs, step_seconds
         self.taken_over = taken_over or (lambda step: 0)  # batches of other replicas trained at a step
         self.record = {"first_step": None, "last_step": None, "steps": 0, "bytes_start": 0.0, "bytes": 0.0,
-                       "syncs": [], "taken_over": [], "pid": os.getpid()}  # fmt: skip
+                       "syncs": [], "taken_over": [], "times": [], "pid": os.getpid()}  # fmt: skip
         self._seen = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -180,6 +181,7 @@ class Progress(TrainerCallback):
         if record["first_step"] is None:
             record["first_step"] = step - 1
         record["last_step"], record["steps"], record["bytes"] = step, record["steps"] + 1, self.sent()
+        record["times"].append(time.time())  # of steps first_step + 1, ..., last_step
         self.update_syncs(step)
         self.write()
         if step == self.kill_at:
@@ -198,7 +200,13 @@ class Progress(TrainerCallback):
         os.replace(partial, self.path)
 
 
-def worker(job_path: str) -> None:
+def worker(job_path: str, setup=None) -> None:
+    """
+    One process of a row (the job file at `job_path`). `setup(trainer, job)`, when given, is called on a
+    fault-tolerant group's trainer before it trains (`benchmarks/bench_soak_faults.py` installs its fault hooks so).
+    Optional job keys: `save_steps` (a fault-tolerant group writes checkpoints, the last two kept), `every_final`
+    (each replica that finishes saves its model as `final-r<replica>.pt`, not replica 0 alone as `final.pt`).
+    """
     import torch
     from datasets import load_from_disk
     from transformers import TrainingArguments, set_seed
@@ -231,7 +239,9 @@ def worker(job_path: str) -> None:
     sync = _typed(sync_row(f"sync{every}"))
     diloco = None
     if kind == "grpo-ft":
-        args = GRPOConfig(**common, grpo_importance=False, **sync, grpo_fault_tolerance=True,
+        saves = {"save_strategy": "steps", "save_steps": job["save_steps"], "save_total_limit": 2}
+        args = GRPOConfig(**{**common, **(saves if job.get("save_steps") else {})}, grpo_importance=False, **sync,
+                          grpo_fault_tolerance=True,
                           grpo_ft_replica_id=replica, grpo_ft_replicas=REPLICAS, grpo_ft_timeout=job["ft_timeout"],
                           grpo_ft_quorum_timeout=FT_QUORUM_TIMEOUT,
                           grpo_ft_take_over=job["row"] != "grpo-torchft-drop")  # fmt: skip
@@ -267,6 +277,8 @@ def worker(job_path: str) -> None:
     progress = Progress(run_dir / f"progress-r{replica}-a{attempt}.json", kill_at, sent, syncs, job["step_seconds"],
                         taken_over)  # fmt: skip
     trainer.add_callback(progress)
+    if setup is not None and kind == "grpo-ft":
+        setup(trainer, job)
     start = time.perf_counter()
     trainer.train(**({"resume_from_checkpoint": "last"} if kind == "ddp" else {}))
     train_s = time.perf_counter() - start
@@ -281,7 +293,9 @@ def worker(job_path: str) -> None:
     state = {name: p.detach().clone() for name, p in trainer.model.state_dict().items()}
     record["digest"] = hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes()
                                                for t in state.values())).hexdigest()[:16]  # fmt: skip
-    if replica == 0:  # every replica ends on the same model (`digest`): replica 0's is evaluated
+    if job.get("every_final"):  # the launcher evaluates one that finished
+        torch.save(state, run_dir / f"final-r{replica}.pt")
+    elif replica == 0:  # every replica ends on the same model (`digest`): replica 0's is evaluated
         torch.save(state, run_dir / "final.pt")
     progress.write()
     if kind == "ddp":
@@ -290,15 +304,15 @@ def worker(job_path: str) -> None:
 
 
 def evaluate(job: dict) -> None:
-    """The final model's held-out loss (replica 0's, saved at its end): the suite's `Trainer.evaluate()`, one process,
-    the same for every row."""
+    """The final model's held-out loss (replica 0's, saved at its end, or the job's `final` file): the suite's
+    `Trainer.evaluate()`, one process, the same for every row."""
     import torch
     from datasets import load_from_disk
     from transformers import TrainingArguments
 
     task, info, run_dir = training_task(job["max_steps"]), job["info"], Path(job["run_dir"])
     model = build_model(task, info, job["seed"])
-    model.load_state_dict(torch.load(run_dir / "final.pt", weights_only=True))
+    model.load_state_dict(torch.load(run_dir / job.get("final", "final.pt"), weights_only=True))
     args = TrainingArguments(output_dir=str(run_dir / "eval"), **task.training_arguments(REPLICAS), report_to=[],
                              use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)  # fmt: skip
     trainer = Trainer(model=model, args=args, eval_dataset=load_from_disk(info["eval_path"]))
