@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .choices import (
+    COMM_MODE_CHOICES,
+    COMPRESSION_CHOICES,
+    DEFAULT_BITS,
+    DEFAULT_DENSITY,
     DEFAULT_FSDP_ERROR_FEEDBACK,
+    DEFAULT_MODE,
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     DEFAULT_SYNC_BITS,
@@ -25,23 +30,12 @@ from .choices import (
     DEFAULT_SYNC_RAMP,
     ERROR_FEEDBACK_CHOICES,
     SCALES_REMOVED,
-    SYNC_BITS_CHOICES,
     SYNC_DTYPE_CHOICES,
     SYNC_GLOBAL_DEVICE_CHOICES,
     SYNC_MOMENTS,
-    check_comm_settings,
-    check_sync_settings,
 )
-from .compression.plan import DEFAULT_MIN_NUMEL, resolve_compression, resolve_mode
-from .compression.spec import (
-    BITS_CHOICES,
-    COMM_MODE_CHOICES,
-    COMPRESSION_CHOICES,
-    DEFAULT_BITS,
-    DEFAULT_DENSITY,
-    DEFAULT_MODE,
-    num_kept,
-)
+from .compression.plan import DEFAULT_MIN_NUMEL
+from .compression.settings import BITS_CHOICES, SYNC_BITS_CHOICES, transport_settings
 from .cost import CostSettings
 from .cost.prices import CostFields
 from .engines import check_backends
@@ -59,7 +53,6 @@ from .optim.layout import (
 from .optim.layout import (
     PRESETS as STATE_PRESETS,
 )
-from .replica_groups import check_replica_parallelism
 
 
 @dataclass
@@ -404,9 +397,9 @@ class GRPOConfig(CostFields, TrainingArguments):
     grpo_bits: str = field(
         default=DEFAULT_BITS,
         metadata={
-            "help": "Bits per sent value: 2 (ternary), 4, 8, 16, 32, or 'auto' (the article's: 4 for linear-like, 8 "
-            "for conv/embeddings).",
-            "choices": list(BITS_CHOICES),
+            "help": "The per-step codes: bits per sent value (2: ternary levels; 32: fp32), a code's own value, or "
+            "'auto' (the article's: 4 for linear-like, 8 for conv/embeddings).",
+            "choices": BITS_CHOICES,  # the registered codes' values (compression/codes/), read at each use
         },
     )
     grpo_comm_mode: str = field(
@@ -453,10 +446,10 @@ class GRPOConfig(CostFields, TrainingArguments):
     grpo_sync_bits: str = field(
         default=DEFAULT_SYNC_BITS,
         metadata={
-            "help": "With grpo_sync_every > 1: bits per entry of the pseudo-gradient the ranks exchange at a sync: "
-            "'ternary' (grpo_bits=2's levels -1/0/+1, 5 per byte), 2 (four levels), 4, 8 or 16 (codes with error "
-            "feedback) or 32 (fp32). grpo_bits sets the per-step codes only.",
-            "choices": list(SYNC_BITS_CHOICES),
+            "help": "With grpo_sync_every > 1: the codes of the pseudo-gradient the ranks exchange at a sync, with error "
+            "feedback: bits per entry ('ternary': grpo_bits=2's levels -1/0/+1, 5 per byte; 2: four levels; 32: fp32) "
+            "or a code's own value. grpo_bits sets the per-step codes only.",
+            "choices": SYNC_BITS_CHOICES,  # the registered codes' values (compression/codes/), read at each use
         },
     )
     grpo_sync_fragments: int = field(
@@ -767,206 +760,6 @@ def _check_types(args) -> None:
             raise ConfigError(f"{name}={value!r}: use a number{quoted}.")
 
 
-# The compression's settings as `check_comm_settings` names them, and their fields.
-_COMM_FIELDS = {
-    "dense_warmup_steps": "grpo_dense_warmup_steps",
-    "error_feedback": "grpo_fsdp_error_feedback",
-}
-# The sync's settings as `check_sync_settings` names them, and their fields.
-_SYNC_FIELDS = {
-    "every": "grpo_sync_every",
-    "fragments": "grpo_sync_fragments",
-    "delay": "grpo_sync_delay",
-    "mix": "grpo_sync_mix",
-    "moments": "grpo_sync_moments",
-    "outer_lr": "grpo_sync_outer_lr",
-    "outer_momentum": "grpo_sync_outer_momentum",
-    "dtype": "grpo_sync_global_dtype",
-    "global_device": "grpo_sync_global_device",
-    "error_decay": "grpo_sync_error_decay",
-}
-
-
-def _check_sync_fields(args) -> None:
-    """
-    The sync's own fields (checked where the sync's settings are, [`~grpo_hf.choices.check_sync_settings`], by their
-    field names), what `grpo_sync_every=1` (no sync) leaves no room for, and what a sync every H steps cannot run with.
-    """
-    every, delay, moments = args.grpo_sync_every, args.grpo_sync_delay, args.grpo_sync_moments
-    _check_fault_tolerance(args)
-    if every == 1 and delay != 0:
-        raise ConfigError(
-            f"grpo_sync_delay={delay} needs grpo_sync_every > 1: it delays the sync every H steps, and "
-            f"grpo_sync_every={every} exchanges the gradients at every step."
-        )
-    if every == 1 and moments in SYNC_MOMENTS and moments != "none":
-        raise ConfigError(
-            f"grpo_sync_moments={moments!r} needs grpo_sync_every > 1: it averages the optimizer's moments at the sync "
-            f"every H steps, and grpo_sync_every={every} keeps them identical (DDP averages the gradients every step)."
-        )
-    try:
-        check_sync_settings(
-            **{key: getattr(args, field) for key, field in _SYNC_FIELDS.items()}, name=_SYNC_FIELDS.get
-        )
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    sync_bits = str(args.grpo_sync_bits)
-    if sync_bits not in SYNC_BITS_CHOICES:
-        raise ConfigError(
-            f"grpo_sync_bits={args.grpo_sync_bits!r}: use one of {SYNC_BITS_CHOICES} (bits per entry of the "
-            "pseudo-gradient at a sync; 'ternary' sends trits, 1.6 bits each; 32 is fp32)."
-        )
-    _check_sparse_sync_fields(args)
-    if every == 1:
-        if args.grpo_sync_outer_only:
-            raise ConfigError("grpo_sync_outer_only=True needs grpo_sync_every > 1 (the steps between outer steps).")
-        if sync_bits != DEFAULT_SYNC_BITS:
-            raise ConfigError(
-                f"grpo_sync_bits={sync_bits} needs grpo_sync_every > 1: it sets the codes of the sync every H steps. "
-                "For the codes exchanged at every step, set grpo_bits."
-            )
-        return
-    if "sparse" in args.grpo_compression:
-        raise ConfigError(
-            f"grpo_compression={args.grpo_compression!r} with grpo_sync_every={every}: the sync sends every entry of "
-            "the pseudo-gradient in codes of one size. Use grpo_compression='auto' (codes of grpo_sync_bits) or "
-            "'none' (fp32)."
-        )
-    if str(args.grpo_bits) != DEFAULT_BITS:
-        raise ConfigError(
-            f"grpo_bits={args.grpo_bits!r} with grpo_sync_every={every}: grpo_bits sets the codes exchanged at every "
-            "step, and the sync every H steps exchanges none. Set the pseudo-gradient's codes with grpo_sync_bits "
-            f"({', '.join(SYNC_BITS_CHOICES)}), and leave grpo_bits at its default."
-        )
-    if args.grpo_compression == "none" and sync_bits != DEFAULT_SYNC_BITS:
-        raise ConfigError(
-            f"grpo_sync_bits={sync_bits} with grpo_compression='none': 'none' sends the pseudo-gradient in fp32. Use "
-            "one of the two: grpo_compression='auto' with grpo_sync_bits, or grpo_compression='none'."
-        )
-    if args.grpo_sync_outer_only and args.grpo_compression not in ("none", "auto"):
-        raise ConfigError(
-            f"grpo_sync_outer_only=True with grpo_compression={args.grpo_compression!r}: the control keeps DDP's own "
-            "fp32 all-reduce of the gradients. Set grpo_compression='none'."
-        )
-    if getattr(args, "deepspeed", None):
-        raise ConfigError(
-            f"grpo_sync_every={every} with DeepSpeed: ZeRO reduces the gradients over every rank at every step, so "
-            "there are no replicas to sync. Train with DDP (each rank a replica) or FSDP2 with replica groups "
-            "(docs/engines.md), or set grpo_sync_every=1."
-        )
-    check_replica_parallelism(getattr(args, "parallelism_config", None), every)
-    if getattr(args, "fp16", False):
-        raise ConfigError(
-            f"grpo_sync_every={every} with fp16=True: between syncs each rank's fp16 GradScaler would skip steps on its "
-            "own gradients. Use bf16=True (or fp32), or grpo_sync_every=1."
-        )
-
-
-def _check_sparse_sync_fields(args) -> None:
-    """
-    `grpo_sync_density`, `grpo_sync_chunk` and `grpo_sync_error_decay` (its range is
-    [`~grpo_hf.choices.check_sync_settings`]'s): their own ranges, and the settings they need of the sync.
-    """
-    density, chunk, decay = args.grpo_sync_density, args.grpo_sync_chunk, args.grpo_sync_error_decay
-    every, sync_bits, compression = args.grpo_sync_every, str(args.grpo_sync_bits), args.grpo_compression
-    if not 0 < density <= 1:
-        raise ConfigError(
-            f"grpo_sync_density={density}: use a value in (0, 1], the kept fraction of each chunk (1: every entry; "
-            "SparseLoCo's 64 of 4096 is 0.015625)."
-        )
-    if chunk < 2 or chunk > 1 << 16 or chunk & (chunk - 1):
-        raise ConfigError(f"grpo_sync_chunk={chunk}: use a power of two from 2 to 65536, e.g. 4096 (SparseLoCo's).")
-    sparse = density < 1
-    if not sparse and chunk != DEFAULT_SYNC_CHUNK:
-        raise ConfigError(
-            f"grpo_sync_chunk={chunk} with grpo_sync_density=1: the chunks are the sparse sync code's. Set "
-            "grpo_sync_density below 1 (e.g. 0.015625, 64 of 4096), or leave grpo_sync_chunk at its default."
-        )
-    for value, field_name in ((density, "grpo_sync_density"), (decay, "grpo_sync_error_decay")):
-        if every == 1 and value != 1:
-            raise ConfigError(
-                f"{field_name}={value} needs grpo_sync_every > 1: it sets the codes of the sync every H steps, and "
-                f"grpo_sync_every={every} exchanges the gradients at every step."
-            )
-    if every == 1:
-        return
-    if sparse:
-        k = num_kept(chunk, density)
-        if k >= chunk:
-            raise ConfigError(
-                f"grpo_sync_density={density} with grpo_sync_chunk={chunk} keeps all {chunk} entries of a chunk. Use a "
-                f"density below {(chunk - 1) / chunk:g}, or 1 for the dense codes of grpo_sync_bits."
-            )
-        if compression == "none" or "sparse" in compression:
-            raise ConfigError(
-                f"grpo_sync_density={density} with grpo_compression={compression!r}: the sparse sync code needs the "
-                "sync's codes. Use grpo_compression='auto' or 'quantize'."
-            )
-        if sync_bits != DEFAULT_SYNC_BITS:
-            fp32 = " asks for fp32 values," if sync_bits == "32" else ""
-            raise ConfigError(
-                f"grpo_sync_density={density} with grpo_sync_bits={sync_bits}: grpo_sync_bits{fp32} sets the dense "
-                "codes, and the sparse sync code sends its kept values in 2-bit codes. Leave grpo_sync_bits at its "
-                "default, or set grpo_sync_density=1."
-            )
-    elif decay != 1 and (sync_bits == "32" or compression == "none"):
-        raise ConfigError(
-            f"grpo_sync_error_decay={decay} with "
-            f"{'grpo_sync_bits=32' if sync_bits == '32' else 'grpo_compression=' + repr(compression)}: the sync sends "
-            "fp32 values, which keep no residual to decay. Use codes (grpo_sync_bits 4, 8 or 16, or "
-            "grpo_sync_density < 1), or leave grpo_sync_error_decay at 1."
-        )
-    if args.grpo_sync_outer_only and (sparse or decay != 1):
-        raise ConfigError(
-            "grpo_sync_outer_only=True with grpo_sync_density or grpo_sync_error_decay: the control exchanges no codes. "
-            "Leave both at 1."
-        )
-
-
-def _check_fault_tolerance(args) -> None:
-    """The fault-tolerance fields' own ranges and what they need of the sync (the environment is read by the trainer)."""
-    if not getattr(args, "grpo_fault_tolerance", False):
-        return
-    if args.grpo_sync_every <= 1:
-        raise ConfigError(
-            "grpo_fault_tolerance=True needs grpo_sync_every > 1: the replica groups meet at the sync every H steps "
-            "(e.g. grpo_sync_every=32)."
-        )
-    if args.grpo_sync_delay:
-        raise ConfigError(
-            f"grpo_fault_tolerance=True with grpo_sync_delay={args.grpo_sync_delay}: a delayed exchange would outlive "
-            "its quorum. Use grpo_sync_delay=0."
-        )
-    if args.grpo_sync_outer_only:
-        raise ConfigError("grpo_fault_tolerance=True with grpo_sync_outer_only=True: the control exchanges nothing.")
-    if args.grpo_sync_moments != "none":
-        raise ConfigError(
-            f"grpo_fault_tolerance=True with grpo_sync_moments={args.grpo_sync_moments!r}: not supported between "
-            "fault-tolerant replica groups in this release. Use grpo_sync_moments='none'."
-        )
-    replicas = args.grpo_ft_replicas
-    if replicas is not None and replicas < 1:
-        raise ConfigError(f"grpo_ft_replicas={replicas}: use the number of replica groups the run is planned for.")
-    if args.grpo_ft_min_replicas < 1 or (replicas is not None and args.grpo_ft_min_replicas > replicas):
-        raise ConfigError(
-            f"grpo_ft_min_replicas={args.grpo_ft_min_replicas} with grpo_ft_replicas={replicas}: it can never be met. "
-            "Use 1 to grpo_ft_replicas (1: a lone survivor goes on)."
-        )
-    rid = args.grpo_ft_replica_id
-    if rid is not None and (rid < 0 or (replicas is not None and rid >= replicas)):
-        raise ConfigError(f"grpo_ft_replica_id={rid}: use 0 to grpo_ft_replicas - 1 ({replicas}), one per group.")
-    for name in ("grpo_ft_timeout", "grpo_ft_quorum_timeout"):
-        if not getattr(args, name) > 0:
-            raise ConfigError(f"{name}={getattr(args, name)}: use a number of seconds above 0.")
-    if args.grpo_ft_quorum_timeout < 2 * args.grpo_ft_timeout:
-        raise ConfigError(
-            f"grpo_ft_quorum_timeout={args.grpo_ft_quorum_timeout:g} with grpo_ft_timeout={args.grpo_ft_timeout:g}: "
-            "a group waits at a quorum for survivors that may each give a dead peer up twice (the exchange and its "
-            "retry) before they come; give grpo_ft_quorum_timeout at least twice grpo_ft_timeout (docs/engines.md, "
-            "'Timeouts')."
-        )
-
-
 def validate_grpo_fields(args) -> None:
     """
     Check the fields `GRPOConfig` adds to `TrainingArguments` on any object that has them (a `GRPOConfig`, a
@@ -1000,35 +793,13 @@ def validate_grpo_fields(args) -> None:
         raise ConfigError(f"grpo_lr_scale_ema={args.grpo_lr_scale_ema}: use a value in [0, 1), e.g. 0.9.")
     if args.grpo_lr_scale_warmup_steps < 0:
         raise ConfigError(f"grpo_lr_scale_warmup_steps={args.grpo_lr_scale_warmup_steps}: use 0 or more.")
-    try:  # checked where they are resolved
-        resolve_compression(args.grpo_compression, distributed=True)
-        resolve_mode(args.grpo_comm_mode, 2)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if not 0 < args.grpo_density <= 1:
-        raise ConfigError(
-            f"grpo_density={args.grpo_density}: the density is the kept fraction of gradient entries and must lie in "
-            "(0, 1], e.g. 0.15 to keep the top 15%."
-        )
-    if str(args.grpo_bits) not in BITS_CHOICES:
-        raise ConfigError(f"grpo_bits={args.grpo_bits!r}: use one of {BITS_CHOICES}.")
-    try:  # checked where the compression states check their arguments, by the fields' names
-        check_comm_settings(
-            dense_warmup_steps=args.grpo_dense_warmup_steps,
-            error_feedback=args.grpo_fsdp_error_feedback,
-            name=_COMM_FIELDS.get,
-        )
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if args.grpo_min_compress_numel < 0:
-        raise ConfigError(f"grpo_min_compress_numel={args.grpo_min_compress_numel}: use 0 or more.")
+    transport_settings(args)  # the codec's, the sync's and fault tolerance's fields: every rule in one place
     check_optimizer_state(args.grpo_optimizer_state)
     if args.grpo_min_state_numel < 0:
         raise ConfigError(f"grpo_min_state_numel={args.grpo_min_state_numel}: use 0 or more.")
     check_optimizer_state_settings(args)
     if args.grpo_max_consecutive_skips < 0:
         raise ConfigError(f"grpo_max_consecutive_skips={args.grpo_max_consecutive_skips}: use 0 (never stop) or more.")
-    _check_sync_fields(args)
     try:
         CostSettings.from_args(args)  # validates the cost_* fields
     except ValueError as err:

@@ -32,31 +32,12 @@ import torch
 import torch.distributed as dist
 
 from .compression.replicas import REPLICATE_DIM, SHARD_DIM, ReplicaGroups
+from .compression.settings import check_replica_parallelism
 from .engines import launched_fsdp_version
 from .errors import ConfigError
 
 
 REPLICA_GROUPS_ATTR = "grpo_replica_groups"  # set on a model by shard_replica_groups
-
-
-def check_replica_parallelism(parallelism_config, every: int) -> None:
-    """
-    With `grpo_sync_every > 1`, refuse an Accelerate `ParallelismConfig` with tensor, context or sequence parallelism.
-
-    Raises:
-        [`~grpo_hf.errors.ConfigError`]: naming the size that is set and what to do.
-    """
-    if every <= 1 or parallelism_config is None:
-        return
-    for name in ("tp_size", "cp_size", "sp_size"):
-        size = getattr(parallelism_config, name, 1) or 1
-        if size > 1:
-            raise ConfigError(
-                f"grpo_sync_every={every} with parallelism_config.{name}={size}: the sync every H steps exchanges each "
-                "rank's local shards with the ranks holding the same shards in the other replicas, and tensor, "
-                "context or sequence parallelism cuts a replica in other ways. Use dp_replicate_size (the replicas) "
-                "and dp_shard_size (FSDP2 inside each) only, or set grpo_sync_every=1."
-            )
 
 
 def machine_count(environ=None) -> tuple[int, int]:

@@ -18,12 +18,10 @@ from .checkpoints import (
     resolve_resume_checkpoint,
     warn_overwritten_checkpoints,
 )
-from .choices import sync_code
-from .compression import compression_plan
-from .compression.build import CommSettings, build_comm_state, refuse_comm_settings
+from .compression.build import CommSettings, build_comm_state
 from .compression.fragment import global_checksum
 from .compression.fsdp import reduce_scatter_bytes
-from .compression.plan import resolve_compression, sparse_sync_plan
+from .compression.settings import transport_settings
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args, validate_grpo_fields
 from .cost.callback import CostCallback
@@ -188,28 +186,13 @@ class GRPOMixin:
         hyperparameter-search trial may have changed them).
         """
         engine = self.grpo_engine
-        distributed = (
-            engine == "ddp"
-            or (engine == "fsdp2" and self.accelerator.num_processes > 1)
-            or self.grpo_fault_tolerance is not None  # the replica groups exchange at every sync
-        )
-        self.grpo_compression = resolve_compression(self.args.grpo_compression, distributed)
         spec = load_group_spec(self.args.grpo_groups)
         groups = assign_groups(model, spec, strict=self.args.grpo_groups_strict)
         preset = apply_preset(self.args.grpo_lr_preset, model, groups)  # may split groups (by depth, by fan-in)
         groups = preset.groups
-        settings = CommSettings(
-            self.args,
-            engine,
-            plan={},
-            compression=self.grpo_compression,
-            groups=groups,
-            num_processes=self.accelerator.num_processes,
-            model=self.model,
-            accelerator=self.accelerator,
-            fault_tolerance=self.grpo_fault_tolerance,
-        )
-        self._check_engine_compression(settings)
+        # the settings' rules with what only the trainer knows (its engine, processes and groups): one ConfigError
+        transport = transport_settings(self.args, engine, self.accelerator.num_processes, groups)
+        self._say_compression_off()
         lo, hi = self.args.grpo_lr_scale_min, self.args.grpo_lr_scale_max
         importance = ImportanceState(
             names=[g.name for g in groups],
@@ -224,21 +207,18 @@ class GRPOMixin:
         self.grpo_groups = groups
         self.grpo_lr_preset = preset.name  # `auto` resolved
         self.grpo_lr_ratios = lr_ratios(groups, self.args.grpo_lr_ratios, defaults=preset.ratios)
-        syncing = self.args.grpo_sync_every > 1  # the sync's pseudo-gradient has codes of its own
-        bits, code = sync_code(self.args.grpo_sync_bits) if syncing else (self.args.grpo_bits, None)
-        self.grpo_plan = settings.plan = compression_plan(
-            model,
-            groups,
-            compression=self.grpo_compression,
-            density=self.args.grpo_density,
-            bits=bits,
-            min_numel=self.args.grpo_min_compress_numel,
-            code=code,
+        settings = CommSettings(
+            transport,
+            self.args,
+            engine,
+            plan=transport.plan(model, groups),  # the codes the settings select (the registry's)
+            compression=transport.codec.compression,
+            groups=groups,
+            num_processes=self.accelerator.num_processes,
+            model=self.model,
+            accelerator=self.accelerator,
+            fault_tolerance=self.grpo_fault_tolerance,
         )
-        if syncing and self.args.grpo_sync_density < 1:  # the sync's codes become SparseLoCo's chunked top-k
-            self.grpo_plan = settings.plan = sparse_sync_plan(
-                self.grpo_plan, self.args.grpo_sync_density, self.args.grpo_sync_chunk
-            )
         self.grpo_comm_state = None  # (none should the transport refuse the settings)
         self.grpo_comm_state = build_comm_state(settings)  # compression/build.py: each transport says if it applies
         self.grpo_plan, self.grpo_compression = settings.plan, settings.compression  # dense for a sync without codes
@@ -253,33 +233,18 @@ class GRPOMixin:
         self._grpo_model = model
 
     # --- construction-time checks ---
-    def _check_engine_compression(self, settings: CommSettings) -> None:
-        """
-        Refuse compression settings the engine cannot carry (the transports' own refusals:
-        [`~grpo_hf.compression.build.refuse_comm_settings`]); under DeepSpeed, which has no GRPO transport, say once
-        that compression is off.
-
-        Raises:
-            [`~grpo_hf.errors.ConfigError`]: a compression setting other than `"auto"` / `"none"` under DeepSpeed;
-                top-k, `grpo_bits="auto"` or per-group `bits` / `density` under FSDP2.
-        """
-        engine, compression = self.grpo_engine, self.args.grpo_compression
-        if engine == "deepspeed":
-            origin = engine_from_environment(engine, self.args)
-            if compression not in ("auto", "none"):
-                raise ConfigError(
-                    f"grpo_compression={compression!r} under DeepSpeed: ZeRO reduces gradients itself, so GRPO cannot "
-                    "compress them. Use grpo_compression='none' (or 'auto'), or train with DDP or FSDP2 to compress."
-                    + origin
-                )
-            if process_rank(self.args)[0] == 0 and not getattr(self, "_grpo_said_compression_off", False):
-                self._grpo_said_compression_off = True
-                logger.warning(
-                    f"GRPO on DeepSpeed ZeRO-{deepspeed_zero_stage(self)}: groups, LR ratios and importance apply; "
-                    "gradient compression is off (ZeRO reduces gradients itself)." + origin
-                )
+    def _say_compression_off(self) -> None:
+        """Under DeepSpeed, which has no GRPO transport (the settings refused a compression asked for), say once that
+        compression is off."""
+        if self.grpo_engine != "deepspeed" or process_rank(self.args)[0] != 0:
             return
-        refuse_comm_settings(settings)
+        if not getattr(self, "_grpo_said_compression_off", False):
+            self._grpo_said_compression_off = True
+            logger.warning(
+                f"GRPO on DeepSpeed ZeRO-{deepspeed_zero_stage(self)}: groups, LR ratios and importance apply; "
+                "gradient compression is off (ZeRO reduces gradients itself)."
+                + engine_from_environment(self.grpo_engine, self.args)
+            )
 
     def _tag_user_optimizer(self, optimizer) -> None:
         """

@@ -95,6 +95,7 @@ HELP_LINES = [
     ["quickstart", "--help"],
     ["quickstart", "--tiny", "-h"],
     ["train", "tiny", "--help"],
+    ["groups", "--help"],  # (grpo_bits' values are the registered codes', read when one is given)
     ["compare", "sft_tiny", "--max_steps", "3", "--help"],
 ]
 

@@ -7,17 +7,11 @@ import pytest
 import torch
 from testing_utils import check_codec_properties, codec_cases
 
+from grpo_hf.choices import DEFAULT_BITS
 from grpo_hf.compression import CodecSpec, codec
-from grpo_hf.compression.codec import (
-    SAFE_MAGNITUDE,
-    BlockMessages,
-    all_safe,
-    code_shape,
-    compile_kernels,
-    decode_blocks,
-    encode_blocks,
-)
+from grpo_hf.compression.codec import SAFE_MAGNITUDE, all_safe, compile_kernels
 from grpo_hf.compression.codes import code_for
+from grpo_hf.compression.codes.block import BlockMessages, code_shape, decode_blocks, encode_blocks
 from grpo_hf.compression.codes.topk import (
     HEADER_NBYTES,
     IndexScheme,
@@ -26,7 +20,7 @@ from grpo_hf.compression.codes.topk import (
     encode_indices,
     topk_positions,
 )
-from grpo_hf.compression.spec import DEFAULT_BITS, dense_bytes, num_kept
+from grpo_hf.compression.spec import dense_bytes, num_kept
 from grpo_hf.config import GRPOConfig
 
 
@@ -377,7 +371,7 @@ def test_encode_in_chunks_is_the_plain_one(monkeypatch, bits):
     """
     monkeypatch.setattr(codec, "ENCODE_CHUNK", 3 * 128)
     grad, residual = _randn(10, 128), (_randn(10, 128) * 0.01).to(torch.bfloat16)
-    shape, dtype = codec.code_shape(10, 128, bits)
+    shape, dtype = code_shape(10, 128, bits)
     codes_ref = torch.empty(shape, dtype=dtype)
     absmax_ref, residual_ref = encode_blocks(grad, residual, codes_ref, bits)
     kept = residual.clone()

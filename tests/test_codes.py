@@ -7,12 +7,12 @@ import pytest
 import torch
 from testing_utils import codec_cases
 from thread_ranks import ThreadRanks
+from toy_code import SignCode
 
 from grpo_hf.compression import CodecSpec
-from grpo_hf.compression.codec import SAFE_MAGNITUDE, STEP_FLOOR, compile_kernels, padded_nbytes
+from grpo_hf.compression.codec import SAFE_MAGNITUDE, compile_kernels
 from grpo_hf.compression.codes import (
     BlockCode,
-    Code,
     Fp32Code,
     TernaryCode,
     TopKCode,
@@ -21,6 +21,8 @@ from grpo_hf.compression.codes import (
     register,
     unregister,
 )
+from grpo_hf.compression.codes.base import padded_nbytes
+from grpo_hf.compression.codes.block import STEP_FLOOR
 from grpo_hf.compression.codes.ternary import pack_trits, unpack_trits
 from grpo_hf.compression.communicator import SoloCommunicator
 from grpo_hf.compression.exchange import Exchange, Part
@@ -312,51 +314,8 @@ def test_a_spec_naming_no_registered_code_is_refused():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A new code: one class, one registration
+# A new code: one class, one registration (`tests/toy_code.py`; selected through GRPOConfig: test_toy_code.py)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-class SignCode(Code):
-    """
-    A toy code: 1 bit per entry (its sign) and one fp32 scale per block (the mean magnitude of the block), with error
-    feedback. A message of `n` blocks is `n` scales then `n * B / 8` bytes of signs, padded to 16 bytes.
-    """
-
-    name = "toy-sign"
-    fixed_size = True
-    in_sync = True
-
-    def message_nbytes(self, nblocks):
-        return padded_nbytes(nblocks * (4 + self.spec.block_size // 8))
-
-    def encode(self, kernels, rows, residual, k=None, message=None, in_place=False):
-        acc = rows.float() if residual is None else rows.float() + residual.float()
-        magnitude = acc.abs().mean(dim=1)
-        negative = acc < 0
-        signs = (negative.view(-1, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
-        body = torch.cat([magnitude.view(torch.uint8), signs])
-        nbytes = self.message_nbytes(rows.shape[0])
-        if message is None:
-            message = torch.zeros(nbytes, dtype=torch.uint8)
-        message[: body.numel()] = body
-        message[body.numel() :] = 0
-        sent = torch.where(negative, -magnitude[:, None], magnitude[:, None])
-        new_residual = None if residual is None else (acc - sent).to(residual.dtype)
-        if in_place and new_residual is not None:
-            residual.copy_(new_residual)
-            new_residual = residual
-        return message, new_residual
-
-    def decode(self, kernels, messages, nblocks, divide=1, out=None, max_blocks=None):
-        block = self.spec.block_size
-        total = torch.zeros(nblocks, block)
-        for message in messages:
-            magnitude = message[: 4 * nblocks].clone().view(torch.float32)
-            signs = message[4 * nblocks : 4 * nblocks + nblocks * block // 8]
-            negative = ((signs[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).bool().view(nblocks, block)
-            total += torch.where(negative, -magnitude[:, None], magnitude[:, None])
-        total = total / divide
-        return self.finish(total, out)
 
 
 @pytest.fixture

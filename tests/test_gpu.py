@@ -13,7 +13,8 @@ import torch
 from testing_utils import check_codec_properties, codec_cases
 
 from grpo_hf.compression import CodecSpec
-from grpo_hf.compression.codec import BlockMessages, compile_kernels
+from grpo_hf.compression.codec import compile_kernels
+from grpo_hf.compression.codes.block import BlockMessages
 from grpo_hf.compression.codes.topk import TopKMessages, topk_positions
 
 

@@ -456,7 +456,7 @@ def _bucket_of(model, plan):
 
 @pytest.mark.parametrize("bits", ["8", "4"])
 def test_compress_locally_counts_allgather_bytes_exactly(bits):
-    from grpo_hf.compression.codec import BlockMessages
+    from grpo_hf.compression.codes.block import BlockMessages
 
     model = tiny_test_llama()
     plan = llama_plan(model, "quantize", bits=bits)

@@ -10,9 +10,8 @@ from testing_utils import tiny_test_llama
 from thread_ranks import ThreadRanks
 
 from grpo_hf import ConfigError, GRPOTrainer
-from grpo_hf.choices import SYNC_BITS_CHOICES, sync_code
 from grpo_hf.compression import CodecSpec, compression_plan
-from grpo_hf.compression.codes import code_for
+from grpo_hf.compression.codes import code_for, setting_spec
 from grpo_hf.compression.communicator import Communicator
 from grpo_hf.compression.exchange import Exchange
 from grpo_hf.compression.layout import owned_blocks
@@ -26,6 +25,7 @@ from grpo_hf.compression.outer_sync import (
     ramp_points,
 )
 from grpo_hf.compression.owned import put_owned as _put
+from grpo_hf.compression.settings import SYNC_BITS_CHOICES
 from grpo_hf.compression.traffic import StepStats, allgather_bytes, allreduce_bytes, owner_reduction_bytes
 
 
@@ -785,7 +785,10 @@ def test_on_one_process_the_moments_are_checked_and_nothing_is_averaged(tmp_path
 
 
 def test_grpo_sync_bits_names_the_sync_codes():
-    # "ternary" and "2" are codes of the sync's own (fixed in size); 4, 8, 16 the block codes; what the trainer plans
+    # "ternary" and "2" are codes of the sync's own (fixed in size); 4, 8, 16 the block codes, as each code declares
+    def sync_code(value):
+        return setting_spec("grpo_sync_bits", value)
+
     assert [sync_code(value) for value in SYNC_BITS_CHOICES] == [
         (2, "ternary"), (2, "two-bit"), (4, None), (8, None), (16, None), (32, None)
     ]  # fmt: skip

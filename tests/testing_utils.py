@@ -365,7 +365,7 @@ def check_codec_properties(kernels, grad, residual, bits: int, device="cpu") -> 
     - at 8 and 4 bits each decoded entry lies within half a step of `acc`, where the step is
       the block's `absmax / qmax`, or within `qmax * STEP_FLOOR` for a block sent as zeros (its step is subnormal).
     """
-    from grpo_hf.compression.codec import _QMAX, STEP_FLOOR, _unpack
+    from grpo_hf.compression.codes.block import _QMAX, STEP_FLOOR, _unpack
 
     grad, residual = grad.to(device), residual.to(device)
     acc = grad.double() + residual.double()

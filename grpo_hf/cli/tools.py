@@ -19,7 +19,7 @@ import os
 import platform
 import sys
 
-from ..choices import BITS_CHOICES, COMPRESSION_CHOICES, DEFAULT_BITS, DEFAULT_DENSITY
+from ..choices import COMPRESSION_CHOICES, DEFAULT_BITS, DEFAULT_DENSITY
 from ..errors import ConfigError, MissingPathError
 
 
@@ -32,9 +32,22 @@ def add_option(parser: argparse.ArgumentParser, name: str, **kwargs) -> argparse
     return parser.add_argument(*spellings, **kwargs)
 
 
+def _code_setting(value: str) -> str:
+    """`--grpo_bits` as argparse takes it: a value the registered codes declare, read from the registry (torch) when one
+    is given, so that `grpo-hf groups --help` imports none."""
+    from ..compression.settings import BITS_CHOICES
+
+    if value not in BITS_CHOICES:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {value!r} (choose from {', '.join(map(repr, BITS_CHOICES))})"
+        )
+    return value
+
+
 # The GRPOConfig fields `grpo-hf groups` takes: `(type, default, choices, help)`. The defaults and choices are
-# GRPOConfig's (tests/test_cli.py holds them equal), written here so that `grpo-hf groups --help` answers without
-# importing transformers (3-4 s); the values are checked as `train` checks them, by GRPOConfig's own checks.
+# GRPOConfig's (tests/test_cli.py holds them equal; grpo_bits' are the registered codes', checked by its type),
+# written here so that `grpo-hf groups --help` answers without importing transformers (3-4 s); the
+# values are checked as `train` checks them, by GRPOConfig's own checks.
 GROUPS_FIELDS = {
     "grpo_groups": (str, "semantic", None, "Group preset ('semantic', 'semantic+shape') or a JSON/YAML group file."),
     "grpo_lr_ratios": (str, None, None, "Fixed LR factors by group-name pattern, as JSON, e.g. '{\"*lora_B\": 4}'."),
@@ -51,7 +64,12 @@ GROUPS_FIELDS = {
         "Gradient compression; the table shows what a multi-process DDP run would send ('auto': quantize).",
     ),
     "grpo_density": (float, DEFAULT_DENSITY, None, "Top-k kept fraction per group when compression is sparse."),
-    "grpo_bits": (str, DEFAULT_BITS, BITS_CHOICES, "Bits per sent value."),
+    "grpo_bits": (
+        _code_setting,
+        DEFAULT_BITS,
+        None,
+        "The per-step codes: bits per sent value, or a code's own value.",
+    ),
     "grpo_min_compress_numel": (int, 4096, None, "Tensors with fewer entries are always sent dense (fp32)."),
     "grpo_optimizer_state": (
         str,
@@ -268,7 +286,7 @@ def groups_legend(min_compress_numel: int, min_state_numel: int | None = None) -
 def groups_command(args) -> int:
     from rich.console import Console
 
-    from ..compression import compression_plan, resolve_compression
+    from ..compression.settings import transport_settings
     from ..config import grpo_defaults, validate_grpo_fields
     from ..grouping import assign_groups, load_group_spec
     from ..lr_presets import apply_preset
@@ -286,10 +304,7 @@ def groups_command(args) -> int:
     groups = assign_groups(model, spec, strict=args.strict)
     preset = apply_preset(checked.grpo_lr_preset, model, groups)
     groups = preset.groups
-    compression = resolve_compression(args.grpo_compression, distributed=True)  # what a DDP run would send
-    plan = compression_plan(
-        model, groups, compression, args.grpo_density, args.grpo_bits, args.grpo_min_compress_numel
-    )
+    plan = transport_settings(checked, "ddp", 2).plan(model, groups)  # what a DDP run would send
     layouts = resolve_layouts(model, groups, args.grpo_optimizer_state, args.grpo_min_state_numel)
     title = f"GRPO groups of {args.model} ({spec.source}" + (f", preset {preset.name})" if preset.ratios else ")")
     title += f"; optimizer state {args.grpo_optimizer_state!r}, bytes before any training"

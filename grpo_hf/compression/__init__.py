@@ -8,9 +8,10 @@ through `transport.py`'s `CommState`. Every transport encodes, exchanges and dec
 [`~grpo_hf.compression.exchange.Exchange`] (`exchange.py`) over the [`~grpo_hf.compression.communicator.Communicator`]
 it is handed (`communicator.py`: the one way to the wire, timed), and asks each part's code how it travels (`codes/`:
 one interface, [`~grpo_hf.compression.codes.Code`], and [`~grpo_hf.compression.codes.code_for`], the one place a
-[`CodecSpec`] picks its code: block codes, top-k, fp32); `codec.py` holds the two fused kernels (encode, decode;
-compiled for CPU and CUDA from one source) and their block messages; `layout.py` cuts a bucket into runs of tensors
-that share a [`CodecSpec`]; [`compression_plan`] (`plan.py`) decides each parameter's spec.
+[`CodecSpec`] picks its code: block codes, top-k, fp32); `codec.py` compiles the block codes' two kernels (encode,
+decode; for CPU and CUDA from one source); `settings.py` turns `GRPOConfig`'s fields into the transports' typed
+settings, every rule checked there; `layout.py` cuts a bucket into runs of tensors that share a [`CodecSpec`];
+[`compression_plan`] (`plan.py`) decides each parameter's spec.
 Every byte is counted by the formulas of `traffic.py`, and summed by its `TrafficStats` (the one statistics window of
 the three transports); `reshard.py` re-splits the hook's saved state for another world size.
 """

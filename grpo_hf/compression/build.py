@@ -1,15 +1,14 @@
 """`build_comm_state`: the one place that builds a transport from the settings.
 
 PEFT builds a LoRA layer by walking a list of dispatchers, each of which says whether it applies; the same here: each
-transport of [`TRANSPORTS`] says, in its `from_settings`, whether the settings ask for it, builds itself and owns its
-refusals ([`~grpo_hf.compression.transport.CommState.refuse`] before the plan is built, `from_settings` after). The
-trainer only asks:
+transport of [`TRANSPORTS`] says, in its `from_settings`, whether the settings ask for it and builds itself from their
+typed settings, checked once before ([`~grpo_hf.compression.settings.transport_settings`]: every rule and refusal of
+the settings, the engine's included). The trainer only asks:
 
 ```python
->>> settings = CommSettings(args, engine, plan={}, compression=compression, groups=groups, num_processes=W,
-...                         model=model, accelerator=accelerator)
->>> refuse_comm_settings(settings)  # before the plan: what no transport can carry
->>> settings.plan = compression_plan(model, groups, ...)
+>>> transport = transport_settings(args, engine, num_processes=W, groups=groups)  # raises a ConfigError, or is fine
+>>> settings = CommSettings(transport, args, engine, plan=transport.plan(model, groups),
+...                         compression=transport.codec.compression, groups=groups, num_processes=W, model=model)
 >>> comm_state = build_comm_state(settings)  # None when nothing is compressed or synced
 >>> plan, compression = settings.plan, settings.compression  # dense when the transport sends no codes
 ```
@@ -27,17 +26,6 @@ from .transport import CommSettings, CommState
 TRANSPORTS: tuple[type[CommState], ...] = (OuterSyncState, FSDPCommState, GRPOCommState)
 
 
-def refuse_comm_settings(settings: CommSettings) -> None:
-    """
-    Every transport's refusals that come before the plan is built.
-
-    Raises:
-        [`~grpo_hf.errors.ConfigError`]: settings a transport the run asks for cannot carry.
-    """
-    for transport in TRANSPORTS:
-        transport.refuse(settings)
-
-
 def build_comm_state(settings: CommSettings) -> CommState | None:
     """
     The transport `settings` ask for, built (the first of [`TRANSPORTS`] whose `from_settings` applies), or `None`
@@ -45,7 +33,8 @@ def build_comm_state(settings: CommSettings) -> CommState | None:
     `settings.compression` `"none"` (the sync every H steps without an exchange): read them back.
 
     Raises:
-        [`~grpo_hf.errors.ConfigError`]: what the transport the settings ask for cannot carry.
+        [`~grpo_hf.errors.ConfigError`]: what the transport sees and cannot carry (a layout of replica groups, a
+            group file's `bits` the sync cannot send).
     """
     for transport in TRANSPORTS:
         state = transport.from_settings(settings)
@@ -54,4 +43,4 @@ def build_comm_state(settings: CommSettings) -> CommState | None:
     return None
 
 
-__all__ = ["TRANSPORTS", "CommSettings", "build_comm_state", "refuse_comm_settings"]
+__all__ = ["TRANSPORTS", "CommSettings", "build_comm_state"]

@@ -82,14 +82,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..choices import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES, check_comm_settings
-from ..engines import engine_from_environment
-from ..errors import ConfigError
+from ..choices import DEFAULT_FSDP_ERROR_FEEDBACK, ERROR_FEEDBACK_CHOICES, SUPPORTED_BITS
 from .codec import compile_kernels
 from .codes import code_for
 from .communicator import Communicator, ProcessGroupCommunicator
 from .exchange import Exchange, decode_rows, encode_rows
-from .spec import DEFAULT_BLOCK_SIZE, SUPPORTED_BITS, CodecSpec
+from .settings import check_comm_settings
+from .spec import DEFAULT_BLOCK_SIZE, CodecSpec
 from .traffic import StepStats, TrafficStats, reduce_scatter_bytes
 from .transport import FSDP_MODE, CommSettings, CommState, SavedComms
 
@@ -226,52 +225,16 @@ class FSDPCommState(CommState):
 
     # --- building ---
     @classmethod
-    def refuse(cls, settings: CommSettings) -> None:
-        """
-        Under FSDP2 at every step with compression on: refuse what one all-to-all of equal-sized messages per unit
-        cannot carry.
-
-        Raises:
-            [`~grpo_hf.errors.ConfigError`]: top-k, `grpo_bits="2"` or `"auto"`, or a group's own `bits` / `density`.
-        """
-        engine, args = settings.engine, settings.args
-        if engine != "fsdp2" or settings.syncing or settings.compression == "none":
-            return  # (between replica groups FSDP2 reduces with its own reduce-scatter; the sync's codes are Δ's)
-        origin, compression = engine_from_environment(engine, args), args.grpo_compression
-        if settings.compression != "quantize":
-            raise ConfigError(
-                f"grpo_compression={compression!r} under FSDP2: its compressed reduce-scatter sends every entry "
-                "(top-k messages would differ in size from rank to rank). Use 'quantize' (or 'auto'), or 'none'."
-                + origin
-            )
-        if str(args.grpo_bits) == "2":
-            raise ConfigError(
-                "grpo_bits='2' under FSDP2: its reduce-scatter exchanges messages of one size in one all-to-all, and "
-                "2-bit codes vary in size. Choose grpo_bits=8 (the default) or 4." + origin
-            )
-        if str(args.grpo_bits) == "auto":
-            raise ConfigError(
-                "grpo_bits='auto' under FSDP2: FSDP hands the reduce-scatter one flat buffer per unit, so one bit width "
-                "applies to every gradient. Choose one: grpo_bits=8 (or 4, 16, 32)." + origin
-            )
-        for group in settings.groups:
-            if group.rule.bits is not None or group.rule.density is not None:
-                raise ConfigError(
-                    f"GRPO group {group.name!r} sets its own bits/density: under FSDP2 one setting (grpo_bits) "
-                    "applies to every gradient. Remove 'bits' / 'density' (or 'sparsity') from the group file, or set "
-                    "grpo_compression='none'." + origin
-                )
-
-    @classmethod
     def from_settings(cls, settings: CommSettings) -> "FSDPCommState | None":
-        """FSDP2's compressed reduce-scatter when FSDP2 reduces the gradients at every step with compression on."""
+        """FSDP2's compressed reduce-scatter when FSDP2 reduces the gradients at every step with compression on (the
+        settings it cannot carry were refused where they were made: the reduce-scatter's codes of one size)."""
         if settings.syncing or settings.compression == "none" or settings.engine != "fsdp2":
             return None
-        args = settings.args
+        codec = settings.transport.codec
         return cls(
-            bits=int(args.grpo_bits),
-            error_feedback=args.grpo_fsdp_error_feedback,
-            dense_warmup_steps=args.grpo_dense_warmup_steps,
+            bits=int(codec.bits),
+            error_feedback=codec.error_feedback,
+            dense_warmup_steps=codec.dense_warmup_steps,
             communicator=settings.communicator,
         )
 

@@ -63,7 +63,7 @@ entry; `ratio_* = baseline / bytes_sent` (higher is better).
 - Memory per compressed entry and rank: the bf16 residual (2 bytes); in `allreduce` mode also the bf16 residual of
   the owned blocks (`2 / W` bytes). Work buffers, kept from step to step, hold for each bucket under way (two at once
   in `allgather` mode) every rank's messages (`W * bits / 8` bytes per entry); new residuals pass through a scratch of
-  [`~grpo_hf.compression.codec.ENCODE_CHUNK`] entries. Compiling the kernels costs a fixed amount of host memory for
+  [`~grpo_hf.compression.codes.base.ENCODE_CHUNK`] entries. Compiling the kernels costs a fixed amount of host memory for
   torch.compile itself.
 - Sparse gradients (`nn.Embedding(sparse=True)`), FSDP and DeepSpeed are not supported.
 """

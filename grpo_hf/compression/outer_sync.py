@@ -131,18 +131,19 @@ from ..choices import (
     DEFAULT_SYNC_MOMENTS,
     DEFAULT_SYNC_RAMP,
     SYNC_MOMENTS,
-    check_sync_settings,
 )
-from ..engines import engine_from_environment, process_rank
+from ..engines import process_rank
 from ..errors import ConfigError, warn_once
 from ..optim.moments import local_tensor
-from .codec import ENCODE_CHUNK, all_safe, compile_kernels
+from .codec import all_safe, compile_kernels
 from .codes import code_for
+from .codes.base import ENCODE_CHUNK
 from .communicator import Communicator, ProcessGroupCommunicator
 from .exchange import Exchange
 from .fragment import Fragment, InFlight, check_moments, global_device, merge_with_global, outer_step, pack_fragments
 from .replicas import ReplicaGroups, fsdp_modules, local_optimizer_state, reshard
 from .schedule import fragment_offsets, fragments_due, ramp_points
+from .settings import check_sync_settings
 from .spec import CodecSpec
 from .sync_checkpoint import STATE_VERSION, apply_saved, load_sync_state, restore_sync_state
 from .traffic import StepStats, TrafficStats, allreduce_bytes
@@ -365,59 +366,54 @@ class OuterSyncState(CommState):
         warning; the outer step only).
 
         Raises:
-            [`~grpo_hf.errors.ConfigError`]: DeepSpeed, a layout the sync cannot run over (tensor parallelism, HSDP
-                sharded at load time), too many fragments for the groups, or a group file's `bits` / `density` the sync
-                cannot send.
+            [`~grpo_hf.errors.ConfigError`]: a layout the sync cannot run over (tensor parallelism, HSDP sharded at load
+                time, several replicas in one fault-tolerant launch), too many fragments for the groups, or a group
+                file's `bits` / `density` the sync cannot send (the settings' own rules were checked where they were
+                made, [`~grpo_hf.compression.settings.transport_settings`]).
         """
         if not settings.syncing:
             return None
         from ..replica_groups import find_replica_groups  # (the trainer's layouts: Accelerate's mesh, a marked model)
 
-        args, engine = settings.args, settings.engine
-        if engine == "deepspeed":
-            raise ConfigError(
-                f"grpo_sync_every={args.grpo_sync_every} under DeepSpeed: ZeRO reduces the gradients over every rank "
-                "at every step, so there are no replicas to sync. Train with DDP, or FSDP2 with replica groups "
-                "(docs/engines.md), or set grpo_sync_every=1." + engine_from_environment(engine, args)
-            )
+        args, engine, sync = settings.args, settings.engine, settings.transport.sync
         replicas = None
         if engine == "fsdp2":
-            replicas = find_replica_groups(settings.model, settings.accelerator, args.grpo_sync_every)
+            replicas = find_replica_groups(settings.model, settings.accelerator, sync.every)
         communicator = settings.communicator
         if settings.fault_tolerance is not None:  # this launch is one replica group: the sync runs between groups
             communicator, replicas = _fault_tolerant_wire(settings, replicas)
         elif replicas is not None:
-            _between_replica_groups(args, replicas)
+            _between_replica_groups(args, sync, replicas)
         elastic = communicator is not None or (replicas is not None and replicas.replicate_communicator.elastic)
         exchange = (
             engine == "ddp" or (replicas is not None and replicas.replicas > 1) or elastic
-        ) and not args.grpo_sync_outer_only
+        ) and not sync.outer_only
         if not exchange:  # the gradients are averaged every step (DDP) or there is one replica: no Δ codec
             settings.compression = "none"
             settings.plan = {name: None for name in settings.plan}
             if engine == "single" and process_rank(args)[0] == 0:
                 logger.warning(
-                    f"grpo_sync_every={args.grpo_sync_every} on one process: there is nothing to exchange, so only the "
-                    "outer step is added every H steps (the outer-step-only control); no bytes are saved."
+                    f"grpo_sync_every={sync.every} on one process: there is nothing to exchange, so only the outer step "
+                    "is added every H steps (the outer-step-only control); no bytes are saved."
                 )
         units = [(g.name, g.param_names, [p.numel() for p in g.params]) for g in settings.groups]
         try:
             return cls(
                 settings.plan,
-                pack_fragments(units, args.grpo_sync_fragments),
-                every=args.grpo_sync_every,
-                outer_lr=args.grpo_sync_outer_lr,
-                outer_momentum=args.grpo_sync_outer_momentum,
-                ramp=args.grpo_sync_ramp,
-                dtype=OUTER_DTYPES[args.grpo_sync_global_dtype],
+                pack_fragments(units, sync.fragments),
+                every=sync.every,
+                outer_lr=sync.outer_lr,
+                outer_momentum=sync.outer_momentum,
+                ramp=sync.ramp,
+                dtype=OUTER_DTYPES[sync.dtype],
                 exchange=exchange,
-                delay=args.grpo_sync_delay,
-                mix=args.grpo_sync_mix,
-                moments=args.grpo_sync_moments,
+                delay=sync.delay,
+                mix=sync.mix,
+                moments=sync.moments,
                 replicas=replicas,
-                global_device=args.grpo_sync_global_device,
+                global_device=sync.global_device,
                 communicator=communicator,
-                error_decay=args.grpo_sync_error_decay,
+                error_decay=sync.error_decay,
             )
         except ValueError as err:
             raise ConfigError(str(err)) from None
@@ -956,20 +952,13 @@ def _fault_tolerant_wire(settings: CommSettings, replicas: ReplicaGroups | None)
     communicator of one process, or the replica groups whose replicate communicator is torchft's.
 
     Raises:
-        [`~grpo_hf.errors.ConfigError`]: DDP inside a group (every rank would send the whole model), or a launch that
-            holds several replicas itself.
+        [`~grpo_hf.errors.ConfigError`]: a launch that holds several replicas itself (a DDP group was refused with the
+            settings).
     """
     from .torchft_group import TorchFTCommunicator, group_store
 
     if settings.engine == "single":
         return TorchFTCommunicator(settings.fault_tolerance, store=group_store()), None
-    if settings.engine != "fsdp2" or replicas is None:
-        raise ConfigError(
-            f"grpo_fault_tolerance=True under {settings.engine} ({settings.num_processes} processes): each process of "
-            "a DDP replica group would send the whole model. Launch one process per group, or shard the group's model "
-            "with FSDP2 over its processes (grpo_hf.shard_replica_groups(model, replicas=1); docs/engines.md, "
-            "'Surviving a lost machine')."
-        )
     if len(replicas.replicate_ranks[0]) > 1:
         raise ConfigError(
             f"grpo_fault_tolerance=True with {len(replicas.replicate_ranks[0])} replicas inside one launch: each launch "
@@ -994,21 +983,15 @@ def _fault_tolerant_wire(settings: CommSettings, replicas: ReplicaGroups | None)
     )
 
 
-def _between_replica_groups(args, replicas: ReplicaGroups) -> None:
+def _between_replica_groups(args, sync, replicas: ReplicaGroups) -> None:
     """
-    Between replica groups: refuse the outer-step-only control (DDP's), warn when one replica leaves nothing to sync,
-    and keep the Trainer's token count inside each replica (its per-step gather over every process would cross the
-    replicate dimension at every step).
+    Between replica groups: warn when one replica leaves nothing to sync, and keep the Trainer's token count inside
+    each replica (its per-step gather over every process would cross the replicate dimension at every step).
     """
     rank = process_rank(args)[0]
-    if args.grpo_sync_outer_only:
-        raise ConfigError(
-            "grpo_sync_outer_only=True under FSDP2: the control keeps DDP's per-step all-reduce; between replica "
-            "groups train HSDP with grpo_sync_every=1 as the per-step baseline."
-        )
     if replicas.replicas == 1 and rank == 0:
         logger.warning(
-            f"grpo_sync_every={args.grpo_sync_every} under FSDP2 with one replica group (FSDP2 shards over every "
+            f"grpo_sync_every={sync.every} under FSDP2 with one replica group (FSDP2 shards over every "
             "process): there is nothing to sync, so only the outer step is added every H steps. For replicas, set "
             "parallelism_config=ParallelismConfig(dp_replicate_size=R, dp_shard_size=S), launch on several "
             "machines, or shard the model with grpo_hf.shard_replica_groups (docs/engines.md)."

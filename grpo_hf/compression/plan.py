@@ -2,18 +2,11 @@
 
 from torch import nn
 
+from ..choices import COMM_MODE_CHOICES, COMPRESSION_CHOICES, DEFAULT_BITS, DEFAULT_DENSITY, SUPPORTED_BITS
+from ..errors import ConfigError
 from ..grouping import ParameterGroup, assign_groups, load_group_spec
-from .codes import code_for
-from .codes.chunk_topk import CHUNK_TOPK, CHUNK_TOPK_BITS
-from .spec import (
-    COMM_MODE_CHOICES,
-    COMPRESSION_CHOICES,
-    DEFAULT_BITS,
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_DENSITY,
-    SUPPORTED_BITS,
-    CodecSpec,
-)
+from .codes import ChunkTopKCode, code_for
+from .spec import DEFAULT_BLOCK_SIZE, CodecSpec
 
 
 DEFAULT_MIN_NUMEL = 4096
@@ -24,7 +17,7 @@ ALLGATHER_MAX_WORKERS = 2
 def resolve_compression(compression: str, distributed: bool) -> str:
     """`grpo_compression` with `"auto"` resolved: `"quantize"` under multi-process DDP, `"none"` otherwise."""
     if compression not in COMPRESSION_CHOICES:
-        raise ValueError(f"grpo_compression={compression!r}: use one of {COMPRESSION_CHOICES}.")
+        raise ConfigError(f"grpo_compression={compression!r}: use one of {COMPRESSION_CHOICES}.")
     if compression == "auto":
         return "quantize" if distributed else "none"
     return compression
@@ -37,7 +30,7 @@ def resolve_mode(mode: str, world_size: int) -> str:
     cheaper only at `W = 2`, and it compresses once where the all-reduce compresses twice), `"allreduce"` above.
     """
     if mode not in COMM_MODE_CHOICES:
-        raise ValueError(f"grpo_comm_mode={mode!r}: use one of {COMM_MODE_CHOICES}.")
+        raise ConfigError(f"grpo_comm_mode={mode!r}: use one of {COMM_MODE_CHOICES}.")
     if mode == "auto":
         return "allgather" if world_size <= ALLGATHER_MAX_WORKERS else "allreduce"
     return mode
@@ -96,14 +89,15 @@ def compression_plan(
         min_numel (`int`, *optional*, defaults to `4096`): tensors with fewer entries are sent dense.
         block_size (`int`, *optional*, defaults to `128`): values per scale.
         code (`str`, *optional*): the registered code that sends the tensors quantized at `bits` (e.g. the sync's
-            `"ternary"`, [`~grpo_hf.choices.sync_code`]); a group's own `bits` keep the block code of their width.
+            `"ternary"`: what a value of `grpo_bits` or `grpo_sync_bits` selects,
+            [`~grpo_hf.compression.codes.setting_spec`]); a group's own `bits` keep the block code of their width.
             `None`: the built-in code of each setting ([`~grpo_hf.compression.codes.code_for`]).
     """
     if compression not in COMPRESSION_CHOICES or compression == "auto":
         raise ValueError(
             f"compression={compression!r}: use one of {COMPRESSION_CHOICES[1:]} ('auto' is resolved first)."
         )
-    if str(bits) != "auto" and int(bits) not in SUPPORTED_BITS:
+    if code is None and str(bits) != "auto" and int(bits) not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r}: use one of {SUPPORTED_BITS} or 'auto'.")
     if groups is None:
         groups = assign_groups(model, load_group_spec("semantic"))
@@ -145,7 +139,7 @@ def sparse_sync_plan(plan: dict[str, CodecSpec | None], density: float, chunk: i
         `ValueError`: a density outside `(0, 1)`, a chunk that is not a power of two from 2 to 65536, or a density that
             keeps every entry of a chunk.
     """
-    spec = CodecSpec(density=density, bits=CHUNK_TOPK_BITS, block_size=chunk, code=CHUNK_TOPK)
+    spec = ChunkTopKCode.sync_spec(density, chunk)
     code_for(spec)  # its own refusals
     return {name: None if held is None else spec for name, held in plan.items()}
 

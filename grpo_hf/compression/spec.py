@@ -1,18 +1,9 @@
-"""What a compressed gradient is made of: `CodecSpec`, the supported bit widths and modes, and the sizes they imply."""
+"""What a compressed gradient is made of: `CodecSpec` and the sizes it implies."""
 
 import math
 from dataclasses import dataclass
 
-from ..choices import (  # noqa: F401 - the values of the settings, re-exported with what they mean here
-    BITS_CHOICES,
-    COMM_MODE_CHOICES,
-    COMPRESSION_CHOICES,
-    DEFAULT_BITS,
-    DEFAULT_DENSITY,
-    DEFAULT_MODE,
-    MODES,
-    SUPPORTED_BITS,
-)
+from ..choices import DEFAULT_BITS, SUPPORTED_BITS
 
 
 DEFAULT_BLOCK_SIZE = 128
@@ -115,18 +106,4 @@ def dense_bytes(numel: int, bits: int = 32) -> int:
     return (numel * bits + 7) // 8
 
 
-__all__ = [
-    "BITS_CHOICES",
-    "COMM_MODE_CHOICES",
-    "COMPRESSION_CHOICES",
-    "DEFAULT_BITS",
-    "DEFAULT_BLOCK_SIZE",
-    "DEFAULT_DENSITY",
-    "DEFAULT_MODE",
-    "MODES",
-    "SUPPORTED_BITS",
-    "CodecSpec",
-    "dense_bytes",
-    "num_blocks",
-    "num_kept",
-]
+__all__ = ["DEFAULT_BLOCK_SIZE", "CodecSpec", "dense_bytes", "num_blocks", "num_kept"]

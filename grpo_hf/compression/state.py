@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..choices import SCALES_REMOVED, check_comm_settings
+from ..choices import MODES, SCALES_REMOVED
 from ..errors import CheckpointError, warn_once
 from .codec import Kernels, compile_kernels
 from .communicator import Communicator, ProcessGroupCommunicator
@@ -17,7 +17,8 @@ from .layout import BucketLayout, bucket_layout
 from .plan import resolve_mode
 from .reshard import STATE_VERSION, reshard_comm_state
 from .row_store import RESIDUAL_DTYPE, RowStore
-from .spec import MODES, CodecSpec
+from .settings import check_comm_settings
+from .spec import CodecSpec
 from .traffic import StepStats, TrafficStats
 from .transport import CommSettings, CommState, SavedComms, world_size_message
 
@@ -157,11 +158,11 @@ class GRPOCommState(CommState):
         """
         if settings.syncing or settings.compression == "none" or settings.engine == "fsdp2":
             return None
-        args = settings.args
+        codec = settings.transport.codec
         return cls(
             settings.plan,
-            mode=resolve_mode(args.grpo_comm_mode, settings.num_processes),
-            dense_warmup_steps=args.grpo_dense_warmup_steps,
+            mode=resolve_mode(codec.mode, settings.num_processes),
+            dense_warmup_steps=codec.dense_warmup_steps,
             communicator=settings.communicator,
         )
 

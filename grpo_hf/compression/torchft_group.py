@@ -251,12 +251,6 @@ class TorchFTCommunicator(Communicator):
         options.rootRank = src
         return self._start(lambda: self.pg.broadcast([tensor], options))
 
-    def duplicate(self) -> TorchFTCommunicator:
-        raise ConfigError(
-            "grpo_fault_tolerance=True with grpo_sync_delay > 0: a delayed exchange would outlive its quorum. Use "
-            "grpo_sync_delay=0 between fault-tolerant replica groups."
-        )
-
     def commit(self) -> bool:
         """
         Whether the exchange since the last commit can be kept, the same answer on every participating group: the

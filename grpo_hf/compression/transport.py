@@ -5,7 +5,8 @@ hold). There are three: [`~grpo_hf.compression.GRPOCommState`] (DDP's compressed
 one-process preview), [`~grpo_hf.compression.fsdp.FSDPCommState`] (FSDP2's compressed reduce-scatter) and
 [`~grpo_hf.compression.outer_sync.OuterSyncState`] (the sync every H steps). The one the settings ask for is built
 in one place, [`~grpo_hf.compression.build.build_comm_state`]: each transport's [`CommState.from_settings`] says
-whether it applies to the [`CommSettings`], and owns its refusals; the trainer only asks. A transport is handed its
+whether it applies to the [`CommSettings`] (whose typed settings were checked once, in
+[`~grpo_hf.compression.settings.transport_settings`]); the trainer only asks. A transport is handed its
 way to the wire, a [`~grpo_hf.compression.communicator.Communicator`] (`communicator=`; `process_group=` is a
 convenience that makes a `ProcessGroupCommunicator`), and builds no collective of its own: every collective, rank and
 world size goes through it, timed there, and its time spent communicating is moved into the step's statistics when
@@ -91,8 +92,10 @@ class CommSettings:
     [`CommState.from_settings`] in turn).
 
     Args:
-        args: the trainer's arguments (`GRPOConfig`'s `grpo_*` fields; the sync between replica groups may turn off
-            `average_tokens_across_devices`).
+        transport ([`~grpo_hf.compression.settings.TransportSettings`]): the typed settings of the codec and the sync,
+            checked once by [`~grpo_hf.compression.settings.transport_settings`] (the transports take them as they are).
+        args: the trainer's arguments (its process rank, the engine's origin; the sync between replica groups may turn
+            off `average_tokens_across_devices`).
         engine (`str`): `"single"`, `"ddp"`, `"fsdp2"` or `"deepspeed"`.
         plan (`dict[str, CodecSpec | None]`): the compression plan; a transport that sends no codes leaves it dense
             (every value `None`), and the builder's caller reads it back.
@@ -109,6 +112,7 @@ class CommSettings:
             fault-tolerant replica group (`grpo_fault_tolerance`): the sync's wire is torchft's.
     """
 
+    transport: object
     args: object
     engine: str
     plan: dict
@@ -123,7 +127,7 @@ class CommSettings:
     @property
     def syncing(self) -> bool:
         """Whether the ranks sync every H steps (`grpo_sync_every > 1`)."""
-        return self.args.grpo_sync_every > 1
+        return self.transport.sync.on
 
 
 class CommState:
@@ -138,13 +142,9 @@ class CommState:
 
     # --- building ---
     @classmethod
-    def refuse(cls, settings: CommSettings) -> None:
-        """Before the plan is built: raise a `ConfigError` for settings this transport would carry but cannot."""
-
-    @classmethod
     def from_settings(cls, settings: CommSettings) -> "CommState | None":
-        """This transport built from `settings` when they ask for it, else `None` (raises a `ConfigError` for what
-        it cannot carry)."""
+        """This transport built from `settings` when they ask for it, else `None` (the settings' rules were checked
+        where they were made; what only the transport sees, e.g. a layout, it refuses with a `ConfigError`)."""
         return None
 
     @property

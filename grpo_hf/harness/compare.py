@@ -41,8 +41,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..checkpoints import resolve_resume_checkpoint, resume_changes, tied_missing_keys
-from ..compression.codes.chunk_topk import CHUNK_TOPK_BITS
-from ..compression.spec import num_kept
+from ..compression.codes import code_for
 from ..config import grpo_field_names
 from ..errors import RecipeError
 from ..provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
@@ -622,13 +621,9 @@ def _measured_trainer(kind: str, args, model, prepared: Prepared, seq_len: int) 
         recorder.comm_state = comm_state
         if comm_state is None:
             recorder.bytes_per_step = dense_allreduce_bytes_per_step(trainable, world)
-        density = f"density {args.grpo_density:g}, " if "sparse" in trainer.grpo_compression else ""
-        bits = args.grpo_sync_bits if args.grpo_sync_every > 1 else args.grpo_bits
-        if args.grpo_sync_every > 1 and args.grpo_sync_density < 1:  # the sync's sparse code (SparseLoCo)
-            chunk = args.grpo_sync_chunk
-            density, bits = f"top {num_kept(chunk, args.grpo_sync_density)} of every {chunk}, ", CHUNK_TOPK_BITS
-        comm_mode = (
-            f"{trainer.grpo_compression} ({comm_state.mode}, W={world}, {density}bits {bits}, error feedback)"
+        codes = dict.fromkeys(code_for(spec).describe() for spec in trainer.grpo_plan.values() if spec is not None)
+        comm_mode = (  # the codes as they describe themselves: "bits 8", "top 64 of every 4096, bits 2", ...
+            f"{trainer.grpo_compression} ({', '.join([comm_state.mode, f'W={world}', *codes, 'error feedback'])})"
             if comm_state is not None
             else f"dense fp32 all-reduce (W={world}, grpo_compression={trainer.grpo_compression})"
         )

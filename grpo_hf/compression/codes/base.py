@@ -8,14 +8,27 @@ branches on its variant).
 
 Adding a code: a new file with a subclass of [`Code`] (its `name`, its capabilities, its sizes, `encode` and `decode`)
 decorated with [`register`], and one line in `grpo_hf/compression/codes/__init__.py` that imports it (or one call of
-[`register`] from your own code, as `tests/test_codes.py` does with a toy code). A
-[`~grpo_hf.compression.spec.CodecSpec`] names it: `CodecSpec(code="my-code", bits=..., block_size=...)`.
+[`register`] from your own code, as `tests/toy_code.py` does). A [`~grpo_hf.compression.spec.CodecSpec`] names it:
+`CodecSpec(code="my-code", bits=..., block_size=...)`; the values of `GRPOConfig`'s settings it declares
+([`Code.selected_by`]) select it with no other edit: they are those settings' choices ([`setting_values`]), on the
+command line and in the settings table of the docs, and what the trainer plans ([`setting_spec`]).
 """
+
+from collections.abc import Sequence
 
 import torch
 
 from ..owned import put_owned, take_owned
 from ..spec import CodecSpec
+
+
+MESSAGE_ALIGN = 16  # bytes: messages are padded so that each one starts aligned (fp32 views, vector loads)
+ENCODE_CHUNK = 1 << 20  # entries per call of an encode (the in-place encode's scratch: 2 MiB of bf16 residual)
+
+
+def padded_nbytes(nbytes: int, align: int = MESSAGE_ALIGN) -> int:
+    """`nbytes` rounded up to a multiple of `align` (`MESSAGE_ALIGN` by default)."""
+    return -(-nbytes // align) * align
 
 
 class Code:
@@ -50,6 +63,10 @@ class Code:
         in_sync (`bool`, defaults to `False`): the sync every H steps can carry it.
         owner_reducible (`bool`, defaults to `True`): owner reduction (the hook's `allreduce` mode, the sync from 3
             ranks) can carry it.
+        selected_by (`dict[str, dict[str, int]]`, defaults to `{}`): the values of `GRPOConfig`'s code settings
+            (`grpo_bits`, the per-step codes; `grpo_sync_bits`, the sync's) that select the code, each with the bits
+            of the spec it sends: `{"grpo_sync_bits": {"ternary": 2}}` makes `grpo_sync_bits="ternary"` send
+            `CodecSpec(code="ternary", bits=2)` (a built-in code chosen from density and bits gets no `code`).
     """
 
     name: str = ""
@@ -57,6 +74,7 @@ class Code:
     every_entry: bool = True
     in_sync: bool = False
     owner_reducible: bool = True
+    selected_by: dict[str, dict[str, int]] = {}
 
     def __init__(self, spec: CodecSpec):
         self.spec = spec
@@ -68,6 +86,10 @@ class Code:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+    def describe(self) -> str:
+        """What its messages carry, in words, for a run's description: `"bits 8"`, or the named code's name."""
+        return f"bits {self.spec.bits}" if self.spec.code is None else f"{self.spec.code} codes"
 
     # --- sizes ---
     def message_nbytes(self, nblocks: int) -> int | None:
@@ -241,4 +263,51 @@ def code_for(spec: CodecSpec) -> Code:
     return code
 
 
-__all__ = ["Code", "code_for", "register", "unregister"]
+def setting_values(setting: str) -> tuple[str, ...]:
+    """
+    The values of `setting` (`"grpo_bits"`, `"grpo_sync_bits"`) the registered codes declare ([`Code.selected_by`]),
+    fewest bits first (a name before a number of the same bits: `"ternary"` before `"2"`).
+    """
+    declared = [(bits, value) for code in _CODES for value, bits in code.selected_by.get(setting, {}).items()]
+    return tuple(value for bits, value in sorted(declared, key=lambda item: (item[0], item[1].isdigit())))
+
+
+def setting_spec(setting: str, value) -> tuple[int, str | None]:
+    """
+    `(bits, code)` of the [`~grpo_hf.compression.spec.CodecSpec`] the value `value` of `setting` selects: the bits the
+    code declares, and its name (`None` for a built-in code chosen from density and bits).
+
+    Raises:
+        `ValueError`: no registered code declares the value.
+    """
+    for code in _CODES:
+        bits = code.selected_by.get(setting, {}).get(str(value))
+        if bits is not None:
+            return bits, code.name if code.accepts(CodecSpec(bits=bits, code=code.name)) else None
+    raise ValueError(f"no registered code declares {setting}={value!r} (the values: {setting_values(setting)}).")
+
+
+class SettingValues(Sequence):
+    """
+    The values of a code setting (`"grpo_bits"`, `"grpo_sync_bits"`) the registered codes declare ([`setting_values`]),
+    after `first` (e.g. `"auto"`), read at each use: the choices of the `GRPOConfig` field, of the command line and of
+    the settings table, a code registered later among them.
+    """
+
+    def __init__(self, setting: str, first: tuple[str, ...] = ()):
+        self.setting, self.first = setting, tuple(first)
+
+    def values(self) -> tuple[str, ...]:
+        return (*self.first, *setting_values(self.setting))
+
+    def __getitem__(self, index):
+        return self.values()[index]
+
+    def __len__(self) -> int:
+        return len(self.values())
+
+    def __repr__(self) -> str:
+        return repr(self.values())
+
+
+__all__ = ["Code", "SettingValues", "code_for", "register", "setting_spec", "setting_values", "unregister"]

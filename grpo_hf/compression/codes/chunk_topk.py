@@ -29,9 +29,8 @@ SparseLoCo does), so what one rank sends, `(W − 1) s`, grows with the world si
 
 import torch
 
-from ..codec import padded_nbytes
 from ..spec import CodecSpec, num_kept
-from .base import Code, register
+from .base import Code, padded_nbytes, register
 from .topk import view_as
 
 
@@ -109,6 +108,14 @@ class ChunkTopKCode(Code):
                 "density that keeps fewer than all of them (density 1 is the block codes' job)."
             )
         self.index_bits = chunk.bit_length() - 1  # log2 C: a position within the chunk
+
+    @classmethod
+    def sync_spec(cls, density: float, chunk: int) -> CodecSpec:
+        """The spec of `grpo_sync_density` and `grpo_sync_chunk` (below density 1): `k = ceil(density C)` of every `C`."""
+        return CodecSpec(density=density, bits=CHUNK_TOPK_BITS, block_size=chunk, code=cls.name)
+
+    def describe(self) -> str:
+        return f"top {self.k} of every {self.spec.block_size}, bits {CHUNK_TOPK_BITS}"
 
     # --- sizes ---
     def message_nbytes(self, nblocks: int) -> int:

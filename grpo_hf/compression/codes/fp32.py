@@ -18,6 +18,7 @@ class Fp32Code(Code):
     name = "fp32"
     fixed_size = True
     owner_reducible = False
+    selected_by = {"grpo_bits": {"32": 32}, "grpo_sync_bits": {"32": 32}}
 
     @classmethod
     def accepts(cls, spec: CodecSpec) -> bool:

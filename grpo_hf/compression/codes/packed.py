@@ -15,10 +15,9 @@ owners' codes back in block order and decodes them at once.
 
 import torch
 
-from ..codec import ENCODE_CHUNK, padded_nbytes
 from ..owned import put_owned
 from ..spec import CodecSpec
-from .base import Code
+from .base import ENCODE_CHUNK, Code, padded_nbytes
 
 
 class PackedBlockCode(Code):

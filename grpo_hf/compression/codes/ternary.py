@@ -1,6 +1,6 @@
 """The ternary code of the sync every H steps (`grpo_sync_bits="ternary"`): every entry as a trit, 5 trits per byte.
 
-The levels are the per-step code's at `grpo_bits=2` (codec.py), which is ternary too: per block of `B` entries with
+The levels are the per-step code's at `grpo_bits=2` (`block.py`), which is ternary too: per block of `B` entries with
 absmax `a`, an entry `x` is sent as `sign(x) a` where `|x| > a / 2`, else as 0 (a block whose absmax lies below
 `STEP_FLOOR` is sent as zeros, and kept in the residual). The quantizer is the codec's own kernel at 2 bits
 ([`~grpo_hf.compression.codec.Kernels.encode`]), with its error feedback: the new residual is `acc - sent`, added to
@@ -62,6 +62,7 @@ class TernaryCode(PackedBlockCode):
 
     name = "ternary"
     codes_per_byte = TRITS_PER_BYTE
+    selected_by = {"grpo_sync_bits": {"ternary": 2}}
 
     def quantize(self, kernels, rows, residual):
         """The codec's 2-bit kernel (ternary codes, error feedback), its codes packed as trits."""

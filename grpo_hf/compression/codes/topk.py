@@ -1,7 +1,7 @@
 """The top-k code (density below 1): selection, compact index coding, its messages and [`TopKCode`].
 
 At density `d < 1` a row sends its `k = ceil(d * numel)` entries of largest magnitude (after the gradient scales), the
-kept values quantized in blocks by the kernels of [`~grpo_hf.compression.codec`] (or raw at 32 bits), and their
+kept values quantized in blocks by the block codes' kernels (`block.py`; or raw at 32 bits), and their
 positions in the cheapest of these index schemes:
 
 - `BITMAP`: `ceil(numel / 8)` bytes, bit `i % 8` of byte `i // 8` set for each kept position `i`.
@@ -14,7 +14,7 @@ On random positions in a 1M-entry tensor the cheapest scheme is `DELTA4` at dens
 (`tests/test_codec.py` checks the bytes per index).
 
 A top-k message: a 16-byte header (`int32` k, index scheme, index bytes, value bytes), the values (the fp32 absmax of
-each block of kept values, then exactly `k` codes as [`~grpo_hf.compression.codec`] writes them; `4k` raw fp32 bytes
+each block of kept values, then exactly `k` codes as the block codes write them (`block.py`); `4k` raw fp32 bytes
 at 32 bits), the index payload, padded to 16 bytes. Its size depends on the data (the header says it). Owner reduction
 sends each owner a top-k message of the blocks it owns, keeping the owner's share of `k` ([`TopKCode`] inherits the
 interface's owner halves).
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codec import Kernels, code_shape, padded_nbytes
 from ..spec import CodecSpec, num_blocks, num_kept
-from .base import Code, register
+from .base import Code, padded_nbytes, register
+from .block import code_shape
 
 
 _INT32_MAX = 2**31 - 1
@@ -316,7 +316,7 @@ class TopKMessages:
             codes.view(-1)[:k] = view_as(body[: k * codes.element_size()], dtype)
         return codes, absmax
 
-    def encode(self, kernels: Kernels, grad, residual, k: int):
+    def encode(self, kernels, grad, residual, k: int):
         """
         Compress `[n, B]` rows (`grad + residual`) keeping `k` entries. Returns `(message, decoded, new_residual)`:
         `decoded` the `[n, B]` fp32 values the receivers decode, `new_residual` in `residual`'s dtype (`None` without
@@ -350,7 +350,7 @@ class TopKMessages:
         _, _, index_nbytes, value_nbytes = view_as(buffer[:HEADER_NBYTES], torch.int32).tolist()
         return padded_nbytes(HEADER_NBYTES + value_nbytes + index_nbytes)
 
-    def read(self, kernels: Kernels, message: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, kernels, message: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(positions, decoded kept values fp32)` of a message of a row of `numel` entries."""
         k, scheme, index_nbytes, value_nbytes = view_as(message[:HEADER_NBYTES], torch.int32).tolist()
         start = HEADER_NBYTES
@@ -366,7 +366,7 @@ class TopKMessages:
             raise ValueError(f"corrupt message: {positions.numel()} positions for {k} values.")
         return positions, decoded
 
-    def decode(self, kernels: Kernels, messages, shape, divide: float) -> torch.Tensor:
+    def decode(self, kernels, messages, shape, divide: float) -> torch.Tensor:
         """The fp32 `[n, B]` sum of the messages' decoded rows (in order), divided by `divide`."""
         total = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=messages[0].device)
         for message in messages:
@@ -397,6 +397,9 @@ class TopKCode(Code):
     @classmethod
     def accepts(cls, spec: CodecSpec) -> bool:
         return spec.code is None and spec.density < 1.0
+
+    def describe(self) -> str:
+        return f"density {self.spec.density:g}, bits {self.spec.bits}"
 
     def read_nbytes(self, buffer: torch.Tensor, nblocks: int) -> int:
         return self.messages.read_nbytes(buffer)

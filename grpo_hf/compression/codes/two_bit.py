@@ -20,8 +20,8 @@ are; the new residual is `acc - sent` (bf16), added to the next sync's `Δ`.
 
 import torch
 
-from ..codec import STEP_FLOOR
 from .base import register
+from .block import STEP_FLOOR
 from .packed import PackedBlockCode
 
 
@@ -76,6 +76,7 @@ class TwoBitCode(PackedBlockCode):
 
     name = "two-bit"
     codes_per_byte = CODES_PER_BYTE
+    selected_by = {"grpo_sync_bits": {"2": 2}}
 
     def quantize(self, kernels, rows, residual):
         acc = rows.float()
