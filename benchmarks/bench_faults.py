@@ -239,8 +239,10 @@ def worker(job_path: str, setup=None) -> None:
     sync = _typed(sync_row(f"sync{every}"))
     diloco = None
     if kind == "grpo-ft":
-        saves = {"save_strategy": "steps", "save_steps": job["save_steps"], "save_total_limit": 2}
-        args = GRPOConfig(**{**common, **(saves if job.get("save_steps") else {})}, grpo_importance=False, **sync,
+        saves = {}
+        if job.get("save_steps"):
+            saves = {"save_strategy": "steps", "save_steps": job["save_steps"], "save_total_limit": 2}
+        args = GRPOConfig(**{**common, **saves}, grpo_importance=False, **sync,
                           grpo_fault_tolerance=True,
                           grpo_ft_replica_id=replica, grpo_ft_replicas=REPLICAS, grpo_ft_timeout=job["ft_timeout"],
                           grpo_ft_quorum_timeout=FT_QUORUM_TIMEOUT,

@@ -374,8 +374,60 @@ def sync_sweep() -> str:
             at = "–" if e["at_nominal"] is None else f"{e['at_nominal']:.3f} (lr {e['nominal_lr']:g})"
             lines.append(f"| {task} | `{name}` | {e['geomean']:.3f} ({len(e['best_vs_best'])}) | {e['worst']:.3f} | "
                          f"{at} | {e['bytes_ratio']:.0f}× |")  # fmt: skip
-    lines += ["", f"From the result files of the sweep in [compression](docs/compression.md) ({meta['date']}), which also has "
+    lines += ["", f"From the result files of the sweep in 'Best against best' above ({meta['date']}), which also has "
               f"the {trials} settings tried on one seed."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def long_sweep() -> str:
+    """The long runs (issue 58): every row of `suite_long` at the learning rates it ran, against dense at its best; a
+    row screened at dense's best learning rate alone reads `(edge)` (docs/compression.md)."""
+    return _sweep_table("suite_long")
+
+
+LONG_RUNS = [  # (the run a user has, its task, the folder of its results)
+    ("a fine-tune (a pre-trained start, 160 steps)", "smollm2-finetune", "suite_sweep"),
+    ("a fine-tune of a tiny model (120 steps)", "llama-finetune-frontier", "suite_sweep"),
+    ("a long run from scratch, shared data (1,024 steps)", "pretrain-long", "suite_long"),
+    ("a long run from scratch, data that differs by site", "pretrain-long-noniid", "suite_long"),
+    ("continued pre-training (320 steps)", "smollm2-continued", "suite_long"),
+]
+BUDGETS = (50, 500)  # times fewer bytes than fp32 DDP: a row per budget, GRPO's best sync setting sending that little
+
+
+def long_run_advice() -> str:
+    """The decision table (README, docs/compression.md): for each kind of run, GRPO's sync setting with the lowest
+    perplexity among those sending at least 50x and 500x fewer bytes than fp32 DDP, and torchft's DiLoCo where it ran,
+    each best against best over the seeds it has."""
+    sweeps = {name: sweep_summary(RESULTS / name)[0] for name in ("suite_sweep", "suite_long")
+              if (RESULTS / name / "meta.json").exists()}  # fmt: skip
+    lines = [
+        "| your run | budget | setting | bytes vs fp32 DDP | ppl / dense: geomean (seeds) | worst seed | lrs tried |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for run, task, folder in LONG_RUNS:
+        rows = sweeps.get(folder, {}).get(task, {})
+        if not rows:
+            lines.append(f"| {run} | | *not measured yet* (`{task}`) | | | | |")
+            continue
+        picks = []
+        for budget in BUDGETS:
+            fits = {n: e for n, e in rows.items() if n.startswith("sync") and (e["bytes_ratio"] or 0) >= budget}
+            if fits:
+                picks.append((f"≥ {budget}×", min(fits, key=lambda n: (fits[n]["geomean"], -fits[n]["bytes_ratio"]))))
+        peers = {n: e for n, e in rows.items() if n.startswith("torchft-diloco")}
+        if peers:
+            picks.append(("torchft's best", min(peers, key=lambda n: peers[n]["geomean"])))
+        budgets: dict[str, list[str]] = {}
+        for budget, name in picks:
+            budgets.setdefault(name, []).append(budget)
+        for name, labels in budgets.items():
+            e = rows[name]
+            lines.append(f"| {run} (`{task}`) | {', '.join(labels)} | `{name}` | {e['bytes_ratio']:.0f}× | "
+                         f"{e['geomean']:.3f} ({len(e['best_vs_best'])}) | {e['worst']:.3f} | {len(e['curve'])} |")  # fmt: skip
+    lines += ["", "Generated from `benchmarks/results/suite_sweep` and `benchmarks/results/suite_long` (their commands: "
+              "the tables of `docs/compression.md`); one seed and one learning rate is a screen, not a "
+              "verdict."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -458,6 +510,8 @@ RENDERERS = {
     "lr-sweep-presets": lr_sweep_presets,
     "sync-sweep": sync_sweep,
     "peer-comparison": peer_comparison,
+    "long-sweep": long_sweep,
+    "long-run-advice": long_run_advice,
     "memory-sweep": memory_sweep,
     "memory-summary": memory_summary,
     "settings": settings,

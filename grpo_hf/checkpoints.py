@@ -28,7 +28,7 @@ import re
 
 import torch
 
-from .compression.transport import SavedComms, restore_comm_state
+from .compression.transport import SavedComms, restore_comm_state, sends_every
 from .errors import CheckpointError
 from .files import atomic_write, checkpoint_folders
 
@@ -191,15 +191,8 @@ RUN_SUMMARY = "grpo_run.json"  # `grpo_hf.model_card.RUN_SUMMARY_FILE`: GRPOTrai
 SCHEDULER_FILE = "scheduler.pt"
 
 
-def _family(mode: str | None) -> str | None:
-    """What a compression state of `mode` sends: `"sync"` (every H steps), `"step"` (every step) or `None`."""
-    from .compression.transport import sends_every
-
-    return sends_every(mode)
-
-
 def _settings_family(args) -> str | None:
-    """The family ([`_family`]) a run of `args` will have, from its settings alone (before its trainer is built)."""
+    """What a run of `args` will have, from its settings alone (before its trainer is built)."""
     from .compression.plan import resolve_compression
 
     distributed = getattr(args, "world_size", 1) > 1 or bool(getattr(args, "grpo_fault_tolerance", False))
@@ -232,13 +225,17 @@ def _read_json(path: str):
     return content if isinstance(content, dict) else None
 
 
+def _summary_recipe(folder: str) -> dict:
+    """The recipe of the checkpoint's run summary (`{}` without one)."""
+    return (_read_json(os.path.join(folder, RUN_SUMMARY)) or {}).get("recipe") or {}
+
+
 def checkpoint_settings(folder: str) -> dict | None:
     """
     The `grpo_*` and `cost_*` settings of the run that wrote the checkpoint `folder`, from the run summary GRPOTrainer
     saves in each checkpoint (`grpo_run.json`); `None` without one (a plain Trainer's checkpoint, an older one).
     """
-    summary = _read_json(os.path.join(folder, RUN_SUMMARY))
-    settings = ((summary or {}).get("recipe") or {}).get("grpo")
+    settings = _summary_recipe(folder).get("grpo")
     return settings if isinstance(settings, dict) else None
 
 
@@ -257,27 +254,21 @@ def checkpoint_learning_rate(folder: str) -> float | None:
                 return max(rates)
         except Exception:  # noqa: BLE001  (a scheduler of another kind, or an unreadable file: ask the summary)
             pass
-    training = ((_read_json(os.path.join(folder, RUN_SUMMARY)) or {}).get("recipe") or {}).get("training") or {}
-    rate = training.get("learning_rate")
+    rate = (_summary_recipe(folder).get("training") or {}).get("learning_rate")
     return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
-
-
-def _checkpoint_step(folder: str) -> int | None:
-    step = (_read_json(os.path.join(folder, TRAINER_STATE_FILE)) or {}).get("global_step")
-    return step if isinstance(step, int) else None
 
 
 def _saved_family(folder: str) -> str | None:
     if 0 not in saved_ranks(folder):
         return None
     comm = read_grpo_state(state_path(folder, 0), mmap=True).get("comm")
-    return _family(comm.get("mode")) if isinstance(comm, dict) else None
+    return sends_every(comm.get("mode")) if isinstance(comm, dict) else None
 
 
 def describe_codec(settings: dict | None, family: str | None) -> str:
     """
     What a run of `settings` (`grpo_*` values, as in `grpo_run.json`) sent, in words: `"quantize, 8 bits"`, `"sparse,
-    density 0.15"`, `"sync every 16 steps, 4-bit codes"`, `"nothing compressed"` (`family`: see [`_family`]).
+    density 0.15"`, `"sync every 16 steps, 4-bit codes"`, `"nothing compressed"` (`family`: see [`~grpo_hf.compression.transport.sends_every`]).
     """
     settings = settings or {}
     if family is None:
@@ -333,7 +324,7 @@ def resume_changes(folder: str, args, comm_mode: str | None = "estimate") -> dic
     from .config import grpo_field_names
 
     saved = checkpoint_settings(folder)
-    ours_family = _settings_family(args) if comm_mode == "estimate" else _family(comm_mode)
+    ours_family = _settings_family(args) if comm_mode == "estimate" else sends_every(comm_mode)
     saved_family = _saved_family(folder)
     names = [n for n in grpo_field_names() if hasattr(args, n) and n not in UNCOMPARED_SETTINGS]
     ours = {n: getattr(args, n) for n in names}
@@ -356,10 +347,11 @@ def resume_changes(folder: str, args, comm_mode: str | None = "estimate") -> dic
     rate = checkpoint_learning_rate(folder)
     requested = getattr(args, "learning_rate", None)
     removed = _removed_settings(saved or {}, saved_family == ours_family == "step")
-    training = ((_read_json(os.path.join(folder, RUN_SUMMARY)) or {}).get("recipe") or {}).get("training") or {}
+    training = _summary_recipe(folder).get("training") or {}
+    step = (_read_json(os.path.join(folder, TRAINER_STATE_FILE)) or {}).get("global_step")
     return {
         "checkpoint": os.fspath(folder),
-        "step": _checkpoint_step(folder),
+        "step": step if isinstance(step, int) else None,
         "settings": saved,
         "refused": refused,
         "applied": applied,
@@ -631,12 +623,6 @@ def planned_checkpoint_steps(
     return sorted(step for step in steps if step > after_step), sure
 
 
-def overwritten_checkpoints(output_dir: str, steps: list[int]) -> list[str]:
-    """The `checkpoint-<step>` folders of `output_dir` whose step is in `steps` (full paths, in step order)."""
-    wanted = {f"checkpoint-{step}" for step in steps}
-    return [folder for folder in checkpoint_folders(output_dir) if os.path.basename(folder) in wanted]
-
-
 def warn_overwritten_checkpoints(
     output_dir: str, steps: list[int], sure: bool, settings: str, save_total_limit: int | None = None
 ) -> list[str]:
@@ -645,7 +631,8 @@ def warn_overwritten_checkpoints(
     (described by `settings`) will overwrite, and how to avoid it; returns their names. The Trainer writes into an
     existing folder without a word (so does the library: only the `grpo-hf` commands refuse such a folder).
     """
-    names = [os.path.basename(folder) for folder in overwritten_checkpoints(output_dir, steps)]
+    wanted = {f"checkpoint-{step}" for step in steps}
+    names = [name for name in map(os.path.basename, checkpoint_folders(output_dir)) if name in wanted]
     if names:
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         rotation = (
@@ -766,7 +753,6 @@ __all__ = [
     "incomplete_checkpoints",
     "last_complete_checkpoint",
     "missing_parts",
-    "overwritten_checkpoints",
     "planned_checkpoint_steps",
     "read_grpo_state",
     "resolve_resume_checkpoint",

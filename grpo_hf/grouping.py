@@ -102,30 +102,28 @@ class ParameterGroup:
         return sum(p.numel() for p in self.params)
 
 
-# Name fragments of the architectures we test against (Llama/Mistral/Qwen, GPT-2, BERT, T5) and their PEFT wrappers.
-_ATTN_QKV = r"(c_attn|qkv_proj|query_key_value|Wqkv|\.qkv\b)"
-_ATTN_QK = r"(q_proj|k_proj|\.query\b|\.key\b|Attention\.[qk]\b)"
-_ATTN_VO = r"(v_proj|o_proj|out_proj|\.value\b|attention\.output\.dense|attn\.c_proj|Attention\.[vo]\b)"
-_FFN = (
-    r"(mlp|gate_proj|up_proj|down_proj|intermediate|\.output\.dense|DenseReluDense|\.wi\b|\.wi_\d|\.wo\b|fc1|fc2|ffn)"
-)
-_NORM = r"(norm|ln_\d|ln_f|LayerNorm)"
-_EMBED = r"(embed_tokens|\bwte\b|\bwpe\b|embeddings|\bshared\b|lm_head|embed_positions|relative_attention_bias)"
-_HEAD = r"(classifier|\bscore\b|pooler|qa_outputs)"
+# The kinds of parameters, by name fragments of the architectures we test against (Llama/Mistral/Qwen, GPT-2, BERT,
+# T5) and their PEFT wrappers: the semantic presets' groups, and the kinds of the optimizer-state presets.
+KIND_PATTERNS = {
+    "attn_qkv": r"(c_attn|qkv_proj|query_key_value|Wqkv|\.qkv\b)",
+    "attn_qk": r"(q_proj|k_proj|\.query\b|\.key\b|Attention\.[qk]\b)",
+    "attn_vo": r"(v_proj|o_proj|out_proj|\.value\b|attention\.output\.dense|attn\.c_proj|Attention\.[vo]\b)",
+    "ffn": r"(mlp|gate_proj|up_proj|down_proj|intermediate|\.output\.dense|DenseReluDense|\.wi\b|\.wi_\d|\.wo\b|fc1|fc2|ffn)",
+    "norms": r"(norm|ln_\d|ln_f|LayerNorm)",
+    "embeddings": r"(embed_tokens|\bwte\b|\bwpe\b|embeddings|\bshared\b|lm_head|embed_positions|relative_attention_bias)",
+    "head": r"(classifier|\bscore\b|pooler|qa_outputs)",
+}  # fmt: skip
+LAYER_KINDS = ("attn_qkv", "attn_qk", "attn_vo", "ffn")
 
 
 def _semantic_rules() -> list[GroupRule]:
-    kinds = [("attn_qkv", _ATTN_QKV), ("attn_qk", _ATTN_QK), ("attn_vo", _ATTN_VO), ("ffn", _FFN)]
     rules = []
     for ab in ("A", "B"):  # LoRA matrices keep their layer kind: q_proj.lora_A goes to attn_qk.lora_A
-        rules += [GroupRule(f"{kind}.lora_{ab}", rf"{pattern}.*\.lora_{ab}\.") for kind, pattern in kinds]
+        rules += [GroupRule(f"{kind}.lora_{ab}", rf"{KIND_PATTERNS[kind]}.*\.lora_{ab}\.") for kind in LAYER_KINDS]
     rules += [
         GroupRule("lora_A", r"\.lora_(embedding_)?A\b"),
         GroupRule("lora_B", r"\.lora_(embedding_)?B\b"),
-        GroupRule("embeddings", _EMBED),
-        GroupRule("norms", _NORM),
-        *[GroupRule(kind, pattern) for kind, pattern in kinds],
-        GroupRule("head", _HEAD),
+        *[GroupRule(kind, KIND_PATTERNS[kind]) for kind in ("embeddings", "norms", *LAYER_KINDS, "head")],
     ]
     return rules
 
@@ -444,6 +442,7 @@ __all__ = [
     "GroupConfigError",
     "GroupRule",
     "GroupSpec",
+    "KIND_PATTERNS",
     "ParameterGroup",
     "assign_groups",
     "check_lr_ratios",

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -160,18 +161,11 @@ def _llrd_factors(groups: list[ParameterGroup]):
             stack, index, size = depths[name]
             return label(stack, f"L{index}"), LLRD_DECAY ** (size - 1 - index)
         if stacks and _INPUT_EMBEDDING.search(name):  # below the first layer of the stack it feeds
-            stack = max(stacks, key=lambda s: (len(_common_prefix(s, name)), s))
+            stack = max(stacks, key=lambda s: (len(os.path.commonprefix([s, name])), s))
             return label(stack, "emb"), LLRD_DECAY ** sizes[stack]
         return None, 1.0  # heads, final norms, anything outside the stacks: the top's rate
 
     return factor
-
-
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]
 
 
 def _fan_in(param) -> int:

@@ -186,6 +186,23 @@ def base_model_of(
 # --------------------------------------------------------------------------------------------------------------
 
 
+def last_eval(log_history) -> dict[str, Any]:
+    """The figures of the last `eval_loss` entry of a Trainer's `log_history`, as a run's row: `mean_nll_after`,
+    `perplexity_after` and, for a classifier, `accuracy_after` (`{}` without an evaluation)."""
+    evals = [
+        entry
+        for entry in (log_history if isinstance(log_history, list) else [])
+        if isinstance(entry, dict) and isinstance(entry.get("eval_loss"), (int, float))
+    ]
+    if not evals:
+        return {}
+    loss = evals[-1]["eval_loss"]
+    row = {"mean_nll_after": loss, "perplexity_after": math.exp(loss) if loss < 700 else math.inf}
+    if "eval_accuracy" in evals[-1]:
+        row["accuracy_after"] = evals[-1]["eval_accuracy"]
+    return row
+
+
 def results_from_trainer(trainer, dataset: str | None = None) -> dict[str, Any]:
     """
     A summary of a [`~grpo_hf.GRPOTrainer`] after training (the run summary [`write_run_summary`] saves): the last
@@ -199,12 +216,7 @@ def results_from_trainer(trainer, dataset: str | None = None) -> dict[str, Any]:
     summary = trainer.cost_callback.summary()
     metrics = summary["metrics"]
     row: dict[str, Any] = {"name": "grpo", "label": type(trainer).__name__, "steps": trainer.state.global_step}
-    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
-    if evals:
-        row["mean_nll_after"] = evals[-1]["eval_loss"]
-        row["perplexity_after"] = math.exp(evals[-1]["eval_loss"]) if evals[-1]["eval_loss"] < 700 else math.inf
-        if "eval_accuracy" in evals[-1]:
-            row["accuracy_after"] = evals[-1]["eval_accuracy"]
+    row.update(last_eval(trainer.state.log_history))
     for key in ("train_seconds", "tokens", "tokens_per_second", "flops", "peak_memory_gb", "energy_kwh"):
         row[key] = metrics.get(f"cost/{key}")
     row.update(
@@ -313,13 +325,10 @@ def _co2(record: ModelCardRecord) -> dict | None:
     return entry
 
 
-def _count(value) -> str:
-    return f"{value:,}" if isinstance(value, int) else "all"
-
-
-def _table(rows: list[tuple[str, str]], header: tuple[str, str]) -> str:
-    lines = [f"| {header[0]} | {header[1]} |", "|:---|---:|"]
-    return "\n".join(lines + [f"| {a} | {b} |" for a, b in rows])
+def markdown_table_of(header, rows) -> str:
+    """A GitHub markdown table: the first column left-aligned, the others right-aligned."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def format_bytes(value: float) -> str:
@@ -473,8 +482,8 @@ def _body_context(record: ModelCardRecord, adapter: dict, task: str, co2: dict |
         "base_note": _base_note(record, adapter),
         "loader": loader,
         "missing": record.missing,
-        "evaluation_table": _table(evaluation, ("Metric", "Value")) if metrics else None,
-        "eval_tokens": _count(record.eval_tokens),
+        "evaluation_table": markdown_table_of(("Metric", "Value"), evaluation) if metrics else None,
+        "eval_tokens": f"{record.eval_tokens:,}" if isinstance(record.eval_tokens, int) else "all",
         "dataset_text": record.dataset_text,
         "training_text": training
         and (
@@ -483,10 +492,12 @@ def _body_context(record: ModelCardRecord, adapter: dict, task: str, co2: dict |
             f"{training.get('learning_rate')} ({training.get('lr_scheduler_type')}), seed {training.get('seed')}."
         ),
         "groups_table": record.groups
-        and _table([(g, f"{n:,} ({n / total:.1%})") for g, n in record.groups.items()], ("Group", "Parameters")),
-        "settings_table": record.settings and _table(settings, ("Setting", "Value")),
+        and markdown_table_of(
+            ("Group", "Parameters"), [(g, f"{n:,} ({n / total:.1%})") for g, n in record.groups.items()]
+        ),
+        "settings_table": record.settings and markdown_table_of(("Setting", "Value"), settings),
         "comparison": record.comparison,
-        "cost_table": _cost_rows(record) and _table(_cost_rows(record), ("This run", "Value")),
+        "cost_table": _cost_rows(record) and markdown_table_of(("This run", "Value"), _cost_rows(record)),
         "prices": assumptions
         and (
             f"Prices: ${assumptions.get('cost_gpu_hour_usd')}/device-hour, ${assumptions.get('cost_energy_kwh_usd')}"
@@ -570,6 +581,8 @@ __all__ = [
     "base_model_of",
     "format_bytes",
     "hub_base_model",
+    "last_eval",
+    "markdown_table_of",
     "record_from_summary",
     "render_model_card",
     "results_from_trainer",

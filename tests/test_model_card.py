@@ -57,7 +57,7 @@ def sample_run(folder: Path):
         "environment": {"grpo_hf": "0.1.0.dev0", "transformers": "5.24.0", "torch": "2.13.0", "python": "3.11.7"},
     }  # fmt: skip
     table = "| | Trainer | GRPOTrainer |\n|---|---:|---:|\n| Eval perplexity | 10.96 | 10.85 |"
-    return results, row, {"comparison_table": table, "extra_tags": ["mine"]}
+    return results, row, {"comparison_table": table, "tags": ["mine"]}
 
 
 def _sections(text: str) -> dict[str, str]:

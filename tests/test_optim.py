@@ -16,7 +16,7 @@ from grpo_hf.optim import GroupedAdamW, StateLayout, resolve_layouts
 from grpo_hf.optim.builder import state_nbytes
 from grpo_hf.optim.grouped_adamw import dequantize_moment
 from grpo_hf.optim.kernels import encode
-from grpo_hf.optim.moments import averaging_refusal, first_moment, moment_numel, stored_moments
+from grpo_hf.optim.moments import averaging_refusal, first_moment, moment_numel, moment_tensors
 
 
 def _mlp(seed=0):
@@ -251,13 +251,13 @@ def test_the_moment_reader_reads_adamw_adafactor_and_grouped_state():
     factored.step()
     assert first_moment(factored, weight) is None
     assert "beta1=None" in averaging_refusal(factored, "first") and averaging_refusal(factored, "second") is None
-    assert [t.shape for t in stored_moments(factored, weight, "second")] == [(8,), (6,)]
+    assert [t.shape for t in moment_tensors(factored, weight, "second")] == [(8,), (6,)]
     grouped = GroupedAdamW([{"params": [weight], "state_layouts": ["row/8"]}])
     grouped.step()
     assert first_moment(grouped, weight).shape == (8, 6)
     assert "row/8" in averaging_refusal(grouped, "first") and averaging_refusal(grouped, "second") is None
     with pytest.raises(ValueError, match="no fp32 first moment"):
-        stored_moments(grouped, weight, "first")
+        moment_tensors(grouped, weight, "first")
     fresh = torch.nn.Parameter(torch.randn(8, 6))
     unstepped = GroupedAdamW([{"params": [fresh], "state_layouts": ["factored/32"]}])
     assert moment_numel(unstepped, fresh, "second") == 8 + 6 and moment_numel(unstepped, fresh, "first") == 48

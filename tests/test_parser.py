@@ -13,7 +13,6 @@ from grpo_hf.harness.arguments import (
     ModelArguments,
     RecipeConfig,
     RecipeParser,
-    parse_overrides,
     parse_recipe,
 )
 from grpo_hf.harness.recipe_files import COMMAND_LINE, recipe_context
@@ -137,15 +136,6 @@ def test_values_the_dataclasses_reject_name_the_recipe():
         parse_file({"grpo_density": 1.5})
     with pytest.raises(RecipeError, match=r"^r.yaml: seq_len=1"):
         parse_file({}, ["--seq_len", "1"])
-
-
-def test_parse_overrides_returns_only_the_given_keys():
-    assert parse_overrides([]) == {}
-    assert parse_overrides(["--grpo_importance", "--lora_target_modules", "q_proj", "v_proj"]) == {
-        "grpo_importance": True,
-        "lora_target_modules": ["q_proj", "v_proj"],
-    }
-    assert parse_overrides(["--seed", "42"]) == {"seed": 42}  # given, even when equal to the default
 
 
 # --- the command line: one parse per recipe command ---

@@ -9,14 +9,10 @@ import torch
 from transformers import TrainingArguments
 
 from grpo_hf import GRPOConfig
+from grpo_hf.compression.traffic import dense_allreduce_bytes
 from grpo_hf.errors import RecipeError
-from grpo_hf.harness.arguments import DataArguments, ModelArguments, builtin_recipe, load_recipe, parse_overrides
-from grpo_hf.harness.compare import (
-    compare,
-    dense_allreduce_bytes_per_step,
-    evaluate_perplexity,
-    plain_training_arguments,
-)
+from grpo_hf.harness.arguments import DataArguments, ModelArguments, builtin_recipe, load_recipe
+from grpo_hf.harness.compare import compare, evaluate_perplexity, plain_training_arguments
 from grpo_hf.harness.data import build_datasets, build_tokenizer
 from grpo_hf.harness.models import build_model
 from grpo_hf.harness.recipe_files import builtin_recipe_names
@@ -178,7 +174,6 @@ def test_command_line_overrides_beat_the_file(tmp_path):
     assert data_args.seq_len == 16 and data_args.max_eval_tokens is None
     assert args.grpo_importance is False
     assert model_args.lora_target_modules == ["q_proj", "v_proj"]
-    assert parse_overrides(["--grpo_importance", "false", "--seed", "3"]) == {"grpo_importance": False, "seed": 3}
 
 
 def test_unknown_field_is_a_clear_error(tmp_path):
@@ -211,9 +206,9 @@ def test_plain_training_arguments_keep_values_and_drop_grpo_fields(tmp_path):
 
 
 def test_dense_allreduce_bytes():
-    assert dense_allreduce_bytes_per_step(1000, 2) == 4000
-    assert dense_allreduce_bytes_per_step(1000, 4) == 6000
-    assert dense_allreduce_bytes_per_step(1000, 1) == 0
+    assert dense_allreduce_bytes(1000, 2) == 4000
+    assert dense_allreduce_bytes(1000, 4) == 6000
+    assert dense_allreduce_bytes(1000, 1) == 0
 
 
 def test_evaluate_perplexity_matches_the_model_loss():

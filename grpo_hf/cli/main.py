@@ -172,19 +172,28 @@ def refusing_library(err: BaseException) -> str | None:
     return own[-1] if own and own[-1] in REFUSING_LIBRARIES else None
 
 
-def _debug_from_environment() -> bool:
-    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
-class _UnusedDeepSpeedFilter(logging.Filter):
-    """Drops DeepSpeed's "Setting accelerator to CPU" warning (see [`quiet_unused_deepspeed`])."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return DEEPSPEED_CPU_WARNING not in record.getMessage()
+def _error_line(err: BaseException) -> tuple[str, int] | None:
+    """The line and exit status of a failure a user can cause (see [`main`]); `None` for a bug."""
+    if isinstance(err, GRPOInputError):
+        return _one_line(err), 2
+    if isinstance(err, (HubError, GRPOError)):  # a failed upload; a run that cannot go on (it names the step and why)
+        return _one_line(err), 1
+    library = refusing_library(err) if isinstance(err, ValueError) else None
+    if library is not None:
+        return (
+            f"{library} refused a setting: {_one_line(err)} (fix it in the recipe or on the command line; --debug "
+            "shows where it was raised)"
+        ), 2
+    if isinstance(err, OSError) and err.filename is not None:
+        return (
+            f"{Path(os.fsdecode(err.filename))}: {err.strerror or err}. Check the path and its permissions (and the "
+            "free space of its disk)."
+        ), 2
+    return None
 
 
 @contextlib.contextmanager
@@ -202,7 +211,11 @@ def quiet_unused_deepspeed(args: argparse.Namespace):
         if backend_enabled(training_args.deepspeed):
             yield
             return
-    logger, hidden = logging.getLogger(DEEPSPEED_LOGGER), _UnusedDeepSpeedFilter()
+
+    def hidden(record: logging.LogRecord) -> bool:
+        return DEEPSPEED_CPU_WARNING not in record.getMessage()
+
+    logger = logging.getLogger(DEEPSPEED_LOGGER)
     logger.addFilter(hidden)
     try:
         yield
@@ -261,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     started, console_script = time.time(), argv is None
     argv, debug = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
-    debug = debug or _debug_from_environment()
+    debug = debug or os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     try:
         args = parse_command_line(argv)
         if console_script:  # count from the process start, so that the imports are included
@@ -273,35 +286,12 @@ def main(argv: list[str] | None = None) -> int:
             status = args.func(args)
         leave_process_group(status, exit_now=console_script)
         return status
-    except GRPOInputError as err:
-        if debug:
+    except Exception as err:
+        said = _error_line(err)
+        if debug or said is None:
             raise
-        print(f"grpo-hf {argv[0]}: error: {_one_line(err)}", file=sys.stderr)
-        return 2
-    except (HubError, GRPOError) as err:  # a failed upload; a run that cannot go on (it names the step and why)
-        if debug:
-            raise
-        print(f"grpo-hf {argv[0]}: error: {_one_line(err)}", file=sys.stderr)
-        return 1
-    except ValueError as err:
-        library = refusing_library(err)
-        if debug or library is None:
-            raise
-        print(
-            f"grpo-hf {argv[0]}: error: {library} refused a setting: {_one_line(err)} (fix it in the recipe or on "
-            "the command line; --debug shows where it was raised)",
-            file=sys.stderr,
-        )
-        return 2
-    except OSError as err:
-        if debug or err.filename is None:
-            raise
-        print(
-            f"grpo-hf {argv[0]}: error: {Path(os.fsdecode(err.filename))}: {err.strerror or err}. Check the path "
-            "and its permissions (and the free space of its disk).",
-            file=sys.stderr,
-        )
-        return 2
+        print(f"grpo-hf {argv[0]}: error: {said[0]}", file=sys.stderr)
+        return said[1]
 
 
 __all__ = [

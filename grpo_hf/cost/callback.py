@@ -19,6 +19,9 @@ from .prices import CostSettings, billed_devices, comm_time_seconds, cost_breakd
 logger = logging.getLogger(__name__)
 
 
+_COUNTED = ("tokens", "flops", "comm_bytes")  # the totals a checkpoint carries over (`counted_state`)
+
+
 class _Mark(NamedTuple):
     time: float
     local_tokens: int
@@ -116,7 +119,7 @@ class CostCallback(TrainerCallback):
         self._last_seq_len: int | None = None
         self._comm_bytes = 0
         self._comm_calls = 0
-        self._resumed = {"tokens": 0, "flops": 0, "comm_bytes": 0}  # counted before a resume (resume_counts)
+        self._resumed = dict.fromkeys(_COUNTED, 0)  # counted before a resume (resume_counts)
         self._steps = 0
         self._t_begin: float | None = None
         self._t_end: float | None = None
@@ -278,18 +281,14 @@ class CostCallback(TrainerCallback):
     def counted_state(self) -> dict[str, float]:
         """The counted totals so far (tokens and FLOPs of the whole job, bytes of this rank), for a checkpoint."""
         counted = self.counted_metrics()
-        return {
-            "tokens": counted.get("cost/tokens", 0),
-            "flops": counted.get("cost/flops", 0),
-            "comm_bytes": counted.get("cost/comm_bytes", 0),
-        }
+        return {key: counted.get(f"cost/{key}", 0) for key in _COUNTED}
 
     def resume_counts(self, counted: dict[str, float]) -> None:
         """
         Continue the counted totals of a checkpoint ([`~CostCallback.counted_state`]); call it after `on_train_begin`.
         Time, energy and money cover this `train()` call only: they are measured, not restored.
         """
-        self._resumed = {key: counted.get(key, 0) for key in ("tokens", "flops", "comm_bytes")}
+        self._resumed = {key: counted.get(key, 0) for key in _COUNTED}
 
     def metrics(self, numeric_only: bool = False) -> dict[str, float | str]:
         """

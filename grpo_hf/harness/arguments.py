@@ -781,28 +781,6 @@ def check_local_paths(model_args: ModelArguments, data_args: DataArguments) -> N
 # --------------------------------------------------------------------------------------------------------------
 
 
-def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
-    """
-    Parse command-line `--key value` pairs (and `--flag` / `--no_flag` for booleans) into a dict holding only the
-    keys given, typed as [`~transformers.HfArgumentParser`] types them; `None` or `null` as a value gives `None`.
-
-    Raises:
-        [`RecipeError`]: an unknown option, or a value of the wrong type.
-    """
-    if not overrides:
-        return {}
-    parser = RecipeParser()
-    unset = object()  # a default that is not a string, so argparse leaves it as it is
-    parser.set_defaults(**dict.fromkeys(parser.field_names, unset))
-    with recipe_context(COMMAND_LINE):  # every value here is the command line's
-        try:
-            namespace, unknown = parser.parse_known_args(list(overrides))
-        except argparse.ArgumentError as err:
-            raise RecipeError(str(err)) from None
-        parser.check_unknown(unknown)
-    return {key: value for key, value in vars(namespace).items() if value is not unset}
-
-
 def parse_recipe(values: dict[str, Any] | None, overrides: list[str] | None = None):
     """
     Build `(ModelArguments, DataArguments, RecipeConfig)` from a recipe mapping and command-line overrides (which win).
@@ -860,7 +838,6 @@ __all__ = [
     "check_training_arguments",
     "check_value",
     "load_recipe",
-    "parse_overrides",
     "parse_recipe",
     "recipe_field_names",
 ]

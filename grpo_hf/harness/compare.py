@@ -42,6 +42,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..checkpoints import resolve_resume_checkpoint, resume_changes, tied_missing_keys
 from ..compression.codes import code_for
+from ..compression.traffic import dense_allreduce_bytes
 from ..config import grpo_field_names
 from ..errors import RecipeError
 from ..provenance import SUMMARY_TRAINING_KEYS, capture_environment, jsonable
@@ -84,13 +85,6 @@ def recipe_summary(
             if name in summary["grpo"]:
                 summary["grpo"][name] = f"{before} until step {step}, {after} from step {step + 1}"
     return summary
-
-
-def dense_allreduce_bytes_per_step(trainable_params: int, world_size: int) -> float:
-    """Bytes one rank sends per optimizer step in a dense fp32 ring all-reduce: `2 (W - 1) / W * 4 * params`."""
-    from ..compression.traffic import dense_allreduce_bytes
-
-    return dense_allreduce_bytes(trainable_params, world_size)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -207,18 +201,29 @@ def load_metric(name: str, **kwargs: Any) -> evaluate.EvaluationModule:
     return evaluate.load(path, **kwargs)
 
 
-def _batches(dataset, batch_size: int, collate_fn, device, desc: str, show_progress: bool):
-    """The dataset in order, `batch_size` rows at a time, collated (padded) and moved to `device`."""
+@torch.no_grad()
+def _evaluate(model, dataset, name: str, step, batch_size: int, device, show_progress: bool, collate_fn) -> dict:
+    """The metric `name` of `dataset`, in order, `batch_size` rows at a time, collated (padded) and moved to `device`:
+    `step(batch)` gives each batch's `predictions` and `references`. The model's mode is restored afterwards."""
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
     from transformers import default_data_collator
 
+    start = time.perf_counter()
+    metric = load_metric(name)
+    device = device if device is not None else next(model.parameters()).device
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn or default_data_collator)
-    for batch in tqdm(loader, desc=desc, disable=not show_progress, dynamic_ncols=True):
-        yield {key: value.to(device) for key, value in batch.items()}
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in tqdm(loader, desc=f"eval {name}", disable=not show_progress, dynamic_ncols=True):
+            metric.add_batch(**step({key: value.to(device) for key, value in batch.items()}))
+        result = metric.compute()
+    finally:
+        model.train(was_training)
+    return dict(result, num_examples=len(dataset), seconds=time.perf_counter() - start)
 
 
-@torch.no_grad()
 def evaluate_perplexity(
     model, dataset, batch_size: int = 8, device=None, show_progress: bool = True, collate_fn=None
 ) -> dict:
@@ -241,37 +246,26 @@ def evaluate_perplexity(
     Raises:
         [`~grpo_hf.errors.RecipeError`]: a held-out loss is not finite (a run that diverged): no perplexity to report.
     """
-    start = time.perf_counter()
-    metric = load_metric("perplexity")
-    device = device if device is not None else next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in _batches(dataset, batch_size, collate_fn, device, "eval perplexity", show_progress):
-            input_ids = batch["input_ids"]
-            labels = batch.get("labels", input_ids)
-            logits = model(input_ids=input_ids, attention_mask=batch.get("attention_mask")).logits.float()
-            shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
-            nll = torch.nn.functional.cross_entropy(
-                shift_logits.transpose(1, 2), shift_labels, ignore_index=-100, reduction="none"
-            ).sum(-1)
-            counts = (shift_labels != -100).sum(-1)
-            if not torch.isfinite(nll).all():
-                raise RecipeError(
-                    f"the held-out loss is not finite ({nll[~torch.isfinite(nll)][0].item()}): the model's weights "
-                    "overflowed. After training, the learning rate was too high for this model: lower learning_rate "
-                    "(or the ratios of grpo_lr_ratios); before it, the model does not run in this dtype (try float32)."
-                )
-            metric.add_batch(predictions=nll.double().cpu().tolist(), references=counts.cpu().tolist())
-        result = metric.compute()
-    finally:
-        model.train(was_training)
-    result["num_examples"] = len(dataset)
-    result["seconds"] = time.perf_counter() - start
-    return result
+
+    def step(batch):
+        input_ids = batch["input_ids"]
+        labels = batch.get("labels", input_ids)
+        logits = model(input_ids=input_ids, attention_mask=batch.get("attention_mask")).logits.float()
+        shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
+        nll = torch.nn.functional.cross_entropy(
+            shift_logits.transpose(1, 2), shift_labels, ignore_index=-100, reduction="none"
+        ).sum(-1)
+        if not torch.isfinite(nll).all():
+            raise RecipeError(
+                f"the held-out loss is not finite ({nll[~torch.isfinite(nll)][0].item()}): the model's weights "
+                "overflowed. After training, the learning rate was too high for this model: lower learning_rate "
+                "(or the ratios of grpo_lr_ratios); before it, the model does not run in this dtype (try float32)."
+            )
+        return {"predictions": nll.double().cpu().tolist(), "references": (shift_labels != -100).sum(-1).tolist()}
+
+    return _evaluate(model, dataset, "perplexity", step, batch_size, device, show_progress, collate_fn)
 
 
-@torch.no_grad()
 def evaluate_accuracy(
     model, dataset, batch_size: int = 8, device=None, show_progress: bool = True, collate_fn=None
 ) -> dict:
@@ -288,26 +282,16 @@ def evaluate_accuracy(
     Returns:
         `dict`: `accuracy`, `eval_loss` (mean cross-entropy), `num_examples` and `seconds`.
     """
-    start = time.perf_counter()
-    metric = load_metric("accuracy")
-    device = device if device is not None else next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    loss_sum, count = 0.0, 0
-    try:
-        for batch in _batches(dataset, batch_size, collate_fn, device, "eval accuracy", show_progress):
-            labels = batch.pop("labels")
-            logits = model(**batch).logits.float()
-            loss_sum += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").item()
-            count += labels.numel()
-            metric.add_batch(predictions=logits.argmax(-1).cpu().tolist(), references=labels.cpu().tolist())
-        result = metric.compute()
-    finally:
-        model.train(was_training)
-    result["eval_loss"] = loss_sum / max(count, 1)
-    result["num_examples"] = len(dataset)
-    result["seconds"] = time.perf_counter() - start
-    return result
+    losses = []  # (summed cross-entropy, rows) of each batch
+
+    def step(batch):
+        labels = batch.pop("labels")
+        logits = model(**batch).logits.float()
+        losses.append((torch.nn.functional.cross_entropy(logits, labels, reduction="sum").item(), labels.numel()))
+        return {"predictions": logits.argmax(-1).cpu().tolist(), "references": labels.cpu().tolist()}
+
+    result = _evaluate(model, dataset, "accuracy", step, batch_size, device, show_progress, collate_fn)
+    return dict(result, eval_loss=sum(loss for loss, _ in losses) / max(sum(n for _, n in losses), 1))
 
 
 def reset_peak_memory(device: torch.device | str | None = None) -> bool:
@@ -571,8 +555,7 @@ def _run_training(model_args, data_args, args, kind, prepared, progress, output_
         args.include_num_input_tokens_seen = "all"
 
     report_progress(progress, f"loading model ({label})")
-    model, _ = build_model(model_args, data_args, seed=args.seed, tokenizer=prepared.tokenizer, labels=prepared.labels)
-    model.to(args.device)
+    model = _fresh_model(model_args, data_args, args, prepared)
     eval_before = prepared.eval_before
     if eval_before is None:
         report_progress(progress, "evaluating before")
@@ -588,6 +571,12 @@ def _run_training(model_args, data_args, args, kind, prepared, progress, output_
     del run, model
     gc.collect()
     return jsonable(row), eval_before
+
+
+def _fresh_model(model_args, data_args, args, prepared: Prepared):
+    """The recipe's model, loaded afresh from the run's seed (a classifier with its class names), on the device."""
+    model, _ = build_model(model_args, data_args, seed=args.seed, tokenizer=prepared.tokenizer, labels=prepared.labels)
+    return model.to(args.device)
 
 
 @dataclasses.dataclass
@@ -611,7 +600,7 @@ def _measured_trainer(kind: str, args, model, prepared: Prepared, seq_len: int) 
     total_params = sum(p.numel() for p in model.parameters())
     world = comm_workers(args, CostSettings.from_args(args))
     if kind == "trainer":
-        recorder = CommBytesCallback(dense_allreduce_bytes_per_step(trainable, world))
+        recorder = CommBytesCallback(dense_allreduce_bytes(trainable, world))
         trainer, cost, world = make_trainer(kind, args, model, prepared, seq_len=seq_len, callbacks=[recorder])
         comm_mode = f"dense fp32 all-reduce (W={world})"
     else:
@@ -620,7 +609,7 @@ def _measured_trainer(kind: str, args, model, prepared: Prepared, seq_len: int) 
         comm_state = trainer.grpo_comm_state
         recorder.comm_state = comm_state
         if comm_state is None:
-            recorder.bytes_per_step = dense_allreduce_bytes_per_step(trainable, world)
+            recorder.bytes_per_step = dense_allreduce_bytes(trainable, world)
         codes = dict.fromkeys(code_for(spec).describe() for spec in trainer.grpo_plan.values() if spec is not None)
         comm_mode = (  # the codes as they describe themselves: "bits 8", "top 64 of every 4096, bits 2", ...
             f"{trainer.grpo_compression} ({', '.join([comm_state.mode, f'W={world}', *codes, 'error feedback'])})"
@@ -660,18 +649,6 @@ class _TiedWeightsNote(logging.Filter):
         return True
 
 
-@contextlib.contextmanager
-def _explain_tied_weights(model):
-    """[`_TiedWeightsNote`] on the Trainer's logger for the duration of a `train()` call."""
-    trainer_logger = logging.getLogger("transformers.trainer")
-    note = _TiedWeightsNote(model)
-    trainer_logger.addFilter(note)
-    try:
-        yield
-    finally:
-        trainer_logger.removeFilter(note)
-
-
 def _train(run: _MeasuredTrainer, kind: str, args, output_dir: str, progress, label: str) -> dict[str, Any]:
     """
     Train (resuming as the recipe says) and time it: the train output, wall seconds, load average, memory reset, and
@@ -687,9 +664,13 @@ def _train(run: _MeasuredTrainer, kind: str, args, output_dir: str, progress, la
         resumed = resume_changes(checkpoint, run.trainer.args, comm_mode=mode if kind == "grpo" else None)
     memory_reset = reset_peak_memory(args.device)
     report_progress(progress, f"training {label}" + (f" (resuming {checkpoint})" if checkpoint else ""))
+    trainer_logger, note = logging.getLogger("transformers.trainer"), _TiedWeightsNote(run.trainer.model)
+    trainer_logger.addFilter(note)  # for this train() call
     start = time.perf_counter()
-    with _explain_tied_weights(run.trainer.model):
+    try:
         output = run.trainer.train(resume_from_checkpoint=checkpoint)
+    finally:
+        trainer_logger.removeFilter(note)
     wall = time.perf_counter() - start
     load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {
@@ -767,7 +748,7 @@ def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, ev
         "comm_workers": world,
         "comm_bytes": comm_bytes,
         "comm_bytes_per_step": comm_bytes / steps if steps else 0.0,
-        "comm_bytes_dense_fp32": dense_allreduce_bytes_per_step(trainable, world) * steps,
+        "comm_bytes_dense_fp32": dense_allreduce_bytes(trainable, world) * steps,
         "comm_seconds_projected": comm_time_seconds(comm_bytes, CostSettings.from_args(args).cost_link_gbps),
         "energy_kwh": metrics.get("cost/energy_kwh"),
         "energy_source": metrics.get("cost/energy_source"),
@@ -820,10 +801,7 @@ def _timed_window(model_args, data_args, args, kind: str, prepared, steps: int, 
     )
     if args.include_num_input_tokens_seen == "no":
         args.include_num_input_tokens_seen = "all"
-    model, _ = build_model(
-        model_args, data_args, seed=args.seed, tokenizer=prepared.tokenizer, labels=getattr(prepared, "labels", None)
-    )  # a classifier needs its class names
-    model.to(args.device)
+    model = _fresh_model(model_args, data_args, args, prepared)
     trainer, cost, _ = make_trainer(kind, args, model, prepared, seq_len=data_args.seq_len)  # as the full run's
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
@@ -881,8 +859,7 @@ def measure_timing_noise(
     windows = []
     for index in range(rounds):
         for kind in kinds if index % 2 == 0 else kinds[::-1]:
-            if progress is not None:
-                progress(f"timing window {index + 1}/{rounds} ({LABELS[kind]}, {steps} steps)")
+            report_progress(progress, f"timing window {index + 1}/{rounds} ({LABELS[kind]}, {steps} steps)")
             output_dir = os.path.join(args.output_dir, "noise", kind)
             window = _timed_window(model_args, data_args, args, kind, prepared, steps, output_dir)
             windows.append({"round": index, "name": kind, **window})
@@ -974,7 +951,6 @@ __all__ = [
     "check_train_batches",
     "comm_workers",
     "compare",
-    "dense_allreduce_bytes_per_step",
     "evaluate_accuracy",
     "evaluate_perplexity",
     "evaluate_quality",

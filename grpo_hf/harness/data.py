@@ -37,7 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -282,38 +281,29 @@ def _mask_outside(offsets: list[tuple[int, int]], ids: list[int], spans: list[tu
     return labels
 
 
-@contextlib.contextmanager
-def _template_refusals(messages: list[dict]):
-    """A chat template's own refusal of a conversation (`raise_exception` in its Jinja code) as a `RecipeError`."""
+def tokenize_messages(tokenizer, messages: list[dict], completion_only: bool):
+    """One conversation as `input_ids`, `attention_mask`, `labels` (assistant turns only if `completion_only`)."""
     from jinja2 import TemplateError
 
+    if completion_only and not tokenizer.is_fast:
+        raise RecipeError(
+            f"completion-only loss on messages needs a fast tokenizer (for character offsets); this one is "
+            f"{type(tokenizer).__name__}. Use a fast tokenizer, or set completion_only_loss: false."
+        )
     try:
-        yield
-    except TemplateError as err:
+        if completion_only:
+            text, spans = assistant_spans(tokenizer, messages)
+        else:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except TemplateError as err:  # the template's own refusal (`raise_exception` in its Jinja code)
         raise RecipeError(
             f"the tokenizer's chat template refused a conversation with the roles "
             f"{[m.get('role') for m in messages]} ({type(err).__name__}: {err}). Give the turns in the order and roles "
             "the template accepts, or set tokenizer_name_or_path to a tokenizer whose template does."
         ) from None
-
-
-def tokenize_messages(tokenizer, messages: list[dict], completion_only: bool):
-    """One conversation as `input_ids`, `attention_mask`, `labels` (assistant turns only if `completion_only`)."""
-    with _template_refusals(messages):
-        return _tokenize_messages(tokenizer, messages, completion_only)
-
-
-def _tokenize_messages(tokenizer, messages: list[dict], completion_only: bool):
     if not completion_only:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": list(ids)}
-    if not tokenizer.is_fast:
-        raise RecipeError(
-            f"completion-only loss on messages needs a fast tokenizer (for character offsets); this one is "
-            f"{type(tokenizer).__name__}. Use a fast tokenizer, or set completion_only_loss: false."
-        )
-    text, spans = assistant_spans(tokenizer, messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoded["input_ids"]
     labels = _mask_outside(encoded["offset_mapping"], ids, spans)

@@ -94,7 +94,8 @@ def builtin_recipe_name(value: str) -> str | None:
 def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
     """
     The mapping a recipe YAML file holds (not yet checked: see [`RecipeParser.set_recipe_defaults`]). `path` is
-    found by [`find_recipe`]: a file at that path, else a built-in recipe of that name.
+    found by [`find_recipe`]: a file at that path, else a built-in recipe of that name. A relative `dataset_name` is
+    looked up next to the recipe file first ([`resolve_recipe_path`]).
 
     Raises:
         [`RecipeNotFoundError`] (a `FileNotFoundError` too): no such file, and no such built-in recipe.
@@ -114,16 +115,10 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
         ) from None
     except UnicodeDecodeError:
         raise RecipeError(f"{path}: not a UTF-8 text file; a recipe is a YAML file of `field: value` lines.") from None
-    return resolve_recipe_paths(values, path.parent)
-
-
-def resolve_recipe_paths(values: Any, recipe_dir: str | os.PathLike) -> Any:
-    """
-    A recipe mapping whose relative `dataset_name` is looked up next to the recipe file first
-    ([`resolve_recipe_path`]), so that a recipe and its data travel together.
-    """
-    if isinstance(values, dict) and isinstance(values.get("dataset_name"), str):
-        values = dict(values, dataset_name=resolve_recipe_path(values["dataset_name"], recipe_dir))
+    if isinstance(values, dict) and isinstance(
+        values.get("dataset_name"), str
+    ):  # a recipe and its data travel together
+        values = dict(values, dataset_name=resolve_recipe_path(values["dataset_name"], path.parent))
     return values
 
 
@@ -170,12 +165,9 @@ def builtin_recipe_descriptions() -> dict[str, str]:
 
 def builtin_recipe_values(name: str) -> dict[str, Any]:
     """The mapping of a built-in recipe, read from the package with `importlib.resources`."""
-    import yaml
-
     if name not in builtin_recipe_names():
         raise RecipeError(f"unknown built-in recipe {name!r}; use one of {builtin_recipe_names()}.")
-    values = yaml.safe_load(builtin_recipes_folder().joinpath(f"{name}.yaml").read_text(encoding="utf-8"))
-    return resolve_recipe_paths(values, str(builtin_recipes_folder()))
+    return read_recipe(str(builtin_recipes_folder().joinpath(f"{name}.yaml")))
 
 
 # The name of the command line's own values in the errors about them (`command line: max_steps=None: ...`).
@@ -396,13 +388,8 @@ def detect_format(columns: list[str], data_args) -> str:
     Raises:
         [`~grpo_hf.errors.RecipeError`]: the columns are missing, naming the columns the data has.
     """
-    needed = {
-        "messages": [data_args.dataset_messages_field],
-        "prompt_completion": ["prompt", "completion"],
-        "text": [data_args.dataset_text_field],
-    }
     if data_args.dataset_format != "auto":
-        missing = [c for c in needed[data_args.dataset_format] if c not in columns]
+        missing = [c for c in needed_columns(data_args.dataset_format, data_args) if c not in columns]
         if missing:
             raise RecipeError(
                 f"dataset_format={data_args.dataset_format!r} needs the column(s) {missing}, but the data "
@@ -410,8 +397,8 @@ def detect_format(columns: list[str], data_args) -> str:
                 "dataset_format."
             )
         return data_args.dataset_format
-    for kind, wanted in needed.items():
-        if all(c in columns for c in wanted):
+    for kind in ("messages", "prompt_completion", "text"):
+        if all(c in columns for c in needed_columns(kind, data_args)):
             return kind
     raise RecipeError(
         f"the data has the columns {columns}, none of which holds training text: set dataset_text_field "
@@ -500,14 +487,9 @@ def _check_rows(dataset, kind: str, data_args, split_field: str) -> None:
                 )
                 raise RecipeError(f"row {index} of column {field!r} {problem} ({split}, {counted}). {fix}")
         return
-    fields = {
-        "text": [data_args.dataset_text_field],
-        "prompt_completion": ["prompt", "completion"],
-        "classification": [data_args.dataset_text_field, data_args.dataset_label_field],
-    }[kind]
     label = data_args.dataset_label_field if kind == "classification" else None
     classes: set = set()
-    for index, row in _rows(dataset, fields, split):
+    for index, row in _rows(dataset, needed_columns(kind, data_args), split):
         for field, value in row.items():
             if field == label:
                 if value is None or isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -574,7 +556,7 @@ def _load_and_check(data_args):
             )
     columns = list(train.column_names)
     if data_args.task == "sequence_classification":
-        missing = [c for c in (data_args.dataset_text_field, data_args.dataset_label_field) if c not in columns]
+        missing = [c for c in needed_columns("classification", data_args) if c not in columns]
         if missing:
             raise RecipeError(
                 f"classification needs a text and a label column, but {missing} are not columns of the data "
@@ -597,10 +579,10 @@ def _load_and_check(data_args):
             continue
         if len(dataset) == 0:
             raise RecipeError(f"the {split} split is empty; point the recipe at data with rows.")
-        if split == "dataset_eval_split" and set(needed_columns(kind, data_args)) - set(dataset.column_names):
+        lacking = sorted(set(needed_columns(kind, data_args)) - set(dataset.column_names))
+        if split == "dataset_eval_split" and lacking:
             raise RecipeError(
-                f"the eval split {data_args.dataset_eval_split!r} lacks the column(s) "
-                f"{sorted(set(needed_columns(kind, data_args)) - set(dataset.column_names))} the train split has."
+                f"the eval split {data_args.dataset_eval_split!r} lacks the column(s) {lacking} the train split has."
             )
         _check_rows(dataset, kind, data_args, split)
     return kind, dataset_dict
@@ -689,5 +671,4 @@ __all__ = [
     "read_recipe",
     "recipe_context",
     "resolve_recipe_path",
-    "resolve_recipe_paths",
 ]

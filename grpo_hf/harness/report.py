@@ -51,6 +51,7 @@ from .table import (
 )
 
 
+ROW_LABELS = {key: label for key, label, _ in TABLE_ROWS}
 RESULTS_FILE = "results.json"
 REPORT_FILE = "report.md"
 PLOT_FILES = {
@@ -67,12 +68,10 @@ def report_title(results: dict[str, Any]) -> str:
     return " vs ".join(labels) if len(labels) > 1 else f"{labels[0]} run"
 
 
-def rich_table(results: dict[str, Any], title: str | None = None):
-    """The table as a [`rich.table.Table`]."""
+def _rich(header: list[str], rows: list[list[str]], title: str, caption: str | None = None):
     from rich.table import Table
 
-    header, rows = table_rows(results)
-    table = Table(title=title or report_title(results), caption=_caption(results))
+    table = Table(title=title, caption=caption)
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i == 0 else "right")
     for row in rows:
@@ -80,22 +79,23 @@ def rich_table(results: dict[str, Any], title: str | None = None):
     return table
 
 
+def rich_table(results: dict[str, Any], title: str | None = None):
+    """The table as a [`rich.table.Table`]."""
+    return _rich(*table_rows(results), title or report_title(results), _caption(results))
+
+
 def print_table(results: dict[str, Any], title: str | None = None, console=None) -> None:
     """Print the table to the terminal with rich, and below it what each full run cost when the table's timed rows
     are the interleaved windows' ([`~grpo_hf.harness.table.full_run_rows`])."""
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console(width=max(120, Console().width))
     console.print(rich_table(results, title))
     header, rows = full_run_rows(results)
     if rows:
-        table = Table(title="Each full run (one after the other, Trainer first: what it cost, not a comparison)")
-        for i, name in enumerate(header):
-            table.add_column(name, justify="left" if i == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+        console.print(
+            _rich(header, rows, "Each full run (one after the other, Trainer first: what it cost, not a comparison)")
+        )
 
 
 def _caption(results: dict[str, Any]) -> str:
@@ -240,7 +240,9 @@ def _notes(results: dict[str, Any]) -> list[str]:
     loads = [r.get("load_average") for r in runs]
     notes += _noise_notes(results)
     if len(runs) == 2:
-        tolerance = ", ".join(f"{labels_of(key)} within {share:.0%}" for key, share in MEASURED_ONCE_TOLERANCE.items())
+        tolerance = ", ".join(
+            f"{ROW_LABELS[key]} within {share:.0%}" for key, share in MEASURED_ONCE_TOLERANCE.items()
+        )
         notes.append(
             "- **What counts as different**: a timed ratio (time, tokens/s, energy, money) beyond the noise of its "
             "interleaved windows (the rule above); a figure measured once per run, with no repeated measurement to "
@@ -261,11 +263,6 @@ def _notes(results: dict[str, Any]) -> list[str]:
     return notes
 
 
-def labels_of(key: str) -> str:
-    """The table's label of the row `key`."""
-    return next((label for k, label, _ in TABLE_ROWS if k == key), key)
-
-
 _NOISE_RULE = (
     "each timed ratio of the table is the geometric mean of the rounds' ratios (the full runs, always Trainer first, "
     "decide nothing), and reads *no difference* when the rounds disagree on its direction or all lie closer to 1 than "
@@ -283,7 +280,6 @@ def _noise_notes(results: dict[str, Any]) -> list[str]:
             "- **Noise**: not measured (`cost_noise_rounds=0`), so the time, energy and money ratios are the full runs' "
             "(the Trainer always first) and carry no range; on a shared machine read them with care."
         ]
-    labels = {key: label for key, label, _ in TABLE_ROWS}
     bands = []
     for key, entry in noise.items():
         if entry.get("band") and entry.get("within_noise") is not None:
@@ -291,7 +287,7 @@ def _noise_notes(results: dict[str, Any]) -> list[str]:
             spread = entry.get("self_spread")
             full = entry.get("ratio_full_runs")
             bands.append(
-                f"{labels.get(key, key)} {entry['ratio']:.3f} (rounds {entry['band'][0]:.3f}-{entry['band'][1]:.3f}"
+                f"{ROW_LABELS.get(key, key)} {entry['ratio']:.3f} (rounds {entry['band'][0]:.3f}-{entry['band'][1]:.3f}"
                 + (f", self-spread {spread:.1%}" if spread is not None else "")
                 + (f", full runs {full:.3f}" if full is not None else "")
                 + f"): {said}"
@@ -398,16 +394,6 @@ PLOT_TITLES = {
 }
 
 
-def _series(points) -> tuple[list, list]:
-    return [x for x, _ in points], [y for _, y in points]
-
-
-def _bytes_series(run: dict[str, Any]) -> list[tuple[int, float]]:
-    """A run's bytes per optimizer step, from its first step of this `train()` call (after a checkpoint's)."""
-    first = run.get("bytes_first_step") or 1
-    return [(first + i, b) for i, b in enumerate(run.get("bytes_per_step") or [])]
-
-
 def _plotted_series(results: dict[str, Any], kind: str) -> list[tuple[str, list]]:
     """`(label, [(x, y), ...])` of every line of the plot `kind` (`loss`, `learning_rates`, `bytes`)."""
     runs = results["runs"]
@@ -420,7 +406,11 @@ def _plotted_series(results: dict[str, Any], kind: str) -> list[tuple[str, list]
             if run.get("name") == "grpo"
             for group, points in sorted((run.get("learning_rates") or {}).items())
         ]
-    return [(run["label"], _bytes_series(run)) for run in runs]
+    # bytes: from the first step of this `train()` call (after a checkpoint's)
+    return [
+        (run["label"], list(enumerate(run.get("bytes_per_step") or [], run.get("bytes_first_step") or 1)))
+        for run in runs
+    ]
 
 
 # Lines closer than this (relative to the largest value of either) would hide each other on a plot: drawn once.
@@ -482,7 +472,7 @@ def plot_loss_curves(runs: list[dict], path: str | Path) -> Path:
     fig, ax = _figure("Training loss", "optimizer step", "loss")
     for label, points in _merge_identical(_plotted_series({"runs": runs}, "loss")):
         if points:
-            ax.plot(*_series(points), marker="o", markersize=3, label=label)
+            ax.plot(*zip(*points), marker="o", markersize=3, label=label)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     return _save(fig, Path(path))
@@ -500,7 +490,7 @@ def plot_learning_rates(runs: list[dict], path: str | Path) -> Path:
     fig, ax = _figure(title, "optimizer step", "learning rate")
     plotted = False
     for label, points in _merge_identical(_plotted_series({"runs": runs}, "learning_rates")):
-        ax.plot(*_series(points), marker=".", label=label)
+        ax.plot(*zip(*points), marker=".", label=label)
         plotted = True
     if plotted:
         ax.legend(fontsize=7, ncol=2)
@@ -525,7 +515,7 @@ def plot_bytes_per_step(runs: list[dict], path: str | Path) -> Path:
     values = []
     for label, points in _merge_identical(_plotted_series({"runs": runs}, "bytes")):
         if points:
-            steps, sent = _series(points)
+            steps, sent = zip(*points)
             ax.plot(steps, [b / 1e6 for b in sent], marker=".", label=label)
             values += [b for b in sent if b > 0]
     if values and max(values) / min(values) > 20:
@@ -565,7 +555,6 @@ def plot_ratios(results: dict[str, Any], path: str | Path) -> Path:
     accuracy) say so. Timed ratios are the interleaved windows' ([`~grpo_hf.harness.table.classify`]), with the range
     of the rounds as a bar.
     """
-    labels = {key: label for key, label, _ in TABLE_ROWS}
     noise, shown = {}, {}
     for row in comparison_rows(results):  # the table's rows: the same ratios, from the same measurement
         value = row["ratio"]
@@ -587,7 +576,7 @@ def plot_ratios(results: dict[str, Any], path: str | Path) -> Path:
             note = {"better": "  better", "worse": "  worse", "same": f"  {NO_DIFFERENCE}"}.get(said, "")
         ax.annotate(f"{ratio:.3f}{note}", (ratio, y), textcoords="offset points", xytext=(6, 4), fontsize=7,
                     color=color)  # fmt: skip
-    names = [labels[k] + (" (higher is better)" if k in HIGHER_IS_BETTER else "") for k in reversed(keys)]
+    names = [ROW_LABELS[k] + (" (higher is better)" if k in HIGHER_IS_BETTER else "") for k in reversed(keys)]
     ax.set_yticks(range(len(keys)), names, fontsize=7)
     ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
     if keys:
@@ -654,15 +643,14 @@ def write_report(results: dict[str, Any], output_dir: str | Path, command: str |
     output_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(results, output_dir)
     results = dict(results, command=command, files={k: Path(v).name for k, v in plots.items()})
-    results_path = output_dir / RESULTS_FILE
-    text = json.dumps(results, indent=2, default=str) + "\n"  # serialized first: a failure here writes nothing
-    with atomic_write(results_path) as handle:
-        handle.write(text)
-    report_path = output_dir / REPORT_FILE
-    text = markdown_report(results, command, plots) + "\n"
-    with atomic_write(report_path) as handle:
-        handle.write(text)
-    return {"results": str(results_path), "report": str(report_path), **plots}
+    texts = {  # both made first: a failure here writes nothing
+        RESULTS_FILE: json.dumps(results, indent=2, default=str) + "\n",
+        REPORT_FILE: markdown_report(results, command, plots) + "\n",
+    }
+    for name, text in texts.items():
+        with atomic_write(output_dir / name) as handle:
+            handle.write(text)
+    return {"results": str(output_dir / RESULTS_FILE), "report": str(output_dir / REPORT_FILE), **plots}
 
 
 __all__ = [

@@ -57,11 +57,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..model_card import format_bytes
+from ..model_card import format_bytes, markdown_table_of
 
 
 NO_DIFFERENCE = "no difference"
-WITHIN_NOISE = NO_DIFFERENCE  # the verdict's former name
 # The smallest difference of wall-clock time a comparison's timing windows claim (see the module docstring).
 TIMING_RESOLUTION = 0.02
 NOT_MEASURED = "noise not measured"
@@ -111,6 +110,20 @@ TABLE_ROWS: list[tuple[str, str, Callable[[float], str]]] = [
 HIGHER_IS_BETTER = frozenset({"tokens_per_second", "accuracy_before", "accuracy_after"})
 
 
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def _ratio(numerator: Any, denominator: Any) -> float | None:
+    a, b = _number(numerator), _number(denominator)
+    return a / b if a is not None and b is not None and b > 0 and a > 0 else None
+
+
+def _geomean(values: list[float]) -> float | None:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
 def compute_ratios(baseline: dict[str, Any], grpo: dict[str, Any], keys: list[str] | None = None) -> dict:
     """
     `grpo[key] / baseline[key]` for every table row (or `keys`); `None` where either value is missing, not a finite
@@ -118,9 +131,8 @@ def compute_ratios(baseline: dict[str, Any], grpo: dict[str, Any], keys: list[st
     """
     ratios = {}
     for key in keys or [row[0] for row in TABLE_ROWS]:
-        a, b = baseline.get(key), grpo.get(key)
-        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (a, b))
-        ratios[key] = b / a if ok and a != 0 else None
+        a, b = _number(baseline.get(key)), _number(grpo.get(key))
+        ratios[key] = b / a if a is not None and b is not None and a != 0 else None
     return ratios
 
 
@@ -141,16 +153,6 @@ METHOD = (
 )
 
 
-def _number(value: Any) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
-
-
-def _ratio(numerator: Any, denominator: Any) -> float | None:
-    a, b = _number(numerator), _number(denominator)
-    return a / b if a is not None and b is not None and b > 0 and a > 0 else None
-
-
 def self_spread(values: list[float]) -> float | None:
     """`max / min - 1` of one trainer's window values (`None` with fewer than 2 positive values)."""
     values = [v for v in values if v is not None and v > 0]
@@ -169,7 +171,7 @@ def classify(ratio: float | None, window_ratios: list[float], spread: float | No
         `None` when no window was measured).
     """
     measured = [r for r in window_ratios if r is not None and r > 0]
-    interleaved = math.exp(sum(map(math.log, measured)) / len(measured)) if measured else None
+    interleaved = _geomean(measured)
     entry: dict[str, Any] = {
         "ratio": interleaved if interleaved is not None else ratio,
         "ratio_full_runs": ratio,
@@ -209,10 +211,6 @@ def window_value(window: dict[str, Any], key: str) -> float | None:
         return _ratio(window["tokens"], window.get("train_seconds"))
     value = _number(window.get(source))
     return value if value is not None and value > 0 else None
-
-
-def _geomean(values: list[float]) -> float | None:
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
 def timed_ratio_noise(results: dict[str, Any], baseline: str = "trainer", candidate: str = "grpo") -> dict:
@@ -320,8 +318,13 @@ def _cell(formatter, value) -> str:
     return formatter(value)
 
 
-def _window_formatter(key: str) -> Callable[[float], str]:
-    return (lambda v: "$" + _significant(v)) if key in ("total_usd", "cost_per_quality") else _significant
+def _label(key: str, label: str, runs: list[dict[str, Any]]) -> str:
+    """A row's label, saying when the energy was estimated and when the quality is an accuracy."""
+    if key == "energy_kwh" and any(r.get("energy_estimated") for r in runs):
+        return "Energy (kWh, estimated)"
+    if key == "cost_per_quality" and any(r.get("accuracy_after") is not None for r in runs):
+        return "Cost per quality (USD / accuracy)"
+    return label
 
 
 def _quality_factor(run: dict[str, Any]) -> float | None:
@@ -363,10 +366,7 @@ def comparison_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     for key, label, formatter in TABLE_ROWS:
         if all(r.get(key) is None for r in runs) and ratios.get(key) is None:
             continue  # a metric of another task (accuracy for a causal LM, perplexity for a classifier)
-        if key == "energy_kwh" and any(r.get("energy_estimated") for r in runs):
-            label = "Energy (kWh, estimated)"
-        if key == "cost_per_quality" and any(r.get("accuracy_after") is not None for r in runs):
-            label = "Cost per quality (USD / accuracy)"
+        label = _label(key, label, runs)
         if key == "comm_seconds_projected":
             link = runs[0].get("cost_assumptions", {}).get("cost_link_gbps")
             label = f"Comm time projected @ {link:g} Gbit/s (s)" if link else label
@@ -381,7 +381,7 @@ def comparison_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 values = [m * q if q is not None else None for m, q in zip(means, map(_quality_factor, runs))]
             label = f"{label}, {'over' if key == 'tokens_per_second' else 'per'} {steps}-step window"
             label += "s" if key == "tokens_per_second" else ""
-            formatter = _window_formatter(key)
+            formatter = (lambda v: "$" + _significant(v)) if key in ("total_usd", "cost_per_quality") else _significant
             ratio, source = entry["ratio_interleaved"], "windows"
         elif key == "tokens_per_second" and with_ratio:  # the full runs: over the time of the time row
             values = [whole_run_throughput(r) for r in runs]
@@ -435,31 +435,21 @@ def full_run_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     for key, label, formatter in TABLE_ROWS:
         if key not in windowed:
             continue
-        if key == "tokens_per_second":
-            label = f"Tokens/s (after the first {skip} steps)" if skip else label
-        elif key == "energy_kwh" and any(r.get("energy_estimated") for r in runs):
-            label = "Energy (kWh, estimated)"
-        elif key == "cost_per_quality" and any(r.get("accuracy_after") is not None for r in runs):
-            label = "Cost per quality (USD / accuracy)"
-        rows.append([label, *[_cell(formatter, r.get(key)) for r in runs]])
+        if key == "tokens_per_second" and skip:
+            label = f"Tokens/s (after the first {skip} steps)"
+        rows.append([_label(key, label, runs), *[_cell(formatter, r.get(key)) for r in runs]])
     return ["Full run", *[r["label"] for r in runs]], rows
-
-
-def _markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def markdown_table(results: dict[str, Any]) -> str:
     """The table in GitHub markdown."""
-    return _markdown(*table_rows(results))
+    return markdown_table_of(*table_rows(results))
 
 
 def markdown_full_runs(results: dict[str, Any]) -> str:
     """[`full_run_rows`] in GitHub markdown (`""` when the table shows the full runs itself)."""
     header, rows = full_run_rows(results)
-    return _markdown(header, rows) if rows else ""
+    return markdown_table_of(header, rows) if rows else ""
 
 
 __all__ = [
@@ -471,7 +461,6 @@ __all__ = [
     "TABLE_ROWS",
     "TIMED_KEYS",
     "TIMING_RESOLUTION",
-    "WITHIN_NOISE",
     "classify",
     "comparison_rows",
     "compute_ratios",

@@ -2,7 +2,7 @@
 
 The library renders a [`~grpo_hf.model_card.ModelCardRecord`] ([`~grpo_hf.model_card.render_model_card`]) and fills
 one from a run summary ([`~grpo_hf.model_card.record_from_summary`]). A run of `grpo-hf train` / `compare` says more,
-and [`card_record`] adds it:
+and [`build_model_card`] adds it:
 
 - the base model: `grpo-hf` loads SmolLM2 and MiniLM offline from PyPI packages
   ([`~grpo_hf.harness.offline_models`]), so a run's adapter points at a local folder. The card names the Hub
@@ -207,7 +207,7 @@ def describe_data(results: dict) -> dict[str, Any]:
     return {}
 
 
-def card_record(
+def build_model_card(
     results: dict,
     row: dict,
     model_folder: str | Path,
@@ -215,10 +215,10 @@ def card_record(
     base_model: str | None = None,
     comparison_table: str | None = None,
     **fields,
-):
+) -> ModelCard:
     """
-    The [`~grpo_hf.model_card.ModelCardRecord`] of one run of a `grpo-hf` run folder (`results.json`, or the
-    `grpo_run.json` summary beside a saved model, as [`~grpo_hf.hub.folder.load_run`] reads them).
+    The model card of one run of a `grpo-hf` run folder (`results.json`, or the `grpo_run.json` summary beside a saved
+    model, as [`~grpo_hf.hub.folder.load_run`] reads them): its [`~grpo_hf.model_card.ModelCardRecord`], rendered.
 
     Args:
         results (`dict`), row (`dict`):
@@ -232,7 +232,7 @@ def card_record(
         comparison_table (`str`, *optional*):
             The markdown side-by-side table of a comparison, shown instead of the run's own cost figures.
         **fields:
-            Any other field of the record (`tags`, `license`).
+            Any other field of the record (`tags`: more tags; `license`: of the weights, default the base's).
     """
     model_name = ((results.get("recipe") or {}).get("model") or {}).get("model_name_or_path")
     base = BaseModel(base_model) if base_model else base_model_of(model_name, model_folder, resolve_base_model)
@@ -240,24 +240,7 @@ def card_record(
     if comparison_table:
         fields["comparison"] = f"{COMPARISON_INTRO}\n\n{comparison_table}"
     images = [name for name in REPORT_IMAGES if name in (results.get("files") or {}).values()]
-    return record_from_summary(results, row, repo_id, base=base, images=images, **fields)
-
-
-def build_model_card(
-    results: dict,
-    row: dict,
-    model_folder: str | Path,
-    repo_id: str,
-    base_model: str | None = None,
-    extra_tags: list[str] | None = None,
-    license: str | None = None,
-    comparison_table: str | None = None,
-) -> ModelCard:
-    """The model card of one run of a `grpo-hf` run folder: [`card_record`], rendered (`extra_tags`: more tags;
-    `license`: of the weights, default the base's)."""
-    record = card_record(
-        results, row, model_folder, repo_id, base_model, comparison_table, tags=list(extra_tags or []), license=license
-    )
+    record = record_from_summary(results, row, repo_id, base=base, images=images, **fields)
     return render_model_card(record, model_folder)
 
 
@@ -267,7 +250,6 @@ __all__ = [
     "LOCAL_COPIES",
     "REPORT_IMAGES",
     "build_model_card",
-    "card_record",
     "describe_data",
     "resolve_base_model",
 ]

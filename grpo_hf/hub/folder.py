@@ -24,12 +24,11 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from ..errors import PublishInputError
-from ..model_card import RUN_SUMMARY_FILE
+from ..model_card import RUN_SUMMARY_FILE, last_eval
 
 
 RESULTS_FILE = "results.json"
@@ -92,23 +91,6 @@ def _check_saved_model(folder: Path) -> None:
             _read_json(folder / name, "the saved model is damaged: save it again with `trainer.save_model(DIR)`")
 
 
-def _last_eval(trainer_state: dict[str, Any]) -> dict[str, Any]:
-    """The eval figures of the last `eval_loss` entry of a `trainer_state.json`'s `log_history`, as a run's row."""
-    history = trainer_state.get("log_history")
-    evals = [
-        entry
-        for entry in (history if isinstance(history, list) else [])
-        if isinstance(entry, dict) and isinstance(entry.get("eval_loss"), (int, float))
-    ]
-    if not evals:
-        return {}
-    loss = evals[-1]["eval_loss"]
-    row = {"mean_nll_after": loss, "perplexity_after": math.exp(loss) if loss < 700 else math.inf}
-    if "eval_accuracy" in evals[-1]:
-        row["accuracy_after"] = evals[-1]["eval_accuracy"]
-    return row
-
-
 def results_from_folder(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """
     `(results, row)` of a folder holding a saved model but no `results.json`: from its `grpo_run.json` if there is
@@ -125,7 +107,7 @@ def results_from_folder(folder: str | Path) -> tuple[dict[str, Any], dict[str, A
         row = {"name": "model", "label": None, "steps": state.get("global_step")}
         results = {"runs": [row], "ratios": {}, "recipe": {}, "data": {}, "environment": {}}
     if "mean_nll_after" not in row:
-        row.update(_last_eval(state))
+        row.update(last_eval(state.get("log_history")))
     missing = [
         f"`{RESULTS_FILE}` (written by `grpo-hf train` / `compare`): no comparison with the plain Trainer, no "
         "description of the data, no command to reproduce the run"

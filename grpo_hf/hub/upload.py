@@ -63,11 +63,6 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
 
 
-def _check_repo_id(repo_id: str) -> None:
-    if not repo_id or not HUB_ID_PATTERN.match(repo_id):
-        raise PublishInputError(f"repo_id={repo_id!r}: give the Hub repository as USER/NAME (or ORGANIZATION/NAME).")
-
-
 # What `prepare_upload_folder` writes besides the model and tokenizer files: the card, its record, the report's plots.
 RECORD_PATTERNS = ("README.md", RESULTS_FILE, RUN_SUMMARY_FILE, "*.png")
 
@@ -88,10 +83,6 @@ def _previous_upload_folder(folder: Path) -> bool:
         return card.is_file() and "grpo_hf" in (ModelCard.load(card).data.tags or [])
     except (ValueError, UnicodeDecodeError):  # a card whose metadata block does not parse is not ours
         return False
-
-
-def _upload_target(output_dir: str | Path, row: dict, upload_dir: str | Path | None) -> Path:
-    return Path(upload_dir) if upload_dir else Path(output_dir) / UPLOAD_DIR / row["name"]
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -163,10 +154,20 @@ def prepare_upload_folder(
     Returns:
         `Path`: the folder.
     """
-    _check_repo_id(repo_id)
+    return _write_upload_folder(output_dir, repo_id, base_model, *_checked_input(output_dir, repo_id, run, upload_dir))
+
+
+def _checked_input(output_dir, repo_id: str, run: str | None, upload_dir) -> tuple[dict, dict, Path, Path]:
+    """`(results, row, model_folder, upload folder)` of what is given, checked before anything is written."""
+    if not repo_id or not HUB_ID_PATTERN.match(repo_id):
+        raise PublishInputError(f"repo_id={repo_id!r}: give the Hub repository as USER/NAME (or ORGANIZATION/NAME).")
     results, row, model_folder = load_run(output_dir, run)
-    target = _upload_target(output_dir, row, upload_dir)
+    target = Path(upload_dir) if upload_dir else Path(output_dir) / UPLOAD_DIR / row["name"]
     check_upload_dir(target, Path(output_dir), model_folder)
+    return results, row, model_folder, target
+
+
+def _write_upload_folder(output_dir, repo_id: str, base_model, results: dict, row: dict, model_folder, target) -> Path:
     if target.is_dir():
         shutil.rmtree(target)  # a previous upload folder (checked above): replaced, so that no stale file is uploaded
     target.mkdir(parents=True)
@@ -223,12 +224,10 @@ def publish(
     """
     from huggingface_hub import get_token
 
-    _check_repo_id(repo_id)
-    _, row, model_folder = load_run(output_dir, run)  # what is given is checked before the environment (the token)
-    check_upload_dir(_upload_target(output_dir, row, upload_dir), Path(output_dir), model_folder)
+    given = _checked_input(output_dir, repo_id, run, upload_dir)  # checked before the environment (the token)
     if not dry_run:
         require_token()
-    folder = prepare_upload_folder(output_dir, repo_id, run, upload_dir, base_model)
+    folder = _write_upload_folder(output_dir, repo_id, base_model, *given)
     refuse_token_in(folder, get_token())
     if dry_run:
         return folder

@@ -16,13 +16,6 @@ from .layout import resolve_layouts
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
 
-def optim_name(args) -> str:
-    """`args.optim` as a string (an `OptimizerNames` member once `TrainingArguments` is built; the Trainer's default
-    where `args` has none, as the namespace of `grpo-hf groups`)."""
-    optim = getattr(args, "optim", "adamw_torch")
-    return str(getattr(optim, "value", optim))
-
-
 def check_optimizer_state_settings(args) -> None:
     """
     Refuse a `grpo_optimizer_state` other than `"full"` with what it cannot replace, before any work.
@@ -33,7 +26,8 @@ def check_optimizer_state_settings(args) -> None:
     state = args.grpo_optimizer_state
     if state == "full":
         return
-    optim = optim_name(args)
+    optim = getattr(args, "optim", "adamw_torch")  # an `OptimizerNames` member in `TrainingArguments`
+    optim = str(getattr(optim, "value", optim))
     if optim not in ADAMW_OPTIMS:
         raise ConfigError(
             f"grpo_optimizer_state={state!r} replaces AdamW's state, and optim={optim!r} is another optimizer. Use "
@@ -153,6 +147,5 @@ __all__ = [
     "grpo_param_groups",
     "keep_embeddings_in_32_bits",
     "memory_metrics",
-    "optim_name",
     "state_nbytes",
 ]

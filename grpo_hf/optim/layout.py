@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, warn_once
-from ..grouping import STATE_BITS, STATE_KINDS
+from ..grouping import KIND_PATTERNS, LAYER_KINDS, STATE_BITS, STATE_KINDS
 from .kernels import FIRST_MOMENT_BLOCK, padded_numel
+from .moments import local_tensor
 
 
 logger = logging.getLogger(__name__)
@@ -113,14 +114,9 @@ def _matrix(shape: torch.Size, axis: int) -> tuple[int, int]:
 
 _KINDS = (
     ("lora", r"\.lora_(embedding_)?[AB]\b|\.lora_magnitude_vector\b"),
-    ("embeddings", r"(embed_tokens|\bwte\b|\bwpe\b|embeddings|\bshared\b|lm_head|embed_positions)"),
-    ("norms", r"(norm|ln_\d|ln_f|LayerNorm)"),
-    ("attn_qkv", r"(c_attn|qkv_proj|query_key_value|Wqkv|\.qkv\b)"),
-    ("attn_qk", r"(q_proj|k_proj|\.query\b|\.key\b|Attention\.[qk]\b)"),
-    ("attn_vo", r"(v_proj|o_proj|out_proj|\.value\b|attention\.output\.dense|attn\.c_proj|Attention\.[vo]\b)"),
-    ("ffn", r"(mlp|gate_proj|up_proj|down_proj|intermediate|\.output\.dense|DenseReluDense|\.wi\b|\.wi_\d|\.wo\b|fc1|fc2|ffn)"),
-    ("head", r"(classifier|\bscore\b|pooler|qa_outputs)"),
-)  # fmt: skip
+    ("embeddings", r"(embed_tokens|\bwte\b|\bwpe\b|embeddings|\bshared\b|lm_head|embed_positions)"),  # no T5 bias
+    *((kind, KIND_PATTERNS[kind]) for kind in ("norms", *LAYER_KINDS, "head")),
+)
 _KIND_PATTERNS = [(kind, re.compile(pattern)) for kind, pattern in _KINDS]
 
 
@@ -235,7 +231,7 @@ def resolve_layouts(
                 bits = group.rule.state_bits
             block = rows_per_head if rows_per_head and whole_heads_per_shard(param, rows_per_head) else 0
             layout = StateLayout(second, bits, block, axes.get(name, 0))
-            layouts[name] = fit_layout(layout, _local_shape(param), name, min_numel, kind)
+            layouts[name] = fit_layout(layout, local_tensor(param).shape, name, min_numel, kind)
     return layouts
 
 
@@ -253,11 +249,6 @@ def whole_heads_per_shard(param: torch.Tensor, rows_per_head: int) -> bool:
         if getattr(placement, "dim", None) == 0:
             shards *= param.device_mesh.size(dim)
     return shards == 1 or (-(-param.shape[0] // shards)) % rows_per_head == 0
-
-
-def _local_shape(param: torch.Tensor) -> torch.Size:
-    """The shape of this rank's part of a parameter (its shard under FSDP2)."""
-    return param.to_local().shape if hasattr(param, "to_local") else param.shape
 
 
 def fit_layout(layout: StateLayout, shape: torch.Size, name: str, min_numel: int, kind: str = "") -> StateLayout:

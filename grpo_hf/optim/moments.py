@@ -60,7 +60,7 @@ def first_moment(optimizer, param: torch.Tensor) -> torch.Tensor | None:
     return local_tensor(moment).float()
 
 
-def stored_moments(optimizer, param: torch.Tensor, which: str) -> list[torch.Tensor]:
+def moment_tensors(optimizer, param: torch.Tensor, which: str) -> list[torch.Tensor]:
     """
     The fp32 tensors that hold `param`'s `which` (`"first"` or `"second"`) moment, to be averaged over ranks in place
     (`[]` when the parameter has no state yet).
@@ -116,11 +116,6 @@ def averaging_refusal(optimizer, which: str) -> str | None:
     return f"{name} does not keep it as fp32 tensors that can be averaged in place"
 
 
-def moment_tensors(optimizer, param: torch.Tensor, which: str) -> list[torch.Tensor]:
-    """[`stored_moments`], or `[]` for a parameter without state (it never had a gradient)."""
-    return stored_moments(optimizer, param, which) if unwrap_optimizer(optimizer).state.get(param) else []
-
-
 def moment_numel(optimizer, param: torch.Tensor, which: str) -> int:
     """
     The entries the tensors of `param`'s `which` moment hold, or will hold once it has state (so that every rank
@@ -144,6 +139,5 @@ __all__ = [
     "moment_numel",
     "moment_tensors",
     "first_moment",
-    "stored_moments",
     "unwrap_optimizer",
 ]
