@@ -396,9 +396,9 @@ BUDGETS = (50, 500)  # times fewer bytes than fp32 DDP: a row per budget, GRPO's
 
 
 def long_run_advice() -> str:
-    """The decision table (README, docs/compression.md): for each kind of run, GRPO's sync setting with the lowest
-    perplexity among those sending at least 50x and 500x fewer bytes than fp32 DDP, and torchft's DiLoCo where it ran,
-    each best against best over the seeds it has."""
+    """The decision table (README, docs/compression.md): for each kind of run, GRPO's per-step code and its sync setting
+    with the lowest perplexity among those sending at least 50x and 500x fewer bytes than fp32 DDP, and torchft's
+    DiLoCo where it ran, each best against best over the seeds it has."""
     sweeps = {name: sweep_summary(RESULTS / name)[0] for name in ("suite_sweep", "suite_long")
               if (RESULTS / name / "meta.json").exists()}  # fmt: skip
     lines = [
@@ -411,6 +411,9 @@ def long_run_advice() -> str:
             lines.append(f"| {run} | | *not measured yet* (`{task}`) | | | | |")
             continue
         picks = []
+        per_step = {n: e for n, e in rows.items() if re.fullmatch(r"q\d+", n)}  # the per-step codes
+        if per_step:
+            picks.append(("every step", min(per_step, key=lambda n: per_step[n]["geomean"])))
         for budget in BUDGETS:
             fits = {n: e for n, e in rows.items() if n.startswith("sync") and (e["bytes_ratio"] or 0) >= budget}
             if fits:
