@@ -17,6 +17,8 @@ FSDP2 inside), and the groups meet at the sync every H steps through torchft's l
   and epoch and the learning-rate scheduler, and GRPO's importance state and counters; then it skips the batches of
   the steps it did not take, as a resume from a checkpoint does.
 
+The Trainer's methods for all this are [`FaultToleranceMixin`]'s, which [`~grpo_hf.GRPOMixin`] mixes in.
+
 Checkpoints stay per replica group (each group's `output_dir`, written by its own ranks); a run whose every group died
 resumes from them as any run does, each group from its own.
 """
@@ -24,10 +26,21 @@ resumes from them as any run does, each group from its own.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 
+from transformers.utils import logging
+
+from .compression.fragment import global_checksum
 from .compression.torchft_group import FaultTolerance
 from .errors import ConfigError
+from .replica_shares import TAKEN_OVER, ReplicaShares, SharedBatches
+
+
+logger = logging.get_logger(__name__)
+# What a healed replica group's first epoch passes the Trainer as its checkpoint: the resume's skip of trained batches
+# (no RNG file is found there: each group keeps its own random state).
+HEALED = "<healed from a live replica group>"
 
 
 REPLICA_ID_ENV = "GRPO_HF_REPLICA_ID"
@@ -150,7 +163,139 @@ def heal_training_state(state, payload: dict, num_update_steps_per_epoch: int, a
     return epochs_trained, skipped
 
 
+class FaultToleranceMixin:
+    """
+    The Trainer's side of fault-tolerant replica groups, mixed into [`~grpo_hf.GRPOMixin`]: this group's part of the
+    data (and the absent groups' units it takes over), the first quorum at train start (a late group heals there), and
+    the settings every group must agree on. Every method is the Trainer's own where fault tolerance is off.
+    """
+
+    grpo_fault_tolerance: FaultTolerance | None = None  # set by GRPOMixin.__init__, checked before any work
+    grpo_replica_shares: ReplicaShares | None = None  # with grpo_ft_take_over: the units this group trains
+    _grpo_shared_batches: SharedBatches | None = None  # ... and the batches of every planned group it reads
+    _grpo_healed = False  # this launch healed from a live group at train start
+
+    def _pop_taken_over(self, inputs) -> list:
+        """The micro-batches of the units taken over that ride on `inputs` ([`get_batch_samples`]), taken off it; the
+        step's gradient accumulation counts them (the loss's mean when it is not over `num_items_in_batch`)."""
+        taken_over = inputs.pop(TAKEN_OVER, None) if isinstance(inputs, dict) else None
+        if taken_over:
+            self.current_gradient_accumulation_steps += len(taken_over)
+        return list(taken_over or ())
+
+    def get_train_dataloader(self):
+        """[`~transformers.Trainer.get_train_dataloader`]; between fault-tolerant replica groups, this group's part of
+        the data ([`~grpo_hf.fault_tolerance.replica_data`]), and with `grpo_ft_take_over` every planned group's
+        read beside it ([`~grpo_hf.replica_shares.SharedBatches`])."""
+        settings = self.grpo_fault_tolerance
+        if settings is None or not self.args.grpo_ft_take_over:
+            with replica_data(settings):
+                return super().get_train_dataloader()
+        loaders = []
+        for replica_id in range(settings.replicas):
+            with replica_data(settings, replica_id):
+                loaders.append(super().get_train_dataloader())
+        self._grpo_shared_batches = SharedBatches(
+            loaders,
+            settings.replica_id,
+            self.args.gradient_accumulation_steps,
+            keep_steps=2 * self.args.grpo_sync_every,
+        )
+        return self._grpo_shared_batches
+
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """The Trainer's skip of the batches a resume (or a heal) already trained; [`SharedBatches`] skips its own."""
+        if isinstance(dataloader, SharedBatches):
+            return dataloader.skipping(num_batches)
+        return super().get_resumed_dataloader(dataloader, num_batches)
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """
+        The Trainer's; with `grpo_ft_take_over`, the micro-batches of the units this group takes over at this step
+        ([`~grpo_hf.replica_shares`]) ride on the first micro-batch (`training_step` trains them), and
+        `num_items_in_batch` counts them too (the step's loss is the mean over all its tokens).
+        """
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        shares = self.grpo_replica_shares
+        if shares is None or self._grpo_shared_batches is None or not batch_samples:
+            return batch_samples, num_items
+        units = shares.extras_at(self.state.global_step + 1)
+        taken_over = self._grpo_shared_batches.batches(units)
+        if not taken_over:
+            return batch_samples, num_items
+        kept = self._grpo_shared_batches.kept
+        self.grpo_comm_state.traffic.count(taken_over=sum(unit in kept for unit in units))  # those still kept
+        num_items = self._get_num_items_in_batch([*batch_samples, *taken_over], device)
+        batch_samples = [{**batch_samples[0], TAKEN_OVER: taken_over}, *batch_samples[1:]]
+        return batch_samples, num_items
+
+    def _join_replica_groups(self, epochs_trained: int, skipped: int, num_update_steps_per_epoch: int):
+        """
+        Between fault-tolerant replica groups, at train start (after the Trainer's state is set up, a resume's
+        included): the first quorum. A group behind the others (a restarted or a new one) heals from a live one and
+        goes on from its step, skipping the batches it did not train, as a resume does. Returns `(epochs_trained,
+        batches to skip)`, those given when nothing changes.
+        """
+        self._grpo_healed = False
+        if self.grpo_fault_tolerance is None:
+            return epochs_trained, skipped
+        communicator = self.grpo_comm_state.communicator
+        payload = communicator.join(
+            save=lambda: trainer_heal_state(self),
+            step=self.state.global_step,
+            description=self._grpo_description(),
+            checksum=lambda received: global_checksum(received["grpo"]["comm"]["global"].values()),
+            final_step=self.state.max_steps,
+            every=self.args.grpo_sync_every,
+        )
+        if payload is not None:
+            epochs_trained, skipped = heal_training_state(
+                self.state, payload, num_update_steps_per_epoch, self.args.gradient_accumulation_steps
+            )
+            self.grpo_callback.heal_from = payload
+            self._grpo_healed = True
+            logger.warning(
+                f"GRPO fault tolerance: replica group {self.grpo_fault_tolerance.replica_id} healed from a live group "
+                f"at step {self.state.global_step}; it trains on from there."
+            )
+        if self._grpo_shared_batches is not None:  # the first window: its members, a healer's catch-up
+            comm_state, max_steps = self.grpo_comm_state, self.state.max_steps
+            self.grpo_replica_shares = ReplicaShares(
+                self.grpo_fault_tolerance.replica_id,
+                self.grpo_fault_tolerance.replicas,
+                next_sync=lambda step: comm_state.next_sync(step, max_steps),
+            )
+            catch_up = payload.get("catch_up", ()) if payload is not None else ()
+            self.grpo_replica_shares.open(self.state.global_step, communicator.members, catch_up)
+            self.grpo_callback.replica_shares = self.grpo_replica_shares
+        return epochs_trained, skipped
+
+    def _run_epoch(self, *args, **kwargs):
+        """The Trainer's; the first epoch of a healed replica group skips the batches of the steps it did not train
+        (the Trainer's skip of a resume). Pinned: transformers < 5.30."""
+        if self._grpo_healed and kwargs.get("resume_from_checkpoint") is None:
+            kwargs["resume_from_checkpoint"] = HEALED
+        return super()._run_epoch(*args, **kwargs)
+
+    def _grpo_description(self) -> dict:
+        """What every fault-tolerant replica group must agree on: the settings that shape the training and the sync,
+        and the trainable parameters (names and shapes, as a digest)."""
+        args = self.args
+        shapes = ";".join(
+            f"{name}:{tuple(p.shape)}" for g in self.grpo_groups for name, p in zip(g.param_names, g.params)
+        )
+        fields = ["learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
+                  "lr_scheduler_type", "weight_decay", "optim"]  # fmt: skip
+        fields += [name for name in vars(args) if name.startswith("grpo_") and not name.startswith("grpo_ft_")]
+        fields.append("grpo_ft_take_over")  # the groups share the absent ones' batches alike
+        described = {name: getattr(args, name) for name in sorted(fields) if hasattr(args, name)}
+        described["trainable_parameters"] = hashlib.sha256(shapes.encode()).hexdigest()[:16]
+        described["world_size_per_group"] = args.world_size
+        return described
+
+
 __all__ = [
+    "FaultToleranceMixin",
     "LIGHTHOUSE_ENV",
     "REPLICA_ID_ENV",
     "fault_tolerance_settings",

@@ -1,7 +1,6 @@
 """`GRPOMixin` (in front of any `transformers.Trainer` subclass) and `GRPOTrainer`: the wiring, no math."""
 
 import contextlib
-import hashlib
 import os
 import weakref
 
@@ -19,7 +18,6 @@ from .checkpoints import (
     warn_overwritten_checkpoints,
 )
 from .compression.build import CommSettings, build_comm_state
-from .compression.fragment import global_checksum
 from .compression.fsdp import reduce_scatter_bytes
 from .compression.settings import transport_settings
 from .compression.traffic import dense_allreduce_bytes
@@ -38,12 +36,7 @@ from .engines import (
     process_rank,
 )
 from .errors import ConfigError
-from .fault_tolerance import (
-    fault_tolerance_settings,
-    heal_training_state,
-    replica_data,
-    trainer_heal_state,
-)
+from .fault_tolerance import FaultToleranceMixin, fault_tolerance_settings
 from .grouping import assign_groups, load_group_spec, lr_ratios
 from .hub_guards import check_push_settings, hub_errors
 from .importance import ImportanceState
@@ -53,16 +46,12 @@ from .optim.builder import grouped_adamw, grpo_param_groups, keep_embeddings_in_
 from .optim.layout import resolve_layouts
 from .optim.resume import check_checkpoint_optimizer_state, check_param_groups
 from .replica_groups import parallelism_for_machines, shard_within_replicas
-from .replica_shares import TAKEN_OVER, ReplicaShares, SharedBatches
 
 
 logger = logging.get_logger(__name__)
-# What a healed replica group's first epoch passes the Trainer as its checkpoint: the resume's skip of trained batches
-# (no RNG file is found there: each group keeps its own random state).
-HEALED = "<healed from a live replica group>"
 
 
-class GRPOMixin:
+class GRPOMixin(FaultToleranceMixin):
     r"""
     Grouped parameter resource optimization for any [`~transformers.Trainer`] subclass.
 
@@ -151,10 +140,6 @@ class GRPOMixin:
         self.grpo_engine = detect_engine(self)  # "single", "ddp", "fsdp2" or "deepspeed"
         # fault-tolerant replica groups (torchft): the lighthouse, this group's id; checked before any work
         self.grpo_fault_tolerance = fault_tolerance_settings(self.args)
-        self._grpo_healed = False
-        # ... and with grpo_ft_take_over, the batches of the groups that are away (grpo_hf.replica_shares)
-        self.grpo_replica_shares: ReplicaShares | None = None
-        self._grpo_shared_batches: SharedBatches | None = None
         if self.args.grpo_sync_every > 1 and self.grpo_engine == "fsdp2":  # HSDP's replicate dimension: the sync's
             shard_within_replicas(getattr(self.accelerator, "parallelism_config", None))
         self._grpo_probe = None  # DeepSpeed: step hooks on the optimizer ZeRO wraps
@@ -333,14 +318,10 @@ class GRPOMixin:
         comm_state = self.grpo_comm_state
         if model not in self._grpo_hooked_models:
             self._attach_to_prepared_model(model)
-        taken_over = inputs.pop(TAKEN_OVER, None) if isinstance(inputs, dict) else None
-        if (
-            taken_over
-        ):  # one more micro-batch each in this step (the loss's mean when it is not over num_items_in_batch)
-            self.current_gradient_accumulation_steps += len(taken_over)
+        taken_over = self._pop_taken_over(inputs)  # units of absent replica groups (grpo_ft_take_over)
         sync_step = self.accelerator.sync_gradients
         loss = None
-        for micro_batch in [inputs, *(taken_over or ())]:
+        for micro_batch in [inputs, *taken_over]:
             if "input_ids" in micro_batch:
                 ids = micro_batch["input_ids"]
                 self.cost_callback.add_tokens(ids.numel(), seq_len=ids.shape[-1])
@@ -526,117 +507,6 @@ class GRPOMixin:
             if self.optimizer is not None:
                 check_param_groups(checkpoint, self.optimizer.param_groups)
         super()._load_optimizer_and_scheduler(checkpoint)
-
-    # --- fault-tolerant replica groups (grpo_hf.fault_tolerance) ---
-    def get_train_dataloader(self):
-        """[`~transformers.Trainer.get_train_dataloader`]; between fault-tolerant replica groups, this group's part of
-        the data ([`~grpo_hf.fault_tolerance.replica_data`]), and with `grpo_ft_take_over` every planned group's
-        read beside it ([`~grpo_hf.replica_shares.SharedBatches`])."""
-        settings = self.grpo_fault_tolerance
-        if settings is None or not self.args.grpo_ft_take_over:
-            with replica_data(settings):
-                return super().get_train_dataloader()
-        loaders = []
-        for replica_id in range(settings.replicas):
-            with replica_data(settings, replica_id):
-                loaders.append(super().get_train_dataloader())
-        self._grpo_shared_batches = SharedBatches(
-            loaders,
-            settings.replica_id,
-            self.args.gradient_accumulation_steps,
-            keep_steps=2 * self.args.grpo_sync_every,
-        )
-        return self._grpo_shared_batches
-
-    def get_resumed_dataloader(self, dataloader, num_batches: int):
-        """The Trainer's skip of the batches a resume (or a heal) already trained; [`SharedBatches`] skips its own."""
-        if isinstance(dataloader, SharedBatches):
-            return dataloader.skipping(num_batches)
-        return super().get_resumed_dataloader(dataloader, num_batches)
-
-    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
-        """
-        The Trainer's; with `grpo_ft_take_over`, the micro-batches of the units this group takes over at this step
-        ([`~grpo_hf.replica_shares`]) ride on the first micro-batch (`training_step` trains them), and
-        `num_items_in_batch` counts them too (the step's loss is the mean over all its tokens).
-        """
-        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        shares = self.grpo_replica_shares
-        if shares is None or self._grpo_shared_batches is None or not batch_samples:
-            return batch_samples, num_items
-        units = shares.extras_at(self.state.global_step + 1)
-        taken_over = self._grpo_shared_batches.batches(units)
-        if not taken_over:
-            return batch_samples, num_items
-        kept = self._grpo_shared_batches.kept
-        self.grpo_comm_state.traffic.count(taken_over=sum(unit in kept for unit in units))  # those still kept
-        num_items = self._get_num_items_in_batch([*batch_samples, *taken_over], device)
-        batch_samples = [{**batch_samples[0], TAKEN_OVER: taken_over}, *batch_samples[1:]]
-        return batch_samples, num_items
-
-    def _join_replica_groups(self, epochs_trained: int, skipped: int, num_update_steps_per_epoch: int):
-        """
-        Between fault-tolerant replica groups, at train start (after the Trainer's state is set up, a resume's
-        included): the first quorum. A group behind the others (a restarted or a new one) heals from a live one and
-        goes on from its step, skipping the batches it did not train, as a resume does. Returns `(epochs_trained,
-        batches to skip)`, those given when nothing changes.
-        """
-        self._grpo_healed = False
-        if self.grpo_fault_tolerance is None:
-            return epochs_trained, skipped
-        communicator = self.grpo_comm_state.communicator
-        payload = communicator.join(
-            save=lambda: trainer_heal_state(self),
-            step=self.state.global_step,
-            description=self._grpo_description(),
-            checksum=lambda received: global_checksum(received["grpo"]["comm"]["global"].values()),
-            final_step=self.state.max_steps,
-            every=self.args.grpo_sync_every,
-        )
-        if payload is not None:
-            epochs_trained, skipped = heal_training_state(
-                self.state, payload, num_update_steps_per_epoch, self.args.gradient_accumulation_steps
-            )
-            self.grpo_callback.heal_from = payload
-            self._grpo_healed = True
-            logger.warning(
-                f"GRPO fault tolerance: replica group {self.grpo_fault_tolerance.replica_id} healed from a live group "
-                f"at step {self.state.global_step}; it trains on from there."
-            )
-        if self._grpo_shared_batches is not None:  # the first window: its members, a healer's catch-up
-            comm_state, max_steps = self.grpo_comm_state, self.state.max_steps
-            self.grpo_replica_shares = ReplicaShares(
-                self.grpo_fault_tolerance.replica_id,
-                self.grpo_fault_tolerance.replicas,
-                next_sync=lambda step: comm_state.next_sync(step, max_steps),
-            )
-            catch_up = payload.get("catch_up", ()) if payload is not None else ()
-            self.grpo_replica_shares.open(self.state.global_step, communicator.members, catch_up)
-            self.grpo_callback.replica_shares = self.grpo_replica_shares
-        return epochs_trained, skipped
-
-    def _run_epoch(self, *args, **kwargs):
-        """The Trainer's; the first epoch of a healed replica group skips the batches of the steps it did not train
-        (the Trainer's skip of a resume). Pinned: transformers < 5.30."""
-        if self._grpo_healed and kwargs.get("resume_from_checkpoint") is None:
-            kwargs["resume_from_checkpoint"] = HEALED
-        return super()._run_epoch(*args, **kwargs)
-
-    def _grpo_description(self) -> dict:
-        """What every fault-tolerant replica group must agree on: the settings that shape the training and the sync,
-        and the trainable parameters (names and shapes, as a digest)."""
-        args = self.args
-        shapes = ";".join(
-            f"{name}:{tuple(p.shape)}" for g in self.grpo_groups for name, p in zip(g.param_names, g.params)
-        )
-        fields = ["learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
-                  "lr_scheduler_type", "weight_decay", "optim"]  # fmt: skip
-        fields += [name for name in vars(args) if name.startswith("grpo_") and not name.startswith("grpo_ft_")]
-        fields.append("grpo_ft_take_over")  # the groups share the absent ones' batches alike
-        described = {name: getattr(args, name) for name in sorted(fields) if hasattr(args, name)}
-        described["trainable_parameters"] = hashlib.sha256(shapes.encode()).hexdigest()[:16]
-        described["world_size_per_group"] = args.world_size
-        return described
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """

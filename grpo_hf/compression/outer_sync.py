@@ -373,17 +373,8 @@ class OuterSyncState(CommState):
         """
         if not settings.syncing:
             return None
-        from ..replica_groups import find_replica_groups  # (the trainer's layouts: Accelerate's mesh, a marked model)
-
         args, engine, sync = settings.args, settings.engine, settings.transport.sync
-        replicas = None
-        if engine == "fsdp2":
-            replicas = find_replica_groups(settings.model, settings.accelerator, sync.every)
-        communicator = settings.communicator
-        if settings.fault_tolerance is not None:  # this launch is one replica group: the sync runs between groups
-            communicator, replicas = _fault_tolerant_wire(settings, replicas)
-        elif replicas is not None:
-            _between_replica_groups(args, sync, replicas)
+        communicator, replicas = settings.communicator, settings.replicas  # the wire, built by the builder
         elastic = communicator is not None or (replicas is not None and replicas.replicate_communicator.elastic)
         exchange = (
             engine == "ddp" or (replicas is not None and replicas.replicas > 1) or elastic
@@ -941,69 +932,6 @@ class OuterSyncState(CommState):
             f"mix={self.mix}, moments={self.moments!r}, error_decay={self.error_decay}, step={self.step}, "
             f"world_size={self.world_size})"
         )
-
-
-def _fault_tolerant_wire(settings: CommSettings, replicas: ReplicaGroups | None):
-    """
-    The way to the wire of one fault-tolerant replica group: torchft's managed process group
-    ([`~grpo_hf.compression.torchft_group.TorchFTCommunicator`]), one per rank. A group of one process syncs its whole
-    model over it; a group sharded by FSDP2 over its processes syncs each rank's shards with the same shard of the
-    other groups (the replica groups' layout, the launch being one replica). Returns `(communicator, replicas)`: the
-    communicator of one process, or the replica groups whose replicate communicator is torchft's.
-
-    Raises:
-        [`~grpo_hf.errors.ConfigError`]: a launch that holds several replicas itself (a DDP group was refused with the
-            settings).
-    """
-    from .torchft_group import TorchFTCommunicator, group_store
-
-    if settings.engine == "single":
-        return TorchFTCommunicator(settings.fault_tolerance, store=group_store()), None
-    if len(replicas.replicate_ranks[0]) > 1:
-        raise ConfigError(
-            f"grpo_fault_tolerance=True with {len(replicas.replicate_ranks[0])} replicas inside one launch: each launch "
-            "is one fault-tolerant replica group. Shard the model over the launch's processes "
-            "(grpo_hf.shard_replica_groups(model, replicas=1)) and start one launch per group."
-        )
-    shard = replicas.shard_communicator
-    communicator = TorchFTCommunicator(
-        settings.fault_tolerance,
-        group_rank=shard.rank,
-        group_world_size=shard.world_size,
-        store=group_store(),
-        within_group=shard,
-    )
-    return None, ReplicaGroups(
-        replicate_group=None,
-        shard_group=replicas.shard_group,
-        replicate_ranks=replicas.replicate_ranks,
-        mesh=replicas.mesh,
-        replicate_communicator=communicator,
-        shard_communicator=shard,
-    )
-
-
-def _between_replica_groups(args, sync, replicas: ReplicaGroups) -> None:
-    """
-    Between replica groups: warn when one replica leaves nothing to sync, and keep the Trainer's token count inside
-    each replica (its per-step gather over every process would cross the replicate dimension at every step).
-    """
-    rank = process_rank(args)[0]
-    if replicas.replicas == 1 and rank == 0:
-        logger.warning(
-            f"grpo_sync_every={sync.every} under FSDP2 with one replica group (FSDP2 shards over every "
-            "process): there is nothing to sync, so only the outer step is added every H steps. For replicas, set "
-            "parallelism_config=ParallelismConfig(dp_replicate_size=R, dp_shard_size=S), launch on several "
-            "machines, or shard the model with grpo_hf.shard_replica_groups (docs/engines.md)."
-        )
-    if replicas.replicas > 1 and args.average_tokens_across_devices:
-        args.average_tokens_across_devices = False
-        if rank == 0:
-            logger.info(
-                "Replica groups: average_tokens_across_devices=False (each rank's loss is the mean over its own "
-                "tokens, and FSDP2 averages a replica's shards): the Trainer's per-step gather of token counts "
-                "over every process would cross the replicate dimension at every step."
-            )
 
 
 def local_gradient_hook(state: OuterSyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -110,6 +110,8 @@ class CommSettings:
             FSDP2's, the replicas').
         fault_tolerance ([`~grpo_hf.compression.torchft_group.FaultTolerance`], *optional*): this launch is one
             fault-tolerant replica group (`grpo_fault_tolerance`): the sync's wire is torchft's.
+        replicas ([`~grpo_hf.compression.replicas.ReplicaGroups`], *optional*): the sync's replica groups under FSDP2,
+            set by [`~grpo_hf.compression.build.sync_wire`] with the sync's `communicator`.
     """
 
     transport: object
@@ -123,6 +125,7 @@ class CommSettings:
     accelerator: object = None
     communicator: object = None
     fault_tolerance: object = None
+    replicas: object = None
 
     @property
     def syncing(self) -> bool:
