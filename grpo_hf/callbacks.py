@@ -21,9 +21,10 @@ import torch
 from transformers import TrainerCallback
 
 from .checkpoints import STATE_FILE, STATE_VERSION, restore_grpo_state, write_grpo_state
+from .compression.communicator import ProcessGroupCommunicator, process_rank
 from .compression.transport import CommState
 from .cost.callback import CostCallback
-from .engines import OptimizerStepProbe, local_tensor, process_rank
+from .engines import OptimizerStepProbe, local_tensor
 from .errors import GRPOError, warn_once
 from .group_stats import GroupStatistics
 from .grouping import ParameterGroup
@@ -511,6 +512,7 @@ class GRPOCallback(TrainerCallback):
         self.nonfinite = NonfiniteSteps(drop_nonfinite_gradients, max_consecutive_skips)
         self.step_metrics = StepMetrics(log_groups)
         self.probe: OptimizerStepProbe | None = None
+        self._probe_communicator = None  # the ranks the probe's sums are added over
         self._step_finite = True  # this step's gradients were finite on every rank (see on_pre_optimizer_step)
         self.bind(groups or [], importance, apply_multipliers, lr_ratios)
 
@@ -575,13 +577,17 @@ class GRPOCallback(TrainerCallback):
         """Point the groups at `model`'s parameters of the same names (FSDP2 replaced them; see [`~grpo_hf.engines`])."""
         self.stats.follow(model)
 
-    def use_step_probe(self, probe: OptimizerStepProbe) -> None:
+    def use_step_probe(self, probe: OptimizerStepProbe, communicator=None) -> None:
         """
         Take the norms from `probe` and apply the LR factors through it (DeepSpeed: the optimizer steps inside the
         backward, before `on_pre_optimizer_step`). The LR ratios apply from the first step, the multipliers one step
-        after the gradients they come from.
+        after the gradients they come from. The probe's sums are added over the ranks of `communicator` (a
+        [`~grpo_hf.compression.communicator.Communicator`]; the default process group's when `None`).
         """
         self.probe = probe
+        self._probe_communicator = (
+            communicator if communicator is not None else ProcessGroupCommunicator(emulated=False)
+        )
         probe.coherence = self.importance is not None and self.importance.kind == "coherence"
         self._set_probe_factors()
 
@@ -640,7 +646,7 @@ class GRPOCallback(TrainerCallback):
 
     def _after_probed_step(self, optimizer) -> None:
         """DeepSpeed: importance from the step ZeRO just took; its multipliers go into the probe's factors."""
-        sums = self.probe.pop()
+        sums = self.probe.pop(self._probe_communicator)
         if sums is None:  # DeepSpeed skipped the step (fp16 overflow)
             return
         norms = sums[:, 0].sqrt()

@@ -38,7 +38,7 @@ from .compression.plan import DEFAULT_MIN_NUMEL
 from .compression.settings import BITS_CHOICES, SYNC_BITS_CHOICES, transport_settings
 from .cost import CostSettings
 from .cost.prices import CostFields
-from .engines import check_backends
+from .engine_settings import check_backends
 from .errors import ConfigError
 from .grouping import check_lr_ratios, load_group_spec
 from .importance import SCORE_KINDS as SCORE_CHOICES
@@ -321,7 +321,7 @@ class GRPOConfig(CostFields, TrainingArguments):
     Every check runs when the config is built, before any model is loaded: the `grpo_*` and `cost_*` values, the
     group file (read and validated, errors name the file and the rule), and the engine (FSDP2 and DeepSpeed ZeRO 1/2/3
     are accepted; FSDP1, ZeRO stage 0 and a DeepSpeed config with an `"optimizer"` or `"scheduler"` block are refused,
-    see [`~grpo_hf.engines.check_backends`]). Errors are [`~grpo_hf.errors.ConfigError`] / [`~grpo_hf.errors.GroupConfigError`] (`ValueError`s)
+    see [`~grpo_hf.engine_settings.check_backends`]). Errors are [`~grpo_hf.errors.ConfigError`] / [`~grpo_hf.errors.GroupConfigError`] (`ValueError`s)
     that name the field.
     """
 

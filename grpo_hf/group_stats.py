@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from .compression.communicator import ProcessGroupCommunicator
 from .engines import follow_parameters, local_tensor, shard_groups, sum_over_shards
 from .grouping import ParameterGroup
 from .optim.moments import first_moment
@@ -26,7 +27,7 @@ class GroupStatistics:
 
     def __init__(self, groups: list[ParameterGroup]):
         self.groups = groups
-        self._shard_keys: list[list[tuple]] | None = None  # per group and parameter: its shard process groups
+        self._shard_keys: list[list[tuple]] | None = None  # per group and parameter: communicators over its shards
 
     def follow(self, model) -> None:
         """Point the groups at `model`'s parameters of the same names (FSDP2 replaced them; see [`~grpo_hf.engines`])."""
@@ -35,7 +36,12 @@ class GroupStatistics:
 
     def _keys(self) -> list[list[tuple]]:
         if self._shard_keys is None:
-            self._shard_keys = [[shard_groups(p) for p in group.params] for group in self.groups]
+            communicators = {}  # one per process group of the mesh, made once
+
+            def over(group):
+                return communicators.setdefault(group, ProcessGroupCommunicator(group, emulated=False))
+
+            self._shard_keys = [[tuple(map(over, shard_groups(p))) for p in group.params] for group in self.groups]
         return self._shard_keys
 
     def sharded(self) -> bool:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .compression.replicas import REPLICATE_DIM, SHARD_DIM, ReplicaGroups
 from .compression.settings import check_replica_parallelism
-from .engines import launched_fsdp_version
+from .engine_settings import launched_fsdp_version
 from .errors import ConfigError
 
 

@@ -18,22 +18,21 @@ from .checkpoints import (
     warn_overwritten_checkpoints,
 )
 from .compression.build import CommSettings, build_comm_state
+from .compression.communicator import process_rank
 from .compression.fsdp import reduce_scatter_bytes
 from .compression.settings import transport_settings
 from .compression.traffic import dense_allreduce_bytes
 from .config import ensure_grpo_args, validate_grpo_fields
 from .cost.callback import CostCallback
 from .cost.prices import peak_memory_bytes
+from .engine_settings import check_backends, engine_from_environment
 from .engines import (
     OptimizerStepProbe,
-    check_backends,
     deepspeed_zero_stage,
     detect_engine,
-    engine_from_environment,
     follow_parameters,
     has_fsdp2_units,
     load_into_shards,
-    process_rank,
 )
 from .errors import ConfigError
 from .fault_tolerance import FaultToleranceMixin, fault_tolerance_settings
@@ -466,8 +465,8 @@ class GRPOMixin(FaultToleranceMixin):
             output = super().train(checkpoint, *args, **kwargs)
             sent = self.grpo_comm_state.finish() if self.grpo_comm_state is not None else None  # e.g. the sync's last
         finally:
-            if self.grpo_fault_tolerance is not None and self.grpo_comm_state is not None:
-                self.grpo_comm_state.communicator.shutdown()  # leave the quorum: the lighthouse stops waiting for it
+            if self.grpo_comm_state is not None:  # fault-tolerant groups leave their quorum (the lighthouse stops
+                self.grpo_comm_state.communicator.shutdown()  # waiting for them); nothing to do for the others
         if sent is not None:
             self.cost_callback.add_comm_bytes(sent)
         output.metrics.update(self.grpo_callback.measured_metrics(accelerator=self.args.device.type != "cpu"))

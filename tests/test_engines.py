@@ -17,20 +17,12 @@ from grpo_hf.callbacks import GRPOCallback
 from grpo_hf.checkpoints import restore_grpo_state, write_grpo_state
 from grpo_hf.compression.codec import compile_kernels
 from grpo_hf.compression.codes import code_for
+from grpo_hf.compression.communicator import SoloCommunicator
 from grpo_hf.compression.exchange import decode_rows, encode_rows
 from grpo_hf.compression.fsdp import FSDP_MODE, FSDPCommState, reduce_scatter_bytes
 from grpo_hf.compression.spec import CodecSpec
-from grpo_hf.engines import (
-    OptimizerStepProbe,
-    canonical_name,
-    check_backends,
-    check_deepspeed_config,
-    follow_parameters,
-    fsdp_version,
-    launched_fsdp_version,
-    shard_groups,
-    sum_over_shards,
-)
+from grpo_hf.engine_settings import check_backends, check_deepspeed_config, fsdp_version, launched_fsdp_version
+from grpo_hf.engines import OptimizerStepProbe, canonical_name, follow_parameters, shard_groups, sum_over_shards
 from grpo_hf.grouping import assign_groups, load_group_spec
 from grpo_hf.importance import ImportanceState
 
@@ -213,12 +205,12 @@ def test_step_probe_reads_gradients_and_applies_factors_for_the_step_only():
     optimizer.step()
     assert torch.allclose(a, torch.full((4,), 1 - 0.1 * 2)) and torch.allclose(b, torch.full((2,), 1 - 0.05 * 3))
     assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.1]  # put back after the step
-    sums = probe.pop()
+    sums = probe.pop(SoloCommunicator())
     assert sums[:, 0].tolist() == pytest.approx([16.0, 18.0])  # squared norms of what was stepped
-    assert probe.pop() is None  # no step since: nothing to report
+    assert probe.pop(SoloCommunicator()) is None  # no step since: nothing to report
     probe.remove()
     optimizer.step()
-    assert probe.pop() is None
+    assert probe.pop(SoloCommunicator()) is None
 
 
 def test_step_probe_coherence_sums_use_adams_momentum():
@@ -228,10 +220,10 @@ def test_step_probe_coherence_sums_use_adams_momentum():
     probe.coherence = True
     p.grad = torch.tensor([1.0, 0.0, 0.0])
     optimizer.step()  # no momentum before the first step
-    assert probe.pop()[0, 3] == 0
+    assert probe.pop(SoloCommunicator())[0, 3] == 0
     p.grad = torch.tensor([1.0, 0.0, 0.0])
     optimizer.step()
-    gg, dot, mm, count = probe.pop()[0].tolist()
+    gg, dot, mm, count = probe.pop(SoloCommunicator())[0].tolist()
     assert count == 1 and gg == 1.0 and dot == pytest.approx(0.1) and mm == pytest.approx(0.01)
 
 

@@ -13,7 +13,8 @@ from testing_utils import tiny_test_llama
 
 from grpo_hf import ConfigError, GRPOConfig, GRPOTrainer
 from grpo_hf.checkpoints import STATE_FILE, planned_checkpoint_steps, write_grpo_state
-from grpo_hf.engines import detect_engine, engine_from_environment
+from grpo_hf.engine_settings import engine_from_environment
+from grpo_hf.engines import detect_engine
 
 
 CODEC = dict(grpo_compression="quantize", grpo_min_compress_numel=256)

@@ -206,7 +206,7 @@ def quiet_unused_deepspeed(args: argparse.Namespace):
     """
     training_args = getattr(args, "training_args", None)
     if training_args is not None:
-        from ..engines import backend_enabled  # torch: already imported by the recipe's dataclasses
+        from ..engine_settings import backend_enabled
 
         if backend_enabled(training_args.deepspeed):
             yield

@@ -171,7 +171,7 @@ def deepspeed_without_a_launcher(training_args, environ=None):
     `ACCELERATE_USE_DEEPSPEED` that Accelerate leaves set, are put back as they were, so that a later run of the same
     process (a notebook, a test) does not inherit DeepSpeed. Nothing changes under a launcher, or without DeepSpeed.
     """
-    from ..engines import backend_enabled
+    from ..engine_settings import backend_enabled
 
     environ = os.environ if environ is None else environ
     if not backend_enabled(training_args.deepspeed) or any(name in environ for name in _LAUNCHED_BY):
@@ -300,10 +300,9 @@ def train_command_parser(fields: bool = True):
 
 def _wait_for_every_rank() -> None:
     """Under torchrun, wait until every rank has trained (the group is left at the end of the command, in `main`)."""
-    import torch.distributed as dist
+    from ..compression.communicator import ProcessGroupCommunicator
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    ProcessGroupCommunicator(emulated=False).barrier()  # nothing to wait for on one process
 
 
 def train_command(args) -> int:

@@ -23,8 +23,8 @@ replica group torchft's communicator; the sync takes them from `CommSettings` as
 
 import logging
 
-from ..engines import process_rank
 from ..errors import ConfigError
+from .communicator import process_rank
 from .fsdp import FSDPCommState
 from .outer_sync import OuterSyncState
 from .replicas import ReplicaGroups

@@ -99,6 +99,14 @@ class Communicator:
         late ranks join (`checksum()`: of this rank's global model, which the members compare when the ranks changed);
         nothing changes here."""
 
+    def join(self, **kwargs) -> dict | None:
+        """At train start: the first membership (fault-tolerant replica groups take their first quorum, and a late
+        one heals from a live one: the state it received); nothing to join here (`None`)."""
+        return None
+
+    def shutdown(self) -> None:
+        """At train end: leave the membership (a fault-tolerant group leaves its quorum); nothing here."""
+
     def duplicate(self) -> "Communicator":
         """A twin over the same ranks, on a group of its own (its collectives do not queue behind this one's).
         Collective: every rank calls it, in the same order."""
@@ -120,6 +128,30 @@ class Communicator:
     def _broadcast(self, tensor: torch.Tensor, src: int) -> list:
         """Start the broadcast of `tensor` (in place) from the group rank `src`; the handles to wait for."""
         raise NotImplementedError
+
+    # --- small agreements every caller needs (built on the collectives) ---
+    def ordered_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of `value` over the ranks, added in rank order: the same bits on every rank (an all-reduce may add
+        in another order on each)."""
+        if self.world_size == 1:
+            return value
+        parts = self.all_gather(value.contiguous())
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total
+
+    def agree(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (one all-reduce of one integer): ranks that must choose alike (e.g. a
+        compiled kernel or the eager one) ask this."""
+        if self.world_size == 1:
+            return bool(flag)
+        return bool(self.all_reduce(torch.tensor([int(flag)], device=self.device), op=dist.ReduceOp.MIN).item())
+
+    def barrier(self) -> None:
+        """Every rank waits here until all have come (a small all-reduce)."""
+        if self.world_size > 1:
+            self.all_reduce(torch.zeros(1, device=self.device))
 
     # --- the collectives, timed ---
     def pop_comm_ms(self) -> float:
@@ -317,6 +349,19 @@ class SoloCommunicator(Communicator):
         return SoloCommunicator()
 
 
+def process_rank(args=None) -> tuple[int, int]:
+    """
+    This process's rank and the world size: torch.distributed's when it is initialized (Accelerate's state reports
+    process 0 on every rank of a DeepSpeed run on CPU), else the Trainer arguments' `process_index` and `world_size`
+    (`0, 1` without them).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if args is None:
+        return 0, 1
+    return args.process_index, args.world_size
+
+
 class Started:
     """
     A collective under way: [`wait`] returns its result; the time spent waiting counts as communication. Under an
@@ -344,4 +389,5 @@ __all__ = [
     "ProcessGroupCommunicator",
     "SoloCommunicator",
     "Started",
+    "process_rank",
 ]

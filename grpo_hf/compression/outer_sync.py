@@ -132,13 +132,12 @@ from ..choices import (
     DEFAULT_SYNC_RAMP,
     SYNC_MOMENTS,
 )
-from ..engines import process_rank
 from ..errors import ConfigError, warn_once
 from ..optim.moments import local_tensor
 from .codec import all_safe, compile_kernels
 from .codes import code_for
 from .codes.base import ENCODE_CHUNK
-from .communicator import Communicator, ProcessGroupCommunicator
+from .communicator import Communicator, ProcessGroupCommunicator, process_rank
 from .exchange import Exchange
 from .fragment import Fragment, InFlight, check_moments, global_device, merge_with_global, outer_step, pack_fragments
 from .replicas import ReplicaGroups, fsdp_modules, local_optimizer_state, reshard

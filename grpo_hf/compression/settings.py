@@ -32,7 +32,7 @@ from ..choices import (
     SYNC_GLOBAL_DEVICE_CHOICES,
     SYNC_MOMENTS,
 )
-from ..engines import backend_enabled, engine_from_environment
+from ..engine_settings import backend_enabled, engine_from_environment
 from ..errors import ConfigError
 from .codes import SettingValues, code_for, setting_spec
 from .plan import compression_plan, resolve_compression, resolve_mode, sparse_sync_plan

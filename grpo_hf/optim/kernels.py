@@ -19,7 +19,6 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
 
 logger = logging.getLogger(__name__)
@@ -103,9 +102,13 @@ def moment_kernel(device) -> MomentKernel:
         return _KERNELS[key]
     wanted = hasattr(torch, "compile") and os.environ.get("GRPO_HF_COMPILE_OPTIMIZER", "1") != "0"
     kernel = MomentKernel(wanted)
+    # (imported here: the compression package imports the optimizer's modules)
+    from ..compression.communicator import ProcessGroupCommunicator
+
+    communicator = ProcessGroupCommunicator(emulated=False)  # every process of the run
     if kernel.compiled:
         # Said at the default level (a warning): the first optimizer step waits for it, up to a minute on a CPU.
-        first_rank = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        first_rank = communicator.rank == 0
         if first_rank:
             logger.warning(
                 "GroupedAdamW: compiling the 8-bit moment kernel with torch.compile (once per process; the first "
@@ -114,14 +117,9 @@ def moment_kernel(device) -> MomentKernel:
         seconds = kernel.warm_up(device)
         if kernel.compiled and first_rank:
             logger.warning("GroupedAdamW: 8-bit moment kernel compiled in %.1f s.", seconds)
-    if dist.is_available() and dist.is_initialized():
-        flag = torch.tensor([int(kernel.compiled)], dtype=torch.int64)
-        if dist.get_backend() == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if kernel.compiled and not bool(flag.item()):
-            kernel = MomentKernel(False)
-            logger.warning("GroupedAdamW: another rank cannot compile the 8-bit moment kernel; all run it eagerly.")
+    if not communicator.agree(kernel.compiled) and kernel.compiled:
+        kernel = MomentKernel(False)
+        logger.warning("GroupedAdamW: another rank cannot compile the 8-bit moment kernel; all run it eagerly.")
     _KERNELS[key] = kernel
     return kernel
 
