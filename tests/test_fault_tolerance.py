@@ -34,6 +34,7 @@ from grpo_hf.compression.torchft_group import (
     TorchFTCommunicator,
     _checkpoint_transport,
     _disagreement,
+    _quorum_group,
     lighthouse_status,
     reachable_address,
 )
@@ -267,6 +268,8 @@ class ScriptedManager:
 class ScriptedGroup:
     """torchft's process group: counts its aborts and all-reduces; each collective's work fails as scripted."""
 
+    replica_ids = None  # the members of the quorum it was configured for (never, here)
+
     def __init__(self, fail):
         self.fail, self.aborted, self.all_reduces = fail, 0, 0
 
@@ -365,6 +368,127 @@ def test_a_group_without_failure_agrees_on_the_commit_with_one_all_reduce():
     communicator = TorchFTCommunicator(FaultTolerance(lighthouse="http://127.0.0.1:1", replica_id=0, replicas=3))
     communicator.manager, communicator.pg, communicator.joined = ScriptedManager(), ScriptedGroup(fail=False), True
     assert communicator.commit() is True and communicator.pg.all_reduces == 1 and communicator.pg.aborted == 0
+
+
+class QuorumManager(RepeatingManager):
+    """A manager whose quorums are scripted: each configures the process group as torchft does (the members' global
+    ranks) when its id is new."""
+
+    def __init__(self, pg, quorums):
+        super().__init__()
+        self.pg, self.quorums, self.asked = pg, list(quorums), 0
+
+    def start_quorum(self, allow_heal, shrink_only, timeout=None):
+        super().start_quorum(allow_heal, shrink_only, timeout)
+        self.asked += 1
+        quorum_id, members = self.quorums.pop(0)
+        if quorum_id != self._quorum_id:
+            self._quorum_id = quorum_id
+            self.pg.configure("store/x", "grpo_1", 0, len(members), quorum_id, 0, 2, [2 * r for r in members])
+
+    def num_participants(self):
+        return len(self.pg.replica_ids)
+
+
+class DyingPeers(ScriptedGroup):
+    """A process group of which a member died while the heal was sent: every collective fails."""
+
+    def configure(self, *args):
+        self.configured = args
+
+    def allgather_into_tensor_coalesced(self, outs, ins, options):
+        return self
+
+
+def _joined(pg, quorums, replica_id=1, monkeypatch=None, status=None):
+    communicator = TorchFTCommunicator(FaultTolerance(lighthouse="http://127.0.0.1:1", replica_id=replica_id,
+                                                      replicas=3))  # fmt: skip
+    communicator.pg = pg
+    communicator.manager = QuorumManager(pg, quorums)
+    communicator.joined, communicator.quorum_id = True, 1
+    monkeypatch.setattr("grpo_hf.compression.torchft_group.lighthouse_status", lambda *a, **k: status)
+    return communicator
+
+
+def test_a_quorum_whose_heal_source_dies_still_has_its_members(monkeypatch):
+    # the survivor 1 takes a quorum with 0 (the heal source, killed while it sends) and 2 (healing from it): the
+    # all-gather that shows the members fails, yet every member of the quorum knows them, as torchft's quorum gave them
+    # (they were `None` before, and the window's batches were planned as if every group were there)
+    pg = _quorum_group(DyingPeers)(fail=True)
+    status = LighthouseStatus(alive=3, quorum_id=5, last_quorum_steps={0: 8, 1: 8})
+    communicator = _joined(pg, [(2, (0, 1, 2)), (3, (1,))], monkeypatch=monkeypatch, status=status)
+    communicator.next_interval(8, checksum=lambda: 7)
+    assert communicator.errored() and communicator.membership_changed
+    assert communicator.members == (0, 1, 2)
+    communicator.reconfigure(16, checksum=lambda: 7)  # the next sync's second try: the survivor alone
+    assert communicator.members == (1,)
+
+
+@pytest.mark.parametrize("at_step", [True, False])
+def test_a_group_the_others_left_out_stops_before_it_asks_for_a_quorum(monkeypatch, at_step):
+    # group 0, woken from a freeze, finds the others' last quorum without it at its own step: it stops before asking
+    # (in a quorum at their step no heal tells it apart, and as the first member its global model was the one the
+    # others compared theirs with: they stopped, "split quorum"); a quorum of relaunched groups behind it is not theirs
+    steps = {1: 16, 2: 16} if at_step else {1: 0, 2: 0}
+    pg = _quorum_group(ShowingPeers)([7, 7, 7])
+    communicator = _joined(pg, [(2, (0, 1, 2))], replica_id=0, monkeypatch=monkeypatch,
+                           status=LighthouseStatus(alive=3, quorum_id=5, last_quorum_steps=steps))  # fmt: skip
+    if at_step:
+        with pytest.raises(GRPOError, match="replica group 0 is behind the other groups at step 16"):
+            communicator.next_interval(16)
+        assert communicator.manager.asked == 0
+    else:
+        communicator.next_interval(16)
+        assert communicator.manager.asked == 1 and communicator.members == (0, 1, 2)
+
+
+def test_a_group_found_left_out_at_its_second_try_stops_at_the_next_interval(monkeypatch):
+    pg = _quorum_group(ShowingPeers)([7, 7, 7])
+    status = LighthouseStatus(alive=3, quorum_id=5, last_quorum_steps={1: 16, 2: 16})
+    communicator = _joined(pg, [(1, (0, 1, 2))], replica_id=0, monkeypatch=monkeypatch, status=status)
+    communicator.reconfigure(16)
+    assert communicator.left_out_at == 16 and communicator.manager.asked == 0
+    status.last_quorum_steps = {0: 16, 1: 24, 2: 24}  # read later: the others' next quorum included it, behind
+    with pytest.raises(GRPOError, match="behind the other groups at step 16"):
+        communicator.next_interval(16)
+    assert communicator.manager.asked == 0
+
+
+class ShowingPeers(DyingPeers):
+    """Three live members that show their settings and their `θ_global` checksums."""
+
+    def __init__(self, checksums):
+        super().__init__(fail=False)
+        self.checksums = checksums
+
+    def allreduce(self, tensors, op):
+        tensors[0].fill_(max(len(self._row(r)) for r in range(3)))
+        return self
+
+    def _row(self, replica):
+        shown = {"replica_id": replica, "global_checksum": self.checksums[replica], "replicas": 3, "min_replicas": 1}
+        return json.dumps(shown, sort_keys=True).encode()
+
+    def allgather_into_tensor_coalesced(self, outs, ins, options):
+        rows = outs[0].view(3, -1)
+        rows.zero_()
+        for r in range(3):
+            rows[r, : len(self._row(r))] = torch.tensor(list(self._row(r)), dtype=torch.uint8)
+        return self
+
+
+@pytest.mark.parametrize("replica_id", [1, 2])
+def test_the_groups_that_agree_go_on_when_a_first_member_differs(replica_id):
+    communicator = TorchFTCommunicator(FaultTolerance(lighthouse="http://127.0.0.1:1", replica_id=replica_id,
+                                                      replicas=3))  # fmt: skip
+    communicator.manager, communicator.pg, communicator.joined = ScriptedManager(), ShowingPeers([5, 7, 7]), True
+    communicator.description = FaultTolerance("x", 0, 3).describe()
+    communicator._check_agreement(7)  # before, group 0's checksum was the reference: both survivors stopped
+    other = TorchFTCommunicator(FaultTolerance(lighthouse="http://127.0.0.1:1", replica_id=0, replicas=3))
+    other.manager, other.pg, other.joined = ScriptedManager(), ShowingPeers([5, 7, 7]), True
+    other.description = communicator.description
+    with pytest.raises(RuntimeError, match="global model differs"):
+        other._check_agreement(5)
 
 
 # --- real processes, real kills, a real lighthouse (torchft) ---------------------------------------------------------
@@ -625,7 +749,8 @@ def test_the_lighthouse_dashboard_is_read_for_what_a_group_waits_for():
     from torchft._torchft import LighthouseClient
     from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind="[::]:0", min_replicas=2, heartbeat_timeout_ms=2000)
+    # heartbeats count as alive for 30 s: the groups stay alive throughout, however loaded the machine
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, heartbeat_timeout_ms=30000)
     try:
         status = lighthouse_status(server.address())
         assert (status.waiting, status.needed, status.alive, status.last_quorum_steps) == (0, 2, 0, {})

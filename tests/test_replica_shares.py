@@ -73,6 +73,35 @@ def test_a_lost_group_takes_its_taken_over_units_with_it():
     assert shares.catch_up_after(2, kept=None) == ()  # members unknown: nothing is taken over
 
 
+def test_a_heal_source_killed_mid_heal_loses_no_unit_and_trains_none_twice():
+    # windows of 4 steps; group 2 dies at step 6; at the quorum after 12 it heals from group 0, which is killed while
+    # it sends: the quorum's members (0, 1, 2) are what every group learns from torchft, though two are gone; group 1
+    # trains alone to 16, and groups 0 and 2 heal from it there, with the catch-up it computes alike for itself
+    groups = {r: ReplicaShares(r, 3, next_sync=lambda step: step + 4) for r in range(3)}
+    kept_units = Counter()
+
+    def close(window_of, kept):  # the units the members that the sync kept trained in their window
+        for member in kept:
+            kept_units.update(window_of[member].units(member, 3, until=window_of[member].end))
+
+    for shares in groups.values():
+        shares.open(0, (0, 1, 2))
+    for end, kept, members in [(4, (0, 1, 2), (0, 1, 2)), (8, (0, 1), (0, 1)), (12, (0, 1), (0, 1, 2))]:
+        close({r: groups[r].window for r in kept}, kept)
+        for r in kept:
+            groups[r].synced(end, kept, members)
+    assert groups[1].window == Window(12, 16, (0, 1, 2))  # nothing taken over: 0 and 2 are members of the quorum
+    close({1: groups[1].window}, (1,))
+    payload = groups[1].catch_up_after(16, (1,))  # what the healers receive (`trainer_heal_state`)
+    groups[1].synced(16, (1,), (0, 1, 2))
+    for r in (0, 2):
+        groups[r] = ReplicaShares(r, 3, next_sync=lambda step: step + 4)
+        groups[r].open(16, (0, 1, 2), payload)
+    assert groups[0].window == groups[1].window == groups[2].window  # the same plan, without a message
+    close({r: groups[r].window for r in range(3)}, (0, 1, 2))
+    assert kept_units == Counter((r, s) for r in range(3) for s in range(1, 21))
+
+
 def test_unknown_members_take_nothing_over(caplog):
     shares = ReplicaShares(1, 3, next_sync=lambda step: step + 4)
     shares.open(0, None)

@@ -66,7 +66,8 @@ EXTRA = "pip install 'grpo_hf[peers]'"  # the extra that installs torchft
 
 
 def import_torchft():
-    """torchft's `Manager` and `ProcessGroupGloo` (and NCCL's on CUDA), or one error that names the extra to install."""
+    """torchft's `Manager` and its gloo process group ([`_quorum_group`]), or one error that names the extra to
+    install."""
     try:
         import torchft  # noqa: F401
         from torchft import Manager
@@ -76,7 +77,30 @@ def import_torchft():
             f"grpo_fault_tolerance=True needs torchft, which is not installed ({err}): install it with {EXTRA} "
             "(Linux wheels; its lighthouse ships inside)."
         ) from None
-    return Manager, ProcessGroupGloo
+    return Manager, _quorum_group(ProcessGroupGloo)
+
+
+def _quorum_group(base):
+    """
+    torchft's process group `base`, which also keeps the replica ids of the quorum it was last configured for
+    (`replica_ids`). torchft's manager configures it at every quorum whose id changed (a new membership), with the
+    global ranks of the quorum's members, `replica id × group size + group rank` (its `ranks_in_quorum`, from the
+    lighthouse's answer): every member of a quorum learns the same members from it, before and whatever the collectives
+    after it (a member may die in the first one).
+    """
+
+    class QuorumGroup(base):
+        replica_ids: tuple[int, ...] | None = None
+
+        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
+                      group_world_size=None, global_ranks=None):  # fmt: skip
+            if global_ranks is not None:
+                size, mine = group_world_size or 1, group_rank or 0
+                self.replica_ids = tuple(sorted((g - mine) // size for g in global_ranks))
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+                              global_ranks)  # fmt: skip
+
+    return QuorumGroup
 
 
 @dataclass
@@ -172,7 +196,7 @@ class TorchFTCommunicator(Communicator):
         self._store = None  # a store of its own (a one-process group)
         self.quorum_id = None
         self.membership_changed = False
-        self.members = None  # replica ids of the current quorum: shown at each new membership ([`_check_agreement`])
+        self.members = None  # replica ids of the current quorum, as torchft's quorum gives them ([`_quorum`])
         self.received: list = []  # what the last heal received (a peer's `save()`), until the caller takes it
         self.description: dict = {}  # what every group must agree on (checked when the membership changes)
         self.joined = False
@@ -470,8 +494,9 @@ class TorchFTCommunicator(Communicator):
         quorum_id = manager._quorum_id  # noqa: SLF001 (torchft keeps it private; it changes with the membership)
         self.membership_changed = quorum_id != self.quorum_id
         self.quorum_id = quorum_id
-        if self.membership_changed:  # known again once the members have shown their ids
-            self.members = (self.settings.replica_id,) if self.world_size < 2 else None
+        # the quorum's own members, the same in every group of it (an all-gather of them would fail where a member
+        # died in it, and the groups would then plan the window's batches apart: replica_shares.py)
+        self.members = self.pg.replica_ids or (self.settings.replica_id,)
 
     def _await_members(self, status: LighthouseStatus) -> None:
         """
@@ -532,17 +557,13 @@ class TorchFTCommunicator(Communicator):
         """After a sync that did not commit: a quorum of the survivors (nobody joins or heals), for one more try;
         `checksum()`: of this group's `θ_global`, checked against the others' when the membership changed. A group
         the others already left out of a quorum (one woken from a freeze) cannot be in theirs: its second try fails at
-        once, and it heals at the next sync's quorum."""
+        once, and it stops at the start of the next interval ([`next_interval`])."""
         status = lighthouse_status(self.settings.lighthouse)
-        if (
-            status is not None
-            and status.last_quorum_steps
-            and self.settings.replica_id not in status.last_quorum_steps
-        ):
+        if self._left_out(status, step):
             logger.warning(
                 f"GRPO fault tolerance: replica group {self.settings.replica_id} was left out of the others' last "
-                f"quorum ({status.describe()}): its sync at step {step} is discarded, and it heals from them at their "
-                "next quorum."
+                f"quorum ({status.describe()}): its sync at step {step} is discarded, and it stops before its next "
+                "quorum."
             )
             self.manager.report_error(RuntimeError("left out of the other groups' quorum"))
             self.membership_changed = False
@@ -552,15 +573,28 @@ class TorchFTCommunicator(Communicator):
         if self.membership_changed:
             self._check_agreement(checksum() if checksum is not None else None)
 
+    def _left_out(self, status: LighthouseStatus | None, step: int) -> bool:
+        """
+        Whether the other groups went on without this one: the lighthouse's last quorum lacks it, and was taken at this
+        group's step or later (a quorum of groups behind it, relaunched ones that have not healed yet, is not theirs).
+        """
+        if status is None or not status.last_quorum_steps or self.settings.replica_id in status.last_quorum_steps:
+            return False
+        return max(status.last_quorum_steps.values()) >= step
+
     def next_interval(self, step: int, checksum=None) -> None:
         """
         At the start of an interval (after the trainer closed the step that synced): a new quorum, at which restarted
-        or new groups join and heal from this one.
+        or new groups join and heal from this one. A group the others left out (found so at its sync's second try, or
+        now on the lighthouse's dashboard: one woken from a freeze) stops before it asks: in a quorum at the others'
+        step, no heal would tell it apart, and its `θ_global` would differ from theirs.
 
         Raises:
             [`~grpo_hf.errors.GRPOError`]: this group is behind the others (they went on without it while it was
                 silent): it stops, to be relaunched, and heals then.
         """
+        if self.left_out_at is not None or self._left_out(lighthouse_status(self.settings.lighthouse), step):
+            self._raise_behind(step if self.left_out_at is None else self.left_out_at)
         self._quorum(step, allow_heal=True, shrink_only=False)
         if self.received:  # behind the others while training: left out while it was silent (frozen, or cut off)
             self._raise_behind(step)
@@ -589,8 +623,8 @@ class TorchFTCommunicator(Communicator):
         (one all-gather of a few hundred bytes). A group that differs from the others in its settings, or has another's
         replica id, stops with an error naming what differs when it is new to the run (its first quorum); a group
         already training warns, and goes on without it (the new group's exit fails the next exchange, which is tried
-        again without it). A group whose `θ_global` differs from the first member's that gave one stops (a quorum was
-        split, and each half kept its own exchange): it heals when relaunched.
+        again without it). A group whose `θ_global` differs from most members' (from the first member's on a tie) stops
+        (a quorum was split, and each half kept its own exchange): it heals when relaunched.
 
         Raises:
             [`~grpo_hf.errors.ConfigError`]: this new group differs in its settings, model or replica id.
@@ -612,12 +646,12 @@ class TorchFTCommunicator(Communicator):
         if self.errored():
             return
         theirs = [json.loads(bytes(row.tolist()).rstrip(b"\0")) for row in out.view(self.world_size, -1)]
-        self.members = tuple(sorted({their["replica_id"] for their in theirs}))
-        checksums = [their.pop("global_checksum", None) for their in theirs]
-        first = next((value for value in checksums if value is not None), None)
-        if checksum is not None and checksum != first and self.left_out_at is not None:
+        checksums = [value for value in (their.pop("global_checksum", None) for their in theirs) if value is not None]
+        # the most members' (the first member's on a tie): one group that slipped in with its own does not stop them
+        common = max(checksums, key=checksums.count, default=None)
+        if checksum is not None and checksum != common and self.left_out_at is not None:
             self._raise_behind(self.left_out_at)
-        if checksum is not None and checksum != first:
+        if checksum is not None and checksum != common:
             raise RuntimeError(
                 "grpo_fault_tolerance: this replica group's global model differs from the other groups' (a quorum was "
                 "split: give the lighthouse a --join_timeout_ms above twice grpo_ft_timeout). It stops; relaunch it "
