@@ -52,9 +52,11 @@ settled after it; the last episode: every group that lived to the end finished, 
 wall time (first launch to the last exit of a group that trained to the end) and its ratio, the time the groups a
 fault did not hurt waited (their steps' excess over the run's median step, from the fault to the next), steps lost
 (`bench_faults.aggregate`), every batch (one group's batch of one step) in the final model once (each micro-batch
-trained is recorded with its data's digest, and kept when its process's next sync was kept), lost by a discarded
-sync, or lost in the last window (a catch-up after the last step: `last-sync`'s victim's), syncs discarded, the final
-model's perplexity (`bench_faults.evaluate`) and its ratio, whether the groups that trained to the end are
+trained is recorded with the unit it came from and its data's digest, a unit to take over whose batches were no longer
+kept as dropped; it is kept when the sync that closed its window kept its process, as the process recorded it or, for
+one killed right after that sync, as the survivors recorded the sync's kept members: `count_units`), lost by a
+discarded sync, or lost in the last window (a catch-up after the last step: `last-sync`'s victim's), syncs discarded,
+the final model's perplexity (`bench_faults.evaluate`) and its ratio, whether the groups that trained to the end are
 bit-identical, and every exit that was not a kill or the end (with its error line). The bars (`bars`) are printed as
 met or MISSED; a run that failed (a hang past `--timeout`, too many crashes) says so in its row.
 
@@ -231,7 +233,8 @@ class FaultHooks:
 
 
 def install_fault_hooks(trainer, job: dict) -> None:
-    """`bench_faults.worker`'s `setup`: the events of `FaultHooks`, and every micro-batch trained recorded."""
+    """`bench_faults.worker`'s `setup`: the events of `FaultHooks`; every micro-batch trained and each sync's kept
+    members recorded."""
     from transformers import TrainerCallback
 
     import grpo_hf.trainer as trainer_module
@@ -290,27 +293,101 @@ def install_fault_hooks(trainer, job: dict) -> None:
     trainer_module.trainer_heal_state = heal_state_marked
     trainer.save_model = save_model_marked
     trainer.add_callback(TakeOver())
+    trainer.add_callback(_record_kept_members(trainer, run_dir / f"kept-r{replica}-a{job['attempt']}.txt"))
     _record_trained(trainer, run_dir / f"trained-r{replica}-a{job['attempt']}.txt")
 
 
 def _record_trained(trainer, path: Path) -> None:
-    """Append `step source source_step digest` for every micro-batch `trainer` trains (its own batch, then those taken
-    over, in `training_step`'s order), as `tests/distributed/fault_tolerant.py` does."""
-    compute_loss, seen = trainer.compute_loss, {"step": None, "index": 0}
+    """
+    Append a line `step source source_step digest` for every micro-batch `trainer` trains, labelled with the unit it
+    came from, as `tests/distributed/fault_tolerant.py` does; and `step source source_step dropped` for each unit the
+    group was to take over at that step whose batches were no longer kept (it trains nothing of it).
+
+    The labels are those of the micro-batches [`~grpo_hf.replica_shares.SharedBatches.batches`] gave the step (each
+    unit still kept, in the order of `extras_at(step)`, as many micro-batches as it holds), recorded as it gives
+    them; `training_step` trains the step's first own micro-batch, then those, then its other own ones. Labelling by
+    the position in `extras_at(step)` alone would shift every later label of the step past a unit left out.
+
+    Args:
+        trainer ([`~grpo_hf.GRPOTrainer`]): a fault-tolerant group's trainer (`grpo_ft_take_over` or not).
+        path (`Path`): the record, appended to a line at a time (`trained-r<replica>-a<attempt>.txt`).
+    """
+    from grpo_hf.replica_shares import SharedBatches
+
+    compute_loss, seen = trainer.compute_loss, {"step": None, "index": 0, "taken": (None, [])}
     out = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life, a line at a time)
+    batches = SharedBatches.batches
+
+    def batches_recorded(self, units):  # in `get_batch_samples`, before the step's first micro-batch is trained
+        step, taken = trainer.state.global_step + 1, []
+        for unit in units:
+            if unit in self.kept:
+                taken += [tuple(unit)] * len(self.kept[unit])
+            else:
+                out.write(f"{step} {unit[0]} {unit[1]} dropped\n")
+        seen["taken"] = (step, taken)
+        return batches(self, units)
 
     def compute_loss_recorded(model, inputs, *args, **kwargs):
         step = trainer.state.global_step + 1
         seen["index"] = seen["index"] + 1 if seen["step"] == step else 0
         seen["step"] = step
-        shares = trainer.grpo_replica_shares
-        units = [(trainer.grpo_fault_tolerance.replica_id, step)] + (shares.extras_at(step) if shares else [])
-        source, source_step = units[seen["index"]]
+        taken_step, taken = seen["taken"]
+        units = [(trainer.grpo_fault_tolerance.replica_id, step)] + (taken if taken_step == step else [])
+        source, source_step = units[seen["index"]] if seen["index"] < len(units) else units[0]  # its own, after
         digest = hashlib.sha256(inputs["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
         out.write(f"{step} {source} {source_step} {digest}\n")
         return compute_loss(model, inputs, *args, **kwargs)
 
+    SharedBatches.batches = batches_recorded
     trainer.compute_loss = compute_loss_recorded
+
+
+def _record_kept_members(trainer, path: Path):
+    """
+    A callback that appends `step participants members` after each sync of `trainer` (and the quorum that follows
+    it): the replica ids whose local steps the sync kept, comma-separated (`-`: it was discarded; `?`: not known).
+    A group killed right after a sync (in the quorum that follows it, a heal's for instance) never writes its own
+    progress record of that sync: the survivors' lines say whether its window is in the global model.
+
+    Args:
+        trainer ([`~grpo_hf.GRPOTrainer`]): a fault-tolerant group's trainer.
+        path (`Path`): the record (`kept-r<replica>-a<attempt>.txt`).
+    """
+    from transformers import TrainerCallback
+
+    comm = trainer.grpo_comm_state
+    out = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life, a line at a time)
+
+    class KeptMembers(TrainerCallback):
+        seen = 0
+
+        def on_step_end(self, args, state, control, **kwargs):  # after GRPOCallback's: the sync and its quorum
+            events = getattr(comm, "participants", [])  # as `bench_faults.worker`'s `syncs` reads them
+            for participants in events[self.seen :]:
+                members = getattr(comm, "kept_members", None)
+                names = "?" if members is None and participants else ",".join(map(str, members or ())) or "-"
+                out.write(f"{state.global_step} {participants} {names}\n")
+            self.seen = len(events)
+
+    return KeptMembers()
+
+
+def read_kept_members(path: Path) -> list[list]:
+    """
+    The lines of [`_record_kept_members`] as `[step, members]`: the kept replica ids (`[]`: the sync was discarded;
+    `None`: not known).
+    """
+    kept = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        parts = line.split()
+        if len(parts) != 3:  # the last line of a killed process may be cut
+            continue
+        step, participants, names = parts
+        discarded, known = names == "-" or participants == "0", names != "?"
+        members = [] if discarded else list(map(int, names.split(","))) if known else None
+        kept.append([int(step), members])
+    return kept
 
 
 def _last_error(log: Path) -> str:
@@ -758,6 +835,8 @@ def run_one(row: str, seed: int, args: SoakArguments, info: dict, out: Path) -> 
     finished = [e["time"] for e in injector.exits if e["code"] == 0]
     result["wall_s"] = (max(finished) - start) if finished else None
     instances = {p.stem.removeprefix("progress-"): json.loads(p.read_text()) for p in run_dir.glob("progress-*.json")}
+    for key, record in instances.items():  # each sync's kept members (the unit accounting reads the survivors')
+        record["kept"] = read_kept_members(run_dir / f"kept-{key}.txt")
     eval_loss = None
     final = next((f"final-r{e['replica']}.pt" for e in injector.exits if e["how"] == "finished"), None)
     if final is not None and "failed" not in result:  # the first group that trained to the end: its model
@@ -784,8 +863,9 @@ def run_one(row: str, seed: int, args: SoakArguments, info: dict, out: Path) -> 
 
 
 def _fate(record: dict | None, step: int) -> str:
-    """What became of a micro-batch trained at `step` by a process (its progress record): `kept` when the first sync
-    at or after `step` was kept (or the process finished: its last step syncs), `discarded`, or `lost` with it."""
+    """What became of a micro-batch trained at `step` by a process (its progress record), as that record says: `kept`
+    when the first sync at or after `step` was kept (or the process finished: its last step syncs), `discarded`, or
+    `lost` when the record ends before that sync (the process died: [`_survivors_fate`] may still find it kept)."""
     if record is None:  # killed before its first step ended
         return "lost"
     sync = next((p for at, p in record["syncs"] if at >= step), None)
@@ -794,39 +874,101 @@ def _fate(record: dict | None, step: int) -> str:
     return "kept" if sync else "discarded"
 
 
-def unit_accounting(run_dir: Path, instances: dict, max_steps: int, syncs: list[int]) -> dict:
+def _survivors_fate(key: str, instances: dict, sync: int, reached: bool) -> str | None:
     """
-    Every batch of the run (a unit: one group's batch of one step) in the final model once? Counted over the
-    processes' records of what they trained (`trained-r<replica>-a<attempt>.txt`); the units in no final model split
-    into lost by a discarded sync, lost in the last window (a catch-up would fall after the last step), and
-    unexplained; a unit trained twice must be the same data (its digest).
+    What the processes other than `key` recorded of the sync at step `sync`: `discarded` when one recorded it
+    discarded, `kept` when `key`'s replica is among the kept members one recorded and `key` trained step `sync` itself
+    (`reached`: a process killed before it took no part), else `None`.
+
+    Args:
+        key (`str`): the process, `r<replica>-a<attempt>`.
+        instances (`dict`): every process's progress record, with `kept` (`[step, members]` each,
+            [`read_kept_members`]) where recorded.
+        sync (`int`): the step of the sync that closed the window.
+        reached (`bool`): whether `key` trained step `sync`.
     """
-    kept, fates, digests = Counter(), defaultdict(set), defaultdict(set)
+    replica = int(key[1:].split("-")[0])
+    fate = None
+    for other, record in instances.items():
+        if other == key or record is None:
+            continue
+        if any(at == sync and not p for at, p in record["syncs"]):
+            return "discarded"
+        if reached and any(at == sync and members and replica in members for at, members in record.get("kept", [])):
+            fate = "kept"
+    return fate
+
+
+def read_trained(run_dir: Path) -> dict[str, list[tuple[int, tuple[int, int], str]]]:
+    """
+    Every process's record of what it trained ([`_record_trained`]), by process (`r<replica>-a<attempt>`): `(step,
+    unit, digest)` per line, the digest `dropped` for a unit it was to take over but no longer held.
+    """
+    trained = {}
     for path in run_dir.glob("trained-r*-a*.txt"):
-        record = instances.get(path.stem.removeprefix("trained-"))
+        lines = []
         for line in path.read_text().splitlines():
             parts = line.split()
-            if len(parts) != 4:  # the last line of a killed process may be cut
+            if len(parts) != 4 or not (parts[3] == "dropped" or len(parts[3]) == 16):  # a killed process's cut line
                 continue
-            step, unit = int(parts[0]), (int(parts[1]), int(parts[2]))
-            digests[unit].add(parts[3])
+            lines.append((int(parts[0]), (int(parts[1]), int(parts[2])), parts[3]))
+        trained[path.stem.removeprefix("trained-")] = lines
+    return trained
+
+
+def unit_accounting(run_dir: Path, instances: dict, max_steps: int, syncs: list[int]) -> dict:
+    """[`count_units`] over the records of the run in `run_dir` (`trained-r<replica>-a<attempt>.txt`)."""
+    return count_units(read_trained(run_dir), instances, max_steps, syncs)
+
+
+def count_units(trained: dict, instances: dict, max_steps: int, syncs: list[int]) -> dict:
+    """
+    Every batch of the run (a unit: one group's batch of one step) in the final model once? A micro-batch a process
+    trained is in it when the sync that closed its window kept that process's local steps ([`_fate`]: its own
+    record of the sync, or, when it died before recording it, the kept members the survivors recorded). The units in
+    no final model split into lost by a discarded sync, lost in the last window (a catch-up would fall after the last
+    step), and unexplained (of those, `no_longer_kept`: a group was to take it over, but its batches were no longer
+    kept); a unit trained twice must be the same data (its digest).
+
+    Args:
+        trained (`dict`): [`read_trained`]'s lines, by process.
+        instances (`dict`): every process's progress record, by process (`r<replica>-a<attempt>`), with `kept`.
+        max_steps (`int`): the run's last step.
+        syncs (`list[int]`): the steps that sync (the last step syncs too).
+    """
+    kept, fates, digests, dropped = Counter(), defaultdict(set), defaultdict(set), set()
+    last_window = _last_window(syncs, max_steps)
+    for key, lines in trained.items():
+        record, survivors = instances.get(key), {}
+        reached = {step for step, _, digest in lines if digest != "dropped"}
+        for step, unit, digest in lines:
+            if digest == "dropped":  # no longer kept: not trained here
+                dropped.add(unit)
+                continue
+            digests[unit].add(digest)
             fate = _fate(record, step)
+            if fate == "lost":  # its record ends before the sync that closed the window: the survivors' record of it
+                sync = next((s for s in syncs if s >= step), max_steps)
+                if sync not in survivors:
+                    survivors[sync] = _survivors_fate(key, instances, sync, sync in reached)
+                fate = survivors[sync] or "lost"
             if fate == "kept":
                 kept[unit] += 1
             else:
-                fates[unit].add("discarded" if fate == "discarded" else ("last" if step > _last_window(syncs, max_steps)
-                                                                           else "lost"))  # fmt: skip
+                fates[unit].add("discarded" if fate == "discarded" else ("last" if step > last_window else "lost"))
     planned = [(r, s) for r in range(REPLICAS) for s in range(1, max_steps + 1)]
     missing = [u for u in planned if kept[u] == 0]
     discarded = [u for u in missing if "discarded" in fates[u]]
     last = [u for u in missing if u not in discarded and "last" in fates[u]]
     unexplained = sorted(set(missing) - set(discarded) - set(last))
+    not_kept = [u for u in unexplained if u in dropped]
     twice = sorted(u for u in planned if kept[u] > 1)
     mismatched = sorted(u for u, found in digests.items() if len(found) > 1)
     return {"planned": len(planned), "once": sum(1 for u in planned if kept[u] == 1), "discarded": len(discarded),
-            "last_window": len(last), "unexplained": len(unexplained), "twice": len(twice),
-            "mismatched": len(mismatched), "examples": {"unexplained": unexplained[:10], "twice": twice[:10],
-                                                         "mismatched": mismatched[:10]}}  # fmt: skip
+            "last_window": len(last), "unexplained": len(unexplained), "no_longer_kept": len(not_kept),
+            "twice": len(twice), "mismatched": len(mismatched),
+            "examples": {"unexplained": unexplained[:10], "no_longer_kept": not_kept[:10], "twice": twice[:10],
+                         "mismatched": mismatched[:10]}}  # fmt: skip
 
 
 def _last_window(syncs: list[int], max_steps: int) -> int:
@@ -1008,8 +1150,9 @@ def markdown(results: dict[str, dict[int, dict]]) -> str:
                  f"{_num(run.get('wall_s'), '.0f')} / {_num((ref or {}).get('wall_s'), '.0f')} "
                  f"({_num(ratio['wall_s'], '.3f')})", str(run.get("steps_lost", "–")),
                  f"{units.get('once', '–')} / {units.get('planned', '–')}",
-                 f"{units.get('discarded', '–')} / {units.get('last_window', '–')} / {units.get('unexplained', '–')}; "
-                 f"{units.get('twice', '–')}", str(run.get("syncs_discarded", "–")),
+                 f"{units.get('discarded', '–')} / {units.get('last_window', '–')} / {units.get('unexplained', '–')}"
+                 + (f" ({units['no_longer_kept']} no longer kept)" if units.get("no_longer_kept") else "")
+                 + f"; {units.get('twice', '–')}", str(run.get("syncs_discarded", "–")),
                  f"{_num(run.get('perplexity'), '.3f')} / {_num((ref or {}).get('perplexity'), '.3f')} "
                  f"({_num(ratio['perplexity'], '.4f')})", identical, str(run.get("heals", "–"))]  # fmt: skip
         stops = [f for f in _injected(run) if f["kind"] == "stop"]

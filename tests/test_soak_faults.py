@@ -42,6 +42,120 @@ def test_a_batch_is_kept_when_the_next_sync_of_its_process_was():
     assert _fate(None, 3) == "lost"  # killed before its first step ended
 
 
+def _process(syncs, kept=None, done=True):
+    """A progress record (`bench_faults.Progress`) with what the unit accounting reads: each sync's participants, and
+    each sync's kept members (`kept`, `_record_kept_members`'s)."""
+    return {"syncs": syncs, "kept": kept or [], "done": done}
+
+
+def _write_trained(run_dir, key, lines):
+    text = "".join(f"{step} {r} {s} {digest}\n" for step, (r, s), digest in lines)
+    (run_dir / f"trained-{key}.txt").write_text(text)
+
+
+def _digest(values):
+    import hashlib
+
+    import torch
+
+    return hashlib.sha256(torch.tensor(values).numpy().tobytes()).hexdigest()[:16]
+
+
+def test_a_window_the_survivors_sync_kept_counts_although_its_group_died_right_after_the_sync(tmp_path):
+    """Group 0 trains steps 1-8, takes part in the sync of step 8 and is killed in the quorum after it (a heal
+    source): its own record never notes that sync, the survivors' does, with group 0 among the kept members. Its
+    relaunch heals at step 8 and trains 9-16."""
+    from benchmarks.bench_soak_faults import unit_accounting
+
+    every_kept = [[8, [0, 1, 2]], [16, [0, 1, 2]]]
+    instances = {"r0-a0": _process([[4, 3]], [[4, [0, 1, 2]]], done=False), "r0-a1": _process([[16, 3]]),
+                 "r1-a0": _process([[4, 3], [8, 3], [16, 3]], [[4, [0, 1, 2]], *every_kept]),
+                 "r2-a0": _process([[4, 3], [8, 3], [16, 3]], [[4, [0, 1, 2]], *every_kept])}  # fmt: skip
+    _write_trained(tmp_path, "r0-a0", [(s, (0, s), f"{s:016x}") for s in range(1, 9)])
+    _write_trained(tmp_path, "r0-a1", [(s, (0, s), f"{s:016x}") for s in range(9, 17)])
+    for r in (1, 2):
+        _write_trained(tmp_path, f"r{r}-a0", [(s, (r, s), f"{r}{s:015x}") for s in range(1, 17)])
+    units = unit_accounting(tmp_path, instances, 16, [4, 8])
+    assert (units["once"], units["unexplained"], units["twice"]) == (48, 0, 0), units
+
+    # the survivors' sync without group 0 (it died before it): its window is lost
+    for r in (1, 2):
+        instances[f"r{r}-a0"]["kept"][1] = [8, [1, 2]]
+    units = unit_accounting(tmp_path, instances, 16, [4, 8])
+    assert units["unexplained"] == 4 and units["examples"]["unexplained"] == [(0, s) for s in range(5, 9)], units
+    # ... and a group killed before the sync's step took no part in it, whatever the members say
+    for r in (1, 2):
+        instances[f"r{r}-a0"]["kept"][1] = [8, [0, 1, 2]]
+    _write_trained(tmp_path, "r0-a0", [(s, (0, s), f"{s:016x}") for s in range(1, 8)])
+    units = unit_accounting(tmp_path, instances, 16, [4, 8])
+    assert units["unexplained"] == 4, units  # (0, 8) among them: nobody trained it
+    # a window whose sync the survivors discarded: its units are lost by a discarded sync, not unexplained
+    _write_trained(tmp_path, "r0-a0", [(s, (0, s), f"{s:016x}") for s in range(1, 9)])
+    for r in (1, 2):
+        instances[f"r{r}-a0"]["syncs"][1] = [8, 0]
+    units = unit_accounting(tmp_path, instances, 16, [4, 8])
+    assert units["discarded"] == 3 * 4 and units["unexplained"] == 0, units
+
+
+def test_a_unit_no_longer_kept_shifts_no_label_of_the_units_taken_over_after_it(tmp_path, monkeypatch):
+    """Group 0 is to take over units (2, 1) and (2, 2) at step 2; (2, 1) is no longer kept (group 1 trained it at step
+    1), so the step trains (2, 2)'s micro-batch right after its own: it is recorded as (2, 2), and (2, 1) as dropped
+    by group 0, not trained twice with two digests."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.bench_soak_faults import _record_trained, unit_accounting
+    from grpo_hf.replica_shares import SharedBatches
+
+    monkeypatch.setattr(SharedBatches, "batches", SharedBatches.batches)  # the recorder wraps it: put back after
+    plan = {2: [(2, 1), (2, 2)]}
+    shares = SimpleNamespace(extras_at=lambda step: list(plan.get(step, ())))
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=0), compute_loss=lambda model, inputs, *a, **k: 0.0,
+                              grpo_fault_tolerance=SimpleNamespace(replica_id=0), grpo_replica_shares=shares)  # fmt: skip
+    shared = SharedBatches([[], [], []], replica_id=0, accumulation=1, keep_steps=16)
+    shared.kept = {(2, 2): [{"input_ids": torch.tensor([22])}]}  # (2, 1): no longer kept
+    _record_trained(trainer, tmp_path / "trained-r0-a0.txt")
+    for step in (1, 2):  # as the Trainer: the step's batches (`get_batch_samples`), then each micro-batch's loss
+        trainer.state.global_step = step - 1
+        taken = shared.batches(trainer.grpo_replica_shares.extras_at(step))
+        for micro_batch in [{"input_ids": torch.tensor([step])}, *taken]:
+            trainer.compute_loss(None, micro_batch)
+    lines = (tmp_path / "trained-r0-a0.txt").read_text().splitlines()
+    assert f"2 2 2 {_digest([22])}" in lines and f"2 2 1 {_digest([22])}" not in lines, lines
+    group_1 = [(1, (1, 1), _digest([11])), (1, (2, 1), _digest([21])), (2, (1, 2), _digest([12]))]
+    _write_trained(tmp_path, "r1-a0", group_1)
+    instances = {"r0-a0": _process([[2, 2]], [[2, [0, 1]]]), "r1-a0": _process([[2, 2]], [[2, [0, 1]]])}
+    units = unit_accounting(tmp_path, instances, 2, [])
+    assert (units["once"], units["unexplained"], units["twice"], units["mismatched"]) == (6, 0, 0, 0), units
+
+    # a unit no longer kept that nobody else trained: lost, and said so
+    _write_trained(tmp_path, "r1-a0", [group_1[0], group_1[2]])
+    units = unit_accounting(tmp_path, instances, 2, [])
+    assert (units["unexplained"], units["no_longer_kept"]) == (1, 1), units
+    assert units["examples"]["no_longer_kept"] == [(2, 1)], units
+
+
+def test_the_kept_members_of_each_sync_are_recorded_and_read_back(tmp_path):
+    from types import SimpleNamespace
+
+    from benchmarks.bench_soak_faults import _record_kept_members, read_kept_members
+
+    comm = SimpleNamespace(participants=[], kept_members=None)
+    trainer = SimpleNamespace(grpo_comm_state=comm)
+    callback = _record_kept_members(trainer, tmp_path / "kept-r0-a0.txt")
+    for step, participants, members in [(1, None, None), (3, 3, (0, 1, 2)), (4, None, None), (7, 0, ()),
+                                        (15, 2, (0, 2)), (23, 3, None)]:  # fmt: skip
+        if participants is not None:
+            comm.participants.append(participants)
+            comm.kept_members = members
+        callback.on_step_end(None, SimpleNamespace(global_step=step), None)
+    with open(tmp_path / "kept-r0-a0.txt", "a") as out:
+        out.write("31 3")  # a killed process's cut line
+    assert read_kept_members(tmp_path / "kept-r0-a0.txt") == [[3, [0, 1, 2]], [7, []], [15, [0, 2]], [23, None]]
+    assert read_kept_members(tmp_path / "kept-r1-a0.txt") == []  # none written
+
+
 def test_a_miss_is_printed_as_missed():
     from benchmarks.bench_soak_faults import bars, markdown
 
