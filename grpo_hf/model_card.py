@@ -349,15 +349,14 @@ def _cost_rows(record: ModelCardRecord) -> list[tuple[str, str]]:
 
 
 def _versions(environment: dict) -> str:
-    import importlib.metadata as metadata
     import platform
+
+    from .provenance import package_version
 
     names = ("grpo_hf", "transformers", "peft", "torch", "accelerate", "evaluate")
     lines = [f"- {name}: {environment.get(name)}" for name in names if environment.get(name)]
-    try:
-        lines.append(f"- huggingface_hub: {metadata.version('huggingface_hub')} (card written)")
-    except metadata.PackageNotFoundError:
-        pass
+    if package_version("huggingface_hub"):
+        lines.append(f"- huggingface_hub: {package_version('huggingface_hub')} (card written)")
     lines.append(f"- Python: {str(environment.get('python') or platform.python_version()).split()[0]}")
     return "\n".join(lines)
 

@@ -24,9 +24,18 @@ SUMMARY_TRAINING_KEYS = (
 ).split()
 
 
+def package_version(name: str) -> str | None:
+    """The installed version of the package `name`, `None` when it is not installed."""
+    import importlib.metadata as metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def capture_environment() -> dict[str, Any]:
     """Versions, platform, CPUs, torch threads and GPU of this run, for `results.json`."""
-    import importlib.metadata as metadata
     import platform
 
     env = {"python": sys.version, "platform": platform.platform(), "cpu_count": os.cpu_count()}
@@ -35,10 +44,7 @@ def capture_environment() -> dict[str, Any]:
     except AttributeError:
         pass
     for package in ("torch", "transformers", "accelerate", "peft", "evaluate", "grpo_hf"):
-        try:
-            env[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            env[package] = None
+        env[package] = package_version(package)
     env["torch_threads"] = torch.get_num_threads()
     env["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return env

@@ -173,10 +173,6 @@ def _read_local(name: str, load, hint: str):
         raise ConfigError(f"model {name!r}: transformers cannot load it ({first_line}). {hint}") from None
 
 
-def _load_any_model(name: str):
-    return load_model_for_inspection(name)
-
-
 # The width `grpo-hf groups` prints its table in (a terminal's usual 100 columns; wider rules fold onto more lines).
 GROUPS_WIDTH = 100
 
@@ -296,7 +292,7 @@ def groups_command(args) -> int:
     checked = argparse.Namespace(**{**grpo_defaults(), **{k: getattr(args, k) for k in GROUPS_FIELDS}})
     validate_grpo_fields(checked)
     spec = load_group_spec(args.grpo_groups)
-    model = _load_any_model(args.model)
+    model = load_model_for_inspection(args.model)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -471,12 +467,12 @@ def env_command_parser():
 
 
 def env_command(args) -> int:
-    import importlib.metadata as metadata
-
     import psutil
     import torch
 
     import grpo_hf
+
+    from ..provenance import package_version
 
     info = {
         "grpo_hf version": grpo_hf.__version__,
@@ -484,23 +480,16 @@ def env_command(args) -> int:
         "Python version": sys.version.split()[0],
     }
     for package in ("torch", "transformers", "accelerate", "peft", "datasets", "evaluate", "trl"):
-        try:
-            info[f"{package} version"] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            info[f"{package} version"] = "not installed"
+        info[f"{package} version"] = package_version(package) or "not installed"
     info["CPU cores"] = str(psutil.cpu_count(logical=True))
     info["RAM"] = f"{psutil.virtual_memory().total / 2**30:.1f} GiB"
     info["CUDA available"] = str(torch.cuda.is_available())
     if torch.cuda.is_available():
         info["GPU"] = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         info["CUDA version"] = str(torch.version.cuda)
+    backends = ("gloo", "nccl")
     info["torch.distributed backends"] = ", ".join(
-        name
-        for name, ok in (
-            ("gloo", torch.distributed.is_gloo_available()),
-            ("nccl", torch.distributed.is_nccl_available()),
-        )
-        if ok
+        b for b in backends if getattr(torch.distributed, f"is_{b}_available")()
     )
     print("\nCopy-and-paste the text below in your GitHub issue\n")
     print("\n".join(f"- {key}: {value}" for key, value in info.items()))

@@ -712,15 +712,14 @@ def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, ev
     metrics = summary["metrics"]
     history = [dict(h) for h in trainer.state.log_history]
     loss_curve = [(h["step"], h["loss"]) for h in history if "loss" in h]
-    # GRPOTrainer's: the learning rate the optimizer used per group, and the importance multipliers it applied
-    learning_rates: dict[str, list] = {}
-    lr_scales: dict[str, list] = {}
-    for h in history:
-        for key, value in h.items():
-            if key.startswith("grpo/lr/"):
-                learning_rates.setdefault(key.removeprefix("grpo/lr/"), []).append((h["step"], value))
-            elif key.startswith("grpo/lr_scale/"):
-                lr_scales.setdefault(key.removeprefix("grpo/lr_scale/"), []).append((h["step"], value))
+
+    def per_group(prefix: str) -> dict[str, list]:  # `{group: [(step, value), ...]}` of the logged `<prefix><group>`
+        series: dict[str, list] = {}
+        for h in history:
+            for key in (k for k in h if k.startswith(prefix)):
+                series.setdefault(key.removeprefix(prefix), []).append((h["step"], h[key]))
+        return series
+
     comm_bytes = run.recorder.bytes_before + float(sum(run.recorder.per_step))  # the whole run's, resumed or not
     steps = trainer.state.global_step
     row: dict[str, Any] = {
@@ -759,8 +758,9 @@ def _row(run: _MeasuredTrainer, kind: str, args, timing: dict, quality: dict, ev
         "total_usd": metrics.get("cost/total_usd"),
         "cost_per_quality": _cost_per_quality(cost_per_quality, metrics.get("cost/total_usd"), eval_after),
         "loss_curve": loss_curve,
-        "learning_rates": learning_rates,
-        "lr_scales": lr_scales,
+        # GRPOTrainer's: the learning rate the optimizer used per group, and the importance multipliers it applied
+        "learning_rates": per_group("grpo/lr/"),
+        "lr_scales": per_group("grpo/lr_scale/"),
         "importance_applied": kind == "grpo" and bool(args.grpo_importance),
         "bytes_per_step": list(run.recorder.per_step),
         "bytes_first_step": run.recorder.first_step,

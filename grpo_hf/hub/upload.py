@@ -85,10 +85,6 @@ def _previous_upload_folder(folder: Path) -> bool:
         return False
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
 def check_upload_dir(target: Path, output_dir: Path, model_folder: Path) -> None:
     """
     Refuse an upload folder that would write into, or remove, what it is made from: it may not be, contain, or lie
@@ -104,9 +100,9 @@ def check_upload_dir(target: Path, output_dir: Path, model_folder: Path) -> None
     for source in dict.fromkeys((output_dir.resolve(), model_folder.resolve())):
         if resolved == source:
             clash = "is the folder being published"
-        elif _inside(source, resolved):
+        elif source.is_relative_to(resolved):
             clash = "holds the folder being published"
-        elif _inside(resolved, source) and not _inside(resolved, own):
+        elif resolved.is_relative_to(source) and not resolved.is_relative_to(own):
             clash = "lies inside the folder being published"
         else:
             continue
