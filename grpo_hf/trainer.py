@@ -465,8 +465,8 @@ class GRPOMixin(FaultToleranceMixin):
             output = super().train(checkpoint, *args, **kwargs)
             sent = self.grpo_comm_state.finish() if self.grpo_comm_state is not None else None  # e.g. the sync's last
         finally:
-            if self.grpo_comm_state is not None:  # fault-tolerant groups leave their quorum (the lighthouse stops
-                self.grpo_comm_state.communicator.shutdown()  # waiting for them); nothing to do for the others
+            if self.grpo_comm_state is not None:  # fault-tolerant replica groups leave their quorum
+                self.grpo_comm_state.shutdown()
         if sent is not None:
             self.cost_callback.add_comm_bytes(sent)
         output.metrics.update(self.grpo_callback.measured_metrics(accelerator=self.args.device.type != "cpu"))

@@ -271,6 +271,17 @@ def test_state_commits_residuals_only_for_finite_steps():
     assert state.pop_stats()["grpo/comm/dense_steps"] == 1.0 and state.pop_stats() == {}
 
 
+def test_every_transport_shuts_down_at_train_end_whatever_its_wire():
+    """The trainer calls `shutdown()` of whatever transport it holds (fault-tolerant groups leave their quorum there):
+    FSDP2's compressed reduce-scatter holds no communicator of its own (one per FSDP group, made when first used)."""
+    from grpo_hf.compression.outer_sync import OuterSyncState
+    from grpo_hf.compression.state import GRPOCommState
+
+    FSDPCommState(bits=8).shutdown()
+    GRPOCommState({}).shutdown()
+    OuterSyncState({"w": None}, [["w"]], every=4).shutdown()
+
+
 def test_state_checks_its_settings():
     with pytest.raises(ValueError, match="bits=3"):
         FSDPCommState(bits=3)

@@ -610,6 +610,10 @@ class OuterSyncState(CommState):
         self.stats.hook_ms += (time.perf_counter() - start) * 1000
         return self._close(count_step=False)
 
+    def shutdown(self) -> None:
+        """Leave the wire's membership (between fault-tolerant replica groups: the quorum; nothing otherwise)."""
+        self.communicator.shutdown()
+
     def _in_ramp(self) -> bool:
         points = ramp_points(self.every) if self.ramp else []
         return bool(points) and self.step <= points[-1]

@@ -197,6 +197,11 @@ class CommState:
         """
         return None
 
+    def shutdown(self) -> None:
+        """At the end of training, whether it ended well or not: the transport leaves its wire's membership
+        (fault-tolerant replica groups leave their quorum, so that the lighthouse stops waiting for them). Nothing for
+        the others."""
+
     def heal_state_dict(self) -> dict:
         """What a healing replica group receives of this rank's transport (fault-tolerant replica groups)."""
         raise NotImplementedError(f"{type(self).__name__} does not heal replica groups.")
