@@ -40,6 +40,7 @@ from .cost import CostSettings
 from .cost.prices import CostFields
 from .engine_settings import check_backends
 from .errors import ConfigError
+from .field_docs import append_field_docs
 from .grouping import check_lr_ratios, load_group_spec
 from .importance import SCORE_KINDS as SCORE_CHOICES
 from .lr_presets import DEFAULT_PRESET, PRESET_CHOICES, check_preset
@@ -61,6 +62,19 @@ class GRPOConfig(CostFields, TrainingArguments):
     Configuration of [`GRPOTrainer`]: every field of [`~transformers.TrainingArguments`] plus the settings of grouped
     parameter resource optimization (GRPO; not TRL's Group Relative Policy Optimization).
 
+    Every check runs when the config is built, before any model is loaded: the `grpo_*` and `cost_*` values, the
+    group file (read and validated, errors name the file and the rule), and the engine (FSDP2 and DeepSpeed ZeRO 1/2/3
+    are accepted; FSDP1, ZeRO stage 0 and a DeepSpeed config with an `"optimizer"` or `"scheduler"` block are refused,
+    see [`~grpo_hf.engine_settings.check_backends`]). Errors are [`~grpo_hf.errors.ConfigError`] /
+    [`~grpo_hf.errors.GroupConfigError`] (`ValueError`s) that name the field.
+
+    Four fields of the sync had other names before (`grpo_outer_lr`, `grpo_outer_momentum`, `grpo_outer_dtype`,
+    `grpo_outer_control`): deprecated aliases, accepted for one more release with a `FutureWarning`
+    ([`DEPRECATED_FIELDS`] maps each to its new name). Settings that were measured and removed
+    (`grpo_scale_gradients`, `grpo_scale_beta`, `grpo_scale_clip`) are refused, whatever their value, with one error
+    that says why ([`REMOVED_FIELDS`]). The `grpo-hf` commands add fields of their own (`overwrite_output_dir`,
+    `cost_noise_rounds`, `cost_noise_window_steps`) to the recipes they read; `GRPOTrainer` has no use for them.
+
     Example:
 
     ```python
@@ -68,284 +82,41 @@ class GRPOConfig(CostFields, TrainingArguments):
 
     >>> args = GRPOConfig(output_dir="out", grpo_groups="semantic", learning_rate=2e-4, max_steps=100)
     ```
-
-    Parameters that control grouping:
-
-        grpo_groups (`str`, *optional*, defaults to `"semantic"`):
-            A preset (`"semantic"`, `"semantic+shape"`) or the path of a JSON/YAML group file (the article's
-            `{"groups": [{"name": ..., "pattern": ..., "sparsity": ...}]}` format loads as is).
-        grpo_groups_strict (`bool`, *optional*, defaults to `False`):
-            Make a rule that matches no trainable parameter an error instead of a warning.
-        grpo_lr_ratios (`dict` or `str`, *optional*):
-            Fixed factors on the scheduled learning rate of groups, by group-name pattern (`fnmatch`), e.g.
-            `{"*lora_B": 4}` (LoRA+'s idea: the B matrices learn faster); a JSON string on the command line. A group
-            file's own `lr_ratio` wins; the importance multiplier (below) multiplies on top.
-        grpo_lr_preset (`str`, *optional*, defaults to `"none"`):
-            Fixed per-group LR ratios made from the groups ([`~grpo_hf.lr_presets`]): `"lora-b"` (LoRA's B matrices
-            faster), `"llrd"` (layer-wise decay by depth, counted per stack), `"embeddings"` (embeddings slower, head
-            faster), `"fan-in"` (each matrix by its fan-in, muP-like), `"auto"` (by model kind), `"none"`. Groups are
-            split where a preset's factor differs inside them (`ffn/L3`). `grpo_lr_ratios` and a group file's
-            `lr_ratio` win over it. Off by default: no preset has earned it on a learning-rate sweep yet.
-
-    Parameters that control importance-based learning-rate scaling:
-
-        grpo_importance (`bool`, *optional*, defaults to `False`):
-            Scale each group's learning rate by its importance multiplier. Off by default: no importance score has
-            beaten the plain Trainer on the benchmark suite (`docs/benchmarks.md`). The scores are computed and
-            logged either way (`grpo/importance/<group>`); the multipliers (`grpo/lr_scale/<group>`) only when applied.
-        grpo_importance_score (`str`, *optional*, defaults to `"article"`):
-            `"article"`: `||grad_g||_2 * ln(update_count_g + 1)`; `"rms"`: the same with the per-element RMS of the
-            gradient instead of its norm, so that large groups do not win by size alone; `"coherence"`: the cosine
-            between the group's gradient and its optimizer momentum (Adam's `exp_avg`), so that groups whose gradients
-            keep their direction get more learning rate.
-        grpo_lr_scale_min (`float`, *optional*, defaults to `0.9`) and grpo_lr_scale_max (`float`, *optional*,
-        defaults to `1.1`):
-            Bounds of every multiplier (a group file can override them per group). Wider bounds measured worse than
-            the plain Trainer in `benchmarks/bench_importance.py` (`benchmarks/LOG.md`).
-        grpo_lr_scale_ema (`float`, *optional*, defaults to `0.9`):
-            Smoothing of the scores (EMA factor; 0 = no smoothing).
-        grpo_lr_scale_warmup_steps (`int`, *optional*, defaults to `10`):
-            Optimizer steps during which every multiplier is 1 (scores are still tracked).
-        grpo_log_groups (`bool`, *optional*, defaults to `False`):
-            Log each group's figures at every logging step: `grpo/lr/<group>`, `grpo/lr_scale/<group>`,
-            `grpo/grad_norm/<group>`, `grpo/importance/<group>`, `grpo/update_count/<group>` and
-            `grpo/memory/optimizer_state_bytes/<group>` (a five-group model: 30 more keys per line). Off, each
-            logging step is one concise line: the Trainer's keys and GRPO's totals (`grpo/load_balance_std`,
-            `grpo/nonfinite_steps`, `grpo/memory/optimizer_state_bytes`, the `grpo/comm/*` bytes). `grpo-hf compare`
-            turns it on for the report's per-group plots.
-
-    Parameters that control gradient compression (see [`~grpo_hf.compression`]):
-
-        grpo_compression (`str`, *optional*, defaults to `"auto"`):
-            `"none"`, `"sparse"` (top-k, fp32 values), `"quantize"` (every entry, `grpo_bits` per value),
-            `"sparse+quantize"` (the article's), or `"auto"`: `"quantize"` under DDP or FSDP2 with more than one
-            process, `"none"` otherwise. Every lossy DDP setting keeps what it did not send for the next step (error
-            feedback). FSDP2 takes `"none"` and `"quantize"` (its compressed reduce-scatter, see
-            [`~grpo_hf.compression.fsdp`]); DeepSpeed only `"none"` (ZeRO reduces gradients itself; `"auto"` turns
-            compression off there).
-        grpo_density (`float`, *optional*, defaults to `0.15`):
-            Fraction of gradient entries kept by top-k (the article's 15%%) when `grpo_compression` includes
-            `"sparse"`, for groups that do not set their own.
-        grpo_bits (`str`, *optional*, defaults to `"8"`):
-            Bits per sent value: `2` (ternary codes, sent as a bitmap plus sign bits), `4`, `8`, `16`, `32`, or
-            `"auto"` (the article's: 4 for linear-like weights, 8 for convolutions and embeddings), for every group
-            that does not set its own. The default is the setting chosen on the benchmark suite; what every setting
-            measured, in quality and bytes, is in `docs/compression.md`.
-        grpo_comm_mode (`str`, *optional*, defaults to `"auto"`):
-            `"allgather"` (every rank's message to every rank: per-rank bytes grow as `W - 1`), `"allreduce"`
-            (compressed reduce-scatter with error feedback on the owners of each chunk, then an all-gather: per-rank
-            bytes flat in `W`), or `"auto"`: `"allgather"` at 2 workers, `"allreduce"` above.
-        grpo_dense_warmup_steps (`int`, *optional*, defaults to `2`):
-            Optimizer steps sent dense before compression starts (DDP rebuilds its buckets after step 1).
-        grpo_fsdp_error_feedback (`str`, *optional*, defaults to `"none"`):
-            FSDP2's compressed reduce-scatter only: `"none"` (no memory: an owner's own chunk is exact, the others'
-            quantization errors are dropped), `"worker-bf16"` or `"worker-int8"` (every rank keeps the residual of the
-            chunks it sends, in bf16 or 8-bit blocks: memory that does not shrink with the number of ranks). See
-            `docs/engines.md` for the measurement behind the default.
-        grpo_min_compress_numel (`int`, *optional*, defaults to `4096`):
-            Tensors with fewer elements (norms, biases) are always sent dense (DDP; FSDP2 compresses every gradient
-            of a unit alike).
-        grpo_max_consecutive_skips (`int`, *optional*, defaults to `8`):
-            Where GRPO's codec or sync touches the gradients (compression on, or `grpo_sync_every > 1`), an optimizer
-            step with NaN/Inf gradients is skipped (a transient overflow does not end a run, and the residuals stay
-            clean), but this many skipped in a row stop it with a [`~grpo_hf.errors.GRPOError`] naming the step,
-            groups and parameters; `0` never stops. Without a codec or sync such a step is the Trainer's (taken, with
-            a warning), and nothing stops. Not applied under an fp16 `GradScaler`, which skips and rescales itself.
-
-    Parameters that control the sync every H steps (DiLoCo; see `docs/compression.md` and
-    [`~grpo_hf.compression.outer_sync`]):
-
-        grpo_sync_every (`int`, *optional*, defaults to `1`):
-            `H`. `1`: the gradients are exchanged at every step (as above). Above 1, under DDP: the inner steps
-            exchange nothing, and every `H` optimizer steps the ranks average their pseudo-gradient
-            `Δ = θ_global − θ_local` (in `grpo_sync_bits` codes with error feedback) and take an outer SGD step with
-            Nesterov momentum; every rank restarts from `θ_global`. On one process (nothing to exchange) only the outer step is added.
-            Under FSDP2 with replica groups (HSDP's `ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)`, the
-            machine count, or [`~grpo_hf.replica_groups.shard_replica_groups`]) FSDP2 shards each replica over its
-            `S` ranks and reduce-scatters every step inside it, and the `R` replicas sync every `H` steps, each rank
-            its local shards (`docs/engines.md`). DeepSpeed, tensor and context parallelism and fp16 mixed precision
-            are refused with `H > 1`. For fine-tunes `32`, the other sync fields at their defaults; from scratch `8`
-            (`docs/compression.md`, "Sync every H steps", has the measured cost of both). The fewest bytes on a
-            fine-tune: `H` at or above `max_steps` with `grpo_sync_ramp=False`, one sync at the last step
-            (`docs/compression.md`, "A thousand times fewer bytes").
-        grpo_sync_bits (`str`, *optional*, defaults to `"4"`):
-            Bits per entry of the pseudo-gradient `Δ` the ranks exchange at a sync: `"ternary"`, `2`, `4`, `8` or `16`
-            (codes in blocks of 128 with one scale each, and error feedback: what a sync did not send is added to the
-            next one's `Δ`), or `32` (fp32, no codes; so does `grpo_compression="none"`). `"ternary"` sends the
-            levels of the per-step `grpo_bits=2` (`-1`, `0`, `+1` times the block's absmax), 5 per byte: 1.875 bits
-            per entry with the scale; `2` sends four levels (`±1/3`, `±1` times the absmax), 2.25 bits per entry
-            with the scale, so it is not the per-step `grpo_bits=2`, which is ternary. Tensors below
-            `grpo_min_compress_numel` and a group file's `bits: 32` go in fp32. The default is the one that measured best for fine-tunes on the
-            benchmark suite (`docs/compression.md`): as good as 8 bits best against best, at half the bytes.
-            `grpo_bits` sets the per-step codes only, which the sync does not send.
-        grpo_sync_fragments (`int`, *optional*, defaults to `1`):
-            GRPO's groups packed into this many fragments of balanced size (a group larger than one fragment's share is
-            split by parameter); each syncs at its own offset of the `H` steps, so the bytes of a sync are spread over
-            the interval (Streaming DiLoCo). At most `grpo_sync_every`.
-        grpo_sync_ramp (`bool`, *optional*, defaults to `True`):
-            Sync after steps 1, 3, 7, … (intervals doubling up to `H`) before the first full interval.
-        grpo_sync_delay (`int`, *optional*, defaults to `0`):
-            `τ` (Streaming DiLoCo's overlap, torchft's `fragment_sync_delay`): above 0, a fragment's exchange starts at
-            its sync step and runs while the next `τ` inner steps compute; its outer step is applied `τ` steps later
-            and merged with the local parameters as `grpo_sync_mix` says. `0`: the exchange blocks the step that
-            syncs. Needs `grpo_sync_every > 1` and `τ < grpo_sync_every / grpo_sync_fragments`; the ramp's syncs and
-            the last step's wait at once.
-        grpo_sync_mix (`float`, *optional*, defaults to `0.5`):
-            `α` in `[0, 1]` (torchft's `fragment_update_alpha`), with `grpo_sync_delay > 0`: a fragment's parameters
-            become `(1 − α) θ_global + α θ_local` when its delayed outer step is applied, so the local steps taken
-            while the exchange ran are kept in part. `0` restarts from `θ_global` (those steps are dropped).
-        grpo_sync_moments (`str`, *optional*, defaults to `"none"`):
-            The inner optimizer's moments averaged over the ranks at every sync of a fragment, for its parameters:
-            `"none"` (each rank's AdamW state stays its own), `"second"` (`exp_avg_sq`, as hivemind does) or `"both"`
-            (`exp_avg` and `exp_avg_sq`), in place, so that every rank continues from the same moments. One blocking
-            fp32 all-reduce per moment and sync (`2 (W − 1) / W × 4 n` bytes each, `n` the fragment's entries).
-            Needs `grpo_sync_every > 1`, `grpo_sync_delay=0` and an Adam-like optimizer of torch (Adam, AdamW, NAdam,
-            RAdam). Opt-in: on the suite it narrows the gap to DDP at many more bytes (docs/compression.md).
-        grpo_sync_outer_lr (`float`, *optional*, defaults to `1.0`) and grpo_sync_outer_momentum (`float`, *optional*,
-        defaults to `0.0`):
-            The outer step (Nesterov momentum). The defaults, `1` and `0`, are plain parameter averaging (accelerate's
-            `LocalSGD`), chosen best against best on the benchmark suite over the outer step of the prototype (0.7,
-            0.5); DiLoCo's published `0.7` / `0.9` is for large models and many steps.
-        grpo_sync_global_dtype (`str`, *optional*, defaults to `"float32"`):
-            Of `θ_global` and the outer momentum, two copies of the trainable parameters: `"bfloat16"` halves them, and
-            every sync restarts the model from bf16 values: for training from scratch; a fine-tune at a small learning
-            rate loses its pretrained weights' low bits and updates smaller than bf16's spacing.
-        grpo_sync_global_device (`str`, *optional*, defaults to `"auto"`):
-            Where `θ_global` and the outer momentum live: `"cpu"` (pinned memory when the parameters are on an
-            accelerator: they are streamed to the parameters' device one fragment row at a time for the sync, as
-            torchft and INTELLECT-1 do), `"parameters"` (beside the parameters), or `"auto"`: `"cpu"` when the
-            parameters are on an accelerator, with the parameters otherwise. The outer step always runs on the
-            parameters' device, so every choice gives the same bits; `"cpu"` frees `4` (fp32) or `8` (with momentum)
-            bytes per trainable entry of accelerator memory, for two host-device copies of each row per sync.
-        grpo_sync_outer_only (`bool`, *optional*, defaults to `False`):
-            Keep DDP's fp32 all-reduce of the gradients at every step and add only the outer step every `H` steps:
-            a control that saves no bytes (it separates the outer optimizer's effect from the savings). Needs
-            `grpo_sync_every > 1` and `grpo_compression` `"none"` or `"auto"`.
-        grpo_sync_density (`float`, *optional*, defaults to `1.0`):
-            `k / C`, in `(0, 1]`. `1`: the sync sends every entry of `Δ` (`grpo_sync_bits` codes). Below 1 (SparseLoCo,
-            [`~grpo_hf.compression.codes.ChunkTopKCode`]): of every chunk of `grpo_sync_chunk` entries of `Δ +` the
-            residual, only the `k = ceil(density × C)` of largest magnitude are sent, as 2-bit codes (sign and one of
-            two magnitudes fitted to the chunk) with their positions in `log2 C` bits; the rest waits in the residual.
-            SparseLoCo's `64 / 4096 = 0.015625` sends `4 + 64 (2 + 12) / 8 = 116` bytes per chunk of 4,096 entries where
-            4-bit codes send 2,176. Its messages are all-gathered whatever the number of ranks `W` (no owner
-            reduction): each rank sends `(W − 1)` messages per sync, bytes that grow linearly with `W`. Needs
-            `grpo_sync_every > 1`, `grpo_sync_bits` and `grpo_compression` at their defaults (or `grpo_compression=
-            "quantize"`); tensors the sync sends dense stay dense, and a group file's other `bits` give way to it.
-            On short fine-tunes most of `Δ` is still in the residual when training ends (docs/compression.md).
-        grpo_sync_chunk (`int`, *optional*, defaults to `4096`):
-            `C`: entries per chunk of the sparse sync code (`grpo_sync_density < 1`), a power of two from 2 to 65536;
-            each tensor's last chunk is zero-padded, and its padding is never sent in place of a non-zero entry.
-        grpo_sync_error_decay (`float`, *optional*, defaults to `1.0`):
-            `β` in `(0, 1]`: each sync sends the codes of `Δ + β r` and keeps what they did not carry as the new
-            residual `r` (SparseLoCo's error-feedback accumulator takes `0.95`, with `grpo_sync_outer_momentum=0`:
-            the accumulator stands in for the outer momentum). `1` keeps the error feedback whole, bit for bit as
-            before; below 1 what stays unsent fades instead of piling up. Needs `grpo_sync_every > 1` and codes
-            (not `grpo_sync_bits=32` or `grpo_compression="none"` at density 1).
-
-    Parameters of fault-tolerant replica groups (torchft; see "Surviving a lost machine" in `docs/engines.md` and
-    [`~grpo_hf.fault_tolerance`]):
-
-        grpo_fault_tolerance (`bool`, *optional*, defaults to `False`):
-            This launch is one replica group of a fault-tolerant run: the sync every `H` steps runs between the groups
-            (each its own `torchrun` / `accelerate launch`, or one process) through torchft's lighthouse and process
-            group. A group that dies is left out and the others go on without restarting; a restarted or new group
-            heals from a live one at the next sync. Needs `grpo_sync_every > 1`, `grpo_sync_delay=0` and torchft
-            (`pip install 'grpo_hf[peers]'`).
-        grpo_ft_lighthouse (`str`, *optional*):
-            The lighthouse's address (`torchft_lighthouse --bind [::]:29510`), e.g. `http://10.0.0.1:29510`;
-            `TORCHFT_LIGHTHOUSE` when unset.
-        grpo_ft_replica_id (`int`, *optional*):
-            This group's id, `0` to `grpo_ft_replicas - 1`, its own: it picks the group's part of the data.
-            `GRPO_HF_REPLICA_ID` when unset.
-        grpo_ft_replicas (`int`, *optional*):
-            The replica groups the run is planned for: the data is split into that many parts, one per replica id.
-        grpo_ft_min_replicas (`int`, *optional*, defaults to `1`):
-            A sync is kept only when at least this many groups took part (torchft's `min_replica_size`).
-        grpo_ft_timeout (`float`, *optional*, defaults to `60.0`):
-            Seconds a collective of the sync or a heal may take before a peer is given up (`TORCHFT_TIMEOUT_SEC`).
-        grpo_ft_quorum_timeout (`float`, *optional*, defaults to `900.0`):
-            Seconds a group waits at a quorum for the others, e.g. a restarted group for the live groups' next sync
-            (`TORCHFT_QUORUM_TIMEOUT_SEC`).
-        grpo_ft_hostname (`str`, *optional*):
-            The address other groups reach this group's manager at, to heal from it; the machine's name when unset
-            (the loopback address for a lighthouse on the loopback).
-        grpo_ft_take_over (`bool`, *optional*, defaults to `True`):
-            The live groups train the batches of the planned groups that are away: at each step those of the absent
-            groups (each by one live group in turn), and after a sync that lost a group's local steps, that group's
-            batches of the window, spread over the next one ([`~grpo_hf.replica_shares`]). Every batch of the run is
-            then trained once, as without a fault, at the price of time: while one group of `R` is away each live one
-            trains `R / (R - 1)` batches a step (in micro-batches of the usual size). `False`: a lost group's batches
-            are not trained (torchft's DiLoCo).
-
-        The names these four fields had before (`grpo_outer_lr`, `grpo_outer_momentum`, `grpo_outer_dtype`,
-        `grpo_outer_control`) are deprecated aliases, accepted for one more release with a `FutureWarning`
-        ([`DEPRECATED_FIELDS`]). Settings that were measured and removed (`grpo_scale_gradients`, `grpo_scale_beta`,
-        `grpo_scale_clip`) are refused, whatever their value, with one error that says why ([`REMOVED_FIELDS`]).
-
-    Parameters that control the optimizer's memory (see `docs/memory.md` and [`~grpo_hf.optim`]):
-
-        grpo_optimizer_state (`str`, *optional*, defaults to `"full"`):
-            `"full"`: the optimizer the arguments choose (`optim`), with its own state, as the Trainer builds it.
-            Otherwise GRPO's [`~grpo_hf.optim.GroupedAdamW`] with AdamW's settings (`learning_rate`, `adam_beta1`,
-            `adam_beta2`, `adam_epsilon`, `weight_decay`) keeps less state, chosen per group: `"factored8"` (the large
-            groups' second moment factored into row and column means, Adafactor's estimate, and their first moment in
-            8-bit codes). A group file's `state` and `state_bits` override the preset per group. Norms, biases, LoRA
-            and tensors under `grpo_min_state_numel` entries keep a full state. Needs `optim` `"adamw_torch"` (or
-            `"adamw_torch_fused"`); refused under DeepSpeed. What each setting measured, in state bytes and quality:
-            `docs/memory.md` (`"mini"` and `"mini8"`, Adam-mini's blocks, were measured there and removed).
-        grpo_min_state_numel (`int`, *optional*, defaults to `4096`):
-            Tensors with fewer entries keep a full fp32 state whatever `grpo_optimizer_state` says.
-
-    Parameters that control cost accounting (declared once, in [`~grpo_hf.cost.CostSettings`], which says more):
-
-        cost_gpu_hour_usd (`float`, *optional*, defaults to `2.0`):
-            Price of one device-hour in USD (of one machine-hour on CPUs).
-        cost_energy_kwh_usd (`float`, *optional*, defaults to `0.15`):
-            Price of one kWh of electricity in USD.
-        cost_pue (`float`, *optional*, defaults to `1.4`):
-            Power usage effectiveness of the data center: cooling costs `energy_usd * (cost_pue - 1)`.
-        cost_device_power_watts (`float`, *optional*):
-            Power draw of one device, used only when energy cannot be measured (the figures are then "estimated").
-        cost_link_gbps (`float`, *optional*, defaults to `10.0`):
-            Link speed in Gbit/s that turns the bytes sent into a projected communication time.
-        cost_num_workers (`int`, *optional*):
-            Devices billed and used in projections (default: the world size; machines on CPUs).
-        cost_peak_tflops (`float`, *optional*):
-            Peak TFLOP/s of one device for MFU (default: the table of known devices; unknown devices report none).
-        cost_grid_gco2_per_kwh (`float`, *optional*, defaults to `475.0`):
-            Carbon intensity of the electricity, for `co2_eq_emissions` in model cards when energy was measured.
-
-    The `grpo-hf` commands add fields of their own (`overwrite_output_dir`, `cost_noise_rounds`,
-    `cost_noise_window_steps`) to the recipes they read; `GRPOTrainer` has no use for them.
-
-    Every check runs when the config is built, before any model is loaded: the `grpo_*` and `cost_*` values, the
-    group file (read and validated, errors name the file and the rule), and the engine (FSDP2 and DeepSpeed ZeRO 1/2/3
-    are accepted; FSDP1, ZeRO stage 0 and a DeepSpeed config with an `"optimizer"` or `"scheduler"` block are refused,
-    see [`~grpo_hf.engine_settings.check_backends`]). Errors are [`~grpo_hf.errors.ConfigError`] / [`~grpo_hf.errors.GroupConfigError`] (`ValueError`s)
-    that name the field.
     """
+
+    # The docstring's parameters are appended from each field's help (`append_field_docs` below the class, headings
+    # from SECTIONS): the one text that help(), `--help-all` and docs/settings.md show. Edit the help, not a docstring.
 
     # --- grouping ---
     grpo_groups: str = field(
         default="semantic",
-        metadata={"help": "Group preset ('semantic', 'semantic+shape') or path to a JSON/YAML group file."},
+        metadata={
+            "help": 'A group preset (`"semantic"`, `"semantic+shape"`) or the path of a JSON/YAML group file. The '
+            'article\'s `{"groups": [{"name": ..., "pattern": ..., "sparsity": ...}]}` format loads as is.'
+        },
     )
     grpo_groups_strict: bool = field(
-        default=False, metadata={"help": "Fail (instead of warning) when a group rule matches no trainable parameter."}
+        default=False,
+        metadata={"help": "Make a group rule that matches no trainable parameter an error instead of a warning."},
     )
     grpo_lr_ratios: dict | str | None = field(
         default=None,
         metadata={
-            "help": "Fixed LR factors per group, by group-name pattern (fnmatch), as a dict or JSON string, e.g. "
-            '\'{"*lora_B": 4, "embeddings": 0.5}\'. A group file\'s own lr_ratio wins. Composed with importance.'
+            "help": "Fixed factors on the scheduled learning rate of groups, by group-name pattern (`fnmatch`): a dict, "
+            'or a JSON string on the command line, e.g. `{"*lora_B": 4, "embeddings": 0.5}` (`*lora_B`: LoRA+\'s '
+            "idea, the B matrices learn faster). A group file's own `lr_ratio` wins; the importance multiplier "
+            "(`grpo_importance`) multiplies on top."
         },
     )
     grpo_lr_preset: str = field(
         default=DEFAULT_PRESET,
         metadata={
-            "help": "Fixed per-group LR ratios made from the groups: 'lora-b' (LoRA B faster), 'llrd' (layer-wise "
-            "decay by depth, per stack), 'embeddings' (embeddings slower, head faster), 'fan-in' (by each matrix's "
-            "fan-in, muP-like), 'auto' (by model kind) or 'none'. grpo_lr_ratios and a group file's lr_ratio win.",
+            "help": "Fixed per-group learning-rate ratios made from the groups by a preset (`grpo_hf.lr_presets`). "
+            '`"lora-b"`: LoRA\'s B matrices faster; `"llrd"`: layer-wise decay by depth, counted per stack; '
+            '`"embeddings"`: embeddings slower, head faster; `"fan-in"`: each matrix by its fan-in, muP-like; '
+            '`"auto"`: by model kind; `"none"`. Groups are split where a preset\'s factor differs inside them '
+            "(`ffn/L3`). `grpo_lr_ratios` and a group file's `lr_ratio` win over it. Off by default: no preset has "
+            "earned it on a learning-rate sweep yet.",
             "choices": list(PRESET_CHOICES),
         },
     )
@@ -353,198 +124,298 @@ class GRPOConfig(CostFields, TrainingArguments):
     grpo_importance: bool = field(
         default=False,
         metadata={
-            "help": "Scale each group's learning rate by its importance multiplier (off by default: no score has "
-            "beaten the plain Trainer on the benchmark suite yet; the scores are still logged, the multipliers only when applied)."
+            "help": "Scale each group's learning rate by its importance multiplier. Off by default: no importance "
+            "score has beaten the plain Trainer on the benchmark suite (`docs/benchmarks.md`). The scores are "
+            "computed and logged either way (`grpo/importance/<group>`), the multipliers (`grpo/lr_scale/<group>`) "
+            "only when applied."
         },
     )
     grpo_importance_score: str = field(
         default="article",
         metadata={
-            "help": "Importance score: 'article' = ||grad||_2 * ln(count + 1); 'rms' = per-element RMS * ln(count + 1); "
-            "'coherence' = cos(gradient, optimizer momentum) * ln(count + 1).",
+            "help": 'The importance score of a group g: a signal times `ln(update_count_g + 1)`. `"article"`: '
+            'the gradient\'s norm `||grad_g||_2`; `"rms"`: its per-element RMS `||grad_g||_2 / sqrt(numel_g)`, so '
+            'that large groups do not win by size alone; `"coherence"`: the cosine between the group\'s gradient '
+            "and its optimizer momentum (Adam's `exp_avg`), floored at 0.05, so that groups whose gradients keep "
+            "their direction get more learning rate.",
             "choices": list(SCORE_CHOICES),
         },
     )
-    grpo_lr_scale_min: float = field(default=0.9, metadata={"help": "Lower bound of every LR multiplier."})
-    grpo_lr_scale_max: float = field(default=1.1, metadata={"help": "Upper bound of every LR multiplier."})
+    grpo_lr_scale_min: float = field(
+        default=0.9,
+        metadata={
+            "help": "Lower bound of every importance multiplier, in (0, 1]; a group file can override it per group. "
+            "Wider bounds measured worse than the plain Trainer in `benchmarks/bench_importance.py` "
+            "(`benchmarks/LOG.md`)."
+        },
+    )
+    grpo_lr_scale_max: float = field(
+        default=1.1,
+        metadata={
+            "help": "Upper bound of every importance multiplier, at least 1; a group file can override it per group. "
+            "Wider bounds measured worse than the plain Trainer in `benchmarks/bench_importance.py` "
+            "(`benchmarks/LOG.md`)."
+        },
+    )
     grpo_lr_scale_ema: float = field(
-        default=0.9, metadata={"help": "EMA smoothing factor of the importance scores in [0, 1); 0 = none."}
+        default=0.9, metadata={"help": "EMA smoothing factor of the importance scores, in [0, 1); 0: no smoothing."}
     )
     grpo_lr_scale_warmup_steps: int = field(
-        default=10, metadata={"help": "Optimizer steps with every multiplier at 1 before scaling starts."}
+        default=10,
+        metadata={
+            "help": "Optimizer steps during which every importance multiplier is 1 (the scores are still tracked)."
+        },
     )
     grpo_log_groups: bool = field(
         default=False,
         metadata={
-            "help": "Log each group's figures at every logging step (grpo/lr, lr_scale, grad_norm, importance, "
-            "update_count and optimizer-state bytes per group). Off: one concise line per logging step (loss, "
-            "learning rate, GRPO's totals)."
+            "help": "Log each group's figures at every logging step: `grpo/lr/<group>`, `grpo/lr_scale/<group>`, "
+            "`grpo/grad_norm/<group>`, `grpo/importance/<group>`, `grpo/update_count/<group>` and "
+            "`grpo/memory/optimizer_state_bytes/<group>` (a five-group model: 30 more keys per line). Off, each "
+            "logging step is one concise line: the Trainer's keys and GRPO's totals (`grpo/load_balance_std`, "
+            "`grpo/nonfinite_steps`, `grpo/memory/optimizer_state_bytes`, the `grpo/comm/*` bytes). `grpo-hf "
+            "compare` turns it on for the report's per-group plots."
         },
     )
     # --- gradient compression ---
     grpo_compression: str = field(
         default="auto",
         metadata={
-            "help": "Gradient compression: 'auto' (quantize under multi-process DDP, none otherwise), 'none', "
-            "'sparse' (top-k), 'quantize' (every entry at grpo_bits), 'sparse+quantize' (the article's).",
+            "help": 'How the gradients are compressed at every step. `"none"`; `"sparse"`: top-k, fp32 values; '
+            '`"quantize"`: every entry, `grpo_bits` per value; `"sparse+quantize"`: the article\'s; `"auto"`: '
+            '`"quantize"` under DDP or FSDP2 with more than one process, `"none"` otherwise. Every lossy DDP setting keeps what it did not '
+            'send for the next step (error feedback). FSDP2 takes `"none"` and `"quantize"` (its compressed '
+            'reduce-scatter, `grpo_hf.compression.fsdp`); DeepSpeed only `"none"` (ZeRO reduces gradients itself; '
+            '`"auto"` turns compression off there).',
             "choices": list(COMPRESSION_CHOICES),
         },
     )
     grpo_density: float = field(
         default=DEFAULT_DENSITY,
-        metadata={"help": "Top-k kept fraction per group in (0, 1] when compression is sparse (article: 15%%)."},
+        metadata={
+            "help": "Fraction of gradient entries kept by top-k, in (0, 1] (the article's 15%%), when "
+            '`grpo_compression` includes `"sparse"`, for groups that do not set their own.'
+        },
     )
     grpo_bits: str = field(
         default=DEFAULT_BITS,
         metadata={
-            "help": "The per-step codes: bits per sent value (2: ternary levels; 32: fp32), a code's own value, or "
-            "'auto' (the article's: 4 for linear-like, 8 for conv/embeddings).",
+            "help": "Bits per sent value of the per-step codes, for every group that does not set its own. `2`: "
+            "ternary codes, sent as a bitmap plus sign bits; `4`, `8`, `16`; `32`: fp32; a code's own value; "
+            '`"auto"`: the article\'s, 4 for linear-like weights, 8 for convolutions and embeddings. The default is '
+            "the setting chosen on the benchmark suite; what every setting measured, in quality and bytes, is in "
+            "`docs/compression.md`.",
             "choices": BITS_CHOICES,  # the registered codes' values (compression/codes/), read at each use
         },
     )
     grpo_comm_mode: str = field(
         default=DEFAULT_MODE,
         metadata={
-            "help": "'allgather' (bytes per rank grow with the number of workers), 'allreduce' (flat in the number "
-            "of workers, error feedback on the chunk owners too) or 'auto' (allgather at 2 workers, allreduce above).",
+            "help": 'How the compressed gradients are exchanged. `"allgather"`: every rank\'s message to every rank '
+            '(per-rank bytes grow as `W - 1`, `W` the number of workers); `"allreduce"`: compressed reduce-scatter '
+            "with error feedback on the owners of each chunk too, then an all-gather (per-rank bytes flat in `W`); "
+            '`"auto"`: `"allgather"` at 2 workers, `"allreduce"` above.',
             "choices": list(COMM_MODE_CHOICES),
         },
     )
     grpo_dense_warmup_steps: int = field(
-        default=2, metadata={"help": "Optimizer steps communicated dense before compression starts (>= 2 under DDP)."}
+        default=2,
+        metadata={
+            "help": "Optimizer steps sent dense before compression starts (at least 2 under DDP, which rebuilds its "
+            "buckets after step 1)."
+        },
     )
     grpo_fsdp_error_feedback: str = field(
         default=DEFAULT_FSDP_ERROR_FEEDBACK,
         metadata={
-            "help": "FSDP2 only: where the compressed reduce-scatter keeps what it did not send: 'none' (no memory), "
-            "'worker-bf16' or 'worker-int8' (a residual of every chunk a rank sends, in bf16 or 8-bit blocks).",
+            "help": 'FSDP2\'s compressed reduce-scatter only: where it keeps what it did not send. `"none"`: no '
+            "memory (an owner's own chunk is exact, the others' quantization errors are dropped); `\"worker-bf16\"` "
+            'or `"worker-int8"`: every rank keeps the residual of the chunks it sends, in bf16 or 8-bit blocks '
+            "(memory that does not shrink with the number of ranks). `docs/engines.md` has the measurement behind "
+            "the default.",
             "choices": list(ERROR_FEEDBACK_CHOICES),
         },
     )
     grpo_min_compress_numel: int = field(
         default=DEFAULT_MIN_NUMEL,
-        metadata={"help": "Tensors with fewer elements (norms, biases) are always sent dense."},
+        metadata={
+            "help": "Tensors with fewer elements (norms, biases) are always sent dense (DDP; FSDP2 compresses every "
+            "gradient of a unit alike)."
+        },
     )
     grpo_max_consecutive_skips: int = field(
         default=8,
         metadata={
-            "help": "Where GRPO's codec or sync touches the gradients: stop the run with an error after this many "
-            "optimizer steps in a row skipped for NaN/Inf gradients (0: skip them and never stop). Without a codec or "
-            "sync such steps are the Trainer's: taken, with a warning."
+            "help": "Where GRPO's codec or sync touches the gradients (compression on, or `grpo_sync_every > 1`): stop "
+            "the run after this many optimizer steps in a row skipped for NaN/Inf gradients; 0: never stop. Such a "
+            "step is skipped (a transient overflow does not end a run, and the residuals stay clean); the error that "
+            "stops the run (`grpo_hf.errors.GRPOError`) names the step, groups and parameters. Without a codec or "
+            "sync such a step is the Trainer's (taken, with a warning), and nothing stops. Not applied under an fp16 "
+            "`GradScaler`, which skips and rescales itself."
         },
     )
     # --- sync every H steps (grpo_hf.compression.outer_sync) ---
     grpo_sync_every: int = field(
         default=1,
         metadata={
-            "help": "H: 1 exchanges the gradients every step; above 1 (DDP), inner steps exchange nothing and every H "
-            "optimizer steps the ranks average their pseudo-gradients (grpo_sync_bits codes with error feedback) and "
-            "take an outer Nesterov step (DiLoCo). Fine-tunes: 32, the other sync fields at their defaults; from scratch: 8 "
-            "(docs/compression.md, 'Sync every H steps')."
+            "help": "`H`, the optimizer steps between syncs (DiLoCo); 1: the gradients are exchanged at every step. "
+            "Above 1, under DDP: the inner steps exchange nothing, and every `H` optimizer steps the ranks average "
+            "their pseudo-gradient `delta = theta_global - theta_local` (in `grpo_sync_bits` codes with error feedback) and take "
+            "an outer SGD step with Nesterov momentum; every rank restarts from `theta_global`. On one process (nothing "
+            "to exchange) only the outer step is added. Under FSDP2 with replica groups (HSDP's "
+            "`ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)`, the machine count, or "
+            "`grpo_hf.replica_groups.shard_replica_groups`) FSDP2 shards each replica over its `S` ranks and "
+            "reduce-scatters every step inside it, and the `R` replicas sync every `H` steps, each rank its local "
+            "shards (`docs/engines.md`). DeepSpeed, tensor and context parallelism and fp16 mixed precision are "
+            "refused with `H > 1`. For fine-tunes `32`, the other sync fields at their defaults; from scratch `8` "
+            '(`docs/compression.md`, "Sync every H steps", has the measured cost of both). The fewest bytes on a '
+            "fine-tune: `H` at or above `max_steps` with `grpo_sync_ramp=False`, one sync at the last step "
+            '(`docs/compression.md`, "A thousand times fewer bytes").'
         },
     )
     grpo_sync_bits: str = field(
         default=DEFAULT_SYNC_BITS,
         metadata={
-            "help": "With grpo_sync_every > 1: the codes of the pseudo-gradient the ranks exchange at a sync, with error "
-            "feedback: bits per entry ('ternary': grpo_bits=2's levels -1/0/+1, 5 per byte; 2: four levels; 32: fp32) "
-            "or a code's own value. grpo_bits sets the per-step codes only.",
+            "help": "With `grpo_sync_every > 1`: bits per entry of the pseudo-gradient `delta` the ranks exchange at a "
+            'sync. `"ternary"`, `2`, `4`, `8` or `16` (or a code\'s own value): codes in blocks of 128 with one '
+            "scale each, and error feedback (what a sync did not send is added to the next one's `delta`); `32`: fp32, "
+            'no codes (so does `grpo_compression="none"`). `"ternary"` sends the levels of the per-step '
+            "`grpo_bits=2` (`-1`, `0`, `+1` times the block's absmax), 5 per byte: 1.875 bits per entry with the "
+            "scale; `2` sends four levels (`+-1/3`, `+-1` times the absmax), 2.25 bits per entry with the scale, so it "
+            "is not the per-step `grpo_bits=2`, which is ternary. Tensors below `grpo_min_compress_numel` and a "
+            "group file's `bits: 32` go in fp32. The default is the one that measured best for fine-tunes on the "
+            "benchmark suite (`docs/compression.md`): as good as 8 bits best against best, at half the bytes. "
+            "`grpo_bits` sets the per-step codes only, which the sync does not send.",
             "choices": SYNC_BITS_CHOICES,  # the registered codes' values (compression/codes/), read at each use
         },
     )
     grpo_sync_fragments: int = field(
         default=1,
         metadata={
-            "help": "With grpo_sync_every > 1: GRPO's groups packed into this many balanced fragments, each syncing at "
-            "its own offset of the H steps (Streaming DiLoCo), so that a step's bytes are spread; at most H."
+            "help": "With `grpo_sync_every > 1`: GRPO's groups packed into this many fragments of balanced size, each "
+            "syncing at its own offset of the `H` steps, so that the bytes of a sync are spread over the interval "
+            "(Streaming DiLoCo); at most `grpo_sync_every`. A group larger than one fragment's share is split by "
+            "parameter."
         },
     )
     grpo_sync_ramp: bool = field(
         default=DEFAULT_SYNC_RAMP,
         metadata={
-            "help": "With grpo_sync_every > 1: sync after steps 1, 3, 7, ... (intervals doubling up to H) first."
+            "help": "With `grpo_sync_every > 1`: sync after steps 1, 3, 7, ... (intervals doubling up to `H`) before "
+            "the first full interval."
         },
     )
     grpo_sync_delay: int = field(
         default=DEFAULT_SYNC_DELAY,
         metadata={
-            "help": "With grpo_sync_every > 1: tau, the inner steps a fragment's exchange runs behind (Streaming DiLoCo's "
-            "overlap); its outer step is applied tau steps after its sync step. 0: the exchange blocks. Below "
-            "grpo_sync_every / grpo_sync_fragments."
+            "help": "With `grpo_sync_every > 1`: `tau`, the inner steps a fragment's exchange runs behind (Streaming "
+            "DiLoCo's overlap, torchft's `fragment_sync_delay`); 0: the exchange blocks the step that syncs. Above "
+            "0, a fragment's exchange starts at its sync step and runs while the next `tau` inner steps compute; its "
+            "outer step is applied `tau` steps later and merged with the local parameters as `grpo_sync_mix` says. "
+            "Needs `tau < grpo_sync_every / grpo_sync_fragments`; the ramp's syncs and the last step's wait at once."
         },
     )
     grpo_sync_mix: float = field(
         default=DEFAULT_SYNC_MIX,
         metadata={
-            "help": "With grpo_sync_delay > 0: alpha in [0, 1]; a delayed sync sets a fragment to (1 - alpha) "
-            "theta_global + alpha theta_local (0: restart from theta_global, dropping the steps taken meanwhile)."
+            "help": "With `grpo_sync_delay > 0`: `alpha` in [0, 1] (torchft's `fragment_update_alpha`). A fragment's "
+            "parameters become `(1 - alpha) theta_global + alpha theta_local` when its delayed outer step is applied, so the local "
+            "steps taken while the exchange ran are kept in part; 0 restarts from `theta_global` (those steps are "
+            "dropped)."
         },
     )
     grpo_sync_moments: str = field(
         default=DEFAULT_SYNC_MOMENTS,
         metadata={
-            "help": "With grpo_sync_every > 1 (and grpo_sync_delay=0): the inner AdamW moments averaged over the ranks "
-            "at every sync of a fragment: 'none', 'second' (exp_avg_sq) or 'both' (exp_avg and exp_avg_sq); one fp32 "
-            "all-reduce per moment and sync.",
+            "help": "With `grpo_sync_every > 1`: the inner optimizer's moments averaged over the ranks at every sync "
+            'of a fragment, for its parameters, in place: `"none"` (each rank\'s AdamW state stays its own), '
+            '`"second"` (`exp_avg_sq`, as hivemind does) or `"both"` (`exp_avg` and `exp_avg_sq`), so that every '
+            "rank continues from the same moments. One blocking fp32 all-reduce per moment and sync "
+            "(`2 (W - 1) / W * 4 n` bytes each, `n` the fragment's entries). Needs `grpo_sync_delay=0` and an "
+            "Adam-like optimizer of torch (Adam, AdamW, NAdam, RAdam). Opt-in: on the suite it narrows the gap to "
+            "DDP at many more bytes (`docs/compression.md`).",
             "choices": list(SYNC_MOMENTS),
         },
     )
     grpo_sync_outer_lr: float = field(
         default=DEFAULT_OUTER_LR,
         metadata={
-            "help": "With grpo_sync_every > 1: learning rate of the outer SGD step (1 with momentum 0: averaging)."
+            "help": "With `grpo_sync_every > 1`: learning rate of the outer SGD step (Nesterov momentum). The "
+            "defaults, 1 and `grpo_sync_outer_momentum=0`, are plain parameter averaging (accelerate's `LocalSGD`), "
+            "chosen best against best on the benchmark suite over the outer step of the prototype (0.7, 0.5); "
+            "DiLoCo's published 0.7 / 0.9 is for large models and many steps."
         },
     )
     grpo_sync_outer_momentum: float = field(
         default=DEFAULT_OUTER_MOMENTUM,
-        metadata={"help": "With grpo_sync_every > 1: Nesterov momentum of the outer step, in [0, 1)."},
+        metadata={
+            "help": "With `grpo_sync_every > 1`: Nesterov momentum of the outer step, in [0, 1) (the defaults: see "
+            "`grpo_sync_outer_lr`)."
+        },
     )
     grpo_sync_global_dtype: str = field(
         default=DEFAULT_SYNC_DTYPE,
         metadata={
-            "help": "With grpo_sync_every > 1: dtype of the global model and the outer momentum (two copies of the "
-            "trainable parameters); bfloat16 halves their memory but rounds the model to bf16 at every sync (not for "
-            "fine-tunes at small learning rates).",
+            "help": "With `grpo_sync_every > 1`: dtype of `theta_global` and the outer momentum, two copies of the "
+            'trainable parameters. `"bfloat16"` halves them, and every sync restarts the model from bf16 values: '
+            "for training from scratch; a fine-tune at a small learning rate loses its pretrained weights' low bits "
+            "and updates smaller than bf16's spacing.",
             "choices": list(SYNC_DTYPE_CHOICES),
         },
     )
     grpo_sync_global_device: str = field(
         default=DEFAULT_SYNC_GLOBAL_DEVICE,
         metadata={
-            "help": "With grpo_sync_every > 1: where the global model and the outer momentum live: 'cpu' (pinned "
-            "memory, streamed to the parameters' device one fragment at a time for the outer step), 'parameters', or "
-            "'auto' ('cpu' when the parameters are on an accelerator). Every choice gives the same bits.",
+            "help": 'With `grpo_sync_every > 1`: where `theta_global` and the outer momentum live. `"cpu"`: pinned '
+            "memory when the parameters are on an accelerator, streamed to the parameters' device one fragment row "
+            'at a time for the sync, as torchft and INTELLECT-1 do; `"parameters"`: beside the parameters; '
+            '`"auto"`: `"cpu"` when the parameters are on an accelerator, with the parameters otherwise. The outer '
+            'step always runs on the parameters\' device, so every choice gives the same bits; `"cpu"` frees 4 '
+            "(fp32) or 8 (with momentum) bytes per trainable entry of accelerator memory, for two host-device "
+            "copies of each row per sync.",
             "choices": list(SYNC_GLOBAL_DEVICE_CHOICES),
         },
     )
     grpo_sync_outer_only: bool = field(
         default=False,
         metadata={
-            "help": "With grpo_sync_every > 1: keep DDP's all-reduce of the gradients every step and add only the outer "
-            "step every H steps (a control that saves no bytes)."
+            "help": "With `grpo_sync_every > 1`: keep DDP's fp32 all-reduce of the gradients at every step and add "
+            "only the outer step every `H` steps: a control that saves no bytes (it separates the outer optimizer's "
+            'effect from the savings). Needs `grpo_compression` `"none"` or `"auto"`.'
         },
     )
     grpo_sync_density: float = field(
         default=DEFAULT_SYNC_DENSITY,
         metadata={
-            "help": "With grpo_sync_every > 1: k / C in (0, 1]. Below 1 (SparseLoCo) the sync sends only the top "
-            "k = ceil(density * C) entries of every chunk of grpo_sync_chunk entries, as 2-bit codes with their "
-            "positions, all-gathered (bytes that grow with the number of ranks); SparseLoCo's 0.015625 is 64 of "
-            "4096. 1: every entry, in grpo_sync_bits codes."
+            "help": "With `grpo_sync_every > 1`: `k / C`, in (0, 1]; 1: the sync sends every entry of `delta` "
+            "(`grpo_sync_bits` codes). Below 1 (SparseLoCo, `grpo_hf.compression.codes.ChunkTopKCode`): of every "
+            "chunk of `grpo_sync_chunk` entries of `delta +` the residual, only the `k = ceil(density * C)` of largest "
+            "magnitude are sent, as 2-bit codes (sign and one of two magnitudes fitted to the chunk) with their "
+            "positions in `log2 C` bits; the rest waits in the residual. SparseLoCo's `64 / 4096 = 0.015625` sends "
+            "`4 + 64 (2 + 12) / 8 = 116` bytes per chunk of 4,096 entries where 4-bit codes send 2,176. Its "
+            "messages are all-gathered whatever the number of ranks `W` (no owner reduction): each rank sends "
+            "`(W - 1)` messages per sync, bytes that grow linearly with `W`. Needs `grpo_sync_bits` and "
+            '`grpo_compression` at their defaults (or `grpo_compression="quantize"`); tensors the sync sends dense '
+            "stay dense, and a group file's other `bits` give way to it. On short fine-tunes most of `delta` is still "
+            "in the residual when training ends (`docs/compression.md`)."
         },
     )
     grpo_sync_chunk: int = field(
         default=DEFAULT_SYNC_CHUNK,
         metadata={
-            "help": "With grpo_sync_density < 1: C, the entries per chunk of the sparse sync code (a power of two from "
-            "2 to 65536); positions cost log2(C) bits each."
+            "help": "With `grpo_sync_density < 1`: `C`, the entries per chunk of the sparse sync code, a power of two "
+            "from 2 to 65536 (positions cost `log2 C` bits each). Each tensor's last chunk is zero-padded, and its "
+            "padding is never sent in place of a non-zero entry."
         },
     )
     grpo_sync_error_decay: float = field(
         default=DEFAULT_SYNC_ERROR_DECAY,
         metadata={
-            "help": "With grpo_sync_every > 1: beta in (0, 1]; each sync sends the codes of delta + beta * residual "
-            "(SparseLoCo: 0.95). 1 keeps the error feedback whole."
+            "help": "With `grpo_sync_every > 1`: `beta` in (0, 1]; each sync sends the codes of `delta + beta r` and keeps what "
+            "they did not carry as the new residual `r`. SparseLoCo's error-feedback accumulator takes 0.95, with "
+            "`grpo_sync_outer_momentum=0` (the accumulator stands in for the outer momentum). 1 keeps the error "
+            "feedback whole, bit for bit as before; below 1 what stays unsent fades instead of piling up. Needs "
+            'codes (not `grpo_sync_bits=32` or `grpo_compression="none"` at density 1).'
         },
     )
 
@@ -552,52 +423,72 @@ class GRPOConfig(CostFields, TrainingArguments):
     grpo_fault_tolerance: bool = field(
         default=False,
         metadata={
-            "help": "With grpo_sync_every > 1: this launch is one replica group of a fault-tolerant run; the sync runs "
-            "between the groups through torchft (pip install 'grpo_hf[peers]'): a lost group is left out, the others "
-            "go on, a restarted one heals from a live one at the next sync (docs/engines.md)."
+            "help": "This launch is one replica group of a fault-tolerant run: the sync every `H` steps runs between "
+            "the groups (each its own `torchrun` / `accelerate launch`, or one process) through torchft's "
+            "lighthouse and process group. A group that dies is left out and the others go on without restarting; "
+            "a restarted or new group heals from a live one at the next sync. Needs `grpo_sync_every > 1`, "
+            "`grpo_sync_delay=0` and torchft (`pip install 'grpo_hf[peers]'`); `docs/engines.md`, \"Surviving a "
+            'lost machine", has the how-to.'
         },
     )
     grpo_ft_lighthouse: str | None = field(
         default=None,
         metadata={
-            "help": "The torchft lighthouse's address, e.g. http://10.0.0.1:29510 (TORCHFT_LIGHTHOUSE if unset)."
+            "help": "The torchft lighthouse's address (`torchft_lighthouse --bind [::]:29510`), e.g. "
+            "`http://10.0.0.1:29510`; `TORCHFT_LIGHTHOUSE` when unset."
         },
     )
     grpo_ft_replica_id: int | None = field(
         default=None,
         metadata={
-            "help": "This replica group's id, 0 to grpo_ft_replicas - 1, its own: it picks the group's part of the data "
-            "(GRPO_HF_REPLICA_ID if unset)."
+            "help": "This replica group's id, 0 to `grpo_ft_replicas - 1`, its own: it picks the group's part of the "
+            "data. `GRPO_HF_REPLICA_ID` when unset."
         },
     )
     grpo_ft_replicas: int | None = field(
         default=None,
-        metadata={"help": "The replica groups the run is planned for: the data is split into that many parts."},
+        metadata={
+            "help": "The replica groups the run is planned for: the data is split into that many parts, one per "
+            "replica id."
+        },
     )
     grpo_ft_min_replicas: int = field(
         default=1,
-        metadata={"help": "A sync is kept only when at least this many replica groups took part."},
+        metadata={
+            "help": "A sync is kept only when at least this many replica groups took part (torchft's "
+            "`min_replica_size`)."
+        },
     )
     grpo_ft_timeout: float = field(
         default=60.0,
-        metadata={"help": "Seconds a collective of the sync or a heal may take before a peer is given up."},
+        metadata={
+            "help": "Seconds a collective of the sync or a heal may take before a peer is given up "
+            "(`TORCHFT_TIMEOUT_SEC`)."
+        },
     )
     grpo_ft_quorum_timeout: float = field(
         default=900.0,
         metadata={
-            "help": "Seconds a replica group waits at a quorum for the others (a restarted one: their next sync)."
+            "help": "Seconds a replica group waits at a quorum for the others, e.g. a restarted group for the live "
+            "groups' next sync (`TORCHFT_QUORUM_TIMEOUT_SEC`)."
         },
     )
     grpo_ft_hostname: str | None = field(
         default=None,
-        metadata={"help": "The address other replica groups reach this one's manager at, to heal from it."},
+        metadata={
+            "help": "The address other replica groups reach this one's manager at, to heal from it; the machine's "
+            "name when unset (the loopback address for a lighthouse on the loopback)."
+        },
     )
     grpo_ft_take_over: bool = field(
         default=True,
         metadata={
-            "help": "With grpo_fault_tolerance: the live replica groups train the batches of the groups that are away "
-            "(each step's, and a lost group's batches of the window its sync lost, over the next window), so that "
-            "every batch is trained once; False: those batches are not trained."
+            "help": "With `grpo_fault_tolerance`: the live replica groups train the batches of the planned groups "
+            "that are away, so that every batch of the run is trained once, as without a fault. At each step those "
+            "of the absent groups (each by one live group in turn), and after a sync that lost a group's local "
+            "steps, that group's batches of the window, spread over the next one (`grpo_hf.replica_shares`). The "
+            "price is time: while one group of `R` is away each live one trains `R / (R - 1)` batches a step (in "
+            "micro-batches of the usual size). False: a lost group's batches are not trained (torchft's DiLoCo)."
         },
     )
 
@@ -635,15 +526,24 @@ class GRPOConfig(CostFields, TrainingArguments):
     grpo_optimizer_state: str = field(
         default=DEFAULT_OPTIMIZER_STATE,
         metadata={
-            "help": f"One of {', '.join(repr(name) for name in OPTIMIZER_STATE_CHOICES)}. 'full': the optimizer optim "
-            "chooses, with its own state. Otherwise GRPO's AdamW keeping less state, per group: "
-            + "; ".join(f"'{name}': {preset.help}" for name, preset in STATE_PRESETS.items())
-            + " A group file's state / state_bits override it per group (docs/memory.md).",
+            "help": "How much optimizer state each group keeps: "
+            + ", ".join(f'`"{name}"`' for name in OPTIMIZER_STATE_CHOICES)
+            + '. `"full"`: the optimizer the arguments choose (`optim`), with its own state, as the Trainer builds '
+            "it. Otherwise GRPO's `grpo_hf.optim.GroupedAdamW` with AdamW's settings (`learning_rate`, `adam_beta1`, "
+            "`adam_beta2`, `adam_epsilon`, `weight_decay`) keeps less state, chosen per group: "
+            + "; ".join(f'`"{name}"`: {preset.help}' for name, preset in STATE_PRESETS.items())
+            + " A group file's `state` and `state_bits` override the preset per group. Norms, biases, LoRA and "
+            'tensors under `grpo_min_state_numel` entries keep a full state. Needs `optim` `"adamw_torch"` (or '
+            '`"adamw_torch_fused"`); refused under DeepSpeed. What each setting measured, in state bytes and quality: '
+            '`docs/memory.md` (`"mini"` and `"mini8"`, Adam-mini\'s blocks, were measured there and removed).',
         },
     )
     grpo_min_state_numel: int = field(
         default=DEFAULT_MIN_STATE_NUMEL,
-        metadata={"help": "Tensors with fewer entries keep a full fp32 optimizer state (norms, biases)."},
+        metadata={
+            "help": "Tensors with fewer entries (norms, biases) keep a full fp32 optimizer state whatever "
+            "`grpo_optimizer_state` says."
+        },
     )
 
     def __post_init__(self):
@@ -677,6 +577,23 @@ def grpo_field_names() -> list[str]:
     base = {f.name for f in dataclasses.fields(TrainingArguments)} | set(DEPRECATED_FIELDS) | set(REMOVED_FIELDS)
     names = [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in base]
     return sorted(names, key=lambda name: name.startswith("cost_"))  # stable: declaration order within each
+
+
+# The headings of the parameter sections in GRPOConfig's docstring, by the first field of each section.
+SECTIONS = {
+    "grpo_groups": "Parameters that control grouping:",
+    "grpo_importance": "Parameters that control importance-based learning-rate scaling:",
+    "grpo_compression": "Parameters that control gradient compression (see [`~grpo_hf.compression`]):",
+    "grpo_sync_every": "Parameters that control the sync every H steps (DiLoCo; see `docs/compression.md` and "
+    "[`~grpo_hf.compression.outer_sync`]):",
+    "grpo_fault_tolerance": 'Parameters of fault-tolerant replica groups (torchft; see "Surviving a lost machine" in '
+    "`docs/engines.md` and [`~grpo_hf.fault_tolerance`]):",
+    "grpo_optimizer_state": "Parameters that control the optimizer's memory (see `docs/memory.md` and "
+    "[`~grpo_hf.optim`]):",
+    "cost_gpu_hour_usd": "Parameters that control cost accounting (declared once, in [`~grpo_hf.cost.prices.CostFields`]; "
+    "see also [`~grpo_hf.cost.CostSettings`]):",
+}
+append_field_docs(GRPOConfig, grpo_field_names(), SECTIONS)
 
 
 def grpo_defaults() -> dict:

@@ -149,22 +149,45 @@ def test_numbers_that_may_be_none_take_none_and_numbers(grpo_config):
     assert (config.cost_peak_tflops, config.cost_num_workers, config.cost_device_power_watts) == (4, None, 300)
 
 
-def test_the_docstring_documents_every_field_with_its_default():
-    # `name (`type`, *optional*, defaults to `value`)`, or `name (`type`, *optional*)` for a field that defaults to None
-    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
-    missing, wrong = [], []
-    for name in grpo_field_names():
-        pattern = rf"\b{name} \(`[^)]*?`, \*optional\*(?:,\s+defaults\s+to\s+`(?P<default>[^`]+)`)?\)"
-        entry = re.search(pattern, GRPOConfig.__doc__)
-        if entry is None:
-            missing.append(name)
-            continue
+def _documented(doc: str) -> dict[str, tuple[str, str]]:
+    """The parameter entries of a docstring: name -> (what its parentheses say, its text on one line)."""
+    entries, name = {}, None
+    for line in doc.splitlines():
+        if head := re.fullmatch(r" {8}(\w+) \((.*)\):", line):
+            name = head.group(1)
+            entries[name] = (head.group(2), "")
+        elif name and line.startswith(" " * 12):
+            entries[name] = (entries[name][0], f"{entries[name][1]} {line.strip()}".strip())
+        else:
+            name = None
+    return entries
+
+
+@pytest.mark.parametrize("dtype", ["GRPOConfig", "CostSettings"])
+def test_the_docstring_documents_every_field_with_its_default_and_help(dtype):
+    # `name (`type`, *optional*, defaults to `value`)`, or `name (`type`, *optional*)` for a field that defaults to None,
+    # then the field's help: generated from the fields, so that the docstring and `--help-all` can never drift
+    from grpo_hf.cost.prices import CostFields, CostSettings
+
+    cls = GRPOConfig if dtype == "GRPOConfig" else CostSettings
+    names = grpo_field_names() if dtype == "GRPOConfig" else [f.name for f in dataclasses.fields(CostFields)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    entries = _documented(cls.__doc__)
+    assert list(entries) == names  # every field, in order, and no other entry
+    wrong = []
+    for name, (head, text) in entries.items():
         default = fields[name].default
-        expected = None if default is None else f'"{default}"' if isinstance(default, str) else str(default)
-        if entry.group("default") != expected:
-            wrong.append(f"{name}: documented {entry.group('default')}, declared {expected}")
-    assert not missing, f"GRPOConfig's docstring omits {missing}"
+        shown = "" if default is None else f'"{default}"' if isinstance(default, str) else str(default)
+        if not re.fullmatch(
+            r"`\w+`( or `\w+`)*, \*optional\*" + (f", defaults to `{re.escape(shown)}`" if shown else ""), head
+        ):
+            wrong.append(f"{name}: ({head}), declared default {shown or None}")
+        if text != " ".join(fields[name].metadata["help"].replace("%%", "%").split()):
+            wrong.append(f"{name}: the docstring's text is not the field's help")
     assert not wrong, wrong
+    if dtype == "GRPOConfig":
+        assert "    Parameters that control grouping:\n" in cls.__doc__
+        assert "Parameters that control cost accounting" in cls.__doc__
 
 
 def test_every_field_is_declared_once_and_used_by_the_library():

@@ -9,40 +9,62 @@ from typing import Any
 
 import torch
 
+from ..field_docs import append_field_docs
 from .flops import _device
 
 
 @dataclass
 class CostFields:
     """
-    The `cost_*` fields, declared once with their command-line help: [`CostSettings`] checks them,
-    [`~grpo_hf.GRPOConfig`] inherits them (see [`CostSettings`] for what each one does).
+    The `cost_*` fields, declared once with their help: [`CostSettings`] checks them, [`~grpo_hf.GRPOConfig`]
+    inherits them, and both docstrings list them from that help.
     """
 
     cost_gpu_hour_usd: float = field(
-        default=2.0, metadata={"help": "Price of one device-hour in USD (machine-hour on CPU)."}
+        default=2.0, metadata={"help": "Price of one device-hour in USD (on CPUs: of one machine-hour)."}
     )
-    cost_energy_kwh_usd: float = field(default=0.15, metadata={"help": "Price of one kWh in USD."})
+    cost_energy_kwh_usd: float = field(
+        default=0.15, metadata={"help": "Price of one kilowatt-hour of electricity in USD."}
+    )
     cost_pue: float = field(
-        default=1.4, metadata={"help": "Power usage effectiveness of the data center (cooling = energy * (PUE - 1))."}
+        default=1.4,
+        metadata={
+            "help": "Power usage effectiveness of the data center (facility energy / IT energy, at least 1.0): "
+            "cooling costs `energy_usd * (cost_pue - 1)`; 1.0 leaves cooling out."
+        },
     )
     cost_device_power_watts: float | None = field(
-        default=None, metadata={"help": "Power draw used when energy cannot be measured (labeled 'estimated')."}
+        default=None,
+        metadata={
+            "help": "Power draw of one device (on CPUs: of one machine) in watts, used only when energy cannot be "
+            "measured (the figures are then labeled 'estimated'). Unset: the NVML power limit on CUDA devices (300 W "
+            "if NVML cannot report it), 10 W per logical CPU available to the process on CPUs."
+        },
     )
     cost_link_gbps: float = field(
-        default=10.0, metadata={"help": "Link speed in Gbit/s used to project communication time."}
+        default=10.0,
+        metadata={"help": "Link speed in Gbit/s that turns the bytes sent into a projected communication time."},
     )
     cost_num_workers: int | None = field(
-        default=None, metadata={"help": "Worker count for communication projections (default: the world size)."}
+        default=None,
+        metadata={
+            "help": "Devices billed and used for energy and projections. Unset: the world size on accelerators, the "
+            "number of machines (`world_size // LOCAL_WORLD_SIZE`) on CPUs."
+        },
     )
     cost_peak_tflops: float | None = field(
-        default=None, metadata={"help": "Peak TFLOPS of the device for MFU (default: a table of known devices)."}
+        default=None,
+        metadata={
+            "help": "Peak TFLOP/s of one device, for MFU. Unset: the table of known devices "
+            "(`grpo_hf.cost.PEAK_TFLOPS`); a device not in it reports no MFU."
+        },
     )
     cost_grid_gco2_per_kwh: float = field(
         default=475.0,
         metadata={
-            "help": "Carbon intensity of the electricity in gCO2eq/kWh, for co2_eq_emissions in model cards when "
-            "energy was measured (default: a world average; set your grid's)."
+            "help": "Carbon intensity of the electricity in gCO2eq/kWh, for `co2_eq_emissions` in model cards "
+            "(`grpo_hf.model_card`) when energy was measured: grams = `energy_kwh * cost_pue * "
+            "cost_grid_gco2_per_kwh`. The default is a world average (IEA, 2019); set your grid's figure."
         },
     )
 
@@ -62,31 +84,6 @@ class CostSettings(CostFields):
     >>> cost_breakdown(device_hours=0.5, energy_kwh=4.0, settings=settings)["total_usd"]
     2.5
     ```
-
-    Args:
-        cost_gpu_hour_usd (`float`, *optional*, defaults to `2.0`):
-            Price of one device-hour in US dollars. For CPU runs it is the price of one machine-hour.
-        cost_energy_kwh_usd (`float`, *optional*, defaults to `0.15`):
-            Price of one kilowatt-hour of electricity in US dollars.
-        cost_pue (`float`, *optional*, defaults to `1.4`):
-            Power usage effectiveness of the data center (facility energy / IT energy, at least 1.0). Cooling costs
-            `energy_usd * (cost_pue - 1)`; use `1.0` to leave cooling out.
-        cost_device_power_watts (`float`, *optional*):
-            Power draw of one device (CPU: of one machine) in watts, used only when energy cannot be measured.
-            Defaults to the NVML power limit on CUDA devices (`300` W if NVML cannot report it) and to `10` W per
-            logical CPU available to the process on CPUs.
-        cost_link_gbps (`float`, *optional*, defaults to `10.0`):
-            Link speed in gigabits per second used to project communication time from the bytes sent.
-        cost_num_workers (`int`, *optional*):
-            Number of devices billed and used for energy and projections. Defaults to the world size on
-            accelerators and to the number of machines (`world_size // LOCAL_WORLD_SIZE`) on CPUs.
-        cost_peak_tflops (`float`, *optional*):
-            Peak TFLOP/s of one device, overriding [`PEAK_TFLOPS`]. Without it MFU is reported only for devices
-            in the table.
-        cost_grid_gco2_per_kwh (`float`, *optional*, defaults to `475.0`):
-            Carbon intensity of the electricity in grams of CO2-equivalent per kWh, used for `co2_eq_emissions` in
-            model cards ([`~grpo_hf.model_card`]) when the energy was measured: `grams = energy_kwh · cost_pue ·
-            cost_grid_gco2_per_kwh`. The default is a world average (IEA, 2019); set your grid's figure.
     """
 
     def __post_init__(self):
@@ -140,6 +137,9 @@ class CostSettings(CostFields):
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+append_field_docs(CostSettings, [f.name for f in fields(CostFields)], {"cost_gpu_hour_usd": "Args:"})
 
 
 def billed_devices(settings: CostSettings, device_type: str, world_size: int, local_world_size: int = 1) -> int:
