@@ -52,7 +52,9 @@ def plot(summary: dict, output: Path, top_ratio: float = TOP) -> Path:
     fig, axes = plt.subplots(1, len(summary), figsize=(6.5 * len(summary), 4.8), squeeze=False)
     handles = {}
     for ax, (task, rows) in zip(axes[0], summary.items()):
-        top = min(top_ratio, max(e["worst"] for e in rows.values()) + 0.01)
+        goal_bytes, goal_ratio = _goal(task)
+        top = min(top_ratio, max(goal_ratio, *(e["worst"] for e in rows.values())) + 0.01)  # the goal line in view
+        off_scale = []
         for kind, marker in MARKERS.items():
             points = [(row, e) for row, e in rows.items() if _sync_kind(row) == kind]
             if not points:
@@ -64,8 +66,14 @@ def plot(summary: dict, output: Path, top_ratio: float = TOP) -> Path:
                 x, y, yerr=[[0] * len(y), above], fmt=marker, label=kind, capsize=2, alpha=0.85
             )
             for (row, e), xi, yi in zip(points, x, y):
-                label = row if e["geomean"] <= top else f"{row}: {e['geomean']:.2f} (off the scale)"
-                ax.annotate(label, (xi, yi), fontsize=6, xytext=(3, 2), textcoords="offset points")
+                if e["geomean"] <= top:
+                    ax.annotate(row, (xi, yi), fontsize=6, xytext=(3, 2), textcoords="offset points")
+                else:  # drawn at the top edge; named once, in the panel's note
+                    off_scale.append(f"{row}: {e['geomean']:.2f}")
+        if off_scale:
+            note = "off the scale (drawn at the top):\n" + "\n".join(sorted(off_scale))
+            ax.text(0.99, 0.97, note, transform=ax.transAxes, fontsize=5.5, ha="right", va="top",
+                    bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85, "edgecolor": "0.8"})  # fmt: skip
         estimates = [(e["quantized_estimate_bytes_ratio"], min(e["geomean"], top)) for e in rows.values()
                      if e.get("quantized_estimate_bytes_ratio")]  # fmt: skip
         if estimates:
@@ -78,7 +86,6 @@ def plot(summary: dict, output: Path, top_ratio: float = TOP) -> Path:
             )
         ax.set_ylim(top=top + 0.01)
         ax.set_xscale("log")
-        goal_bytes, goal_ratio = _goal(task)
         ax.axvline(goal_bytes, ls=":", c="gray")
         ax.axhline(goal_ratio, ls=":", c="gray")
         ax.set_title(task)
