@@ -237,7 +237,7 @@ def install_fault_hooks(trainer, job: dict) -> None:
     members recorded."""
     from transformers import TrainerCallback
 
-    import grpo_hf.trainer as trainer_module
+    import grpo_hf.fault_tolerance as fault_tolerance_module
     from grpo_hf.compression.fragment import Fragment
     from grpo_hf.compression.torchft_group import TorchFTCommunicator
 
@@ -269,7 +269,7 @@ def install_fault_hooks(trainer, job: dict) -> None:
             hooks.reached("heal", trainer.state.global_step)
         return take_received(self)
 
-    heal_state = trainer_module.trainer_heal_state
+    heal_state = fault_tolerance_module.trainer_heal_state
 
     def heal_state_marked(live):  # a live group, asked for what a healing one receives
         hooks.reached("heal-source", live.state.global_step)
@@ -290,7 +290,7 @@ def install_fault_hooks(trainer, job: dict) -> None:
 
     Fragment.exchange, TorchFTCommunicator._start = exchange_marked, start_marked
     TorchFTCommunicator._take_received = take_received_marked
-    trainer_module.trainer_heal_state = heal_state_marked
+    fault_tolerance_module.trainer_heal_state = heal_state_marked
     trainer.save_model = save_model_marked
     trainer.add_callback(TakeOver())
     trainer.add_callback(_record_kept_members(trainer, run_dir / f"kept-r{replica}-a{job['attempt']}.txt"))
