@@ -39,7 +39,9 @@ class GroupStatistics:
             communicators = {}  # one per process group of the mesh, made once
 
             def over(group):
-                return communicators.setdefault(group, ProcessGroupCommunicator(group, emulated=False))
+                if group not in communicators:
+                    communicators[group] = ProcessGroupCommunicator(group, emulated=False)
+                return communicators[group]
 
             self._shard_keys = [[tuple(map(over, shard_groups(p))) for p in group.params] for group in self.groups]
         return self._shard_keys
